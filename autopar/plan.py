@@ -1,0 +1,227 @@
+"""`Plan`: the inspectable result of planning (degrees, stages, predictions, alternatives).
+
+A Plan is a frozen keyword-only dataclass with a JSON round-trip. `print(plan)` shows a table;
+`plan.explain()` ranks the alternatives the solver weighed and says why each one lost.
+Field names are the public contract of docs/DESIGN.md §2.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_LEVELS = (0, 1, 3)
+
+GB = 1024 ** 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One pipeline chunk: blocks [first_layer, last_layer) on pipeline rank `rank`.
+
+    `embedding` / `head`: whether the chunk also holds the embedding (first chunk) or the head
+    and loss (last chunk). Chunk c runs on pipeline rank c mod p (interleaved placement).
+    """
+    chunk: int
+    rank: int
+    first_layer: int
+    last_layer: int
+    embedding: bool = False
+    head: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+    def describe(self) -> str:
+        parts = []
+        if self.embedding:
+            parts.append("embedding")
+        if self.num_layers:
+            parts.append(f"layers {self.first_layer}-{self.last_layer - 1}"
+                         if self.num_layers > 1 else f"layer {self.first_layer}")
+        if self.head:
+            parts.append("head+loss")
+        return " + ".join(parts) or "(empty)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Memory:
+    """Predicted bytes per GPU on the most loaded rank, by part."""
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    other_bytes: float = 0.0
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.weights_bytes + self.gradients_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.other_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """Predicted step: time, throughput, memory, and the per-term breakdown of the step time.
+
+    The terms are the exposed (not overlapped) time of each kind on the critical path; they add
+    up to step_time_s. tflops_per_gpu follows the papers' definition (model FLOPs including
+    recompute FLOPs, divided by GPUs × step time); mfu uses model FLOPs without recompute.
+    """
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble_fraction: float
+    memory_bytes_per_gpu: float
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+    optimizer_s: float = 0.0
+    memory: Memory | None = None
+
+    def terms(self) -> dict[str, float]:
+        return {"compute": self.compute_s, "tensor-parallel comm": self.tp_comm_s,
+                "pipeline p2p": self.pp_comm_s, "data-parallel comm": self.dp_comm_s,
+                "bubble": self.bubble_s, "optimizer": self.optimizer_s}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """A configuration the solver weighed: its knobs, its prediction (if feasible), its fate."""
+    config: dict[str, Any]
+    predicted: Prediction | None
+    feasible: bool
+    reason: str
+
+    def label(self) -> str:
+        c = self.config
+        keys = ("t", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
+                "sequence_parallel")
+        short = {"micro_batch_size": "b", "sequence_parallel": "sp"}
+        return " ".join(f"{short.get(k, k)}={c[k]}" for k in keys if k in c)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    t: int
+    p: int
+    d: int
+    v: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    recompute: str
+    sequence_parallel: bool
+    zero: int
+    stages: tuple[Stage, ...]
+    predicted: Prediction
+    global_batch_size: int
+    seq_len: int
+    cluster: str
+    model: str = "model"
+    num_layers: int = 0
+    alternatives: tuple[Alternative, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        _validate_plan(self)
+
+    @property
+    def gpus(self) -> int:
+        return self.t * self.p * self.d
+
+    # ----- presentation ------------------------------------------------------------------
+    def __str__(self) -> str:
+        from autopar.report import format_plan
+        return format_plan(self)
+
+    def explain(self, top: int = 10) -> str:
+        from autopar.report import format_explain
+        return format_explain(self, top=top)
+
+    def timeline(self, path: str) -> str:
+        """Draw the simulated schedule of this plan as a Gantt chart at `path` (PNG)."""
+        from autopar.timeline import plan_timeline
+        return plan_timeline(self, path)
+
+    # ----- JSON --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        data = dict(data)
+        data["stages"] = tuple(Stage(**s) for s in data["stages"])
+        data["predicted"] = _prediction_from_dict(data["predicted"])
+        data["alternatives"] = tuple(
+            Alternative(config=a["config"], feasible=a["feasible"], reason=a["reason"],
+                        predicted=_prediction_from_dict(a["predicted"]))
+            for a in data.get("alternatives", ()))
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"plan JSON has unknown fields {sorted(unknown)}; "
+                             f"known fields are {sorted(known)}; was it written by a newer autopar?")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
+    if d is None:
+        return None
+    d = dict(d)
+    if d.get("memory") is not None:
+        d["memory"] = Memory(**d["memory"])
+    return Prediction(**d)
+
+
+def _validate_plan(plan: Plan) -> None:
+    for name in ("t", "p", "d", "v", "micro_batch_size", "num_microbatches"):
+        value = getattr(plan, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"Plan.{name}={value!r}: must be a positive integer")
+    if plan.schedule not in SCHEDULES:
+        raise ValueError(f"Plan.schedule={plan.schedule!r}: must be one of {SCHEDULES}")
+    if plan.recompute not in RECOMPUTE:
+        raise ValueError(f"Plan.recompute={plan.recompute!r}: must be one of {RECOMPUTE}")
+    if plan.zero not in ZERO_LEVELS:
+        raise ValueError(f"Plan.zero={plan.zero!r}: must be one of {ZERO_LEVELS}")
+    if plan.v > 1 and plan.schedule not in ("interleaved-1f1b", "breadth-first"):
+        raise ValueError(f"Plan.v={plan.v} with schedule={plan.schedule!r}: several chunks per "
+                         f"pipeline rank need schedule 'interleaved-1f1b' or 'breadth-first'; "
+                         f"set v=1 or change the schedule")
+    expected = plan.micro_batch_size * plan.num_microbatches * plan.d
+    if expected != plan.global_batch_size:
+        raise ValueError(
+            f"Plan: micro_batch_size·num_microbatches·d = {plan.micro_batch_size}·"
+            f"{plan.num_microbatches}·{plan.d} = {expected} != global_batch_size="
+            f"{plan.global_batch_size}; the global batch must split exactly into micro-batches "
+            f"and data-parallel replicas")
+    if len(plan.stages) != plan.p * plan.v:
+        raise ValueError(f"Plan.stages has {len(plan.stages)} chunks; p·v = {plan.p}·{plan.v} "
+                         f"= {plan.p * plan.v} are needed, one per chunk")
+    prev_end = 0
+    for c, st in enumerate(plan.stages):
+        if st.chunk != c or st.rank != c % plan.p:
+            raise ValueError(f"Plan.stages[{c}] = chunk {st.chunk} on rank {st.rank}: chunk c "
+                             f"must be stages[c] and run on pipeline rank c mod p = {c % plan.p}")
+        if st.first_layer != prev_end or st.last_layer < st.first_layer:
+            raise ValueError(f"Plan.stages[{c}] covers layers [{st.first_layer}, "
+                             f"{st.last_layer}); chunks must cover the layers in order without "
+                             f"gaps (expected to start at {prev_end})")
+        prev_end = st.last_layer
+    if plan.num_layers and prev_end != plan.num_layers:
+        raise ValueError(f"Plan.stages end at layer {prev_end} but the model has "
+                         f"{plan.num_layers} layers; the chunks must cover every layer")
+    if plan.stages and not (plan.stages[0].embedding and plan.stages[-1].head):
+        raise ValueError("Plan.stages: the embedding must be in the first chunk and the head "
+                         "and loss in the last")

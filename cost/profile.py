@@ -1,0 +1,187 @@
+"""The cost model's view of a model: per-region GEMMs, parameters and activations.
+
+A `ModelProfile` is what the planner knows about a model. It is built either from a captured
+graph (`autopar.passes.profile.profile_from_graph`, the real path: shapes come from torch.export
+and the repeated block is analysed once) or analytically from transformer dimensions
+(`transformer_profile`, used by tests and for checking the graph path against the textbook).
+
+Everything is stated for ONE sequence (micro-batch size 1) at the profiled sequence length
+`seq_len`; the cost model scales by the micro-batch size b. Under tensor parallelism of degree t,
+each quantity says which part is divided by t (`split`) and which is replicated.
+
+Units are in the names: `_flops`, `_bytes`, `_elems`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Which dimension of a GEMM is divided by the tensor-parallel degree t:
+#   "n"     column-parallel (output features split), e.g. qkv / fc1 / LM head (vocab)
+#   "k"     row-parallel (reduction dim split; partial sums are all-reduced), e.g. proj / fc2
+#   "batch" independent matmuls split across ranks, e.g. attention heads
+#   None    replicated: every tensor rank does the whole GEMM
+TpSplit = Literal["n", "k", "batch"] | None
+RegionKind = Literal["embedding", "block", "head"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gemm:
+    """One matrix multiply of the forward pass for one sequence: `batch` independent (m×k)·(k×n).
+
+    `m` scales with the micro-batch size b when `batch_scales` is False (token dimension of a
+    linear layer: m = s tokens per sequence); otherwise `batch` scales with b (attention:
+    batch = heads, m = n = s). Backward costs two GEMMs of the same size (dX and dW).
+    """
+    name: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    tp_split: TpSplit = None
+    batch_scales: bool = False
+    has_weight_grad: bool = True  # False for activation-activation products (attention)
+
+    @property
+    def fwd_flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegionProfile:
+    """One region of the model (embedding, one transformer block, or head+loss), per sequence.
+
+    act_split_bytes / act_replicated_bytes: activations saved for backward for one sequence in
+    the training precision, the split part divided by t under tensor parallelism, the replicated
+    part divided by t only under sequence parallelism. act_attention_bytes is the part that
+    selective recompute drops (the s² attention scores / softmax / dropout mask), split by t.
+    input_bytes: the region's input activation for one sequence (what full recompute keeps,
+    and what a pipeline boundary before this region sends).
+    other_bytes: bytes read + written by non-GEMM ops (elementwise, norms, softmax) per
+    sequence, priced at memory bandwidth; other_split_bytes is the part divided by t.
+    tp_allreduce_elems: elements all-reduced across the tensor group in the forward pass for
+    one sequence (Megatron block: 2 · s · h); backward moves the same amount.
+    """
+    kind: RegionKind
+    name: str
+    gemms: tuple[Gemm, ...]
+    params_split_elems: int
+    params_replicated_elems: int
+    act_split_bytes: int
+    act_replicated_bytes: int
+    act_attention_bytes: int
+    input_bytes: int
+    other_bytes: int = 0
+    other_split_bytes: int = 0
+    tp_allreduce_elems: int = 0
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(g.fwd_flops for g in self.gemms)
+
+    @property
+    def params_elems(self) -> int:
+        return self.params_split_elems + self.params_replicated_elems
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelProfile:
+    """A transformer as the planner sees it: embedding, `num_layers` identical blocks, head.
+
+    `block` is analysed once and stands for every repeated layer. Dimensions are read from the
+    graph (hidden, heads, kv_heads, vocab, ffn) and are used for divisibility rules.
+    `activation_bytes_per_elem` is the training precision the act_* numbers assume (2: 16-bit).
+    """
+    name: str
+    num_layers: int
+    seq_len: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    ffn: int
+    embedding: RegionProfile
+    block: RegionProfile
+    head: RegionProfile
+    tied_embeddings: bool = False
+    activation_bytes_per_elem: int = 2
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def params_elems(self) -> int:
+        shared = self.embedding.params_elems if self.tied_embeddings else 0
+        return (self.embedding.params_elems + self.num_layers * self.block.params_elems
+                + self.head.params_elems - shared)
+
+    def fwd_flops_per_seq(self) -> int:
+        """Model FLOPs of one forward pass of one sequence (GEMMs only)."""
+        return (self.embedding.fwd_flops + self.num_layers * self.block.fwd_flops
+                + self.head.fwd_flops)
+
+
+def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, heads: int,
+                        seq_len: int, vocab: int, ffn: int | None = None,
+                        kv_heads: int | None = None, gated_mlp: bool = False,
+                        tied_embeddings: bool = True,
+                        bytes_per_elem: int = 2) -> ModelProfile:
+    """Textbook GPT/Llama profile from dimensions (2104.04473 §3, 2205.05198 §4).
+
+    Per layer and sequence, forward: qkv s·h·(h+2·h_kv), scores + context 2·a·s²·(h/a),
+    proj s·h², MLP 2·s·h·f (3·s·h·f gated). Activations (16-bit, no flash attention), following
+    2205.05198 Eq. 2 generalised to ffn size f: attention 11·s·h + 5·a·s², MLP 3·s·h + 4·s·f
+    (= 19·s·h for f = 4h), two norms 4·s·h; of these 2·s·h (qkv input... layer norm inputs) and
+    the dropout masks of the residual stay replicated under tensor parallelism: 10·s·h.
+    """
+    f = ffn if ffn is not None else 4 * hidden
+    kvh = kv_heads if kv_heads is not None else heads
+    hd = hidden // heads
+    s, h, a = seq_len, hidden, heads
+    kv_dim = kvh * hd
+    mlp_in = 2 * f if gated_mlp else f
+    gemms = (
+        Gemm(name="qkv", batch=1, m=s, n=h + 2 * kv_dim, k=h, tp_split="n"),
+        Gemm(name="scores", batch=a, m=s, n=s, k=hd, tp_split="batch", batch_scales=True,
+             has_weight_grad=False),
+        Gemm(name="context", batch=a, m=s, n=hd, k=s, tp_split="batch", batch_scales=True,
+             has_weight_grad=False),
+        Gemm(name="proj", batch=1, m=s, n=h, k=h, tp_split="k"),
+        Gemm(name="fc_in", batch=1, m=s, n=mlp_in, k=h, tp_split="n"),
+        Gemm(name="fc_out", batch=1, m=s, n=h, k=f, tp_split="k"),
+    )
+    e = bytes_per_elem
+    # 2205.05198: total s·h·(34 + 5·a·s/h) with 2-byte elements and 1-byte dropout masks;
+    # replicated under TP: 10·s·h (norm inputs 4, dropout masks 2, residual inputs 4).
+    act_total_linear = (11 * s * h + 3 * s * h + 4 * s * f + 4 * s * h) * e // 2
+    act_repl = 10 * s * h * e // 2
+    act_attn = 5 * a * s * s * e // 2
+    block_params_split = h * (h + 2 * kv_dim) + (h + 2 * kv_dim) + h * h + h * mlp_in + mlp_in + f * h
+    block_params_repl = 4 * h + h + h  # two norms (weight+bias), proj bias, fc_out bias
+    block = RegionProfile(
+        kind="block", name="block", gemms=gemms,
+        params_split_elems=block_params_split, params_replicated_elems=block_params_repl,
+        act_split_bytes=act_total_linear - act_repl, act_replicated_bytes=act_repl,
+        act_attention_bytes=act_attn, input_bytes=s * h * e,
+        other_bytes=(20 * s * h + 4 * s * f) * e + 3 * a * s * s * e,
+        other_split_bytes=(4 * s * f) * e + 3 * a * s * s * e,
+        tp_allreduce_elems=2 * s * h,
+    )
+    embedding = RegionProfile(
+        kind="embedding", name="embedding", gemms=(),
+        params_split_elems=vocab * h, params_replicated_elems=s * h,
+        act_split_bytes=0, act_replicated_bytes=s * h * 1, act_attention_bytes=0,
+        input_bytes=s * 8, other_bytes=3 * s * h * e, tp_allreduce_elems=s * h,
+    )
+    head = RegionProfile(
+        kind="head", name="head",
+        gemms=(Gemm(name="lm_head", batch=1, m=s, n=vocab, k=h, tp_split="n"),),
+        params_split_elems=0 if tied_embeddings else vocab * h, params_replicated_elems=2 * h,
+        act_split_bytes=s * vocab * 4, act_replicated_bytes=2 * s * h * e,
+        act_attention_bytes=0, input_bytes=s * h * e,
+        other_bytes=3 * s * vocab * 4, other_split_bytes=3 * s * vocab * 4,
+        tp_allreduce_elems=0,
+    )
+    return ModelProfile(
+        name=name, num_layers=num_layers, seq_len=s, hidden=h, heads=a, kv_heads=kvh,
+        vocab=vocab, ffn=f, embedding=embedding, block=block, head=head,
+        tied_embeddings=tied_embeddings, activation_bytes_per_elem=e,
+    )
