@@ -1,0 +1,21 @@
+"""autopar: plan and compile a single-device PyTorch transformer into a 3-D parallel program.
+
+    prog = autopar.parallelize(model, gpus=512, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=1536)
+    print(prog.plan); print(prog.plan.explain())
+"""
+from autopar.api import ParallelProgram, load_plan, parallelize
+from autopar.losses import cross_entropy
+from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
+
+__all__ = ["parallelize", "ParallelProgram", "Plan", "Stage", "Prediction", "Memory",
+           "Alternative", "Cluster", "cross_entropy", "load_plan", "get_cluster"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Cluster lives in autopar.cost.hardware; imported lazily to keep `import autopar` light.
+    if name in ("Cluster", "get_cluster"):
+        from autopar.cost import hardware
+        return getattr(hardware, name)
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

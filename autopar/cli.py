@@ -1,0 +1,108 @@
+"""Command line: `autopar plan | calibrate | timeline | demo` (the same engine as the API)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _plan_from_args(args: argparse.Namespace):
+    import autopar
+    from autopar.presets import load_model
+
+    model, inputs, name, defaults = load_model(args.model, seq_len=args.seq)
+    batch = args.batch or (defaults.global_batch_size if defaults else inputs[0].shape[0])
+    pins = {k: getattr(args, k) for k in ("t", "p", "d", "v", "schedule", "recompute", "zero")
+            if getattr(args, k) is not None}
+    if args.micro_batch is not None:
+        pins["micro_batch_size"] = args.micro_batch
+    start = time.perf_counter()
+    prog = autopar.parallelize(model, gpus=args.gpus, example_inputs=inputs,
+                               loss_fn=autopar.cross_entropy, global_batch_size=batch,
+                               cluster=args.cluster, name=name, **pins)
+    return prog, time.perf_counter() - start
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    prog, seconds = _plan_from_args(args)
+    if args.json:
+        print(prog.plan.to_json())
+        return 0
+    print(prog.plan)
+    if args.explain:
+        print()
+        print(prog.plan.explain(top=args.top))
+    print(f"\n(planned in {seconds:.2f} s)")
+    return 0
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    prog, _ = _plan_from_args(args)
+    path = prog.plan.timeline(args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.cost.calibrate import calibrate
+    result = calibrate(save=True, path=args.out, quick=args.quick)
+    print(json.dumps({k: v for k, v in result.items() if k != "matmul_curve"}, indent=2))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from autopar.demo import run_demo
+    return run_demo(ranks=args.ranks, steps=args.steps)
+
+
+def _add_plan_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model", help="preset name (gpt3-175b, megatron-1t, …) or file.py:factory")
+    sp.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
+    sp.add_argument("--cluster", default="dgx-a100-80gb",
+                    help="dgx-a100-80gb | dgx-h100-80gb | dgx2h-v100-32gb | local-cpu")
+    sp.add_argument("--batch", type=int, help="global batch size (sequences per step)")
+    sp.add_argument("--seq", type=int, help="sequence length")
+    for knob in ("t", "p", "d", "v", "zero"):
+        sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
+    sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
+    sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first"])
+    sp.add_argument("--recompute", choices=["none", "selective", "full"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("plan", help="plan a model for a GPU count and print the plan")
+    _add_plan_args(sp)
+    sp.add_argument("--json", action="store_true", help="print the plan as JSON")
+    sp.add_argument("--explain", action="store_true", help="also print the ranked alternatives")
+    sp.add_argument("--top", type=int, default=10, help="alternatives shown by --explain")
+    sp.set_defaults(fn=cmd_plan)
+    tl = sub.add_parser("timeline", help="draw the simulated schedule of a plan as a PNG")
+    _add_plan_args(tl)
+    tl.add_argument("--out", default="schedule.png")
+    tl.set_defaults(fn=cmd_timeline)
+    cb = sub.add_parser("calibrate", help="measure this machine for the local-cpu cluster")
+    cb.add_argument("--out", help="where to save (default ~/.cache/autopar/local-cpu.json)")
+    cb.add_argument("--quick", action="store_true", help="smaller measurement grid")
+    cb.set_defaults(fn=cmd_calibrate)
+    dm = sub.add_parser("demo", help="plan a large model, then train a small one on CPU ranks")
+    dm.add_argument("--ranks", type=int, default=8, help="local CPU ranks for the small model")
+    dm.add_argument("--steps", type=int, default=3)
+    dm.set_defaults(fn=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ValueError as err:
+        # Bad input: the message already names the value, the rule and the fix.
+        print(f"autopar: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Text rendering of a Plan: the table `print(plan)` shows and `plan.explain()`.
+
+Pure string functions over the Plan dataclasses; no cost-model calls here (the numbers were
+computed by the solver with the cost model and travel inside the Plan).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.plan import Alternative, Plan, Prediction
+
+GIB = 1024 ** 3
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 1.0:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _fmt_bytes(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    if n >= 1024 ** 2:
+        return f"{n / 1024 ** 2:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _rank_layout(plan: "Plan") -> str:
+    """Megatron rank order, tensor innermost: rank = pp·(t·d) + dp·t + tp."""
+    t, d = plan.t, plan.d
+    example = []
+    for pp in range(min(plan.p, 2)):
+        for dp in range(min(d, 2)):
+            ranks = [pp * t * d + dp * t + tp for tp in range(t)]
+            shown = ranks if len(ranks) <= 4 else ranks[:2] + ["…"] + ranks[-1:]
+            example.append(f"pp{pp}/dp{dp}: {shown}")
+    return "tensor innermost, then data, pipeline outermost (rank = pp·t·d + dp·t + tp); " + \
+        "; ".join(str(e) for e in example)
+
+
+def format_plan(plan: "Plan") -> str:
+    pr = plan.predicted
+    lines = [
+        f"autopar plan for {plan.model} on {plan.gpus} GPUs ({plan.cluster})",
+        "─" * 72,
+        f"  degrees        t={plan.t} (tensor)  p={plan.p} (pipeline)  d={plan.d} (data)  "
+        f"v={plan.v} (chunks/rank)",
+        f"  batch          global {plan.global_batch_size} = micro-batch {plan.micro_batch_size}"
+        f" × {plan.num_microbatches} micro-batches × d {plan.d}; sequence {plan.seq_len}",
+        f"  schedule       {plan.schedule}   recompute {plan.recompute}   "
+        f"sequence-parallel {'yes' if plan.sequence_parallel else 'no'}   zero {plan.zero}",
+        f"  rank layout    {_rank_layout(plan)}",
+        "  stages",
+    ]
+    for st in plan.stages:
+        lines.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")
+    lines += [
+        "  predicted",
+        f"    step time      {_fmt_s(pr.step_time_s)}",
+        f"    throughput     {pr.tflops_per_gpu:.1f} TFLOP/s per GPU   MFU {pr.mfu * 100:.1f}%",
+        f"    bubble         {pr.bubble_fraction * 100:.1f}% of the step",
+        "    time terms     " + "  ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v),
+        f"    memory/GPU     {_fmt_bytes(pr.memory_bytes_per_gpu)}" + _memory_parts(pr),
+    ]
+    return "\n".join(lines)
+
+
+def _memory_parts(pr: "Prediction") -> str:
+    m = pr.memory
+    if m is None:
+        return ""
+    return (f" = weights {_fmt_bytes(m.weights_bytes)} + grads {_fmt_bytes(m.gradients_bytes)}"
+            f" + optimizer {_fmt_bytes(m.optimizer_bytes)} + activations "
+            f"{_fmt_bytes(m.activations_bytes)}"
+            + (f" + other {_fmt_bytes(m.other_bytes)}" if m.other_bytes else ""))
+
+
+def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
+    pr = alt.predicted
+    if pr is None:
+        return f"  {rank:>3}. {alt.label():<58} rejected: {alt.reason}"
+    slower = (pr.step_time_s / best_s - 1.0) * 100 if best_s > 0 else 0.0
+    terms = ", ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v)
+    verdict = "chosen" if abs(slower) < 1e-9 and alt.feasible else (
+        f"+{slower:.1f}%" if alt.feasible else f"infeasible: {alt.reason}")
+    return (f"  {rank:>3}. {alt.label():<58} {_fmt_s(pr.step_time_s):>10}  "
+            f"{pr.tflops_per_gpu:6.1f} TF/GPU  mem {_fmt_bytes(pr.memory_bytes_per_gpu):>10}  "
+            f"{verdict}\n        {terms}" + (f"\n        {alt.reason}" if alt.feasible and
+                                               alt.reason else ""))
+
+
+def format_explain(plan: "Plan", top: int = 10) -> str:
+    best = plan.predicted.step_time_s
+    feasible = [a for a in plan.alternatives if a.feasible and a.predicted is not None]
+    feasible.sort(key=lambda a: a.predicted.step_time_s)
+    rejected = [a for a in plan.alternatives if not a.feasible]
+    lines = [f"Why t={plan.t} p={plan.p} d={plan.d} v={plan.v} b={plan.micro_batch_size} "
+             f"{plan.schedule} recompute={plan.recompute} zero={plan.zero}: "
+             f"predicted {_fmt_s(best)} per step, the fastest of {len(feasible)} feasible "
+             f"configurations weighed.", "", "Ranked feasible alternatives (best per knob set):"]
+    lines += [_alt_row(i + 1, a, best) for i, a in enumerate(feasible[:top])]
+    if len(feasible) > top:
+        lines.append(f"  … {len(feasible) - top} more feasible configurations, all slower")
+    if rejected:
+        lines += ["", "Rejected configurations (and why):"]
+        by_reason: dict[str, list[Alternative]] = {}
+        for a in rejected:
+            by_reason.setdefault(a.reason, []).append(a)
+        for reason, alts in sorted(by_reason.items(), key=lambda kv: -len(kv[1]))[:top]:
+            sample = "; ".join(a.label() for a in alts[:2])
+            more = f" (+{len(alts) - 2} more)" if len(alts) > 2 else ""
+            lines.append(f"  - {reason}\n      e.g. {sample}{more}")
+    return "\n".join(lines)

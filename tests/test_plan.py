@@ -1,0 +1,82 @@
+"""Pure tests of the Plan dataclass: validation messages, JSON round-trip, rendering."""
+import dataclasses
+
+import pytest
+
+from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
+
+
+def _prediction(step=1.0) -> Prediction:
+    return Prediction(step_time_s=step, tflops_per_gpu=100.0, mfu=0.3, bubble_fraction=0.1,
+                      memory_bytes_per_gpu=40e9, compute_s=0.8 * step, tp_comm_s=0.05 * step,
+                      pp_comm_s=0.02 * step, dp_comm_s=0.03 * step, bubble_s=0.1 * step,
+                      memory=Memory(weights_bytes=10e9, gradients_bytes=10e9,
+                                    optimizer_bytes=10e9, activations_bytes=10e9))
+
+
+def _stages(p: int, v: int, layers: int) -> tuple[Stage, ...]:
+    chunks = p * v
+    bounds = [round(i * layers / chunks) for i in range(chunks + 1)]
+    return tuple(Stage(chunk=c, rank=c % p, first_layer=bounds[c], last_layer=bounds[c + 1],
+                       embedding=c == 0, head=c == chunks - 1) for c in range(chunks))
+
+
+def make_plan(**over) -> Plan:
+    kw = dict(t=2, p=2, d=2, v=2, micro_batch_size=1, num_microbatches=4,
+              schedule="interleaved-1f1b", recompute="selective", sequence_parallel=True,
+              zero=1, stages=_stages(2, 2, 8), predicted=_prediction(), global_batch_size=8,
+              seq_len=16, cluster="local-cpu", model="tiny", num_layers=8,
+              alternatives=(Alternative(config={"t": 2, "p": 2, "d": 2}, predicted=_prediction(1.2),
+                                        feasible=True, reason=""),
+                            Alternative(config={"t": 8, "p": 1, "d": 1}, predicted=None,
+                                        feasible=False, reason="memory: needs 90 GiB > 80 GiB")))
+    kw.update(over)
+    return Plan(**kw)
+
+
+def test_json_round_trip_is_exact():
+    plan = make_plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.alternatives == plan.alternatives
+    assert again.predicted.memory == plan.predicted.memory
+
+
+def test_plan_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        make_plan().t = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("over, words", [
+    (dict(global_batch_size=10), ["global_batch_size=10", "split exactly"]),
+    (dict(schedule="zigzag"), ["schedule='zigzag'", "one of"]),
+    (dict(recompute="some"), ["recompute='some'"]),
+    (dict(zero=2), ["zero=2"]),
+    (dict(v=2, schedule="1f1b"), ["v=2", "interleaved-1f1b"]),
+    (dict(t=0), ["Plan.t=0", "positive"]),
+    (dict(stages=_stages(2, 1, 8)), ["2 chunks", "p·v"]),
+    (dict(num_layers=9), ["9 layers", "cover every layer"]),
+])
+def test_validation_names_value_rule_and_fix(over, words):
+    with pytest.raises(ValueError) as err:
+        make_plan(**over)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_stage_placement_rule_is_checked():
+    bad = list(_stages(2, 2, 8))
+    bad[1] = dataclasses.replace(bad[1], rank=0)
+    with pytest.raises(ValueError, match="c mod p"):
+        make_plan(stages=tuple(bad))
+
+
+def test_table_and_explain_show_the_essentials():
+    plan = make_plan()
+    text = str(plan)
+    for w in ["t=2", "p=2", "d=2", "v=2", "interleaved-1f1b", "chunk   0", "embedding",
+              "head+loss", "TFLOP/s", "MFU", "bubble", "memory/GPU", "activations"]:
+        assert w in text, w
+    why = plan.explain()
+    assert "+20.0%" in why            # the slower alternative, relative to the chosen plan
+    assert "memory: needs 90 GiB" in why
