@@ -1,0 +1,504 @@
+"""Pipeline schedules as data: for each pipeline rank, the ordered list of actions it runs.
+
+Chunks are numbered globally 0..C−1 (C = p·v) and chunk c lives on pipeline rank c mod p.
+An action is one of (compact string in brackets, c = chunk, i = micro-batch, q = peer rank):
+
+    F   forward of chunk c on micro-batch i                        [F{c}.{i}]
+    B   backward of chunk c on micro-batch i                       [B{c}.{i}]
+    SEND_F / RECV_F  chunk c's output activation of micro-batch i  [sF{c}.{i}>{q} / rF{c}.{i}<{q}]
+    SEND_B / RECV_B  gradient w.r.t. chunk c's input, micro-batch i [sB{c}.{i}>{q} / rB{c}.{i}<{q}]
+    REDUCE  start the data-parallel gradient reduction of chunk c   [R{c}]
+
+A message is named by its producer on both sides: rank 0 runs `sF0.3>1` and rank 1 runs
+`rF0.3<0` (chunk 0's output of micro-batch 3, consumed by chunk 1's forward). Chunks on the
+same rank hand off locally (no action), which only happens for p = 1.
+
+Blocking semantics (the runtime uses blocking gloo send/recv): a send and its matching receive
+complete together (rendezvous); a rank blocked in one of them does nothing else. Computes never
+block once their inputs were received. REDUCE is asynchronous (it is issued and overlaps what
+follows). Every generator here orders each rank's sends/receives by one global message order,
+so the lists are deadlock-free under rendezvous whatever the real compute times are:
+the smallest unfinished message in that order always has both ends at their heads.
+The global order comes from a dataflow simulation of the compute order with forward/backward
+times `times_fb` (default 1 and 2 units): each message is placed at the instant in [producer
+end, consumer start] where the rendezvous waits least (zero where neither rank is inside a
+compute). With those times and zero p2p cost, gpipe, 1f1b and breadth-first then lose nothing
+to the rendezvous; interleaved 1F1B can (its neighbours' compute edges need not line up), and
+with asynchronous sends (cost.simulate blocking=False) every schedule reaches its dataflow
+bubble when simulated with the same `times_fb`.
+
+    >>> print(format_schedule(one_f_one_b(2, 2)))
+    rank 0: F0.0 sF0.0>1 F0.1 sF0.1>1 rB1.0<1 B0.0 rB1.1<1 B0.1
+    rank 1: rF0.0<0 F1.0 rF0.1<0 B1.0 sB1.0>0 F1.1 B1.1 sB1.1>0
+"""
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+COMPUTE = ("F", "B")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+KINDS = COMPUTE + COMM + ("REDUCE",)
+
+# Default durations used only to derive the global message order (backward ≈ 2× forward FLOPs,
+# 2104.04473 §5.1); the order is deadlock-free for any real durations.
+_ORDER_F, _ORDER_B = 1, 2
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One step of a rank's program. `mb` is -1 and `peer` -1 where they do not apply."""
+    kind: str
+    chunk: int
+    mb: int = -1
+    peer: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action.kind={self.kind!r}: must be one of {KINDS}")
+
+    def __str__(self) -> str:
+        if self.kind in COMPUTE:
+            return f"{self.kind}{self.chunk}.{self.mb}"
+        if self.kind == "REDUCE":
+            return f"R{self.chunk}"
+        direction, kind = self.kind.split("_")
+        arrow = ">" if direction == "SEND" else "<"
+        return f"{direction[0].lower()}{kind}{self.chunk}.{self.mb}{arrow}{self.peer}"
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM
+
+    def message(self) -> tuple[str, int, int]:
+        """The message a send/recv carries: ('F' | 'B', producing chunk, micro-batch)."""
+        return (self.kind[-1], self.chunk, self.mb)
+
+
+_ACTION_RE = re.compile(r"^(?:([FB])(\d+)\.(\d+)|R(\d+)|([sr])([FB])(\d+)\.(\d+)([<>])(\d+))$")
+
+
+def parse_action(text: str) -> Action:
+    """Inverse of `str(action)`: 'F0.3', 'B1.0', 'sF0.3>1', 'rB2.0<0', 'R1'."""
+    m = _ACTION_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"cannot parse action {text!r}: expected F{{c}}.{{i}}, B{{c}}.{{i}}, "
+                         f"sF{{c}}.{{i}}>{{peer}}, rF{{c}}.{{i}}<{{peer}}, sB…, rB… or R{{c}}")
+    g = m.groups()
+    if g[0]:
+        return Action(g[0], int(g[1]), int(g[2]))
+    if g[3]:
+        return Action("REDUCE", int(g[3]))
+    direction = "SEND" if g[4] == "s" else "RECV"
+    if (g[8] == ">") != (direction == "SEND"):
+        raise ValueError(f"action {text!r}: sends point to their peer with '>', "
+                         f"receives from their peer with '<'")
+    return Action(f"{direction}_{g[5]}", int(g[6]), int(g[7]), int(g[9]))
+
+
+def format_schedule(per_rank: Sequence[Sequence[Action]]) -> str:
+    """One line per rank: 'rank r: A A A ...'. Round-trips through `parse_schedule`."""
+    return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(per_rank))
+
+
+def parse_schedule(text: str) -> list[list[Action]]:
+    """Inverse of `format_schedule`; ranks must be listed as 0, 1, 2, ... in order."""
+    out: list[list[Action]] = []
+    for line in (ln for ln in text.strip().splitlines() if ln.strip()):
+        head, _, body = line.partition(":")
+        if not head.strip().startswith("rank") or head.split()[-1] != str(len(out)):
+            raise ValueError(f"schedule line {line!r}: expected 'rank {len(out)}: ...'")
+        out.append([parse_action(tok) for tok in body.split()])
+    return out
+
+
+# ----- compute orders (what each rank computes, in order) ---------------------------------
+Op = tuple[str, int, int]  # ('F' | 'B', chunk, micro-batch)
+
+
+def _check_dims(p: int, v: int, m: int, name: str) -> None:
+    for label, value in (("p", p), ("v", v), ("m", m)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {label}={value!r} must be a positive integer")
+    if m < p:
+        raise ValueError(f"{name}: m={m} micro-batches < p={p} pipeline ranks; the pipeline "
+                         f"cannot fill. Use at least p micro-batches (raise the global batch or "
+                         f"lower the micro-batch size) or a smaller p")
+
+
+def _gpipe_ops(p: int, m: int) -> list[list[Op]]:
+    return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(p)]
+
+
+def _one_f_one_b_ops(p: int, m: int) -> list[list[Op]]:
+    out = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        ops = [("F", r, i) for i in range(warmup)]
+        for k in range(m - warmup):  # steady state: one forward, one backward
+            ops += [("F", r, warmup + k), ("B", r, k)]
+        ops += [("B", r, i) for i in range(m - warmup, m)]
+        out.append(ops)
+    return out
+
+
+def _microbatch_groups(p: int, m: int) -> list[range]:
+    """Split micro-batches 0..m−1 into ⌊m/p⌋ consecutive groups of near-equal size (larger first).
+
+    Megatron-Core runs a group on one local chunk before moving to the next chunk and needs
+    m % p == 0 (groups of exactly p). For other m, each group must stay at least p wide (so the
+    pipeline fills: a chunk's first micro-batch comes back from rank p−1 in time) and no later
+    group may be wider than the first (the warmup (v−1)·g₀ must cover every group's lag between
+    a micro-batch's forward and backward on the last chunk). Near-equal groups meet both; a short
+    last group (Megatron-Core's table for m % p ≠ 0) or one absorbing the remainder does not:
+    both fail the validator for some (p, v, m). For m % p == 0 this is Megatron's order exactly.
+    """
+    n = m // p
+    base, extra = divmod(m, n)
+    bounds = [0]
+    for k in range(n):
+        bounds.append(bounds[-1] + base + (k < extra))
+    return [range(bounds[k], bounds[k + 1]) for k in range(n)]
+
+
+def _interleaved_ops(p: int, v: int, m: int) -> list[list[Op]]:
+    groups = _microbatch_groups(p, m)
+    fwd_table = [(k, i) for g in groups for k in range(v) for i in g]        # (local chunk, mb)
+    bwd_table = [(v - 1 - k, i) for k, i in fwd_table]
+    total = m * v
+    out = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * len(groups[0]), total)
+        fwd = [("F", k * p + r, i) for k, i in fwd_table]
+        bwd = [("B", k * p + r, i) for k, i in bwd_table]
+        ops = fwd[:warmup]
+        for k in range(total - warmup):
+            ops += [fwd[warmup + k], bwd[k]]
+        ops += bwd[total - warmup:]
+        out.append(ops)
+    return out
+
+
+def _breadth_first_ops(p: int, v: int, m: int) -> list[list[Op]]:
+    out = []
+    for r in range(p):
+        chunks = [k * p + r for k in range(v)]
+        ops = [("F", c, i) for c in chunks for i in range(m)]
+        ops += [("B", c, i) for c in reversed(chunks) for i in range(m)]
+        out.append(ops)
+    return out
+
+
+# ----- communication placement ------------------------------------------------------------
+def _deps(op: Op, C: int) -> list[Op]:
+    kind, c, i = op
+    if kind == "F":
+        return [("F", c - 1, i)] if c > 0 else []
+    return [("F", c, i)] + ([("B", c + 1, i)] if c < C - 1 else [])
+
+
+def _dataflow_times(ops: list[list[Op]], C: int,
+                    times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> dict[Op, tuple]:
+    """Start/end of every compute (forward, backward durations `times_fb`), ranks in order,
+    waiting only for data."""
+    times: dict[Op, tuple[int, int]] = {}
+    pos, clock = [0] * len(ops), [0] * len(ops)
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, rank_ops in enumerate(ops):
+            while pos[r] < len(rank_ops):
+                op = rank_ops[pos[r]]
+                deps = _deps(op, C)
+                if any(d not in times for d in deps):
+                    break
+                start = max([clock[r]] + [times[d][1] for d in deps])
+                end = start + (times_fb[0] if op[0] == "F" else times_fb[1])
+                times[op], clock[r], pos[r] = (start, end), end, pos[r] + 1
+                progressed = True
+    stuck = {r: rank_ops[pos[r]] for r, rank_ops in enumerate(ops) if pos[r] < len(rank_ops)}
+    if stuck:
+        raise ValueError(f"compute order cannot make progress; ranks wait at {stuck}")
+    return times
+
+
+class _Busy:
+    """Compute intervals of one rank, to ask 'is this rank inside a compute at time t?'."""
+
+    def __init__(self, intervals: Iterable[tuple[int, int]]):
+        iv = sorted(intervals)
+        self.starts = [s for s, _ in iv]
+        self.ends = [e for _, e in iv]
+
+    def wait(self, t: int) -> int:
+        """How long a rendezvous at t waits for this rank to finish the compute it is in."""
+        k = bisect.bisect_left(self.starts, t) - 1  # last interval starting strictly before t
+        return max(0, self.ends[k] - t) if k >= 0 else 0
+
+    def boundaries(self, lo: int, hi: int) -> list[int]:
+        a, b = bisect.bisect_left(self.starts, lo), bisect.bisect_right(self.starts, hi)
+        c, d = bisect.bisect_left(self.ends, lo), bisect.bisect_right(self.ends, hi)
+        return self.starts[a:b] + self.ends[c:d]
+
+
+def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
+                times_fb: tuple[float, float]) -> list[list[Action]]:
+    C = p * v
+    if not (len(times_fb) == 2 and all(x > 0 for x in times_fb)):
+        raise ValueError(f"times_fb={times_fb!r}: expected (forward, backward) durations > 0")
+    times = _dataflow_times(ops, C, tuple(times_fb))
+    busy = [_Busy(times[op] for op in rank_ops) for rank_ops in ops]
+    keyed: list[list[tuple]] = [[] for _ in range(p)]
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            keyed[r].append((times[op][0], 1, 0, 0, 0, Action(*op)))
+    if p > 1:
+        for (kind, c, i), (_, prod_end) in times.items():
+            dst_chunk = c + 1 if kind == "F" else c - 1
+            if not 0 <= dst_chunk < C:
+                continue
+            src, dst = c % p, dst_chunk % p
+            consumer = ("F", dst_chunk, i) if kind == "F" else ("B", dst_chunk, i)
+            cons_start = times[consumer][0]
+            cands = sorted({prod_end, cons_start, *busy[src].boundaries(prod_end, cons_start),
+                            *busy[dst].boundaries(prod_end, cons_start)})
+            # the instant where the rendezvous waits least (0 where both ranks are between
+            # computes); blocking send/recv cannot always reach 0 when compute edges interleave
+            at, best = cons_start, None
+            for t in cands:  # sorted: the first zero-wait instant wins
+                w = busy[src].wait(t) + busy[dst].wait(t)
+                if best is None or w < best:
+                    at, best = t, w
+                    if w == 0:
+                        break
+            order = (at, 0, 0 if kind == "F" else 1, c, i)  # one global order of messages
+            keyed[src].append(order + (Action("SEND_" + kind, c, i, dst),))
+            keyed[dst].append(order + (Action("RECV_" + kind, c, i, src),))
+    per_rank = [[k[-1] for k in sorted(keyed[r], key=lambda k: k[:-1])] for r in range(p)]
+    return [_add_reduces(acts) for acts in per_rank] if reduce else per_rank
+
+
+def _add_reduces(acts: list[Action]) -> list[Action]:
+    last_b = {a.chunk: n for n, a in enumerate(acts) if a.kind == "B"}
+    after = {n: c for c, n in last_b.items()}
+    out = []
+    for n, a in enumerate(acts):
+        out.append(a)
+        if n in after:
+            out.append(Action("REDUCE", after[n]))
+    return out
+
+
+# ----- public generators ------------------------------------------------------------------
+def gpipe(p: int, m: int, *, reduce: bool = False,
+          times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """GPipe: all forwards (micro-batches 0..m−1), then all backwards in the same order."""
+    _check_dims(p, 1, m, "gpipe")
+    return _with_comms(_gpipe_ops(p, m), p, 1, reduce, times_fb)
+
+
+def one_f_one_b(p: int, m: int, *, reduce: bool = False,
+          times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush, 2104.04473 §2.2.1): rank r warms up with p−r−1 forwards, then
+    alternates one forward and one backward, then drains the remaining backwards."""
+    _check_dims(p, 1, m, "1f1b")
+    return _with_comms(_one_f_one_b_ops(p, m), p, 1, reduce, times_fb)
+
+
+def interleaved_1f1b(p: int, v: int, m: int, *, reduce: bool = False,
+          times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """Interleaved 1F1B (2104.04473 §2.2.2) in Megatron-Core's order: micro-batches in groups
+    of p run on one local chunk, then the next; backward visits local chunks in reverse. Rank r
+    warms up with 2(p−r−1) + (v−1)·g₀ forwards (g₀ = size of the first group; p when p | m),
+    capped at m·v, then alternates forward/backward. m need not divide by p: the micro-batches
+    form ⌊m/p⌋ near-equal groups (see `_microbatch_groups`)."""
+    _check_dims(p, v, m, "interleaved-1f1b")
+    return _with_comms(_interleaved_ops(p, v, m), p, v, reduce, times_fb)
+
+
+def breadth_first(p: int, v: int, m: int, *, reduce: bool = True,
+                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """Breadth-first / layered gradient accumulation (2106.02679, 2211.05953): each rank runs a
+    chunk's forward for all micro-batches before its next chunk, and in backward all
+    micro-batches of a chunk before the chunk below. With `reduce`, R{c} follows chunk c's last
+    backward so its data-parallel reduction overlaps the rest of the backward."""
+    _check_dims(p, v, m, "breadth-first")
+    return _with_comms(_breadth_first_ops(p, v, m), p, v, reduce, times_fb)
+
+
+def make_schedule(name: str, p: int, v: int, m: int, *,
+                  reduce: bool | None = None,
+                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """Dispatch on a Plan schedule name. `reduce=None` emits R{c} only for breadth-first.
+    `times_fb`: (forward, backward) time of a chunk, only used to order the messages."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule {name!r}: must be one of {SCHEDULE_NAMES}")
+    if name in ("gpipe", "1f1b") and v != 1:
+        raise ValueError(f"schedule {name!r} with v={v}: one chunk per rank only; use "
+                         f"'interleaved-1f1b' or 'breadth-first' for v > 1, or set v=1")
+    red = (name == "breadth-first") if reduce is None else reduce
+    if name == "gpipe":
+        return gpipe(p, m, reduce=red, times_fb=times_fb)
+    if name == "1f1b":
+        return one_f_one_b(p, m, reduce=red, times_fb=times_fb)
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(p, v, m, reduce=red, times_fb=times_fb)
+    return breadth_first(p, v, m, reduce=red, times_fb=times_fb)
+
+
+# ----- checks -----------------------------------------------------------------------------
+def infer_dims(per_rank: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
+    """(p, v, m) of a schedule, read off its compute actions."""
+    p = len(per_rank)
+    comp = [a for acts in per_rank for a in acts if a.kind in COMPUTE]
+    if not p or not comp:
+        raise ValueError("schedule has no ranks or no compute actions")
+    C = max(a.chunk for a in comp) + 1
+    return p, -(-C // p), max(a.mb for a in comp) + 1
+
+
+def validate(per_rank: Sequence[Sequence[Action]], p: int, v: int, m: int) -> None:
+    """Raise ValueError if the schedule is incomplete, out of dependency order, has unmatched
+    communication, or deadlocks under rendezvous (blocking) send/recv semantics."""
+    if len(per_rank) != p:
+        raise ValueError(f"schedule has {len(per_rank)} ranks; p={p} expected")
+    C = p * v
+    _check_actions(per_rank, p, C, m)
+    _check_complete(per_rank, p, C, m)
+    for r, acts in enumerate(per_rank):
+        _check_order(r, acts, p, C, m)
+    _check_deadlock(per_rank)
+
+
+def _where(r: int, n: int, a: Action) -> str:
+    return f"rank {r} action #{n} {a}"
+
+
+def _check_actions(per_rank, p: int, C: int, m: int) -> None:
+    for r, acts in enumerate(per_rank):
+        for n, a in enumerate(acts):
+            if not 0 <= a.chunk < C:
+                raise ValueError(f"{_where(r, n, a)}: chunk {a.chunk} outside 0..{C - 1}")
+            if a.kind != "REDUCE" and not 0 <= a.mb < m:
+                raise ValueError(f"{_where(r, n, a)}: micro-batch {a.mb} outside 0..{m - 1}")
+            if a.kind in COMPUTE + ("REDUCE",) and a.chunk % p != r:
+                raise ValueError(f"{_where(r, n, a)}: chunk {a.chunk} lives on rank "
+                                 f"{a.chunk % p} (c mod p), not rank {r}")
+            if a.is_comm:
+                _check_comm(r, n, a, p, C)
+
+
+def _check_comm(r: int, n: int, a: Action, p: int, C: int) -> None:
+    kind = a.kind[-1]
+    dst_chunk = a.chunk + 1 if kind == "F" else a.chunk - 1
+    if not 0 <= dst_chunk < C:
+        raise ValueError(f"{_where(r, n, a)}: chunk {a.chunk}'s {'output' if kind == 'F' else 'input-gradient'} "
+                         f"has no consumer (no chunk {dst_chunk}); remove this action")
+    src, dst = a.chunk % p, dst_chunk % p
+    if src == dst:
+        raise ValueError(f"{_where(r, n, a)}: chunks {a.chunk} and {dst_chunk} share rank {src}; "
+                         f"the hand-off is local, no send/recv")
+    me, peer = (src, dst) if a.kind.startswith("SEND") else (dst, src)
+    if (r, a.peer) != (me, peer):
+        raise ValueError(f"{_where(r, n, a)}: this message goes from rank {src} to rank {dst}; "
+                         f"expected on rank {me} with peer {peer}")
+
+
+def _check_complete(per_rank, p: int, C: int, m: int) -> None:
+    seen: dict[Action, int] = {}
+    for r, acts in enumerate(per_rank):
+        for a in acts:
+            if a in seen:
+                raise ValueError(f"duplicated action {a} (rank {r})")
+            seen[a] = r
+    for c in range(C):
+        for i in range(m):
+            for kind in COMPUTE:
+                if Action(kind, c, i) not in seen:
+                    raise ValueError(f"missing action {kind}{c}.{i} on rank {c % p}")
+            if p == 1:
+                continue
+            for kind, dst_chunk in (("F", c + 1), ("B", c - 1)):
+                if 0 <= dst_chunk < C:
+                    s = Action("SEND_" + kind, c, i, dst_chunk % p)
+                    rv = Action("RECV_" + kind, c, i, c % p)
+                    if (s in seen) != (rv in seen) or s not in seen:
+                        raise ValueError(f"message {kind}{c}.{i} (rank {c % p} → rank "
+                                         f"{dst_chunk % p}) needs both {s} and {rv}; found "
+                                         f"{'only ' + str(s) if s in seen else 'only ' + str(rv) if rv in seen else 'neither'}")
+    reduces = [a for a in seen if a.kind == "REDUCE"]
+    if reduces and len(reduces) != C:
+        have = sorted(a.chunk for a in reduces)
+        raise ValueError(f"REDUCE present for chunks {have} but not all {C}; emit one R{{c}} "
+                         f"per chunk or none")
+
+
+def _check_order(r: int, acts: Sequence[Action], p: int, C: int, m: int) -> None:
+    done: set[tuple] = set()
+    b_left = {c: m for c in range(r, C, p)}
+    for n, a in enumerate(acts):
+        c, i = a.chunk, a.mb
+        need: list[tuple[tuple, str]] = []
+        if a.kind == "F" and c > 0:
+            need.append((("F", c - 1, i) if (c - 1) % p == r else ("RECV_F", c - 1, i),
+                         f"the forward of chunk {c - 1} for micro-batch {i}"))
+        elif a.kind == "B":
+            need.append((("F", c, i), f"its forward F{c}.{i}"))
+            if c < C - 1:
+                need.append((("B", c + 1, i) if (c + 1) % p == r else ("RECV_B", c + 1, i),
+                             f"the backward of chunk {c + 1} for micro-batch {i}"))
+        elif a.kind.startswith("SEND"):
+            need.append(((a.kind[-1], c, i), f"the {a.kind[-1]}{c}.{i} that produces it"))
+        elif a.kind == "REDUCE" and b_left[c]:
+            raise ValueError(f"{_where(r, n, a)}: chunk {c} still has {b_left[c]} backward(s) "
+                             f"to run; REDUCE must follow its last backward")
+        for key, what in need:
+            if key not in done:
+                raise ValueError(f"{_where(r, n, a)} runs before {what} "
+                                 f"{'has been received' if key[0].startswith('RECV') else 'has run'} "
+                                 f"on this rank")
+        done.add((a.kind, c, i))
+        if a.kind == "B":
+            b_left[c] -= 1
+
+
+def _check_deadlock(per_rank: Sequence[Sequence[Action]]) -> None:
+    """Step the ranks under rendezvous semantics; report each rank's head if none can move."""
+    pos = [0] * len(per_rank)
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, acts in enumerate(per_rank):
+            while pos[r] < len(acts) and not acts[pos[r]].is_comm:
+                pos[r] += 1
+                progressed = True
+            if pos[r] == len(acts):
+                continue
+            a = acts[pos[r]]
+            peer = per_rank[a.peer]
+            pa = peer[pos[a.peer]] if pos[a.peer] < len(peer) else None
+            if (pa is not None and pa.is_comm and pa.peer == r and pa.message() == a.message()
+                    and pa.kind != a.kind):
+                pos[r] += 1
+                pos[a.peer] += 1
+                progressed = True
+    stuck = [f"rank {r} waits at #{pos[r]} {acts[pos[r]]}"
+             for r, acts in enumerate(per_rank) if pos[r] < len(acts)]
+    if stuck:
+        raise ValueError("deadlock under blocking (rendezvous) send/recv: " + "; ".join(stuck))
+
+
+def peak_inflight(per_rank: Sequence[Sequence[Action]]) -> list[int]:
+    """Per rank, the most (chunk, micro-batch) pairs whose forward has run and backward not —
+    the number of chunk activations held at once (for v = 1: micro-batches; 1F1B: p − r)."""
+    out = []
+    for acts in per_rank:
+        live = peak = 0
+        for a in acts:
+            live += (a.kind == "F") - (a.kind == "B")
+            peak = max(peak, live)
+        out.append(peak)
+    return out

@@ -1,0 +1,93 @@
+"""Gantt charts of pipeline schedules, simulated or measured.
+
+Events are `(rank, action, start_s, end_s)` tuples — `cost.simulate.Event` or plain tuples —
+where `action` is an `autopar.schedules.Action` or its string ('F0.3', 'B1.0', 'sF0.3>1',
+'R2'). The runtime records measured events in this form and calls `draw_timeline` too.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from autopar.schedules import Action, make_schedule, parse_action
+
+
+def _colour(kind: str, local_chunk: int, v: int):
+    from matplotlib import colormaps
+    cmap = colormaps["Blues" if kind == "F" else "Oranges"]
+    # lighter for the first local chunk, darker for later ones
+    return cmap(0.35 + 0.5 * (local_chunk / max(1, v - 1)) if v > 1 else 0.55)
+
+
+def draw_timeline(events: Iterable[Sequence], p: int, path: str, title: str = "pipeline schedule") -> str:
+    """Draw one row per pipeline rank (rank 0 on top): forwards blue, backwards orange (darker
+    for later local chunks), micro-batch numbers in the boxes, transfers and reductions as thin
+    grey / purple bars under the row; white is idle. Writes a PNG at `path`, returns it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    evs = [(int(r), a if isinstance(a, Action) else parse_action(str(a)), float(s), float(e))
+           for r, a, s, e in events]
+    chunks = [a.chunk for _, a, _, _ in evs] or [0]
+    v = max(1, -(-(max(chunks) + 1) // p))
+    end = max((e for *_, e in evs), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(min(40, 4 + 0.25 * len(evs) / max(p, 1)), 0.7 * p + 1.5))
+    for r, a, s, e in evs:
+        y = p - 1 - r
+        if a.kind in ("F", "B"):
+            ax.broken_barh([(s, e - s)], (y + 0.1, 0.8), facecolors=_colour(a.kind, a.chunk // p, v),
+                           edgecolor="black", linewidth=0.4)
+            if e > s:
+                ax.text((s + e) / 2, y + 0.5, str(a.mb), ha="center", va="center", fontsize=7)
+        elif e > s:  # transfers and reductions only show when they take time
+            colour = "tab:purple" if a.kind == "REDUCE" else "grey"
+            ax.broken_barh([(s, e - s)], (y - 0.02, 0.1), facecolors=colour)
+    ax.set_yticks([p - 1 - r + 0.5 for r in range(p)], [f"rank {r}" for r in range(p)])
+    ax.set_ylim(-0.1, p)
+    ax.set_xlim(0, end)
+    ax.set_xlabel("time (s)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=_colour("F", 0, 1), label="forward"),
+                       Patch(color=_colour("B", 0, 1), label="backward"),
+                       Patch(color="grey", label="p2p"), Patch(color="tab:purple", label="reduce")],
+              loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def chunk_times(plan) -> tuple[list[float], list[float]]:
+    """Per-chunk forward/backward seconds per micro-batch for `plan`.
+
+    Plans carry no per-chunk times, so each chunk's share is proportional to its layer count
+    (an embedding- or head-only chunk counts as zero layers), scaled so the most loaded rank's
+    compute over the step equals `plan.predicted.compute_s` (unit layers when that is 0).
+    Backward = 2 × forward (2104.04473 §5.1), 3 × with full recompute (one extra forward).
+    """
+    layers = [max(0, st.num_layers) for st in plan.stages]
+    if not any(layers):
+        layers = [1] * len(plan.stages)
+    bwd_ratio = 3.0 if plan.recompute == "full" else 2.0
+    per_rank = [sum(layers[c] for c in range(r, len(layers), plan.p)) for r in range(plan.p)]
+    step_units = max(per_rank) * plan.num_microbatches * (1.0 + bwd_ratio)
+    compute_s = getattr(plan.predicted, "compute_s", 0.0) or 0.0
+    unit = compute_s / step_units if compute_s > 0 else 1.0
+    fwd = [unit * n for n in layers]
+    return fwd, [bwd_ratio * f for f in fwd]
+
+
+def plan_timeline(plan, path: str) -> str:
+    """Simulate `plan`'s schedule (per-chunk times from `chunk_times`, p2p and reduction time
+    not drawn: 0) with blocking send/recv, and draw it at `path`."""
+    from autopar.cost.simulate import simulate
+
+    fwd, bwd = chunk_times(plan)
+    c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
+    per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
+                             times_fb=(fwd[c0], bwd[c0]))
+    res = simulate(per_rank, fwd, bwd)
+    title = (f"{plan.schedule}  p={plan.p} v={plan.v} m={plan.num_microbatches}  "
+             f"bubble {res.bubble_fraction:.1%} of {res.makespan_s:.3g} s (simulated)")
+    return draw_timeline(res.events, plan.p, path, title=title)
