@@ -62,7 +62,8 @@ def format_plan(plan: "Plan") -> str:
         "  predicted",
         f"    step time      {_fmt_s(pr.step_time_s)}",
         f"    throughput     {pr.tflops_per_gpu:.1f} TFLOP/s per GPU   MFU {pr.mfu * 100:.1f}%",
-        f"    bubble         {pr.bubble_fraction * 100:.1f}% of the step",
+        f"    bubble         {pr.bubble_fraction * 100:.1f}% of compute time (idle/busy, "
+        f"the papers' (p-1)/m) = {_fmt_s(pr.bubble_s)} per step",
         "    time terms     " + "  ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v),
         f"    memory/GPU     {_fmt_bytes(pr.memory_bytes_per_gpu)}" + _memory_parts(pr),
     ]

@@ -1,0 +1,56 @@
+"""Brute-force planner for small instances: the check on cost/solver.py's CP-SAT optimum.
+
+Enumerates the same knob combinations as the solver (`enumerate_configs`) and EVERY split of the
+layers into p·v non-empty chunks, prices each with the same integer costs
+(`cost.model.step_time_scaled`), and keeps the fastest that fits in memory. Exponential in the
+layer count: tests only.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from itertools import combinations
+from typing import Iterator
+
+from autopar.cost.hardware import Cluster, get_cluster
+from autopar.cost.model import Config, config_costs, fits, rank_layers, step_time_scaled
+from autopar.cost.profile import ModelProfile
+from autopar.cost.solver import Pins, enumerate_configs
+from autopar.plan import Plan
+
+
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write `total` as an ordered sum of `parts` positive integers."""
+    for cuts in combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def brute_force(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int,
+                global_batch_size: int, **pins) -> tuple[Fraction, Config, tuple[int, ...]] | None:
+    """(step time in ns as an exact fraction, config, layers per chunk) of the optimum, or None
+    when nothing fits."""
+    cluster = get_cluster(cluster)
+    configs, _ = enumerate_configs(profile, cluster, gpus, global_batch_size, Pins(**pins))
+    best = None
+    for cfg in configs:
+        cc = config_costs(profile, cluster, cfg)
+        for x in compositions(profile.num_layers, cfg.p * cfg.v):
+            y = rank_layers(x, cfg.p)
+            if not fits(cc, y):
+                continue
+            obj = Fraction(step_time_scaled(cc, y), cfg.v)
+            if best is None or obj < best[0]:
+                best = (obj, cfg, x)
+    return best
+
+
+def plan_objective(profile: ModelProfile, cluster: "Cluster | str", plan: Plan) -> Fraction:
+    """The exact integer-cost step time (ns) of a plan, as the solver and brute force see it."""
+    cluster = get_cluster(cluster)
+    cfg = Config(t=plan.t, p=plan.p, d=plan.d, v=plan.v, micro_batch_size=plan.micro_batch_size,
+                 num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                 recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
+                 zero=plan.zero)
+    cc = config_costs(profile, cluster, cfg)
+    y = rank_layers([s.num_layers for s in plan.stages], plan.p)
+    return Fraction(step_time_scaled(cc, y), plan.v)

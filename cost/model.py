@@ -1,0 +1,610 @@
+"""The cost model: step time, memory and throughput of one parallel configuration.
+
+Pure functions of (ModelProfile, Cluster, Config, layers per chunk); units are in the names.
+The solver (cost/solver.py), `predict` and `Plan.explain()` all go through `config_costs` and
+`step_time_ns`, so the solver's objective and the reported prediction are the same function.
+
+Mechanisms (one each, no per-configuration constants):
+- GEMM time: `gemm_time_s`, the shape-dependent efficiency + roofline of cost/hardware.py.
+  Backward = 2 GEMMs of the forward's size (dX and dW / both attention operands).
+  Recompute adds forward work: full = the whole block forward (GEMMs, elementwise, and its
+  tensor-parallel collectives); selective = the attention core (activation-activation GEMMs)
+  plus re-materialising the dropped attention tensors.
+- Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
+- Collectives (`allreduce_s`, `allgather_s`, `p2p_s`): latency + bytes / bandwidth of the link
+  the group lives on (Megatron rank order, `group_link`): ring all-reduce 2(n-1)/n, all-gather
+  and reduce-scatter (n-1)/n. Nothing is overlapped with compute except the data-parallel
+  reduction (see DP_OVERLAP) — Megatron-LM runs TP collectives and p2p on the compute stream.
+- Pipeline: each pipeline rank r has a per-micro-batch load tau_r (forward + backward of all its
+  chunks, their TP collectives and p2p). With m micro-batches and v chunks per rank
+      T_pipe = m * max_r tau_r + (sum_r tau_r - max_r tau_r) / v.
+  For equal loads this is m*tau*(1 + (p-1)/(v*m)): the published bubble (p-1)/m for GPipe/1F1B
+  and (p-1)/(v*m) for interleaved 1F1B; for unequal loads the slowest rank sets the steady
+  state and the others' loads fill the ramp-up/down. bubble_fraction = bubble / (m * max tau).
+- Data parallel: one gradient reduction per step per pipeline rank (ZeRO-1: reduce-scatter of
+  gradients + all-gather of 16-bit weights, the same volume), of which at most DP_OVERLAP of the
+  last micro-batch's backward can hide it (bucketed reduction starts as soon as a bucket's
+  gradients are final). Then the optimizer step (Adam, memory bound).
+- Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
+  recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
+  (SCHEDULE_TRAITS), embedding on the first and head (+ tied embedding copy) on the last
+  rank, and the cluster's reserve.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from autopar.cost.hardware import Cluster
+from autopar.cost.profile import Gemm, ModelProfile, RegionProfile
+from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Prediction
+
+# Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
+# gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
+GRAD_REDUCE_BYTES = 2
+# Fraction of the last micro-batch's backward that can hide the data-parallel reduction.
+# Megatron-LM (2021) starts the reduction after the backward pass: no overlap.
+DP_OVERLAP = 0.0
+# Adam step traffic per parameter it owns: read fp32 grad, master, m, v (16 B), write master,
+# m, v (12 B) and the 16-bit weight (2 B).
+ADAM_BYTES_PER_PARAM = 30
+NS = 1e9
+# Backward of the non-GEMM ops (norms, softmax, dropout, GeLU) per forward byte: it reads the
+# incoming gradient and the saved input and writes one gradient, ~2x the forward traffic.
+BWD_ELEMENTWISE_FACTOR = 2.0
+
+
+# ----- configuration ---------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """One parallel configuration (everything but the stage boundaries)."""
+    t: int
+    p: int
+    d: int
+    v: int = 1
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("t", "p", "d", "v", "micro_batch_size", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Config.{name}={value!r}: must be a positive integer")
+        if self.schedule not in SCHEDULE_TRAITS:
+            raise ValueError(f"Config.schedule={self.schedule!r}: the cost model supports "
+                             f"{sorted(SCHEDULE_TRAITS)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Config.recompute={self.recompute!r}: must be one of {RECOMPUTE}")
+        if self.zero not in ZERO_TRAITS:
+            raise ValueError(f"Config.zero={self.zero!r}: must be one of {sorted(ZERO_TRAITS)}")
+        if self.v > 1 and not SCHEDULE_TRAITS[self.schedule].multi_chunk:
+            raise ValueError(f"Config.v={self.v} with schedule={self.schedule!r}: several chunks "
+                             f"per rank need an interleaved schedule; set v=1")
+
+    @property
+    def gpus(self) -> int:
+        return self.t * self.p * self.d
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.d
+
+
+# ----- schedule and ZeRO tables (breadth-first / ZeRO-3 variants slot in here) ----------------
+@dataclass(frozen=True)
+class ScheduleTraits:
+    """What the cost model needs from a pipeline schedule.
+
+    inflight(p, v, m, r): chunk-micro-batches whose activations rank r holds at its peak.
+    dp_overlap: fraction of the last micro-batch's backward that can hide the DP reduction.
+    zero_levels: the ZeRO levels the schedule supports (ZeRO-3 belongs with breadth-first,
+    which gathers each chunk's weights once per step, see issue 6).
+    """
+    multi_chunk: bool
+    inflight: Callable[[int, int, int, int], int]
+    dp_overlap: float = DP_OVERLAP
+    zero_levels: tuple[int, ...] = (0, 1)
+
+
+def _inflight_gpipe(p: int, v: int, m: int, r: int) -> int:
+    return m * v  # every micro-batch's forward finishes before any backward
+
+
+def _inflight_1f1b(p: int, v: int, m: int, r: int) -> int:
+    return min(p - r, m) * v  # rank r warms up with p - r - 1 forwards, then 1F1B
+
+
+def _inflight_interleaved(p: int, v: int, m: int, r: int) -> int:
+    # Megatron-LM's warm-up: 2(p - r - 1) + (v - 1)p forwards, +1 in steady state; on rank 0
+    # this is the 2205.05198 factor p·(1 + (p-1)/(p·v)) micro-batches of l/p layers.
+    return min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+
+
+SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
+    "gpipe": ScheduleTraits(multi_chunk=False, inflight=_inflight_gpipe),
+    "1f1b": ScheduleTraits(multi_chunk=False, inflight=_inflight_1f1b),
+    "interleaved-1f1b": ScheduleTraits(multi_chunk=True, inflight=_inflight_interleaved),
+}
+
+
+@dataclass(frozen=True)
+class ZeroTraits:
+    """Bytes per parameter (weights, grads, optimizer) as functions of d, and DP traffic.
+
+    per_microbatch_gather: weights are all-gathered for every forward and backward pass of
+    every micro-batch (ZeRO-3 under 1F1B-style schedules; prefetch hides it behind compute).
+    """
+    weight_bytes: Callable[[int], float]
+    grad_bytes: Callable[[int], float]
+    optimizer_bytes: Callable[[int], float]
+    sharded_optimizer: bool
+    per_microbatch_gather: bool = False
+
+
+ZERO_TRAITS: dict[int, ZeroTraits] = {
+    0: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0, sharded_optimizer=False),
+    1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),
+    # ZeRO-3: 16-bit weights, fp32 grads and optimizer states all sharded; the gathered
+    # weights of one layer (+ one prefetched) live in a buffer counted in activations.
+    3: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
+                  sharded_optimizer=True, per_microbatch_gather=True),
+}
+assert set(SCHEDULE_TRAITS) <= set(SCHEDULES) and set(ZERO_TRAITS) <= set(ZERO_LEVELS)
+
+
+# ----- compute -----------------------------------------------------------------------------------
+def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float) -> float:
+    """Achieved / peak FLOP rate of an (m x k)·(k x n) GEMM: e_max · f(m) f(n) f(k)."""
+    x = cluster.gemm_half_dim
+    return cluster.gemm_max_efficiency * (m / (m + x)) * (n / (n + x)) * (k / (k + x))
+
+
+def gemm_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float,
+                bytes_per_elem: int = 2) -> float:
+    """One (batched) GEMM: max(compute at shape efficiency, operand traffic at HBM) + launch."""
+    flops = 2.0 * batch * m * n * k
+    compute_s = flops / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k))
+    traffic_s = (batch * (m * k + k * n + m * n) * bytes_per_elem
+                 / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency))
+    return max(compute_s, traffic_s) + cluster.kernel_launch_s
+
+
+def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int) -> float:
+    batch = g.batch * (b if g.batch_scales else 1)
+    m = g.m * (1 if g.batch_scales else b)
+    n, k = g.n, g.k
+    if g.tp_split == "batch":
+        batch = batch / t
+    elif g.tp_split == "n":
+        n = n / t
+    elif g.tp_split == "k":
+        k = k / t
+    return gemm_time_s(cluster, batch, m, n, k, e)
+
+
+def elementwise_time_s(cluster: Cluster, nbytes: float) -> float:
+    return nbytes / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
+
+
+def _other_bytes(region: RegionProfile, t: int, b: int, sp: bool) -> float:
+    """Non-GEMM bytes per micro-batch on one tensor rank (replicated part split only by SP)."""
+    repl = region.other_bytes - region.other_split_bytes
+    return b * (region.other_split_bytes / t + repl / (t if sp else 1))
+
+
+# ----- communication ----------------------------------------------------------------------------
+def group_spans_nodes(cluster: Cluster, *, stride: int, size: int, gpus: int) -> bool:
+    """Whether a rank group {base + j*stride, j < size} leaves a node (Megatron rank order).
+
+    Example: 8-GPU nodes, t=8, d=4: a data group has stride 8, size 4 -> spans 32 ranks -> True;
+    t=2, d=4: stride 2, size 4 -> 8 ranks inside one node -> False.
+    """
+    if size <= 1 or gpus <= cluster.gpus_per_node:
+        return False
+    span = stride * size
+    return not (span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0)
+
+
+def _link(cluster: Cluster, inter: bool) -> tuple[float, float]:
+    if inter:
+        return cluster.inter_node_bandwidth_Bps, cluster.inter_node_latency_s
+    return cluster.intra_node_bandwidth_Bps, cluster.intra_node_latency_s
+
+
+def allreduce_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """Ring all-reduce of nbytes over n ranks: 2(n-1)/n · bytes / bandwidth + latency."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _link(cluster, inter)
+    return lat + 2.0 * (n - 1) / n * nbytes / bw
+
+
+def allgather_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """Ring all-gather (or reduce-scatter) whose full result is nbytes: (n-1)/n · bytes / bw."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _link(cluster, inter)
+    return lat + (n - 1) / n * nbytes / bw
+
+
+def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bw, lat = _link(cluster, inter)
+    return lat + nbytes / bw
+
+
+def padded_vocab(vocab: int, t: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128·t so each shard is GEMM-friendly."""
+    q = 128 * t
+    return -(-vocab // q) * q
+
+
+# ----- per-configuration constants ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ConfigCosts:
+    """Integer-ns / byte constants of one configuration; everything is linear in y_r, the layer
+    count of pipeline rank r. The solver and `step_time_ns` use exactly these integers."""
+    cfg: Config
+    layer_compute_ns: int    # per layer per micro-batch: fwd + bwd + recompute (+ ZeRO-3 wait)
+    layer_tp_ns: int         # per layer per micro-batch: tensor-parallel collectives
+    embed_ns: int            # chunk 0 extra per micro-batch (compute + collectives)
+    head_ns: int             # last chunk extra per micro-batch
+    p2p_ns: int              # per rank per micro-batch (all its chunks' sends/receives)
+    dp_layer_ns: int         # per layer on the rank: gradient reduction
+    dp_first_ns: int         # rank 0 extra (embedding grads, tied-embedding sync)
+    dp_last_ns: int          # rank p-1 extra (head grads, tied-embedding sync)
+    window_layer_ns: int     # per layer: overlappable part of the last micro-batch's backward
+    opt_layer_ns: int        # per layer: optimizer step
+    opt_first_ns: int
+    opt_last_ns: int
+    mem_layer_bytes: tuple[int, ...]   # per rank r: bytes per layer held on r
+    mem_fixed_bytes: tuple[int, ...]   # per rank r: bytes independent of its layer count
+    capacity_bytes: int
+    flops_per_step: float              # hardware FLOPs incl. recompute (papers' definition)
+    model_flops_per_step: float        # without recompute (for MFU)
+    mem_parts: tuple[tuple[float, ...], ...]  # per rank: (weights, grads, opt, act) per layer,
+    mem_fixed_parts: tuple[tuple[float, ...], ...]  # and fixed, for the Memory breakdown
+
+    @property
+    def layer_ns(self) -> int:
+        return self.layer_compute_ns + self.layer_tp_ns
+
+
+def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
+                   sp: bool, tp_inter: bool) -> tuple[float, float]:
+    """(compute_s, tp_comm_s) of one block for one micro-batch: forward, backward, recompute."""
+    blk, e = profile.block, profile.activation_bytes_per_elem
+    gemm = [_local_gemm_time_s(cluster, g, t, b, e) for g in blk.gemms]
+    fwd_gemm = sum(gemm)
+    attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)
+    fwd_other = elementwise_time_s(cluster, _other_bytes(blk, t, b, sp))
+    fwd = fwd_gemm + fwd_other
+    bwd = 2 * fwd_gemm + BWD_ELEMENTWISE_FACTOR * fwd_other
+    if recompute == "full":
+        rec = fwd
+    elif recompute == "selective":
+        rec = attn_gemm + elementwise_time_s(cluster, 2 * b * blk.act_attention_bytes / t)
+    else:
+        rec = 0.0
+    # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
+    # the same bytes), the same in backward, once more for a full recompute
+    ar_bytes = b * blk.tp_allreduce_elems * e
+    n_coll = max(1, round(blk.tp_allreduce_elems / (profile.seq_len * profile.hidden)))
+    if sp:
+        one = 2 * n_coll * allgather_s(cluster, ar_bytes / n_coll, t, tp_inter)
+        # SP keeps only the sequence shard of each column-parallel input, so backward
+        # all-gathers it again for the weight gradient (Megatron-LM 2205.05198 §4.2.2)
+        extra = n_coll * allgather_s(cluster, ar_bytes / n_coll, t, tp_inter)
+    else:
+        one = n_coll * allreduce_s(cluster, ar_bytes / n_coll, t, tp_inter)
+        extra = 0.0
+    passes = 3 if recompute == "full" else 2
+    return fwd + bwd + rec, (passes * one + extra if blk.tp_allreduce_elems else 0.0)
+
+
+def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bool,
+                  tp_inter: bool) -> tuple[float, float]:
+    """(embedding_s, head_s) per micro-batch incl. their collectives; never recomputed."""
+    e = profile.activation_bytes_per_elem
+    vpad_ratio = padded_vocab(profile.vocab, t) / profile.vocab
+    emb, head = profile.embedding, profile.head
+    emb_s = 3 * elementwise_time_s(cluster, _other_bytes(emb, t, b, sp))
+    emb_ar = b * emb.tp_allreduce_elems * e
+    emb_s += (allgather_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
+    head_s = 0.0
+    for g in head.gemms:
+        n = g.n * vpad_ratio if g.tp_split == "n" else g.n
+        g2 = Gemm(name=g.name, batch=g.batch, m=g.m, n=round(n), k=g.k, tp_split=g.tp_split,
+                  batch_scales=g.batch_scales)
+        head_s += 3 * _local_gemm_time_s(cluster, g2, t, b, e)
+    head_s += 3 * elementwise_time_s(cluster, _other_bytes(head, t, b, sp) * vpad_ratio)
+    # column-parallel head: identity forward, all-reduce of the input gradient in backward
+    # (SP: all-gather forward + reduce-scatter backward, the same bytes)
+    in_bytes = b * head.input_bytes
+    head_s += (2 * allgather_s(cluster, in_bytes, t, tp_inter) if sp
+               else allreduce_s(cluster, in_bytes, t, tp_inter))
+    return emb_s, head_s
+
+
+def _params(profile: ModelProfile, t: int) -> tuple[float, float, float]:
+    """Parameters on one tensor rank: (per block, embedding on rank 0, head on rank p-1)."""
+    vpad = padded_vocab(profile.vocab, t)
+    blk, emb, head = profile.block, profile.embedding, profile.head
+    block = blk.params_split_elems / t + blk.params_replicated_elems
+    embp = emb.params_split_elems * vpad / profile.vocab / t + emb.params_replicated_elems
+    headp = head.params_split_elems * vpad / profile.vocab / t + head.params_replicated_elems
+    if profile.tied_embeddings:  # the last stage keeps a copy of the word embedding
+        headp += emb.params_split_elems * vpad / profile.vocab / t
+    return block, embp, headp
+
+
+def _activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str, sp: bool) -> float:
+    """Activations kept per layer per micro-batch (2205.05198 §4 per recompute mode)."""
+    blk = profile.block
+    if recompute == "full":
+        return b * blk.input_bytes / (t if sp else 1)
+    repl = blk.act_replicated_bytes / (t if sp else 1)
+    kept = blk.act_split_bytes / t + repl
+    if recompute == "none":
+        kept += blk.act_attention_bytes / t
+    return b * kept
+
+
+def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                 memo: dict | None = None) -> tuple[float, float, float, float, float]:
+    """(layer compute, layer TP comm, embedding, head, rank p2p) seconds per micro-batch.
+
+    `memo` (optional, any dict) caches the parts shared by many configurations within one
+    solve; the result does not depend on it.
+    """
+    t, p, d, v, b = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size
+    sp = cfg.sequence_parallel and t > 1
+    tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
+    pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
+    memo = {} if memo is None else memo
+    key = ("layer", t, b, cfg.recompute, sp, tp_inter)
+    if key not in memo:
+        memo[key] = _block_times_s(profile, cluster, t, b, cfg.recompute, sp, tp_inter)
+    comp_s, tp_s = memo[key]
+    key = ("edge", t, b, sp, tp_inter)
+    if key not in memo:
+        memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
+    emb_s, head_s = memo[key]
+    zt = ZERO_TRAITS[cfg.zero]
+    if zt.per_microbatch_gather and d > 1:
+        # every pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
+        # prefetching hides it behind the layer's compute, the excess is exposed
+        dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
+        block_p = _params(profile, t)[0]
+        passes = 3 if cfg.recompute == "full" else 2
+        gather_s = (passes * allgather_s(cluster, 2 * block_p, d, dp_inter)
+                    + allgather_s(cluster, GRAD_REDUCE_BYTES * block_p, d, dp_inter))
+        comp_s += max(0.0, gather_s - comp_s)
+    # pipeline p2p: the activation (b·s·h) leaves each chunk forward and its gradient comes
+    # back; scatter/gather: each tensor rank sends 1/t and the receiver all-gathers in-node
+    p2p_total = 0.0
+    if p > 1:
+        act = b * profile.block.input_bytes
+        one = p2p_s(cluster, act / t, pp_inter)
+        if not sp:
+            one += allgather_s(cluster, act, t, tp_inter)
+        p2p_total = 2 * v * one
+    return comp_s, tp_s, emb_s, head_s, p2p_total
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * NS))
+
+
+def load_parts_ns(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                  memo: dict | None = None) -> tuple[int, int, int, int, int]:
+    """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
+    return tuple(_ns(x) for x in load_parts_s(profile, cluster, cfg, memo))  # type: ignore
+
+
+def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                 memo: dict | None = None) -> ConfigCosts:
+    t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
+    sp = cfg.sequence_parallel and t > 1
+    gpus = cfg.gpus
+    dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=gpus)
+    pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=gpus)
+    sched, zt = SCHEDULE_TRAITS[cfg.schedule], ZERO_TRAITS[cfg.zero]
+    comp_ns, tp_ns, emb_ns, head_ns, p2p_ns = load_parts_ns(profile, cluster, cfg, memo)
+    comp_s = comp_ns / NS
+    block_p, emb_p, head_p = _params(profile, t)
+
+    # data parallel: one reduction of this rank's gradients per step
+    def dp_time(params: float) -> float:
+        if d <= 1 or zt.per_microbatch_gather:
+            return 0.0
+        if zt.sharded_optimizer:  # reduce-scatter grads + all-gather 16-bit weights
+            return (allgather_s(cluster, GRAD_REDUCE_BYTES * params, d, dp_inter)
+                    + allgather_s(cluster, 2 * params, d, dp_inter)
+                    - _link(cluster, dp_inter)[1])  # one latency: bucketed, pipelined
+        return allreduce_s(cluster, GRAD_REDUCE_BYTES * params, d, dp_inter)
+
+    tied_sync = 0.0
+    if profile.tied_embeddings and p > 1:  # first and last stage sum the shared embedding grad
+        tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * profile.embedding.params_split_elems
+                                / t, 2, pp_inter)
+    lat = _link(cluster, dp_inter)[1] if d > 1 and not zt.per_microbatch_gather else 0.0
+    dp_layer = dp_time(block_p) - lat if d > 1 else 0.0  # latency counted once per rank
+    dp_first = (dp_time(emb_p) if d > 1 else 0.0) + tied_sync
+    dp_last = (dp_time(head_p) if d > 1 else 0.0) + tied_sync
+    if d > 1 and p > 1:
+        dp_last += lat  # the last rank's reduction also pays its own latency once
+    window_layer = sched.dp_overlap * comp_s * (2.0 / 3.0)  # backward ≈ 2/3 of fwd+bwd
+
+    own = 1.0 / d if zt.sharded_optimizer else 1.0
+    adam = lambda params: params * own * ADAM_BYTES_PER_PARAM / (  # noqa: E731
+        cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
+
+    mem_layer, mem_fixed, parts, fparts = _memory_coefficients(
+        profile, cluster, cfg, sp, block_p, emb_p, head_p)
+
+    flops_fwd_seq, rec_seq = _flops_per_seq(profile, t, cfg.recompute, memo)
+    B = cfg.global_batch_size
+
+    ns = _ns
+    return ConfigCosts(
+        cfg=cfg, layer_compute_ns=comp_ns, layer_tp_ns=tp_ns,
+        embed_ns=emb_ns, head_ns=head_ns, p2p_ns=p2p_ns,
+        dp_layer_ns=ns(dp_layer), dp_first_ns=ns(dp_first), dp_last_ns=ns(dp_last),
+        window_layer_ns=ns(window_layer), opt_layer_ns=ns(adam(block_p)),
+        opt_first_ns=ns(adam(emb_p)), opt_last_ns=ns(adam(head_p)),
+        mem_layer_bytes=mem_layer, mem_fixed_bytes=mem_fixed,
+        capacity_bytes=int(cluster.usable_memory_bytes),
+        flops_per_step=B * (3 * flops_fwd_seq + rec_seq),
+        model_flops_per_step=B * 3 * flops_fwd_seq,
+        mem_parts=parts, mem_fixed_parts=fparts)
+
+
+def _flops_per_seq(profile: ModelProfile, t: int, recompute: str,
+                   memo: dict | None) -> tuple[float, float]:
+    """(model forward FLOPs incl. the padded vocabulary, recompute FLOPs) per sequence."""
+    key = ("flops", t, recompute)
+    if memo is not None and key in memo:
+        return memo[key]
+    fwd = profile.fwd_flops_per_seq()
+    fwd += profile.head.fwd_flops * (padded_vocab(profile.vocab, t) / profile.vocab - 1)
+    rec = {"none": 0.0, "full": profile.num_layers * profile.block.fwd_flops,
+           "selective": profile.num_layers * sum(
+               g.fwd_flops for g in profile.block.gemms if g.batch_scales)}[recompute]
+    if memo is not None:
+        memo[key] = (fwd, rec)
+    return fwd, rec
+
+
+def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
+    """Weights + grads + optimizer bytes per GPU if the layers were spread perfectly evenly
+    (embedding and head included): no partition of this configuration needs less."""
+    zt = ZERO_TRAITS[cfg.zero]
+    per_param = zt.weight_bytes(cfg.d) + zt.grad_bytes(cfg.d) + zt.optimizer_bytes(cfg.d)
+    block_p, emb_p, head_p = _params(profile, cfg.t)
+    return per_param * (block_p * profile.num_layers + emb_p + head_p) / cfg.p
+
+
+def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
+    """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown."""
+    t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
+    zt, sched = ZERO_TRAITS[cfg.zero], SCHEDULE_TRAITS[cfg.schedule]
+    wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
+    act_layer = _activation_bytes(profile, t, b, cfg.recompute, sp)
+    full_layer = _activation_bytes(profile, t, b, "none", sp)
+    # working memory while one layer runs its backward: its full activations when recomputed
+    # (full) or its attention tensors (selective); ZeRO-3 also holds 2 gathered layers
+    work = {"full": full_layer, "selective": b * profile.block.act_attention_bytes / t,
+            "none": 0.0}[cfg.recompute]
+    if zt.per_microbatch_gather:
+        work += 2 * 2 * block_p
+    emb_act = b * (profile.embedding.act_split_bytes / t + profile.embedding.act_replicated_bytes
+                   / (t if sp else 1))
+    vpad_ratio = padded_vocab(profile.vocab, t) / profile.vocab
+    head_act = b * (profile.head.act_split_bytes * vpad_ratio / t
+                    + profile.head.act_replicated_bytes / (t if sp else 1))
+    mem_layer, mem_fixed, parts, fparts = [], [], [], []
+    for r in range(p):
+        inflight = sched.inflight(p, v, m, r)
+        mb = -(-inflight // v)  # micro-batches of the edge regions in flight
+        a = act_layer * inflight / v
+        parts.append((wb * block_p, gb * block_p, ob * block_p, a))
+        params = (emb_p if r == 0 else 0.0) + (head_p if r == p - 1 else 0.0)
+        acts = (emb_act * mb if r == 0 else 0.0) + (head_act * mb if r == p - 1 else 0.0) + work
+        fparts.append((wb * params, gb * params, ob * params, acts, cluster.reserved_bytes))
+        mem_layer.append(int(math.ceil(sum(parts[-1]))))
+        mem_fixed.append(int(math.ceil(sum(fparts[-1][:4]))))
+    return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts)
+
+
+# ----- step time from rank layer counts (shared by solver, brute force and predict) ------------
+def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[int]:
+    """y_r: layers on pipeline rank r when chunk c runs on rank c mod p."""
+    y = [0] * p
+    for c, n in enumerate(layers_per_chunk):
+        y[c % p] += n
+    return y
+
+
+def rank_load_ns(cc: ConfigCosts, r: int, y_r: int) -> int:
+    p = cc.cfg.p
+    return (cc.layer_ns * y_r + cc.p2p_ns + (cc.embed_ns if r == 0 else 0)
+            + (cc.head_ns if r == p - 1 else 0))
+
+
+def rank_tail_ns(cc: ConfigCosts, r: int, y_r: int) -> tuple[int, int]:
+    """(exposed DP reduction + optimizer, optimizer) of rank r; the tail is the max of the two."""
+    p = cc.cfg.p
+    opt = cc.opt_layer_ns * y_r + (cc.opt_first_ns if r == 0 else 0) + (
+        cc.opt_last_ns if r == p - 1 else 0)
+    dp = cc.dp_layer_ns * y_r + (cc.dp_first_ns if r == 0 else 0) + (
+        cc.dp_last_ns if r == p - 1 else 0)
+    return dp - cc.window_layer_ns * y_r + opt, opt
+
+
+def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: int) -> int:
+    return cc.mem_layer_bytes[r] * y_r + cc.mem_fixed_bytes[r]
+
+
+def step_time_scaled(cc: ConfigCosts, y: list[int]) -> int:
+    """v · step time in ns, exactly: (m·v - 1)·max load + Σ load + v·max tail."""
+    v, m = cc.cfg.v, cc.cfg.num_microbatches
+    loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
+    tail = max(max(rank_tail_ns(cc, r, yr)) for r, yr in enumerate(y))
+    return (m * v - 1) * max(loads) + sum(loads) + v * tail
+
+
+def step_time_ns(cc: ConfigCosts, y: list[int]) -> float:
+    return step_time_scaled(cc, y) / cc.cfg.v
+
+
+def fits(cc: ConfigCosts, y: list[int]) -> bool:
+    return all(rank_memory_bytes(cc, r, yr) <= cc.capacity_bytes for r, yr in enumerate(y))
+
+
+# ----- prediction ----------------------------------------------------------------------------
+def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
+            layers_per_chunk: tuple[int, ...] | list[int] | None = None,
+            costs: ConfigCosts | None = None) -> Prediction:
+    """Predicted step of `cfg` with the given layers per chunk (default: as even as possible)."""
+    cc = costs or config_costs(profile, cluster, cfg)
+    nchunks = cfg.p * cfg.v
+    if layers_per_chunk is None:
+        q, rem = divmod(profile.num_layers, nchunks)
+        layers_per_chunk = [q + (1 if c < rem else 0) for c in range(nchunks)]
+    if len(layers_per_chunk) != nchunks or sum(layers_per_chunk) != profile.num_layers:
+        raise ValueError(f"layers_per_chunk={list(layers_per_chunk)}: needs p·v = {nchunks} "
+                         f"entries summing to num_layers={profile.num_layers}")
+    y = rank_layers(layers_per_chunk, cfg.p)
+    m, v = cfg.num_microbatches, cfg.v
+    loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
+    crit = max(range(cfg.p), key=lambda r: loads[r])
+    tails = [rank_tail_ns(cc, r, yr) for r, yr in enumerate(y)]
+    tr = max(range(cfg.p), key=lambda r: max(tails[r]))
+    tail_ns, opt_ns = max(tails[tr]), tails[tr][1]
+    step_ns = step_time_ns(cc, y)
+    bubble_ns = (sum(loads) - loads[crit]) / v
+    yc = y[crit]
+    compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
+                      + (cc.head_ns if crit == cfg.p - 1 else 0))
+    mem_r = max(range(cfg.p), key=lambda r: rank_memory_bytes(cc, r, y[r]))
+    lp, fp = cc.mem_parts[mem_r], cc.mem_fixed_parts[mem_r]
+    mem = Memory(weights_bytes=lp[0] * y[mem_r] + fp[0], gradients_bytes=lp[1] * y[mem_r] + fp[1],
+                 optimizer_bytes=lp[2] * y[mem_r] + fp[2],
+                 activations_bytes=lp[3] * y[mem_r] + fp[3], other_bytes=fp[4])
+    step_s = step_ns / NS
+    return Prediction(
+        step_time_s=step_s,
+        tflops_per_gpu=cc.flops_per_step / (cfg.gpus * step_s) / 1e12,
+        mfu=cc.model_flops_per_step / (cfg.gpus * step_s * cluster.peak_flops),
+        bubble_fraction=bubble_ns / (m * loads[crit]) if loads[crit] else 0.0,
+        memory_bytes_per_gpu=mem.total_bytes,
+        compute_s=compute_ns / NS, tp_comm_s=m * cc.layer_tp_ns * yc / NS,
+        pp_comm_s=m * cc.p2p_ns / NS, dp_comm_s=(tail_ns - opt_ns) / NS,
+        bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem)

@@ -1,0 +1,638 @@
+"""CP-SAT planner: the fastest (t, p, d, v, b, schedule, recompute, sp, zero, stages) that fits.
+
+Variables
+    sel[k]        Boolean, one per surviving knob combination k (t, p, d, v, micro-batch b,
+                  schedule, recompute, sequence_parallel, zero); exactly one is true.
+    x[p,v][c]     integer layers of chunk c (1 <= x <= l), one vector per distinct (p, v) shared by
+                  all combinations with that chunk layout; y_r = sum of x over chunks c = r mod p.
+    M[k], D[k]    integer ns: max per-micro-batch rank load, and max rank tail (exposed
+                  data-parallel reduction + optimizer), 0 unless k is selected.
+Objective (integer, ns · W, W = lcm of the chunk counts v of the candidates)
+    minimise sum_k (W / v_k) · ((m_k·v_k - 1)·M[k] + sel[k]·S_k + v_k·D[k])
+    = W · step time of the selected combination (cost.model.step_time_scaled; S_k = sum of rank
+    loads does not depend on the partition).
+Constraint families (one method each)
+    _add_selection       exactly one combination
+    _add_partition       sum_c x[c] = l for every chunk layout
+    _add_load_max        M[k] >= load_r(y_r) for every rank r, if sel[k]
+    _add_tail_max        D[k] >= tail_r(y_r) and >= optimizer_r(y_r), if sel[k]
+    _add_memory          memory_r(y_r) <= capacity, if sel[k]
+Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
+rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
+step time exceeds the step time of a feasible plan already found (optimality is kept: a pruned
+combination cannot win). The brute force in cost/bruteforce.py enumerates the same combinations
+and every partition with the same integer costs.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from ortools.sat.python import cp_model
+
+from autopar.cost.hardware import Cluster, get_cluster
+from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
+                                config_costs, fits, load_parts_ns, predict,
+                                state_bytes_lower_bound, rank_layers, rank_load_ns,
+                                rank_memory_bytes, rank_tail_ns, step_time_scaled)
+from autopar.cost.profile import ModelProfile
+from autopar.plan import RECOMPUTE, Alternative, Plan, Stage
+
+MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
+MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble
+SOLVER_TIME_LIMIT_S = 20.0
+GB = 1e9
+
+
+# ----- enumeration of knob combinations --------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Pins:
+    t: int | None = None
+    p: int | None = None
+    d: int | None = None
+    v: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    sequence_parallel: bool | None = None
+
+    def allows(self, name: str, value: Any) -> bool:
+        pin = getattr(self, name)
+        return pin is None or pin == value
+
+
+@dataclass
+class Rejection:
+    config: dict[str, Any]
+    reason: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _tensor_rule(profile: ModelProfile, t: int) -> str | None:
+    """Why t cannot split this model (heads, hidden, ffn, kv heads), or None."""
+    for what, value in (("heads", profile.heads), ("hidden", profile.hidden),
+                        ("ffn", profile.ffn)):
+        if value % t:
+            return (f"divisibility: {what} {value} not divisible by t={t} "
+                    f"(t must divide heads, hidden and ffn)")
+    kv = profile.kv_heads
+    if kv % t and t % kv:
+        return (f"divisibility: kv_heads {kv} neither divisible by t={t} nor dividing it "
+                f"(kv heads are split, or replicated when t is a multiple of kv_heads)")
+    return None
+
+
+def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
+                      pins: Pins) -> tuple[list[Config], list[Rejection]]:
+    """All knob combinations the rules allow, and the rejected ones with reasons."""
+    configs: list[Config] = []
+    rejected: list[Rejection] = []
+    l = profile.num_layers
+    for t in _divisors(gpus):
+        if not pins.allows("t", t):
+            continue
+        why = _tensor_rule(profile, t)
+        if why is None and t > cluster.gpus_per_node and pins.t is None:
+            why = (f"tensor group would span nodes (t={t} > {cluster.gpus_per_node} GPUs per "
+                   f"node); pin t={t} to force it")
+        if why:
+            rejected.append(Rejection({"t": t}, why))
+            continue
+        for p in _divisors(gpus // t):
+            d = gpus // (t * p)
+            if not (pins.allows("p", p) and pins.allows("d", d)):
+                continue
+            if p > l:
+                rejected.append(Rejection({"t": t, "p": p, "d": d},
+                                          f"more pipeline stages (p={p}) than layers ({l})"))
+                continue
+            if global_batch % d:
+                rejected.append(Rejection({"t": t, "p": p, "d": d},
+                                          f"global batch {global_batch} not divisible by d={d}"))
+                continue
+            configs.extend(_inner_configs(profile, t, p, d, global_batch, pins, rejected))
+    return configs, rejected
+
+
+def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[Config]:
+    l = profile.num_layers
+    per_replica = global_batch // d
+    for b in _divisors(per_replica):
+        if not pins.allows("micro_batch_size", b) or (
+                b > MAX_MICRO_BATCH and pins.micro_batch_size is None):
+            continue
+        m = per_replica // b
+        if p > 1 and m < p:
+            rejected.append(Rejection({"t": t, "p": p, "d": d, "micro_batch_size": b},
+                                      f"only m={m} micro-batches for p={p} stages (need m >= p)"))
+            continue
+        for schedule, v in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
+            for recompute in RECOMPUTE:
+                if not pins.allows("recompute", recompute):
+                    continue
+                # with t = 1 (d = 1) sequence parallelism (ZeRO) is a no-op: one value,
+                # the pinned one if any
+                sps = (False, True) if t > 1 else (bool(pins.sequence_parallel),)
+                for sp in sps:
+                    if t > 1 and not pins.allows("sequence_parallel", sp):
+                        continue
+                    zeros = SCHEDULE_TRAITS[schedule].zero_levels if d > 1 else (
+                        pins.zero or 0,)
+                    if pins.zero is not None and pins.zero not in zeros:
+                        rejected.append(Rejection(
+                            {"t": t, "p": p, "d": d, "schedule": schedule, "zero": pins.zero},
+                            f"zero={pins.zero} is not supported with schedule {schedule!r} "
+                            f"(supported: {SCHEDULE_TRAITS[schedule].zero_levels})"))
+                    for zero in zeros:
+                        if d > 1 and not pins.allows("zero", zero):
+                            continue
+                        yield Config(t=t, p=p, d=d, v=v, micro_batch_size=b,
+                                     num_microbatches=m, schedule=schedule,
+                                     recompute=recompute, sequence_parallel=sp, zero=zero)
+
+
+def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int]]:
+    if p == 1:  # one stage: plain gradient accumulation, whatever the schedule is called
+        sched = pins.schedule if pins.schedule in ("gpipe", "1f1b") else "1f1b"
+        if pins.v not in (None, 1):
+            return
+        yield sched, 1
+        return
+    for schedule in SCHEDULE_TRAITS:
+        if not pins.allows("schedule", schedule):
+            continue
+        if not SCHEDULE_TRAITS[schedule].multi_chunk:
+            if pins.allows("v", 1):
+                yield schedule, 1
+            continue
+        vmax = l // p if pins.v else min(l // p, MAX_CHUNKS_PER_RANK)
+        for v in range(2, vmax + 1):
+            if not pins.allows("v", v):
+                continue
+            if m % p:
+                rejected.append(Rejection(
+                    dict(zip(("t", "p", "d", "micro_batch_size"), key), schedule=schedule, v=v),
+                    f"interleaving needs m % p == 0 (Megatron-LM); m={m}, p={p}"))
+                break
+            yield schedule, v
+
+
+# ----- bounds and a heuristic partition -----------------------------------------------------
+def _tail(cc: ConfigCosts, r: int, y: int) -> int:
+    return max(rank_tail_ns(cc, r, y))
+
+
+def _fixed_load(cc: ConfigCosts, r: int) -> int:
+    return rank_load_ns(cc, r, 0)
+
+
+def balance(fixed: list[int], slope: int, num_layers: int, v: int, caps: list[int],
+            tie: "Callable[[int, int], int] | None" = None) -> list[int] | None:
+    """Integer y_r in [v, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None.
+
+    Start every rank at or below the continuous water level (which no integer solution beats),
+    then hand out the remaining layers one by one to the rank whose level grows least (ties:
+    smallest `tie(r, y_r + 1)`); this greedy is exact for a max of increasing linear loads.
+    """
+    p = len(fixed)
+    if min(caps) < v or sum(caps) < num_layers:
+        return None
+    s = max(slope, 1)
+    level = (s * num_layers + sum(fixed)) / p
+    y = [max(v, min(caps[r], int((level - fixed[r]) // s))) for r in range(p)]
+    if sum(y) > num_layers:
+        y = [v] * p
+    tie = tie or (lambda r, n: 0)
+    heap = [(fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r) for r in range(p) if y[r] < caps[r]]
+    heapq.heapify(heap)
+    for _ in range(num_layers - sum(y)):
+        _, _, r = heapq.heappop(heap)
+        y[r] += 1
+        if y[r] < caps[r]:
+            heapq.heappush(heap, (fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r))
+    return y
+
+
+def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int:
+    """A lower bound of v·step time over all partitions (memory ignored): the least max load
+    and the least max tail, each minimised on its own over integer rank layer counts."""
+    p, v, m = cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches
+    loads0 = [_fixed_load(cc, r) for r in range(p)]
+    total = sum(loads0) + cc.layer_ns * num_layers
+    y = balance(loads0, cc.layer_ns, num_layers, v, [num_layers] * p)
+    max_load = max(loads0[r] + cc.layer_ns * y[r] for r in range(p))
+    per = cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
+    tails_avg = sum(rank_tail_ns(cc, r, 0)[0] for r in range(p)) + per * num_layers
+    tail = max(-(-tails_avg // p), max(_tail(cc, r, v) for r in range(p)))
+    return (m * v - 1) * max_load + total + v * tail
+
+
+def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
+    """min over fractional rank layer counts y_r >= v (sum l) of max_r memory_r(y_r).
+
+    Every rank holds >= v layers, so the level is at least L0 = max_r (c_r + a_r·v); above L0
+    rank r holds (L - c_r)/a_r layers, linear in L, so L* = max(L0, (l + Σ c/a) / Σ 1/a).
+    """
+    p, v = cc.cfg.p, cc.cfg.v
+    a, c = cc.mem_layer_bytes, cc.mem_fixed_bytes
+    floor = max(c[r] + a[r] * v for r in range(p))
+    if not all(a):
+        return float(floor)
+    level = (num_layers + sum(c[r] / a[r] for r in range(p))) / sum(1 / a[r] for r in range(p))
+    return max(float(floor), level)
+
+
+def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
+    """Rank layer counts that fit in memory with the least max load (ties: least tail), or
+    None when the greedy finds no split that fits. An upper bound for pruning, and the split
+    shown for alternatives; CP-SAT decides the chosen plan's split."""
+    p, v = cc.cfg.p, cc.cfg.v
+    if p * v > num_layers:
+        return None
+    caps = []
+    for r in range(p):
+        room = cc.capacity_bytes - cc.mem_fixed_bytes[r]
+        caps.append(num_layers if cc.mem_layer_bytes[r] == 0 else
+                    max(0, min(num_layers, room // cc.mem_layer_bytes[r])))
+    loads0 = [_fixed_load(cc, r) for r in range(p)]
+    return balance(loads0, cc.layer_ns, num_layers, v, caps, tie=lambda r, n: _tail(cc, r, n))
+
+
+def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
+    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank."""
+    x = [0] * (p * v)
+    for r in range(p):
+        q, rem = divmod(y[r], v)
+        for j in range(v):
+            x[j * p + r] = q + (1 if j < rem else 0)
+    return x
+
+
+# ----- the CP-SAT model ---------------------------------------------------------------------
+class _PlanModel:
+    """One CP-SAT model over the surviving combinations; see the module docstring."""
+
+    def __init__(self, candidates: list[ConfigCosts], num_layers: int,
+                 hint: tuple[int, list[int]] | None) -> None:
+        self.cands, self.l = candidates, num_layers
+        self.model = cp_model.CpModel()
+        self.W = math.lcm(*[cc.cfg.v for cc in candidates])
+        self.sel = [self.model.NewBoolVar(f"sel{k}") for k in range(len(candidates))]
+        self.x: dict[tuple[int, int], list[cp_model.IntVar]] = {}
+        self.y: dict[tuple[int, int], list[Any]] = {}
+        self.M: list[cp_model.IntVar] = []
+        self.D: list[cp_model.IntVar] = []
+        self._add_selection()
+        self._add_partition()
+        self._add_load_max()
+        self._add_tail_max()
+        self._add_memory()
+        self._set_objective()
+        if hint is not None:
+            self._add_hint(*hint)
+
+    def _add_selection(self) -> None:
+        self.model.AddExactlyOne(self.sel)
+
+    def _add_partition(self) -> None:
+        for cc in self.cands:
+            key = (cc.cfg.p, cc.cfg.v)
+            if key in self.x:
+                continue
+            p, v = key
+            xs = [self.model.NewIntVar(1, self.l - p * v + 1, f"x{p}_{v}_{c}")
+                  for c in range(p * v)]
+            self.model.Add(sum(xs) == self.l)
+            self.x[key] = xs
+            self.y[key] = [sum(xs[j * p + r] for j in range(v)) for r in range(p)]
+
+    def _ub(self, cc: ConfigCosts) -> tuple[int, int]:
+        p = cc.cfg.p
+        load = max(rank_load_ns(cc, r, self.l) for r in range(p))
+        tail = max(max(abs(q) for q in rank_tail_ns(cc, r, self.l)) for r in range(p))
+        return load, tail
+
+    def _add_load_max(self) -> None:
+        for k, cc in enumerate(self.cands):
+            y = self.y[(cc.cfg.p, cc.cfg.v)]
+            ub_load, _ = self._ub(cc)
+            mk = self.model.NewIntVar(0, ub_load, f"M{k}")
+            for r in range(cc.cfg.p):
+                load = cc.layer_ns * y[r] + _fixed_load(cc, r)
+                self.model.Add(mk >= load).OnlyEnforceIf(self.sel[k])
+            self.M.append(mk)
+
+    def _add_tail_max(self) -> None:
+        for k, cc in enumerate(self.cands):
+            y = self.y[(cc.cfg.p, cc.cfg.v)]
+            _, ub_tail = self._ub(cc)
+            dk = self.model.NewIntVar(0, ub_tail, f"D{k}")
+            for r in range(cc.cfg.p):
+                t0, o0 = rank_tail_ns(cc, r, 0)
+                per = cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
+                self.model.Add(dk >= per * y[r] + t0).OnlyEnforceIf(self.sel[k])
+                self.model.Add(dk >= cc.opt_layer_ns * y[r] + o0).OnlyEnforceIf(self.sel[k])
+            self.D.append(dk)
+
+    def _add_memory(self) -> None:
+        for k, cc in enumerate(self.cands):
+            y = self.y[(cc.cfg.p, cc.cfg.v)]
+            for r in range(cc.cfg.p):
+                self.model.Add(cc.mem_layer_bytes[r] * y[r] + cc.mem_fixed_bytes[r]
+                               <= cc.capacity_bytes).OnlyEnforceIf(self.sel[k])
+
+    def _set_objective(self) -> None:
+        terms = []
+        for k, cc in enumerate(self.cands):
+            p, v, m = cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches
+            s_total = sum(_fixed_load(cc, r) for r in range(p)) + cc.layer_ns * self.l
+            w = self.W // v
+            terms += [w * (m * v - 1) * self.M[k], w * s_total * self.sel[k],
+                      w * v * self.D[k]]
+        self.model.Minimize(sum(terms))
+
+    def _add_hint(self, k: int, y_hint: list[int]) -> None:
+        cc = self.cands[k]
+        x = chunks_from_ranks(y_hint, cc.cfg.p, cc.cfg.v)
+        for var, val in zip(self.x[(cc.cfg.p, cc.cfg.v)], x):
+            self.model.AddHint(var, val)
+        for j, s in enumerate(self.sel):
+            self.model.AddHint(s, j == k)
+
+    def solve(self) -> tuple[int, list[int], int, bool]:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = SOLVER_TIME_LIMIT_S
+        solver.parameters.num_workers = max(1, min(8, os.cpu_count() or 1))
+        status = solver.Solve(self.model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return -1, [], 0, False
+        k = next(j for j, s in enumerate(self.sel) if solver.Value(s))
+        cc = self.cands[k]
+        x = [solver.Value(var) for var in self.x[(cc.cfg.p, cc.cfg.v)]]
+        return k, x, int(solver.ObjectiveValue()), status == cp_model.OPTIMAL
+
+
+# ----- public entry point -------------------------------------------------------------------
+@dataclass
+class _Evaluated:
+    cc: ConfigCosts | None   # None when pruned before costing
+    cfg: Config
+    lb_s: float
+    y: list[int] | None = None
+    ub_s: float = math.inf
+    mem_lb: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _config_dict(cfg: Config) -> dict[str, Any]:
+    return {"t": cfg.t, "p": cfg.p, "d": cfg.d, "v": cfg.v,
+            "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
+            "schedule": cfg.schedule, "recompute": cfg.recompute,
+            "sequence_parallel": cfg.sequence_parallel, "zero": cfg.zero}
+
+
+def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
+              pins: Pins) -> None:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"solve: gpus={gpus!r} must be a positive integer")
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"solve: global_batch_size={global_batch!r} must be a positive integer "
+                         f"(sequences per optimizer step)")
+    for name in ("t", "p", "d", "v", "micro_batch_size"):
+        value = getattr(pins, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"solve: {name}={value!r} must be a positive integer or None")
+    if pins.schedule is not None and pins.schedule not in SCHEDULE_TRAITS:
+        raise ValueError(f"solve: schedule={pins.schedule!r}: the cost model supports "
+                         f"{sorted(SCHEDULE_TRAITS)}; leave it None to let the solver choose")
+    if pins.recompute is not None and pins.recompute not in RECOMPUTE:
+        raise ValueError(f"solve: recompute={pins.recompute!r} must be one of {RECOMPUTE}")
+    if pins.zero is not None and pins.zero not in ZERO_TRAITS:
+        raise ValueError(f"solve: zero={pins.zero!r} must be one of {sorted(ZERO_TRAITS)}")
+    if pins.t is not None:
+        why = _tensor_rule(profile, pins.t)
+        if why:
+            raise ValueError(f"solve: t={pins.t}: {why}; pick a t that divides them (the "
+                             f"vocabulary {profile.vocab} needs no rule: it is padded to a "
+                             f"multiple of 128·t)")
+    pinned = [(n, getattr(pins, n)) for n in ("t", "p", "d") if getattr(pins, n) is not None]
+    prod = math.prod(v for _, v in pinned)
+    if pinned and (gpus % prod or (len(pinned) == 3 and prod != gpus)):
+        text = "·".join(f"{n}={v}" for n, v in pinned)
+        raise ValueError(f"solve: pins {text} multiply to {prod}, which does not divide "
+                         f"gpus={gpus}; t·p·d must equal the GPU count: change a pin or gpus")
+    if pins.d is not None and global_batch % pins.d:
+        raise ValueError(f"solve: global_batch_size={global_batch} is not divisible by d="
+                         f"{pins.d}; every data-parallel replica needs the same number of "
+                         f"sequences: use a multiple of {pins.d}")
+    if pins.micro_batch_size is not None:
+        b = pins.micro_batch_size
+        dd = pins.d or 1
+        if global_batch % (b * dd):
+            raise ValueError(f"solve: global_batch_size={global_batch} does not split into "
+                             f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
+                             f"{b * dd}); change global_batch_size or micro_batch_size")
+    if pins.v is not None and pins.v > 1 and pins.schedule not in (None, "interleaved-1f1b"):
+        raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
+                         f"rank need schedule='interleaved-1f1b'; set v=1 or change schedule")
+
+
+def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_batch_size: int,
+          t: int | None = None, p: int | None = None, d: int | None = None,
+          v: int | None = None, micro_batch_size: int | None = None,
+          schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
+          sequence_parallel: bool | None = None, max_alternatives: int = 50) -> Plan:
+    """The predicted-fastest plan that fits in memory, with ranked alternatives."""
+    cluster = get_cluster(cluster)
+    pins = Pins(t=t, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
+                recompute=recompute, zero=zero, sequence_parallel=sequence_parallel)
+    _validate(profile, cluster, gpus, global_batch_size, pins)
+    t0 = time.perf_counter()
+    configs, rejected = enumerate_configs(profile, cluster, gpus, global_batch_size, pins)
+    if not configs:
+        raise ValueError(_no_config_message(profile, gpus, global_batch_size, pins, rejected))
+    evaluated, memory_fail, pruned = _evaluate(profile, cluster, configs)
+    feasible = evaluated
+    if not feasible:
+        raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail))
+    best_ub = min(e.ub_s for e in feasible)
+    survivors = [e for e in feasible if e.lb_s <= best_ub]
+    for e in feasible:
+        if e.lb_s > best_ub:
+            pruned.append(e)
+            e.note = f"slower: lower bound {e.lb_s:.4g} s > best {best_ub:.4g} s"
+    hint = None
+    if math.isfinite(best_ub):
+        kbest = min(range(len(survivors)), key=lambda j: survivors[j].ub_s)
+        hint = (kbest, survivors[kbest].y)
+    pm = _PlanModel([e.cc for e in survivors], profile.num_layers, hint)
+    k, x, _, optimal = pm.solve()
+    if k < 0:
+        raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail + survivors))
+    chosen = survivors[k]
+    p_, v_ = chosen.cc.cfg.p, chosen.cc.cfg.v
+    x = chunks_from_ranks(rank_layers(x, p_), p_, v_)
+    solve_s = time.perf_counter() - t0
+    return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
+                       memory_fail, rejected, max_alternatives, optimal, solve_s)
+
+
+def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                             memo: dict) -> int:
+    """v·step time lower bound from the loads alone: (m·v - 1)·ceil(S/p) + S (tail >= 0)."""
+    comp, tp, emb, head, p2p = load_parts_ns(profile, cluster, cfg, memo)
+    total = (comp + tp) * profile.num_layers + emb + head + cfg.p * p2p
+    max_load = max(-(-total // cfg.p), p2p + max(emb, head) + (comp + tp) * cfg.v)
+    return (cfg.num_microbatches * cfg.v - 1) * max_load + total
+
+
+def _evaluate(profile, cluster, configs):
+    """Cost the combinations in order of a cheap lower bound; stop costing once the bound
+    exceeds a feasible plan's step time (branch and bound: pruned ones cannot win)."""
+    l = profile.num_layers
+    evaluated, memory_fail, pruned = [], [], []
+    memo: dict = {}
+    quick = [quick_lower_bound_scaled(profile, cluster, cfg, memo) / cfg.v / 1e9
+             for cfg in configs]
+    order = sorted(range(len(configs)), key=lambda i: quick[i])
+    best_ub = math.inf
+    for i in order:
+        cfg = configs[i]
+        state = state_bytes_lower_bound(profile, cfg)
+        if state > cluster.usable_memory_bytes:
+            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], mem_lb=state, note=(
+                f"memory: weights, gradients and optimizer states alone need {state / GB:.1f} "
+                f"GB > {cluster.usable_memory_bytes / GB:.1f} GB usable per GPU")))
+            continue
+        if quick[i] > best_ub:
+            pruned.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], note=(
+                f"slower: lower bound {quick[i]:.4g} s > best {best_ub:.4g} s")))
+            continue
+        cc = config_costs(profile, cluster, cfg, memo)
+        e = _Evaluated(cc=cc, cfg=cfg, lb_s=lower_bound_scaled(cc, l) / cfg.v / 1e9)
+        if e.lb_s > best_ub:
+            e.note = f"slower: lower bound {e.lb_s:.4g} s > best {best_ub:.4g} s"
+            pruned.append(e)
+            continue
+        e.y = heuristic_partition(cc, l)
+        if e.y is not None:
+            e.ub_s = step_time_scaled(cc, e.y) / cfg.v / 1e9
+            best_ub = min(best_ub, e.ub_s)
+        else:
+            e.mem_lb = memory_lower_bound(cc, l)
+            if e.mem_lb > cc.capacity_bytes:
+                e.note = (f"memory: needs at least {e.mem_lb / GB:.1f} GB > "
+                          f"{cc.capacity_bytes / GB:.1f} GB usable per GPU")
+                memory_fail.append(e)
+                continue
+        evaluated.append(e)
+    return evaluated, memory_fail, pruned
+
+
+def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,
+                max_alternatives, optimal, solve_s) -> Plan:
+    cfg = cc.cfg
+    pred = predict(profile, cluster, cfg, x, costs=cc)
+    stages, first = [], 0
+    for c, n in enumerate(x):
+        stages.append(Stage(chunk=c, rank=c % cfg.p, first_layer=first, last_layer=first + n,
+                            embedding=c == 0, head=c == len(x) - 1))
+        first += n
+    alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
+                         max_alternatives, optimal, solve_s)
+    return Plan(t=cfg.t, p=cfg.p, d=cfg.d, v=cfg.v, micro_batch_size=cfg.micro_batch_size,
+                num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
+                recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel, zero=cfg.zero,
+                stages=tuple(stages), predicted=pred, global_batch_size=global_batch,
+                seq_len=profile.seq_len, cluster=cluster.name, model=profile.name,
+                num_layers=profile.num_layers, alternatives=tuple(alts))
+
+
+def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, limit, optimal,
+                  solve_s) -> list[Alternative]:
+    chosen_key = _config_dict(cc.cfg)
+    status = "optimal" if optimal else "best found within the time limit"
+    alts = [Alternative(config=chosen_key, predicted=pred, feasible=True,
+                        reason=f"chosen ({status}; CP-SAT solve {solve_s:.2f} s)")]
+    ranked = []
+    for e in others:
+        if e.cfg == cc.cfg:
+            continue
+        if e.y is not None and not e.note:
+            x = chunks_from_ranks(e.y, e.cc.cfg.p, e.cc.cfg.v)
+            pr = predict(profile, cluster, e.cc.cfg, x, costs=e.cc)
+            ranked.append(Alternative(
+                config=_config_dict(e.cc.cfg), predicted=pr, feasible=True,
+                reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s"))
+        elif not e.note:
+            ranked.append(Alternative(config=_config_dict(e.cfg), predicted=None,
+                                      feasible=False, reason="memory: no stage split found "
+                                      "that fits (heuristic); not chosen by CP-SAT"))
+    # the closest combinations pruned by their bound: price them too (heuristic split), so the
+    # explanation shows their cost terms; the rest keep the bound as their reason
+    bounded = sorted((e for e in others if e.note and e.cfg != cc.cfg), key=lambda e: e.lb_s)
+    keep = max(0, limit // 2)
+    for e in bounded[:keep]:
+        ecc = e.cc or config_costs(profile, cluster, e.cfg)
+        y = heuristic_partition(ecc, profile.num_layers)
+        if y is None:
+            continue
+        x = chunks_from_ranks(y, e.cfg.p, e.cfg.v)
+        pr = predict(profile, cluster, e.cfg, x, costs=ecc)
+        ranked.append(Alternative(
+            config=_config_dict(e.cfg), predicted=pr, feasible=True,
+            reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s "
+                   f"({e.note.removeprefix('slower: ')})"))
+    ranked.sort(key=lambda a: (not a.feasible, a.predicted.step_time_s if a.predicted else 0))
+    alts += ranked[:keep]
+    alts += [Alternative(config=_config_dict(e.cfg), predicted=None, feasible=False,
+                         reason=e.note) for e in bounded[keep: keep + max(0, limit // 4)]]
+    mem = sorted(memory_fail, key=lambda e: e.mem_lb)
+    alts += [Alternative(config=_config_dict(e.cfg), predicted=None, feasible=False,
+                         reason=e.note) for e in mem[: max(0, limit // 8)]]
+    rules, seen = [], set()
+    for r in rejected:  # one entry per distinct rule (e.g. "tensor group would span nodes")
+        key = re.sub(r"\d+", "#", r.reason)
+        if key not in seen:
+            seen.add(key)
+            rules.append(Alternative(config=r.config, predicted=None, feasible=False,
+                                     reason=r.reason))
+    rules = rules[: max(1, limit // 8)]
+    return alts[: max(1, limit + 1 - len(rules))] + rules
+
+
+def _no_config_message(profile, gpus, global_batch, pins, rejected) -> str:
+    reasons = sorted({r.reason for r in rejected})[:5]
+    return (f"solve: no configuration of {gpus} GPUs satisfies the rules and pins "
+            f"({', '.join(f'{k}={v}' for k, v in vars(pins).items() if v is not None) or 'none'})"
+            f" for global_batch_size={global_batch}: " + "; ".join(reasons)
+            + ". Fix: relax a pin, or use a GPU count / batch size with more divisors")
+
+
+def _no_fit_message(profile, cluster, gpus, pins, failed) -> str:
+    least = min((e.mem_lb for e in failed), default=math.inf)
+    helps = []
+    if pins.recompute not in (None, "full"):
+        helps.append("unpin recompute (full recompute keeps only layer inputs)")
+    if pins.zero is not None and pins.zero != 3:
+        helps.append("unpin zero (ZeRO-1/3 shard the optimizer states / weights)")
+    for knob in ("t", "p", "micro_batch_size"):
+        if getattr(pins, knob) is not None:
+            helps.append(f"unpin {knob}")
+    helps.append(f"more GPUs than {gpus} (more pipeline/tensor/data sharding)")
+    helps.append("a GPU with more memory")
+    cap = cluster.usable_memory_bytes
+    return (f"solve: model {profile.name!r} ({profile.params_elems / 1e9:.2f} B parameters) fits "
+            f"under no plan on {gpus} GPUs of {cluster.name}: the least memory any plan needs is "
+            f"{least / GB:.1f} GB per GPU > {cap / GB:.1f} GB usable. Fix: "
+            + "; or ".join(helps))
