@@ -109,9 +109,9 @@ class ModelProfile:
 
     @property
     def params_elems(self) -> int:
-        shared = self.embedding.params_elems if self.tied_embeddings else 0
+        # A tied head does not count the shared weight again (its params exclude it).
         return (self.embedding.params_elems + self.num_layers * self.block.params_elems
-                + self.head.params_elems - shared)
+                + self.head.params_elems)
 
     def fwd_flops_per_seq(self) -> int:
         """Model FLOPs of one forward pass of one sequence (GEMMs only)."""

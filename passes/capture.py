@@ -1,18 +1,36 @@
 """Capture a user's model (and loss) as an FX graph with torch.export (non-strict).
 
-Requires: an nn.Module on real or meta tensors, example inputs, optionally loss_fn and targets.
+Requires: an nn.Module on real or meta tensors, example inputs on the same device, optionally
+  loss_fn(model_output, targets) and targets (the output is passed to loss_fn as is, so a
+  transformers ModelOutput works).
 Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes carry
   meta["val"] (FakeTensor: shape/dtype), meta["nn_module_stack"] (the module path of the
-  user's code), meta["stack_trace"] (user source line); parameters and buffers are get_attr
-  nodes with the user's fully qualified names, so a state dict maps 1:1.
+  user's code, prefixed by `Captured.prefix`), meta["stack_trace"] (user source line);
+  parameters and buffers are get_attr nodes with the user's fully qualified names (plus the
+  prefix), so a state dict maps 1:1.
+  With `repeat_limit=r`, every repeated block container (found structurally: a ModuleList /
+  Sequential whose children all have the same class and parameter shapes) is cut to its first r
+  children for the export and restored afterwards; `Captured.repeats` records the true lengths.
+  Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
+  graph (repeat_limit=None).
+Errors: a model torch.export cannot trace raises `CaptureError` naming the user's source line,
+  the original error and a fix.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+import contextlib
+import os
+import sysconfig
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
+
+
+class CaptureError(ValueError):
+    """torch.export could not trace the model; the message names the user's line and a fix."""
 
 
 class _WithLoss(torch.nn.Module):
@@ -32,20 +50,209 @@ class _WithLoss(torch.nn.Module):
 
 @dataclass
 class Captured:
-    """The captured program. `gm` is runnable (same numerics as the model)."""
+    """The captured program. `gm` is runnable (same numerics as the model).
+
+    repeats: {container path in the user's model (no prefix): true number of children} for
+    every container that `repeat_limit` truncated; empty for a full capture. Use
+    `repeat_count(path)` to look a container up by its graph path (with the prefix).
+    """
     gm: torch.fx.GraphModule
     exported: torch.export.ExportedProgram
     model: torch.nn.Module
     has_loss: bool
-    prefix: str  # module-path prefix added by the loss wrapper ("model." or "")
+    prefix: str  # module-path prefix added by the loss wrapper ("model.")
+    example_inputs: tuple = ()
+    targets: torch.Tensor | None = None
+    repeats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        """Batch size of the example (dim 0 of the first tensor input)."""
+        first = next(a for a in self.example_inputs if torch.is_tensor(a))
+        return int(first.shape[0]) if first.dim() else 1
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.repeats)
+
+    def repeat_count(self, graph_path: str, default: int) -> int:
+        """True child count of the container at `graph_path` (as in nn_module_stack)."""
+        path = graph_path[len(self.prefix):] if graph_path.startswith(self.prefix) else graph_path
+        return self.repeats.get(path, default)
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
-            targets: torch.Tensor | None = None) -> Captured:
-    """torch.export (non-strict) of `model` (+ `loss_fn(model(*inputs), targets)`)."""
-    wrapper = _WithLoss(model, loss_fn if targets is not None else None)
-    args = tuple(example_inputs) + ((targets,) if targets is not None and loss_fn else ())
-    exported = torch.export.export(wrapper, args, strict=False)
+            targets: torch.Tensor | None = None, *, repeat_limit: int | None = None) -> Captured:
+    """torch.export (non-strict) of `model` (+ `loss_fn(model(*inputs), targets)`).
+
+    If loss_fn is given without targets, language-model targets are made: zeros shaped like the
+    first input (token ids), which is all the graph needs (shapes, not values).
+    """
+    example_inputs = _check_inputs(model, example_inputs, loss_fn, targets, repeat_limit)
+    if loss_fn is not None and targets is None:
+        targets = _default_targets(example_inputs)
+    if targets is not None and any(torch.is_tensor(a) and a.is_meta for a in example_inputs):
+        targets = targets.to("meta")
+    if targets is not None and any(targets is a for a in example_inputs):
+        targets = targets.clone()  # export would merge the two into one graph input
+    wrapper = _WithLoss(model, loss_fn)
+    args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
+    repeats: dict[str, int] = {}
+    if repeat_limit is not None:
+        try:
+            with truncate_repeats(model, repeat_limit) as repeats:
+                exported = _export(wrapper, args)
+        except CaptureError:
+            repeats = {}  # truncation broke the model (it may index its blocks): export it whole
+            exported = _export(wrapper, args)
+    else:
+        exported = _export(wrapper, args)
     gm = exported.module()
-    return Captured(gm=gm, exported=exported, model=model,
-                    has_loss=targets is not None and loss_fn is not None, prefix="model.")
+    return Captured(gm=gm, exported=exported, model=model, has_loss=loss_fn is not None,
+                    prefix="model.", example_inputs=tuple(example_inputs), targets=targets,
+                    repeats=dict(repeats))
+
+
+# ----- repeated containers ---------------------------------------------------------------------
+
+def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
+    """{path: len} of the outermost ModuleList/Sequential containers whose ≥2 children share
+    class, parameter names and shapes. Structural: attribute names are never consulted."""
+    found: dict[str, int] = {}
+    for path, module in model.named_modules():
+        if any(path == p or path.startswith(p + ".") for p in found):
+            continue  # inside a repeated block: its own lists (e.g. experts) stay whole
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) >= 2 and len({_signature(c) for c in children}) == 1:
+            found[path] = len(children)
+    return found
+
+
+def _signature(module: torch.nn.Module) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return (type(module), params)
+
+
+@contextlib.contextmanager
+def truncate_repeats(model: torch.nn.Module, limit: int) -> Iterator[dict[str, int]]:
+    """Temporarily keep only the first `limit` children of each repeated container (in place,
+    so the model's own references to the container still work); yields {path: true length}
+    of those actually cut. Restores the children on exit, also on error."""
+    saved: list[tuple[torch.nn.Module, dict]] = []
+    cut: dict[str, int] = {}
+    try:
+        for path, length in find_repeated_containers(model).items():
+            if length <= limit:
+                continue
+            container = model.get_submodule(path) if path else model
+            original = dict(container._modules)
+            saved.append((container, original))
+            container._modules = dict(list(original.items())[:limit])
+            cut[path] = length
+        yield cut
+    finally:
+        for container, original in saved:
+            container._modules = original
+
+
+# ----- export and its errors -------------------------------------------------------------------
+
+def _export(wrapper: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(wrapper, args, strict=False)
+    except Exception as exc:  # torch.export raises many types; all become one clear error
+        raise CaptureError(_explain_failure(exc)) from exc
+
+
+def _explain_failure(exc: BaseException) -> str:
+    where = _user_frame(exc)
+    location = f"{where.filename}:{where.lineno} ({where.name}: {where.line})" if where \
+        else "(no frame outside torch/autopar: see the original error)"
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return (f"autopar could not capture the model with torch.export (non-strict).\n"
+            f"  at {location}\n"
+            f"  error: {type(exc).__name__}: {first_line}\n"
+            f"  fix: {_suggest_fix(exc)}")
+
+
+def _suggest_fix(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}".lower()
+    if any(k in text for k in ("data-dependent", "datadependent", "guardondatadependent",
+                               "could not guard", "could not extract specialized integer",
+                               ".item()", "symbool", "unbacked")):
+        return ("the model branches on or converts tensor VALUES (`if x.sum() > 0:`, .item(), "
+                ".tolist(), bool(tensor)); the graph must be the same for every input: use "
+                "torch.where / torch.cond for value-dependent choices, and take sizes from "
+                ".shape, not from tensor contents")
+    if "device" in text and ("meta" in text or "expected all tensors" in text):
+        return ("the model and the example inputs must be on the same device: a model built "
+                "under torch.device('meta') needs example inputs with device='meta'")
+    if "dtype" in text or "expected scalar type" in text:
+        return "check the dtypes of the example inputs (token ids must be torch.long)"
+    if "shape" in text or "size mismatch" in text or "must match the size" in text:
+        return ("the example inputs have a shape the model rejects: run model(*example_inputs) "
+                "once outside autopar to check them (e.g. sequence longer than the position table)")
+    return ("run model(*example_inputs) (and loss_fn) outside autopar to check they work; "
+            "arbitrary Python is fine (export is non-strict), but the traced tensor program "
+            "must not depend on tensor values")
+
+
+_SKIP_DIRS = tuple(os.path.realpath(p) + os.sep for p in (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(__file__),                                   # autopar.passes
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "autopar"),
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "cost"),
+    sysconfig.get_paths()["stdlib"],
+))
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """Innermost frame of the user's code over the exception and its causes."""
+    best = None
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame in traceback.extract_tb(exc.__traceback__):
+            path = os.path.realpath(frame.filename)
+            if not path.startswith(_SKIP_DIRS) and not frame.filename.startswith("<"):
+                best = frame  # later frames are deeper
+        if best is not None:
+            return best
+        exc = exc.__cause__ or exc.__context__
+    return best
+
+
+# ----- input checks ----------------------------------------------------------------------------
+
+def _check_inputs(model: Any, example_inputs: Any, loss_fn: Any, targets: Any,
+                  repeat_limit: int | None) -> tuple:
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"capture: model is a {type(model).__name__}; it must be a "
+                         f"torch.nn.Module")
+    if torch.is_tensor(example_inputs):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)) or not any(
+            torch.is_tensor(a) for a in example_inputs):
+        raise ValueError(f"capture: example_inputs={type(example_inputs).__name__} must be a "
+                         f"tuple of tensors, e.g. (input_ids,)")
+    if targets is not None and loss_fn is None:
+        raise ValueError("capture: targets were given without loss_fn; pass loss_fn (e.g. "
+                         "autopar.cross_entropy) or drop the targets")
+    if repeat_limit is not None and (not isinstance(repeat_limit, int) or repeat_limit < 2):
+        raise ValueError(f"capture: repeat_limit={repeat_limit!r} must be an integer >= 2 "
+                         f"(two blocks are needed to recognise a repeated block) or None")
+    if any(p.is_meta for p in model.parameters()):
+        # a meta model plans from shapes only: meet it on the meta device
+        example_inputs = [a.to("meta") if torch.is_tensor(a) else a for a in example_inputs]
+    return tuple(example_inputs)
+
+
+def _default_targets(example_inputs: tuple) -> torch.Tensor:
+    first = next(a for a in example_inputs if torch.is_tensor(a))
+    if first.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"capture: loss_fn given without targets and the first input has "
+                         f"dtype {first.dtype}, so language-model targets cannot be made; "
+                         f"pass targets explicitly")
+    return torch.zeros_like(first, dtype=torch.long)

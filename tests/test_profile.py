@@ -1,0 +1,137 @@
+"""Graph profile vs the textbook profile (2104.04473 / 2205.05198), and planning speed.
+
+Differences from `transformer_profile` that the graph measures and the textbook omits, each
+asserted exactly below (s tokens, h hidden, a heads, 2-byte activations):
+  - layer-norm statistics (mean, rstd: s floats each per norm) are saved: +4·s bytes per norm;
+  - the embedding saves its int64 indices (token ids s·8 bytes, position ids s·8);
+  - with dropout 0 nothing saves dropout masks: the textbook's 2·s·h mask bytes per block
+    (replicated), s·h in the embedding, and 3·a·s² of the attention (mask + dropout output) vanish;
+  - the head saves the log-softmax at 2 bytes per element (textbook: fp32 logits, 4 bytes);
+  - transformers GPT-2's NewGELU is unfused: it saves 3 more (s × 4h) tensors.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from conftest import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, captured_tiny
+
+from autopar.cost.profile import transformer_profile
+from autopar.examples.gpt import GPT, gpt_preset, lm_cross_entropy
+from autopar.passes.capture import capture
+from autopar.passes.layers import find_layers
+from autopar.passes.profile import profile_from_graph
+
+S, H, A = SEQ, HIDDEN, HEADS
+
+
+def _profile(name, repeat_limit=None):
+    _, cap = captured_tiny(name, repeat_limit)
+    return profile_from_graph(cap, find_layers(cap), name=name)
+
+
+def _textbook(**kw):
+    return transformer_profile(num_layers=LAYERS, hidden=H, heads=A, seq_len=S, vocab=VOCAB, **kw)
+
+
+def _check_flops_and_params(p, t):
+    assert (p.hidden, p.heads, p.kv_heads, p.vocab, p.ffn, p.num_layers, p.seq_len) == \
+        (t.hidden, t.heads, t.kv_heads, t.vocab, t.ffn, t.num_layers, t.seq_len)
+    assert p.fwd_flops_per_seq() == t.fwd_flops_per_seq()
+    for a, b in ((p.embedding, t.embedding), (p.block, t.block), (p.head, t.head)):
+        assert a.fwd_flops == b.fwd_flops, a.kind
+        assert (a.params_split_elems, a.params_replicated_elems) == \
+            (b.params_split_elems, b.params_replicated_elems), a.kind
+        assert [g.tp_split for g in a.gemms if g.batch == 1 or g.tp_split != "batch"] == \
+            [g.tp_split for g in b.gemms if g.batch == 1 or g.tp_split != "batch"], a.kind
+        assert a.tp_allreduce_elems == b.tp_allreduce_elems, a.kind
+        assert a.input_bytes == b.input_bytes, a.kind
+    assert p.tied_embeddings and t.tied_embeddings
+
+
+def _check_activations(p, t, extra_split_block=0):
+    norm_stats = 4 * S  # per layer norm: mean + rstd, s values at 2 bytes
+    b, tb = p.block, t.block
+    assert b.act_replicated_bytes == tb.act_replicated_bytes - 2 * S * H  # no dropout masks
+    assert b.act_split_bytes == tb.act_split_bytes + 2 * norm_stats + extra_split_block
+    assert b.act_attention_bytes == tb.act_attention_bytes - 3 * A * S * S  # softmax only
+    e, te = p.embedding, t.embedding
+    assert e.act_replicated_bytes == te.act_replicated_bytes - S * H
+    assert e.act_split_bytes == 2 * S * 8  # token and position indices (int64)
+    h, th = p.head, t.head
+    assert h.act_replicated_bytes == th.act_replicated_bytes
+    # 16-bit log-softmax instead of fp32 logits; + final-norm stats; + int64 targets;
+    # + cross-entropy's saved scalar (total weight, 2 bytes over the example batch of 2)
+    assert h.act_split_bytes == th.act_split_bytes // 2 + norm_stats + S * 8 + 1
+    # overall: within 20% of the textbook block (whose dropout bytes are 2sh + 3as²)
+    total = b.act_split_bytes + b.act_replicated_bytes + b.act_attention_bytes
+    ref = tb.act_split_bytes + tb.act_replicated_bytes + tb.act_attention_bytes
+    assert abs(total - extra_split_block - ref) / ref < 0.20
+
+
+def test_gpt_matches_textbook():
+    p, t = _profile("gpt"), _textbook()
+    _check_flops_and_params(p, t)
+    _check_activations(p, t)
+
+
+def test_hf_gpt2_matches_textbook():
+    p, t = _profile("hf-gpt2"), _textbook()
+    _check_flops_and_params(p, t)
+    _check_activations(p, t, extra_split_block=3 * S * 4 * H * 2)
+
+
+def test_gpt_with_dropout_matches_textbook_masks():
+    from conftest import make_tiny, tiny_batch
+    model = make_tiny("gpt", dropout=0.1)
+    ids, tgt = tiny_batch()
+    cap = capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=2)
+    p, t = profile_from_graph(cap, find_layers(cap)), _textbook()
+    assert p.block.act_replicated_bytes == t.block.act_replicated_bytes  # 1-byte masks
+    assert p.embedding.act_replicated_bytes == t.embedding.act_replicated_bytes
+    # sdpa's math path keeps its dropout mask at 2 bytes (the textbook's fused kernel: 1)
+    assert p.block.act_attention_bytes == t.block.act_attention_bytes + A * S * S
+
+
+def test_llama_style_dims_and_flops():
+    p = _profile("llama-style")
+    t = _textbook(kv_heads=2, ffn=80, gated_mlp=True, tied_embeddings=False)
+    assert (p.kv_heads, p.ffn, p.heads, p.hidden, p.tied_embeddings) == (2, 80, A, H, False)
+    assert p.fwd_flops_per_seq() == t.fwd_flops_per_seq()
+    assert [g.tp_split for g in p.block.gemms] == ["n", "n", "n", "batch", "batch", "k",
+                                                   "n", "n", "k"]
+    # no biases; RMSNorm has a weight only: two norms of h each
+    assert p.block.params_replicated_elems == 2 * H
+    assert p.head.params_split_elems == VOCAB * H  # untied LM head, vocab-parallel
+
+
+def test_hf_llama_and_bert_profiles():
+    llama = _profile("hf-llama")
+    assert (llama.kv_heads, llama.ffn, llama.num_layers) == (2, 80, LAYERS)
+    bert = _profile("hf-bert")
+    assert (bert.heads, bert.ffn, bert.hidden) == (A, 4 * H, H)
+    # BERT's MLM head has a dense transform (replicated) before the vocab projection
+    assert [g.tp_split for g in bert.head.gemms] == [None, "n"]
+
+
+def test_truncated_capture_profiles_like_full_capture():
+    full, cut = _profile("gpt"), _profile("gpt", 2)
+    assert cut.num_layers == full.num_layers == LAYERS
+    assert cut.block == full.block and cut.embedding == full.embedding and cut.head == full.head
+
+
+def test_plan_175b_from_meta_timing():
+    """Not a timed assertion: prints the end-to-end time of capture + layers + profile."""
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(gpt_preset("gpt3-175b"))
+    ids = torch.empty(1, 2048, dtype=torch.long, device="meta")
+    t1 = time.perf_counter()
+    cap = capture(model, (ids,), lm_cross_entropy, repeat_limit=2)
+    s = find_layers(cap)
+    p = profile_from_graph(cap, s, name="gpt3-175b")
+    t2 = time.perf_counter()
+    print(f"\n175B meta: build {t1 - t0:.2f} s, capture+layers+profile {t2 - t1:.2f} s")
+    t = transformer_profile(num_layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200)
+    assert p.num_layers == 96 and p.fwd_flops_per_seq() == t.fwd_flops_per_seq()
+    assert p.block.params_elems == t.block.params_elems
