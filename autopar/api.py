@@ -93,7 +93,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         example_targets = _default_targets(example_inputs)
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
-    structure = find_layers(captured.gm)
+    structure = find_layers(captured)
     seq_len = int(example_inputs[0].shape[1]) if example_inputs[0].dim() > 1 else 1
     profile = profile_from_graph(captured, structure, seq_len=seq_len,
                                  name=name or type(model).__name__)

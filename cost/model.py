@@ -21,14 +21,32 @@ Mechanisms (one each, no per-configuration constants):
   For equal loads this is m*tau*(1 + (p-1)/(v*m)): the published bubble (p-1)/m for GPipe/1F1B
   and (p-1)/(v*m) for interleaved 1F1B; for unequal loads the slowest rank sets the steady
   state and the others' loads fill the ramp-up/down. bubble_fraction = bubble / (m * max tau).
-- Data parallel: one gradient reduction per step per pipeline rank (ZeRO-1: reduce-scatter of
-  gradients + all-gather of 16-bit weights, the same volume), of which at most DP_OVERLAP of the
-  last micro-batch's backward can hide it (bucketed reduction starts as soon as a bucket's
-  gradients are final). Then the optimizer step (Adam, memory bound).
+  Breadth-first (2211.05953) has the same bubble: with equal chunks and asynchronous sends its
+  event simulation (cost/simulate.py, blocking=False) idles exactly (p-1)·tau/v per rank, like
+  interleaved 1F1B (tests/test_breadth_first_planner.py checks all four schedules).
+- Data parallel, 1F1B / interleaved / GPipe: one gradient reduction per step per pipeline rank
+  (ZeRO-1: reduce-scatter of gradients + all-gather of 16-bit weights, the same volume), of which
+  at most DP_OVERLAP of the last micro-batch's backward can hide it. Then the optimizer step
+  (Adam, memory bound).
+- Data parallel, breadth-first (chunk-major: each pass runs all m micro-batches of a chunk back
+  to back): chunk k's reduction R (ZeRO-0 all-reduce, ZeRO-1/3 reduce-scatter) starts when its
+  last backward ends, on a separate stream, and runs under the m backwards of the next chunk
+  (W_b = m · backward of a chunk). Per rank with v equal chunks the stream exposes
+      R/v (the last chunk's) + (v-1)/v · max(0, R - W_b)   (per-layer form, linear in y_r)
+  ZeRO-1 adds the all-gather of updated weights after the optimizer, exposed. ZeRO-3 (weights,
+  grads and optimizer sharded, 18/d B per parameter) gathers each chunk's weights once per pass
+  (2 all-gathers G per chunk per step), prefetched during the previous chunk:
+      exposed = (G + R)/v + (v-1)/v · (max(0, G - W_f) + max(0, G + R - W_b)),
+  the first chunk's gather, the last chunk's reduce-scatter and any excess of communication
+  over compute. 1F1B / interleaved would gather for every micro-batch (priced per micro-batch
+  in load_parts_s; the solver does not offer it).
 - Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
   recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
-  (SCHEDULE_TRAITS), embedding on the first and head (+ tied embedding copy) on the last
-  rank, and the cluster's reserve.
+  (SCHEDULE_TRAITS; breadth-first: all m micro-batches of all v chunks, v·m, as
+  autopar.schedules.peak_inflight counts on its action lists), embedding on the first and head
+  (+ tied embedding copy) on the last rank, and the cluster's reserve. ZeRO-3 under
+  breadth-first holds the gathered working set of two chunks (computing + prefetched weights,
+  fp32 gradient accumulator + 16-bit reduce-scatter buffer): 10/v B per parameter of the rank.
 """
 from __future__ import annotations
 
@@ -101,7 +119,8 @@ class ScheduleTraits:
     """What the cost model needs from a pipeline schedule.
 
     inflight(p, v, m, r): chunk-micro-batches whose activations rank r holds at its peak.
-    dp_overlap: fraction of the last micro-batch's backward that can hide the DP reduction.
+    dp_overlap: fraction of the last micro-batch's backward that can hide the DP reduction
+    (schedules that are not chunk-major).
     zero_levels: the ZeRO levels the schedule supports (ZeRO-3 belongs with breadth-first,
     which gathers each chunk's weights once per step, see issue 6).
     """
@@ -109,6 +128,10 @@ class ScheduleTraits:
     inflight: Callable[[int, int, int, int], int]
     dp_overlap: float = DP_OVERLAP
     zero_levels: tuple[int, ...] = (0, 1)
+    # all micro-batches of a chunk run back to back in each pass: a chunk's gradients are final
+    # once per step (its reduction overlaps later chunks' backward) and ZeRO-3 gathers its
+    # weights once per pass instead of once per micro-batch
+    chunk_major: bool = False
 
 
 def _inflight_gpipe(p: int, v: int, m: int, r: int) -> int:
@@ -125,10 +148,16 @@ def _inflight_interleaved(p: int, v: int, m: int, r: int) -> int:
     return min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
 
 
+def _inflight_breadth_first(p: int, v: int, m: int, r: int) -> int:
+    return m * v  # every chunk's forward of every micro-batch runs before the first backward
+
+
 SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
     "gpipe": ScheduleTraits(multi_chunk=False, inflight=_inflight_gpipe),
     "1f1b": ScheduleTraits(multi_chunk=False, inflight=_inflight_1f1b),
     "interleaved-1f1b": ScheduleTraits(multi_chunk=True, inflight=_inflight_interleaved),
+    "breadth-first": ScheduleTraits(multi_chunk=True, inflight=_inflight_breadth_first,
+                                    zero_levels=(0, 1, 3), chunk_major=True),
 }
 
 
@@ -136,8 +165,8 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
 class ZeroTraits:
     """Bytes per parameter (weights, grads, optimizer) as functions of d, and DP traffic.
 
-    per_microbatch_gather: weights are all-gathered for every forward and backward pass of
-    every micro-batch (ZeRO-3 under 1F1B-style schedules; prefetch hides it behind compute).
+    per_microbatch_gather: weights are all-gathered for every forward and backward pass (of
+    every micro-batch under 1F1B-style schedules; of every chunk under chunk-major ones).
     """
     weight_bytes: Callable[[int], float]
     grad_bytes: Callable[[int], float]
@@ -150,7 +179,7 @@ ZERO_TRAITS: dict[int, ZeroTraits] = {
     0: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0, sharded_optimizer=False),
     1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),
     # ZeRO-3: 16-bit weights, fp32 grads and optimizer states all sharded; the gathered
-    # weights of one layer (+ one prefetched) live in a buffer counted in activations.
+    # working set is added in _memory_coefficients (per schedule).
     3: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
                   sharded_optimizer=True, per_microbatch_gather=True),
 }
@@ -277,8 +306,9 @@ class ConfigCosts:
 
 
 def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
-                   sp: bool, tp_inter: bool) -> tuple[float, float]:
-    """(compute_s, tp_comm_s) of one block for one micro-batch: forward, backward, recompute."""
+                   sp: bool, tp_inter: bool) -> tuple[float, float, float]:
+    """(compute_s, tp_comm_s, forward_pass_s) of one block for one micro-batch: compute_s is
+    forward + backward + recompute; forward_pass_s the forward with its TP collectives."""
     blk, e = profile.block, profile.activation_bytes_per_elem
     gemm = [_local_gemm_time_s(cluster, g, t, b, e) for g in blk.gemms]
     fwd_gemm = sum(gemm)
@@ -305,7 +335,8 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
         one = n_coll * allreduce_s(cluster, ar_bytes / n_coll, t, tp_inter)
         extra = 0.0
     passes = 3 if recompute == "full" else 2
-    return fwd + bwd + rec, (passes * one + extra if blk.tp_allreduce_elems else 0.0)
+    tp = passes * one + extra if blk.tp_allreduce_elems else 0.0
+    return fwd + bwd + rec, tp, fwd + (one if blk.tp_allreduce_elems else 0.0)
 
 
 def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bool,
@@ -371,14 +402,14 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     key = ("layer", t, b, cfg.recompute, sp, tp_inter)
     if key not in memo:
         memo[key] = _block_times_s(profile, cluster, t, b, cfg.recompute, sp, tp_inter)
-    comp_s, tp_s = memo[key]
+    comp_s, tp_s, _ = memo[key]
     key = ("edge", t, b, sp, tp_inter)
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
     emb_s, head_s = memo[key]
     zt = ZERO_TRAITS[cfg.zero]
-    if zt.per_microbatch_gather and d > 1:
-        # every pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
+    if zt.per_microbatch_gather and d > 1 and not SCHEDULE_TRAITS[cfg.schedule].chunk_major:
+        # 1F1B-style schedules: every micro-batch's pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
         # prefetching hides it behind the layer's compute, the excess is exposed
         dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
         block_p = _params(profile, t)[0]
@@ -412,35 +443,13 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                  memo: dict | None = None) -> ConfigCosts:
     t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
     sp = cfg.sequence_parallel and t > 1
-    gpus = cfg.gpus
-    dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=gpus)
-    pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=gpus)
-    sched, zt = SCHEDULE_TRAITS[cfg.schedule], ZERO_TRAITS[cfg.zero]
+    zt = ZERO_TRAITS[cfg.zero]
     comp_ns, tp_ns, emb_ns, head_ns, p2p_ns = load_parts_ns(profile, cluster, cfg, memo)
     comp_s = comp_ns / NS
     block_p, emb_p, head_p = _params(profile, t)
 
-    # data parallel: one reduction of this rank's gradients per step
-    def dp_time(params: float) -> float:
-        if d <= 1 or zt.per_microbatch_gather:
-            return 0.0
-        if zt.sharded_optimizer:  # reduce-scatter grads + all-gather 16-bit weights
-            return (allgather_s(cluster, GRAD_REDUCE_BYTES * params, d, dp_inter)
-                    + allgather_s(cluster, 2 * params, d, dp_inter)
-                    - _link(cluster, dp_inter)[1])  # one latency: bucketed, pipelined
-        return allreduce_s(cluster, GRAD_REDUCE_BYTES * params, d, dp_inter)
-
-    tied_sync = 0.0
-    if profile.tied_embeddings and p > 1:  # first and last stage sum the shared embedding grad
-        tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * profile.embedding.params_split_elems
-                                / t, 2, pp_inter)
-    lat = _link(cluster, dp_inter)[1] if d > 1 and not zt.per_microbatch_gather else 0.0
-    dp_layer = dp_time(block_p) - lat if d > 1 else 0.0  # latency counted once per rank
-    dp_first = (dp_time(emb_p) if d > 1 else 0.0) + tied_sync
-    dp_last = (dp_time(head_p) if d > 1 else 0.0) + tied_sync
-    if d > 1 and p > 1:
-        dp_last += lat  # the last rank's reduction also pays its own latency once
-    window_layer = sched.dp_overlap * comp_s * (2.0 / 3.0)  # backward ≈ 2/3 of fwd+bwd
+    dp_layer, window_layer, dp_first, dp_last = _dp_terms_s(
+        profile, cluster, cfg, memo, block_p, emb_p, head_p, comp_s)
 
     own = 1.0 / d if zt.sharded_optimizer else 1.0
     adam = lambda params: params * own * ADAM_BYTES_PER_PARAM / (  # noqa: E731
@@ -464,6 +473,64 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         flops_per_step=B * (3 * flops_fwd_seq + rec_seq),
         model_flops_per_step=B * 3 * flops_fwd_seq,
         mem_parts=parts, mem_fixed_parts=fparts)
+
+
+def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict | None,
+                block_p: float, emb_p: float, head_p: float, comp_s: float
+                ) -> tuple[float, float, float, float]:
+    """Data-parallel seconds per step: (per layer of the rank, hidden per layer, rank 0 extra,
+    rank p-1 extra). Exposed per layer = first - second (see the module docstring).
+
+    Per-layer terms are bandwidth only; each rank's collective latency is counted once in the
+    edge terms (bucketed, pipelined collectives).
+    """
+    t, p, d, v, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.num_microbatches
+    sched, zt = SCHEDULE_TRAITS[cfg.schedule], ZERO_TRAITS[cfg.zero]
+    dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
+    pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
+    tied_sync = 0.0
+    if profile.tied_embeddings and p > 1:  # first and last stage sum the shared embedding grad
+        tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * profile.embedding.params_split_elems
+                                / t, 2, pp_inter)
+    zero3 = zt.per_microbatch_gather
+    if d <= 1 or (zero3 and not sched.chunk_major):  # ZeRO-3 under 1F1B: in the load
+        return 0.0, 0.0, tied_sync, tied_sync
+    lat = _link(cluster, dp_inter)[1]
+    gather = lambda n: allgather_s(cluster, 2 * n, d, dp_inter)  # noqa: E731 16-bit weights
+    if zt.sharded_optimizer:  # reduce-scatter of the gradients
+        reduce = lambda n: allgather_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
+    else:
+        reduce = lambda n: allreduce_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
+    if zero3:    # 2 gathers + 1 reduce-scatter of the edge weights, not hidden
+        edge = lambda n: 2 * gather(n) + reduce(n) - 2 * lat  # noqa: E731
+    elif zt.sharded_optimizer:  # reduce-scatter grads + all-gather 16-bit weights
+        edge = lambda n: reduce(n) + gather(n) - lat  # noqa: E731
+    else:
+        edge = reduce
+    dp_first = edge(emb_p) + tied_sync
+    dp_last = edge(head_p) + tied_sync + (lat if p > 1 else 0.0)
+    G, R = gather(block_p) - lat, reduce(block_p) - lat
+    if not sched.chunk_major:
+        dp_layer = R + (G if zt.sharded_optimizer else 0.0)
+        return dp_layer, sched.dp_overlap * comp_s * (2.0 / 3.0), dp_first, dp_last
+    # chunk-major: a chunk's m forwards (W_f) / m backwards (W_b) hide the next chunk's traffic
+    key = ("layer", t, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel and t > 1,
+           group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus))
+    if memo is None or key not in memo:
+        times = _block_times_s(profile, cluster, t, cfg.micro_batch_size, cfg.recompute,
+                               *key[4:])
+        if memo is not None:
+            memo[key] = times
+    comp, tp, fwd = memo[key] if memo is not None else times
+    w_f, w_b = m * fwd, m * (comp + tp - fwd)
+    if zero3:
+        dp_layer = 2 * G + R
+        exposed = (G + R) / v + (v - 1) / v * (max(0.0, G - w_f) + max(0.0, G + R - w_b))
+    else:
+        after_step = G if zt.sharded_optimizer else 0.0  # ZeRO-1 weight gather, exposed
+        dp_layer = R + after_step
+        exposed = R / v + (v - 1) / v * max(0.0, R - w_b) + after_step
+    return dp_layer, dp_layer - exposed, dp_first, dp_last
 
 
 def _flops_per_seq(profile: ModelProfile, t: int, recompute: str,
@@ -491,6 +558,18 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     return per_param * (block_p * profile.num_layers + emb_p + head_p) / cfg.p
 
 
+def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
+    """Block activations per GPU that no partition avoids: the busiest rank holds at least the
+    average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
+    rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk)."""
+    sp = cfg.sequence_parallel and cfg.t > 1
+    act = _activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
+    sched = SCHEDULE_TRAITS[cfg.schedule]
+    # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
+    least = min(sched.inflight(cfg.p, cfg.v, cfg.num_microbatches, r) for r in (0, cfg.p - 1))
+    return act * least / cfg.v * profile.num_layers / cfg.p
+
+
 def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
     """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown."""
     t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
@@ -502,7 +581,14 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
     # (full) or its attention tensors (selective); ZeRO-3 also holds 2 gathered layers
     work = {"full": full_layer, "selective": b * profile.block.act_attention_bytes / t,
             "none": 0.0}[cfg.recompute]
-    if zt.per_microbatch_gather:
+    # ZeRO-3 working set. Chunk-major: two chunks of the rank (computing + prefetched) in
+    # 16-bit, the fp32 accumulator of the chunk in backward and the 16-bit buffer of the one
+    # being reduce-scattered, per layer 4/v + 6/v B per parameter; the embedding / head are
+    # gathered whole (2 B weights + 4 B grads). 1F1B-style: two gathered layers.
+    chunk_w = chunk_g = edge_w = edge_g = 0.0
+    if zt.per_microbatch_gather and d > 1 and sched.chunk_major:
+        chunk_w, chunk_g, edge_w, edge_g = 4.0 / v, 6.0 / v, 2.0, 4.0
+    elif zt.per_microbatch_gather:
         work += 2 * 2 * block_p
     emb_act = b * (profile.embedding.act_split_bytes / t + profile.embedding.act_replicated_bytes
                    / (t if sp else 1))
@@ -514,10 +600,11 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
         inflight = sched.inflight(p, v, m, r)
         mb = -(-inflight // v)  # micro-batches of the edge regions in flight
         a = act_layer * inflight / v
-        parts.append((wb * block_p, gb * block_p, ob * block_p, a))
+        parts.append(((wb + chunk_w) * block_p, (gb + chunk_g) * block_p, ob * block_p, a))
         params = (emb_p if r == 0 else 0.0) + (head_p if r == p - 1 else 0.0)
         acts = (emb_act * mb if r == 0 else 0.0) + (head_act * mb if r == p - 1 else 0.0) + work
-        fparts.append((wb * params, gb * params, ob * params, acts, cluster.reserved_bytes))
+        fparts.append(((wb + edge_w) * params, (gb + edge_g) * params, ob * params, acts,
+                       cluster.reserved_bytes))
         mem_layer.append(int(math.ceil(sum(parts[-1]))))
         mem_fixed.append(int(math.ceil(sum(fparts[-1][:4]))))
     return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts)

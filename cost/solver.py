@@ -17,10 +17,15 @@ Constraint families (one method each)
     _add_load_max        M[k] >= load_r(y_r) for every rank r, if sel[k]
     _add_tail_max        D[k] >= tail_r(y_r) and >= optimizer_r(y_r), if sel[k]
     _add_memory          memory_r(y_r) <= capacity, if sel[k]
+Schedules: gpipe, 1f1b, interleaved-1f1b (v = 2..8, m % p == 0) and breadth-first (v in
+_breadth_first_vs, any m >= p; with p = 1 and d > 1 it is layered gradient accumulation); ZeRO
+levels per schedule from SCHEDULE_TRAITS (ZeRO-3 only where weights are gathered once per chunk
+per pass, i.e. breadth-first). Their costs differ only through cost.model (bubble, DP exposure,
+memory), so the constraint families are the same for every schedule.
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
-step time exceeds the step time of a feasible plan already found (optimality is kept: a pruned
-combination cannot win). The brute force in cost/bruteforce.py enumerates the same combinations
+step time exceeds the step time of a feasible plan already found, or a lower bound of their
+memory exceeds the GPU's (optimality is kept: a pruned combination cannot win). The brute force in cost/bruteforce.py enumerates the same combinations
 and every partition with the same integer costs.
 """
 from __future__ import annotations
@@ -37,11 +42,11 @@ from ortools.sat.python import cp_model
 
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                config_costs, fits, load_parts_ns, predict,
+                                activation_bytes_lower_bound, config_costs, fits, load_parts_ns, predict,
                                 state_bytes_lower_bound, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, step_time_scaled)
 from autopar.cost.profile import ModelProfile
-from autopar.plan import RECOMPUTE, Alternative, Plan, Stage
+from autopar.plan import RECOMPUTE, Alternative, Plan, Prediction, Stage
 
 MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
 MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble
@@ -136,6 +141,13 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                                       f"only m={m} micro-batches for p={p} stages (need m >= p)"))
             continue
         for schedule, v in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
+            if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels \
+                    and schedule != "gpipe":  # (gpipe with ZeRO-3 is breadth-first, v = 1)
+                rejected.append(Rejection(
+                    {"t": t, "p": p, "d": d, "schedule": schedule, "zero": 3},
+                    f"zero=3 not offered with {schedule}: it would all-gather every layer's "
+                    f"weights in each of the m={m} micro-batches' forward and backward "
+                    f"(breadth-first gathers once per chunk per pass)"))
             for recompute in RECOMPUTE:
                 if not pins.allows("recompute", recompute):
                     continue
@@ -160,15 +172,36 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                                      recompute=recompute, sequence_parallel=sp, zero=zero)
 
 
+def _breadth_first_vs(p: int, l: int, pins: Pins) -> list[int]:
+    """Chunks per rank tried for breadth-first: powers of two up to MAX_CHUNKS_PER_RANK and one
+    layer per chunk (v = l/p, modular pipeline), or the pinned v. (Bubble and exposed
+    data-parallel time fall as 1/v, p2p grows as v: a coarse grid of v keeps the search small;
+    pin v for any other value.) v = 1 is GPipe's order with per-chunk
+    reduction (and ZeRO-3 gathering once per pass); with p = 1 only v >= 2 differs from plain
+    gradient accumulation (layered gradient accumulation, 2106.02679)."""
+    vs = sorted({1 << k for k in range(MAX_CHUNKS_PER_RANK.bit_length())
+                 if 1 << k <= min(l // p, MAX_CHUNKS_PER_RANK)} | {l // p})
+    if pins.v is not None:
+        vs = [pins.v] if pins.v <= l // p else []
+    return [v for v in vs if p > 1 or v > 1]
+
+
 def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int]]:
+    d = key[2]
     if p == 1:  # one stage: plain gradient accumulation, whatever the schedule is called
         sched = pins.schedule if pins.schedule in ("gpipe", "1f1b") else "1f1b"
-        if pins.v not in (None, 1):
-            return
-        yield sched, 1
+        if pins.v in (None, 1) and pins.schedule != "breadth-first":
+            yield sched, 1
+        if d > 1 and pins.allows("schedule", "breadth-first"):  # layered accumulation
+            for v in _breadth_first_vs(p, l, pins):
+                yield "breadth-first", v
         return
     for schedule in SCHEDULE_TRAITS:
         if not pins.allows("schedule", schedule):
+            continue
+        if schedule == "breadth-first":  # no m % p rule: every m >= p fills the pipeline
+            for v in _breadth_first_vs(p, l, pins):
+                yield schedule, v
             continue
         if not SCHEDULE_TRAITS[schedule].multi_chunk:
             if pins.allows("v", 1):
@@ -442,9 +475,11 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: global_batch_size={global_batch} does not split into "
                              f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
                              f"{b * dd}); change global_batch_size or micro_batch_size")
-    if pins.v is not None and pins.v > 1 and pins.schedule not in (None, "interleaved-1f1b"):
+    if pins.v is not None and pins.v > 1 and pins.schedule not in (
+            None, "interleaved-1f1b", "breadth-first"):
         raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
-                         f"rank need schedule='interleaved-1f1b'; set v=1 or change schedule")
+                         f"rank need schedule='interleaved-1f1b' or 'breadth-first'; set v=1 "
+                         f"or change schedule")
 
 
 def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_batch_size: int,
@@ -502,13 +537,27 @@ def _evaluate(profile, cluster, configs):
     l = profile.num_layers
     evaluated, memory_fail, pruned = [], [], []
     memo: dict = {}
-    quick = [quick_lower_bound_scaled(profile, cluster, cfg, memo) / cfg.v / 1e9
-             for cfg in configs]
+    # the quick bound depends on the loads only: shared by schedules and ZeRO levels (except
+    # ZeRO-3 under 1F1B-style schedules, whose gathers are in the load)
+    qmemo: dict = {}
+    quick = []
+    for cfg in configs:
+        key = (cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
+               cfg.sequence_parallel,
+               ZERO_TRAITS[cfg.zero].per_microbatch_gather
+               and not SCHEDULE_TRAITS[cfg.schedule].chunk_major)
+        if key not in qmemo:
+            qmemo[key] = quick_lower_bound_scaled(profile, cluster, cfg, memo) / cfg.v / 1e9
+        quick.append(qmemo[key])
     order = sorted(range(len(configs)), key=lambda i: quick[i])
     best_ub = math.inf
+    smemo: dict = {}
     for i in order:
         cfg = configs[i]
-        state = state_bytes_lower_bound(profile, cfg)
+        skey = (cfg.t, cfg.p, cfg.d, cfg.zero)
+        if skey not in smemo:
+            smemo[skey] = state_bytes_lower_bound(profile, cfg)
+        state = smemo[skey]
         if state > cluster.usable_memory_bytes:
             memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], mem_lb=state, note=(
                 f"memory: weights, gradients and optimizer states alone need {state / GB:.1f} "
@@ -517,6 +566,17 @@ def _evaluate(profile, cluster, configs):
         if quick[i] > best_ub:
             pruned.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], note=(
                 f"slower: lower bound {quick[i]:.4g} s > best {best_ub:.4g} s")))
+            continue
+        akey = (cfg.t, cfg.p, cfg.v, cfg.micro_batch_size, cfg.num_microbatches,
+                cfg.recompute, cfg.sequence_parallel, cfg.schedule)
+        if akey not in smemo:
+            smemo[akey] = activation_bytes_lower_bound(profile, cfg)
+        if state + smemo[akey] > cluster.usable_memory_bytes:
+            need = state + smemo[akey]
+            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], mem_lb=need, note=(
+                f"memory: weights, optimizer states and the activations the schedule keeps "
+                f"need at least {need / GB:.1f} GB > {cluster.usable_memory_bytes / GB:.1f} GB "
+                f"usable per GPU")))
             continue
         cc = config_costs(profile, cluster, cfg, memo)
         e = _Evaluated(cc=cc, cfg=cfg, lb_s=lower_bound_scaled(cc, l) / cfg.v / 1e9)
@@ -558,6 +618,21 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
                 num_layers=profile.num_layers, alternatives=tuple(alts))
 
 
+_TERMS = (("bubble", "bubble_s"), ("data-parallel comm exposed", "dp_comm_s"),
+          ("pipeline p2p", "pp_comm_s"), ("tensor-parallel comm", "tp_comm_s"),
+          ("compute", "compute_s"), ("optimizer", "optimizer_s"))
+
+
+def _why_slower(alt: Prediction, chosen: Prediction, top: int = 2) -> str:
+    """': bubble 0.12 s larger, data-parallel comm exposed 0.05 s larger' — the cost terms
+    (critical rank, cost.model.predict) by which an alternative exceeds the chosen plan."""
+    diffs = sorted(((getattr(alt, f) - getattr(chosen, f), name) for name, f in _TERMS),
+                   reverse=True)
+    parts = [f"{name} {d:.3g} s larger" for d, name in diffs[:top] if d > 0.0005 * max(
+        chosen.step_time_s, 1e-9)]
+    return (": " + ", ".join(parts)) if parts else ""
+
+
 def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, limit, optimal,
                   solve_s) -> list[Alternative]:
     chosen_key = _config_dict(cc.cfg)
@@ -573,7 +648,8 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
             pr = predict(profile, cluster, e.cc.cfg, x, costs=e.cc)
             ranked.append(Alternative(
                 config=_config_dict(e.cc.cfg), predicted=pr, feasible=True,
-                reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s"))
+                reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s"
+                       + _why_slower(pr, pred)))
         elif not e.note:
             ranked.append(Alternative(config=_config_dict(e.cfg), predicted=None,
                                       feasible=False, reason="memory: no stage split found "
@@ -591,8 +667,8 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
         pr = predict(profile, cluster, e.cfg, x, costs=ecc)
         ranked.append(Alternative(
             config=_config_dict(e.cfg), predicted=pr, feasible=True,
-            reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s "
-                   f"({e.note.removeprefix('slower: ')})"))
+            reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s"
+                   + _why_slower(pr, pred) + f" ({e.note.removeprefix('slower: ')})"))
     ranked.sort(key=lambda a: (not a.feasible, a.predicted.step_time_s if a.predicted else 0))
     alts += ranked[:keep]
     alts += [Alternative(config=_config_dict(e.cfg), predicted=None, feasible=False,
