@@ -1,0 +1,276 @@
+"""Megatron's tensor- and sequence-parallel mappings and the pipeline's point-to-point helpers.
+
+Conjugate pairs (1909.08053 §3, 2205.05198 §4.2), each an autograd.Function with the group
+passed explicitly and an identity fast path for a group of one rank (`group=None` also means
+one rank: a program compiled for t=1 runs without any process group):
+
+    forward                      backward
+    copy_to_tp  (f)   identity           all-reduce
+    reduce_from_tp (g) all-reduce        identity
+    scatter_to_sp     split along dim    all-gather along dim
+    gather_from_sp    all-gather         split
+    reduce_scatter_to_sp reduce-scatter  all-gather
+    all_gather_sp     all-gather         reduce-scatter
+
+The lower-case functions `f(x, group)`, `g(x, group)`, `copy_to_tp(x, group)`, ... are plain
+functions, usable as FX `call_function` targets. gloo in torch 2.13 supports all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single (measured); if a backend
+lacks reduce-scatter we fall back to all-reduce + slice.
+
+Collectives never write into a tensor autograd may still need: the incoming value is copied
+into a fresh contiguous buffer first (an add's backward hands the *same* grad tensor to both
+operands, so an in-place all-reduce of one would corrupt the other).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.dist import PeerError, is_peer_failure, peer_error
+
+__all__ = [
+    "copy_to_tp", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
+    "all_gather_sp", "f", "g", "send_tensor", "recv_tensor", "group_size", "group_rank",
+    "PeerError",
+]
+
+_NO_REDUCE_SCATTER: set[str] = set()  # backends found to lack reduce-scatter at run time
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+def group_size(group: Any) -> int:
+    """World size of `group`; None means a group of one rank."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """This rank's index within `group`; None means a group of one rank."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _group_ranks(group: Any) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - only used to word an error message
+        return []
+
+
+@contextmanager
+def _peer_guard(op: str, group: Any, peers: list[int] | None = None) -> Iterator[None]:
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        others = peers if peers is not None else [
+            r for r in _group_ranks(group) if r != dist.get_rank()]
+        raise peer_error(op, others, exc) from exc
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that is safe to overwrite in place (a copy unless already fresh)."""
+    y = x.contiguous()
+    return y.clone() if y is x else y
+
+
+def _check_split(x: torch.Tensor, dim: int, n: int, op: str) -> int:
+    dim = dim % x.dim()
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"{op}: dim {dim} of shape {tuple(x.shape)} has size {x.shape[dim]}, not divisible "
+            f"by the group size {n}; sequence parallelism needs the sequence length to be a "
+            f"multiple of t: pad it or pick a t that divides {x.shape[dim]}")
+    return dim
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    out = _fresh(x)
+    with _peer_guard("all-reduce with", group):
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n = group_size(group)
+    dim = _check_split(x, dim, n, "split")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n = group_size(group)
+    dim = dim % x.dim()
+    src = x.movedim(dim, 0).contiguous()                       # (S, ...) with S on dim 0
+    out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))  # (n*S, ...)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    with _peer_guard("all-gather with", group):
+        gather(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n = group_size(group)
+    dim = _check_split(x, dim, n, "reduce-scatter")
+    src = x.movedim(dim, 0).contiguous()                       # (n*S, ...)
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_REDUCE_SCATTER:
+        out = src.new_empty((src.shape[0] // n,) + tuple(src.shape[1:]))  # (S, ...)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            with _peer_guard("reduce-scatter with", group):
+                rs(out, src, group=group)
+            return out.movedim(0, dim).contiguous()
+        except PeerError:
+            raise
+        except (NotImplementedError, RuntimeError) as exc:
+            unsupported = isinstance(exc, NotImplementedError) or any(
+                w in str(exc).lower() for w in ("not supported", "unsupported", "not implemented"))
+            if not unsupported:
+                raise
+            _NO_REDUCE_SCATTER.add(backend)
+    # Fallback: all-reduce the whole tensor, keep this rank's slice (n x the traffic).
+    full = _all_reduce(src, group)
+    return full.chunk(n, dim=0)[group_rank(group)].movedim(0, dim).contiguous()
+
+
+# ---- autograd Functions ------------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward (enters a column-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (leaves a row-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Keep this rank's slice along `dim` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """All-gather along `dim` forward; keep this rank's slice of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Reduce-scatter along `dim` forward; all-gather the gradient backward (SP's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherSP(torch.autograd.Function):
+    """All-gather along `dim` forward; reduce-scatter the gradient backward (SP's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+# ---- plain functions (FX call_function targets) ------------------------------------------
+
+def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """f: identity forward, all-reduce backward over `group`."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """g: all-reduce forward over `group`, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """This rank's 1/n slice of `x` along `dim`; backward all-gathers."""
+    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group, dim)
+
+
+def gather_from_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """All-gather `x` along `dim`; backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group, dim)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """Sum over `group` and keep this rank's slice along `dim`; backward all-gathers."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group, dim)
+
+
+def all_gather_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
+    """All-gather `x` along `dim`; backward reduce-scatters."""
+    return x if group_size(group) == 1 else _AllGatherSP.apply(x, group, dim)
+
+
+f = copy_to_tp
+g = reduce_from_tp
+
+
+# ---- point-to-point (pipeline) -----------------------------------------------------------
+
+def send_tensor(t: torch.Tensor, dst: int, group: Any) -> None:
+    """Blocking send of `t` to global rank `dst` (PeerError naming `dst` if it is gone).
+
+    Blocking dist.send, not batch_isend_irecv: batched p2p hangs on gloo.
+    """
+    with _peer_guard("send to", group, [dst]):
+        dist.send(t.detach().contiguous(), dst=dst, group=group)
+
+
+def recv_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, src: int, group: Any,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Blocking receive of a tensor of `shape`/`dtype` from global rank `src`.
+
+    Raises PeerError naming `src` if it died (at once) or sent nothing within the group timeout.
+    """
+    buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+    with _peer_guard("receive from", group, [src]):
+        dist.recv(buf, src=src, group=group)
+    return buf

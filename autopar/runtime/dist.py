@@ -1,0 +1,235 @@
+"""Process groups for a (t, p, d) layout, built once and passed around (never a global).
+
+    device = init_distributed(world_size=plan.t * plan.p * plan.d, timeout_s=300)
+    pg = ProcessGroups.create(plan.t, plan.p, plan.d, timeout_s=300)
+    reduce_from_tp(x, pg.tensor); send_tensor(y, pg.next_pp_rank, pg.world)
+
+Dead peers become errors, not hangs: every group gets a timeout, and gloo honours it (torch
+2.13, measured): a recv from a live but silent peer raises after the group timeout ("Timed out
+waiting N ms for recv"), a recv from a dead peer raises at once ("Connection reset by peer").
+`PeerError` wraps both and names the peer. A group that timed out is unusable afterwards: the
+job must exit (torchrun restarts it from the last checkpoint).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime import groups as G
+
+DEFAULT_TIMEOUT_S = 300.0
+
+_PEER_FAILURE_MARKERS = (
+    "timed out", "timeout", "connection reset", "connection closed", "read error",
+    "write error", "broken pipe", "socket closed", "connection refused", "peer",
+    "communicator was aborted", "nccl error",
+)
+
+
+class PeerError(RuntimeError):
+    """A collective or point-to-point operation failed because a peer rank died or stalled."""
+
+    def __init__(self, message: str, peers: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.peers = peers
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True if `exc` is what torch.distributed raises when a peer dies or a timeout expires."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _PEER_FAILURE_MARKERS)
+
+
+def peer_error(op: str, peers: Iterable[int], exc: BaseException) -> PeerError:
+    """A PeerError naming this rank, the operation and the peer(s), wrapping `exc`'s reason.
+
+    `op` reads before the peer: "receive from", "send to", "all-reduce with".
+    """
+    peers = tuple(peers)
+    me = dist.get_rank() if dist.is_initialized() else "?"
+    who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {list(peers)}"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return PeerError(
+        f"rank {me}: {op} {who} failed: {reason}. {who.capitalize()} has died or stopped "
+        f"participating, so this job cannot continue; check that rank's log for the first error "
+        f"(raise timeout_s if it was only slow; under torchrun --max-restarts the job resumes "
+        f"from the last checkpoint).", peers)
+
+
+def timeout(timeout_s: float) -> datetime.timedelta:
+    """timeout_s as the timedelta torch.distributed wants, validated."""
+    if not timeout_s or timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s!r}: a process-group timeout must be > 0 seconds "
+                         f"(nothing may hang); pass e.g. timeout_s=300")
+    return datetime.timedelta(seconds=float(timeout_s))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} in the environment is not an integer; "
+                         f"launch with torchrun, which sets it") from None
+
+
+def init_distributed(world_size: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                     backend: str | None = None) -> torch.device:
+    """Make sure the default process group exists; return this rank's device.
+
+    Uses the caller's default group if there is one; else creates it from the torchrun
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK picks the GPU) with
+    nccl when CUDA is available and gloo otherwise. `world_size`, if given, is the plan's
+    t*p*d and must equal the launched world size; this is checked before anything blocks.
+    """
+    td = timeout(timeout_s)
+    if dist.is_initialized():
+        _check_world(world_size, dist.get_world_size())
+        return _device(dist.get_backend())
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        n = world_size or "N"
+        raise ValueError(
+            f"no default process group and {', '.join(missing)} not set in the environment: "
+            f"autopar needs to run under torchrun; launch with "
+            f"`torchrun --nproc_per_node={n} your_script.py` (or call "
+            f"torch.distributed.init_process_group yourself first)")
+    _check_world(world_size, _env_int("WORLD_SIZE"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = _device(backend)
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, timeout=td, **kwargs)
+    return device
+
+
+def _check_world(expected: int | None, actual: int) -> None:
+    if expected is not None and expected != actual:
+        raise ValueError(
+            f"WORLD_SIZE={actual} but the plan needs t*p*d={expected} ranks: the launched "
+            f"process count must equal the plan's GPU count; launch with "
+            f"`torchrun --nproc_per_node={expected}` (or plan for gpus={actual})")
+
+
+def _device(backend: str) -> torch.device:
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessGroups:
+    """This rank's process groups and coordinates for a (t, p, d) layout (see groups.py).
+
+    Ranks are global. `prev_pp_rank` / `next_pp_rank` wrap around the pipeline (the interleaved
+    schedule sends from the last stage to the first); check `is_first_stage`/`is_last_stage`.
+    """
+
+    t: int
+    p: int
+    d: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    world: Any
+    tensor: Any
+    data: Any
+    pipeline: Any
+    embedding: Any
+    model_parallel: Any
+    tensor_ranks: tuple[int, ...]
+    data_ranks: tuple[int, ...]
+    pipeline_ranks: tuple[int, ...]
+    embedding_ranks: tuple[int, ...]
+    model_parallel_ranks: tuple[int, ...]
+    prev_pp_rank: int
+    next_pp_rank: int
+    timeout_s: float
+
+    @property
+    def tp_size(self) -> int:
+        return self.t
+
+    @property
+    def dp_size(self) -> int:
+        return self.d
+
+    @property
+    def pp_size(self) -> int:
+        return self.p
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.p - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+    @classmethod
+    def create(cls, t: int, p: int, d: int, *,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
+        """Create every group of the layout (collective: all ranks must call it, same args).
+
+        torch requires every rank to enter `new_group` for every group, in the same order,
+        members or not; the order here is groups.py's, so it is the same on all ranks.
+        """
+        if not dist.is_initialized():
+            raise ValueError("ProcessGroups.create needs a default process group; call "
+                             "autopar.runtime.dist.init_distributed() first (or run under "
+                             "autopar.testing.spawn / torchrun)")
+        n = G.world_size(t, p, d)
+        _check_world(n, dist.get_world_size())
+        td = timeout(timeout_s)
+        rank = dist.get_rank()
+        mine: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        families = (("tensor", G.tensor_groups), ("data", G.data_groups),
+                    ("pipeline", G.pipeline_groups), ("embedding", G.embedding_groups),
+                    ("model_parallel", G.model_parallel_groups))
+        for name, family in families:
+            for ranks in family(t, p, d):
+                group = dist.new_group(ranks, timeout=td)
+                if rank in ranks:
+                    mine[name] = (group, tuple(ranks))
+        mine.setdefault("embedding", (None, ()))  # middle pipeline stages hold no embedding
+        tp, dp, pp = G.rank_coords(rank, t, p, d)
+        prev_rank, next_rank = G.pipeline_neighbours(rank, t, p, d)
+        return cls(
+            t=t, p=p, d=d, rank=rank, world_size=n, tp_rank=tp, dp_rank=dp, pp_rank=pp,
+            world=dist.group.WORLD,
+            tensor=mine["tensor"][0], data=mine["data"][0], pipeline=mine["pipeline"][0],
+            embedding=mine["embedding"][0], model_parallel=mine["model_parallel"][0],
+            tensor_ranks=mine["tensor"][1], data_ranks=mine["data"][1],
+            pipeline_ranks=mine["pipeline"][1], embedding_ranks=mine["embedding"][1],
+            model_parallel_ranks=mine["model_parallel"][1],
+            prev_pp_rank=prev_rank, next_pp_rank=next_rank, timeout_s=float(timeout_s))
+
+    @classmethod
+    def from_plan(cls, plan: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
+        """`create(plan.t, plan.p, plan.d)`: the groups an autopar.Plan runs on."""
+        return cls.create(plan.t, plan.p, plan.d, timeout_s=timeout_s)
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "
+                f"tp={self.tp_rank}, dp={self.dp_rank}, pp={self.pp_rank}, "
+                f"tensor={list(self.tensor_ranks)}, data={list(self.data_ranks)}, "
+                f"pipeline={list(self.pipeline_ranks)})")

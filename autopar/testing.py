@@ -1,0 +1,206 @@
+"""Multi-process test harness: run a function on N local gloo ranks, with a deadline.
+
+    from autopar.testing import spawn
+    results = spawn(my_fn, 2, arg, timeout_s=60)   # my_fn(rank, world_size, arg) on 2 ranks
+
+`fn` must be importable by a fresh interpreter (defined at module level of an importable module:
+a test file under pytest is fine, pytest's sys.path is handed to the children). Children are
+started with the "spawn" method (never fork: torch and gloo threads do not survive a fork), each
+initialises a gloo default process group on 127.0.0.1 with a process-group timeout, runs
+`fn(rank, world_size, *args, **kwargs)` and sends its (picklable) result back over a pipe.
+
+Failure modes, all of which end every child:
+- a rank raises -> `SpawnError` in the parent carrying that rank's traceback text (and the
+  original exception as `__cause__` when it pickles);
+- a rank exits without a result (crash, os._exit, killed) -> `SpawnError`, unless it is listed
+  in `allow_exit`, in which case its result is None;
+- the deadline passes -> every child is killed and `TimeoutError` names the unfinished ranks.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+from multiprocessing import connection
+from typing import Any, Callable, Iterable
+
+import torch.multiprocessing as mp
+
+_GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank raised or died; `rank` and `remote_traceback` say which and where."""
+
+    def __init__(self, rank: int, message: str, remote_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(conn, fn, rank, world_size, port, pg_timeout_s, backend, args, kwargs) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 shared cores: N ranks x M threads would thrash
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+           "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(world_size)}
+    os.environ.update(env)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        result = fn(rank, world_size, *args, **kwargs)
+        payload = pickle.dumps(("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        text = traceback.format_exc()
+        try:  # the exception travels as its own pickle: it may not unpickle in the parent
+            exc_bytes = pickle.dumps(exc)
+        except Exception:  # noqa: BLE001 - text only then
+            exc_bytes = None
+        payload = pickle.dumps(("err", text, exc_bytes))
+    conn.send_bytes(payload)
+    # Stay alive until the parent has every rank's result: rank 0 hosts the TCPStore, and a
+    # rank still creating groups fails if it exits early. The parent closing the pipe is the go.
+    try:
+        conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    # Skip interpreter teardown: gloo threads of a group whose peers died can block exit.
+    os._exit(0)
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+          pg_timeout_s: float | None = None, backend: str = "gloo",
+          allow_exit: Iterable[int] = (), **kwargs: Any) -> list[Any]:
+    """Run fn(rank, world_size, *args, **kwargs) on `world_size` gloo ranks; return the results.
+
+    timeout_s: deadline for the whole run (children killed after it). pg_timeout_s: the process
+    group timeout inside the children (default min(60, timeout_s / 2)), so a stuck collective
+    raises in the child well before the parent's deadline. allow_exit: ranks that may exit
+    without returning (their result is None), for tests that kill a rank on purpose.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be >= 1; pass the number of ranks")
+    pg_timeout_s = pg_timeout_s if pg_timeout_s is not None else min(60.0, timeout_s / 2)
+    allowed = set(allow_exit)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], []
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # inherited by the children
+    try:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_child, daemon=True, name=f"autopar-rank{rank}",
+                               args=(child_end, fn, rank, world_size, port, pg_timeout_s,
+                                     backend, args, kwargs))
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+            conns.append(parent_end)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        return _collect(procs, conns, time.monotonic() + timeout_s, timeout_s, allowed)
+    finally:
+        for c in conns:
+            c.close()  # finished children exit on EOF; the rest are terminated
+        _kill_all(procs)
+
+
+def _collect(procs, conns, deadline: float, timeout_s: float, allowed: set[int]) -> list[Any]:
+    n = len(procs)
+    results: dict[int, Any] = {}
+    errors: list[SpawnError] = []
+    pending = set(range(n))
+    while pending:
+        now = time.monotonic()
+        if errors:
+            deadline = min(deadline, errors[0].at + _GRACE_S)
+        if now >= deadline:
+            break
+        waitables = {conns[r]: r for r in pending}
+        waitables.update({procs[r].sentinel: r for r in pending})
+        for obj in connection.wait(list(waitables), timeout=deadline - now):
+            rank = waitables[obj]
+            if rank not in pending:
+                continue
+            outcome = _read(rank, conns[rank], procs[rank])
+            if outcome is None:  # the process ended but its message is not readable yet
+                continue
+            pending.discard(rank)
+            kind, value = outcome
+            if kind == "ok":
+                results[rank] = value
+            elif kind == "died" and rank in allowed:
+                results[rank] = None
+            else:
+                value.at = time.monotonic()
+                errors.append(value)
+    if errors:
+        first = errors[0]
+        others = "".join(f"\n(also rank {e.rank}: {str(e).splitlines()[0]})" for e in errors[1:])
+        raise SpawnError(first.rank, f"{first}{others}", first.remote_traceback) \
+            from first.__cause__
+    if pending:
+        done = sorted(set(range(n)) - pending)
+        raise TimeoutError(
+            f"spawn: ranks {sorted(pending)} of {n} had not finished after {timeout_s:.0f} s "
+            f"(finished: {done}); all ranks were killed. A rank is stuck (deadlock or a "
+            f"collective only some ranks entered); raise timeout_s if it is only slow.")
+    return [results[r] for r in range(n)]
+
+
+def _read(rank: int, conn, proc) -> tuple[str, Any] | None:
+    try:
+        if conn.poll():
+            msg = pickle.loads(conn.recv_bytes())
+            if msg[0] == "ok":
+                return "ok", msg[1]
+            text, exc = msg[1], None
+            try:
+                exc = pickle.loads(msg[2]) if msg[2] is not None else None
+            except Exception:  # noqa: BLE001 - e.g. an exception class with required args
+                pass
+            err = SpawnError(rank, f"rank {rank} raised:\n{text}", text)
+            err.__cause__ = exc
+            return "err", err
+    except (EOFError, OSError):
+        pass
+    proc.join(timeout=1.0)
+    if proc.exitcode is None:
+        return None
+    return "died", SpawnError(
+        rank, f"rank {rank} exited with code {proc.exitcode} without returning a result "
+              f"(crashed, killed, or called os._exit; if it never started, check that the function "
+              f"is defined at module level of an importable module); its stderr is above")
+
+
+def _kill_all(procs) -> None:
+    end = time.monotonic() + 2.0
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 5.0
+    for p in procs:
+        p.join(timeout=max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)

@@ -1,0 +1,167 @@
+"""Megatron mappings on gloo ranks: definitions, round trips, and a t=2 MLP vs one process."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.runtime import collectives as C
+
+pytestmark = pytest.mark.distributed
+
+
+def _rand(seed, *shape):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+# ---- workers -----------------------------------------------------------------------------
+
+def _mlp_worker(rank, world_size):
+    """Column-parallel -> row-parallel MLP with f/g against the single-process MLP (t = world)."""
+    group, t = dist.group.WORLD, world_size
+    torch.manual_seed(0)
+    B, T, H, Fh = 2, 3, 8, 16
+    x = torch.randn(B, T, H)
+    A, a = torch.randn(Fh, H), torch.randn(Fh)        # first linear: (F, H)
+    W, b = torch.randn(H, Fh), torch.randn(H)         # second linear: (H, F)
+    w_loss = torch.randn(B, T, H)
+
+    # single-process reference
+    ref = [v.clone().requires_grad_() for v in (x, A, a, W, b)]
+    y_ref = F.linear(F.gelu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
+    (y_ref * w_loss).sum().backward()
+
+    # tensor parallel: rank r holds rows r of A/a (column-parallel), columns r of W (row-parallel)
+    rows = slice(rank * Fh // t, (rank + 1) * Fh // t)
+    xs = x.clone().requires_grad_()
+    A_r = A[rows].clone().requires_grad_()
+    a_r = a[rows].clone().requires_grad_()
+    W_r = W[:, rows].clone().requires_grad_()
+    b_p = b.clone().requires_grad_()
+    h = F.gelu(F.linear(C.f(xs, group), A_r, a_r))       # (B, T, F/t)
+    y = C.g(F.linear(h, W_r), group) + b_p                # (B, T, H); bias once, after the sum
+    (y * w_loss).sum().backward()
+
+    close = lambda u, v: torch.allclose(u, v, rtol=1e-5, atol=1e-6)  # noqa: E731
+    return {
+        "y": close(y, y_ref), "x.grad": close(xs.grad, ref[0].grad),
+        "A.grad": close(A_r.grad, ref[1].grad[rows]), "a.grad": close(a_r.grad, ref[2].grad[rows]),
+        "W.grad": close(W_r.grad, ref[3].grad[:, rows]), "b.grad": close(b_p.grad, ref[4].grad),
+    }
+
+
+def _definitions_worker(rank, n, force_fallback):
+    """Each Function's forward and backward against its definition over all n ranks."""
+    group = dist.group.WORLD
+    if force_fallback:
+        C._NO_REDUCE_SCATTER.add(dist.get_backend(group))
+    shape = (n, 2 * n, 3)
+    xs = [_rand(100 + q, *shape) for q in range(n)]     # rank q's input
+    gs = [_rand(200 + q, *shape) for q in range(n)]     # rank q's grad of the output (full size)
+    fails = []
+
+    def check(name, fn, dim, want_out, want_grad, grad_shape=None):
+        x = xs[rank].clone().requires_grad_()
+        out = fn(x, group, dim) if dim is not None else fn(x, group)
+        go = gs[rank] if grad_shape is None else gs[rank][tuple(slice(0, s) for s in grad_shape)]
+        out.backward(go)
+        if not torch.allclose(out, want_out(go)):
+            fails.append(f"{name} dim={dim} forward")
+        if not torch.allclose(x.grad, want_grad(go)):
+            fails.append(f"{name} dim={dim} backward")
+
+    total_x = sum(xs)
+    check("copy_to_tp", C.copy_to_tp, None, lambda go: xs[rank], lambda go: sum(gs))
+    check("reduce_from_tp", C.reduce_from_tp, None, lambda go: total_x, lambda go: go)
+    for dim in (0, 1, -1):
+        d = dim % 3
+        if shape[d] % n:
+            continue
+        chunk = lambda v, r=rank: v.chunk(n, dim=d)[r]  # noqa: E731
+        sub = list(shape)
+        sub[d] //= n
+        gsub = [g[tuple(slice(0, s) for s in sub)] for g in gs]
+        big = list(shape)
+        big[d] *= n
+        gbig = [_rand(300 + q, *big) for q in range(n)]
+        check("scatter_to_sp", C.scatter_to_sp, dim, lambda go: chunk(xs[rank]),
+              lambda go: torch.cat(gsub, dim=d), grad_shape=sub)
+        check("reduce_scatter_to_sp", C.reduce_scatter_to_sp, dim, lambda go: chunk(total_x),
+              lambda go: torch.cat(gsub, dim=d), grad_shape=sub)
+        # gather-type outputs are n times bigger along d: feed each rank's big gradient
+        for name, fn, want_grad in (
+                ("gather_from_sp", C.gather_from_sp, lambda go: chunk(gbig[rank])),
+                ("all_gather_sp", C.all_gather_sp, lambda go: chunk(sum(gbig)))):
+            x = xs[rank].clone().requires_grad_()
+            out = fn(x, group, dim)
+            out.backward(gbig[rank])
+            if not torch.allclose(out, torch.cat(xs, dim=d)):
+                fails.append(f"{name} dim={dim} forward")
+            if not torch.allclose(x.grad, want_grad(None)):
+                fails.append(f"{name} dim={dim} backward")
+    return fails
+
+
+def _safety_worker(rank, world_size):
+    """Inputs and shared gradients are never overwritten; groups of one are identities."""
+    group = dist.group.WORLD
+    out = {}
+    x = torch.full((3,), float(rank + 1))
+    keep = x.clone()
+    C.reduce_from_tp(x, group)
+    out["forward input untouched"] = torch.equal(x, keep)
+    # y = f(x) + z: AddBackward hands the same grad tensor to both; z's grad must stay local
+    xa = torch.ones(3, requires_grad=True)
+    z = torch.ones(3, requires_grad=True)
+    (C.f(xa, group) + z).backward(torch.full((3,), float(rank + 1)))
+    out["shared grad untouched"] = torch.equal(z.grad, torch.full((3,), float(rank + 1)))
+    out["f grad summed"] = torch.equal(xa.grad, torch.full((3,), 3.0))
+    # round trips
+    v = _rand(7, 2, 4, 3).requires_grad_()
+    back = C.gather_from_sp(C.scatter_to_sp(v, group, 1), group, 1)
+    back.backward(torch.ones_like(back))
+    out["scatter/gather round trip"] = torch.equal(back, v) and torch.equal(v.grad,
+                                                                            torch.ones_like(v))
+    u = _rand(8, 4, 2)
+    out["all_gather/reduce_scatter"] = torch.allclose(
+        C.reduce_scatter_to_sp(C.all_gather_sp(u, group, 0), group, 0), 2 * u)
+    # groups of one: every rank must create both singleton groups, in the same order
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    mine = singles[rank]
+    w = torch.ones(2)
+    out["singleton identity"] = all(fn(w, mine) is w for fn in (C.f, C.g)) and all(
+        fn(w, mine, 0) is w for fn in (C.scatter_to_sp, C.gather_from_sp,
+                                       C.reduce_scatter_to_sp, C.all_gather_sp))
+    try:
+        C.scatter_to_sp(torch.ones(2, 3), group, 1)
+        out["indivisible error"] = False
+    except ValueError as e:
+        out["indivisible error"] = "size 3" in str(e) and "group size 2" in str(e)
+    return out
+
+
+# ---- tests --------------------------------------------------------------------------------
+
+def test_identity_without_any_group():
+    x = torch.ones(2)
+    assert all(fn(x, None) is x for fn in (C.f, C.g, C.copy_to_tp, C.reduce_from_tp))
+    assert all(fn(x, None, 0) is x for fn in (C.scatter_to_sp, C.gather_from_sp,
+                                               C.reduce_scatter_to_sp, C.all_gather_sp))
+
+
+def test_tensor_parallel_mlp_matches_single_process():
+    from autopar.testing import spawn
+    for rank_result in spawn(_mlp_worker, 2, timeout_s=120):
+        assert rank_result == {k: True for k in rank_result}, rank_result
+
+
+@pytest.mark.parametrize("n,force_fallback", [(2, False), (3, False), (2, True)])
+def test_functions_match_definitions(n, force_fallback):
+    from autopar.testing import spawn
+    assert spawn(_definitions_worker, n, force_fallback, timeout_s=120) == [[]] * n
+
+
+def test_safety_round_trips_and_singletons():
+    from autopar.testing import spawn
+    for rank_result in spawn(_safety_worker, 2, timeout_s=120):
+        assert rank_result == {k: True for k in rank_result}, rank_result
