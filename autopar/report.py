@@ -56,8 +56,7 @@ def format_plan(plan: "Plan") -> str:
         f"  rank layout    {_rank_layout(plan)}",
         "  stages",
     ]
-    for st in plan.stages:
-        lines.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")
+    lines += _stage_lines(plan)
     lines += [
         "  predicted",
         f"    step time      {_fmt_s(pr.step_time_s)}",
@@ -68,6 +67,26 @@ def format_plan(plan: "Plan") -> str:
         f"    memory/GPU     {_fmt_bytes(pr.memory_bytes_per_gpu)}" + _memory_parts(pr),
     ]
     return "\n".join(lines)
+
+
+def _stage_lines(plan: "Plan") -> list[str]:
+    """One line per chunk; runs of plain chunks with equal layer counts fold into one line."""
+    out, i, stages = [], 0, plan.stages
+    while i < len(stages):
+        st, j = stages[i], i
+        plain = not (st.embedding or st.head)
+        while (plain and j + 1 < len(stages) and not (stages[j + 1].embedding or stages[j + 1].head)
+               and stages[j + 1].num_layers == st.num_layers):
+            j += 1
+        if j - i >= 2:
+            out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} on pipeline ranks "
+                       f"{st.rank}…{stages[j].rank} (c mod {plan.p}): {st.num_layers} layer(s) each, "
+                       f"layers {st.first_layer}-{stages[j].last_layer - 1}")
+        else:
+            j = i
+            out.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")
+        i = j + 1
+    return out
 
 
 def _memory_parts(pr: "Prediction") -> str:
