@@ -1,0 +1,413 @@
+"""Sharded, atomic, plan-independent checkpoints on torch.distributed.checkpoint (DCP).
+
+Format. Every parameter (and every optimizer-state tensor, which follows its parameter's
+slicing) is stored as the pieces of the *logically full* tensor that the saving ranks held:
+a tensor-split piece under the DCP key f"{key}@{dim}:{start}-{stop}" (rows [start, stop) of
+split dim `dim`, vocabulary padding dropped), a replicated tensor under `key`. Exactly one rank
+writes each piece: data-parallel rank 0, tensor rank 0 for tensor-replicated tensors, the first
+pipeline stage for tied embedding copies. Optimizer states are stored under
+f"optim/{name}/{key}..." (scalar states such as Adam's `step` as 0-d tensors). Beside the DCP
+files, `autopar_layout.json` lists every logical tensor's full shape, dtype and pieces, the
+step and the plan; it is written last and marks the checkpoint complete.
+
+Loading under another plan (other t, p, d): each rank reads the saved pieces that overlap its
+new slice (DCP loads any subset of keys) and copies the overlaps into its local tensor.
+
+Atomicity: the DCP files and the layout go to `path.tmp-<uuid>`; after a barrier rank 0
+renames it to `path.ckpt-<uuid>` and atomically repoints the symlink `path` at it
+(os.replace of a fresh link), then deletes the previous version and any leftovers. A crash at
+any moment leaves `path` pointing at a complete checkpoint (the old one until the replace).
+
+Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
+DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with
+torch.load(weights_only=True); our layout is JSON.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from autopar.runtime.params import ParamInfo
+
+LAYOUT_FILE = "autopar_layout.json"
+FORMAT = "autopar-checkpoint-1"
+
+Tensors = dict[str, tuple[torch.Tensor, ParamInfo]]
+OptimState = dict[str, dict[str, torch.Tensor]]
+
+
+# ---- save ----------------------------------------------------------------------------------
+
+def _writes(info: ParamInfo, groups: Any) -> bool:
+    """Whether this rank is the one that writes `info`'s piece (see module docstring)."""
+    if groups is None:
+        return True
+    split = info.split_dim is not None or not info.replicated_over_tp
+    return (groups.dp_rank == 0 and (split or groups.tp_rank == 0)
+            and (info.shared_with is None or groups.pp_rank == 0))
+
+
+def _piece(name: str, local: torch.Tensor, info: ParamInfo) -> tuple[str, torch.Tensor, dict]:
+    """(DCP key, real data, layout record) of one local tensor."""
+    if info.split_dim is None:
+        if tuple(local.shape) != tuple(info.global_shape):
+            raise ValueError(f"save_checkpoint: {name!r} has local shape {tuple(local.shape)} "
+                             f"but ParamInfo says it is replicated with full shape "
+                             f"{tuple(info.global_shape)}; set split_dim/start/stop for a shard")
+        return name, local, {"start": None, "stop": None, "dcp_key": name}
+    dcp_key = f"{name}@{info.split_dim}:{info.start}-{info.stop}"
+    return dcp_key, info.real_part(local), {"start": info.start, "stop": info.stop,
+                                            "dcp_key": dcp_key}
+
+
+def _record(name: str, data: torch.Tensor, info: ParamInfo | None) -> dict:
+    return {"name": name, "global_shape": list(info.global_shape) if info else [],
+            "split_dim": info.split_dim if info else None, "dtype": str(data.dtype)}
+
+
+def _local_entries(tensors: Tensors, optimizer_state: OptimState | None, groups: Any
+                   ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    state_dict: dict[str, torch.Tensor] = {}
+    records: list[dict] = []
+    for key, (local, info) in tensors.items():
+        if info.key != key:
+            raise ValueError(f"save_checkpoint: tensors[{key!r}] carries ParamInfo.key="
+                             f"{info.key!r}; key the dict by each tensor's ParamInfo.key")
+        if not _writes(info, groups):
+            continue
+        items = [(key, local, info)]
+        for sname, value in (optimizer_state or {}).get(key, {}).items():
+            oname = f"optim/{sname}/{key}"
+            if value.dim() == 0:
+                items.append((oname, value.reshape(()), None))
+            elif tuple(value.shape) == tuple(local.shape):
+                items.append((oname, value, info))
+            else:
+                raise ValueError(
+                    f"save_checkpoint: optimizer state {sname!r} of {key!r} has shape "
+                    f"{tuple(value.shape)}, neither a scalar nor the parameter's local shape "
+                    f"{tuple(local.shape)}; only elementwise optimizer states can be resharded")
+        for name, value, vinfo in items:
+            if vinfo is None:
+                dcp_key, data, piece = name, value, {"start": None, "stop": None,
+                                                     "dcp_key": name}
+            else:
+                dcp_key, data, piece = _piece(name, value, vinfo)
+            state_dict[dcp_key] = data.detach().contiguous().clone()
+            records.append({**_record(name, data, vinfo), **piece})
+    return state_dict, records
+
+
+def _merge_layout(all_records: list[list[dict]], step: int, plan_json: str) -> dict:
+    tensors: dict[str, dict] = {}
+    for records in all_records:
+        for r in records:
+            entry = tensors.setdefault(r["name"], {
+                "global_shape": r["global_shape"], "split_dim": r["split_dim"],
+                "dtype": r["dtype"], "pieces": []})
+            if entry["global_shape"] != r["global_shape"] or entry["split_dim"] != r["split_dim"]:
+                raise ValueError(f"save_checkpoint: ranks disagree on {r['name']!r}: full shape "
+                                 f"{entry['global_shape']} vs {r['global_shape']}, split_dim "
+                                 f"{entry['split_dim']} vs {r['split_dim']}; their ParamInfos "
+                                 f"must describe the same full tensor")
+            piece = [r["start"], r["stop"], r["dcp_key"]]
+            if piece not in entry["pieces"]:
+                entry["pieces"].append(piece)
+    return {"format": FORMAT, "step": int(step), "plan": plan_json, "tensors": tensors}
+
+
+def _shared_uid(groups: Any) -> str:
+    uid = [uuid.uuid4().hex]
+    if groups is not None and groups.world_size > 1:
+        dist.broadcast_object_list(uid, src=0, group=groups.world)
+    return uid[0]
+
+
+def save_checkpoint(path: str | os.PathLike, tensors: Tensors,
+                    optimizer_state: OptimState | None, step: int, groups: Any,
+                    plan_json: str = "{}") -> None:
+    """Save this rank's tensors (+ optimizer state, step, plan) atomically to `path`.
+
+    tensors: {ParamInfo.key: (local tensor, ParamInfo)}; optimizer_state: {ParamInfo.key:
+    {state name: tensor shaped like the local tensor, or 0-d}} (see `optimizer_state_by_key`;
+    ZeroOptimizer.gathered_state()). groups: ProcessGroups, or None for one process.
+    Collective over groups.world: every rank calls it with the same path.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_symlink():
+        raise ValueError(f"save_checkpoint: {path} exists and is not an autopar checkpoint link "
+                         f"(autopar keeps `path` as a symlink to the latest complete version); "
+                         f"pick another path or remove {path}")
+    multi = groups is not None and groups.world_size > 1
+    uid = _shared_uid(groups)
+    tmp = path.parent / f"{path.name}.tmp-{uid}"
+    if not multi or groups.rank == 0:
+        tmp.mkdir(parents=True)
+    if multi:
+        dist.barrier(group=groups.world)
+    state_dict, records = _local_entries(tensors, optimizer_state, groups)
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)),
+             process_group=groups.world if multi else None, no_dist=not multi)
+    gathered: list[Any] = [records]
+    if multi:
+        gathered = [None] * groups.world_size
+        dist.all_gather_object(gathered, records, group=groups.world)
+    if not multi or groups.rank == 0:
+        layout = _merge_layout(gathered, step, plan_json)
+        _write_json(tmp / LAYOUT_FILE, layout)
+        _commit(path, tmp, uid)
+    if multi:
+        dist.barrier(group=groups.world)
+
+
+def _write_json(file: Path, obj: dict) -> None:
+    part = file.with_suffix(".part")
+    with open(part, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, file)
+
+
+def _commit(path: Path, tmp: Path, uid: str) -> None:
+    """Make `path` point at the finished `tmp` (atomic), then delete older versions."""
+    final = path.parent / f"{path.name}.ckpt-{uid}"
+    os.rename(tmp, final)
+    link = path.parent / f"{path.name}.link-{uid}"
+    os.symlink(final.name, link)
+    os.replace(link, path)            # the commit point: before it the old version is current
+    _fsync_dir(path.parent)
+    for old in path.parent.glob(f"{path.name}.*"):
+        if old.name != final.name and (old.name.startswith(f"{path.name}.ckpt-")
+                                       or old.name.startswith(f"{path.name}.tmp-")
+                                       or old.name.startswith(f"{path.name}.link-")):
+            if old.is_symlink() or old.is_file():
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Accepts only what DCP's .metadata holds: its dataclasses, dtypes, sizes, paths."""
+
+    _MODULES = {"torch.distributed.checkpoint.metadata"}
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+              ("torch", "Size"), ("torch.serialization", "_get_layout"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+              ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._MODULES or (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
+            f"metadata format; refusing to unpickle it (the checkpoint is not trusted)")
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with a restricted unpickler for the metadata file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{self.path}: DCP metadata is a {type(metadata).__name__}, "
+                             f"not Metadata; not a torch.distributed.checkpoint directory")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_layout(path: str | os.PathLike) -> dict:
+    """The checkpoint's JSON layout (step, plan, tensors); ValueError if incomplete."""
+    file = Path(path) / LAYOUT_FILE
+    if not file.is_file():
+        raise ValueError(f"{path}: no {LAYOUT_FILE}, so not a complete autopar checkpoint "
+                         f"(a save that crashed leaves only .tmp-* directories); pass the path "
+                         f"given to save_checkpoint")
+    layout = json.loads(file.read_text())
+    if layout.get("format") != FORMAT:
+        raise ValueError(f"{file}: format {layout.get('format')!r}, expected {FORMAT!r}")
+    return layout
+
+
+def _check_keys(layout: dict, tensors: Tensors, strict: bool) -> None:
+    saved = {n: e for n, e in layout["tensors"].items() if not n.startswith("optim/")}
+    missing = sorted(k for k in tensors if k not in saved)
+    unexpected = sorted(k for k in saved if k not in tensors) if strict else []
+    shapes = sorted(f"{k} (checkpoint {tuple(saved[k]['global_shape'])}, model "
+                    f"{tuple(info.global_shape)})"
+                    for k, (_, info) in tensors.items()
+                    if k in saved and tuple(saved[k]["global_shape"]) != tuple(info.global_shape))
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"in the checkpoint but not in the model: {unexpected}")
+    if shapes:
+        problems.append(f"shape mismatch: {shapes}")
+    if problems:
+        raise ValueError("load_checkpoint: the checkpoint does not fit this model — "
+                         + "; ".join(problems) + ". Load a checkpoint saved from the same "
+                         "model configuration (or pass strict=False to ignore extra keys)")
+
+
+def _box(shape: list[int], dim: int | None, start: int | None, stop: int | None
+         ) -> list[tuple[int, int]]:
+    box = [(0, n) for n in shape]
+    if dim is not None and start is not None:
+        box[dim] = (start, stop)
+    return box
+
+
+def _plan_reads(name: str, entry: dict, want: list[tuple[int, int]]) -> list[tuple]:
+    """The saved pieces overlapping the box `want`: (dcp_key, piece box, overlap box)."""
+    reads, covered = [], 0
+    for start, stop, dcp_key in entry["pieces"]:
+        have = _box(entry["global_shape"], entry["split_dim"], start, stop)
+        inter = [(max(a, c), min(b, e)) for (a, b), (c, e) in zip(have, want)]
+        if all(lo < hi for lo, hi in inter) or not inter:
+            reads.append((dcp_key, have, inter))
+            vol = 1
+            for lo, hi in inter:
+                vol *= hi - lo
+            covered += vol
+    need = 1
+    for lo, hi in want:
+        need *= hi - lo
+    if covered != need:
+        raise ValueError(f"load_checkpoint: the saved pieces of {name!r} cover {covered} of the "
+                         f"{need} elements this rank needs; the checkpoint is incomplete")
+    return reads
+
+
+def _local_view(local: torch.Tensor, info: ParamInfo) -> tuple[torch.Tensor,
+                                                                list[tuple[int, int]]]:
+    """The real part of `local` and the box of the full tensor it stands for."""
+    return info.real_part(local), _box(list(info.global_shape), info.split_dim,
+                                       info.start, info.stop)
+
+
+def load_checkpoint(path: str | os.PathLike, tensors: Tensors, groups: Any = None, *,
+                    optimizer_state: OptimState | None = None, strict: bool = True) -> int:
+    """Fill `tensors` (local shards of a possibly different plan) from `path`; return the step.
+
+    tensors: {ParamInfo.key: (local tensor to overwrite, its new ParamInfo)}. optimizer_state:
+    a dict to fill with {key: {state name: tensor shaped like the local tensor, or 0-d}} for
+    every key whose state the checkpoint holds (install it with `load_optimizer_state` or
+    ZeroOptimizer.load_gathered_state). Mismatched keys or shapes raise ValueError naming them.
+    Each rank reads only the pieces it needs; no collectives.
+    """
+    path = Path(path)
+    layout = read_layout(path)
+    _check_keys(layout, tensors, strict)
+    jobs: list[tuple[torch.Tensor, list[tuple[int, int]], list[tuple]]] = []
+    for key, (local, info) in tensors.items():
+        view, want = _local_view(local, info)
+        jobs.append((view, want, _plan_reads(key, layout["tensors"][key], want)))
+        if optimizer_state is None:
+            continue
+        for name, entry in layout["tensors"].items():
+            if not (name.startswith("optim/") and name.split("/", 2)[2] == key):
+                continue
+            sname = name.split("/", 2)[1]
+            if not entry["global_shape"]:
+                target = torch.zeros((), dtype=_dtype(entry["dtype"]))
+                jobs.append((target, [], _plan_reads(name, entry, [])))
+            else:
+                target = torch.zeros_like(local, dtype=_dtype(entry["dtype"]))
+                tview = info.real_part(target)
+                jobs.append((tview, want, _plan_reads(name, entry, want)))
+            optimizer_state.setdefault(key, {})[sname] = target
+    buffers = _read_pieces(path, layout, jobs)
+    with torch.no_grad():
+        for view, want, reads in jobs:
+            for dcp_key, have, inter in reads:
+                src, dst = buffers[dcp_key], view
+                for dim, (lo, hi) in enumerate(inter):
+                    src = src.narrow(dim, lo - have[dim][0], hi - lo)
+                    dst = dst.narrow(dim, lo - want[dim][0], hi - lo)
+                dst.copy_(src)
+    return int(layout["step"])
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"checkpoint layout names dtype {name!r}, which is not a torch dtype")
+    return value
+
+
+def _read_pieces(path: Path, layout: dict, jobs: list) -> dict[str, torch.Tensor]:
+    shapes: dict[str, tuple[list[int], str]] = {}
+    for name, entry in layout["tensors"].items():
+        for start, stop, dcp_key in entry["pieces"]:
+            shape = [hi - lo for lo, hi in _box(entry["global_shape"], entry["split_dim"],
+                                                  start, stop)]
+            shapes[dcp_key] = (shape, entry["dtype"])
+    wanted = {dcp_key for _, _, reads in jobs for dcp_key, _, _ in reads}
+    buffers = {k: torch.empty(shapes[k][0], dtype=_dtype(shapes[k][1])) for k in wanted}
+    if buffers:
+        reader = _SafeReader(str(path))
+        try:  # read (and vet) the metadata here, so a refusal is not buried in DCP's wrapper
+            reader.read_metadata()
+        except pickle.UnpicklingError as exc:
+            raise ValueError(f"load_checkpoint: {path}: {exc}") from exc
+        dcp.load(buffers, storage_reader=reader, no_dist=True)
+    return buffers
+
+
+def read_step(path: str | os.PathLike) -> int:
+    return int(read_layout(path)["step"])
+
+
+def read_plan_json(path: str | os.PathLike) -> str:
+    return read_layout(path)["plan"]
+
+
+# ---- torch optimizers <-> per-key state ----------------------------------------------------
+
+def optimizer_state_by_key(optimizer: torch.optim.Optimizer,
+                           named_params: dict[str, torch.Tensor]) -> OptimState:
+    """{key: {state name: tensor}} of a plain torch optimizer over `named_params`."""
+    out: OptimState = {}
+    for key, p in named_params.items():
+        st = optimizer.state.get(p)
+        if st:
+            out[key] = {k: v if isinstance(v, torch.Tensor) else torch.tensor(float(v))
+                        for k, v in st.items()}
+    return out
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer,
+                         named_params: dict[str, torch.Tensor], state: OptimState) -> None:
+    """Install per-key state (from load_checkpoint) into a plain torch optimizer."""
+    for key, p in named_params.items():
+        if key in state:
+            optimizer.state[p] = {k: v.to(torch.float32) if v.dim() == 0 else v.to(p.dtype)
+                                  for k, v in state[key].items()}

@@ -1,0 +1,88 @@
+"""Global gradient-norm clipping: the norm the single-device model would compute.
+
+Math: ‖g‖² = Σ over the *distinct* elements of the single-device model's gradients. Each
+rank sums the squares of the local gradients it is responsible for counting, then one
+all-reduce (sum) adds the ranks' partial sums:
+
+- tensor-split parameters (ParamInfo.split_dim set, or replicated_over_tp=False): every tensor
+  rank holds a different slice, all count (padding rows excluded via ParamInfo.real_part);
+- tensor-replicated parameters: the same values on all t ranks, only tp_rank 0 counts;
+- tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage;
+- data-parallel replicas hold identical averaged gradients: they are not summed over dp
+  (the all-reduce spans the model-parallel group, t·p ranks), unless `dp_sharded=True`
+  (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world.
+
+Then, exactly like torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped
+to 1, and every gradient is multiplied by it (also when it is 1, as torch does).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.collectives import group_size
+from autopar.runtime.params import ParamInfo
+
+
+def counts_here(info: ParamInfo, groups: Any) -> bool:
+    """Whether this rank adds `info`'s local gradient to the global sum of squares."""
+    if groups is None:
+        return True
+    split = info.split_dim is not None or not info.replicated_over_tp
+    if not split and groups.tp_rank != 0:
+        return False
+    if info.shared_with is not None and groups.pp_rank != 0:
+        return False
+    return True
+
+
+def local_sq_sum(grads: Sequence[torch.Tensor | None], param_infos: Sequence[ParamInfo],
+                 groups: Any, *, real_parts: bool = True) -> torch.Tensor:
+    """This rank's share of ‖g‖² in fp32 (a 0-d tensor)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for g, info in zip(grads, param_infos):
+        if g is None or not counts_here(info, groups):
+            continue
+        if real_parts and info.split_dim is not None:
+            g = info.real_part(g)
+        total += g.detach().float().pow(2).sum().to(total.device)
+    return total
+
+
+def _norm_group(groups: Any, dp_sharded: bool) -> Any:
+    if groups is None:
+        return None
+    return groups.world if dp_sharded else groups.model_parallel
+
+
+def clip_grad_norm_(params: Sequence[torch.Tensor], param_infos: Sequence[ParamInfo],
+                    max_norm: float, groups: Any, *, dp_sharded: bool = False,
+                    real_parts: bool = True) -> torch.Tensor:
+    """Clip the gradients of `params` to the global L2 norm `max_norm`; return the norm.
+
+    params[i] is the local tensor described by param_infos[i] (its .grad is read; for ZeRO
+    pass the shard segments with their owner's ParamInfo, dp_sharded=True, real_parts=False
+    since a segment is a flat piece, not rows). groups: a ProcessGroups (None = one process).
+    Collective over groups.model_parallel (or groups.world when dp_sharded): all ranks call.
+    """
+    params = list(params)
+    infos = list(param_infos)
+    if len(params) != len(infos):
+        raise ValueError(f"clip_grad_norm_: {len(params)} params but {len(infos)} ParamInfos; "
+                         f"pass one ParamInfo per local parameter, in the same order")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm={max_norm!r}: must be > 0")
+    grads = [p.grad for p in params]
+    total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts)
+    group = _norm_group(groups, dp_sharded)
+    if group_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
+    total_norm = total_sq.sqrt()
+    clip_coef = float(max_norm) / (total_norm + 1e-6)
+    clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
+    for g in grads:
+        if g is not None:
+            g.detach().mul_(clip_coef_clamped.to(g.device, g.dtype))
+    return total_norm
