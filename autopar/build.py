@@ -1,0 +1,118 @@
+"""Build the per-chunk graphs of a ParallelProgram: capture → layers → tensor split → cut.
+
+`build_program(prog)` captures the FULL model (every layer, no repeat limit) with example
+inputs resized to the plan's micro-batch size (the graph has static shapes: views carry the
+batch dimension), labels its regions with passes.layers.find_layers, and cuts it into the
+plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1.
+The result is cached on the program (`prog._autopar_built`).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from autopar.plan import Plan
+
+
+@dataclass
+class BuiltProgram:
+    """The captured full graph and, per tensor rank, its chunk GraphModules."""
+    plan: Plan
+    gm: torch.fx.GraphModule                 # full graph, regions labelled, not tensor-split
+    num_layers: int
+    prefix: str                              # capture's module prefix ("model.")
+    state_keys: dict[str, str]               # user state-dict key -> graph attribute name
+    example_args: tuple                      # (*inputs, targets) at micro-batch size
+    _chunks: dict[int, list[torch.fx.GraphModule]] = field(default_factory=dict)
+    tp_results: dict[int, Any] = field(default_factory=dict)
+
+    def chunks(self, tp_rank: int = 0) -> list[torch.fx.GraphModule]:
+        """The p·v chunk GraphModules as tensor rank `tp_rank` runs them."""
+        if not 0 <= tp_rank < self.plan.t:
+            raise ValueError(f"tp_rank={tp_rank}: must lie in [0, t={self.plan.t})")
+        if tp_rank not in self._chunks:
+            from autopar.passes.pipeline import split_chunks
+            gm = self.gm
+            if self.plan.t > 1:
+                gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank)
+            self._chunks[tp_rank] = split_chunks(gm, self.plan, prefix=self.prefix)
+        return self._chunks[tp_rank]
+
+
+def _resize_batch(x: Any, b: int) -> Any:
+    """A fresh copy of x with batch dimension b (rows repeated cyclically).
+
+    Always a copy: torch.export treats one tensor passed twice (inputs and targets) as one
+    input, which would wire the targets to the inputs.
+    """
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.dim() == 0 or x.shape[0] == b:
+        return x.clone()
+    idx = torch.arange(b, device=x.device) % x.shape[0]
+    return x[idx].clone()
+
+
+def _state_keys(model: torch.nn.Module, gm: torch.fx.GraphModule, prefix: str) -> dict[str, str]:
+    """Map every key of model.state_dict() to the graph attribute holding that tensor.
+
+    Tied weights are one tensor under several keys; the graph names one of them.
+    """
+    targets = {n.target[len(prefix):] if n.target.startswith(prefix) else n.target
+               for n in gm.graph.nodes if n.op == "get_attr" and n.users}
+    by_id: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(value), []).append(key)
+    out: dict[str, str] = {}
+    for keys in by_id.values():
+        graph_name = next((k for k in keys if k in targets), None)
+        for k in keys:
+            out[k] = graph_name if graph_name is not None else k
+    return out
+
+
+def _tensor_parallel(built: BuiltProgram, tp_rank: int):
+    try:
+        from autopar.passes.tensor_parallel import apply_tensor_parallel
+    except ImportError as exc:
+        raise ValueError(f"plan.t={built.plan.t} needs the tensor-parallel pass "
+                         f"(autopar.passes.tensor_parallel), which is not available: {exc}; "
+                         f"plan with t=1") from exc
+    gm = copy.deepcopy(built.gm)
+    # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
+    # runtime binds to this rank's real group when it loads the generated chunk.
+    out = apply_tensor_parallel(gm, built.plan, tp_rank, None)
+    return out, out.meta.get("tp")
+
+
+def build_program(prog: Any) -> BuiltProgram:
+    """Capture, label and (lazily, per tensor rank) cut `prog`'s model; cached on `prog`."""
+    cached = getattr(prog, "_autopar_built", None)
+    if cached is not None:
+        return cached
+    from autopar.passes.capture import capture
+    from autopar.passes.layers import find_layers
+    from autopar.passes.pipeline import check_stages, count_layers
+
+    plan: Plan = prog.plan
+    if prog.loss_fn is None or prog.example_targets is None:
+        raise ValueError("build: the program has no loss_fn/example_targets; pipeline training "
+                         "needs the loss in the graph — parallelize(..., loss_fn=autopar."
+                         "cross_entropy)")
+    b = plan.micro_batch_size
+    inputs = tuple(_resize_batch(x, b) for x in prog.example_inputs)
+    targets = _resize_batch(prog.example_targets, b)
+    captured = capture(prog.model, inputs, prog.loss_fn, targets)
+    gm = captured.gm
+    find_layers(gm)
+    num_layers = count_layers(gm)
+    check_stages(plan, num_layers)
+    built = BuiltProgram(plan=plan, gm=gm, num_layers=num_layers, prefix=captured.prefix,
+                         state_keys=_state_keys(prog.model, gm, captured.prefix),
+                         example_args=inputs + (targets,))
+    prog._autopar_built = built
+    return built
