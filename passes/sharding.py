@@ -1,0 +1,827 @@
+"""Tensor-parallel layouts and the per-op rules that propagate them through an ATen graph.
+
+A layout says how the tensor-parallel ranks 0..t-1 hold a value of the single-device program:
+
+  Replicate()                 every rank holds the whole value
+  Shard(dim, blocks)          dimension `dim` is cut into consecutive blocks of global sizes
+                              `blocks` (sum = the dim's size); rank r holds the r-th 1/t of EVERY
+                              block, concatenated. One block is the plain Megatron split; a fused
+                              qkv output (B, T, 3C) is Shard(2, (C, C, C)) so that q, k and v
+                              are each split by heads. `padded` > 0: the dim is padded to that
+                              global size first (vocab padding), rank r holds rows
+                              [r·padded/t, (r+1)·padded/t).
+  Partial(bias)               every rank holds a summand; the value is the sum over ranks
+                              (a row-parallel product). `bias` names a bias node still to be
+                              added once, after the reduction.
+
+Propagation runs forward in topological order. A weight matmul whose input is replicated is a
+column-parallel *candidate*: its output is seeded Shard(last) with the candidate's name as
+`origin`. Rules carry shards through elementwise ops, reshapes (the split dim is mapped through
+the reshape; see `_map_reshape`), transposes, split/chunk/cat, attention, reductions over other
+dims, until a matmul contracts over the split dim (row-parallel → Partial). A value that would
+have to be gathered back raises `Conflict(origins)`: the driver turns those candidates off and
+runs again (replicated fallback), so only regions that close cheaply stay split. A split that
+cuts a fused output at non-block boundaries raises `Refine(origin, blocks)` and the driver
+re-seeds that candidate with finer blocks.
+"""
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+# ----- layouts ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Replicate:
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    blocks: tuple[int, ...]
+    padded: int = 0
+    origins: frozenset = field(default=frozenset(), compare=False)
+    seq: bool = field(default=False, compare=False)  # a sequence-parallel shard
+
+    def local(self, t: int) -> int:
+        """Local size of the split dim on each rank."""
+        if self.padded:
+            return self.padded // t
+        return sum(b // t for b in self.blocks)
+
+    def size(self) -> int:
+        return sum(self.blocks)
+
+    def __repr__(self) -> str:
+        extra = f", padded={self.padded}" if self.padded else ""
+        extra += ", seq" if self.seq else ""
+        return f"Shard({self.dim}, {self.blocks}{extra})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    bias: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Partial(bias={self.bias})" if self.bias else "Partial()"
+
+
+Layout = Replicate | Shard | Partial
+R = Replicate()
+
+
+class Conflict(Exception):
+    """A split value would have to be gathered: turn its column candidates off."""
+
+    def __init__(self, origins: frozenset, node: fx.Node, reason: str, indivisible: bool = False):
+        super().__init__(reason)
+        self.origins, self.node, self.reason, self.indivisible = origins, node, reason, indivisible
+
+
+class Refine(Exception):
+    """A fused output is cut at non-block boundaries: re-seed `origin` with finer blocks."""
+
+    def __init__(self, origin: str, blocks: tuple[int, ...]):
+        super().__init__(f"refine {origin} to {blocks}")
+        self.origin, self.blocks = origin, blocks
+
+
+# ----- op families ------------------------------------------------------------------------------
+
+_TRANSPARENT = {aten.alias, aten.detach, aten.to, aten._to_copy, aten.clone, aten.contiguous,
+                aten.lift_fresh_copy, aten.type_as}
+_RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
+             aten.squeeze, aten.unsqueeze}
+_SIZE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.alias,
+                             aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.zeros_like,
+                             aten.ones_like, aten.empty_like, aten.full_like,
+                             aten.native_dropout}
+_REDUCE_DIM = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.max,
+               aten.min, aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all}
+_SOFTMAX = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum}
+_MATMULS = {aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm}
+_NO_VALUE = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size}
+_SPLITS = {aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.tensor_split}
+
+
+def packet(node: fx.Node) -> Any:
+    return getattr(node.target, "overloadpacket", node.target)
+
+
+def shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def is_tensor(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    target = node.target
+    if packet(node) in _NONPOINTWISE_ELEMENTWISE:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's source line of `node`: the innermost stack-trace frame outside torch."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
+    user = [f for f in frames if _TORCH_DIR not in f]
+    return (user or frames or ["(no stack trace)"])[-1]
+
+
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# ----- reshape mapping --------------------------------------------------------------------------
+
+def map_reshape(src: tuple[int, ...], dst: tuple[int, ...], lay: Shard, t: int) -> Shard | None:
+    """The layout of reshape(x, dst) when x (shape src) is `lay`, or None if not expressible.
+
+    Size-1 dims are ignored; the remaining dims are grouped into runs of equal products. Inside
+    the group holding the split dim, the split is written on the flat index of the group
+    (outer product Q, blocks scaled by the inner product P) and read back on the first output
+    dim e that can express it: e outermost with every block divisible by t·P(e), or every block
+    exactly one row of e (then e's own size is split, Q(e) times).
+    """
+    d = lay.dim
+    si = [i for i, s in enumerate(src) if s != 1]
+    so = [j for j, s in enumerate(dst) if s != 1]
+    groups, a, b = [], 0, 0
+    while a < len(si) and b < len(so):
+        gi, go, pi, po = [si[a]], [so[b]], src[si[a]], dst[so[b]]
+        a, b = a + 1, b + 1
+        while pi != po:
+            if pi < po:
+                gi.append(si[a]); pi *= src[si[a]]; a += 1
+            else:
+                go.append(so[b]); po *= dst[so[b]]; b += 1
+        groups.append((gi, go))
+    group = next(((gi, go) for gi, go in groups if d in gi), None)
+    if group is None or not group[1]:
+        return None
+    gi, go = group
+    pos = gi.index(d)
+    inner = _prod(src[i] for i in gi[pos + 1:])
+    outer = _prod(src[i] for i in gi[:pos])
+    if lay.padded:
+        return replace(lay, dim=go[0]) if len(gi) == 1 and len(go) == 1 else None
+    flat = tuple(b * inner for b in lay.blocks) * outer
+    for k, e in enumerate(go):
+        p_e = _prod(dst[j] for j in go[k + 1:])
+        q_e = _prod(dst[j] for j in go[:k])
+        if q_e == 1 and all(b % (t * p_e) == 0 for b in flat):
+            return replace(lay, dim=e, blocks=tuple(b // p_e for b in flat))
+        if len(flat) == q_e and all(b == dst[e] * p_e for b in flat) and dst[e] % t == 0:
+            return replace(lay, dim=e, blocks=(dst[e],))
+    return None
+
+
+def _prod(xs: Any) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+# ----- the propagator ---------------------------------------------------------------------------
+
+_CHAIN = _TRANSPARENT | {aten.t, aten.transpose, aten.permute}
+
+
+class Propagator:
+    """One forward pass of layout propagation under a fixed set of disabled candidates.
+
+    layout[node]  the node's layout (a tuple for multi-output nodes); get_attr values (and
+                  transposes/copies of them) stay None until a consumer decides their layout.
+    convert[node] {input node: layout this node needs it in}, where that differs from the input's
+                  own layout (a collective or a local slice goes on that edge).
+    role[node]    'column' | 'row' | 'vocab_embedding' | 'vocab_ce' for the rewritten ops.
+    """
+
+    def __init__(self, gm: fx.GraphModule, t: int, *, off: set[str], refine: dict,
+                 sequence_parallel: bool, seq_len: int | None, vocab_multiple: int):
+        self.gm, self.t, self.off, self.refine = gm, t, off, refine
+        self.sp, self.seq_len, self.vocab_multiple = sequence_parallel, seq_len, vocab_multiple
+        self.layout: dict[fx.Node, Any] = {}
+        self.convert: dict[fx.Node, dict[fx.Node, Layout]] = {}
+        self.role: dict[fx.Node, str] = {}
+        self.notes: list[str] = []
+
+    def run(self) -> "Propagator":
+        for node in self.gm.graph.nodes:
+            self.visit(node)
+        for node in self.gm.graph.nodes:  # params nobody split stay replicated
+            if self.layout.get(node) is None and node.op != "output":
+                self.layout[node] = self._forward_chain(node) or R
+        return self
+
+    # -- reading and demanding layouts --
+
+    def get(self, node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return R
+        if node in self.layout and self.layout[node] is None:
+            fwd = self._forward_chain(node)
+            if fwd is not None:
+                self.layout[node] = fwd
+        return self.layout.get(node, R)
+
+    def _is_chain(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and packet(node) in _CHAIN
+
+    def _forward_chain(self, node: fx.Node) -> Any:
+        """Layout of a param-derived node once its get_attr root has one."""
+        if node.op == "get_attr":
+            return self.layout.get(node)
+        if not self._is_chain(node):
+            return None
+        src = self._forward_chain(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(src, Shard):
+            return src
+        return replace(src, dim=_chain_dim(node, src.dim, forward=True))
+
+    def _assign(self, node: fx.Node, lay: Layout) -> None:
+        self.layout[node] = lay
+        if self._is_chain(node) and isinstance(node.args[0], fx.Node) \
+                and self.layout.get(node.args[0], R) is None:
+            up = replace(lay, dim=_chain_dim(node, lay.dim, forward=False)) \
+                if isinstance(lay, Shard) else lay
+            self._assign(node.args[0], up)
+
+    def demand(self, consumer: fx.Node, arg: Any, want: Layout) -> None:
+        """`consumer` needs `arg` in layout `want`: decide a param, or convert on the edge."""
+        if not is_tensor(arg):
+            return
+        cur = self.get(arg)
+        if cur is None:
+            self._assign(arg, want)
+            return
+        have = self.convert.get(consumer, {}).get(arg, cur)
+        if have == want and type(have) is type(want):
+            return
+        if isinstance(cur, Shard) and not cur.seq and not (
+                isinstance(want, Shard) and want.dim == cur.dim and want.blocks == cur.blocks):
+            if cur.origins:
+                raise Conflict(cur.origins, consumer,
+                               f"{consumer.name} ({packet(consumer)}) needs {arg.name} as {want} "
+                               f"but it is {cur}")
+            self.notes.append(f"all-gather of {arg.name} {cur} for {consumer.name}")
+        self.convert.setdefault(consumer, {})[arg] = want
+
+    def eff(self, consumer: fx.Node, arg: Any) -> Any:
+        """The layout `consumer` sees for `arg` (after any conversion already decided)."""
+        if not isinstance(arg, fx.Node):
+            return R
+        got = self.convert.get(consumer, {}).get(arg)
+        return got if got is not None else self.get(arg)
+
+    # -- dispatch --
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "get_attr":
+            self.layout[node] = None
+            return
+        if node.op == "placeholder":
+            self.layout[node] = R
+            return
+        if node.op == "output":
+            for arg in _tensor_args(node):
+                self._resolve_partial(node, arg, allow_seq=False)
+                self.demand(node, arg, R)
+            return
+        if node.op != "call_function":
+            self.layout[node] = _like(node, R)
+            return
+        args = _tensor_args(node)
+        if self._is_chain(node) and all(self.get(a) is None for a in args) and args:
+            self.layout[node] = None  # a copy / transpose of a parameter: decided by its use
+            return
+        if packet(node) in _NO_VALUE:
+            self.layout[node] = R  # metadata assertions: no value, nothing to convert
+            return
+        if node.target is operator.getitem:
+            src = self.get(node.args[0])
+            self.layout[node] = src[node.args[1]] if isinstance(src, tuple) else src
+            return
+        if not self._keeps_partial(node):
+            for arg in args:
+                self._resolve_partial(node, arg, allow_seq=True)
+        out = self._rule(node)
+        for arg in args:  # parameters no rule claimed are replicated
+            if self.get(arg) is None:
+                self._assign(arg, R)
+        self.layout[node] = out
+
+    def _resolve_partial(self, node: fx.Node, arg: fx.Node, allow_seq: bool) -> None:
+        if not isinstance(self.get(arg), Partial):
+            return
+        target: Layout = R
+        shp = shape(arg)
+        if allow_seq and self.sp and shp and len(shp) >= 3 and self.seq_len \
+                and shp[1] == self.seq_len and self.seq_len % self.t == 0:
+            target = Shard(1, (self.seq_len,), seq=True)
+        self.convert.setdefault(node, {})[arg] = target
+
+    def _keeps_partial(self, node: fx.Node) -> bool:
+        args = _tensor_args(node)
+        lays = [self.get(a) for a in args]
+        if not any(isinstance(l, Partial) for l in lays):
+            return False
+        op = packet(node)
+        if op in _RESHAPES or op in {aten.alias, aten.clone, aten.contiguous, aten.to,
+                                     aten._to_copy, aten.type_as}:
+            bias = lays[0].bias if isinstance(lays[0], Partial) else None
+            return not bias or shape(node)[-1:] == shape(args[0])[-1:]
+        if op in {aten.add, aten.sub} and len(args) == 2:
+            return all(isinstance(l, Partial) and not l.bias for l in lays)
+        if op in {aten.mul, aten.div, aten.neg} and len(args) == 1:
+            return not lays[0].bias
+        return False
+
+    def _rule(self, node: fx.Node) -> Any:
+        op = packet(node)
+        lays = [self.eff(node, a) for a in _tensor_args(node)]
+        if any(isinstance(l, Partial) for l in lays):
+            return Partial(next((l.bias for l in lays if isinstance(l, Partial)), None))
+        handler = _RULES.get(op)
+        if handler is not None:
+            return handler(self, node)
+        if is_pointwise(node):
+            return _pointwise(self, node)
+        return _replicated(self, node)
+
+
+def _like(node: fx.Node, lay: Layout) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return tuple(lay for _ in val)
+    return lay
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    seen: set = set()
+
+    def visit(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            if a not in seen and (is_tensor(a) or isinstance(a.meta.get("val"), (tuple, list))):
+                seen.add(a)
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+    visit(node.args)
+    visit(node.kwargs)
+    if packet(node) is aten.type_as and len(out) == 2:
+        out = out[:1]  # `other` only donates its dtype
+    return out
+
+
+def _chain_dim(node: fx.Node, dim: int, forward: bool) -> int:
+    op = packet(node)
+    if op is aten.t:
+        return 1 - dim if shape(node) and len(shape(node)) == 2 else dim
+    if op is aten.transpose:
+        nd = len(shape(node))
+        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        return b if dim == a else a if dim == b else dim
+    if op is aten.permute:
+        perm = [_norm_dim(p, len(shape(node))) for p in node.args[1]]
+        return perm.index(dim) if forward else perm[dim]
+    return dim
+
+
+# ----- rules ------------------------------------------------------------------------------------
+# Each rule reads its inputs' layouts with p.eff, may p.demand layouts of inputs (deciding a
+# parameter's split, or putting a conversion on the edge), and returns the output's layout.
+
+def _replicated(p: Propagator, node: fx.Node) -> Any:
+    """An op with no rule: computed whole on every rank, from replicated inputs."""
+    for arg in _tensor_args(node):
+        p.demand(node, arg, R)
+    return _like(node, R)
+
+
+def _shards(p: Propagator, node: fx.Node, args: list[fx.Node]) -> list[tuple[fx.Node, Shard]]:
+    return [(a, p.eff(node, a)) for a in args if isinstance(p.eff(node, a), Shard)]
+
+
+def _union(lays: list[Shard]) -> frozenset:
+    out: frozenset = frozenset()
+    for l in lays:
+        out |= l.origins
+    return out
+
+
+def _pointwise(p: Propagator, node: fx.Node) -> Layout:
+    """out[i] = f(a[i], b[i], ...) with broadcasting: all split operands must agree on the
+    (right-aligned) output dim; replicated operands broadcast along it or are sliced locally."""
+    out_shape = shape(node)
+    if out_shape is None:
+        return _replicated(p, node)
+    nd = len(out_shape)
+    args = _tensor_args(node)
+    shards = _shards(p, node, args)
+    if not shards:
+        return R
+    dims = {l.dim + nd - len(shape(a)) for a, l in shards}
+    first = shards[0][1]
+    origins = _union([l for _, l in shards])
+    if len(dims) > 1 or any(l.blocks != first.blocks or l.padded != first.padded
+                            for _, l in shards):
+        raise Conflict(origins, node, f"{node.name}: operands split differently "
+                       f"({', '.join(f'{a.name}: {l}' for a, l in shards)})")
+    od = dims.pop()
+    if first.padded and packet(node) not in _TRANSPARENT:
+        raise Conflict(origins, node, f"{node.name}: elementwise op on a padded vocab dim")
+    target = replace(first, dim=od, origins=origins, seq=any(l.seq for _, l in shards))
+    for a in args:
+        if isinstance(p.eff(node, a), Shard):
+            continue
+        i = od - (nd - len(shape(a)))
+        if i < 0 or shape(a)[i] == 1:
+            p.demand(node, a, R)  # broadcast along the split dim: nothing to do
+        else:
+            p.demand(node, a, replace(target, dim=i))
+    return target
+
+
+def _reshape(p: Propagator, node: fx.Node) -> Layout:
+    src = node.args[0]
+    lay = p.eff(node, src)
+    if not isinstance(lay, Shard):
+        return lay
+    mapped = map_reshape(shape(src), shape(node), lay, p.t)
+    if mapped is None:
+        raise Conflict(lay.origins, node,
+                       f"{node.name}: reshape {list(shape(src))} -> {list(shape(node))} cannot "
+                       f"keep dim {lay.dim} split in {p.t} (blocks {lay.blocks}): sizes do not "
+                       f"divide by t={p.t}", indivisible=True)
+    return mapped
+
+
+def _expand(p: Propagator, node: fx.Node) -> Layout:
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return lay
+    return replace(lay, dim=lay.dim + len(shape(node)) - len(shape(node.args[0])))
+
+
+def _transpose(p: Propagator, node: fx.Node) -> Layout:
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return lay
+    return replace(lay, dim=_chain_dim(node, lay.dim, forward=True))
+
+
+def _split(p: Propagator, node: fx.Node) -> Any:
+    """split/chunk: pieces along the split dim must be unions of whole blocks (refining the
+    seed's blocks when they are not: fused qkv)."""
+    src = node.args[0]
+    lay = p.eff(node, src)
+    vals = node.meta["val"]
+    if not isinstance(lay, Shard):
+        return tuple(lay for _ in vals)
+    nd = len(shape(src))
+    dim = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+    if packet(node) is aten.unbind:
+        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+        if dim == lay.dim:
+            raise Conflict(lay.origins, node, f"{node.name}: unbind along the split dim")
+        return tuple(replace(lay, dim=lay.dim - (lay.dim > dim)) for _ in vals)
+    if dim != lay.dim:
+        return tuple(lay for _ in vals)
+    sizes = [int(v.shape[dim]) for v in vals]
+    cuts = set(_cumsum(sizes))
+    bounds = set(_cumsum(list(lay.blocks)))
+    if lay.padded or not cuts <= bounds:
+        origin = next(iter(lay.origins)) if len(lay.origins) == 1 else None
+        seed = p.refine.get(origin) if origin else None
+        if origin and not lay.padded and (seed is None or seed == lay.blocks):
+            merged = sorted(cuts | bounds)
+            raise Refine(origin, tuple(b - a for a, b in zip([0] + merged, merged)))
+        raise Conflict(lay.origins, node, f"{node.name}: split {sizes} cuts blocks "
+                       f"{lay.blocks} of the split dim")
+    pieces, start = [], 0
+    offsets = [0] + _cumsum(list(lay.blocks))
+    for size in sizes:
+        mine = tuple(b for b, o in zip(lay.blocks, offsets) if start <= o < start + size)
+        pieces.append(replace(lay, blocks=mine))
+        start += size
+    return tuple(pieces)
+
+
+def _cumsum(xs: list[int]) -> list[int]:
+    out, acc = [], 0
+    for x in xs:
+        acc += x
+        out.append(acc)
+    return out
+
+
+def _cat(p: Propagator, node: fx.Node) -> Layout:
+    tensors = list(node.args[0])
+    nd = len(shape(node))
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
+    tensors = [a for a in tensors if shape(a) and shape(a) != (0,)]
+    shards = _shards(p, node, tensors)
+    if not shards:
+        return R
+    first = shards[0][1]
+    if first.dim == dim:
+        if len(shards) != len(tensors):
+            raise Conflict(_union([l for _, l in shards]), node,
+                           f"{node.name}: cat along the split dim with replicated pieces")
+        return replace(first, blocks=sum((l.blocks for _, l in shards), ()),
+                       origins=_union([l for _, l in shards]))
+    return _pointwise_same_shape(p, node, tensors, first)
+
+
+def _pointwise_same_shape(p: Propagator, node: fx.Node, args: list, first: Shard) -> Layout:
+    origins = _union([l for _, l in _shards(p, node, args)])
+    target = replace(first, origins=origins)
+    for a in args:
+        p.demand(node, a, target)
+    return target
+
+
+def _slice(p: Propagator, node: fx.Node) -> Layout:
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return lay
+    nd = len(shape(node.args[0]))
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    if dim == lay.dim:
+        if shape(node) == shape(node.args[0]):
+            return lay  # a no-op slice (x[:, :T] with T the full size)
+        raise Conflict(lay.origins, node, f"{node.name}: slices the split dim {dim}")
+    if packet(node) is aten.select:
+        return replace(lay, dim=lay.dim - (lay.dim > dim))
+    return lay
+
+
+def _repeat_interleave(p: Propagator, node: fx.Node) -> Layout:
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return _replicated(p, node)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    reps = node.args[1]
+    if dim is None or not isinstance(reps, int):
+        raise Conflict(lay.origins, node, f"{node.name}: repeat_interleave without a dim")
+    dim = _norm_dim(dim, len(shape(node)))
+    if dim != lay.dim:
+        return lay
+    return replace(lay, blocks=tuple(b * reps for b in lay.blocks))
+
+
+def _norm(p: Propagator, node: fx.Node) -> Any:
+    """layer_norm / rms_norm: fine while the split dim is not one of the normalised dims."""
+    x = node.args[0]
+    lay = p.eff(node, x)
+    normalized = node.args[1]
+    for a in _tensor_args(node)[1:]:
+        p.demand(node, a, R)
+    if isinstance(lay, Shard) and lay.dim >= len(shape(x)) - len(normalized):
+        raise Conflict(lay.origins, node, f"{node.name}: normalises over the split dim")
+    return _like(node, lay)
+
+
+def _softmax(p: Propagator, node: fx.Node) -> Layout:
+    lay = p.eff(node, node.args[0])
+    if isinstance(lay, Shard) and _norm_dim(node.args[1], len(shape(node))) == lay.dim:
+        raise Conflict(lay.origins, node, f"{node.name}: softmax over the split dim")
+    return lay
+
+
+def _reduce(p: Propagator, node: fx.Node) -> Any:
+    x = node.args[0]
+    lay = p.eff(node, x)
+    if not isinstance(lay, Shard):
+        return _like(node, lay)
+    nd = len(shape(x))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        dims = list(range(nd))
+    dims = [_norm_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    if lay.dim in dims:
+        if packet(node) is aten.sum and not lay.padded:
+            return Partial()
+        raise Conflict(lay.origins, node, f"{node.name}: reduces over the split dim")
+    new_dim = lay.dim if keep else lay.dim - sum(d < lay.dim for d in dims)
+    return _like(node, replace(lay, dim=new_dim))
+
+
+def _matmul(p: Propagator, node: fx.Node) -> Layout:
+    """Weight matmuls: column-parallel candidates, row-parallel when the input is split over the
+    contraction dim. Activation products (attention): split batch dims must agree."""
+    x, w, bias, w_k, w_n = _matmul_operands(node)
+    if w is None:
+        return _batched_matmul(p, node)
+    xl = p.eff(node, x)
+    k_dim = len(shape(x)) - 1
+    out_nd = len(shape(node))
+    if isinstance(xl, Shard) and xl.dim == k_dim and not xl.seq:
+        p.demand(node, w, replace(xl, dim=w_k))
+        if bias is not None:
+            p.demand(node, bias, R)
+        p.role[node] = "row"
+        return Partial(bias.name if bias is not None else None)
+    if node.name not in p.off and not (isinstance(xl, Shard) and not xl.seq):
+        n_size = shape(w)[w_n]
+        blocks = p.refine.get(node.name, (n_size,))
+        padded = 0
+        if len(blocks) == 1 and n_size % p.t:
+            padded = _round_up(n_size, p.vocab_multiple * p.t)
+        elif any(b % p.t for b in blocks):
+            raise Conflict(frozenset({node.name}), node,
+                           f"{node.name}: output blocks {blocks} do not divide by t={p.t}",
+                           indivisible=True)
+        lay = Shard(w_n, blocks, padded, origins=frozenset({node.name}))
+        p.demand(node, x, R)
+        p.demand(node, w, lay)
+        if bias is not None:
+            p.demand(node, bias, replace(lay, dim=0))
+        p.role[node] = "column"
+        return replace(lay, dim=out_nd - 1)
+    p.demand(node, w, R)
+    if bias is not None:
+        p.demand(node, bias, R)
+    if isinstance(xl, Shard):
+        return replace(xl, dim=xl.dim + out_nd - len(shape(x)))
+    return R
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _matmul_operands(node: fx.Node) -> tuple:
+    """(activation, weight, bias, weight's contraction dim, weight's output dim); weight None
+    when the second operand is not a parameter (possibly transposed / copied)."""
+    op = packet(node)
+    if op is aten.linear:
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        wk, wn = 1, 0
+    elif op is aten.addmm:
+        bias, x, w = node.args[0], node.args[1], node.args[2]
+        wk, wn = 0, 1
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return x, None, None, 0, 0
+    else:
+        x, w, bias = node.args[0], node.args[1], None
+        wk, wn = 0, 1
+    if not (_param_root(w) and shape(w) and len(shape(w)) == 2):
+        return x, None, None, 0, 0
+    if bias is not None and not _param_root(bias):
+        return x, None, None, 0, 0
+    return x, w, bias, wk, wn
+
+
+def _param_root(node: Any) -> fx.Node | None:
+    while isinstance(node, fx.Node):
+        if node.op == "get_attr":
+            return node
+        if node.op != "call_function" or packet(node) not in _CHAIN:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _batched_matmul(p: Propagator, node: fx.Node) -> Layout:
+    a, b = node.args[0], node.args[1]
+    la, lb = p.eff(node, a), p.eff(node, b)
+    na, nb, nd = len(shape(a)), len(shape(b)), len(shape(node))
+    if not isinstance(la, Shard) and not isinstance(lb, Shard):
+        p.demand(node, a, R); p.demand(node, b, R)
+        return R
+    if isinstance(la, Shard) and isinstance(lb, Shard) and la.dim == na - 1 \
+            and lb.dim == nb - 2 and la.blocks == lb.blocks:
+        return Partial()  # contraction over the split dim
+    # a split batch dim: the other operand must be split (or broadcast) along the same dim
+    for lay, nsrc in ((la, na), (lb, nb)):
+        if isinstance(lay, Shard) and nsrc >= 3 and lay.dim < nsrc - 2:
+            od = lay.dim + nd - nsrc
+            target = replace(lay, dim=od, origins=_union([l for l in (la, lb)
+                                                          if isinstance(l, Shard)]))
+            for arg, n_arg in ((a, na), (b, nb)):
+                i = od - (nd - n_arg)
+                if i < 0 or shape(arg)[i] == 1:
+                    if not isinstance(p.eff(node, arg), Shard):
+                        p.demand(node, arg, R)
+                else:
+                    p.demand(node, arg, replace(target, dim=i))
+            return target
+    if isinstance(la, Shard) and la.dim == na - 2:
+        p.demand(node, b, R)
+        return replace(la, dim=nd - 2)
+    if isinstance(lb, Shard) and lb.dim == nb - 1:
+        p.demand(node, a, R)
+        return replace(lb, dim=nd - 1)
+    return _replicated(p, node)
+
+
+def _embedding(p: Propagator, node: fx.Node) -> Layout:
+    """Vocab-parallel embedding: rank r holds rows [r·V/t, (r+1)·V/t), looks up the ids it owns
+    (others → 0) and the partial results are summed (Partial)."""
+    w, ids = node.args[0], node.args[1]
+    if node.name in p.off or not _param_root(w):
+        p.demand(node, w, R)
+        lay = p.eff(node, ids)
+        return lay if isinstance(lay, Shard) else R
+    vocab = shape(w)[0]
+    if vocab % p.t and vocab < p.vocab_multiple:
+        p.demand(node, w, R)  # a small table (e.g. token types): padding would cost more
+        return R
+    p.demand(node, ids, R)
+    padded = _round_up(vocab, p.vocab_multiple * p.t) if vocab % p.t else 0
+    p.demand(node, w, Shard(0, (vocab,), padded, origins=frozenset({node.name})))
+    p.role[node] = "vocab_embedding"
+    return Partial()
+
+
+def _sdpa(p: Propagator, node: fx.Node) -> Layout:
+    """Attention is independent per head: q, k, v split along the heads dim (ndim-3); the mask
+    broadcasts over heads or is sliced."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    lays = [p.eff(node, a) for a in (q, k, v)]
+    shards = [l for l in lays if isinstance(l, Shard)]
+    if not shards:
+        return _replicated(p, node)
+    hd = len(shape(q)) - 3
+    origins = _union(shards)
+    if any(l.dim != hd or l.seq for l in shards):
+        raise Conflict(origins, node, f"{node.name}: attention split along a non-head dim")
+    for arg in (q, k, v):
+        if not isinstance(p.eff(node, arg), Shard):
+            heads = shape(arg)[hd]
+            if heads % p.t:
+                raise Conflict(origins, node, f"{node.name}: {heads} heads of {arg.name} do not "
+                               f"divide by t={p.t}", indivisible=True)
+            p.demand(node, arg, Shard(hd, (heads,), origins=origins))
+    if isinstance(mask, fx.Node):
+        i = hd - (len(shape(q)) - len(shape(mask)))
+        if i < 0 or shape(mask)[i] == 1:
+            p.demand(node, mask, R)
+        else:
+            p.demand(node, mask, Shard(i, (shape(mask)[i],), origins=origins))
+    ql = lays[0] if isinstance(lays[0], Shard) else p.eff(node, q)
+    return replace(ql, origins=origins)
+
+
+def _cross_entropy(p: Propagator, node: fx.Node) -> Layout:
+    """cross_entropy(logits split over the vocab) → vocab-parallel cross-entropy (Replicate)."""
+    logits = node.args[0]
+    lay = p.eff(node, logits)
+    if not isinstance(lay, Shard):
+        return _replicated(p, node)
+    class_dim = 1 if len(shape(logits)) >= 2 else 0
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    if lay.dim != class_dim or lay.seq or weight is not None or smoothing:
+        return _replicated(p, node)
+    p.demand(node, node.args[1], R)
+    p.role[node] = "vocab_ce"
+    return R
+
+
+_RULES = {
+    **{op: _reshape for op in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten,
+                               aten.unflatten, aten.squeeze, aten.unsqueeze)},
+    aten.expand: _expand,
+    aten.transpose: _transpose, aten.t: _transpose, aten.permute: _transpose,
+    **{op: _split for op in _SPLITS},
+    aten.cat: _cat,
+    aten.slice: _slice, aten.select: _slice, aten.narrow: _slice,
+    aten.repeat_interleave: _repeat_interleave,
+    aten.layer_norm: _norm, aten.native_layer_norm: _norm, aten.rms_norm: _norm,
+    **{op: _softmax for op in _SOFTMAX},
+    **{op: _reduce for op in _REDUCE_DIM},
+    **{op: _matmul for op in _MATMULS},
+    aten.embedding: _embedding,
+    aten.scaled_dot_product_attention: _sdpa,
+    aten.cross_entropy_loss: _cross_entropy,
+}

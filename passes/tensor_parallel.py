@@ -1,0 +1,575 @@
+"""Tensor parallelism as a graph pass (Megatron-LM 1909.08053, sequence parallelism 2205.05198).
+
+Two passes over the captured ATen graph:
+
+`propagate_sharding(gm, t)`  (analysis) gives every node a layout — Replicate, Shard(dim,
+    blocks) or Partial — with the rules of `passes/sharding.py`, and every parameter its split.
+    The Megatron pattern is found, not named: each weight matmul with a replicated input is a
+    column-parallel candidate; a candidate stays split only if its output can be carried
+    (through elementwise ops, head reshapes, rotary arithmetic, attention, ...) to matmuls that
+    contract over the split (row-parallel, Partial) or to a cross-entropy (vocab-parallel)
+    without gathering it back. Everything else falls back to replicated, and is reported.
+
+`apply_tensor_parallel(gm, t, tp_rank, group)`  (transformation) rewrites the graph for one
+    rank: parameters become local shards, shape constants of view/reshape/expand/split become
+    local sizes, and collectives go on the edges where layouts change:
+
+        Replicate ─f─▶ split region     copy_to_tp     (fwd identity, bwd all-reduce)
+        Partial  ─g─▶ Replicate         reduce_from_tp (fwd all-reduce, bwd identity)
+        Partial  ───▶ Shard(seq)        reduce_scatter_to_sp            (sequence parallel)
+        Shard(seq) ─▶ Replicate         all_gather_sp (bwd reduce-scatter) or gather_from_sp
+        Replicate ──▶ Shard             scatter_to_sp (local slice, bwd all-gather)
+
+    The collectives are `call_function` nodes on importable functions whose group argument is
+    the GraphModule attribute `tp_group` (a get_attr node), never a global; the rank-dependent
+    parts (vocab offsets, RNG streams) are computed from the group at run time, so all ranks
+    run the same code with different parameters.
+
+Typical use (one process per tensor rank, torch.distributed initialised):
+
+    gm = capture(model, (ids,), loss_fn, targets).gm
+    gm = apply_tensor_parallel(gm, t, tp_rank, group, sequence_parallel=False)
+    loss = gm(ids, targets); loss.backward()
+    full = gather_full_state_dict(gm, group)      # the single-device state dict, unpadded
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.passes import sharding as S
+from autopar.passes.sharding import Partial, Replicate, Shard, packet, shape, source_line
+from autopar.runtime import collectives as C
+from autopar.runtime import shard as shard_rt
+
+aten = torch.ops.aten
+
+_MAX_ROUNDS = 10_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fallback:
+    """A column candidate kept replicated, and why (shown by plan.explain())."""
+    node: str
+    reason: str
+    where: str
+    indivisible: bool = False
+
+
+@dataclass(kw_only=True)
+class TPInfo:
+    """What propagate_sharding decided; stored as gm.meta['tp']."""
+    t: int
+    sequence_parallel: bool
+    params: dict[str, shard_rt.ParamSplit]           # get_attr target -> split (split ones only)
+    column: list[str] = field(default_factory=list)  # column-parallel matmuls
+    row: list[str] = field(default_factory=list)     # row-parallel matmuls
+    vocab: list[str] = field(default_factory=list)   # vocab-parallel embedding / cross-entropy
+    fallbacks: list[Fallback] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)   # gathers the pass had to insert
+
+    def summary(self) -> str:
+        lines = [f"tensor parallel t={self.t}{' + sequence parallel' if self.sequence_parallel else ''}: "
+                 f"{len(self.column)} column, {len(self.row)} row, {len(self.vocab)} vocab-parallel; "
+                 f"{len(self.params)} parameters split"]
+        lines += [f"  replicated: {f.node}: {f.reason} ({f.where})" for f in self.fallbacks]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ----- analysis ---------------------------------------------------------------------------------
+
+def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = False,
+                       vocab_multiple: int = 128, strict: bool = True) -> fx.GraphModule:
+    """Decide the tensor-parallel layout of every value of `gm` for degree `t`.
+
+    Requires: `gm` from `capture` (ATen training IR with node.meta['val']).
+    Guarantees: every node has meta['tp_layout'] (Replicate | Shard | Partial, a tuple for
+      multi-output nodes); split get_attr nodes have meta['tp_param'] (a ParamSplit); nodes the
+      rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce');
+      meta['tp_convert'] = {input name: layout} on edges that need a collective or a slice;
+      gm.meta['tp'] is a TPInfo. Writes only meta; the graph is unchanged.
+    Errors: ValueError for a bad t, a sequence length not divisible by t under sequence
+      parallelism, or (strict) a head / hidden size that cannot be split under this t, naming
+      the node and the user's source line.
+    """
+    _check_t(t)
+    seq_len = _seq_len(gm) if sequence_parallel else None
+    if sequence_parallel and (seq_len is None or seq_len % t):
+        raise ValueError(f"sequence_parallel with t={t}: the sequence length {seq_len} (dim 1 of "
+                         f"the first input) must be divisible by t; pad the sequence to a "
+                         f"multiple of {t} or turn sequence parallelism off")
+    off: set[str] = set()
+    refine: dict[str, tuple[int, ...]] = {}
+    fallbacks: dict[str, Fallback] = {}
+    for _ in range(_MAX_ROUNDS):
+        prop = S.Propagator(gm, t, off=off, refine=refine, sequence_parallel=sequence_parallel,
+                            seq_len=seq_len, vocab_multiple=vocab_multiple)
+        try:
+            prop.run()
+            break
+        except S.Refine as r:
+            refine[r.origin] = r.blocks
+        except S.Conflict as c:
+            if not c.origins - off:
+                raise RuntimeError(f"tensor_parallel: propagation loops at {c.node.name}: "
+                                   f"{c.reason}") from None
+            for o in c.origins - off:
+                fallbacks[o] = Fallback(node=o, reason=c.reason, where=source_line(c.node),
+                                        indivisible=c.indivisible)
+            off |= c.origins
+    else:
+        raise RuntimeError("tensor_parallel: sharding propagation did not converge")
+    info = _write_meta(gm, prop, t, sequence_parallel, list(fallbacks.values()))
+    if strict and t > 1:
+        _check_lost_regions(gm, info)
+    gm.meta["tp"] = info
+    return gm
+
+
+def _check_t(t: Any) -> None:
+    if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+        raise ValueError(f"tensor_parallel: t={t!r} must be a positive integer (the number of "
+                         f"tensor-parallel ranks)")
+
+
+def _seq_len(gm: fx.GraphModule) -> int | None:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and shape(node) and len(shape(node)) >= 2:
+            return shape(node)[1]
+    return None
+
+
+def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
+                fallbacks: list[Fallback]) -> TPInfo:
+    info = TPInfo(t=t, sequence_parallel=sp, params={}, fallbacks=fallbacks, notes=prop.notes)
+    for node in gm.graph.nodes:
+        node.meta["tp_layout"] = prop.layout.get(node, Replicate())
+        node.meta.pop("tp_role", None)
+        node.meta.pop("tp_param", None)
+        conv = prop.convert.get(node)
+        node.meta["tp_convert"] = {a.name: lay for a, lay in conv.items()} if conv else {}
+        role = prop.role.get(node)
+        if role:
+            node.meta["tp_role"] = role
+            {"column": info.column, "row": info.row}.get(role, info.vocab).append(node.name)
+        lay = node.meta["tp_layout"]
+        if node.op == "get_attr" and isinstance(lay, Shard):
+            split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded)
+            node.meta["tp_param"] = split
+            info.params[node.target] = split
+    return info
+
+
+def _check_lost_regions(gm: fx.GraphModule, info: TPInfo) -> None:
+    """A candidate that fell back for divisibility is an error unless its replicated output
+    still feeds split work before the next weight matmul (e.g. k/v heads replicated when
+    t > kv_heads: the attention stays split by query heads)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for fb in info.fallbacks:
+        if not fb.indivisible or fb.node not in nodes:
+            continue
+        if not _feeds_split_work(nodes[fb.node]):
+            node = nodes[fb.node]
+            raise ValueError(
+                f"tensor_parallel: cannot split {node.name} across t={info.t} ranks: "
+                f"{fb.reason}.\n  at {fb.where}\n  fix: pick a t that divides the number of "
+                f"heads and the hidden/FFN sizes, or leave t unpinned so the planner chooses one")
+
+
+def _feeds_split_work(start: fx.Node) -> bool:
+    todo, seen = list(start.users), set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_split(node.meta.get("tp_layout")) and node.op != "output":
+            return True
+        if node.meta.get("tp_role") or packet(node) in S._MATMULS:
+            continue
+        todo.extend(node.users)
+    return False
+
+
+# ----- transformation ---------------------------------------------------------------------------
+
+def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, group: Any,
+                          sequence_parallel: bool | None = None, *, seed: int = 0,
+                          model: torch.nn.Module | None = None,
+                          init: Callable[[torch.nn.Module], None] | None = None,
+                          prefix: str = "model.", vocab_multiple: int = 128) -> fx.GraphModule:
+    """Rewrite `gm` in place into tensor rank `tp_rank`'s program (of `t` ranks in `group`).
+
+    Requires: gm from capture; `plan_or_t` an int t or a Plan (its t, sequence_parallel);
+      `group` the tensor-parallel ProcessGroup (None only for t = 1 or for inspecting the
+      rewritten graph without running it). Runs propagate_sharding first unless gm.meta['tp']
+      already holds a decision for this t and mode.
+    Guarantees: parameters on gm are this rank's local shards (sliced from real parameters,
+      or, for parameters on the meta device, initialised locally with seed (seed, name, rank)
+      by the owning module of the user's `model` (graph names minus `prefix`): its
+      reset_parameters(), then `init(module)` (e.g. the model's _init_weights)); view/reshape/expand/split constants are local; collectives are
+      call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
+      lints. Reads meta tp_layout / tp_convert / tp_role / tp_param; rewrites meta['val'] to
+      local shapes.
+    """
+    t = getattr(plan_or_t, "t", plan_or_t)
+    if sequence_parallel is None:
+        sequence_parallel = bool(getattr(plan_or_t, "sequence_parallel", False))
+    _check_t(t)
+    if group is not None and C.group_size(group) != t:
+        raise ValueError(f"apply_tensor_parallel: the group has {C.group_size(group)} ranks but "
+                         f"t={t}; pass the tensor-parallel group of this rank")
+    if not 0 <= tp_rank < t:
+        raise ValueError(f"apply_tensor_parallel: tp_rank={tp_rank} is outside [0, {t})")
+    info = gm.meta.get("tp")
+    if info is None or info.t != t or info.sequence_parallel != sequence_parallel:
+        propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
+                           vocab_multiple=vocab_multiple)
+        info = gm.meta["tp"]
+    _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed)
+    gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
+    if t > 1:
+        _Rewriter(gm, t, seed).run()
+    gm.tp_rank = tp_rank
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _get_owner(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
+    *path, name = target.split(".")
+    owner = gm
+    for p in path:
+        owner = getattr(owner, p)
+    return owner, name
+
+
+def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
+                      model: torch.nn.Module | None, init: Callable | None, prefix: str,
+                      seed: int) -> None:
+    """Replace every split parameter (and its tied aliases) by this rank's shard; materialise
+    meta parameters locally."""
+    done: dict[int, torch.Tensor] = {}
+    targets = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in sorted(targets):
+        owner, name = _get_owner(gm, target)
+        full = getattr(owner, name, None)
+        if not isinstance(full, torch.Tensor):
+            continue
+        split = info.params.get(target) if t > 1 else None
+        if split is None and not full.is_meta:
+            continue
+        if id(full) not in done:
+            if full.is_meta:
+                if model is None:
+                    raise ValueError(f"apply_tensor_parallel: parameter {target} is on the meta "
+                                     f"device; pass model=<the user's model> (and init=<its "
+                                     f"per-module init, e.g. GPT._init_weights>) so local "
+                                     f"shards can be initialised by the model's own code")
+                user_owner, _ = _get_owner(model, target[len(prefix):] if
+                                           target.startswith(prefix) else target)
+                local = shard_rt.materialize_local(user_owner, name, split, rank, t, init, seed)
+            else:
+                local = shard_rt.local_shard(full.detach(), split, rank, t)
+            done[id(full)] = (torch.nn.Parameter(local, requires_grad=full.requires_grad)
+                              if isinstance(full, torch.nn.Parameter) else local)
+        _replace_everywhere(gm, full, done[id(full)])
+
+
+def _replace_everywhere(gm: torch.nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
+    for module in gm.modules():
+        for key, p in list(module._parameters.items()):
+            if p is old:
+                module._parameters[key] = new
+        for key, b in list(module._buffers.items()):
+            if b is old:
+                module._buffers[key] = new
+        for key, v in list(vars(module).items()):
+            if v is old and key not in ("_parameters", "_buffers"):
+                setattr(module, key, new)
+
+
+class _Rewriter:
+    """Inserts the collectives on layout-changing edges and makes shape constants local."""
+
+    def __init__(self, gm: fx.GraphModule, t: int, seed: int):
+        self.gm, self.graph, self.t, self.seed = gm, gm.graph, t, seed
+        self.grad = _requires_grad(gm)
+        self.cache: dict[tuple, fx.Node] = {}
+        self.made: set[fx.Node] = set()
+        first = next(n for n in self.graph.nodes if n.op != "placeholder")
+        with self.graph.inserting_before(first), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a plain attribute, not a parameter: lint accepts it
+            self.group = self.graph.get_attr("tp_group")
+        self.group.meta["tp_layout"] = Replicate()
+        self.by_name = {n.name: n for n in self.graph.nodes}
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node is self.group or node in self.made:
+                continue
+            self._convert_inputs(node)
+            self._rewrite(node)
+        for node in self.graph.nodes:
+            _localize_val(node, self.t)
+
+    # -- edges --
+
+    def _call(self, fn: Any, args: tuple, lay: Any, before: fx.Node, grad: bool,
+              val_like: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(fn, args)
+        node.meta["tp_layout"] = lay
+        node.meta["val"] = val_like.meta.get("val")
+        node.meta["stack_trace"] = val_like.meta.get("stack_trace")
+        node.meta["nn_module_stack"] = val_like.meta.get("nn_module_stack", {})
+        self.made.add(node)
+        if grad:
+            self.grad.add(node)
+        return node
+
+    def _convert_inputs(self, node: fx.Node) -> None:
+        out_split = _is_split(node.meta.get("tp_layout"))
+        if node.meta.get("tp_role") == "row":
+            self._drop_bias(node)  # added once after the reduction, not here
+        converted = set()
+        for name, want in node.meta.get("tp_convert", {}).items():
+            arg = self.by_name[name]
+            new = self._conversion(arg, want, out_split, node)
+            node.replace_input_with(arg, new)
+            converted.add(new)
+        if not out_split or node.meta.get("tp_role") == "vocab_ce":
+            return
+        for arg in list(node.all_input_nodes):
+            if arg in converted or arg is self.group or arg not in self.grad:
+                continue
+            if isinstance(arg.meta.get("tp_layout"), Replicate) and S.is_tensor(arg):
+                node.replace_input_with(arg, self._f(arg, node))
+
+    def _f(self, arg: fx.Node, before: fx.Node) -> fx.Node:
+        key = ("f", arg)
+        if key not in self.cache:
+            self.cache[key] = self._call(C.copy_to_tp, (arg, self.group), Replicate(), before,
+                                         True, arg)
+        return self.cache[key]
+
+    def _conversion(self, arg: fx.Node, want: Any, out_split: bool, before: fx.Node) -> fx.Node:
+        have = arg.meta["tp_layout"]
+        grad = arg in self.grad
+        key = ("conv", arg, repr(want), out_split and grad)
+        if key in self.cache:
+            return self.cache[key]
+        g = self.group
+        if isinstance(have, Partial):
+            if isinstance(want, Shard) and want.seq:
+                x = self._call(C.reduce_scatter_to_sp, (arg, g, want.dim), want, before, grad, arg)
+            else:
+                x = self._call(C.reduce_from_tp, (arg, g), Replicate(), before, grad, arg)
+            if have.bias:
+                bias = self.by_name[have.bias]
+                if isinstance(want, Shard) and bias in self.grad:
+                    bias = self._f(bias, before)
+                x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
+            if isinstance(want, Shard) and not want.seq:
+                x = self._slice(x, want, before, grad)
+            elif isinstance(want, Replicate) and out_split and grad:
+                x = self._f(x, before)
+        elif isinstance(have, Replicate):
+            x = self._slice(arg, want, before, grad)
+        else:  # a Shard gathered back (sequence parallel, or a reported fallback)
+            simple = len(have.blocks) == 1 and not have.padded
+            fn = C.all_gather_sp if (out_split and grad) else C.gather_from_sp
+            x = self._call(fn, (arg, g, have.dim), Replicate(), before, grad, arg)
+            if not simple:
+                x = self._call(shard_rt.unshuffle_blocks,
+                               (x, g, have.dim, list(have.blocks), have.padded),
+                               Replicate(), before, grad, arg)
+            if isinstance(want, Shard):
+                x = self._slice(x, want, before, grad)
+        self.cache[key] = x
+        return x
+
+    def _slice(self, x: fx.Node, want: Shard, before: fx.Node, grad: bool) -> fx.Node:
+        if len(want.blocks) == 1 and not want.padded and grad:
+            return self._call(C.scatter_to_sp, (x, self.group, want.dim), want, before, grad, x)
+        if grad:
+            x = self._f(x, before)
+        return self._call(shard_rt.local_blocks,
+                          (x, self.group, want.dim, list(want.blocks), want.padded),
+                          want, before, grad, x)
+
+    # -- ops --
+
+    def _rewrite(self, node: fx.Node) -> None:
+        role = node.meta.get("tp_role")
+        op = packet(node)
+        if role == "vocab_embedding":
+            w, ids = node.args[0], node.args[1]
+            pad = node.args[2] if len(node.args) > 2 else -1
+            node.target = shard_rt.vocab_parallel_embedding
+            node.args, node.kwargs = (w, ids, self.group, pad), {}
+        elif role == "vocab_ce":
+            self._vocab_ce(node)
+        elif op in S._SIZE_ARG_OPS:
+            self._local_sizes(node)
+        elif op in S._SPLITS:
+            self._local_split(node)
+        elif op is aten.unflatten:
+            lay = node.meta["tp_layout"]
+            if isinstance(lay, Shard):
+                sizes = list(_local_shape(shape(node), lay, self.t))
+                dim = S._norm_dim(node.args[1], len(shape(node.args[0])))
+                node.args = (node.args[0], node.args[1],
+                             sizes[dim:dim + len(node.args[2])])
+        elif op is aten.dropout and _is_split(node.meta.get("tp_layout")):
+            x, p, train = node.args
+            node.target = shard_rt.tp_dropout
+            node.args, node.kwargs = (x, p, train, self.group, self.seed), {}
+        elif op is aten.repeat_interleave and "output_size" in node.kwargs:
+            lay = node.meta["tp_layout"]
+            if isinstance(lay, Shard):
+                kw = dict(node.kwargs)
+                kw["output_size"] = lay.local(self.t)
+                node.kwargs = kw
+
+    def _drop_bias(self, node: fx.Node) -> None:
+        op = packet(node)
+        if op is aten.linear and (len(node.args) > 2 or "bias" in node.kwargs):
+            node.args, node.kwargs = tuple(node.args[:2]), {}
+        elif op is aten.addmm:
+            node.target = aten.mm.default
+            node.args, node.kwargs = (node.args[1], node.args[2]), {}
+
+    def _vocab_ce(self, node: fx.Node) -> None:
+        logits, target = node.args[0], node.args[1]
+        a = list(node.args) + [None] * (6 - len(node.args))
+        reduction = a[3] if a[3] is not None else node.kwargs.get("reduction", 1)
+        ignore = a[4] if a[4] is not None else node.kwargs.get("ignore_index", -100)
+        vocab = _orig_size(logits, 1)
+        node.target = shard_rt.vocab_parallel_cross_entropy
+        node.args, node.kwargs = (logits, target, self.group, vocab, ignore, reduction), {}
+
+    def _local_sizes(self, node: fx.Node) -> None:
+        lay = node.meta["tp_layout"]
+        if not isinstance(lay, Shard):
+            return
+        local = _local_shape(shape(node), lay, self.t)
+        sizes = node.args[1]
+        new = [s if (isinstance(s, int) and s == -1) else local[i] for i, s in enumerate(sizes)]
+        node.args = (node.args[0], new) + tuple(node.args[2:])
+
+    def _local_split(self, node: fx.Node) -> None:
+        src = node.args[0]
+        lay = src.meta["tp_layout"]
+        if not isinstance(lay, Shard) or packet(node) is aten.unbind:
+            return
+        nd = len(shape(src))
+        dim = S._norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+        if dim != lay.dim:
+            return
+        pieces = node.meta["tp_layout"]
+        sizes = [p.local(self.t) for p in pieces]
+        node.target = aten.split_with_sizes.default
+        node.args, node.kwargs = (src, sizes, dim), {}
+
+
+def _orig_size(node: fx.Node, dim: int) -> int:
+    return int(node.meta["tp_global_val"].shape[dim]) if "tp_global_val" in node.meta \
+        else shape(node)[dim]
+
+
+def _is_split(lay: Any) -> bool:
+    if isinstance(lay, tuple):
+        return any(_is_split(l) for l in lay)
+    return isinstance(lay, (Shard, Partial))
+
+
+def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, ...]:
+    if not isinstance(lay, Shard):
+        return tuple(global_shape)
+    out = list(global_shape)
+    out[lay.dim] = lay.local(t)
+    return tuple(out)
+
+
+def _localize_val(node: fx.Node, t: int) -> None:
+    """meta['val'] becomes the local shape (a meta tensor); the global one is kept in
+    meta['tp_global_val']."""
+    val, lay = node.meta.get("val"), node.meta.get("tp_layout")
+    if "tp_global_val" in node.meta:
+        return
+    if isinstance(val, torch.Tensor) and isinstance(lay, Shard):
+        node.meta["tp_global_val"] = val
+        node.meta["val"] = torch.empty(_local_shape(tuple(val.shape), lay, t), dtype=val.dtype,
+                                       device="meta")
+    elif isinstance(val, (tuple, list)) and isinstance(lay, tuple):
+        node.meta["tp_global_val"] = val
+        node.meta["val"] = type(val)(
+            torch.empty(_local_shape(tuple(v.shape), l, t), dtype=v.dtype, device="meta")
+            if isinstance(v, torch.Tensor) else v for v, l in zip(val, lay))
+
+
+def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on a trainable parameter (floating point, grad enabled)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+        if node.op == "get_attr":
+            owner, name = _get_owner(gm, node.target)
+            p = getattr(owner, name, None)
+            if isinstance(p, torch.nn.Parameter) and p.requires_grad:
+                out.add(node)
+        elif node.op == "call_function":
+            if "set_grad_enabled" in str(node.target) and node.args and node.args[0] is False:
+                continue
+            if node.target is operator.getitem and node.args[0] in out:
+                if floating:
+                    out.add(node)
+                continue
+            if (floating or isinstance(val, (tuple, list))) and \
+                    any(a in out for a in node.all_input_nodes):
+                out.add(node)
+    return out
+
+
+# ----- gathering the full state dict ------------------------------------------------------------
+
+def gather_full_state_dict(gm: fx.GraphModule, group: Any = None,
+                           prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The single-device state dict (the user's keys: `prefix` stripped, vocab padding dropped)
+    from every tensor rank's shards. Collective: every rank of `group` must call it; every rank
+    gets the result. Tied parameters appear under all their names, as in model.state_dict()."""
+    group = group if group is not None else getattr(gm, "tp_group", None)
+    info: TPInfo | None = gm.meta.get("tp")
+    t = C.group_size(group) if not isinstance(group, shard_rt.UnboundGroup) else group.t
+    split_of = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and "tp_param" in node.meta:
+            owner, name = _get_owner(gm, node.target)
+            split_of[id(getattr(owner, name))] = (node.meta["tp_param"],
+                                                  int(node.meta.get("tp_global_val",
+                                                                    node.meta["val"]).shape[
+                                                          node.meta["tp_param"].dim]))
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}
+    for key, value in gm.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor) or key.startswith("_guards"):
+            continue
+        if id(value) not in done:
+            local = value.detach()
+            if id(value) in split_of and t > 1 and info is not None:
+                split, full_size = split_of[id(value)]
+                pieces = [torch.empty_like(local) for _ in range(t)]
+                torch.distributed.all_gather(pieces, local.contiguous(), group=group)
+                done[id(value)] = shard_rt.unshard(pieces, split, full_size)
+            else:
+                done[id(value)] = local.clone()
+        out[key[len(prefix):] if key.startswith(prefix) else key] = done[id(value)]
+    return out

@@ -1,0 +1,228 @@
+"""Pass tests for tensor parallelism on small captured graphs (single process, no collectives run).
+
+apply_tensor_parallel(gm, t, rank, group=None) rewrites the graph for inspection: we count the
+inserted collective nodes, check the parameter splits and shape constants, lint the graph, and
+check the errors for inputs the pass cannot split.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
+from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.passes.capture import capture
+from autopar.passes.sharding import Partial, Replicate, Shard, map_reshape
+from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding
+from autopar.runtime import collectives as C
+from autopar.runtime import shard as shard_rt
+
+B, T = 2, 8
+
+
+def _gpt_gm(n_layer: int = 2, n_head: int = 4, n_embd: int = 32, vocab: int = 64,
+            device: str = "cpu", with_model: bool = False):
+    with torch.device(device):
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=n_layer, n_head=n_head,
+                              n_embd=n_embd))
+    ids = torch.randint(0, vocab, (B, T), device=device)
+    gm = capture(model, (ids,), lm_cross_entropy, ids).gm
+    return (gm, model) if with_model else gm
+
+
+def _llama_gm(kv: int = 2, n_layer: int = 2):
+    model = LlamaStyle(llama_tiny(vocab_size=64, n_embd=32, n_head=4, n_kv_head=kv,
+                                  ffn_hidden=64, n_layer=n_layer))
+    ids = torch.randint(0, 64, (B, T))
+    return capture(model, (ids,), lm_cross_entropy, ids).gm
+
+
+def _calls(gm, fn) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+# ----- layouts and reshape mapping -----------------------------------------------------------
+
+def test_map_reshape_splits_hidden_into_heads():
+    # (B, T, C=32) split by t=2 → view (B, T, 4 heads, 8): the heads dim carries the split
+    lay = map_reshape((2, 8, 32), (2, 8, 4, 8), Shard(2, (32,)), 2)
+    assert lay == Shard(2, (4,))
+    # and back: (B, T, 4, 8) with heads split → (B, T, 32) split
+    assert map_reshape((2, 8, 4, 8), (2, 8, 32), Shard(2, (4,)), 2) == Shard(2, (32,))
+    # 3 heads cannot be split in 2
+    assert map_reshape((2, 8, 24), (2, 8, 3, 8), Shard(2, (24,)), 2) is None
+    # flattening tokens keeps the feature split; a sequence split becomes per-batch blocks
+    assert map_reshape((2, 8, 32), (16, 32), Shard(2, (32,)), 2) == Shard(1, (32,))
+    assert map_reshape((2, 8, 32), (16, 32), Shard(1, (8,)), 2) == Shard(0, (8, 8))
+
+
+# ----- the Megatron pattern ----------------------------------------------------------------------
+
+def test_gpt_megatron_pattern_from_propagation():
+    gm = propagate_sharding(_gpt_gm(), 2)
+    info = gm.meta["tp"]
+    assert len(info.column) == 2 * 2 + 1     # qkv and fc per layer, and the LM head
+    assert len(info.row) == 2 * 2            # proj and fc2 per layer
+    assert not info.fallbacks
+    params = info.params
+    qkv = next(v for k, v in params.items() if k.endswith("h.0.attn.c_attn.weight"))
+    assert qkv == shard_rt.ParamSplit(dim=0, blocks=(32, 32, 32))   # split per q / k / v
+    proj = next(v for k, v in params.items() if k.endswith("h.0.attn.c_proj.weight"))
+    assert proj.dim == 1                                            # row-parallel: input dim
+    assert not any(k.endswith("ln_1.weight") or k.endswith("c_proj.bias") for k in params)
+    layouts = {n.name: n.meta["tp_layout"] for n in gm.graph.nodes}
+    assert isinstance(layouts["scaled_dot_product_attention"], Shard)
+    assert layouts["scaled_dot_product_attention"].dim == 1        # split by heads
+    assert isinstance(layouts["linear_1"], Partial)
+    assert isinstance(layouts["layer_norm_1"], Replicate)
+
+
+def test_two_forward_all_reduces_per_layer():
+    for n_layer in (1, 3):
+        gm = apply_tensor_parallel(_gpt_gm(n_layer=n_layer), 2, 0, None)
+        # 2 per layer + 1 for the vocab-parallel embedding; nothing is gathered
+        assert len(_calls(gm, C.reduce_from_tp)) == 2 * n_layer + 1
+        assert not _calls(gm, C.gather_from_sp) and not _calls(gm, C.all_gather_sp)
+        # f before each column-parallel region (qkv, fc) and the LM head
+        f_acts = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
+        assert len(f_acts) == 2 * n_layer + 1
+        gm.graph.lint()
+
+
+def test_sequence_parallel_swaps_all_reduce_for_gather_and_reduce_scatter():
+    gm = apply_tensor_parallel(_gpt_gm(n_layer=2), 2, 0, None, sequence_parallel=True)
+    assert not _calls(gm, C.reduce_from_tp)
+    assert len(_calls(gm, C.reduce_scatter_to_sp)) == 2 * 2 + 1   # rows + embedding
+    assert len(_calls(gm, C.all_gather_sp)) == 2 * 2 + 1          # columns + LM head
+    # norm weights live in the sequence-split region: their gradients are all-reduced (f)
+    f_params = {n.args[0].target for n in _calls(gm, C.copy_to_tp) if n.args[0].op == "get_attr"}
+    assert any(t.endswith("ln_1.weight") for t in f_params)
+    gm.graph.lint()
+
+
+def test_generated_code_reads_like_megatron():
+    gm = apply_tensor_parallel(_gpt_gm(n_layer=1), 2, 0, None)
+    code = gm.code
+    assert "tp_group = self.tp_group" in code
+    assert "copy_to_tp(layer_norm, tp_group)" in code
+    assert "split_with_sizes.default(linear, [16, 16, 16], 2)" in code    # local q, k, v
+    assert "view.default(getitem, [2, 8, 2, 8])" in code                   # n_heads / t
+    assert "reduce_from_tp(linear_1, tp_group)" in code
+    assert "vocab_parallel_cross_entropy" in code and "vocab_parallel_embedding" in code
+
+
+def test_local_shapes_and_meta_vals():
+    gm = apply_tensor_parallel(_gpt_gm(n_layer=1), 2, 1, None)
+    w = gm.get_parameter("model.transformer.h.0.attn.c_attn.weight")
+    assert tuple(w.shape) == (48, 32)
+    sdpa = next(n for n in gm.graph.nodes if n.name == "scaled_dot_product_attention")
+    assert tuple(sdpa.meta["val"].shape) == (B, 2, T, 8)
+    assert tuple(sdpa.meta["tp_global_val"].shape) == (B, 4, T, 8)
+
+
+def test_transformers_gpt2_conv1d_split_on_stored_dims():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                                       n_positions=16, use_cache=False))
+    ids = torch.randint(0, 64, (B, T))
+    gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2)
+    params = gm.meta["tp"].params
+    c_attn = next(v for k, v in params.items() if k.endswith("c_attn.weight"))
+    assert c_attn == shard_rt.ParamSplit(dim=1, blocks=(32, 32, 32))   # Conv1D: (in, out)
+    c_proj = next(v for k, v in params.items() if k.endswith("attn.c_proj.weight"))
+    assert c_proj.dim == 0
+
+
+def test_gqa_kv_heads_split_when_divisible():
+    gm = propagate_sharding(_llama_gm(kv=2), 2)
+    params = gm.meta["tp"].params
+    assert next(v for k, v in params.items() if k.endswith("0.attn.k_proj.weight")).dim == 0
+    assert not gm.meta["tp"].fallbacks
+
+
+def test_gqa_fewer_kv_heads_than_t_replicates_kv_and_reports_it():
+    gm = propagate_sharding(_llama_gm(kv=2), 4)
+    info = gm.meta["tp"]
+    assert not any(k.endswith("k_proj.weight") for k in info.params)
+    assert any(k.endswith("q_proj.weight") for k in info.params)
+    reported = {f.node for f in info.fallbacks}
+    assert len(reported) == 4                      # k and v of both layers
+    assert all("llama.py" in f.where for f in info.fallbacks)
+    assert "replicated" in info.summary()
+
+
+# ----- bad input ---------------------------------------------------------------------------------
+
+def test_heads_not_divisible_by_pinned_t_is_a_clear_error():
+    gm = _gpt_gm(n_layer=1, n_head=6, n_embd=48)
+    with pytest.raises(ValueError) as err:
+        propagate_sharding(gm, 4)
+    msg = str(err.value)
+    assert "t=4" in msg and "gpt.py" in msg and "fix:" in msg
+
+
+def test_bad_t_and_sequence_length():
+    with pytest.raises(ValueError, match="positive integer"):
+        propagate_sharding(_gpt_gm(n_layer=1), 0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32))
+    ids = torch.randint(0, 64, (B, 9))
+    gm = capture(model, (ids,), lm_cross_entropy, ids).gm
+    with pytest.raises(ValueError, match="sequence length 9"):
+        propagate_sharding(gm, 2, sequence_parallel=True)
+
+
+class _SortMLP(nn.Module):
+    """A linear whose output goes through an op the pass has no rule for (sort)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.sort(self.up(x), dim=-1).values
+        return (self.down(h) + self.b(torch.relu(self.a(x)))).sum()
+
+
+def test_unsplittable_op_falls_back_to_replicated_and_is_reported():
+    gm = capture(_SortMLP(), (torch.randn(4, 16),)).gm
+    info = propagate_sharding(gm, 2).meta["tp"]
+    assert [f.node for f in info.fallbacks] == ["linear"]
+    assert "sort" in info.fallbacks[0].reason
+    assert "test_tensor_parallel.py" in info.fallbacks[0].where
+    assert "linear_2" in info.column and info.row == ["linear_3"]  # the relu MLP still splits
+
+
+def test_apply_checks_group_and_rank():
+    with pytest.raises(ValueError, match="tp_rank=2"):
+        apply_tensor_parallel(_gpt_gm(n_layer=1), 2, 2, None)
+
+
+# ----- local shards --------------------------------------------------------------------------------
+
+def test_param_split_round_trip():
+    full = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(12, 6)
+    for split in (shard_rt.ParamSplit(0, (4, 4, 4)), shard_rt.ParamSplit(1, (6,)),
+                  shard_rt.ParamSplit(0, (12,), padded=16)):
+        pieces = [shard_rt.local_shard(full, split, r, 2) for r in range(2)]
+        assert all(p.shape[split.dim] == split.local_size(2) for p in pieces)
+        assert torch.equal(shard_rt.unshard(pieces, split, full.shape[split.dim]), full)
+
+
+def test_meta_model_materialises_only_local_shards():
+    def build(rank):
+        gm, model = _gpt_gm(n_layer=1, device="meta", with_model=True)
+        return apply_tensor_parallel(gm, 2, rank, None, model=model, init=GPT._init_weights,
+                                     seed=7)
+    gm = build(1)
+    w = gm.get_parameter("model.transformer.h.0.mlp.c_fc.weight")
+    assert not w.is_meta and tuple(w.shape) == (64, 32)
+    assert 0.01 < w.std().item() < 0.03                      # the model's own N(0, 0.02)
+    ln = gm.get_parameter("model.transformer.h.0.ln_1.weight")
+    assert torch.equal(ln, torch.ones(32))                    # reset_parameters for the rest
+    again = build(1)
+    assert torch.equal(again.get_parameter("model.transformer.h.0.mlp.c_fc.weight"), w)
+    other = build(0)
+    assert not torch.equal(other.get_parameter("model.transformer.h.0.mlp.c_fc.weight"), w)
+    assert not any(p.is_meta for p in gm.parameters())
