@@ -3,7 +3,9 @@
 `build_program(prog)` captures the FULL model (every layer, no repeat limit) with example
 inputs resized to the plan's micro-batch size (the graph has static shapes: views carry the
 batch dimension), labels its regions with passes.layers.find_layers, and cuts it into the
-plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1.
+plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1 —
+and checkpoints each chunk per plan.recompute (passes.recompute.apply_recompute: whole blocks
+for 'full', the attention core for 'selective'; after the cut, so region meta is intact).
 The result is cached on the program (`prog._autopar_built`).
 """
 from __future__ import annotations
@@ -36,10 +38,12 @@ class BuiltProgram:
             raise ValueError(f"tp_rank={tp_rank}: must lie in [0, t={self.plan.t})")
         if tp_rank not in self._chunks:
             from autopar.passes.pipeline import split_chunks
+            from autopar.passes.recompute import apply_recompute
             gm = self.gm
             if self.plan.t > 1:
                 gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank)
-            self._chunks[tp_rank] = split_chunks(gm, self.plan, prefix=self.prefix)
+            chunks = split_chunks(gm, self.plan, prefix=self.prefix)
+            self._chunks[tp_rank] = [apply_recompute(c, self.plan.recompute) for c in chunks]
         return self._chunks[tp_rank]
 
 

@@ -3,10 +3,13 @@
 Same model (an untied GPT from autopar.examples), same chunks (one block per chunk, embedding
 in chunk 0, head + loss in chunk 3), same micro-batches, 2 CPU gloo ranks, timed side by side
 in one run. Prints the step-time ratio (target: autopar ≤ 0.9 × torch) and, per rank, the idle
-fraction measured from autopar's recorded timeline against the simulator's (cost/simulate.py)
-fed with the measured per-chunk forward/backward times and p2p time, for interleaved and 1F1B.
+fraction measured from autopar's recorded timeline against the simulator's (cost/simulate.py,
+comm="isend": the executor's async send + blocking receive) fed with the per-chunk forward /
+backward, p2p, send and dispatch times measured in the SAME recorded step, on the runtime's own
+action lists, for interleaved and 1F1B; writes measured and simulated timeline PNGs.
+The default model (hidden 256, seq 64, micro-batch 4) makes compute dominate Python overhead.
 
-    python benchmarks/pipeline.py [--steps 10] [--layers 4] [--hidden 64] [--timeline out.png]
+    python benchmarks/pipeline.py [--steps 8] [--record 3] [--hidden 256] [--out DIR]
 """
 from __future__ import annotations
 
@@ -55,28 +58,30 @@ def data(args, step: int):
 
 
 # ---- autopar ------------------------------------------------------------------------------
-def run_autopar(args, schedule: str, v: int):
-    import torch.distributed as dist
+def build_autopar(args, schedule: str, v: int):
+    """A compiled autopar Runner and a step function."""
     model = make_model(args)
     plan = make_plan(args, schedule, v)
     ex = torch.zeros(args.b, args.seq, dtype=torch.long)
     prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),
                            loss_fn=loss_fn, example_targets=ex.clone(), cluster=None)
     runner = prog.compile(timeout_s=120)
-    for s in range(2):
-        runner.train_step(*data(args, s))
-    times = []
-    for s in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        runner.train_step(*data(args, s))
-        times.append(time.perf_counter() - t0)
+    return runner, lambda s: runner.train_step(*data(args, s))
+
+
+def record_autopar(runner, args, steps: int) -> list[list[tuple]]:
+    """Record `steps` steps' timelines: per step, every rank's (pp_rank, action, start, end)."""
+    import torch.distributed as dist
+    out = []
     runner.record_timeline(True)
-    dist.barrier()
-    runner.train_step(*data(args, 0))
-    events = [None] * 2
-    dist.all_gather_object(events, runner.timeline)
-    return statistics.median(times), [e for evs in events for e in evs]
+    for s in range(steps):
+        dist.barrier()
+        runner.train_step(*data(args, s))
+        evs = [None] * dist.get_world_size()
+        dist.all_gather_object(evs, runner.timeline)
+        out.append([e for rank_evs in evs for e in rank_evs])
+    runner.record_timeline(False)
+    return out
 
 
 # ---- torch.distributed.pipelining -----------------------------------------------------------
@@ -101,7 +106,8 @@ class _Chunk(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
-def run_torch(args, v: int):
+def build_torch(args, v: int):
+    """torch.distributed.pipelining's ScheduleInterleaved1F1B on the same chunks; a step function."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
     rank, p = dist.get_rank(), 2
@@ -127,88 +133,126 @@ def run_torch(args, v: int):
             sched.step(target=y)
         opt.step()
 
-    for s in range(2):
-        step(s)
-    times = []
-    for s in range(args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step(s)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return step
 
 
 # ---- measured vs simulated idle ----------------------------------------------------------
-def idle_report(events, schedule_name: str, args, v: int) -> list[tuple[float, float]]:
-    from autopar.cost.simulate import simulate
-    from autopar.schedules import make_schedule, parse_action
-    p = 2
-    t0 = min(e[2] for e in events)
-    end = max(e[3] for e in events)
-    makespan = end - t0
-    acts = [(r, parse_action(a), s - t0, e - t0) for r, a, s, e in events]
-    C = p * v
-    fwd = [statistics.mean([e - s for r, a, s, e in acts if a.kind == "F" and a.chunk == c])
-           for c in range(C)]
-    bwd = [statistics.mean([e - s for r, a, s, e in acts if a.kind == "B" and a.chunk == c])
-           for c in range(C)]
-    # The runtime posts sends with isend (never blocking), so the simulator runs with
-    # blocking=False; a transfer's cost is the shortest receive (one that did not wait).
-    recvs = [e - s for r, a, s, e in acts if a.kind.startswith("RECV")]
-    p2p = min(recvs) if recvs else 0.0
-    sim = simulate(make_schedule(schedule_name, p, v, args.m), fwd, bwd, p2p_s=p2p,
-                   blocking=False)
-    out = []
-    for r in range(p):
-        busy = sum(e - s for rr, a, s, e in acts if rr == r and a.kind in ("F", "B"))
-        out.append(((makespan - busy) / makespan, sim.idle_fraction[r]))
-    return out
+def idle_report(steps_events, per_rank_actions, v: int) -> dict:
+    """Per rank, the measured idle fraction and the simulator's, averaged over the recorded
+    steps. Each step's simulation is fed that step's own measurements (cost.simulate.
+    fit_measured: per-chunk mean F/B, p2p, send and dispatch overhead) and runs the runtime's
+    own action lists with comm="isend" (async send, blocking receive, as the executor does)."""
+    from autopar.cost.simulate import fit_measured, measured_idle_fraction, simulate
+    from autopar.schedules import parse_action
+    p = len(per_rank_actions)
+    actions = [[parse_action(a) for a in acts] for acts in per_rank_actions]
+    meas, sim, last = [], [], None
+    for evs in steps_events:
+        fit = fit_measured(evs, p, v)
+        res = simulate(actions, **fit, comm="isend")
+        meas.append(measured_idle_fraction(evs, p))
+        sim.append(res.idle_fraction)
+        last = (evs, res, fit)
+    mean = lambda xs: statistics.mean(xs)  # noqa: E731
+    return {"measured": [mean([m[r] for m in meas]) for r in range(p)],
+            "simulated": [mean([x[r] for x in sim]) for r in range(p)],
+            "last": last}
 
 
 def bench_rank(rank, world, args):
+    import torch.distributed as dist
     torch.set_num_threads(1)
-    ours, events = run_autopar(args, "interleaved-1f1b", 2)
-    ours_1f1b, events_1f1b = run_autopar(args, "1f1b", 1)
-    theirs = run_torch(args, 2)
-    if rank != 0:
-        return None
-    return {"ours": ours, "theirs": theirs, "ours_1f1b": ours_1f1b,
-            "idle_interleaved": idle_report(events, "interleaved-1f1b", args, 2),
-            "idle_1f1b": idle_report(events_1f1b, "1f1b", args, 1),
-            "events": events}
+    runs = {"interleaved-1f1b": build_autopar(args, "interleaved-1f1b", 2),
+            "1f1b": build_autopar(args, "1f1b", 1)}
+    theirs = build_torch(args, 2)
+    steps = {"ours": runs["interleaved-1f1b"][1], "ours_1f1b": runs["1f1b"][1],
+             "theirs": theirs}
+    for s in range(2):
+        for fn in steps.values():
+            fn(s)
+    # timed round-robin (ours, theirs, ours, ...): a shared machine's load hits both alike
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for s in range(args.steps):
+        for name, fn in steps.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn(s)
+            times[name].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    for sched, (runner, _) in runs.items():
+        recorded = record_autopar(runner, args, args.record)
+        acts = [None] * world
+        dist.all_gather_object(acts, [str(a) for a in runner.executor.actions])
+        out[sched] = (recorded, acts)
+    return out if rank == 0 else None
+
+
+def draw_pair(res: dict, sched: str, out_dir: str) -> str:
+    """measured_<sched>.png, simulated_<sched>.png and both stacked in <sched>.png."""
+    import os
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from autopar.timeline import draw_timeline
+    evs, sim, fit = res["last"]
+    t0 = min(e[2] for e in evs)
+    m_path = draw_timeline([(r, a, s - t0, e - t0) for r, a, s, e in evs], 2,
+                           os.path.join(out_dir, f"measured_{sched}.png"),
+                           title=f"autopar {sched} (measured, 2 CPU gloo ranks)")
+    s_path = draw_timeline(sim.events, 2, os.path.join(out_dir, f"simulated_{sched}.png"),
+                           title=f"{sched} simulated from the same step's measurements")
+    fig, axes = plt.subplots(2, 1, figsize=(14, 6))
+    for ax, path in zip(axes, (m_path, s_path)):
+        ax.imshow(plt.imread(path))
+        ax.axis("off")
+    fig.tight_layout()
+    both = os.path.join(out_dir, f"{sched}.png")
+    fig.savefig(both, dpi=110)
+    plt.close(fig)
+    return both
 
 
 def main() -> None:
+    import tempfile
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per program")
+    ap.add_argument("--record", type=int, default=3, help="recorded steps per schedule")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--b", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--b", type=int, default=4)
     ap.add_argument("--m", type=int, default=4)
-    ap.add_argument("--timeline", default=None, help="write the measured interleaved timeline PNG")
+    ap.add_argument("--out", default=None, help="directory for the timeline PNGs (default: a "
+                                                "temporary directory)")
     args = ap.parse_args()
-    res = spawn(bench_rank, 2, args, timeout_s=600)[0]
+    res = spawn(bench_rank, 2, args, timeout_s=900)[0]
     ratio = res["ours"] / res["theirs"]
     print(f"model: GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq "
-          f"{args.seq}; p=2, v=2, micro-batch {args.b} × {args.m}; 2 CPU gloo ranks")
-    print(f"step time  autopar interleaved-1f1b: {res['ours'] * 1e3:8.2f} ms (median of "
-          f"{args.steps})")
-    print(f"step time  torch ScheduleInterleaved1F1B: {res['theirs'] * 1e3:8.2f} ms")
+          f"{args.seq}; p=2, micro-batch {args.b} × {args.m}; 2 CPU gloo ranks")
+    print(f"step time  autopar interleaved-1f1b (v=2): {res['ours'] * 1e3:8.2f} ms (median of "
+          f"{args.steps}, timed round-robin with the others)")
+    print(f"step time  autopar 1f1b (v=1):             {res['ours_1f1b'] * 1e3:8.2f} ms")
+    print(f"step time  torch ScheduleInterleaved1F1B:  {res['theirs'] * 1e3:8.2f} ms")
     print(f"ratio autopar / torch = {ratio:.3f}  (target <= 0.9: "
           f"{'met' if ratio <= 0.9 else 'NOT met'})")
-    for name in ("idle_interleaved", "idle_1f1b"):
-        for r, (meas, sim) in enumerate(res[name]):
+    out_dir = args.out or tempfile.mkdtemp(prefix="autopar_timeline_")
+    import os
+    os.makedirs(out_dir, exist_ok=True)
+    for sched, v in (("interleaved-1f1b", 2), ("1f1b", 1)):
+        recorded, acts = res[sched]
+        rep = idle_report(recorded, acts, v)
+        fit = rep["last"][2]
+        print(f"{sched}: simulator (comm='isend') fed this run's measurements: F "
+              f"{[round(x * 1e3, 1) for x in fit['fwd_s']]} ms, B "
+              f"{[round(x * 1e3, 1) for x in fit['bwd_s']]} ms, p2p {fit['p2p_s'] * 1e3:.2f} ms, "
+              f"send {fit['send_s'] * 1e3:.2f} ms, dispatch {fit['overhead_s'] * 1e3:.3f} ms")
+        for r, (meas, sim) in enumerate(zip(rep["measured"], rep["simulated"])):
             rel = (meas - sim) / sim if sim else float("nan")
-            print(f"{name[5:]:12s} rank {r}: idle fraction measured {meas:.3f}, simulated "
-                  f"{sim:.3f} ({rel:+.0%}; target within ±25%)")
-    if args.timeline:
-        from autopar.timeline import draw_timeline
-        t0 = min(e[2] for e in res["events"])
-        draw_timeline([(r, a, s - t0, e - t0) for r, a, s, e in res["events"]], 2,
-                      args.timeline, title="autopar interleaved 1F1B (measured)")
-        print(f"timeline: {args.timeline}")
+            ok = "met" if abs(rel) <= 0.25 else "NOT met"
+            print(f"  rank {r}: idle fraction measured {meas:.3f}, simulated {sim:.3f} "
+                  f"({rel:+.0%}; within ±25%: {ok}; mean of {len(recorded)} steps)")
+        print(f"  timeline (measured above, simulated below): {draw_pair(rep, sched, out_dir)}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,14 @@ Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
   bubble formulas assume this; under rendezvous a rank may also wait for its peer to finish a
   compute (interleaved 1F1B loses some time this way when compute edges of neighbours never
   line up);
+- comm="isend" (what the gloo runtime, autopar/runtime/executor.py, really does): the sender
+  posts an isend, is busy for send_s seconds (copy + enqueue) and goes on; gloo moves the bytes
+  only once the receiver has posted its blocking recv (a rendezvous on the wire, not on the
+  sender), so a receive ends at max(recv posted, send posted + send_s) + p2p_s: p2p_s is paid
+  by every receive, even when the message was sent long before. Deadlock-free wherever
+  blocking=True is (the sender never waits);
+- overhead_s: Python dispatch time between consecutive actions of a rank (each action starts
+  overhead_s after the previous one ends), for comparing with a measured timeline;
 - R{c} (REDUCE) is asynchronous: it is queued on the rank's own communication stream when the
   rank reaches it, takes reduce_s, and never blocks compute; the step ends when the last
   compute, transfer or reduction ends.
@@ -59,6 +67,9 @@ class SimResult:
         return tuple(i / self.makespan_s if self.makespan_s else 0.0 for i in self.idle_s)
 
 
+COMM_MODES = ("blocking", "async", "isend")
+
+
 def _per_chunk(name: str, values: Sequence[float], C: int) -> list[float]:
     vals = list(values)
     if len(vals) != C:
@@ -71,8 +82,21 @@ def _per_chunk(name: str, values: Sequence[float], C: int) -> list[float]:
 
 def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
              bwd_s: Sequence[float], p2p_s: float = 0.0, reduce_s: float = 0.0, *,
-             blocking: bool = True) -> SimResult:
-    """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times."""
+             blocking: bool = True, comm: str | None = None, send_s: float = 0.0,
+             overhead_s: float = 0.0) -> SimResult:
+    """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times.
+
+    comm: "blocking" | "async" | "isend" (see the module docstring); None takes it from
+    `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" only.
+    """
+    if comm is None:
+        comm = "blocking" if blocking else "async"
+    if comm not in COMM_MODES:
+        raise ValueError(f"simulate: comm={comm!r} is not one of {COMM_MODES}; use 'isend' for "
+                         f"the gloo runtime (async send, blocking receive)")
+    if comm == "isend":
+        return _simulate_isend(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s)
+    blocking = comm == "blocking"
     p, v, m = infer_dims(per_rank)
     validate(per_rank, p, v, m)
     fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
@@ -130,3 +154,109 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
         bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
         bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
         events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+
+
+def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
+                    bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
+                    overhead_s: float) -> SimResult:
+    """comm="isend": non-blocking sender (busy send_s), receive = rendezvous + p2p_s."""
+    p, v, m = infer_dims(per_rank)
+    validate(per_rank, p, v, m)
+    fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
+    if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
+        raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
+                         f"overhead_s={overhead_s} must all be ≥ 0")
+    pos, clock, stream = [0] * p, [0.0] * p, [0.0] * p
+    busy, comm = [0.0] * p, [0.0] * p
+    events: list[Event] = []
+    posted: dict[tuple[str, int, int], float] = {}   # message -> time its isend was posted
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(per_rank[r]):
+                a = per_rank[r][pos[r]]
+                start = clock[r] + (overhead_s if pos[r] else 0.0)
+                if a.kind in ("F", "B"):
+                    dur = (fwd if a.kind == "F" else bwd)[a.chunk]
+                    clock[r] = start + dur
+                    busy[r] += dur
+                elif a.kind == "REDUCE":
+                    s0 = max(start, stream[r])
+                    stream[r] = s0 + reduce_s
+                    clock[r] = start
+                    events.append(Event(r, a, s0, stream[r]))
+                    pos[r] += 1
+                    progressed = True
+                    continue
+                elif a.kind.startswith("SEND"):
+                    clock[r] = start + send_s
+                    posted[a.message()] = clock[r]
+                    comm[r] += send_s
+                else:
+                    key = a.message()
+                    if key not in posted:
+                        break  # the peer has not posted the send yet
+                    clock[r] = max(start, posted[key]) + p2p_s
+                    comm[r] += clock[r] - start
+                events.append(Event(r, a, start, clock[r]))
+                pos[r] += 1
+                progressed = True
+    makespan = max(clock + stream)
+    idle = [makespan - b for b in busy]
+    total_busy = sum(busy)
+    return SimResult(
+        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
+        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
+        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
+        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+
+
+def fit_measured(events: Sequence[Sequence], p: int, v: int) -> dict:
+    """Per-chunk mean forward/backward seconds, p2p_s, send_s and overhead_s from a measured
+    timeline (`(rank, action, start_s, end_s)` as the runtime records), for
+    `simulate(..., comm="isend", **fit)`.
+
+    p2p_s is the median duration of the receives that did not wait (the sender's recorded send
+    had ended before the receive began; the quickest receive if none), send_s the mean send
+    duration, overhead_s the mean gap between consecutive actions of a rank.
+    """
+    from autopar.schedules import parse_action
+    evs = [(int(r), a if isinstance(a, Action) else parse_action(str(a)), float(s), float(e))
+           for r, a, s, e in events]
+    C = p * v
+    fwd, bwd = [], []
+    for c in range(C):
+        for kind, out in (("F", fwd), ("B", bwd)):
+            d = [e - s for _, a, s, e in evs if a.kind == kind and a.chunk == c]
+            if not d:
+                raise ValueError(f"fit_measured: no {kind} event of chunk {c}; the timeline "
+                                 f"does not cover the p·v={C} chunks")
+            out.append(sum(d) / len(d))
+    sent = {a.message(): e for _, a, s, e in evs if a.kind.startswith("SEND")}
+    ready = sorted(e - s for _, a, s, e in evs
+                   if a.kind.startswith("RECV") and sent.get(a.message(), float("inf")) <= s)
+    allr = sorted(e - s for _, a, s, e in evs if a.kind.startswith("RECV"))
+    # no receive found its message already there: the quickest receive bounds the transfer
+    p2p = ready[len(ready) // 2] if ready else (allr[0] if allr else 0.0)
+    sends = [e - s for _, a, s, e in evs if a.kind.startswith("SEND")]
+    gaps = []
+    for r in range(p):
+        mine = sorted((s, e) for rr, _, s, e in evs if rr == r)
+        gaps += [max(0.0, b[0] - a[1]) for a, b in zip(mine, mine[1:])]
+    return {"fwd_s": fwd, "bwd_s": bwd, "p2p_s": p2p,
+            "send_s": sum(sends) / len(sends) if sends else 0.0,
+            "overhead_s": sum(gaps) / len(gaps) if gaps else 0.0}
+
+
+def measured_idle_fraction(events: Sequence[Sequence], p: int) -> tuple[float, ...]:
+    """Per rank: 1 − (its F/B time) / (the step's span, first start to last end over all
+    ranks) — the measured counterpart of SimResult.idle_fraction."""
+    evs = [(int(r), str(a), float(s), float(e)) for r, a, s, e in events]
+    t0 = min(s for _, _, s, _ in evs)
+    span = max(e for *_, e in evs) - t0
+    busy = [0.0] * p
+    for r, a, s, e in evs:
+        if a[0] in "FB":
+            busy[r] += e - s
+    return tuple(1.0 - b / span if span else 0.0 for b in busy)

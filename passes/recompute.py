@@ -1,0 +1,290 @@
+"""Activation recomputation (checkpointing) of a chunk graph, per the plan's recompute mode.
+
+Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
+  none       the graph is returned unchanged: every activation backward needs is kept.
+  full       each transformer block's forward — the nodes labelled ("block", i) that depend on
+             an activation — is outlined into a graph submodule `recompute_block_<i>` and called
+             through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: forward keeps
+             only the block's inputs (its residual stream; parameters are referenced, not
+             copied) and backward reruns the block. Cost: one more block forward per backward.
+  selective  only the attention core is checkpointed: the fused `scaled_dot_product_attention`
+             call, or the unfused matmul → (scale / mask) → softmax → (dropout) → matmul chain.
+             Its O(b·h·s²) activations (scores, probabilities, dropout mask) are recomputed; the
+             cheap-to-store O(b·s·h) ones stay (the paper's §4.2 choice).
+
+RNG: checkpoint(preserve_rng_state=True) snapshots the default generator when the block runs
+forward and replays it during recomputation, so dropout masks are identical. Tensor-parallel
+dropout (autopar.runtime.shard.tp_dropout) draws from per-rank generators the default snapshot
+does not cover; a region that contains it also passes `context_fn=tp_rng_context`, which
+replays those generators the same way.
+
+Requires: node.meta["autopar_region"] on the compute nodes (passes/layers.find_layers; kept by
+  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta["val"] on values; a block's
+  activation nodes are contiguous in graph order (no outside node consumes a block value before
+  the block's last node) — true of captured graphs, checked.
+Guarantees: the same forward values and gradients as the input graph (bit-identical for the
+  same RNG state); parameters and other get_attr nodes stay in the outer graph and are passed to
+  the checkpointed submodule as arguments, so the module's attributes are unchanged (the runtime
+  attaches parameters as before and codegen emits the submodule as a nested class); gm is
+  modified in place, linted, recompiled and returned.
+Reads node.meta: "autopar_region", "val". Writes: node.meta["autopar_region"] and "val" on the
+  new get_attr / checkpoint / getitem nodes (the region of the nodes they replace);
+  node.meta["autopar_recompute"] = mode on each checkpoint call; gm.meta["autopar_recompute"] =
+  {"mode": mode, "regions": [submodule names]}.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx
+import torch.utils.checkpoint
+
+MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+_SDPA = {_aten.scaled_dot_product_attention.default,
+         _aten._scaled_dot_product_flash_attention_for_cpu.default,
+         _aten._scaled_dot_product_efficient_attention.default,
+         _aten._scaled_dot_product_flash_attention.default,
+         torch.nn.functional.scaled_dot_product_attention}
+_MATMUL = {_aten.matmul.default, _aten.bmm.default, _aten.baddbmm.default, _aten.mm.default,
+           torch.matmul, torch.bmm, operator.matmul}
+_SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.default,
+            torch.softmax, torch.nn.functional.softmax}
+
+
+def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """Checkpoint `gm`'s blocks ('full') or attention cores ('selective'); see module doc."""
+    if mode not in MODES:
+        raise ValueError(f"apply_recompute: mode={mode!r} is not one of {MODES}; use "
+                         f"'none' (keep activations), 'selective' (recompute the attention core) "
+                         f"or 'full' (recompute whole blocks)")
+    names: list[str] = []
+    if mode == "full":
+        for i, nodes in _blocks(gm).items():
+            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i), mode))
+    elif mode == "selective":
+        for k, (region, nodes) in enumerate(_attention_cores(gm)):
+            tag = f"{region[1]}" if region and region[1] is not None else f"{k}"
+            name = f"recompute_attention_{tag}"
+            while hasattr(gm, name):
+                name += "_"
+            names.append(_outline(gm, nodes, name, region, mode))
+    gm.meta["autopar_recompute"] = {"mode": mode, "regions": names}
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ---- region discovery ---------------------------------------------------------------------
+def _activation_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Nodes that depend on a placeholder (an activation, input or target). The rest (get_attr,
+    rotary tables, masks and position ids built from buffers/constants) stay outside regions."""
+    dep: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or (n.op not in ("get_attr", "output")
+                                     and any(i in dep for i in n.all_input_nodes)):
+            dep.add(n)
+    return dep
+
+
+def _blocks(gm: torch.fx.GraphModule) -> dict[int, list[torch.fx.Node]]:
+    act = _activation_nodes(gm)
+    out: dict[int, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        region = n.meta.get("autopar_region")
+        if (n in act and n.op == "call_function" and isinstance(region, tuple)
+                and region[0] == "block"):
+            out.setdefault(region[1], []).append(n)
+    return out
+
+
+def _target_in(n: torch.fx.Node, targets: set) -> bool:
+    if n.op != "call_function":
+        return False
+    try:
+        return n.target in targets
+    except TypeError:  # unhashable target
+        return False
+
+
+def _attention_cores(gm: torch.fx.GraphModule) -> list[tuple[Any, list[torch.fx.Node]]]:
+    """(region, nodes) of every attention core, in graph order."""
+    act = _activation_nodes(gm)
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+    cores: list[tuple[Any, list[torch.fx.Node]]] = []
+    for n in gm.graph.nodes:
+        if n not in act:
+            continue
+        if _target_in(n, _SDPA):
+            nodes = [n] + [u for u in n.users if u.target is operator.getitem]
+            cores.append((n.meta.get("autopar_region"), nodes))
+        elif _target_in(n, _SOFTMAX):
+            nodes = _unfused_core(n, act, order)
+            if nodes:
+                cores.append((n.meta.get("autopar_region"), nodes))
+    return cores
+
+
+def _unfused_core(softmax: torch.fx.Node, act: set, order: dict,
+                  max_hops: int = 8) -> list[torch.fx.Node] | None:
+    """The nodes between the scores matmul (q·kᵀ) feeding `softmax` and the matmul its
+    probabilities feed (·v), following activation edges only; None when either is missing."""
+    first = _walk(softmax, lambda n: [i for i in n.all_input_nodes if i in act], max_hops)
+    last = _walk(softmax, lambda n: [u for u in n.users if u in act], max_hops)
+    if first is None or last is None:
+        return None
+    down = _reach(first, lambda n: [u for u in n.users if u in act and order[u] <= order[last]])
+    up = _reach(last, lambda n: [i for i in n.all_input_nodes if i in act])
+    nodes = sorted(down & up, key=order.__getitem__)
+    if any(n.op != "call_function" for n in nodes):
+        return None
+    return nodes
+
+
+def _walk(start: torch.fx.Node, step: Callable, max_hops: int) -> torch.fx.Node | None:
+    """Breadth-first from `start` along `step` to the nearest matmul within max_hops."""
+    frontier, seen = [start], {start}
+    for _ in range(max_hops):
+        nxt = []
+        for n in frontier:
+            for m in step(n):
+                if _target_in(m, _MATMUL):
+                    return m
+                if m not in seen and m.op == "call_function":
+                    seen.add(m)
+                    nxt.append(m)
+        frontier = nxt
+    return None
+
+
+def _reach(start: torch.fx.Node, step: Callable) -> set[torch.fx.Node]:
+    seen, stack = {start}, [start]
+    while stack:
+        for m in step(stack.pop()):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
+    return seen
+
+
+# ---- outlining -------------------------------------------------------------------------
+def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, region: Any,
+             mode: str) -> str:
+    """Replace `nodes` (graph order) by `checkpoint(self.<name>, *inputs)`; return name."""
+    nodes = _absorb(gm, nodes)
+    inside = set(nodes)
+    inputs: list[torch.fx.Node] = []
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i not in inside and i not in inputs:
+                inputs.append(i)
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    last = nodes[-1]
+    _check_contiguous(gm, inside, last, name)
+
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i in inputs:
+        env[i] = sub.placeholder(i.name)
+        env[i].meta = dict(i.meta)
+    for n in nodes:
+        env[n] = sub.node_copy(n, env.__getitem__)
+        env[n].meta = dict(n.meta)
+    sub.output(tuple(env[o] for o in outputs))
+    sub.lint()
+    gm.add_submodule(name, torch.fx.GraphModule(torch.nn.Module(), sub,
+                                                class_name=name.title().replace("_", "")))
+
+    kwargs: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
+    if _uses_tp_dropout(nodes):
+        kwargs["context_fn"] = tp_rng_context
+    with gm.graph.inserting_after(last):
+        fn = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(fn):
+        call = gm.graph.call_function(torch.utils.checkpoint.checkpoint, (fn, *inputs), kwargs)
+    fn.meta["autopar_region"] = call.meta["autopar_region"] = region
+    call.meta["autopar_recompute"] = mode
+    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    prev = call
+    for k, o in enumerate(outputs):
+        with gm.graph.inserting_after(prev):
+            item = gm.graph.call_function(operator.getitem, (call, k))
+        item.meta = {"val": o.meta.get("val"), "autopar_region": region}
+        o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+        prev = item
+    for n in reversed(nodes):
+        gm.graph.erase_node(n)
+    return name
+
+
+def _absorb(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Add the call_function nodes lying between the region's first and last node that consume
+    a region value (e.g. export's _assert_tensor_metadata checks, dtype casts) to the region:
+    their inputs are defined before them, so the region stays well ordered."""
+    inside, first, last = set(nodes), nodes[0], nodes[-1]
+    out, active = [], False
+    for n in gm.graph.nodes:
+        active = active or n is first
+        if active and (n in inside or (n.op == "call_function"
+                                       and any(i in inside for i in n.all_input_nodes))):
+            inside.add(n)
+            out.append(n)
+        if n is last:
+            break
+    return out
+
+
+def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node,
+                      name: str) -> None:
+    """The checkpoint call goes where the region's last node was: every outside user of a
+    region value must come after it."""
+    seen_last = False
+    for n in gm.graph.nodes:
+        if n is last:
+            seen_last = True
+        elif not seen_last and n not in inside and any(i in inside for i in n.all_input_nodes):
+            raise ValueError(f"recompute: node {n.name} ({n.meta.get('stack_trace', '')!s:.80}) "
+                             f"uses a value of region {name} before the region ends; the region "
+                             f"is not contiguous in graph order, so it cannot be checkpointed "
+                             f"as one call — use recompute='none' for this model")
+
+
+def _uses_tp_dropout(nodes: Iterable[torch.fx.Node]) -> bool:
+    try:
+        from autopar.runtime.shard import tp_dropout
+    except ImportError:
+        return False
+    return any(n.target is tp_dropout for n in nodes)
+
+
+# ---- tensor-parallel RNG replay ------------------------------------------------------------
+def tp_rng_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's context_fn: snapshot the tensor-parallel dropout generators when the region
+    runs forward, and run its recomputation with exactly those generator states (restoring the
+    live ones afterwards), so tp_dropout draws the same masks twice."""
+    from autopar.runtime import shard
+    gens = shard._GENERATORS
+    snapshot = {k: g.get_state() for k, g in gens.items()}
+
+    @contextlib.contextmanager
+    def replay():
+        live = dict(gens)
+        states = {k: g.get_state() for k, g in live.items()}
+        for k in list(gens):
+            if k in snapshot:
+                gens[k].set_state(snapshot[k])
+            else:
+                del gens[k]  # created during this forward: recreated fresh (its seed) on replay
+        try:
+            yield
+        finally:
+            gens.clear()
+            gens.update(live)
+            for k, g in live.items():
+                g.set_state(states[k])
+
+    return contextlib.nullcontext(), replay()
