@@ -1,13 +1,18 @@
 """Benchmark: autopar tensor parallelism (t=2, 2 CPU gloo ranks) vs PyTorch DTensor TP vs 1 process.
 
-    python benchmarks/tensor_parallel.py [--hidden 256] [--layers 2] [--seq 128] [--steps 6]
+    python benchmarks/tensor_parallel.py [--hidden 1024] [--layers 2] [--seq 128] [--steps 5]
 
 The model is the examples' Llama-style decoder (separate q/k/v, SwiGLU). The DTensor version is
 written by hand the usual way (torchtitan): ColwiseParallel on q/k/v/gate/up, RowwiseParallel on
 o/down, the attention modules' head counts divided by t; embedding and LM head replicated.
 autopar splits the same model automatically (plus vocab-parallel embedding / head / loss).
-Each rank uses one thread; the one-process baseline uses one thread too (2 cores: one per rank).
-Printed: median step time (forward + loss + backward + AdamW) and the ratios from this one run.
+Fairness: every process — each of the 2 ranks and the one-process baseline — runs with
+torch.set_num_threads(1) (2 cores: one per rank), the same model, data, optimizer (AdamW) and
+step (forward + loss + backward + step); 2 warm-up steps, then the median of --steps steps; all
+three measured in this one run, one after the other (never concurrently). The default size
+(hidden 1024, 16 heads, FFN 4096, seq 128, batch 4) is compute-bound: per layer and step the
+matmuls are ~50 GFLOP while the tensor-parallel all-reduces move 4 × 2 MB.
+Printed: median step time and the ratios.
 Targets (issue 3): autopar ≤ 0.9 × DTensor, and ≥ 1.7 × speed-up over one process when the
 model is compute-bound.
 """
@@ -35,16 +40,20 @@ def _data(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randint(0, a.vocab, (a.batch, a.seq), generator=gen)
 
 
+WARMUP = 2
+
+
 def _time_steps(step, params, steps: int) -> tuple[float, float]:
+    torch.set_num_threads(1)
     opt = torch.optim.AdamW(params, lr=1e-4)
     times, loss = [], 0.0
-    for i in range(steps + 2):
+    for i in range(steps + WARMUP):
         t0 = time.perf_counter()
         opt.zero_grad()
         out = step()
         out.backward()
         opt.step()
-        if i >= 2:  # warm-up steps excluded
+        if i >= WARMUP:
             times.append(time.perf_counter() - t0)
         loss = float(out.detach())
     return statistics.median(times), loss
@@ -93,13 +102,13 @@ def _dtensor(rank: int, world: int, a: argparse.Namespace) -> tuple[float, float
 def main() -> None:
     from autopar.testing import spawn
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=5)
     a = p.parse_args()
     single = spawn(_single, 1, a, timeout_s=600)[0]
     auto = spawn(_autopar, 2, a, timeout_s=600)
@@ -111,8 +120,21 @@ def main() -> None:
     print(f"{'one process':24}{t_single:>10.4f}{single[1]:>10.4f}")
     print(f"{'autopar t=2':24}{t_auto:>10.4f}{auto[0][1]:>10.4f}")
     print(f"{'DTensor t=2':24}{t_dt:>10.4f}{dt[0][1]:>10.4f}")
-    print(f"autopar / DTensor step time: {t_auto / t_dt:.2f}  (target <= 0.90)")
-    print(f"speed-up over one process:   {t_single / t_auto:.2f}  (target >= 1.70)")
+    vs_dt, speedup = t_auto / t_dt, t_single / t_auto
+    print(f"threads per process: 1 (torch.set_num_threads(1)); {WARMUP} warm-up steps, median "
+          f"of {a.steps}")
+    print(f"autopar / DTensor step time: {vs_dt:.2f}  (target <= 0.90: "
+          f"{'met' if vs_dt <= 0.9 else 'MISSED'})")
+    print(f"speed-up over one process:   {speedup:.2f}  (target >= 1.70: "
+          f"{'met' if speedup >= 1.7 else 'MISSED'})")
+    if vs_dt > 0.9:
+        print("  why: both run the same local matmuls and the same 2 all-reduces per layer; "
+              "autopar's gain is only DTensor's per-op Python dispatch and its replicated "
+              "embedding / LM head, which shrink relative to the matmuls as the model grows")
+    if speedup < 1.7:
+        print(f"  why: the ideal is 2.0; the loss is communication (gloo over loopback) and the "
+              f"replicated work (norms, rotary, optimizer on replicated parameters) — and the 2 "
+              f"cores are shared with anything else running on this machine")
 
 
 if __name__ == "__main__":

@@ -217,9 +217,12 @@ class Propagator:
     """
 
     def __init__(self, gm: fx.GraphModule, t: int, *, off: set[str], refine: dict,
-                 sequence_parallel: bool, seq_len: int | None, vocab_multiple: int):
+                 sequence_parallel: bool, seq_len: int | None, vocab_multiple: int,
+                 flop_per_byte: float = float("inf")):
         self.gm, self.t, self.off, self.refine = gm, t, off, refine
         self.sp, self.seq_len, self.vocab_multiple = sequence_parallel, seq_len, vocab_multiple
+        self.flop_per_byte = flop_per_byte  # machine balance: FLOP one byte of comm costs
+        self.by_name = {n.name: n for n in gm.graph.nodes}
         self.layout: dict[fx.Node, Any] = {}
         self.convert: dict[fx.Node, dict[fx.Node, Layout]] = {}
         self.role: dict[fx.Node, str] = {}
@@ -305,7 +308,8 @@ class Propagator:
         if node.op == "output":
             for arg in _tensor_args(node):
                 self._resolve_partial(node, arg, allow_seq=False)
-                self.demand(node, arg, R)
+                if not self._gather_output(node, arg):
+                    self.demand(node, arg, R)
             return
         if node.op != "call_function":
             self.layout[node] = _like(node, R)
@@ -329,6 +333,43 @@ class Propagator:
             if self.get(arg) is None:
                 self._assign(arg, R)
         self.layout[node] = out
+
+    def _gather_output(self, out: fx.Node, arg: fx.Node) -> bool:
+        """A split value returned by the graph (logits without a loss): keep its column-parallel
+        origins split and all-gather the value (Megatron's gather_output) when the compute that
+        saves beats the communication; else return False (the origins fall back to replicated).
+
+        Per output row (N rows, an origin matmul with contraction K and V output columns, t ranks,
+        b bytes per element): splitting saves 6·K·V·(1 - 1/t) FLOP (forward + both backward
+        products) and costs an all-gather of V·b·(t-1)/t bytes plus the f all-reduce of the
+        input gradient, 2·K·b·(t-1)/t bytes. Split iff 6·K·V / ((V + 2K)·b) >= flop_per_byte.
+        """
+        lay = self.get(arg)
+        if not isinstance(lay, Shard) or lay.seq or not lay.origins:
+            return False
+        ratios = []
+        for name in lay.origins:
+            origin = self.by_name.get(name)
+            if origin is None or packet(origin) not in _MATMULS:
+                return False
+            x, w, _, w_k, w_n = _matmul_operands(origin)
+            if w is None:
+                return False
+            k, v = shape(w)[w_k], shape(w)[w_n]
+            b = origin.meta["val"].element_size()
+            ratios.append(6 * k * v / ((v + 2 * k) * b))
+        worst = min(ratios)
+        if worst < self.flop_per_byte:
+            raise Conflict(lay.origins, self.by_name.get(min(lay.origins), out),
+                           f"returned without a loss: a column-parallel split plus an "
+                           f"all-gather of {arg.name} saves {worst:.0f} FLOP per byte "
+                           f"gathered, below the machine balance {self.flop_per_byte:.0f} "
+                           f"FLOP/byte, so replicated is cheaper")
+        self.notes.append(f"output {arg.name} {lay}: column-parallel, all-gathered at the "
+                          f"output ({worst:.0f} FLOP saved per byte gathered >= machine "
+                          f"balance {self.flop_per_byte:.0f})")
+        self.convert.setdefault(out, {})[arg] = R
+        return True
 
     def _resolve_partial(self, node: fx.Node, arg: fx.Node, allow_seq: bool) -> None:
         if not isinstance(self.get(arg), Partial):
@@ -610,8 +651,40 @@ def _norm(p: Propagator, node: fx.Node) -> Any:
 def _softmax(p: Propagator, node: fx.Node) -> Layout:
     lay = p.eff(node, node.args[0])
     if isinstance(lay, Shard) and _norm_dim(node.args[1], len(shape(node))) == lay.dim:
+        if _feeds_only_nll(node, lay):
+            return lay  # log_softmax → nll_loss: one vocab-parallel cross-entropy (see _nll)
         raise Conflict(lay.origins, node, f"{node.name}: softmax over the split dim")
     return lay
+
+
+_NLL = {aten.nll_loss, aten.nll_loss_nd}
+
+
+def _feeds_only_nll(node: fx.Node, lay: Shard) -> bool:
+    """log_softmax over the class dim whose every user is an unweighted nll_loss of it."""
+    if packet(node) not in {aten.log_softmax, aten._log_softmax} or lay.seq or not node.users:
+        return False
+    class_dim = 1 if len(shape(node)) >= 2 else 0
+    return lay.dim == class_dim and all(
+        packet(u) in _NLL and u.args[0] is node and _nll_weight(u) is None for u in node.users)
+
+
+def _nll_weight(node: fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+
+
+def _nll(p: Propagator, node: fx.Node) -> Layout:
+    """nll_loss(log_softmax(logits split over the vocab)) = cross_entropy(logits): the same
+    vocab-parallel cross-entropy; the log_softmax becomes dead code."""
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return _replicated(p, node)
+    if not _feeds_only_nll(node.args[0], lay):
+        raise Conflict(lay.origins, node, f"{node.name}: nll_loss of a split value that is not "
+                       f"a log_softmax over the vocab (or with class weights)")
+    p.demand(node, node.args[1], R)
+    p.role[node] = "vocab_ce"
+    return R
 
 
 def _reduce(p: Propagator, node: fx.Node) -> Any:
@@ -801,8 +874,12 @@ def _cross_entropy(p: Propagator, node: fx.Node) -> Layout:
     class_dim = 1 if len(shape(logits)) >= 2 else 0
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
     smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    if lay.dim != class_dim or lay.seq or weight is not None or smoothing:
+    if lay.dim != class_dim or lay.seq:
         return _replicated(p, node)
+    if weight is not None or smoothing:
+        raise Conflict(lay.origins, node, f"{node.name}: cross-entropy with "
+                       f"{'class weights' if weight is not None else 'label smoothing'} has no "
+                       f"vocab-parallel form here; the LM head stays replicated")
     p.demand(node, node.args[1], R)
     p.role[node] = "vocab_ce"
     return R
@@ -824,4 +901,5 @@ _RULES = {
     aten.embedding: _embedding,
     aten.scaled_dot_product_attention: _sdpa,
     aten.cross_entropy_loss: _cross_entropy,
+    **{op: _nll for op in _NLL},
 }

@@ -85,7 +85,8 @@ class TPInfo:
 # ----- analysis ---------------------------------------------------------------------------------
 
 def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = False,
-                       vocab_multiple: int = 128, strict: bool = True) -> fx.GraphModule:
+                       vocab_multiple: int = 128, strict: bool = True,
+                       cluster: Any = "dgx-a100-80gb") -> fx.GraphModule:
     """Decide the tensor-parallel layout of every value of `gm` for degree `t`.
 
     Requires: `gm` from `capture` (ATen training IR with node.meta['val']).
@@ -94,6 +95,10 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
       rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce');
       meta['tp_convert'] = {input name: layout} on edges that need a collective or a slice;
       gm.meta['tp'] is a TPInfo. Writes only meta; the graph is unchanged.
+    A split value the graph returns (logits of a model without a loss) stays column-parallel
+      and is all-gathered at the output only when that pays on `cluster` (its machine balance,
+      sustained GEMM FLOP/s over intra-node bytes/s; see Propagator._gather_output); otherwise
+      its origins fall back to replicated. Either way the choice is in TPInfo.notes.
     Errors: ValueError for a bad t, a sequence length not divisible by t under sequence
       parallelism, or (strict) a head / hidden size that cannot be split under this t, naming
       the node and the user's source line.
@@ -104,12 +109,14 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
         raise ValueError(f"sequence_parallel with t={t}: the sequence length {seq_len} (dim 1 of "
                          f"the first input) must be divisible by t; pad the sequence to a "
                          f"multiple of {t} or turn sequence parallelism off")
+    balance = _flop_per_byte(cluster)
     off: set[str] = set()
     refine: dict[str, tuple[int, ...]] = {}
     fallbacks: dict[str, Fallback] = {}
     for _ in range(_MAX_ROUNDS):
         prop = S.Propagator(gm, t, off=off, refine=refine, sequence_parallel=sequence_parallel,
-                            seq_len=seq_len, vocab_multiple=vocab_multiple)
+                            seq_len=seq_len, vocab_multiple=vocab_multiple,
+                            flop_per_byte=balance)
         try:
             prop.run()
             break
@@ -130,6 +137,14 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
         _check_lost_regions(gm, info)
     gm.meta["tp"] = info
     return gm
+
+
+def _flop_per_byte(cluster: Any) -> float:
+    """Machine balance: the GEMM FLOPs one byte of tensor-parallel communication costs
+    (sustained peak / intra-node collective bandwidth; A100: 0.8·312e12 / 231e9 ≈ 1080)."""
+    from autopar.cost.hardware import get_cluster
+    c = get_cluster(cluster)
+    return c.peak_flops * c.gemm_max_efficiency / c.intra_node_bandwidth_Bps
 
 
 def _check_t(t: Any) -> None:
@@ -211,9 +226,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
       rewritten graph without running it). Runs propagate_sharding first unless gm.meta['tp']
       already holds a decision for this t and mode.
     Guarantees: parameters on gm are this rank's local shards (sliced from real parameters,
-      or, for parameters on the meta device, initialised locally with seed (seed, name, rank)
-      by the owning module of the user's `model` (graph names minus `prefix`): its
-      reset_parameters(), then `init(module)` (e.g. the model's _init_weights)); view/reshape/expand/split constants are local; collectives are
+      or, for parameters on the meta device, sliced from the global-shape init of their
+      owning module of the user's `model` (graph names minus `prefix`) under the seed
+      (seed, module path): its reset_parameters(), then `init(module)` (e.g. the model's
+      _init_weights) — one module's parameters in memory at a time; meta buffers are restored
+      from meta_init's record); view/reshape/expand/split constants are local; collectives are
       call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
       lints. Reads meta tp_layout / tp_convert / tp_role / tp_param; rewrites meta['val'] to
       local shapes.
@@ -232,9 +249,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
         propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
                            vocab_multiple=vocab_multiple)
         info = gm.meta["tp"]
-    _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed)
+    if _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed):
+        _real_device_constants(gm, torch.device("cpu"))
     gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
     if t > 1:
+        shard_rt.reset_streams(seed, tp_rank)
         _Rewriter(gm, t, seed).run()
     gm.tp_rank = tp_rank
     gm.graph.lint()
@@ -252,10 +271,12 @@ def _get_owner(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
 
 def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
                       model: torch.nn.Module | None, init: Callable | None, prefix: str,
-                      seed: int) -> None:
+                      seed: int) -> bool:
     """Replace every split parameter (and its tied aliases) by this rank's shard; materialise
-    meta parameters locally."""
+    meta parameters and buffers locally (see autopar.runtime.shard: global-shape init per
+    module, buffers recorded by meta_init). Returns whether anything was on the meta device."""
     done: dict[int, torch.Tensor] = {}
+    meta = _MetaSource(model, init, prefix, seed)
     targets = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for target in sorted(targets):
         owner, name = _get_owner(gm, target)
@@ -266,20 +287,62 @@ def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
         if split is None and not full.is_meta:
             continue
         if id(full) not in done:
-            if full.is_meta:
-                if model is None:
-                    raise ValueError(f"apply_tensor_parallel: parameter {target} is on the meta "
-                                     f"device; pass model=<the user's model> (and init=<its "
-                                     f"per-module init, e.g. GPT._init_weights>) so local "
-                                     f"shards can be initialised by the model's own code")
-                user_owner, _ = _get_owner(model, target[len(prefix):] if
-                                           target.startswith(prefix) else target)
-                local = shard_rt.materialize_local(user_owner, name, split, rank, t, init, seed)
-            else:
-                local = shard_rt.local_shard(full.detach(), split, rank, t)
+            value = meta.value(target, full) if full.is_meta else full.detach()
+            local = shard_rt.local_shard(value, split, rank, t) if split is not None else value
             done[id(full)] = (torch.nn.Parameter(local, requires_grad=full.requires_grad)
                               if isinstance(full, torch.nn.Parameter) else local)
         _replace_everywhere(gm, full, done[id(full)])
+    return meta.used
+
+
+def _real_device_constants(gm: fx.GraphModule, device: torch.device) -> None:
+    """A graph captured from a meta model with meta example inputs baked `device=meta` into
+    its factory calls (arange for positions, masks): they now make tensors on `device`."""
+    for node in gm.graph.nodes:
+        dev = node.kwargs.get("device") if node.op == "call_function" else None
+        if dev is not None and torch.device(dev).type == "meta":
+            node.kwargs = {**node.kwargs, "device": device}
+
+
+class _MetaSource:
+    """Full values of a meta model's tensors, one owning module at a time (the last module's
+    values are cached so its other parameters do not re-run its init)."""
+
+    def __init__(self, model: torch.nn.Module | None, init: Callable | None, prefix: str,
+                 seed: int):
+        self.model, self.init, self.prefix, self.seed = model, init, prefix, seed
+        self.owner: dict[int, tuple[str, torch.nn.Module, str]] = {}
+        if model is not None:
+            for path, module, names in shard_rt.owned_parameters(model):
+                for n in names:
+                    self.owner[id(module._parameters[n])] = (path, module, n)
+        self.cached: tuple[str, dict[str, torch.Tensor]] | None = None
+        self.used = False
+
+    def value(self, target: str, full: torch.Tensor) -> torch.Tensor:
+        self.used = True
+        if self.model is None:
+            raise ValueError(f"apply_tensor_parallel: {target} is on the meta device; pass "
+                             f"model=<the user's model> (and init=<its per-module init, e.g. "
+                             f"GPT._init_weights>) so local shards are initialised by the "
+                             f"model's own code")
+        user_owner, name = _get_owner(self.model, target[len(self.prefix):]
+                                      if target.startswith(self.prefix) else target)
+        user = getattr(user_owner, name)
+        if id(user) not in self.owner:  # a buffer
+            real = shard_rt.real_buffer(user_owner, name)
+            if real is None:
+                raise ValueError(
+                    f"apply_tensor_parallel: buffer {target} is on the meta device and its value "
+                    f"was computed by the model's constructor, which a meta model does not "
+                    f"keep. Fix: build the model under autopar.runtime.shard.meta_init() "
+                    f"(parameters stay meta, buffers are computed for real), or give it real "
+                    f"buffers")
+            return real
+        path, module, n = self.owner[id(user)]
+        if self.cached is None or self.cached[0] != path:
+            self.cached = (path, shard_rt.init_module_full(module, path, self.seed, self.init))
+        return self.cached[1][n]
 
 
 def _replace_everywhere(gm: torch.nn.Module, old: torch.Tensor, new: torch.Tensor) -> None:
@@ -427,6 +490,11 @@ class _Rewriter:
                 dim = S._norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
+        elif op is aten.scaled_dot_product_attention and _is_split(node.meta.get("tp_layout")) \
+                and _sdpa_dropout(node):
+            q, k, v, *rest = node.args
+            node.target = shard_rt.tp_sdpa
+            node.args = (q, k, v, self.group, self.seed, *rest)
         elif op is aten.dropout and _is_split(node.meta.get("tp_layout")):
             x, p, train = node.args
             node.target = shard_rt.tp_dropout
@@ -448,6 +516,11 @@ class _Rewriter:
 
     def _vocab_ce(self, node: fx.Node) -> None:
         logits, target = node.args[0], node.args[1]
+        if packet(node) in S._NLL:  # nll_loss(log_softmax(x)) = cross_entropy(x)
+            log_softmax, logits = logits, logits.args[0]
+            node.replace_input_with(log_softmax, logits)
+            if not log_softmax.users:
+                self.graph.erase_node(log_softmax)
         a = list(node.args) + [None] * (6 - len(node.args))
         reduction = a[3] if a[3] is not None else node.kwargs.get("reduction", 1)
         ignore = a[4] if a[4] is not None else node.kwargs.get("ignore_index", -100)
@@ -477,6 +550,11 @@ class _Rewriter:
         sizes = [p.local(self.t) for p in pieces]
         node.target = aten.split_with_sizes.default
         node.args, node.kwargs = (src, sizes, dim), {}
+
+
+def _sdpa_dropout(node: fx.Node) -> bool:
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _orig_size(node: fx.Node, dim: int) -> int:
@@ -573,3 +651,37 @@ def gather_full_state_dict(gm: fx.GraphModule, group: Any = None,
                 done[id(value)] = local.clone()
         out[key[len(prefix):] if key.startswith(prefix) else key] = done[id(value)]
     return out
+
+
+# ----- reporting ----------------------------------------------------------------------------------
+
+def tp_report(plan: Any, gm: fx.GraphModule) -> list[str]:
+    """Lines for plan.explain(): what the tensor-parallel pass decided for `gm` under `plan`
+    (its t and sequence_parallel; a bare int t works too) — counts of split matmuls, every
+    candidate kept replicated and why (with the user's source line), inserted gathers, the
+    logits / loss decisions, vocab padding and dropout streams. Runs propagate_sharding
+    (analysis only, non-strict) when gm has no decision for this t yet."""
+    t = getattr(plan, "t", plan)
+    sp = bool(getattr(plan, "sequence_parallel", False))
+    if not isinstance(t, int) or t <= 1:
+        return ["tensor parallel: off (t=1)"]
+    info = gm.meta.get("tp")
+    if info is None or info.t != t or info.sequence_parallel != sp:
+        propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
+        info = gm.meta["tp"]
+    lines = info.summary().splitlines()
+    padded = sorted({(k, s.padded) for k, s in info.params.items() if s.padded})
+    lines += [f"  vocab padded: {k} to {p} rows (invisible in loss and state dict)"
+              for k, p in padded]
+    roles = [n.meta.get("tp_role") for n in gm.graph.nodes]
+    split_dropout = sum(1 for n in gm.graph.nodes if _is_split(n.meta.get("tp_layout")) and (
+        (packet(n) is aten.dropout and n.args[1] != 0) or
+        (packet(n) is aten.scaled_dot_product_attention and _sdpa_dropout(n))
+        or n.target in (shard_rt.tp_dropout, shard_rt.tp_sdpa)))
+    if split_dropout:
+        lines.append(f"  dropout: {split_dropout} in split regions on per-rank RNG streams; "
+                     f"replicated regions share the default stream")
+    if "vocab_ce" not in roles:
+        lines.append("  loss: no vocab-parallel cross-entropy (none recognised, or replicated: "
+                     "see above)")
+    return lines

@@ -14,7 +14,7 @@ from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
 from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes.capture import capture
 from autopar.passes.sharding import Partial, Replicate, Shard, map_reshape
-from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding
+from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding, tp_report
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
 
@@ -226,3 +226,80 @@ def test_meta_model_materialises_only_local_shards():
     other = build(0)
     assert not torch.equal(other.get_parameter("model.transformer.h.0.mlp.c_fc.weight"), w)
     assert not any(p.is_meta for p in gm.parameters())
+
+
+# ----- loss recognition, logits, dropout, report ---------------------------------------------
+
+def _nll_loss(out, y):
+    return torch.nn.functional.nll_loss(torch.log_softmax(out.flatten(0, -2), -1), y.flatten(),
+                                        ignore_index=-1)
+
+
+def _smoothed(out, y):
+    return torch.nn.functional.cross_entropy(out.flatten(0, -2), y.flatten(),
+                                             label_smoothing=0.1)
+
+
+def _gm_with(loss_fn, n_embd: int = 32, vocab: int = 64, dropout: float = 0.0):
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=1, n_head=4, n_embd=n_embd,
+                          dropout=dropout))
+    model.train()
+    ids = torch.randint(0, vocab, (B, T))
+    return capture(model, (ids,), loss_fn, ids).gm if loss_fn else capture(model, (ids,)).gm
+
+
+def test_log_softmax_nll_loss_is_a_vocab_parallel_cross_entropy():
+    gm = apply_tensor_parallel(_gm_with(_nll_loss), 2, 0, None)
+    ce = _calls(gm, shard_rt.vocab_parallel_cross_entropy)
+    assert len(ce) == 1 and ce[0].args[4] == -1                   # ignore_index carried over
+    assert not [n for n in gm.graph.nodes if "log_softmax" in str(n.target)]   # dead, erased
+    assert not _calls(gm, C.gather_from_sp) and not _calls(gm, C.all_gather_sp)
+    assert not gm.meta["tp"].fallbacks
+
+
+def test_label_smoothing_keeps_the_head_replicated_and_says_why():
+    gm = propagate_sharding(_gm_with(_smoothed), 2)
+    reasons = " ".join(f.reason for f in gm.meta["tp"].fallbacks)
+    assert "label smoothing" in reasons
+    assert not any(n.meta.get("tp_role") == "vocab_ce" for n in gm.graph.nodes)
+    report = "\n".join(tp_report(2, gm))
+    assert "label smoothing" in report and "replicated:" in report
+
+
+def test_logits_without_loss_gathered_only_when_it_pays():
+    # tiny C=32, V=64: 24 FLOP saved per byte gathered, below any machine balance → replicated
+    gm = propagate_sharding(_gm_with(None), 2)
+    head = [f for f in gm.meta["tp"].fallbacks if "without a loss" in f.reason]
+    assert len(head) == 1 and "gpt.py" in head[0].where
+    # C=256, V=512 on a balance-50 machine: 192 FLOP per byte → column head + all-gather
+    from autopar.cost.hardware import get_cluster, with_overrides
+    cheap = with_overrides(get_cluster("dgx-a100-80gb"), peak_flops=50e9,
+                           gemm_max_efficiency=1.0, intra_node_bandwidth_Bps=1e9)
+    gm = propagate_sharding(_gm_with(None, n_embd=256, vocab=512), 2, cluster=cheap)
+    assert not gm.meta["tp"].fallbacks
+    assert any("all-gathered at the output" in n for n in gm.meta["tp"].notes)
+    gm = apply_tensor_parallel(gm, 2, 0, None)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    gathers = _calls(gm, C.gather_from_sp)
+    assert len(gathers) == 1 and gathers[0] in out.all_input_nodes
+    gm.graph.lint()
+
+
+def test_attention_dropout_in_split_regions_uses_the_rank_stream():
+    gm = apply_tensor_parallel(_gm_with(lm_cross_entropy, dropout=0.1), 2, 0, None)
+    assert len(_calls(gm, shard_rt.tp_sdpa)) == 1                # the head-split attention
+    plain = [n for n in gm.graph.nodes
+             if getattr(n.target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention]
+    assert not plain
+    # the residual / embedding dropouts are replicated: default stream, left as aten.dropout
+    assert len([n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]) == 3
+    assert any("per-rank RNG streams" in line for line in tp_report(2, gm))
+
+
+def test_tp_report_lines():
+    gm = _gpt_gm(n_layer=1)
+    lines = tp_report(2, gm)
+    assert lines[0].startswith("tensor parallel t=2: 3 column, 2 row")   # + LM head
+    assert tp_report(1, gm) == ["tensor parallel: off (t=1)"]
+    gm = propagate_sharding(_llama_gm(kv=2), 4)
+    assert sum("replicated: " in line for line in tp_report(4, gm)) == 4

@@ -89,21 +89,46 @@ def _train(step_fn, params, vocab: int = 64) -> list[float]:
     return losses
 
 
-def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool) -> dict:
+def nll_ignore(output, targets):
+    """The decomposed form: nll_loss(log_softmax(logits)), with ignored targets (-1)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return torch.nn.functional.nll_loss(torch.log_softmax(logits.flatten(0, -2), -1),
+                                        targets.flatten(), ignore_index=-1)
+
+
+def _masked(tgt: torch.Tensor) -> torch.Tensor:
+    tgt = tgt.clone()
+    tgt[:, ::3] = -1  # every third target ignored
+    return tgt
+
+
+# loss name -> (loss_fn, inside the graph?, target transform)
+LOSSES = {"ce": (lm_cross_entropy, True, lambda y: y),
+          "nll_ignore": (nll_ignore, True, _masked),
+          "outside": (lm_cross_entropy, False, lambda y: y)}   # graph returns logits
+
+
+def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool,
+               loss: str = "ce", cluster=None) -> dict:
     import torch.distributed as dist
+    from autopar.passes.tensor_parallel import propagate_sharding
     torch.set_num_threads(1)
     model = _build(name, kwargs)
     ref = copy.deepcopy(model)
     vocab = kwargs.get("vocab", 64)
+    loss_fn, inside, fix = LOSSES[loss]
     ids, tgt = _batches(vocab)[0]
-    gm = capture(model, (ids,), lm_cross_entropy, tgt).gm
+    gm = capture(model, (ids,), loss_fn, fix(tgt)).gm if inside else capture(model, (ids,)).gm
+    if cluster is not None:
+        propagate_sharding(gm, world, sequence_parallel=sp, cluster=cluster)
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD, sequence_parallel=sp)
     local_elems = sum(p.numel() for p in gm.parameters())
-    losses = _train(gm, list(gm.parameters()), vocab)
+    step = (lambda i, y: gm(i, fix(y))) if inside else (lambda i, y: loss_fn(gm(i), y))
+    losses = _train(step, list(gm.parameters()), vocab)
     full = gather_full_state_dict(gm)
-    out = {"losses": losses, "local_elems": local_elems}
+    out = {"losses": losses, "local_elems": local_elems, "info": gm.meta["tp"]}
     if rank == 0:
-        ref_losses = _train(lambda i, y: lm_cross_entropy(ref(i), y), list(ref.parameters()),
+        ref_losses = _train(lambda i, y: loss_fn(ref(i), fix(y)), list(ref.parameters()),
                             vocab)
         ref_sd = ref.state_dict()
         out["ref_losses"] = ref_losses
@@ -112,7 +137,7 @@ def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool) -> dict
     return out
 
 
-def _compare(full: dict, ref: dict) -> list[str]:
+def _compare(full: dict, ref: dict, exact: bool = False) -> list[str]:
     bad = []
     for key, want in ref.items():
         if key not in full:
@@ -121,13 +146,16 @@ def _compare(full: dict, ref: dict) -> list[str]:
         got = full[key]
         if got.shape != want.shape:
             bad.append(f"{key}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+        elif exact and not torch.equal(got, want):
+            bad.append(f"{key}: not equal, max diff {(got - want).abs().max().item():.3g}")
         elif not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             bad.append(f"{key}: max diff {(got - want).abs().max().item():.3g}")
     return bad
 
 
-def run_tp(name: str, t: int, sp: bool = False, **kwargs) -> list[dict]:
-    results = spawn(_tp_worker, t, name, kwargs, sp, timeout_s=240)
+def run_tp(name: str, t: int, sp: bool = False, loss: str = "ce", cluster=None,
+           **kwargs) -> list[dict]:
+    results = spawn(_tp_worker, t, name, kwargs, sp, loss, cluster, timeout_s=240)
     r0 = results[0]
     assert r0["mismatch"] == [], r0["mismatch"]
     for r in results:
@@ -186,12 +214,12 @@ def test_parameter_elements_per_rank():
         assert r["local_elems"] == want
 
 
-def _dropout_worker(rank: int, world: int) -> dict:
+def _dropout_worker(rank: int, world: int, dropout: float = 0.2) -> dict:
     import torch.distributed as dist
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                          dropout=0.2))
+                          dropout=dropout))
     model.train()
     ids, tgt = _batches(64)[0]
     gm = capture(model, (ids,), lm_cross_entropy, tgt).gm
@@ -211,3 +239,74 @@ def test_dropout_streams_agree_in_replicated_regions():
     assert r0["replicated"].keys() == r1["replicated"].keys() and r0["replicated"]
     for name, value in r0["replicated"].items():
         assert torch.equal(value, r1["replicated"][name]), name
+
+
+# ----- loss forms and logits without a loss ------------------------------------------------------
+
+def test_log_softmax_nll_with_ignore_index_matches_single_device():
+    """nll_loss(log_softmax(x), ignore_index=-1) runs as the vocab-parallel cross-entropy."""
+    results = run_tp("gpt", 2, loss="nll_ignore")
+    assert results[0]["info"].vocab and not results[0]["info"].fallbacks
+
+
+def test_hf_llama_nll_with_ignore_index_matches_single_device():
+    run_tp("hf_llama", 2, loss="nll_ignore")
+
+
+def test_logits_returned_column_parallel_and_gathered_match_single_device():
+    """No loss in the graph, a machine where the split pays: LM head column-parallel, logits
+    all-gathered (and unpadded: vocab 131 is padded to 256 rows) at the output."""
+    from autopar.cost.hardware import get_cluster, with_overrides
+    cheap = with_overrides(get_cluster("dgx-a100-80gb"), peak_flops=1e9,
+                           gemm_max_efficiency=1.0, intra_node_bandwidth_Bps=1e9)
+    results = run_tp("gpt", 2, loss="outside", cluster=cheap, vocab=131)
+    info = results[0]["info"]
+    assert not info.fallbacks and any("all-gathered" in n for n in info.notes)
+
+
+# ----- dropout streams ---------------------------------------------------------------------------
+
+def _mask_worker(rank: int, world: int) -> dict:
+    """Attention-dropout masks: q = k = 0 gives uniform attention, v = I makes the output the
+    dropped-out attention matrix itself, so its nonzeros are the keep-mask."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from autopar.runtime import shard as shard_rt
+    T_ = 16
+    q = torch.zeros(2, 2, T_, T_)
+    v = torch.eye(T_).expand(2, 2, T_, T_).contiguous()
+    torch.manual_seed(5)                 # the same default stream on every tensor rank
+    shard_rt.reset_streams(0, rank)
+    before = torch.get_rng_state()
+    split = shard_rt.tp_sdpa(q, q, v, dist.group.WORLD, 0, None, 0.5) != 0
+    untouched = torch.equal(torch.get_rng_state(), before)
+    replicated = F.scaled_dot_product_attention(q, q, v, dropout_p=0.5) != 0
+    return {"split": split, "replicated": replicated, "untouched": untouched}
+
+
+def test_attention_dropout_masks_differ_in_split_regions_and_agree_in_replicated_ones():
+    r0, r1 = spawn(_mask_worker, 2, timeout_s=120)
+    assert r0["untouched"] and r1["untouched"]          # the default stream is not advanced
+    assert 0.3 < r0["split"].float().mean() < 0.7       # dropout really ran
+    assert not torch.equal(r0["split"], r1["split"])    # different heads, different masks
+    assert torch.equal(r0["replicated"], r1["replicated"])
+
+
+def _dropout_twice_worker(rank: int, world: int) -> dict:
+    runs = [_dropout_worker(rank, world)["losses"] for _ in range(2)]
+    return {"runs": runs}
+
+
+def test_dropout_losses_are_deterministic_across_runs():
+    """Same seeds, same program: identical losses (the rank streams restart with each
+    compilation). Equality with the single-device model is impossible with dropout on: the
+    split regions draw their masks from per-rank streams the single device does not have;
+    the numerics tests above run with dropout 0."""
+    r0, r1 = spawn(_dropout_twice_worker, 2, timeout_s=240)
+    assert r0["runs"][0] == r0["runs"][1] == r1["runs"][0]
+    ref = spawn(_no_dropout_worker, 2, timeout_s=240)[0]
+    assert r0["runs"][0] != ref["losses"]                 # dropout (incl. attention) is on
+
+
+def _no_dropout_worker(rank: int, world: int) -> dict:
+    return _dropout_worker(rank, world, dropout=0.0)

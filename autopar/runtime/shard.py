@@ -16,8 +16,10 @@ explicitly and reads the rank from it, so every rank runs the same graph code.
 """
 from __future__ import annotations
 
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,27 +80,50 @@ def unshard(pieces: list[torch.Tensor], split: ParamSplit, full_size: int) -> to
     return torch.cat(out, dim=split.dim)
 
 
-def materialize_local(module: torch.nn.Module, name: str, split: ParamSplit | None, rank: int,
-                      t: int, init: Callable[[torch.nn.Module], None] | None,
-                      seed: int) -> torch.Tensor:
-    """This rank's shard of parameter `name` of a meta-device `module`, initialised by the
-    module's own code — `module.reset_parameters()` if it has one, then `init(module)` (the
-    model's _init_weights) — run on the module with that parameter local-shaped, under the
-    reproducible seed (seed, name, rank). The full parameter is never allocated.
-    Caveat: shape-dependent inits (kaiming's fan-in) see the local shape."""
-    full = getattr(module, name)
-    shape = list(full.shape)
-    if split is not None:
-        shape[split.dim] = split.local_size(t)
-    local = torch.nn.Parameter(torch.empty(shape, dtype=full.dtype, device="cpu"),
-                               requires_grad=full.requires_grad)
-    saved = {n: p for n, p in module.named_parameters(recurse=False)}
-    for n, p in saved.items():  # only `name` is real; siblings stay meta (init skips nothing)
-        setattr(module, n, local if n == name else torch.nn.Parameter(
-            torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+# ----- local shards of a meta-device model --------------------------------------------------
+#
+# Choice (issue 3, "local shards only"): a meta parameter is initialised by its owning module's
+# own code at its GLOBAL shape — the module's direct parameters are made real at full size on
+# CPU, filled with their constructor's constant (recorded by `meta_init`, else NaN), then
+# `reset_parameters()` and `init(module)` run under the seed (seed, module path), and each rank
+# keeps its slice. So kaiming's fan-in sees the global fan-in, every rank agrees on replicated
+# parameters, and the gathered state dict equals `init_full_like_meta` on a real model.
+# Peak extra memory: ONE module's direct parameters (the largest is the embedding / LM head),
+# never the whole model. What cannot match `torch.manual_seed(s); Model(cfg)` bit for bit: the
+# real constructor draws every init from one global RNG stream in construction order, which
+# per-module seeds do not replay; and init code that runs only in the model's __init__ (e.g.
+# GPT's 1/sqrt(2·n_layer) rescale of c_proj) is skipped on a meta model unless `init` does it.
+
+
+def module_seed(seed: int, module_path: str) -> int:
+    """The seed a module's parameters are initialised with (the same on every rank)."""
+    return _stable_seed(seed, module_path, 0)
+
+
+def init_module_full(module: torch.nn.Module, module_path: str, seed: int,
+                     init: Callable[[torch.nn.Module], None] | None
+                     ) -> dict[str, torch.Tensor]:
+    """The full-size initial values of `module`'s direct parameters, computed by its own code
+    (starting from the constructor constant meta_init recorded — a real module's current
+    value — then reset_parameters(), then init(module)) under module_seed(seed, module_path).
+    The module itself is left as it was."""
+    saved = dict(module._parameters)
+    consts = module.__dict__.get("_autopar_param_fill", {})
+    full: dict[str, torch.Tensor] = {}
+    for n, p in saved.items():
+        if p is None:
+            continue
+        if not p.is_meta:  # a real module (init_full_like_meta): start from its own value
+            value = p.detach().to("cpu", copy=True)
+        elif p.dtype.is_floating_point:
+            value = torch.full(p.shape, consts.get(n, float("nan")), dtype=p.dtype)
+        else:
+            value = torch.zeros(p.shape, dtype=p.dtype)
+        full[n] = torch.nn.Parameter(value, requires_grad=p.requires_grad)
+        module._parameters[n] = full[n]
     gen_state = torch.random.get_rng_state()
     try:
-        torch.manual_seed(_stable_seed(seed, name, rank if split is not None else 0))
+        torch.manual_seed(module_seed(seed, module_path))
         with torch.no_grad():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -106,9 +131,93 @@ def materialize_local(module: torch.nn.Module, name: str, split: ParamSplit | No
                 init(module)
     finally:
         torch.random.set_rng_state(gen_state)
-        for n, p in saved.items():
-            setattr(module, n, p)
-    return local.detach()
+        module._parameters.update(saved)
+    out = {}
+    for n, p in full.items():
+        if p.dtype.is_floating_point and torch.isnan(p).any():
+            raise ValueError(
+                f"materialise {module_path}.{n} ({type(module).__name__}): nothing initialises "
+                f"it on a meta model — its module has no reset_parameters() and init= left it "
+                f"unset. Fix: build the model under autopar.runtime.shard.meta_init() (records "
+                f"constructor constants such as RMSNorm's ones), or pass init= that sets it")
+        out[n] = p.detach()
+    return out
+
+
+def init_full_like_meta(model: torch.nn.Module, init: Callable[[torch.nn.Module], None] | None,
+                        seed: int) -> torch.nn.Module:
+    """Re-initialise a REAL `model` in place exactly as apply_tensor_parallel materialises the
+    same model from the meta device (per-module seeds, global shapes): the single-device twin
+    of a meta-initialised parallel model. Returns `model`."""
+    for path, module, names in owned_parameters(model):
+        values = init_module_full(module, path, seed, init)
+        with torch.no_grad():
+            for n in names:
+                module._parameters[n].copy_(values[n])
+    return model
+
+
+def owned_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, list[str]]]:
+    """(module path, module, its parameter names) for every parameter's FIRST owner in
+    named_parameters() order (a tied parameter belongs to the module that comes first)."""
+    seen: set[int] = set()
+    out = []
+    for path, module in model.named_modules():
+        names = [n for n, p in module._parameters.items() if p is not None and id(p) not in seen]
+        seen |= {id(module._parameters[n]) for n in names}
+        if names:
+            out.append((path, module, names))
+    return out
+
+
+def real_buffer(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """The real value of a buffer of a model built under meta_init (None if not recorded)."""
+    return module.__dict__.get("_autopar_real_buffers", {}).get(name)
+
+
+@contextmanager
+def meta_init() -> Iterator[None]:
+    """Build a model whose parameters and buffers are on the meta device, recording what a
+    meta model otherwise loses:
+
+      buffers       computed for real on CPU by the constructor (rotary cos/sin tables, position
+                    ids, masks: small and not re-creatable from the module) and kept on the
+                    owning module, so compile() restores them — the meta model keeps meta twins;
+      parameters    moved to meta as soon as they are registered (peak memory: one parameter,
+                    uninitialised); a constant fill (RMSNorm's ones) is recorded so
+                    materialisation can start from it.
+
+        with meta_init():
+            model = LlamaStyle(config)      # all meta; plan / capture / compile as usual
+    """
+    reg_p, reg_b = torch.nn.Module.register_parameter, torch.nn.Module.register_buffer
+    metas: dict[int, tuple[Any, torch.nn.Parameter]] = {}  # id -> (weakref to real, meta)
+
+    def register_parameter(self, name, param):
+        if param is not None and not param.is_meta:
+            seen = metas.get(id(param))
+            if seen is None or seen[0]() is not param:  # ids of freed tensors get reused
+                flat = param.detach().reshape(-1)
+                if flat.numel() and param.dtype.is_floating_point and \
+                        bool((flat == flat[0]).all()):
+                    self.__dict__.setdefault("_autopar_param_fill", {})[name] = float(flat[0])
+                metas[id(param)] = (weakref.ref(param), torch.nn.Parameter(
+                    torch.empty_like(param, device="meta"), requires_grad=param.requires_grad))
+            param = metas[id(param)][1]
+        reg_p(self, name, param)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        if tensor is not None and not tensor.is_meta:
+            self.__dict__.setdefault("_autopar_real_buffers", {})[name] = tensor
+            tensor = torch.empty_like(tensor, device="meta")
+        reg_b(self, name, tensor, persistent)
+
+    torch.nn.Module.register_parameter = register_parameter
+    torch.nn.Module.register_buffer = register_buffer
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter, torch.nn.Module.register_buffer = reg_p, reg_b
 
 
 def _stable_seed(seed: int, name: str, rank: int) -> int:
@@ -240,25 +349,74 @@ def _all_reduce(x: torch.Tensor, group: Any, op: Any) -> None:
 
 
 # ----- dropout streams --------------------------------------------------------------------------
+# Megatron's model-parallel RNG tracker: split regions draw from a per-tensor-rank stream
+# (seeded seed + 2718 + 1_000_003·tp_rank, advanced by every draw), replicated regions from the
+# default generator, which the tracker never touches, so it stays identical on all tensor ranks.
+# Caveat for recomputation: a re-run forward must restore the tracker's state too (Megatron's
+# CheckpointFunction does); tracker_state()/set_tracker_state() are there for that.
 
 def tp_dropout(x: torch.Tensor, p: float, train: bool, group: Any, seed: int) -> torch.Tensor:
-    """Dropout on a split value: each tensor rank draws from its own stream (seed + rank,
-    advanced per call), like Megatron's model-parallel RNG tracker; the default generator,
-    which replicated regions use, is left untouched so it stays identical across ranks."""
+    """Dropout on a split value, its mask drawn from this tensor rank's own stream."""
     if not train or p == 0.0:
         return x
-    gen = _tracker(group, seed)
+    gen = _tracker(group, seed, x.device)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
 
 
-_GENERATORS: dict[tuple[int, int], torch.Generator] = {}
+def tp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, seed: int,
+            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+            is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """scaled_dot_product_attention on this rank's heads whose attention-dropout mask comes
+    from this tensor rank's stream: the default generator is swapped for the tracker's state
+    around the call (sdpa takes no generator argument) and restored after."""
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, **kwargs)
+    gen = _tracker(group, seed, q.device)
+    with _default_stream(gen, q.device):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                              **kwargs)
 
 
-def _tracker(group: Any, seed: int) -> torch.Generator:
-    key = (seed, group_rank(group))
+@contextmanager
+def _default_stream(gen: torch.Generator, device: torch.device) -> Iterator[None]:
+    default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
+        else torch.default_generator
+    saved = default.get_state()
+    default.set_state(gen.get_state())
+    try:
+        yield
+    finally:
+        gen.set_state(default.get_state())
+        default.set_state(saved)
+
+
+_GENERATORS: dict[tuple, torch.Generator] = {}
+
+
+def _tracker(group: Any, seed: int, device: Any = "cpu") -> torch.Generator:
+    device = torch.device(device)
+    key = (seed, group_rank(group), str(device))
     if key not in _GENERATORS:
-        gen = torch.Generator()
+        gen = torch.Generator(device=device)
         gen.manual_seed(2718 + seed + 1_000_003 * group_rank(group))
         _GENERATORS[key] = gen
     return _GENERATORS[key]
+
+
+def reset_streams(seed: int, tp_rank: int) -> None:
+    """Restart tensor rank `tp_rank`'s dropout streams for `seed` (apply_tensor_parallel calls
+    it, so a freshly compiled program draws the same masks as the last one did)."""
+    for key in [k for k in _GENERATORS if k[:2] == (seed, tp_rank)]:
+        del _GENERATORS[key]
+
+
+def tracker_state() -> dict[tuple, torch.Tensor]:
+    """The states of every tensor-parallel dropout stream (to save around a recomputation)."""
+    return {k: g.get_state() for k, g in _GENERATORS.items()}
+
+
+def set_tracker_state(state: dict[tuple, torch.Tensor]) -> None:
+    for k, st in state.items():
+        if k in _GENERATORS:
+            _GENERATORS[k].set_state(st)
