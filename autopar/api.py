@@ -1,6 +1,7 @@
 """`autopar.parallelize`: capture → layers → profile → solve, returning a ParallelProgram."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -107,9 +108,18 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel)
+    plan = dataclasses.replace(plan, notes=tuple(_graph_notes(plan, captured)))
     return ParallelProgram(model=model, plan=plan, profile=profile,
                            example_inputs=example_inputs, loss_fn=loss_fn,
                            example_targets=example_targets, cluster=cl)
+
+
+def _graph_notes(plan: Plan, captured: Any) -> list[str]:
+    """What the tensor-parallel pass would do under `plan`, analysed on the planning graph."""
+    from autopar.passes.tensor_parallel import tp_report
+    if plan.t == 1:
+        return []
+    return tp_report(plan, captured.gm)
 
 
 def load_plan(path: str | Path) -> Plan:

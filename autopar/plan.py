@@ -125,6 +125,8 @@ class Plan:
     model: str = "model"
     num_layers: int = 0
     alternatives: tuple[Alternative, ...] = field(default=(), compare=False)
+    # What the graph passes decided for this plan (e.g. tensor-parallel splits and fallbacks).
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         _validate_plan(self)
@@ -158,6 +160,7 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         data = dict(data)
         data["stages"] = tuple(Stage(**s) for s in data["stages"])
+        data["notes"] = tuple(data.get("notes", ()))
         data["predicted"] = _prediction_from_dict(data["predicted"])
         data["alternatives"] = tuple(
             Alternative(config=a["config"], feasible=a["feasible"], reason=a["reason"],

@@ -21,6 +21,10 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
+def _fmt_flops(tflops: float) -> str:
+    return f"{tflops:.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.2f} GFLOP/s"
+
+
 def _fmt_bytes(n: float) -> str:
     if n >= GIB:
         return f"{n / GIB:.2f} GiB"
@@ -60,7 +64,7 @@ def format_plan(plan: "Plan") -> str:
     lines += [
         "  predicted",
         f"    step time      {_fmt_s(pr.step_time_s)}",
-        f"    throughput     {pr.tflops_per_gpu:.1f} TFLOP/s per GPU   MFU {pr.mfu * 100:.1f}%",
+        f"    throughput     {_fmt_flops(pr.tflops_per_gpu)} per GPU   MFU {pr.mfu * 100:.1f}%",
         f"    bubble         {pr.bubble_fraction * 100:.1f}% of compute time (idle/busy, "
         f"the papers' (p-1)/m) = {_fmt_s(pr.bubble_s)} per step",
         "    time terms     " + "  ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v),
@@ -108,7 +112,7 @@ def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
     verdict = "chosen" if abs(slower) < 1e-9 and alt.feasible else (
         f"+{slower:.1f}%" if alt.feasible else f"infeasible: {alt.reason}")
     return (f"  {rank:>3}. {alt.label():<58} {_fmt_s(pr.step_time_s):>10}  "
-            f"{pr.tflops_per_gpu:6.1f} TF/GPU  mem {_fmt_bytes(pr.memory_bytes_per_gpu):>10}  "
+            f"{_fmt_flops(pr.tflops_per_gpu):>15}/GPU  mem {_fmt_bytes(pr.memory_bytes_per_gpu):>10}  "
             f"{verdict}\n        {terms}" + (f"\n        {alt.reason}" if alt.feasible and
                                                alt.reason else ""))
 
@@ -125,6 +129,9 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
     lines += [_alt_row(i + 1, a, best) for i, a in enumerate(feasible[:top])]
     if len(feasible) > top:
         lines.append(f"  … {len(feasible) - top} more feasible configurations, all slower")
+    if plan.notes:
+        lines += ["", "What the graph passes decided for this plan:"]
+        lines += [f"  {n}" if not n.startswith(" ") else n for n in plan.notes]
     if rejected:
         lines += ["", "Rejected configurations (and why):"]
         by_reason: dict[str, list[Alternative]] = {}
