@@ -9,12 +9,15 @@ from autopar.losses import cross_entropy
 from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
 
 __all__ = ["parallelize", "ParallelProgram", "Plan", "Stage", "Prediction", "Memory",
-           "Alternative", "Cluster", "cross_entropy", "load_plan", "get_cluster"]
+           "Alternative", "Cluster", "meta_init", "cross_entropy", "load_plan", "get_cluster"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     # Cluster lives in autopar.cost.hardware; imported lazily to keep `import autopar` light.
+    if name == "meta_init":
+        from autopar.runtime.shard import meta_init
+        return meta_init
     if name in ("Cluster", "get_cluster"):
         from autopar.cost import hardware
         return getattr(hardware, name)

@@ -16,7 +16,7 @@ class ParallelProgram:
 
     def __init__(self, *, model: torch.nn.Module, plan: Plan, profile: Any,
                  example_inputs: tuple, loss_fn: Callable | None, example_targets: Any,
-                 cluster: Any):
+                 cluster: Any, init: Callable | None = None):
         self.model = model
         self.plan = plan
         self.profile = profile
@@ -24,6 +24,7 @@ class ParallelProgram:
         self.loss_fn = loss_fn
         self.example_targets = example_targets
         self.cluster = cluster
+        self.init = init  # re-runs the model's own init on meta parameters, one module at a time
 
     def __repr__(self) -> str:
         return f"ParallelProgram(plan=t{self.plan.t}·p{self.plan.p}·d{self.plan.d}, " \
@@ -68,9 +69,12 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 v: int | None = None, micro_batch_size: int | None = None,
                 schedule: str | None = None, recompute: str | None = None,
                 zero: int | None = None, sequence_parallel: bool | None = None,
-                name: str | None = None, plan: Plan | None = None) -> ParallelProgram:
+                name: str | None = None, plan: Plan | None = None,
+                init: Callable | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
+    `init=` (e.g. the model's `_init_weights`) is applied, with each module's own
+    reset_parameters(), when a meta-device model's local shards are materialised by compile().
     `plan=` reuses a plan made earlier (e.g. read from plan.json on every torchrun rank) instead
     of solving again; it must be for the same GPU count.
     """
@@ -104,14 +108,14 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                              f"pass gpus={plan.gpus} or re-plan")
         return ParallelProgram(model=model, plan=plan, profile=profile,
                                example_inputs=example_inputs, loss_fn=loss_fn,
-                               example_targets=example_targets, cluster=cl)
+                               example_targets=example_targets, cluster=cl, init=init)
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel)
     plan = dataclasses.replace(plan, notes=tuple(_graph_notes(plan, captured)))
     return ParallelProgram(model=model, plan=plan, profile=profile,
                            example_inputs=example_inputs, loss_fn=loss_fn,
-                           example_targets=example_targets, cluster=cl)
+                           example_targets=example_targets, cluster=cl, init=init)
 
 
 def _graph_notes(plan: Plan, captured: Any) -> list[str]:

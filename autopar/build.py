@@ -29,6 +29,8 @@ class BuiltProgram:
     prefix: str                              # capture's module prefix ("model.")
     state_keys: dict[str, str]               # user state-dict key -> graph attribute name
     example_args: tuple                      # (*inputs, targets) at micro-batch size
+    model: torch.nn.Module | None = None       # the user's model (meta parameters are
+    init: Any = None                           # materialised from its own init, see shard.py)
     _chunks: dict[int, list[torch.fx.GraphModule]] = field(default_factory=dict)
     tp_results: dict[int, Any] = field(default_factory=dict)
 
@@ -40,7 +42,7 @@ class BuiltProgram:
             from autopar.passes.pipeline import split_chunks
             from autopar.passes.recompute import apply_recompute
             gm = self.gm
-            if self.plan.t > 1:
+            if self.plan.t > 1 or _has_meta(gm):
                 gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank)
             chunks = split_chunks(gm, self.plan, prefix=self.prefix)
             self._chunks[tp_rank] = [apply_recompute(c, self.plan.recompute) for c in chunks]
@@ -89,8 +91,14 @@ def _tensor_parallel(built: BuiltProgram, tp_rank: int):
     gm = copy.deepcopy(built.gm)
     # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
     # runtime binds to this rank's real group when it loads the generated chunk.
-    out = apply_tensor_parallel(gm, built.plan, tp_rank, None)
+    # With t = 1 the pass only materialises meta parameters (global-shape init of their module).
+    out = apply_tensor_parallel(gm, built.plan, tp_rank, None, model=built.model,
+                                init=built.init)
     return out, out.meta.get("tp")
+
+
+def _has_meta(gm: torch.fx.GraphModule) -> bool:
+    return any(t.is_meta for t in list(gm.parameters()) + list(gm.buffers()))
 
 
 def build_program(prog: Any) -> BuiltProgram:
@@ -117,6 +125,7 @@ def build_program(prog: Any) -> BuiltProgram:
     check_stages(plan, num_layers)
     built = BuiltProgram(plan=plan, gm=gm, num_layers=num_layers, prefix=captured.prefix,
                          state_keys=_state_keys(prog.model, gm, captured.prefix),
-                         example_args=inputs + (targets,))
+                         example_args=inputs + (targets,), model=prog.model,
+                         init=getattr(prog, "init", None))
     prog._autopar_built = built
     return built
