@@ -192,21 +192,38 @@ def load_chunk_module(source: str, filename: str = "<autopar chunk>") -> types.M
     return module
 
 
-_LAUNCH = '''"""Launch the saved autopar program under torchrun.
+def synthetic_batch(step: int, global_batch: int, seq: int, vocab: int,
+                    seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The generated launcher's training data: (inputs, targets) of the whole global batch of
+    optimizer step `step` (random tokens; each data-parallel rank takes its rows)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+_LAUNCH = '''"""Launch the saved autopar program under torchrun (one node, several nodes, or SLURM).
 
     torchrun --standalone --nproc_per_node={gpus} launch.py --model FILE.py:factory [--steps N]
+    NNODES=2 NODE_RANK=0 MASTER_ADDR=head ./run_multinode.sh --model FILE.py:factory
+    sbatch slurm.sbatch --model FILE.py:factory
 
 `factory()` returns (model, example_inputs, loss_fn) as given to autopar.parallelize; the model
 must be built with the same seed on every rank. The chunk_*.py files next to this script are
-what runs (edit them and the change takes effect). Trains on random tokens and prints losses.
+what runs (edit them and the change takes effect). Trains on random tokens
+(autopar.codegen.synthetic_batch) and prints the loss of every step; with --checkpoint PATH it
+saves every --save-every steps and resumes from PATH when it exists (so a job restarted by
+torchrun --max-restarts, or requeued by SLURM, continues where it stopped).
 """
 import argparse
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.codegen import synthetic_batch
 from autopar.plan import Plan
 
 HERE = Path(__file__).resolve().parent
@@ -216,6 +233,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="file.py:factory")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0, help="data seed")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="token range of the random data (default: model.config.vocab_size)")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--checkpoint", default=None, help="checkpoint path (resumed if present)")
+    ap.add_argument("--save-every", type=int, default=1)
+    ap.add_argument("--losses-out", default=None, help="write the losses as JSON (rank 0)")
     args = ap.parse_args()
     path, _, fn = args.model.partition(":")
     spec = importlib.util.spec_from_file_location("user_model", path)
@@ -226,26 +251,95 @@ def main():
     prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=example_inputs,
                            loss_fn=loss_fn, example_targets=torch.zeros_like(example_inputs[0]),
                            cluster=None)
-    runner = prog.compile(program_dir=HERE)
+    runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                          precision=args.precision, program_dir=HERE)
+    vocab = args.vocab or getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise SystemExit("launch.py: pass --vocab (the model has no config.vocab_size)")
+    rank0 = torch.distributed.get_rank() == 0
+    start = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        start = runner.load_checkpoint(args.checkpoint)
+        if rank0:
+            print(f"resumed from {{args.checkpoint}} at step {{start}}", flush=True)
     share = plan.global_batch_size // plan.d
-    shape = (share,) + tuple(example_inputs[0].shape[1:])
-    vocab = int(example_inputs[0].max()) + 1
-    for step in range(args.steps):
-        g = torch.Generator().manual_seed(step * 1000 + runner.dp_rank)
-        x = torch.randint(0, vocab, shape, generator=g)
-        y = torch.randint(0, vocab, shape, generator=g)
-        loss = runner.train_step(x, y)
-        if torch.distributed.get_rank() == 0:
+    seq = int(example_inputs[0].shape[1])
+    losses = []
+    for step in range(start, args.steps):
+        x, y = synthetic_batch(step, plan.global_batch_size, seq, vocab, args.seed)
+        lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
+        loss = runner.train_step(x[lo:hi], y[lo:hi])
+        losses.append(loss)
+        if rank0:
             print(f"step {{step}}: loss {{loss:.5f}}", flush=True)
+        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            runner.save_checkpoint(args.checkpoint)
+    if rank0 and args.losses_out:
+        Path(args.losses_out).write_text(json.dumps({{"start": start, "losses": losses}}))
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
 '''
 
+_RUN_MULTINODE = """#!/bin/sh
+# Multi-node launch of this program: run it on every node (same command, that node's NODE_RANK).
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./run_multinode.sh --model m.py:factory
+# The c10d rendezvous runs on MASTER_ADDR:MASTER_PORT; NNODES x NPROC_PER_NODE must be {gpus}.
+set -eu
+: "${{NNODES:={nnodes}}}"
+: "${{NPROC_PER_NODE:={per_node}}}"
+: "${{NODE_RANK:=0}}"
+: "${{MASTER_ADDR:?set MASTER_ADDR to the address of node 0}}"
+: "${{MASTER_PORT:=29500}}"
+: "${{RDZV_ID:=autopar-{model}}}"
+if [ $((NNODES * NPROC_PER_NODE)) -ne {gpus} ]; then
+  echo "run_multinode.sh: NNODES*NPROC_PER_NODE = $((NNODES * NPROC_PER_NODE)), the plan needs {gpus} ranks" >&2
+  exit 2
+fi
+cd "$(dirname "$0")"
+exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \\
+  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \\
+  --max-restarts="${{MAX_RESTARTS:-0}}" launch.py "$@"
+"""
+
+_SLURM = """#!/bin/bash
+# SLURM batch script for this program: {nnodes} node(s) x {per_node} GPU(s) = {gpus} ranks.
+#   sbatch slurm.sbatch --model my_model.py:factory --steps 1000 --checkpoint ckpt
+# One task per node; each runs torchrun, which starts that node's ranks; they meet at a c10d
+# rendezvous on the allocation's first node. With --checkpoint a restarted or requeued job
+# resumes from the last complete checkpoint.
+#SBATCH --job-name=autopar-{model}
+#SBATCH --nodes={nnodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={per_node}
+#SBATCH --exclusive
+#SBATCH --output=autopar-%j.out
+set -euo pipefail
+PROGRAM_DIR="${{AUTOPAR_PROGRAM_DIR:-{directory}}}"   # where prog.save() wrote this program
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HEAD_ADDR=$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" hostname --ip-address | awk '{{print $1}}')
+export MASTER_PORT=${{MASTER_PORT:-29500}}
+srun --kill-on-bad-exit=1 torchrun \\
+  --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={per_node} \\
+  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
+  --max-restarts=${{MAX_RESTARTS:-1}} \\
+  "$PROGRAM_DIR/launch.py" "$@"
+"""
+
+
+def _nodes(plan: Any, cluster: Any) -> tuple[int, int]:
+    """(nodes, ranks per node): nodes of the cluster's size (8 if unknown), divisor of gpus."""
+    per_node = min(int(getattr(cluster, "gpus_per_node", 0) or 8), plan.gpus)
+    while plan.gpus % per_node:
+        per_node -= 1
+    return plan.gpus // per_node, per_node
+
 
 def save_program(prog: Any, directory: Path) -> Path:
-    """Write plan.json, chunk_XX.py (chunk_XX_tpR.py when t > 1), launch.py and run.sh."""
+    """Write plan.json, chunk_XX.py (chunk_XX_tpR.py when t > 1), launch.py, run.sh (one node),
+    run_multinode.sh (torchrun, c10d rendezvous) and slurm.sbatch (srun torchrun)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plan = prog.plan
@@ -254,11 +348,20 @@ def save_program(prog: Any, directory: Path) -> Path:
         for c in range(plan.p * plan.v):
             (directory / chunk_file_name(c, tp, plan.t)).write_text(chunk_source(prog, c, tp))
     (directory / "launch.py").write_text(_LAUNCH.format(gpus=plan.gpus))
-    run = directory / "run.sh"
-    run.write_text("#!/bin/sh\n# usage: ./run.sh --model my_model.py:factory [--steps N]\n"
-                   f'cd "$(dirname "$0")" && exec torchrun --standalone '
-                   f'--nproc_per_node={plan.gpus} launch.py "$@"\n')
-    run.chmod(0o755)
+    nnodes, per_node = _nodes(plan, getattr(prog, "cluster", None))
+    model = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in str(plan.model))
+    scripts = {
+        "run.sh": "#!/bin/sh\n# usage: ./run.sh --model my_model.py:factory [--steps N]\n"
+                  f'cd "$(dirname "$0")" && exec torchrun --standalone '
+                  f'--nproc_per_node={plan.gpus} launch.py "$@"\n',
+        "run_multinode.sh": _RUN_MULTINODE.format(gpus=plan.gpus, nnodes=nnodes,
+                                                  per_node=per_node, model=model),
+        "slurm.sbatch": _SLURM.format(gpus=plan.gpus, nnodes=nnodes, per_node=per_node,
+                                      model=model, directory=directory.resolve()),
+    }
+    for name, text in scripts.items():
+        (directory / name).write_text(text)
+        (directory / name).chmod(0o755)
     (directory / "chunks.json").write_text(json.dumps(
         {chunk_file_name(c, tp, plan.t): {"chunk": c, "tensor_rank": tp,
                                           "pipeline_rank": c % plan.p}

@@ -7,7 +7,9 @@ model's losses on the same data — they agree to fp32 rounding.
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import torch
 
@@ -78,13 +80,17 @@ def run_demo(ranks: int = 8, steps: int = 3) -> int:
     print(f"\n(planned in {time.perf_counter() - start:.1f} s)\n")
 
     print(f"== 2. Training a tiny GPT on {ranks} local CPU ranks (gloo) ==\n")
+    # Keep the output readable: the ranks (fresh interpreters) and multiprocessing's resource
+    # tracker inherit this; torch's deprecation notices are not the user's business here.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.filterwarnings("ignore", category=FutureWarning)
     model, cfg = _tiny_gpt()
     t, p = (2, 2) if ranks % 4 == 0 else (1, 2) if ranks % 2 == 0 else (1, 1)
     global_batch = 8 * ranks // (t * p)
     example = torch.zeros(1, cfg.block_size, dtype=torch.long)
     small = autopar.parallelize(model, gpus=ranks, example_inputs=(example,),
                                 loss_fn=autopar.cross_entropy, global_batch_size=global_batch,
-                                cluster="local-cpu", t=t, p=p)
+                                cluster="local-cpu", t=t, p=p, zero=1)
     print(small.plan)
     results = spawn(_rank_main, ranks, small.plan.to_json(), steps, timeout_s=600)
     reference = single_device_losses(steps, global_batch)

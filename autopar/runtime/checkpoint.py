@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from autopar.runtime.params import ParamInfo
 
 LAYOUT_FILE = "autopar_layout.json"
+PLAN_FILE = "plan.json"
 FORMAT = "autopar-checkpoint-1"
 
 Tensors = dict[str, tuple[torch.Tensor, ParamInfo]]
@@ -165,6 +166,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Tensors,
         dist.all_gather_object(gathered, records, group=groups.world)
     if not multi or groups.rank == 0:
         layout = _merge_layout(gathered, step, plan_json)
+        _write_json(tmp / PLAN_FILE, json.loads(plan_json))   # the saving plan, readable
         _write_json(tmp / LAYOUT_FILE, layout)
         _commit(path, tmp, uid)
     if multi:

@@ -1,26 +1,45 @@
 """`compile_program` and `Runner`: this rank's share of a ParallelProgram, ready to train.
 
 compile_program checks everything that can be checked locally (world size = t·p·d,
-micro-batches ≥ p, enough layers for p·v chunks) and raises ValueError before any process
-blocks; then it joins the process groups, loads the generated source of this rank's chunks,
-attaches clones of only their parameters and builds the optimizer over them.
+micro-batches ≥ p, enough layers for p·v chunks, zero level, precision) and raises ValueError
+before any process blocks; then it joins the process groups, loads the generated source of this
+rank's chunks, attaches clones of only their parameters and builds the training components:
+
+    ZeroOptimizer (zero=1: fp32 master shard made from the fp32 weights)   data-parallel 1/d
+    MixedPrecision (precision="bf16": bf16 weights, fp32 main_grad [+ fp32 masters if no ZeRO])
+    GradSync (zero=0, d>1: bucketed async all-reduce; its hook runs after MixedPrecision's)
+
+in that order (each one's hooks/casts assume the previous ones). Every local parameter is
+described by a ParamInfo (user key, full shape, this rank's real slice; from the tensor-parallel
+metadata 'tp_param'/'tp_global_val' of the chunk graphs), which clipping, ZeRO and checkpoints
+read.
 
 Runner.train_step = one optimizer step:
   1. split this data-parallel replica's batch into num_microbatches micro-batches;
   2. run the schedule's action list (autopar.runtime.executor); the last chunk backpropagates
-     loss/m per micro-batch, so the accumulated gradient is that of the replica's mean loss;
-  3. all-reduce gradients over the data group and divide by d (the global mean loss);
-  4. sum the gradients of parameters held by several pipeline ranks (tied input/output
-     embeddings: first and last stage) over the embedding group (Megatron's shared embedding);
-  5. clip to max_grad_norm with the global norm: squares summed over tensor and pipeline
-     groups, each replicated tensor counted once (tied copies on the first stage only,
-     tensor-replicated ones on tensor rank 0 only; data replicas are identical after step 3);
-  6. optimizer step; return the global mean loss, the same float on every rank.
+     loss/m per micro-batch, so the accumulated gradient is that of the replica's mean loss.
+     zero=0, d>1: right before the last backward of each local chunk (the last one that reaches
+     a parameter, for a parameter used by two local chunks) GradSync arms that chunk's
+     parameters, so their buckets' all-reduces overlap the rest of the backward;
+  3. zero=0: GradSync.finish() (gradients now averaged over d);
+  4. sum the gradients of parameters held by two pipeline ranks (tied input/output embeddings
+     on the first and last stage) over the embedding group (Megatron's shared embedding);
+  5. zero=1: reduce-scatter the gradients (ZeroOptimizer.reduce_grads);
+  6. clip to max_grad_norm with the global norm (autopar.runtime.clip: squares summed over the
+     tensor and pipeline groups — and data group under ZeRO — each replicated tensor once);
+  7. optimizer step (on fp32 masters under bf16; ZeRO steps its shard and all-gathers);
+     return the global mean loss, the same float on every rank.
+
+Checkpoints (autopar.runtime.checkpoint): every tensor is stored as its slice of the logically
+full tensor, keyed by the user's state-dict key, so a checkpoint loads under any other plan.
+Parameters whose tensor-parallel split is not one contiguous range (fused q/k/v: each rank
+holds a slice of every block) are gathered over the tensor group and stored whole.
 """
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -28,8 +47,11 @@ import torch
 import torch.distributed as dist
 
 from autopar.plan import Plan
+from autopar.runtime.executor import PipelineExecutor
+from autopar.runtime.params import ParamInfo
 
 DEFAULT_TIMEOUT_S = 300.0
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _launched_world_size() -> int | None:
@@ -47,6 +69,10 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"WORLD_SIZE={world} but the plan needs t·p·d = {plan.t}·{plan.p}·{plan.d} = "
             f"{plan.gpus} ranks; launch exactly {plan.gpus} processes "
             f"(torchrun --nproc_per_node={plan.gpus}) or re-plan with gpus={world}")
+    if plan.zero not in (0, 1):
+        raise ValueError(
+            f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not yet supported by the runtime; "
+            f"use zero=0/1 (pin parallelize(..., zero=1) for sharded optimizer states)")
     if plan.p > 1 and plan.num_microbatches < plan.p:
         raise ValueError(
             f"plan.num_microbatches={plan.num_microbatches} < p={plan.p}: a pipeline of "
@@ -62,12 +88,15 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
 
 def compile_program(prog: Any, optimizer: Callable | None = None,
                     max_grad_norm: float | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    program_dir: str | Path | None = None, record_timeline: bool = False
+                    precision: str = "fp32", program_dir: str | Path | None = None,
+                    record_timeline: bool = False, bucket_bytes: int | None = None
                     ) -> "Runner":
     """Build this rank's Runner (inside torchrun, or with a default process group already made).
 
-    program_dir: load the chunk sources from a directory written by `prog.save` instead of
-    generating them in memory (edits to those files take effect).
+    precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
+    accumulation). program_dir: load the chunk sources from a directory written by
+    `prog.save` instead of generating them in memory (edits to those files take effect).
+    bucket_bytes: GradSync bucket size (default 25 MiB, as DDP).
     """
     from autopar.build import build_program
     from autopar.runtime.dist import ProcessGroups, init_distributed
@@ -77,41 +106,114 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     check_program(plan)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 (or None for no clipping)")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
+                         f"(bf16 = bf16 compute with fp32 master weights)")
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches)
     built = build_program(prog)             # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
-    init_distributed(plan.gpus, timeout_s=timeout_s)
+    _init_restarted_group(plan.gpus, timeout_s)
+    device = init_distributed(plan.gpus, timeout_s=timeout_s)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, timeout_s=timeout_s)
-    return Runner(prog, built, pg, schedule[pg.pp_rank], optimizer, max_grad_norm,
-                  Path(program_dir) if program_dir is not None else None, record_timeline)
+    options = _Options(optimizer=optimizer, max_grad_norm=max_grad_norm, precision=precision,
+                       program_dir=Path(program_dir) if program_dir is not None else None,
+                       record_timeline=record_timeline, device=device,
+                       bucket_bytes=bucket_bytes)
+    return Runner(prog, built, pg, schedule[pg.pp_rank], options)
+
+
+def _init_restarted_group(world_size: int, timeout_s: float) -> None:
+    """Under torchrun restarts, create the default group on a store prefix of this attempt.
+
+    torchrun (torch 2.13, --standalone / c10d rendezvous) hands restarted workers the same
+    agent TCPStore, which still holds the previous attempt's gloo addresses: a restarted rank
+    can read a dead rank's address and fail with "Connection refused" (measured). Prefixing
+    the store with TORCHELASTIC_RESTART_COUNT gives every attempt fresh keys. Outside torchrun
+    restarts (or when a default group already exists) this does nothing.
+    """
+    from autopar.runtime.dist import _check_world, _env_int, timeout
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT")
+    if dist.is_initialized() or not restart or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    _check_world(world_size, _env_int("WORLD_SIZE"))
+    td = timeout(timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          _env_int("WORLD_SIZE"), is_master=False, timeout=td)
+    store = dist.PrefixStore(f"autopar/attempt{restart}", store)
+    kwargs: dict[str, Any] = {}
+    backend = "gloo"
+    if torch.cuda.is_available():
+        backend = "nccl"
+        kwargs["device_id"] = torch.device("cuda", _env_int("LOCAL_RANK") or 0)
+        torch.cuda.set_device(kwargs["device_id"])
+    dist.init_process_group(backend, store=store, rank=_env_int("RANK"),
+                            world_size=_env_int("WORLD_SIZE"), timeout=td, **kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Options:
+    optimizer: Callable | None
+    max_grad_norm: float | None
+    precision: str
+    program_dir: Path | None
+    record_timeline: bool
+    device: torch.device
+    bucket_bytes: int | None
+
+
+@dataclass
+class _ArmingExecutor(PipelineExecutor):
+    """The schedule executor, calling `before_backward(action)` before each B action (GradSync
+    arms the parameters whose gradient the coming backward makes final)."""
+    before_backward: Callable[[Any], None] | None = None
+
+    def _backward(self, a: Any) -> None:
+        if self.before_backward is not None:
+            self.before_backward(a)
+        super()._backward(a)
 
 
 class Runner:
     """This rank's chunks, optimizer and schedule; see the module docstring for train_step."""
 
     def __init__(self, prog: Any, built: Any, pg: Any, actions: Sequence[Any],
-                 optimizer: Callable | None, max_grad_norm: float | None,
-                 program_dir: Path | None, record_timeline: bool):
-        from autopar.runtime.executor import PipelineExecutor
+                 options: _Options):
         self.prog, self.plan, self.built, self.pg = prog, prog.plan, built, pg
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm = options.max_grad_norm
+        self.precision = options.precision
+        self.device = options.device
         self.dp_rank, self.dp_size = pg.dp_rank, pg.d
         all_chunks = built.chunks(pg.tp_rank)
         self._param_ranks = _param_holders(all_chunks)
-        self.chunks = self._load_chunks(all_chunks, program_dir)
+        self.chunks = self._load_chunks(all_chunks, options.program_dir)
         self._params: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
-        for ch in self.chunks.values():
+        self._chunk_params: dict[int, list[str]] = {}
+        for c, ch in self.chunks.items():
             for name, param in ch.net.named_parameters():
-                self._params.setdefault(self._qual[(ch.index, name)], param)
+                q = self._qual[(c, name)]
+                if q not in self._params:
+                    self._params[q] = param
+                    self._chunk_params.setdefault(c, []).append(q)
         self._shared = [q for q in self._params if len(self._param_ranks[q]) > 1]
-        self._full_shapes = {k: tuple(v.shape) for k, v in built.gm.named_parameters()}
-        make = optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
-        self.optimizer = make(list(self._params.values()))
-        self.executor = PipelineExecutor(
+        for q in self._shared:
+            if set(self._param_ranks[q]) != {0, pg.p - 1}:
+                raise ValueError(f"parameter {q} is used on pipeline ranks "
+                                 f"{sorted(self._param_ranks[q])}; only weights shared by the "
+                                 f"first and last stage (tied embeddings) are supported")
+        self._full_shapes = {k: tuple(v.shape) for k, v in  # tied weights under every name
+                             built.gm.named_parameters(remove_duplicate=False)}
+        self._splits = self._tp_splits()
+        self._blocked: dict[str, tuple[Any, int]] = {}   # q -> (ParamSplit, full size)
+        self.param_infos = {q: self._param_info(q) for q in self._params}
+        self._build_training(options)
+        self.executor = _ArmingExecutor(
             chunks=self.chunks, actions=list(actions), p=pg.p,
             num_microbatches=self.plan.num_microbatches, pipeline_ranks=pg.pipeline_ranks,
             pp_rank=pg.pp_rank, p2p_group=pg.pipeline, tensor_group=pg.tensor, t=pg.t,
-            tp_rank=pg.tp_rank, record=record_timeline)
+            tp_rank=pg.tp_rank, record=options.record_timeline,
+            before_backward=self._arm if self.grad_sync is not None else None)
+        self._arm_at = self._arming_points(actions)
         self.steps = 0
 
     # ---- construction -------------------------------------------------------------------
@@ -137,12 +239,12 @@ class Runner:
             net = module.CHUNK_CLASS()
             for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
                 if qual not in shared:  # one tensor per name on this rank (tied weights share)
-                    value = getattr(gm, attr).detach().clone()
+                    value = getattr(gm, attr).detach().clone().to(self.device)
                     shared[qual] = torch.nn.Parameter(value, requires_grad=True)
                 net.register_parameter(attr, shared[qual])
                 self._qual[(c, attr)] = qual
             for attr, (qual, _shape, _dtype) in module.BUFFERS.items():
-                net.register_buffer(attr, getattr(gm, attr).detach().clone())
+                net.register_buffer(attr, getattr(gm, attr).detach().clone().to(self.device))
             for attr, qual in getattr(module, "OBJECTS", {}).items():
                 if qual != "tp_group":
                     raise ValueError(f"compile: chunk {c} refers to attribute {attr} ({qual}), "
@@ -151,6 +253,108 @@ class Runner:
             net.train()
             out[c] = LoadedChunk.from_module(c, module, net)
         return out
+
+    def _tp_splits(self) -> dict[str, tuple[Any, int]]:
+        """Graph name -> (ParamSplit, full size along its dim) of this rank's split parameters."""
+        splits: dict[str, tuple[Any, int]] = {}
+        if self.pg.t == 1:
+            return splits
+        all_chunks = self.built.chunks(self.pg.tp_rank)
+        for c in self.chunks:
+            gm = all_chunks[c]
+            spec = gm.meta["autopar_chunk"]
+            for n in gm.graph.nodes:
+                if n.op == "get_attr" and "tp_param" in n.meta and n.target in spec.params:
+                    split = n.meta["tp_param"]
+                    full = n.meta.get("tp_global_val", n.meta["val"])
+                    splits[spec.params[n.target]] = (split, int(full.shape[split.dim]))
+        return splits
+
+    def _param_info(self, q: str) -> ParamInfo:
+        """Where local parameter `q` sits in the single-device model (see params.py)."""
+        keys = sorted(k for k, g in self.built.state_keys.items() if g == q)
+        key = q if (q in keys or not keys) else keys[0]
+        aliases = tuple(k for k in keys if k != key)
+        shape = self._full_shapes.get(self.built.prefix + q)
+        shared = "embedding" if q in self._shared else None
+        if q not in self._splits:
+            shape = shape or tuple(self._params[q].shape)
+            return ParamInfo(key=key, aliases=aliases, global_shape=shape, shared_with=shared)
+        split, full = self._splits[q]
+        if shape is None:   # the full shape: the local one with the split dim at full size
+            shape = tuple(full if i == split.dim else n
+                          for i, n in enumerate(self._params[q].shape))
+        t, r = self.pg.t, self.pg.tp_rank
+        if split.padded:
+            n = split.padded // t
+            start, stop = min(r * n, full), min((r + 1) * n, full)
+        elif len(split.blocks) == 1:
+            start, stop = r * (full // t), (r + 1) * (full // t)
+        else:  # a slice of every block: not one range; counted on every tp rank, saved whole
+            self._blocked[q] = (split, full)
+            return ParamInfo(key=key, aliases=aliases, global_shape=shape,
+                             replicated_over_tp=False, shared_with=shared)
+        return ParamInfo(key=key, aliases=aliases, global_shape=shape, split_dim=split.dim,
+                         start=start, stop=stop, replicated_over_tp=False, shared_with=shared)
+
+    def _build_training(self, options: _Options) -> None:
+        """ZeroOptimizer, then MixedPrecision, then GradSync (the order their hooks need)."""
+        from autopar.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradSync
+        from autopar.runtime.precision import MixedPrecision
+        from autopar.runtime.zero import ZeroOptimizer
+        make = options.optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
+        params = list(self._params.values())
+        infos = [self.param_infos[q] for q in self._params]
+        self.zero = self.mp = self.grad_sync = None
+        if self.plan.zero == 1:
+            self.zero = ZeroOptimizer(params, infos, make, self.pg.data)
+        if self.precision == "bf16":
+            self.mp = MixedPrecision(params, compute_dtype=PRECISIONS["bf16"],
+                                     master_weights=self.zero is None)
+            self._retype_boundaries(PRECISIONS["bf16"])
+        if self.zero is not None:
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = make(self.mp.master_params if self.mp else params)
+        # the tensors the optimizer steps, by graph name (fp32 masters under bf16)
+        self._stepped = OrderedDict(zip(self._params, self.mp.master_params)) \
+            if (self.mp and self.zero is None) else OrderedDict(self._params)
+        if self.zero is None and self.pg.d > 1:
+            chunks = [[self._params[q] for q in self._chunk_params.get(c, [])]
+                      for c in sorted(self.chunks)]
+            self.grad_sync = GradSync(params, self.pg.data, chunks=[c for c in chunks if c],
+                                      bucket_bytes=options.bucket_bytes or DEFAULT_BUCKET_BYTES)
+
+    def _retype_boundaries(self, dtype: torch.dtype) -> None:
+        """Floating activations crossing pipeline stages travel in the compute dtype."""
+        name = str(dtype).replace("torch.", "")
+        for ch in self.chunks.values():
+            for specs in (ch.recv, ch.send):
+                for i, spec in enumerate(specs):
+                    if getattr(torch, spec[2]).is_floating_point:
+                        specs[i] = (spec[0], spec[1], name) + tuple(spec[3:])
+
+    def _arming_points(self, actions: Sequence[Any]) -> dict[tuple[int, int], list]:
+        """(chunk, micro-batch) of a B action -> the parameters whose gradient it makes final:
+        those of the chunk whose last B it is (for a parameter two local chunks use, the later
+        of their last Bs)."""
+        uses: dict[int, set[str]] = {}
+        for (c, _attr), q in self._qual.items():
+            uses.setdefault(c, set()).add(q)
+        last: dict[str, tuple[int, int, int]] = {}
+        for pos, a in enumerate(actions):
+            if a.kind == "B":
+                for q in uses.get(a.chunk, ()):
+                    last[q] = (pos, a.chunk, a.mb)
+        out: dict[tuple[int, int], list] = {}
+        for q, (_pos, c, mb) in last.items():
+            out.setdefault((c, mb), []).append(self._params[q])
+        return out
+
+    def _arm(self, a: Any) -> None:
+        params = self._arm_at.get((a.chunk, a.mb))
+        if params:
+            self.grad_sync.begin_final_microbatch(params)
 
     # ---- public API ---------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -168,28 +372,50 @@ class Runner:
     def timeline(self) -> list[tuple[int, str, float, float]]:
         return list(self.executor.events)
 
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer-state tensors (Adam's m, v, ...; 1/d under ZeRO-1)."""
+        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor))
+
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One optimizer step on this replica's share; the global mean loss (same everywhere)."""
         mbs = self._microbatches(inputs, targets)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         losses = self.executor.run(mbs)
-        self._sync_grads()
-        if self.max_grad_norm is not None:
-            self._clip(self.max_grad_norm)
-        self.optimizer.step()
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        self._sum_tied_grads()
+        if self.zero is not None:
+            self.zero.reduce_grads()
+            if self.max_grad_norm is not None:
+                self.zero.clip_grad_norm_(self.max_grad_norm, self.pg)
+            self.zero.step()
+            self.zero.zero_grad()
+        else:
+            if self.max_grad_norm is not None:
+                from autopar.runtime.clip import clip_grad_norm_
+                clip_grad_norm_(list(self._stepped.values()),
+                                [self.param_infos[q] for q in self._stepped],
+                                self.max_grad_norm, self.pg)
+            if self.mp is not None:
+                self.mp.step(self.optimizer)
+            else:
+                self.optimizer.step()
         self.steps += 1
         return self._global_loss(losses)
 
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
-        """The single-device model's state dict (user keys, tied weights under every name),
-        gathered on global rank 0; other ranks return an empty dict. Collective: all call it."""
+        """The single-device model's state dict (user keys, tied weights under every name,
+        fp32 master values under bf16), gathered on global rank 0; other ranks return an empty
+        dict. Collective: all ranks call it."""
+        weights = self._fp32_weights()
         local: dict[str, torch.Tensor] = {}
         if self.pg.dp_rank == 0:
             for ch in self.chunks.values():
                 for attr, (qual, *_rest) in ch.module.PARAMETERS.items():
-                    local[qual] = getattr(ch.net, attr).detach().clone()
+                    local[qual] = weights[qual].detach().cpu().clone()
                 for attr, (qual, *_rest) in ch.module.BUFFERS.items():
-                    local[qual] = getattr(ch.net, attr).detach().clone()
+                    local[qual] = getattr(ch.net, attr).detach().cpu().clone()
         if self.pg.t > 1:
             local = self._gather_tensor_parallel(local)
         send = local if (self.pg.dp_rank == 0 and self.pg.tp_rank == 0) else None
@@ -208,7 +434,70 @@ class Runner:
             out[key] = merged[graph_name] if graph_name in merged else value.detach().clone()
         return out
 
-    # ---- internals ----------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Save weights (fp32 masters under bf16), optimizer state and step to `path`,
+        atomically (see autopar.runtime.checkpoint). Collective: every rank calls it."""
+        from autopar.runtime.checkpoint import optimizer_state_by_key, save_checkpoint
+        weights = self._fp32_weights()
+        if self.zero is not None:
+            ostate = self.zero.gathered_state()
+        else:
+            ostate = optimizer_state_by_key(
+                self.optimizer, {self.param_infos[q].key: p for q, p in self._stepped.items()})
+        tensors = {}
+        for q, w in weights.items():
+            info = self.param_infos[q]
+            if q in self._blocked:      # fused q/k/v: store the whole tensor (tp rank 0 writes)
+                w = self._unshard_blocked(q, w)
+                st = ostate.get(info.key, {})
+                ostate[info.key] = {k: (v if v.dim() == 0 else self._unshard_blocked(q, v))
+                                    for k, v in sorted(st.items())}
+                info = _whole(info)
+            tensors[info.key] = (w.detach().cpu(), info)
+        ostate = {k: {n: v.detach().cpu() for n, v in st.items()} for k, st in ostate.items()}
+        from autopar.runtime.collectives import _peer_guard
+        with _peer_guard("checkpoint save with", self.pg.world):
+            save_checkpoint(path, tensors, ostate, self.steps, self.pg, self.plan.to_json())
+
+    def load_checkpoint(self, path: str | os.PathLike) -> int:
+        """Load a checkpoint saved under this or any other plan (other t, p, d, v, zero,
+        precision); return its step count. Keys and full shapes must match this model's:
+        otherwise ValueError naming them, on every rank. Collective: every rank calls it."""
+        from autopar.runtime.checkpoint import load_checkpoint, read_layout
+        layout = read_layout(path)
+        self._check_checkpoint_keys(path, layout)
+        targets: dict[str, tuple[torch.Tensor, ParamInfo]] = {}
+        for q, p in self._params.items():
+            info = self.param_infos[q]
+            if q in self._blocked:
+                info = _whole(info)
+            targets[info.key] = (torch.zeros(info.global_shape if q in self._blocked
+                                             else p.shape, dtype=torch.float32), info)
+        ostate: dict[str, dict[str, torch.Tensor]] = {}
+        step = load_checkpoint(path, targets, self.pg, optimizer_state=ostate, strict=False)
+        weights: dict[str, torch.Tensor] = {}
+        for q in self._params:
+            key = self.param_infos[q].key
+            w = targets[key][0]
+            if q in self._blocked:
+                w = self._shard_blocked(q, w)
+                ostate[key] = {k: (v if v.dim() == 0 else self._shard_blocked(q, v))
+                               for k, v in ostate.get(key, {}).items()}
+            weights[q] = w
+        self._install(weights, ostate)
+        self.steps = step
+        return step
+
+    # ---- internals: training ------------------------------------------------------------
+    def _zero_grads(self) -> None:
+        if self.zero is not None:
+            self.zero.zero_grad()
+        elif self.mp is not None:
+            self.mp.zero_grad()
+        else:
+            for p in self._params.values():
+                p.grad = None
+
     def _microbatches(self, inputs: Any, targets: torch.Tensor) -> list[tuple]:
         plan = self.plan
         xs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -222,66 +511,35 @@ class Runner:
                     f"sequences (micro_batch_size {plan.micro_batch_size} × "
                     f"{plan.num_microbatches} micro-batches); pass rows "
                     f"[{share}·dp_rank, {share}·(dp_rank+1)) of the global batch")
+        xs = tuple(x.to(self.device) for x in xs)
+        targets = targets.to(self.device)
         b = plan.micro_batch_size
         return [tuple(x[i * b:(i + 1) * b] for x in xs) + (targets[i * b:(i + 1) * b],)
                 for i in range(plan.num_microbatches)]
 
-    def _grads(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """Existing gradients of `names` (a parameter no micro-batch reached has none, on
-        every replica alike, and AdamW skips it as on one device)."""
-        return [self._params[q].grad for q in names if self._params[q].grad is not None]
-
-    def _all_reduce_coalesced(self, grads: list[torch.Tensor], group: Any, scale: float) -> None:
-        if not grads:
+    def _sum_tied_grads(self) -> None:
+        """Tied embedding copies on the first and last stage: sum their gradients."""
+        if not self._shared:
             return
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        grads = []
+        for q in self._shared:
+            p = self._params[q]
+            if hasattr(p, "main_grad"):
+                grads.append(p.main_grad)
+            else:
+                if p.grad is None:   # keep the collective's shape equal on both stages
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
         flat = _flatten_dense_tensors(grads)
-        _all_reduce(flat, group)
-        if scale != 1.0:
-            flat.mul_(scale)
+        _all_reduce(flat, self.pg.embedding)
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
-
-    def _sync_grads(self) -> None:
-        names = list(self._params)
-        if self.pg.d > 1:
-            self._all_reduce_coalesced(self._grads(names), self.pg.data, 1.0 / self.pg.d)
-        if self._shared:
-            for q in self._shared:
-                if set(self._param_ranks[q]) != {0, self.pg.p - 1}:
-                    raise ValueError(f"parameter {q} is used on pipeline ranks "
-                                     f"{sorted(self._param_ranks[q])}; only weights shared by "
-                                     f"the first and last stage (tied embeddings) are supported")
-            self._all_reduce_coalesced(self._grads(self._shared), self.pg.embedding, 1.0)
-
-    def _counted_once(self, q: str) -> bool:
-        if q in self._shared and self.pg.pp_rank != 0:
-            return False  # the first stage counts the tied copy
-        replicated = tuple(self._params[q].shape) == self._full_shapes.get(
-            self.built.prefix + q, tuple(self._params[q].shape))
-        return not (self.pg.t > 1 and replicated and self.pg.tp_rank != 0)
-
-    def _clip(self, max_norm: float) -> float:
-        named = [(q, p.grad) for q, p in self._params.items() if p.grad is not None]
-        grads = [g for _, g in named]
-        sq = torch.zeros((), dtype=torch.float64)
-        for q, g in named:
-            if self._counted_once(q):
-                sq += g.detach().double().pow(2).sum()
-        for group, size in ((self.pg.tensor, self.pg.t), (self.pg.pipeline, self.pg.p)):
-            if size > 1:
-                _all_reduce(sq, group)
-        total = float(sq.sqrt())
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total
 
     def _global_loss(self, losses: list[torch.Tensor]) -> float:
         value = torch.zeros((), dtype=torch.float64)
         if losses:
-            value += torch.stack([x.double() for x in losses]).mean()
+            value += torch.stack([x.double().cpu() for x in losses]).mean()
         if self.pg.p > 1:
             _all_reduce(value, self.pg.pipeline)  # only the last stage contributes
         if self.pg.d > 1:
@@ -289,35 +547,100 @@ class Runner:
             value /= self.pg.d
         return float(value)
 
+    # ---- internals: weights and checkpoints ---------------------------------------------
+    def _fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
+        """Graph name -> this rank's local weights at full precision (the fp32 masters under
+        bf16). Collective over the data group under ZeRO-1 + bf16 (masters are sharded)."""
+        if self.zero is not None and self.mp is not None:
+            return OrderedDict(zip(self._params, self.zero.gathered_masters()))
+        return OrderedDict((q, p.detach()) for q, p in self._stepped.items())
+
+    def _install(self, weights: dict[str, torch.Tensor],
+                 ostate: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Loaded fp32 weights and per-key optimizer state -> parameters, masters, optimizer."""
+        from autopar.runtime.checkpoint import load_optimizer_state
+        with torch.no_grad():
+            for q, w in weights.items():
+                self._stepped[q].copy_(w)
+                self._params[q].copy_(w)
+        if self.mp is not None and self.zero is None:
+            self.mp.to_compute()
+        if self.zero is not None:
+            self.zero.load_masters([weights[q] for q in self._params])
+            if ostate:
+                self.zero.load_gathered_state(ostate)
+        else:
+            load_optimizer_state(self.optimizer, {self.param_infos[q].key: p
+                                                  for q, p in self._stepped.items()}, ostate)
+
+    def _check_checkpoint_keys(self, path: Any, layout: dict) -> None:
+        """Every rank's parameters together must be exactly the checkpoint's, with the same
+        full shapes; else the same ValueError on every rank, naming the keys."""
+        mine = {info.key: list(info.global_shape) for info in self.param_infos.values()}
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        model: dict[str, list[int]] = {}
+        for part in parts:
+            model.update(part)
+        saved = {n: e["global_shape"] for n, e in layout["tensors"].items()
+                 if not n.startswith("optim/")}
+        missing = sorted(set(model) - set(saved))
+        extra = sorted(set(saved) - set(model))
+        shapes = sorted(f"{k} (checkpoint {tuple(saved[k])}, model {tuple(model[k])})"
+                        for k in set(model) & set(saved) if list(saved[k]) != list(model[k]))
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {missing}")
+        if extra:
+            problems.append(f"in the checkpoint but not in the model: {extra}")
+        if shapes:
+            problems.append(f"shape mismatch: {shapes}")
+        if problems:
+            raise ValueError(f"load_checkpoint: {path} does not fit this model — "
+                             + "; ".join(problems) + ". Load a checkpoint saved from the same "
+                             "model configuration (the plan may differ)")
+
+    def _unshard_blocked(self, q: str, local: torch.Tensor) -> torch.Tensor:
+        from autopar.runtime.collectives import _peer_guard
+        from autopar.runtime.shard import unshard
+        split, full = self._blocked[q]
+        piece = local.detach().contiguous()
+        pieces = [torch.empty_like(piece) for _ in range(self.pg.t)]
+        with _peer_guard("all-gather with", self.pg.tensor):
+            dist.all_gather(pieces, piece, group=self.pg.tensor)
+        return unshard(pieces, split, full)
+
+    def _shard_blocked(self, q: str, full: torch.Tensor) -> torch.Tensor:
+        from autopar.runtime.shard import local_shard
+        split, _ = self._blocked[q]
+        return local_shard(full, split, self.pg.tp_rank, self.pg.t)
+
     def _gather_tensor_parallel(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Un-shard split parameters over the tensor group (all its ranks call this alike)."""
+        from autopar.runtime.collectives import _peer_guard
         from autopar.runtime.shard import unshard
-        splits: dict[str, tuple[Any, int]] = {}
-        for c in self.chunks:
-            gm = self.built.chunks(self.pg.tp_rank)[c]
-            spec = gm.meta["autopar_chunk"]
-            for n in gm.graph.nodes:
-                if n.op == "get_attr" and "tp_param" in n.meta and n.target in spec.params:
-                    split = n.meta["tp_param"]
-                    full = n.meta.get("tp_global_val", n.meta["val"])
-                    splits[spec.params[n.target]] = (split, int(full.shape[split.dim]))
         out = dict(local)
         for qual in sorted(local):
-            if qual not in splits:
+            if qual not in self._splits:
                 continue
-            split, full_size = splits[qual]
+            split, full_size = self._splits[qual]
             piece = local[qual].contiguous()
             pieces = [torch.empty_like(piece) for _ in range(self.pg.t)]
-            from autopar.runtime.collectives import _peer_guard
-            with _peer_guard("all-gather", self.pg.tensor):
+            with _peer_guard("all-gather with", self.pg.tensor):
                 dist.all_gather(pieces, piece, group=self.pg.tensor)
             out[qual] = unshard(pieces, split, full_size)
         return out
 
 
+def _whole(info: ParamInfo) -> ParamInfo:
+    """The ParamInfo of a tensor gathered whole over the tensor group (written by tp rank 0)."""
+    return ParamInfo(key=info.key, aliases=info.aliases, global_shape=info.global_shape,
+                     shared_with=info.shared_with)
+
+
 def _all_reduce(x: torch.Tensor, group: Any) -> None:
     from autopar.runtime.collectives import _peer_guard
-    with _peer_guard("all-reduce", group):
+    with _peer_guard("all-reduce with", group):
         dist.all_reduce(x, group=group)
 
 

@@ -166,14 +166,33 @@ class ZeroOptimizer:
             for s, m in zip(self.segments, self.master):
                 m.copy_(self.params[s.index].detach().reshape(-1)[s.lo:s.hi])
 
+    def gathered_masters(self) -> list[torch.Tensor]:
+        """The fp32 master weights shaped like each local parameter (all-gathers over dp;
+        collective): what a checkpoint saves under bf16."""
+        device = self.params[0].device if self.params else "cpu"
+        mine = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        for s, m in zip(self.segments, self.master):
+            mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(m.detach().reshape(-1))
+        full = _all_gather(mine, 0, self.group) if self.d > 1 else mine
+        return [full[off:off + p.numel()].view_as(p).clone()
+                for p, off in zip(self.params, self.offsets)]
+
+    def load_masters(self, weights: Sequence[torch.Tensor]) -> None:
+        """Set my master shard from full-precision tensors shaped like each local parameter
+        (no communication; exact, unlike reload_master_from_params under bf16)."""
+        with torch.no_grad():
+            for s, m in zip(self.segments, self.master):
+                m.copy_(weights[s.index].detach().reshape(-1)[s.lo:s.hi])
+
     def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """{ParamInfo.key: {state name: tensor shaped like the local parameter, or a scalar}}:
         the unsharded optimizer state of this rank's parameters (all-gathers over dp;
         collective). The form checkpoint.save_checkpoint takes as `optimizer_state`."""
         names, scalars = self._state_names()
         out: dict[str, dict[str, torch.Tensor]] = {}
+        device = self.params[0].device if self.params else "cpu"   # NCCL needs device tensors
         for name in names:
-            mine = torch.zeros(self.shard_numel, dtype=torch.float32)
+            mine = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
             for s, m in zip(self.segments, self.master):
                 v = self.optimizer.state.get(m, {}).get(name)
                 if v is not None:
