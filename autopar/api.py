@@ -11,6 +11,11 @@ import torch
 from autopar.plan import Plan
 
 
+# ZeRO levels compile() executes. The cost model also prices zero=3 (breadth-first weight
+# sharding, issue 6); its runtime is not wired in yet, so a free solve never picks it.
+RUNTIME_ZERO_LEVELS = (0, 1)
+
+
 class ParallelProgram:
     """A planned model: `.plan`, the generated per-chunk source, and `compile()` for torchrun."""
 
@@ -111,7 +116,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                example_targets=example_targets, cluster=cl, init=init)
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
-                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel)
+                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
+                 zero_levels=RUNTIME_ZERO_LEVELS)
     plan = dataclasses.replace(plan, notes=tuple(_graph_notes(plan, captured)))
     return ParallelProgram(model=model, plan=plan, profile=profile,
                            example_inputs=example_inputs, loss_fn=loss_fn,

@@ -66,6 +66,9 @@ class Pins:
     recompute: str | None = None
     zero: int | None = None
     sequence_parallel: bool | None = None
+    # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
+    # zero is always allowed.
+    zero_levels: tuple[int, ...] = (0, 1, 3)
 
     def allows(self, name: str, value: Any) -> bool:
         pin = getattr(self, name)
@@ -166,6 +169,12 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                             f"(supported: {SCHEDULE_TRAITS[schedule].zero_levels})"))
                     for zero in zeros:
                         if d > 1 and not pins.allows("zero", zero):
+                            continue
+                        if pins.zero is None and zero not in pins.zero_levels:
+                            rejected.append(Rejection(
+                                {"t": t, "p": p, "d": d, "schedule": schedule, "zero": zero},
+                                f"zero={zero} is priced but not executed by this runtime yet "
+                                f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
                             continue
                         yield Config(t=t, p=p, d=d, v=v, micro_batch_size=b,
                                      num_microbatches=m, schedule=schedule,
@@ -486,11 +495,13 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           t: int | None = None, p: int | None = None, d: int | None = None,
           v: int | None = None, micro_batch_size: int | None = None,
           schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
-          sequence_parallel: bool | None = None, max_alternatives: int = 50) -> Plan:
+          sequence_parallel: bool | None = None, max_alternatives: int = 50,
+          zero_levels: tuple[int, ...] = (0, 1, 3)) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives."""
     cluster = get_cluster(cluster)
     pins = Pins(t=t, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
-                recompute=recompute, zero=zero, sequence_parallel=sequence_parallel)
+                recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
+                zero_levels=tuple(zero_levels))
     _validate(profile, cluster, gpus, global_batch_size, pins)
     t0 = time.perf_counter()
     configs, rejected = enumerate_configs(profile, cluster, gpus, global_batch_size, pins)
