@@ -13,8 +13,12 @@ A message is named by its producer on both sides: rank 0 runs `sF0.3>1` and rank
 `rF0.3<0` (chunk 0's output of micro-batch 3, consumed by chunk 1's forward). Chunks on the
 same rank hand off locally (no action), which only happens for p = 1.
 
-Blocking semantics (the runtime uses blocking gloo send/recv): a send and its matching receive
-complete together (rendezvous); a rank blocked in one of them does nothing else. Computes never
+Blocking semantics (what `validate` checks; the strictest a runtime can impose): a send and
+its matching receive complete together (rendezvous); a rank blocked in one of them does nothing
+else. The gloo runtime (autopar/runtime/executor.py) is looser: sends are isends and receives
+are irecvs posted ahead of their RECV action and waited for by the consuming F/B, so every wait
+of the runtime is also a wait under rendezvous and a list valid here cannot deadlock there; the
+RECV positions then no longer cost time (cost.simulate comm="irecv" times exactly that). Computes never
 block once their inputs were received. REDUCE is asynchronous (it is issued and overlaps what
 follows). Every generator here orders each rank's sends/receives by one global message order,
 so the lists are deadlock-free under rendezvous whatever the real compute times are:

@@ -4,9 +4,11 @@ Same model (an untied GPT from autopar.examples), same chunks (one block per chu
 in chunk 0, head + loss in chunk 3), same micro-batches, 2 CPU gloo ranks, timed side by side
 in one run. Prints the step-time ratio (target: autopar ≤ 0.9 × torch) and, per rank, the idle
 fraction measured from autopar's recorded timeline against the simulator's (cost/simulate.py,
-comm="isend": the executor's async send + blocking receive) fed with the per-chunk forward /
-backward, p2p, send and dispatch times measured in the SAME recorded step, on the runtime's own
-action lists, for interleaved and 1F1B; writes measured and simulated timeline PNGs.
+comm="irecv": the executor's async send + pre-posted irecv waited for by the consuming
+compute) fed with the per-chunk forward / backward, p2p, send and dispatch times measured in the
+SAME recorded step, on the runtime's own action lists, for interleaved and 1F1B; writes measured
+and simulated timeline PNGs. An ablation row times the same interleaved program with the
+executor's blocking receives (async_recv=False, the previous runtime).
 The default model (hidden 256, seq 64, micro-batch 4) makes compute dominate Python overhead.
 
     python benchmarks/pipeline.py [--steps 8] [--record 3] [--hidden 256] [--out DIR]
@@ -141,15 +143,15 @@ def idle_report(steps_events, per_rank_actions, v: int) -> dict:
     """Per rank, the measured idle fraction and the simulator's, averaged over the recorded
     steps. Each step's simulation is fed that step's own measurements (cost.simulate.
     fit_measured: per-chunk mean F/B, p2p, send and dispatch overhead) and runs the runtime's
-    own action lists with comm="isend" (async send, blocking receive, as the executor does)."""
+    own action lists with comm="irecv" (async send, pre-posted receive, as the executor does)."""
     from autopar.cost.simulate import fit_measured, measured_idle_fraction, simulate
     from autopar.schedules import parse_action
     p = len(per_rank_actions)
     actions = [[parse_action(a) for a in acts] for acts in per_rank_actions]
     meas, sim, last = [], [], None
     for evs in steps_events:
-        fit = fit_measured(evs, p, v)
-        res = simulate(actions, **fit, comm="isend")
+        fit = fit_measured(evs, p, v, comm="irecv")
+        res = simulate(actions, **fit, comm="irecv")
         meas.append(measured_idle_fraction(evs, p))
         sim.append(res.idle_fraction)
         last = (evs, res, fit)
@@ -164,9 +166,11 @@ def bench_rank(rank, world, args):
     torch.set_num_threads(1)
     runs = {"interleaved-1f1b": build_autopar(args, "interleaved-1f1b", 2),
             "1f1b": build_autopar(args, "1f1b", 1)}
+    blocking_recv, blocking_step = build_autopar(args, "interleaved-1f1b", 2)
+    blocking_recv.executor.async_recv = False     # ablation: the previous runtime
     theirs = build_torch(args, 2)
     steps = {"ours": runs["interleaved-1f1b"][1], "ours_1f1b": runs["1f1b"][1],
-             "theirs": theirs}
+             "ours_blocking_recv": blocking_step, "theirs": theirs}
     for s in range(2):
         for fn in steps.values():
             fn(s)
@@ -179,6 +183,8 @@ def bench_rank(rank, world, args):
             fn(s)
             times[name].append(time.perf_counter() - t0)
     out = {k: statistics.median(v) for k, v in times.items()}
+    out["spread"] = {k: (min(v), max(v)) for k, v in times.items()}
+    out["ratios"] = [a / b for a, b in zip(times["ours"], times["theirs"])]
     for sched, (runner, _) in runs.items():
         recorded = record_autopar(runner, args, args.record)
         acts = [None] * world
@@ -230,12 +236,18 @@ def main() -> None:
     ratio = res["ours"] / res["theirs"]
     print(f"model: GPT {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, seq "
           f"{args.seq}; p=2, micro-batch {args.b} × {args.m}; 2 CPU gloo ranks")
-    print(f"step time  autopar interleaved-1f1b (v=2): {res['ours'] * 1e3:8.2f} ms (median of "
-          f"{args.steps}, timed round-robin with the others)")
-    print(f"step time  autopar 1f1b (v=1):             {res['ours_1f1b'] * 1e3:8.2f} ms")
-    print(f"step time  torch ScheduleInterleaved1F1B:  {res['theirs'] * 1e3:8.2f} ms")
-    print(f"ratio autopar / torch = {ratio:.3f}  (target <= 0.9: "
+    rows = (("autopar interleaved-1f1b (v=2)", "ours"), ("autopar 1f1b (v=1)", "ours_1f1b"),
+            ("autopar interleaved, blocking recv", "ours_blocking_recv"),
+            ("torch ScheduleInterleaved1F1B", "theirs"))
+    print(f"step times: median (min..max) of {args.steps}, timed round-robin")
+    for label, key in rows:
+        lo, hi = res["spread"][key]
+        print(f"  {label:36s} {res[key] * 1e3:8.2f} ms ({lo * 1e3:.1f}..{hi * 1e3:.1f})")
+    rs = sorted(res["ratios"])
+    print(f"ratio autopar / torch = {ratio:.3f} (per-round ratios {rs[0]:.3f}..{rs[-1]:.3f}, "
+          f"median {statistics.median(rs):.3f})  (target <= 0.9: "
           f"{'met' if ratio <= 0.9 else 'NOT met'})")
+    print(f"ratio blocking-recv executor / torch = {res['ours_blocking_recv'] / res['theirs']:.3f}")
     out_dir = args.out or tempfile.mkdtemp(prefix="autopar_timeline_")
     import os
     os.makedirs(out_dir, exist_ok=True)
@@ -243,7 +255,7 @@ def main() -> None:
         recorded, acts = res[sched]
         rep = idle_report(recorded, acts, v)
         fit = rep["last"][2]
-        print(f"{sched}: simulator (comm='isend') fed this run's measurements: F "
+        print(f"{sched}: simulator (comm='irecv') fed this run's measurements: F "
               f"{[round(x * 1e3, 1) for x in fit['fwd_s']]} ms, B "
               f"{[round(x * 1e3, 1) for x in fit['bwd_s']]} ms, p2p {fit['p2p_s'] * 1e3:.2f} ms, "
               f"send {fit['send_s'] * 1e3:.2f} ms, dispatch {fit['overhead_s'] * 1e3:.3f} ms")

@@ -18,6 +18,13 @@ Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
   sender), so a receive ends at max(recv posted, send posted + send_s) + p2p_s: p2p_s is paid
   by every receive, even when the message was sent long before. Deadlock-free wherever
   blocking=True is (the sender never waits);
+- comm="irecv" (the executor's default, async_recv=True): sends as in "isend"; every receive
+  is an irecv posted `prefetch` actions before its RECV action (None: all of them when the step
+  starts), so gloo moves the bytes while both ranks compute: the message arrives at
+  max(recv posted, send posted + send_s) + p2p_s. The RECV action itself costs nothing; the
+  wait (its event) happens right before the F/B that consumes the message, which starts at
+  max(ready, arrival). Deadlock-free wherever blocking=True is (nothing waits on a receive
+  being reached);
 - overhead_s: Python dispatch time between consecutive actions of a rank (each action starts
   overhead_s after the previous one ends), for comparing with a measured timeline;
 - R{c} (REDUCE) is asynchronous: it is queued on the rank's own communication stream when the
@@ -67,7 +74,7 @@ class SimResult:
         return tuple(i / self.makespan_s if self.makespan_s else 0.0 for i in self.idle_s)
 
 
-COMM_MODES = ("blocking", "async", "isend")
+COMM_MODES = ("blocking", "async", "isend", "irecv")
 
 
 def _per_chunk(name: str, values: Sequence[float], C: int) -> list[float]:
@@ -83,17 +90,21 @@ def _per_chunk(name: str, values: Sequence[float], C: int) -> list[float]:
 def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
              bwd_s: Sequence[float], p2p_s: float = 0.0, reduce_s: float = 0.0, *,
              blocking: bool = True, comm: str | None = None, send_s: float = 0.0,
-             overhead_s: float = 0.0) -> SimResult:
+             overhead_s: float = 0.0, prefetch: int | None = None) -> SimResult:
     """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times.
 
     comm: "blocking" | "async" | "isend" (see the module docstring); None takes it from
-    `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" only.
+    `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" and
+    "irecv", prefetch to "irecv" only.
     """
     if comm is None:
         comm = "blocking" if blocking else "async"
     if comm not in COMM_MODES:
         raise ValueError(f"simulate: comm={comm!r} is not one of {COMM_MODES}; use 'isend' for "
                          f"the gloo runtime (async send, blocking receive)")
+    if comm == "irecv":
+        return _simulate_irecv(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s,
+                               prefetch)
     if comm == "isend":
         return _simulate_isend(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s)
     blocking = comm == "blocking"
@@ -212,10 +223,85 @@ def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
         events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
 
 
-def fit_measured(events: Sequence[Sequence], p: int, v: int) -> dict:
+def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
+                    bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
+                    overhead_s: float, prefetch: int | None) -> SimResult:
+    """comm="irecv": non-blocking sender (busy send_s); receives pre-posted, waited for by
+    the consuming compute."""
+    p, v, m = infer_dims(per_rank)
+    validate(per_rank, p, v, m)
+    fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
+    if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
+        raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
+                         f"overhead_s={overhead_s} must all be ≥ 0")
+    if prefetch is not None and prefetch < 0:
+        raise ValueError(f"simulate: prefetch={prefetch} must be ≥ 0 or None (post all)")
+    C = p * v
+    recvs = [[n for n, a in enumerate(acts) if a.kind.startswith("RECV")] for acts in per_rank]
+    remote = [{per_rank[r][n].message(): per_rank[r][n] for n in recvs[r]} for r in range(p)]
+    pos, clock, stream, nxt = [0] * p, [0.0] * p, [0.0] * p, [0] * p
+    busy, comm = [0.0] * p, [0.0] * p
+    events: list[Event] = []
+    sent: dict[tuple[str, int, int], float] = {}     # message -> its isend was posted
+    post: dict[tuple[str, int, int], float] = {}     # message -> its irecv was posted
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(p):
+            acts = per_rank[r]
+            while pos[r] < len(acts):
+                n, a = pos[r], acts[pos[r]]
+                reach = clock[r] + (overhead_s if n and a.kind in ("F", "B", "SEND_F",
+                                                                   "SEND_B") else 0.0)
+                ahead = len(acts) if prefetch is None else prefetch
+                while nxt[r] < len(recvs[r]) and recvs[r][nxt[r]] <= n + ahead:
+                    post.setdefault(acts[recvs[r][nxt[r]]].message(), clock[r])
+                    nxt[r] += 1
+                if a.kind in ("F", "B"):
+                    need = ("F", a.chunk - 1, a.mb) if a.kind == "F" else ("B", a.chunk + 1,
+                                                                            a.mb)
+                    start = reach
+                    if need in remote[r] and 0 <= need[1] < C:
+                        if need not in sent:
+                            break  # the peer has not posted the send yet
+                        arrive = max(post[need], sent[need]) + p2p_s
+                        start = max(reach, arrive)
+                        comm[r] += start - reach
+                        events.append(Event(r, remote[r][need], reach, start))
+                    dur = (fwd if a.kind == "F" else bwd)[a.chunk]
+                    clock[r] = start + dur
+                    busy[r] += dur
+                    events.append(Event(r, a, start, clock[r]))
+                elif a.kind == "REDUCE":
+                    s0 = max(reach, stream[r])
+                    stream[r] = s0 + reduce_s
+                    events.append(Event(r, a, s0, stream[r]))
+                elif a.kind.startswith("SEND"):
+                    clock[r] = reach + send_s
+                    sent[a.message()] = clock[r]
+                    comm[r] += send_s
+                    events.append(Event(r, a, reach, clock[r]))
+                # RECV: posted above (at the latest now); its wait belongs to the consumer
+                pos[r] += 1
+                progressed = True
+    makespan = max(clock + stream)
+    idle = [makespan - b for b in busy]
+    total_busy = sum(busy)
+    return SimResult(
+        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
+        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
+        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
+        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+
+
+def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend") -> dict:
     """Per-chunk mean forward/backward seconds, p2p_s, send_s and overhead_s from a measured
     timeline (`(rank, action, start_s, end_s)` as the runtime records), for
-    `simulate(..., comm="isend", **fit)`.
+    `simulate(..., comm=comm, **fit)`.
+
+    comm="irecv" (pre-posted receives; a RECV event is the consumer's wait): p2p_s is the
+    median of (wait end − matching send end) over the waits that began before their send had
+    ended (the latency a rank waiting for a message sees); 0 if no receive ever waited.
 
     p2p_s is the median duration of the receives that did not wait (the sender's recorded send
     had ended before the receive began; the quickest receive if none), send_s the mean send
@@ -234,11 +320,19 @@ def fit_measured(events: Sequence[Sequence], p: int, v: int) -> dict:
                                  f"does not cover the p·v={C} chunks")
             out.append(sum(d) / len(d))
     sent = {a.message(): e for _, a, s, e in evs if a.kind.startswith("SEND")}
+    if comm not in ("isend", "irecv"):
+        raise ValueError(f"fit_measured: comm={comm!r}; the runtime records 'isend' "
+                         f"(async_recv=False) or 'irecv' (its default) timelines")
     ready = sorted(e - s for _, a, s, e in evs
                    if a.kind.startswith("RECV") and sent.get(a.message(), float("inf")) <= s)
     allr = sorted(e - s for _, a, s, e in evs if a.kind.startswith("RECV"))
     # no receive found its message already there: the quickest receive bounds the transfer
     p2p = ready[len(ready) // 2] if ready else (allr[0] if allr else 0.0)
+    if comm == "irecv":
+        lat = sorted(max(0.0, e - sent[a.message()]) for _, a, s, e in evs
+                     if a.kind.startswith("RECV") and a.message() in sent
+                     and s < sent[a.message()])
+        p2p = lat[len(lat) // 2] if lat else 0.0
     sends = [e - s for _, a, s, e in evs if a.kind.startswith("SEND")]
     gaps = []
     for r in range(p):

@@ -85,3 +85,16 @@ def test_plan_timeline(tmp_path):
                 stages=stages, predicted=pred, global_batch_size=4, seq_len=8, cluster="local-cpu")
     out = plan.timeline(str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").stat().st_size > 1000 and out.endswith("plan.png")
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (4, 2, 8), (2, 3, 6), (8, 2, 16)])
+def test_textbook_bubbles_under_the_runtimes_irecv_model(p, v, m):
+    """comm="irecv" (pre-posted receives, what the gloo executor does) with free transfers
+    reaches the papers' bubble for every schedule, on the same lists."""
+    C = p * v
+    for name in ("interleaved-1f1b", "breadth-first"):
+        r = simulate(make_schedule(name, p, v, m), [1.0] * C, [2.0] * C, comm="irecv")
+        assert r.bubble_over_compute == pytest.approx((p - 1) / (v * m)), name
+    for name in ("gpipe", "1f1b"):
+        r = simulate(make_schedule(name, p, 1, m), [1.0] * p, [2.0] * p, comm="irecv")
+        assert r.bubble_over_compute == pytest.approx((p - 1) / m), name

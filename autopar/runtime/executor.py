@@ -1,19 +1,34 @@
 """Interpret one pipeline rank's action list (autopar.schedules) on the generated chunk modules.
 
 Per step the executor runs, in order, the actions of this rank:
-  F c.i      forward of chunk c on micro-batch i; its inputs are chunk c-1's outputs (received
-             by RECV_F, or handed over locally when chunk c-1 is on this rank) followed by the
-             model inputs / targets the chunk reads; outputs and inputs are kept for backward.
+  F c.i      forward of chunk c on micro-batch i; its inputs are chunk c-1's outputs (received,
+             or handed over locally when chunk c-1 is on this rank) followed by the model
+             inputs / targets the chunk reads; outputs and inputs are kept for backward.
   B c.i      torch.autograd.backward of chunk c's outputs with the gradients chunk c+1 sent
              (the last chunk backpropagates loss / num_microbatches); the gradients of its
              received inputs are kept for SEND_B or handed to chunk c-1 locally.
-  SEND_F / RECV_F / SEND_B / RECV_B   blocking send/recv (never batch_isend_irecv: it hangs on
-             gloo). With t > 1 each tensor rank sends 1/t of a boundary tensor (they are
-             replicated over the tensor group) and the receiver all-gathers over the tensor group
-             (the scatter/gather optimisation of 2104.04473 §4.1).
+  SEND_F / SEND_B   dist.isend (the sender never blocks); all sends are completed at the end of
+             the step.
+  RECV_F / RECV_B   with `async_recv` (default) the receive is a dist.irecv into a buffer the
+             executor owns and reuses from step to step, posted `prefetch` actions before the
+             RECV action (None: every receive of the step is posted when the step starts), so
+             gloo moves the bytes while this rank computes; the wait happens where the message
+             is first needed, right before the F/B that consumes it, and is what the timeline
+             records as the RECV event. With async_recv=False, RECV is a blocking recv at its
+             place in the list. Never batch_isend_irecv: it hangs on gloo. Each message has its
+             own tag (direction, chunk, micro-batch), so matching never depends on post order.
+             With t > 1 each tensor rank sends 1/t of a boundary tensor (they are replicated
+             over the tensor group) and the receiver all-gathers over the tensor group after the
+             wait (the scatter/gather optimisation of 2104.04473 §4.1).
   REDUCE c   no-op here: the runner reduces data-parallel gradients after the schedule.
 
+Deadlock freedom: sends never block and every receive is posted no later than its RECV action,
+so a rank only ever waits for a message whose send its peer reaches before needing anything
+from this rank at a later point of the global message order (autopar.schedules), which is what
+`validate` checks under the stricter rendezvous semantics.
+
 Gradients accumulate in the parameters over the micro-batches; the caller zeroes them.
+cost/simulate.py, comm="irecv" (async_recv) or comm="isend" (async_recv=False), times this.
 """
 from __future__ import annotations
 
@@ -24,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import recv_tensor, send_tensor
+from autopar.runtime.collectives import _peer_guard
 from autopar.schedules import Action
 
 
@@ -53,6 +68,20 @@ class _Stash:
 
 
 @dataclass
+class _Posted:
+    """An in-flight receive: one irecv per tensor of the message, into reused buffers."""
+    action: Action
+    works: list[Any]
+    bufs: list[torch.Tensor]          # what arrives (1/t slices where scattered)
+    full: list[torch.Tensor | None]   # all-gather target where scattered, else None
+
+
+def _message_tag(a: Action) -> int:
+    """A gloo tag per message (> 0; tag 0 stays free for other p2p users of the group)."""
+    return 1 + 2 * (a.chunk + 4096 * a.mb) + (a.kind[-1] == "B")
+
+
+@dataclass
 class PipelineExecutor:
     """Runs one rank's schedule. `pipeline_ranks[q]` is the global rank of pipeline rank q."""
     chunks: dict[int, LoadedChunk]
@@ -67,6 +96,8 @@ class PipelineExecutor:
     tp_rank: int = 0
     record: bool = False
     async_send: bool = True
+    async_recv: bool = True
+    prefetch: int | None = None
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
 
     def run(self, microbatches: Sequence[tuple]) -> list[torch.Tensor]:
@@ -79,23 +110,43 @@ class PipelineExecutor:
         self._bwd_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._pending: list[tuple[Any, torch.Tensor, int]] = []
+        self._posted: dict[tuple[str, int, int], _Posted] = {}
+        if not hasattr(self, "_bufs"):
+            self._bufs: dict[tuple, torch.Tensor] = {}
         self.events = []
         handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
-                    "REDUCE": lambda a: None}
-        for action in self.actions:
-            start = time.time()
+                    "REDUCE": _noop}
+        actions = self.actions
+        ahead = self._recv_positions() if self.async_recv else []
+        nxt, L = 0, len(actions) if self.prefetch is None else self.prefetch
+        record, events, pp = self.record, self.events, self.pp_rank
+        clock = time.time
+        for n, action in enumerate(actions):
+            while nxt < len(ahead) and ahead[nxt] <= n + L:
+                self._post(actions[ahead[nxt]])
+                nxt += 1
+            if action.kind in _NEEDS and self._posted:
+                self._ready(action)     # wait outside the compute's recorded interval
+            start = clock()
             handlers[action.kind](action)
-            if self.record:
-                self.events.append((self.pp_rank, str(action), start, time.time()))
+            if record and not (self.async_recv and action.kind[:4] == "RECV"):
+                events.append((pp, str(action), start, clock()))
         self._wait_sends()
-        if self._stash or self._fwd_in or self._bwd_in or self._bwd_out:
+        if self._stash or self._fwd_in or self._bwd_in or self._bwd_out or self._posted:
             left = sorted(set(self._stash) | set(self._fwd_in) | set(self._bwd_in)
-                          | set(self._bwd_out))
+                          | set(self._bwd_out) | {k[1:] for k in self._posted})
             raise RuntimeError(f"executor: the schedule left (chunk, micro-batch) state "
                                f"{left} unused on pipeline rank {self.pp_rank}; the action "
                                f"list is incomplete")
         return [self._losses[i] for i in sorted(self._losses)]
+
+    def _recv_positions(self) -> list[int]:
+        key = tuple(self.actions)
+        if getattr(self, "_recv_key", None) != key:
+            self._recv_key = key
+            self._recv_pos = [n for n, a in enumerate(key) if a.kind[:4] == "RECV"]
+        return self._recv_pos
 
     # ---- compute ------------------------------------------------------------------------
     def _local(self, chunk: int) -> bool:
@@ -103,11 +154,12 @@ class PipelineExecutor:
 
     def _forward(self, a: Action) -> None:
         ch = self.chunks[a.chunk]
-        received = self._fwd_in.pop((a.chunk - 1, a.mb), []) if ch.recv else []
         inputs = []
-        for x, spec in zip(received, ch.recv):
-            x = x.detach()
-            inputs.append(x.requires_grad_(True) if spec[3] else x)
+        if ch.recv:
+            received = self._take(self._fwd_in, ("F", a.chunk - 1, a.mb))
+            for x, spec in zip(received, ch.recv):
+                x = x.detach()
+                inputs.append(x.requires_grad_(True) if spec[3] else x)
         mb = self._mbs[a.mb]
         out = ch.net(*inputs, *(mb[k] for k in ch.model_inputs))
         outputs = [out] if ch.returns_loss else list(out)
@@ -123,7 +175,7 @@ class PipelineExecutor:
         if ch.returns_loss:
             torch.autograd.backward(st.outputs[0] / self.num_microbatches)
         else:
-            grads = self._bwd_in.pop((a.chunk + 1, a.mb))
+            grads = self._take(self._bwd_in, ("B", a.chunk + 1, a.mb))
             pairs = [(o, g) for o, g in zip((o for o, s in zip(st.outputs, ch.send) if s[3]),
                                             grads) if o.requires_grad]
             if pairs:
@@ -136,9 +188,28 @@ class PipelineExecutor:
             else:
                 self._bwd_out[(a.chunk, a.mb)] = in_grads
 
+    def _ready(self, a: Action) -> None:
+        """Wait for the received message the compute `a` consumes, if one is in flight."""
+        msg = ("F", a.chunk - 1, a.mb) if a.kind == "F" else ("B", a.chunk + 1, a.mb)
+        posted = self._posted.pop(msg, None)
+        if posted is not None:
+            local = self._fwd_in if a.kind == "F" else self._bwd_in
+            local[msg[1:]] = self._wait_recv(posted)
+
+    def _take(self, local: dict, msg: tuple[str, int, int]) -> list[torch.Tensor]:
+        """A message's tensors: handed over locally, received, or waited for now."""
+        got = local.pop(msg[1:], None)
+        if got is not None:
+            return got
+        posted = self._posted.pop(msg, None)
+        if posted is None:
+            raise RuntimeError(f"executor: pipeline rank {self.pp_rank} needs message "
+                               f"{msg[0]}{msg[1]}.{msg[2]} but its RECV action has not run; "
+                               f"the action list is out of dependency order")
+        return self._wait_recv(posted)
+
     # ---- communication ------------------------------------------------------------------
     def _wait_sends(self) -> None:
-        from autopar.runtime.collectives import _peer_guard
         for work, _buf, dst in self._pending:
             with _peer_guard(f"send to rank {dst}", self.p2p_group, [dst]):
                 work.wait()
@@ -149,46 +220,104 @@ class PipelineExecutor:
         replicated = spec[4] if len(spec) > 4 else True
         return self.t > 1 and replicated and numel % self.t == 0
 
-    def _send(self, tensors: Sequence[torch.Tensor], specs: Sequence[tuple], peer: int) -> None:
-        dst = self.pipeline_ranks[peer]
+    def _send(self, a: Action, tensors: Sequence[torch.Tensor], specs: Sequence[tuple]) -> None:
+        dst = self.pipeline_ranks[a.peer]
+        tag = _message_tag(a)
         for x, spec in zip(tensors, specs):
-            x = x.detach().contiguous()
+            x = x.detach()
+            if not x.is_contiguous():
+                x = x.contiguous()
             if self._scatter(spec, x.numel()):
                 x = x.reshape(-1).chunk(self.t)[self.tp_rank]   # this rank's 1/t slice
             if self.async_send:
                 # isend: the sender never blocks (a weaker requirement than the schedule's
                 # rendezvous order, so still deadlock-free); completed at the end of the step.
-                self._pending.append((dist.isend(x, dst=dst, group=self.p2p_group), x, dst))
+                with _peer_guard("send to", self.p2p_group, [dst]):
+                    work = dist.isend(x, dst=dst, group=self.p2p_group, tag=tag)
+                self._pending.append((work, x, dst))
             else:
-                send_tensor(x, dst, self.p2p_group)
+                with _peer_guard("send to", self.p2p_group, [dst]):
+                    dist.send(x, dst=dst, group=self.p2p_group, tag=tag)
 
-    def _recv(self, specs: Sequence[tuple], peer: int) -> list[torch.Tensor]:
-        src = self.pipeline_ranks[peer]
-        out = []
-        for spec in specs:
-            shape, dt = spec[1], getattr(torch, spec[2])
+    def _specs(self, a: Action) -> list[tuple]:
+        if a.kind[-1] == "F":
+            return self.chunks[a.chunk + 1].recv
+        return [s for s in self.chunks[a.chunk - 1].send if s[3]]
+
+    def _buffer(self, a: Action, k: int, shape: tuple, dt: torch.dtype) -> torch.Tensor:
+        """The receive buffer of tensor k of message `a`, reused from step to step (the last
+        step's use of it ended with that step's backward)."""
+        key = (a.kind, a.chunk, a.mb, k)
+        buf = self._bufs.get(key)
+        if buf is None or tuple(buf.shape) != shape or buf.dtype != dt:
+            buf = self._bufs[key] = torch.empty(shape, dtype=dt)
+        return buf
+
+    def _post(self, a: Action) -> None:
+        """Post the irecvs of message `a` (a RECV action) into this executor's buffers."""
+        src = self.pipeline_ranks[a.peer]
+        tag = _message_tag(a)
+        works, bufs, full = [], [], []
+        for k, spec in enumerate(self._specs(a)):
+            shape, dt = tuple(spec[1]), getattr(torch, spec[2])
             numel = 1
             for s in shape:
                 numel *= s
             if self._scatter(spec, numel):
-                part = recv_tensor((numel // self.t,), dt, src, self.p2p_group)
-                full = part.new_empty((numel,))
-                dist.all_gather_into_tensor(full, part, group=self.tensor_group)
-                out.append(full.view(shape))
+                full.append(self._buffer(a, k, shape, dt))
+                buf = self._buffer(a, -1 - k, (numel // self.t,), dt)
             else:
-                out.append(recv_tensor(tuple(shape), dt, src, self.p2p_group))
+                full.append(None)
+                buf = self._buffer(a, k, shape, dt)
+            with _peer_guard("receive from", self.p2p_group, [src]):
+                works.append(dist.irecv(buf, src=src, group=self.p2p_group, tag=tag))
+            bufs.append(buf)
+        self._posted[a.message()] = _Posted(a, works, bufs, full)
+
+    def _wait_recv(self, posted: _Posted, record: bool = True) -> list[torch.Tensor]:
+        a = posted.action
+        src = self.pipeline_ranks[a.peer]
+        start = time.time()
+        with _peer_guard("receive from", self.p2p_group, [src]):
+            for w in posted.works:
+                w.wait()
+        out = []
+        for buf, full in zip(posted.bufs, posted.full):
+            if full is not None:
+                dist.all_gather_into_tensor(full.view(-1), buf, group=self.tensor_group)
+                buf = full
+            out.append(buf)
+        if record and self.record:
+            self.events.append((self.pp_rank, str(a), start, time.time()))
         return out
 
+    def _recv_now(self, a: Action) -> list[torch.Tensor]:
+        """async_recv=False: a blocking receive at the RECV action's place."""
+        self._post(a)
+        return self._wait_recv(self._posted.pop(a.message()), record=False)
+
     def _send_f(self, a: Action) -> None:
-        self._send(self._stash[(a.chunk, a.mb)].outputs, self.chunks[a.chunk].send, a.peer)
+        self._send(a, self._stash[(a.chunk, a.mb)].outputs, self.chunks[a.chunk].send)
 
     def _recv_f(self, a: Action) -> None:
-        self._fwd_in[(a.chunk, a.mb)] = self._recv(self.chunks[a.chunk + 1].recv, a.peer)
+        if not self.async_recv:
+            self._fwd_in[(a.chunk, a.mb)] = self._recv_now(a)
+        elif a.message() not in self._posted:
+            self._post(a)
 
     def _send_b(self, a: Action) -> None:
         specs = [s for s in self.chunks[a.chunk].recv if s[3]]
-        self._send(self._bwd_out.pop((a.chunk, a.mb)), specs, a.peer)
+        self._send(a, self._bwd_out.pop((a.chunk, a.mb)), specs)
 
     def _recv_b(self, a: Action) -> None:
-        specs = [s for s in self.chunks[a.chunk - 1].send if s[3]]
-        self._bwd_in[(a.chunk, a.mb)] = self._recv(specs, a.peer)
+        if not self.async_recv:
+            self._bwd_in[(a.chunk, a.mb)] = self._recv_now(a)
+        elif a.message() not in self._posted:
+            self._post(a)
+
+
+_NEEDS = ("F", "B")
+
+
+def _noop(_a: Action) -> None:
+    return None
