@@ -1,0 +1,255 @@
+"""ZeRO-3 for breadth-first (issue 6): the gather/release/reduce-scatter plan on schedule lists
+(pure), then gloo numerics (d=2, d=4) of a 4-chunk stack driven by that plan against one process
+running AdamW on the full batch, with the collectives counted and the resident bytes measured."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.zero3 import (GATHER, REDUCE_SCATTER, RELEASE, Zero3Chunks,
+                                   format_with_gathers, max_gathered, plan_gathers)
+from autopar.schedules import breadth_first, interleaved_1f1b
+from autopar.testing import spawn
+
+DIMS = [(1, 4, 3), (2, 2, 2), (2, 2, 5), (2, 4, 3), (4, 2, 4)]
+
+
+# ---- pure: the plan ----------------------------------------------------------------------
+def test_golden_one_rank():
+    assert format_with_gathers(breadth_first(1, 2, 2)[0]) == (
+        "AG0 F0.0 AG1 F0.1 FREE0 F1.0 F1.1 FREE1 AG1 B1.0 AG0 B1.1 RS1 FREE1 R1 "
+        "B0.0 B0.1 RS0 FREE0 R0")
+    assert format_with_gathers(breadth_first(1, 2, 2)[0], keep_turn=True) == (
+        "AG0 F0.0 AG1 F0.1 FREE0 F1.0 F1.1 B1.0 AG0 B1.1 RS1 FREE1 R1 B0.0 B0.1 RS0 FREE0 R0")
+
+
+def test_golden_two_ranks():
+    sched = breadth_first(2, 2, 2)
+    assert format_with_gathers(sched[1]) == (
+        "AG1 rF0.0<0 F1.0 rF0.1<0 sF1.0>0 AG3 F1.1 FREE1 sF1.1>0 rF2.0<0 F3.0 rF2.1<0 F3.1 "
+        "FREE3 AG3 B3.0 sB3.0>0 AG1 B3.1 RS3 FREE3 R3 rB2.0<0 sB3.1>0 B1.0 sB1.0>0 rB2.1<0 "
+        "B1.1 RS1 FREE1 R1 sB1.1>0")
+
+
+def _simulate(actions, plan):
+    """Walk the merged program: every compute finds its chunk gathered, no double gathers,
+    reduce-scatters only after the chunk's last backward. Returns per-chunk op counts."""
+    at: dict[int, list] = {}
+    for i, op, c in plan:
+        at.setdefault(i, []).append((op, c))
+    live, counts, done_b = set(), {}, {}
+    last_b = {a.chunk: n for n, a in enumerate(actions) if a.kind == "B"}
+    for n in range(len(actions) + 1):
+        for op, c in at.get(n, []):
+            counts[(op, c)] = counts.get((op, c), 0) + 1
+            if op == GATHER:
+                assert c not in live, f"double gather of {c} before #{n}"
+                live.add(c)
+            elif op == RELEASE:
+                assert c in live, f"release of ungathered {c} before #{n}"
+                live.discard(c)
+            else:
+                assert done_b.get(c) == last_b[c], f"RS{c} before its last backward"
+        if n < len(actions) and actions[n].kind in ("F", "B"):
+            assert actions[n].chunk in live, f"{actions[n]} runs on released weights"
+            if actions[n].kind == "B":
+                done_b[actions[n].chunk] = n
+    assert not live, f"chunks {live} still gathered at the end of the step"
+    return counts
+
+
+@pytest.mark.parametrize("p,v,m", DIMS)
+@pytest.mark.parametrize("keep_turn", [False, True])
+def test_plan_counts(p, v, m, keep_turn):
+    for r, acts in enumerate(breadth_first(p, v, m)):
+        plan = plan_gathers(acts, keep_turn=keep_turn)
+        counts = _simulate(acts, plan)
+        chunks = [k * p + r for k in range(v)]
+        top = chunks[-1]
+        for c in chunks:   # one gather per pass (the turn chunk's kept with keep_turn)
+            want = 1 if keep_turn and c == top else 2
+            assert counts[(GATHER, c)] == want and counts[(RELEASE, c)] == want
+            assert counts[(REDUCE_SCATTER, c)] == 1
+        assert sum(counts.values()) == (5 * v - 2 * keep_turn)
+        assert max_gathered(acts, plan) <= 2
+        # independent of m: the same plan ops for twice the micro-batches
+        ops2 = [(op, c) for _, op, c in plan_gathers(breadth_first(p, v, 2 * m)[r],
+                                                      keep_turn=keep_turn)]
+        assert ops2 == [(op, c) for _, op, c in plan]
+
+
+def test_prefetch_overlaps_one_compute():
+    acts = breadth_first(1, 3, 4)[0]
+    for i, op, c in plan_gathers(acts):
+        if op != GATHER or i == 0:
+            continue
+        nxt = next(a for a in acts[i:] if a.kind in ("F", "B"))
+        # a prefetch is issued before the previous pass's last compute (or, at the top
+        # chunk's turn, right at its own pass start)
+        assert nxt.chunk != c or acts[i - 1].kind == "F" and acts[i - 1].chunk == c
+
+
+def test_depth_first_gathers_per_visit():
+    """The same plan on an interleaved list gathers a chunk once per micro-batch group visit:
+    why ZeRO-3 goes with breadth-first (2106.02679 §4.2)."""
+    p, v, m = 2, 2, 8
+    bf = plan_gathers(breadth_first(p, v, m)[0])
+    il = plan_gathers(interleaved_1f1b(p, v, m)[0])
+    gathers = lambda plan: sum(op == GATHER for _, op, _ in plan)  # noqa: E731
+    assert gathers(bf) == 2 * v
+    assert gathers(il) > 2 * gathers(bf)
+
+
+# ---- numerics ----------------------------------------------------------------------------
+SIZES = [(5, 7), (7, 6), (6, 9), (9, 3)]      # odd sizes: shards cut parameters, padding
+GLOBAL_BATCH = 12
+
+
+def _chunks():
+    torch.manual_seed(0)
+    return [torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU()) for a, b in SIZES]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _data(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return (torch.randn(GLOBAL_BATCH, SIZES[0][0], generator=gen),
+            torch.randn(GLOBAL_BATCH, SIZES[-1][1], generator=gen))
+
+
+def _reference(steps):
+    model = torch.nn.Sequential(*_chunks())
+    opt = _adamw(model.parameters())
+    for step in range(steps):
+        x, y = _data(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_step(chunks, z, acts, plan, xs, ys, live_trace):
+    """Run one rank's breadth-first list (p=1) with the plan's ops merged in, async."""
+    at: dict[int, list] = {}
+    for i, op, c in plan:
+        at.setdefault(i, []).append((op, c))
+    m, C = len(xs), len(chunks)
+    inp, out = {}, {}
+    for n in range(len(acts) + 1):
+        for op, c in at.get(n, []):
+            if op == GATHER:
+                z.gather(c, async_op=True)
+            elif op == RELEASE:
+                z.release(c)
+            else:
+                z.reduce_scatter_grads(c, async_op=True)
+            live_trace.append(sum(ch[0].weight.untyped_storage().nbytes() > 0 for ch in chunks))
+        if n == len(acts) or acts[n].kind not in ("F", "B"):
+            continue
+        a = acts[n]
+        c, i = a.chunk, a.mb
+        z.wait(c)
+        if a.kind == "F":
+            x = xs[i] if c == 0 else out[(c - 1, i)].detach().requires_grad_()
+            inp[(c, i)], out[(c, i)] = x, chunks[c](x)
+        elif c == C - 1:
+            (torch.nn.functional.mse_loss(out.pop((c, i)), ys[i]) / m).backward()
+        else:
+            out.pop((c, i)).backward(inp.pop((c + 1, i)).grad)
+    z.step()
+    z.zero_grad()
+
+
+def _counted(fn, counts, key):
+    def wrapper(*a, **k):
+        counts[key] += 1
+        return fn(*a, **k)
+    return wrapper
+
+
+def _worker(rank, d, ms, steps):
+    counts = {"ag": 0, "rs": 0}
+    for key, names in (("ag", ("all_gather_single", "all_gather_into_tensor")),
+                       ("rs", ("reduce_scatter_single", "reduce_scatter_tensor"))):
+        for name in names:
+            if hasattr(dist, name):
+                setattr(dist, name, _counted(getattr(dist, name), counts, key))
+    results = {}
+    for m in ms:
+        chunks = _chunks()
+        full_bytes = sum(p.numel() * p.element_size() for ch in chunks for p in ch.parameters())
+        z = Zero3Chunks([list(ch.parameters()) for ch in chunks], dist.group.WORLD, _adamw)
+        acts = breadth_first(1, len(chunks), m)[0]
+        plan = plan_gathers(acts)
+        per_step, trace = [], []
+        for step in range(steps):
+            x, y = _data(step)
+            share = GLOBAL_BATCH // d
+            xs = x[rank * share:(rank + 1) * share].chunk(m)
+            ys = y[rank * share:(rank + 1) * share].chunk(m)
+            before = dict(counts)
+            _train_step(chunks, z, acts, plan, xs, ys, trace)
+            per_step.append((counts["ag"] - before["ag"], counts["rs"] - before["rs"]))
+        resident = sum(p.untyped_storage().nbytes() for ch in chunks for p in ch.parameters())
+        weights = [w for w in z.full_parameters().values()]
+        results[m] = dict(per_step=per_step, max_live=max(trace), resident=resident,
+                          shard=z.shard_bytes(), full=full_bytes, weights=weights,
+                          state=sum(t.numel() * t.element_size() for st in z.optimizer.state.values()
+                                    for t in st.values() if t.dim() > 0))
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("d,ms", [(2, (3, 6)), (4, (3,))])
+def test_zero3_breadth_first_numerics(d, ms):
+    steps, C = 3, len(SIZES)
+    ref = _reference(steps)
+    out = spawn(_worker, d, ms, steps, timeout_s=180)
+    for rank, res in enumerate(out):
+        for m in ms:
+            r = res[m]
+            for got, want in zip(r["weights"], ref):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            # collectives per step: 2 gathers and 1 reduce-scatter per chunk, whatever m is
+            assert r["per_step"] == [(2 * C, C)] * steps, (rank, m, r["per_step"])
+            assert r["max_live"] <= 2
+            # between steps: no full weights, 1/d of them as the fp32 shard (+ padding)
+            assert r["resident"] == 0
+            assert r["shard"] <= r["full"] / d + 4 * C
+            assert r["state"] == 2 * r["shard"]        # AdamW's m and v on the shard only
+    for m in ms:   # the shards partition the model
+        assert sum(res[m]["shard"] for res in out) == out[0][m]["full"]
+
+
+def test_single_rank_matches_and_errors():
+    """d=1 (group None): same numbers as plain AdamW, no collectives; misuse raises."""
+    steps = 2
+    ref = _reference(steps)
+    chunks = _chunks()
+    z = Zero3Chunks({c: list(ch.parameters()) for c, ch in enumerate(chunks)}, None, _adamw)
+    acts = breadth_first(1, len(chunks), 3)[0]
+    plan = plan_gathers(acts, keep_turn=True)
+    for step in range(steps):
+        x, y = _data(step)
+        _train_step(chunks, z, acts, plan, x.chunk(3), y.chunk(3), [])
+    got = [w for w in z.full_parameters().values()]
+    for g, w in zip(got, ref):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert z.num_gathers == 0 and z.gathered_bytes() == 0
+    z.gather(0)
+    with pytest.raises(ValueError, match="already gathered"):
+        z.gather(0)
+    with pytest.raises(ValueError, match="still gathered"):
+        z.step()
+    z.release(0)
+    with pytest.raises(ValueError, match="released"):
+        z.wait(0)
+    with pytest.raises(ValueError, match="not one of this rank's chunks"):
+        z.gather(7)
+    with pytest.raises(ValueError, match="exactly one chunk"):
+        p = torch.nn.Parameter(torch.ones(3))
+        Zero3Chunks([[p], [p]], None, _adamw)
+    with pytest.raises(ValueError, match="no storage"):
+        Zero3Chunks([[chunks[0][0].weight]], None, _adamw)   # z holds it, released
