@@ -180,10 +180,18 @@ def test_tp2_sequence_parallel_matches_single_device(name, t, kwargs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv": 4}),
-                                         ("hf_gpt2", {}), ("hf_llama", {"kv": 2})],
-                         ids=["gpt", "llama_style_mha", "hf_gpt2", "hf_llama_gqa_kv2"])
+                                         ("hf_gpt2", {}), ("hf_llama", {"kv": 2}),
+                                         ("hf_bert", {})],
+                         ids=["gpt", "llama_style_mha", "hf_gpt2", "hf_llama_gqa_kv2", "hf_bert"])
 def test_tp4_matches_single_device(name, kwargs):
     run_tp(name, 4, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("hf_llama", {"kv": 2})],
+                         ids=["gpt", "hf_llama_gqa_kv2"])
+def test_tp4_sequence_parallel_matches_single_device(name, kwargs):
+    run_tp(name, 4, sp=True, **kwargs)
 
 
 def test_gqa_kv_heads_fewer_than_t_replicates_kv():
