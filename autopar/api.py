@@ -11,9 +11,10 @@ import torch
 from autopar.plan import Plan
 
 
-# ZeRO levels compile() executes. The cost model also prices zero=3 (breadth-first weight
-# sharding, issue 6); its runtime is not wired in yet, so a free solve never picks it.
-RUNTIME_ZERO_LEVELS = (0, 1)
+# ZeRO levels compile() executes (zero=3: breadth-first only — cost/solver.py offers it with
+# no other schedule; the runtime's Zero3Chunks integration is tested in
+# tests/test_breadth_first_runtime.py).
+RUNTIME_ZERO_LEVELS = (0, 1, 3)
 
 
 class ParallelProgram:

@@ -20,7 +20,13 @@ Per step the executor runs, in order, the actions of this rank:
              With t > 1 each tensor rank sends 1/t of a boundary tensor (they are replicated
              over the tensor group) and the receiver all-gathers over the tensor group after the
              wait (the scatter/gather optimisation of 2104.04473 §4.1).
-  REDUCE c   no-op here: the runner reduces data-parallel gradients after the schedule.
+  REDUCE c   no-op here: the runner's data-parallel reduction is driven by the hooks below.
+
+Hooks (how the runner attaches data-parallel work to the schedule without special cases here):
+`before_action(n, action)` runs before actions[n] (before its receive is waited for, outside
+its recorded interval) — GradSync arming before a chunk's last B, ZeRO-3 gathers / releases /
+reduce-scatters and the wait for a chunk's weights before its F/B; `after_run()` runs after
+the last action, before the step's sends are completed.
 
 Deadlock freedom: sends never block and every receive is posted no later than its RECV action,
 so a rank only ever waits for a message whose send its peer reaches before needing anything
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -98,6 +104,8 @@ class PipelineExecutor:
     async_send: bool = True
     async_recv: bool = True
     prefetch: int | None = None
+    before_action: Callable[[int, Action], None] | None = None
+    after_run: Callable[[], None] | None = None
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
 
     def run(self, microbatches: Sequence[tuple]) -> list[torch.Tensor]:
@@ -122,7 +130,10 @@ class PipelineExecutor:
         nxt, L = 0, len(actions) if self.prefetch is None else self.prefetch
         record, events, pp = self.record, self.events, self.pp_rank
         clock = time.time
+        before = self.before_action
         for n, action in enumerate(actions):
+            if before is not None:
+                before(n, action)
             while nxt < len(ahead) and ahead[nxt] <= n + L:
                 self._post(actions[ahead[nxt]])
                 nxt += 1
@@ -132,6 +143,8 @@ class PipelineExecutor:
             handlers[action.kind](action)
             if record and not (self.async_recv and action.kind[:4] == "RECV"):
                 events.append((pp, str(action), start, clock()))
+        if self.after_run is not None:
+            self.after_run()
         self._wait_sends()
         if self._stash or self._fwd_in or self._bwd_in or self._bwd_out or self._posted:
             left = sorted(set(self._stash) | set(self._fwd_in) | set(self._bwd_in)

@@ -9,7 +9,11 @@ rank's chunks, attaches clones of only their parameters and builds the training 
     MixedPrecision (precision="bf16": bf16 weights, fp32 main_grad [+ fp32 masters if no ZeRO])
     GradSync (zero=0, d>1: bucketed async all-reduce; its hook runs after MixedPrecision's)
 
-in that order (each one's hooks/casts assume the previous ones). Every local parameter is
+in that order (each one's hooks/casts assume the previous ones). Breadth-first + zero=1 uses
+one ZeroOptimizer shard per chunk (_ChunkedZero), reduce-scattered at the chunk's REDUCE
+action. zero=3 (breadth-first only, fp32) builds Zero3Chunks instead of all three: each
+chunk's weights, gradients and optimizer state sharded over the data group; parameters two
+chunks use (tied embeddings) stay replicated (Runner._build_zero3). Every local parameter is
 described by a ParamInfo (user key, full shape, this rank's real slice; from the tensor-parallel
 metadata 'tp_param'/'tp_global_val' of the chunk graphs), which clipping, ZeRO and checkpoints
 read.
@@ -21,6 +25,12 @@ Runner.train_step = one optimizer step:
      zero=0, d>1: right before the last backward of each local chunk (the last one that reaches
      a parameter, for a parameter used by two local chunks) GradSync arms that chunk's
      parameters, so their buckets' all-reduces overlap the rest of the backward;
+     The executor's before_action hook also runs, under zero=1 + breadth-first, a chunk's
+     reduce-scatter at its REDUCE action, and under zero=3 the ops of
+     zero3.plan_gathers (all-gather a chunk's weights once per pass, prefetched one compute
+     ahead; release after the pass; reduce-scatter after its last backward) plus the wait
+     for a chunk's weights before each of its F/B; zero=3 then lands the reduce-scatters,
+     averages the replicated weights' gradients, clips over the world and steps the shards;
   3. zero=0: GradSync.finish() (gradients now averaged over d);
   4. sum the gradients of parameters held by two pipeline ranks (tied input/output embeddings
      on the first and last stage) over the embedding group (Megatron's shared embedding);
@@ -69,10 +79,15 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"WORLD_SIZE={world} but the plan needs t·p·d = {plan.t}·{plan.p}·{plan.d} = "
             f"{plan.gpus} ranks; launch exactly {plan.gpus} processes "
             f"(torchrun --nproc_per_node={plan.gpus}) or re-plan with gpus={world}")
-    if plan.zero not in (0, 1):
+    if plan.zero not in (0, 1, 3):
         raise ValueError(
-            f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not yet supported by the runtime; "
-            f"use zero=0/1 (pin parallelize(..., zero=1) for sharded optimizer states)")
+            f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not supported by the runtime; "
+            f"use zero=0/1, or zero=3 with schedule='breadth-first'")
+    if plan.zero == 3 and plan.schedule != "breadth-first":
+        raise ValueError(
+            f"plan.zero=3 with schedule={plan.schedule!r}: ZeRO-3 is not yet supported by the "
+            f"runtime; use zero=0/1 with this schedule, or schedule='breadth-first' (it "
+            f"gathers each chunk's weights once per pass, not once per micro-batch)")
     if plan.p > 1 and plan.num_microbatches < plan.p:
         raise ValueError(
             f"plan.num_microbatches={plan.num_microbatches} < p={plan.p}: a pipeline of "
@@ -109,6 +124,9 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
                          f"(bf16 = bf16 compute with fp32 master weights)")
+    if plan.zero == 3 and precision != "fp32":
+        raise ValueError(f"precision={precision!r} with zero=3: the ZeRO-3 runtime runs fp32 "
+                         f"only for now; use precision='fp32', or zero=1 for bf16")
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches)
     built = build_program(prog)             # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
@@ -162,18 +180,6 @@ class _Options:
     bucket_bytes: int | None
 
 
-@dataclass
-class _ArmingExecutor(PipelineExecutor):
-    """The schedule executor, calling `before_backward(action)` before each B action (GradSync
-    arms the parameters whose gradient the coming backward makes final)."""
-    before_backward: Callable[[Any], None] | None = None
-
-    def _backward(self, a: Any) -> None:
-        if self.before_backward is not None:
-            self.before_backward(a)
-        super()._backward(a)
-
-
 class Runner:
     """This rank's chunks, optimizer and schedule; see the module docstring for train_step."""
 
@@ -207,12 +213,14 @@ class Runner:
         self._blocked: dict[str, tuple[Any, int]] = {}   # q -> (ParamSplit, full size)
         self.param_infos = {q: self._param_info(q) for q in self._params}
         self._build_training(options)
-        self.executor = _ArmingExecutor(
+        self._zero3_ops = self._zero3_schedule(actions)
+        self._chunk_index = {c: i for i, c in enumerate(sorted(self._chunk_params))}
+        self.executor = PipelineExecutor(
             chunks=self.chunks, actions=list(actions), p=pg.p,
             num_microbatches=self.plan.num_microbatches, pipeline_ranks=pg.pipeline_ranks,
             pp_rank=pg.pp_rank, p2p_group=pg.pipeline, tensor_group=pg.tensor, t=pg.t,
             tp_rank=pg.tp_rank, record=options.record_timeline,
-            before_backward=self._arm if self.grad_sync is not None else None)
+            before_action=self._before_action, after_run=self._after_run)
         self._arm_at = self._arming_points(actions)
         self.steps = 0
 
@@ -305,8 +313,17 @@ class Runner:
         make = options.optimizer or (lambda params: torch.optim.AdamW(params, lr=3e-4))
         params = list(self._params.values())
         infos = [self.param_infos[q] for q in self._params]
-        self.zero = self.mp = self.grad_sync = None
-        if self.plan.zero == 1:
+        self.zero = self.mp = self.grad_sync = self.zero3 = None
+        self._replicated: list[str] = []
+        if self.plan.zero == 3:
+            self._build_zero3(make, options)
+            return
+        if self.plan.zero == 1 and self.plan.schedule == "breadth-first":
+            self.zero = _ChunkedZero(
+                [([self._params[q] for q in qs], [self.param_infos[q] for q in qs],
+                  any(q in self._shared for q in qs))
+                 for c, qs in sorted(self._chunk_params.items())], make, self.pg.data)
+        elif self.plan.zero == 1:
             self.zero = ZeroOptimizer(params, infos, make, self.pg.data)
         if self.precision == "bf16":
             self.mp = MixedPrecision(params, compute_dtype=PRECISIONS["bf16"],
@@ -324,6 +341,82 @@ class Runner:
                       for c in sorted(self.chunks)]
             self.grad_sync = GradSync(params, self.pg.data, chunks=[c for c in chunks if c],
                                       bucket_bytes=options.bucket_bytes or DEFAULT_BUCKET_BYTES)
+
+    def _build_zero3(self, make: Callable, options: _Options) -> None:
+        """zero=3 (breadth-first): Zero3Chunks shards each local chunk's weights, gradients
+        and optimizer state over the data group (autopar.runtime.zero3).
+
+        Parameters that two chunks use — the tied input/output embedding, on the first and
+        the last chunk (two pipeline ranks, or one rank's first and last chunk when p = 1) —
+        stay out of the chunk shards: Zero3Chunks needs each parameter in one flat buffer, and
+        a tied weight must be whole on both stages for its gradient sum (Megatron's embedding
+        all-reduce). They are kept replicated: their gradients are averaged over d with one
+        all-reduce after the schedule, summed over the embedding group, and the same optimizer
+        steps them (full copies, not shards: vocab × hidden per stage, like ZeRO-1's weights).
+        """
+        from autopar.runtime.zero3 import Zero3Chunks
+        if self.precision != "fp32":
+            raise ValueError(f"precision={self.precision!r} with zero=3: the ZeRO-3 runtime "
+                             f"runs fp32 only for now; use precision='fp32', or zero=1 for bf16")
+        users: dict[str, set[int]] = {}
+        for (c, _attr), q in self._qual.items():
+            users.setdefault(q, set()).add(c)
+        self._replicated = [q for q in self._params
+                            if q in self._shared or len(users.get(q, ())) > 1]
+        chunk_names = {c: [q for q in qs if q not in self._replicated]
+                       for c, qs in self._chunk_params.items()}
+        chunk_names = {c: qs for c, qs in chunk_names.items() if qs}
+        replicated = [self._params[q] for q in self._replicated]
+        self.zero3 = Zero3Chunks(
+            {c: [self._params[q] for q in qs] for c, qs in chunk_names.items()}, self.pg.data,
+            lambda masters: make(list(masters) + replicated), names=chunk_names)
+        self.optimizer = self.zero3.optimizer
+        self._stepped = OrderedDict(self._params)
+        # (master piece, ParamInfo of the parameter it is cut from), for clipping
+        self._zero3_pieces = [(m, self.param_infos[chunk_names[c][s.param]])
+                              for c, ch in self.zero3.chunks.items()
+                              for s, m in zip(ch.segments, ch.master)]
+
+    def _zero3_schedule(self, actions: Sequence[Any]) -> dict[int, list[tuple[str, int]]]:
+        """Action index -> the ZeRO-3 ops to run before it (autopar.runtime.zero3.plan_gathers;
+        index len(actions): after the schedule). Empty unless zero=3."""
+        if self.zero3 is None:
+            return {}
+        from autopar.runtime.zero3 import plan_gathers
+        ops: dict[int, list[tuple[str, int]]] = {}
+        for n, op, c in plan_gathers(list(actions)):
+            if c in self.zero3.chunks:        # a chunk whose weights are all replicated
+                ops.setdefault(n, []).append((op, c))
+        return ops
+
+    def _before_action(self, n: int, a: Any) -> None:
+        """Executor hook before actions[n]: GradSync arming (zero=0, d>1) before a chunk's
+        last B; under zero=3 the gathers / releases / reduce-scatters planned at n, then the
+        wait for chunk a.chunk's weights before its F/B."""
+        if self.grad_sync is not None and a.kind == "B":
+            self._arm(a)
+        if a.kind == "REDUCE" and isinstance(self.zero, _ChunkedZero) \
+                and a.chunk in self._chunk_index:
+            self.zero.reduce_chunk(self._chunk_index[a.chunk])
+        if self.zero3 is not None:
+            self._run_zero3_ops(n)
+            if a.kind in ("F", "B") and a.chunk in self.zero3.chunks:
+                self.zero3.wait(a.chunk)
+
+    def _after_run(self) -> None:
+        if self.zero3 is not None:
+            self._run_zero3_ops(len(self.executor.actions))
+
+    def _run_zero3_ops(self, n: int) -> None:
+        from autopar.runtime.zero3 import GATHER, RELEASE
+        z = self.zero3
+        for op, c in self._zero3_ops.get(n, ()):
+            if op == GATHER:
+                z.gather(c, async_op=True)
+            elif op == RELEASE:
+                z.release(c)
+            else:
+                z.reduce_scatter_grads(c, async_op=True)
 
     def _retype_boundaries(self, dtype: torch.dtype) -> None:
         """Floating activations crossing pipeline stages travel in the compute dtype."""
@@ -358,7 +451,8 @@ class Runner:
 
     # ---- public API ---------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
-        """This rank's local parameters (shards when t > 1), each once."""
+        """This rank's local parameters (shards when t > 1), each once. Under zero=3 the
+        chunk weights are released between steps (0-byte storage): read full_state_dict()."""
         return list(self._params.values())
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -382,6 +476,10 @@ class Runner:
         mbs = self._microbatches(inputs, targets)
         self._zero_grads()
         losses = self.executor.run(mbs)
+        if self.zero3 is not None:
+            self._zero3_update()
+            self.steps += 1
+            return self._global_loss(losses)
         if self.grad_sync is not None:
             self.grad_sync.finish()
         self._sum_tied_grads()
@@ -403,6 +501,52 @@ class Runner:
                 self.optimizer.step()
         self.steps += 1
         return self._global_loss(losses)
+
+    def _zero3_update(self) -> None:
+        """zero=3 after the schedule: land the per-chunk reduce-scatters, average the
+        replicated (tied) gradients over d and sum them over the embedding group, clip with
+        the global norm, step the shards (new weights reach each chunk at its next gather)."""
+        z = self.zero3
+        z.finish_reduces()
+        if self._replicated and self.pg.d > 1:
+            from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+            params = [self._params[q] for q in self._replicated]
+            for p in params:
+                if p.grad is None:          # keep the collective's shape equal on all ranks
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            _all_reduce(flat, self.pg.data)
+            flat.div_(self.pg.d)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self._sum_tied_grads()
+        if self.max_grad_norm is not None:
+            self._clip_zero3(self.max_grad_norm)
+        z.step()
+        z.zero_grad()
+
+    def _clip_zero3(self, max_norm: float) -> torch.Tensor:
+        """Global-norm clipping under zero=3: shard pieces count on every rank (each dp rank
+        holds different elements), replicated parameters on dp rank 0 only; one all-reduce
+        over the world, then torch's clip_grad_norm_ coefficient."""
+        from autopar.runtime.clip import local_sq_sum
+        pieces = [m for m, _ in self._zero3_pieces]
+        total = local_sq_sum([m.grad for m in pieces], [i for _, i in self._zero3_pieces],
+                             self.pg, real_parts=False)
+        reps = [self._params[q] for q in self._replicated]
+        if self.pg.dp_rank == 0 and reps:
+            total = total + local_sq_sum([p.grad for p in reps],
+                                         [self.param_infos[q] for q in self._replicated],
+                                         self.pg)
+        if dist.get_world_size() > 1:
+            _all_reduce(total, self.pg.world)
+        norm = total.sqrt()
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        for g in [m.grad for m in pieces] + [p.grad for p in reps]:
+            if g is not None:
+                g.detach().mul_(coef.to(g.device, g.dtype))
+        return norm
 
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """The single-device model's state dict (user keys, tied weights under every name,
@@ -437,6 +581,7 @@ class Runner:
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save weights (fp32 masters under bf16), optimizer state and step to `path`,
         atomically (see autopar.runtime.checkpoint). Collective: every rank calls it."""
+        self._no_zero3_checkpoints("save_checkpoint")
         from autopar.runtime.checkpoint import optimizer_state_by_key, save_checkpoint
         weights = self._fp32_weights()
         if self.zero is not None:
@@ -463,6 +608,7 @@ class Runner:
         """Load a checkpoint saved under this or any other plan (other t, p, d, v, zero,
         precision); return its step count. Keys and full shapes must match this model's:
         otherwise ValueError naming them, on every rank. Collective: every rank calls it."""
+        self._no_zero3_checkpoints("load_checkpoint")
         from autopar.runtime.checkpoint import load_checkpoint, read_layout
         layout = read_layout(path)
         self._check_checkpoint_keys(path, layout)
@@ -488,9 +634,19 @@ class Runner:
         self.steps = step
         return step
 
+    def _no_zero3_checkpoints(self, what: str) -> None:
+        if self.zero3 is not None:
+            raise ValueError(f"{what}: checkpoints under zero=3 are not supported yet (the "
+                             f"optimizer state is sharded per chunk); train with zero=1 to "
+                             f"checkpoint, or use full_state_dict() for the weights")
+
     # ---- internals: training ------------------------------------------------------------
     def _zero_grads(self) -> None:
-        if self.zero is not None:
+        if self.zero3 is not None:
+            self.zero3.zero_grad()
+            for q in self._replicated:
+                self._params[q].grad = None
+        elif self.zero is not None:
             self.zero.zero_grad()
         elif self.mp is not None:
             self.mp.zero_grad()
@@ -550,7 +706,12 @@ class Runner:
     # ---- internals: weights and checkpoints ---------------------------------------------
     def _fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
         """Graph name -> this rank's local weights at full precision (the fp32 masters under
-        bf16). Collective over the data group under ZeRO-1 + bf16 (masters are sharded)."""
+        bf16). Collective over the data group under ZeRO-1 + bf16 (masters are sharded) and
+        under ZeRO-3 (weights are sharded: every chunk is gathered)."""
+        if self.zero3 is not None:
+            full = self.zero3.full_parameters()
+            return OrderedDict((q, full[q] if q in full else p.detach())
+                               for q, p in self._params.items())
         if self.zero is not None and self.mp is not None:
             return OrderedDict(zip(self._params, self.zero.gathered_masters()))
         return OrderedDict((q, p.detach()) for q, p in self._stepped.items())
@@ -630,6 +791,91 @@ class Runner:
                 dist.all_gather(pieces, piece, group=self.pg.tensor)
             out[qual] = unshard(pieces, split, full_size)
         return out
+
+
+class _ChunkedZero:
+    """ZeRO-1 for breadth-first: one ZeroOptimizer flat shard per chunk, all stepped by one
+    optimizer, so each chunk's gradients are reduce-scattered at the schedule's REDUCE R{c}
+    (right after the chunk's last backward) instead of once after the schedule — the
+    per-chunk reduction of layered gradient accumulation (2106.02679 §4). Chunks holding a
+    tied weight (held by two pipeline stages) are reduced after the schedule instead: their
+    full gradient must first be summed over the embedding group. Same interface as
+    ZeroOptimizer (what the runner and checkpoints call); parameters are concatenated in chunk
+    order, which is the runner's parameter order."""
+
+    def __init__(self, chunks: list[tuple[list, list, bool]], make: Callable, group: Any):
+        from autopar.runtime.zero import ZeroOptimizer
+        self.parts = [ZeroOptimizer(ps, infos, lambda _masters: None, group)
+                      for ps, infos, _tied in chunks]
+        self._deferred = {i for i, (_ps, _infos, tied) in enumerate(chunks) if tied}
+        self.optimizer = make([m for part in self.parts for m in part.master])
+        for part in self.parts:
+            part.optimizer = self.optimizer
+        self._reduced: set[int] = set()
+
+    def reduce_chunk(self, i: int) -> None:
+        """Reduce-scatter chunk i's gradients now (at its REDUCE action), unless deferred."""
+        if i not in self._deferred and i not in self._reduced:
+            self.parts[i].reduce_grads()
+            self._reduced.add(i)
+
+    def reduce_grads(self) -> None:
+        for i, part in enumerate(self.parts):
+            if i not in self._reduced:
+                part.reduce_grads()
+                self._reduced.add(i)
+
+    def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
+        from autopar.runtime.clip import clip_grad_norm_
+        self.reduce_grads()
+        masters = [m for part in self.parts for m in part.master]
+        infos = [part.param_infos[s.index] for part in self.parts for s in part.segments]
+        return clip_grad_norm_(masters, infos, max_norm, groups, dp_sharded=True,
+                               real_parts=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.reduce_grads()
+        self.optimizer.step()
+        for part in self.parts:
+            part._shard_grad = None
+            part._all_gather_params()
+        self._reduced.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+        self._reduced.clear()
+
+    def state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor))
+
+    def master_bytes(self) -> int:
+        return sum(part.master_bytes() for part in self.parts)
+
+    def reload_master_from_params(self) -> None:
+        for part in self.parts:
+            part.reload_master_from_params()
+
+    def gathered_masters(self) -> list[torch.Tensor]:
+        return [w for part in self.parts for w in part.gathered_masters()]
+
+    def load_masters(self, weights: Sequence[torch.Tensor]) -> None:
+        weights = list(weights)
+        for part in self.parts:
+            part.load_masters(weights[:len(part.params)])
+            weights = weights[len(part.params):]
+
+    def gathered_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for part in self.parts:
+            out.update(part.gathered_state())
+        return out
+
+    def load_gathered_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for part in self.parts:
+            part.load_gathered_state(state)
 
 
 def _whole(info: ParamInfo) -> ParamInfo:

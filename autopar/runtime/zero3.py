@@ -158,6 +158,7 @@ class _Chunk:
     gathered: bool = False
     pending: Any = None             # (work, send buffer) of an in-flight gather
     rs: Any = None                  # (work, output, send buffer) of an in-flight reduce-scatter
+    reduced: bool = False           # this step's gradient shard is final (finish_reduces ran)
 
 
 def _collective(op: str) -> Callable:
@@ -318,7 +319,7 @@ class Zero3Chunks:
         """Reduce-scatter chunk c's accumulated gradients (its last backward has run) into my
         shard's gradient, averaged over d, and free the full gradients."""
         ch = self._get(c)
-        if ch.rs is not None:
+        if ch.rs is not None or ch.reduced:
             raise ValueError(f"Zero3Chunks.reduce_scatter_grads({c}): already issued this step")
         S, d = ch.shard_numel, self.d
         flat = torch.zeros(S * d, dtype=self.reduce_dtype, device=ch.flat.device)   # (d·S,)
@@ -353,14 +354,20 @@ class Zero3Chunks:
             m.grad = out[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype) if has[s.param] \
                 else None
         ch.rs = None
+        ch.reduced = True
 
     def finish_reduces(self) -> None:
         """Wait for every in-flight reduce-scatter; the shard pieces' .grad are then set.
-        A chunk never reduced this step is reduced now (e.g. a schedule without R{c})."""
+        A chunk never reduced this step is reduced now (e.g. a schedule without R{c}).
+        Idempotent within a step: chunks already finished are left alone, so a caller may
+        finish the reduces, clip the shard gradients, then call step()."""
         for c in sorted(self.chunks):
-            if self.chunks[c].rs is None:
+            ch = self.chunks[c]
+            if ch.reduced:
+                continue
+            if ch.rs is None:
                 self.reduce_scatter_grads(c)
-            self._finish_reduce(self.chunks[c])
+            self._finish_reduce(ch)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -373,10 +380,13 @@ class Zero3Chunks:
                              f"releases every chunk after its last backward)")
         self.finish_reduces()
         self.optimizer.step()
+        for ch in self.chunks.values():
+            ch.reduced = False
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for ch in self.chunks.values():
+            ch.reduced = False
             for p in ch.params:
                 p.grad = None
 
