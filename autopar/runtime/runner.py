@@ -816,7 +816,7 @@ class _ChunkedZero:
     def reduce_chunk(self, i: int) -> None:
         """Reduce-scatter chunk i's gradients now (at its REDUCE action), unless deferred."""
         if i not in self._deferred and i not in self._reduced:
-            self.parts[i].reduce_grads()
+            self.parts[i].reduce_grads(async_op=True)   # overlaps the backward below it
             self._reduced.add(i)
 
     def reduce_grads(self) -> None:
@@ -824,6 +824,7 @@ class _ChunkedZero:
             if i not in self._reduced:
                 part.reduce_grads()
                 self._reduced.add(i)
+            part.finish_reduce()
 
     def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
         from autopar.runtime.clip import clip_grad_norm_

@@ -33,7 +33,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autopar.runtime.collectives import _all_gather, _reduce_scatter, group_rank, group_size
+import torch.distributed as dist
+
+from autopar.runtime.collectives import (_NO_REDUCE_SCATTER, _all_gather, _peer_guard,
+                                         _reduce_scatter, group_rank, group_size)
 from autopar.runtime.params import ParamInfo
 
 
@@ -77,6 +80,7 @@ class ZeroOptimizer:
         self.master = [self._master_piece(s, master_dtype) for s in self.segments]
         self.optimizer = optimizer_factory(list(self.master))
         self._shard_grad: torch.Tensor | None = None
+        self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # in-flight async reduce-scatter
 
     def _segments(self) -> list[_Segment]:
         lo_shard, hi_shard = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
@@ -92,8 +96,14 @@ class ZeroOptimizer:
         return torch.nn.Parameter(flat[s.lo:s.hi].to(dtype).clone())
 
     # ---- the step -----------------------------------------------------------------------
-    def reduce_grads(self) -> None:
-        """Reduce-scatter the flat gradients; my shard's average becomes the master grads."""
+    def reduce_grads(self, async_op: bool = False) -> None:
+        """Reduce-scatter the flat gradients; my shard's average becomes the master grads.
+
+        async_op=True launches the reduce-scatter and returns at once (breadth-first: a chunk's
+        reduction overlaps the backward of the chunks below it); the first use of the master
+        grads (finish_reduce, clip, step) waits for it.
+        """
+        self.finish_reduce()
         S, d = self.shard_numel, self.d
         device = self.params[0].device if self.params else "cpu"
         flat = torch.zeros(S * d, dtype=self.reduce_dtype, device=device)   # (N',)
@@ -101,9 +111,28 @@ class ZeroOptimizer:
             g = _grad_of(p)
             if g is not None:
                 flat[off:off + p.numel()].copy_(g.reshape(-1))
-        shard = _reduce_scatter(flat, 0, self.group) if d > 1 else flat      # (S,)
-        if d > 1:
-            shard.div_(d)
+        if d > 1 and async_op and str(dist.get_backend(self.group)) not in _NO_REDUCE_SCATTER:
+            out = flat.new_empty(S)                                           # (S,)
+            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            with _peer_guard("reduce-scatter with", self.group):
+                handle = rs(out, flat, group=self.group, async_op=True)
+            self._pending = (handle, out, flat)  # flat stays alive until the wait
+            return
+        self._set_shard_grad(_reduce_scatter(flat, 0, self.group) if d > 1 else flat)  # (S,)
+
+    def finish_reduce(self) -> None:
+        """Wait for an async reduce-scatter launched by reduce_grads(async_op=True)."""
+        if self._pending is None:
+            return
+        handle, out, _flat = self._pending
+        self._pending = None
+        with _peer_guard("reduce-scatter with", self.group):
+            handle.wait()
+        self._set_shard_grad(out)
+
+    def _set_shard_grad(self, shard: torch.Tensor) -> None:
+        if self.d > 1:
+            shard.div_(self.d)
         self._shard_grad = shard
         for s, m in zip(self.segments, self.master):
             has = _grad_of(self.params[s.index]) is not None
@@ -112,6 +141,7 @@ class ZeroOptimizer:
     def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
         """Global-norm clipping of the sharded gradients (sums over dp too); returns the norm."""
         from autopar.runtime.clip import clip_grad_norm_
+        self.finish_reduce()
         if self._shard_grad is None:
             self.reduce_grads()
         infos = [self.param_infos[s.index] for s in self.segments]
@@ -121,6 +151,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Step my shard with the user's optimizer, then all-gather the updated parameters."""
+        self.finish_reduce()
         if self._shard_grad is None:
             self.reduce_grads()
         self.optimizer.step()
