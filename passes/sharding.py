@@ -741,6 +741,13 @@ def _matmul(p: Propagator, node: fx.Node) -> Layout:
     p.demand(node, w, R)
     if bias is not None:
         p.demand(node, bias, R)
+    if isinstance(xl, Shard) and xl.seq:
+        # A replicated (fallen-back) weight matmul in a sequence-parallel region reads the
+        # all-gathered full sequence, as the column-parallel ones do: its output may feed work
+        # that mixes positions (k/v of attention when t > kv_heads), which a sequence split
+        # cannot serve. Its weight gradient is then whole on every rank (no all-reduce).
+        p.demand(node, x, R)
+        return R
     if isinstance(xl, Shard):
         return replace(xl, dim=xl.dim + out_nd - len(shape(x)))
     return R

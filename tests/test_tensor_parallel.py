@@ -152,6 +152,27 @@ def test_gqa_fewer_kv_heads_than_t_replicates_kv_and_reports_it():
     assert "replicated" in info.summary()
 
 
+
+def test_sequence_parallel_replicated_kv_reads_the_gathered_sequence():
+    """SP, t=4 > kv_heads=2: the fallen-back k/v matmuls read the all-gathered block input (as
+    q does), so attention sees k/v whole along the sequence and slices them by heads."""
+    gm = propagate_sharding(_llama_gm(kv=2), 4, sequence_parallel=True)
+    info = gm.meta["tp"]
+    assert len({f.node for f in info.fallbacks}) == 4     # k and v of both layers
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in {f.node for f in info.fallbacks}:
+        node = nodes[name]
+        x = node.args[0]
+        assert isinstance(x.meta["tp_layout"], Shard) and x.meta["tp_layout"].seq, name
+        assert node.meta["tp_convert"] == {x.name: Replicate()}, name
+        assert isinstance(node.meta["tp_layout"], Replicate), name
+    sdpa = torch.ops.aten.scaled_dot_product_attention
+    attn = [n for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is sdpa]
+    assert len(attn) == 2 and all(not n.meta["tp_layout"].seq for n in attn)
+    gm = apply_tensor_parallel(gm, 4, 0, None, sequence_parallel=True)
+    gm.graph.lint()
+
+
 # ----- bad input ---------------------------------------------------------------------------------
 
 def test_heads_not_divisible_by_pinned_t_is_a_clear_error():

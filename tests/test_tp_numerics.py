@@ -188,8 +188,9 @@ def test_tp4_matches_single_device(name, kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("hf_llama", {"kv": 2})],
-                         ids=["gpt", "hf_llama_gqa_kv2"])
+@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv": 2}),
+                                         ("hf_llama", {"kv": 2})],
+                         ids=["gpt", "llama_style_gqa_kv2", "hf_llama_gqa_kv2"])
 def test_tp4_sequence_parallel_matches_single_device(name, kwargs):
     run_tp(name, 4, sp=True, **kwargs)
 
