@@ -259,13 +259,21 @@ def read_layout(path: str | os.PathLike) -> dict:
 
 
 def _check_keys(layout: dict, tensors: Tensors, strict: bool) -> None:
-    saved = {n: e for n, e in layout["tensors"].items() if not n.startswith("optim/")}
-    missing = sorted(k for k in tensors if k not in saved)
-    unexpected = sorted(k for k in saved if k not in tensors) if strict else []
-    shapes = sorted(f"{k} (checkpoint {tuple(saved[k]['global_shape'])}, model "
-                    f"{tuple(info.global_shape)})"
-                    for k, (_, info) in tensors.items()
-                    if k in saved and tuple(saved[k]["global_shape"]) != tuple(info.global_shape))
+    model = {k: info.global_shape for k, (_, info) in tensors.items()}
+    check_fits(layout, model, where="load_checkpoint: the checkpoint", strict=strict,
+               fix="(or pass strict=False to ignore extra keys)")
+
+
+def check_fits(layout: dict, model: dict[str, Any], *, where: str, strict: bool = True,
+               fix: str = "") -> None:
+    """Raise a ValueError naming every key that is missing, extra (if strict) or of another
+    full shape between the checkpoint `layout` and `model` ({user key: full shape})."""
+    saved = {n: tuple(e["global_shape"]) for n, e in layout["tensors"].items()
+             if not n.startswith("optim/")}
+    missing = sorted(k for k in model if k not in saved)
+    unexpected = sorted(k for k in saved if k not in model) if strict else []
+    shapes = sorted(f"{k} (checkpoint {saved[k]}, model {tuple(model[k])})"
+                    for k in model if k in saved and saved[k] != tuple(model[k]))
     problems = []
     if missing:
         problems.append(f"missing from the checkpoint: {missing}")
@@ -274,9 +282,9 @@ def _check_keys(layout: dict, tensors: Tensors, strict: bool) -> None:
     if shapes:
         problems.append(f"shape mismatch: {shapes}")
     if problems:
-        raise ValueError("load_checkpoint: the checkpoint does not fit this model — "
-                         + "; ".join(problems) + ". Load a checkpoint saved from the same "
-                         "model configuration (or pass strict=False to ignore extra keys)")
+        raise ValueError(f"{where} does not fit this model — " + "; ".join(problems)
+                         + ". Load a checkpoint saved from the same model configuration "
+                         + fix)
 
 
 def _box(shape: list[int], dim: int | None, start: int | None, stop: int | None

@@ -743,23 +743,8 @@ class Runner:
         model: dict[str, list[int]] = {}
         for part in parts:
             model.update(part)
-        saved = {n: e["global_shape"] for n, e in layout["tensors"].items()
-                 if not n.startswith("optim/")}
-        missing = sorted(set(model) - set(saved))
-        extra = sorted(set(saved) - set(model))
-        shapes = sorted(f"{k} (checkpoint {tuple(saved[k])}, model {tuple(model[k])})"
-                        for k in set(model) & set(saved) if list(saved[k]) != list(model[k]))
-        problems = []
-        if missing:
-            problems.append(f"missing from the checkpoint: {missing}")
-        if extra:
-            problems.append(f"in the checkpoint but not in the model: {extra}")
-        if shapes:
-            problems.append(f"shape mismatch: {shapes}")
-        if problems:
-            raise ValueError(f"load_checkpoint: {path} does not fit this model — "
-                             + "; ".join(problems) + ". Load a checkpoint saved from the same "
-                             "model configuration (the plan may differ)")
+        from autopar.runtime.checkpoint import check_fits
+        check_fits(layout, model, where=f"load_checkpoint: {path}", fix="(the plan may differ)")
 
     def _unshard_blocked(self, q: str, local: torch.Tensor) -> torch.Tensor:
         from autopar.runtime.collectives import _peer_guard
