@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5)
