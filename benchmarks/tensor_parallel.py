@@ -1,6 +1,6 @@
 """Benchmark: autopar tensor parallelism (t=2, 2 CPU gloo ranks) vs PyTorch DTensor TP vs 1 process.
 
-    python benchmarks/tensor_parallel.py [--hidden 1024] [--layers 2] [--seq 128] [--steps 5]
+    python benchmarks/tensor_parallel.py [--hidden 1024] [--layers 2] [--seq 256] [--steps 5]
 
 The model is the examples' Llama-style decoder (separate q/k/v, SwiGLU). The DTensor version is
 written by hand the usual way (torchtitan): ColwiseParallel on q/k/v/gate/up, RowwiseParallel on
@@ -10,8 +10,8 @@ Fairness: every process — each of the 2 ranks and the one-process baseline —
 torch.set_num_threads(1) (2 cores: one per rank), the same model, data, optimizer (AdamW) and
 step (forward + loss + backward + step); 2 warm-up steps, then the median of --steps steps; all
 three measured in this one run, one after the other (never concurrently). The default size
-(hidden 1024, 16 heads, FFN 4096, seq 128, batch 4) is compute-bound: per layer and step the
-matmuls are ~50 GFLOP while the tensor-parallel all-reduces move 4 × 2 MB.
+(hidden 1024, 16 heads, FFN 4096, seq 256, batch 4) is compute-bound: per layer and step the
+matmuls are ~100 GFLOP while the tensor-parallel all-reduces move 4 × 4 MB.
 Printed: median step time and the ratios.
 Targets (issue 3): autopar ≤ 0.9 × DTensor, and ≥ 1.7 × speed-up over one process when the
 model is compute-bound.
