@@ -157,14 +157,7 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
                     pos[q] += 1
                 pos[r] += 1
                 progressed = True
-    makespan = max(clock + stream)
-    idle = [makespan - b for b in busy]
-    total_busy = sum(busy)
-    return SimResult(
-        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
-        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
-        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
-        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+    return _result(p, clock, stream, busy, comm, events)
 
 
 def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
@@ -213,14 +206,7 @@ def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
                 events.append(Event(r, a, start, clock[r]))
                 pos[r] += 1
                 progressed = True
-    makespan = max(clock + stream)
-    idle = [makespan - b for b in busy]
-    total_busy = sum(busy)
-    return SimResult(
-        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
-        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
-        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
-        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+    return _result(p, clock, stream, busy, comm, events)
 
 
 def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
@@ -284,14 +270,7 @@ def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
                 # RECV: posted above (at the latest now); its wait belongs to the consumer
                 pos[r] += 1
                 progressed = True
-    makespan = max(clock + stream)
-    idle = [makespan - b for b in busy]
-    total_busy = sum(busy)
-    return SimResult(
-        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
-        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
-        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
-        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+    return _result(p, clock, stream, busy, comm, events)
 
 
 def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend") -> dict:
@@ -354,3 +333,16 @@ def measured_idle_fraction(events: Sequence[Sequence], p: int) -> tuple[float, .
         if a[0] in "FB":
             busy[r] += e - s
     return tuple(1.0 - b / span if span else 0.0 for b in busy)
+
+
+def _result(p: int, clock: list[float], stream: list[float], busy: list[float],
+            comm: list[float], events: list[Event]) -> SimResult:
+    """The step ends when the last rank's compute or reduction stream does; idle = the rest."""
+    makespan = max(clock + stream)
+    idle = [makespan - b for b in busy]
+    total_busy = sum(busy)
+    return SimResult(
+        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
+        bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
+        bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
+        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
