@@ -103,18 +103,20 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     if loss_fn is not None and example_targets is None:
         example_targets = _default_targets(example_inputs)
     cl = get_cluster(cluster)
+    if plan is not None:
+        # A plan made earlier (plan.json on every torchrun rank): nothing to solve, so no
+        # planning capture; compile() captures the full model itself.
+        if plan.gpus != gpus:
+            raise ValueError(f"parallelize: plan is for t·p·d = {plan.gpus} GPUs but gpus={gpus}; "
+                             f"pass gpus={plan.gpus} or re-plan")
+        return ParallelProgram(model=model, plan=plan, profile=None,
+                               example_inputs=example_inputs, loss_fn=loss_fn,
+                               example_targets=example_targets, cluster=cl, init=init)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
     structure = find_layers(captured)
     seq_len = int(example_inputs[0].shape[1]) if example_inputs[0].dim() > 1 else 1
     profile = profile_from_graph(captured, structure, seq_len=seq_len,
                                  name=name or type(model).__name__)
-    if plan is not None:
-        if plan.gpus != gpus:
-            raise ValueError(f"parallelize: plan is for t·p·d = {plan.gpus} GPUs but gpus={gpus}; "
-                             f"pass gpus={plan.gpus} or re-plan")
-        return ParallelProgram(model=model, plan=plan, profile=profile,
-                               example_inputs=example_inputs, loss_fn=loss_fn,
-                               example_targets=example_targets, cluster=cl, init=init)
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
