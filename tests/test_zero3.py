@@ -139,12 +139,7 @@ def _train_step(chunks, z, acts, plan, xs, ys, live_trace):
     inp, out = {}, {}
     for n in range(len(acts) + 1):
         for op, c in at.get(n, []):
-            if op == GATHER:
-                z.gather(c, async_op=True)
-            elif op == RELEASE:
-                z.release(c)
-            else:
-                z.reduce_scatter_grads(c, async_op=True)
+            z.run(op, c)
             live_trace.append(sum(ch[0].weight.untyped_storage().nbytes() > 0 for ch in chunks))
         if n == len(acts) or acts[n].kind not in ("F", "B"):
             continue

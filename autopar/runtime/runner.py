@@ -408,15 +408,8 @@ class Runner:
             self._run_zero3_ops(len(self.executor.actions))
 
     def _run_zero3_ops(self, n: int) -> None:
-        from autopar.runtime.zero3 import GATHER, RELEASE
-        z = self.zero3
         for op, c in self._zero3_ops.get(n, ()):
-            if op == GATHER:
-                z.gather(c, async_op=True)
-            elif op == RELEASE:
-                z.release(c)
-            else:
-                z.reduce_scatter_grads(c, async_op=True)
+            self.zero3.run(op, c)
 
     def _retype_boundaries(self, dtype: torch.dtype) -> None:
         """Floating activations crossing pipeline stages travel in the compute dtype."""

@@ -315,6 +315,18 @@ class Zero3Chunks:
 
     # ---- gradients and the step ----------------------------------------------------------
     @torch.no_grad()
+    def run(self, op: str, c: int) -> None:
+        """Carry out one op of plan_gathers for chunk c (collectives launched asynchronously)."""
+        if op == GATHER:
+            self.gather(c, async_op=True)
+        elif op == RELEASE:
+            self.release(c)
+        elif op == REDUCE_SCATTER:
+            self.reduce_scatter_grads(c, async_op=True)
+        else:
+            raise ValueError(f"Zero3Chunks.run: op={op!r} must be one of "
+                             f"{(GATHER, RELEASE, REDUCE_SCATTER)}")
+
     def reduce_scatter_grads(self, c: int, async_op: bool = False) -> Any:
         """Reduce-scatter chunk c's accumulated gradients (its last backward has run) into my
         shard's gradient, averaged over d, and free the full gradients."""
