@@ -31,22 +31,52 @@ class BuiltProgram:
     example_args: tuple                      # (*inputs, targets) at micro-batch size
     model: torch.nn.Module | None = None       # the user's model (meta parameters are
     init: Any = None                           # materialised from its own init, see shard.py)
-    _chunks: dict[int, list[torch.fx.GraphModule]] = field(default_factory=dict)
+    _chunks: dict[tuple, list[torch.fx.GraphModule]] = field(default_factory=dict)
     tp_results: dict[int, Any] = field(default_factory=dict)
+    _attrs: list[set[str]] | None = None
 
-    def chunks(self, tp_rank: int = 0) -> list[torch.fx.GraphModule]:
-        """The p·v chunk GraphModules as tensor rank `tp_rank` runs them."""
+    def chunks(self, tp_rank: int = 0, pp_rank: int | None = None, *,
+               weights: bool = True) -> list[torch.fx.GraphModule]:
+        """The p·v chunk GraphModules as tensor rank `tp_rank` runs them.
+
+        Which weights are real tensors (local shards only, issue 3): with `pp_rank`, only
+        those of pipeline rank pp_rank's chunks (c ≡ pp_rank mod p) — the other chunks' are
+        meta tensors of their local shape, so no rank ever holds the whole model; with
+        weights=False none (code generation needs shapes only); with neither, all chunks'
+        (single-process inspection and tests). Cached per (tp_rank, pp_rank, weights).
+        """
         if not 0 <= tp_rank < self.plan.t:
             raise ValueError(f"tp_rank={tp_rank}: must lie in [0, t={self.plan.t})")
-        if tp_rank not in self._chunks:
-            from autopar.passes.pipeline import split_chunks
-            from autopar.passes.recompute import apply_recompute
-            gm = self.gm
-            if self.plan.t > 1 or _has_meta(gm):
-                gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank)
-            chunks = split_chunks(gm, self.plan, prefix=self.prefix)
-            self._chunks[tp_rank] = [apply_recompute(c, self.plan.recompute) for c in chunks]
-        return self._chunks[tp_rank]
+        if pp_rank is not None and not 0 <= pp_rank < self.plan.p:
+            raise ValueError(f"pp_rank={pp_rank}: must lie in [0, p={self.plan.p})")
+        key = (tp_rank, pp_rank if weights else None, weights)
+        if key not in self._chunks:
+            self._chunks[key] = self._cut(tp_rank, self._materialize(pp_rank, weights))
+        return self._chunks[key]
+
+    def release(self, tp_rank: int, pp_rank: int | None = None) -> None:
+        """Forget cached chunks so their weights are freed once the runtime owns copies."""
+        self._chunks.pop((tp_rank, pp_rank, True), None)
+
+    def _materialize(self, pp_rank: int | None, weights: bool) -> set[str] | None:
+        if not weights:
+            return set()
+        if pp_rank is None:
+            return None
+        from autopar.passes.pipeline import chunk_attr_targets
+        if self._attrs is None:
+            self._attrs = chunk_attr_targets(self.gm, self.plan)
+        p, n = self.plan.p, len(self.plan.stages)
+        return set().union(*(self._attrs[c] for c in range(pp_rank, n, p)))
+
+    def _cut(self, tp_rank: int, materialize: set[str] | None) -> list[torch.fx.GraphModule]:
+        from autopar.passes.pipeline import split_chunks
+        from autopar.passes.recompute import apply_recompute
+        gm = self.gm
+        if self.plan.t > 1 or _has_meta(gm) or materialize is not None:
+            gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank, materialize)
+        chunks = split_chunks(gm, self.plan, prefix=self.prefix)
+        return [apply_recompute(c, self.plan.recompute) for c in chunks]
 
 
 def _resize_batch(x: Any, b: int) -> Any:
@@ -81,19 +111,23 @@ def _state_keys(model: torch.nn.Module, gm: torch.fx.GraphModule, prefix: str) -
     return out
 
 
-def _tensor_parallel(built: BuiltProgram, tp_rank: int):
+def _tensor_parallel(built: BuiltProgram, tp_rank: int, materialize: set[str] | None):
     try:
         from autopar.passes.tensor_parallel import apply_tensor_parallel
     except ImportError as exc:
         raise ValueError(f"plan.t={built.plan.t} needs the tensor-parallel pass "
                          f"(autopar.passes.tensor_parallel), which is not available: {exc}; "
                          f"plan with t=1") from exc
-    gm = copy.deepcopy(built.gm)
+    # Copy the graph and module tree but share the tensors: the pass replaces attributes (it
+    # never writes into a tensor), so a real model's weights are not duplicated on every rank.
+    memo = {id(x): x for x in list(built.gm.parameters()) + list(built.gm.buffers())}
+    gm = copy.deepcopy(built.gm, memo)
     # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
     # runtime binds to this rank's real group when it loads the generated chunk.
-    # With t = 1 the pass only materialises meta parameters (global-shape init of their module).
+    # With t = 1 the pass only materialises meta parameters (global-shape init of their module)
+    # and turns other pipeline ranks' weights into meta tensors.
     out = apply_tensor_parallel(gm, built.plan, tp_rank, None, model=built.model,
-                                init=built.init)
+                                init=built.init, materialize=materialize)
     return out, out.meta.get("tp")
 
 

@@ -169,7 +169,7 @@ def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0) -> str:
     """The generated Python of pipeline chunk `chunk` as tensor rank `tp_rank` runs it."""
     from autopar.build import build_program
     built = build_program(prog)
-    chunks = built.chunks(tp_rank)
+    chunks = built.chunks(tp_rank, weights=False)   # source needs shapes, not weights
     if not 0 <= chunk < len(chunks):
         raise ValueError(f"chunk={chunk}: the plan has {len(chunks)} chunks (p·v = "
                          f"{prog.plan.p}·{prog.plan.v}); pass 0 <= chunk < {len(chunks)}")

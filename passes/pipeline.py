@@ -325,3 +325,32 @@ def split_chunks(gm: torch.fx.GraphModule, plan: Plan, *, prefix: str = "model."
     check_stages(plan, num_layers)
     analysis = _Analysis(gm, plan)
     return [_build_chunk(analysis, c, prefix) for c in range(len(plan.stages))]
+
+
+def chunk_attr_targets(gm: torch.fx.GraphModule, plan: Plan) -> list[set[str]]:
+    """Per chunk, the get_attr targets (parameters, buffers, constants) its nodes read.
+
+    The same assignment split_chunks makes, without building the chunks: the runtime uses it
+    to materialise only the weights of its own pipeline rank's chunks (a tied embedding is in
+    the first and the last chunk's set). Reads node.meta "autopar_region".
+    """
+    check_stages(plan, count_layers(gm))
+    analysis = _Analysis(gm, plan)
+    out: list[set[str]] = [set() for _ in plan.stages]
+
+    def reach(n: torch.fx.Node, c: int, seen: set[torch.fx.Node]) -> None:
+        for i in n.all_input_nodes:
+            if i in seen:
+                continue
+            seen.add(i)
+            if i.op == "get_attr":
+                out[c].add(i.target)
+            elif i in analysis.free:     # recomputed in the chunk: its attrs are read there
+                reach(i, c, seen)
+
+    for c in range(len(plan.stages)):
+        seen: set[torch.fx.Node] = set()
+        for n in gm.graph.nodes:
+            if analysis.chunk.get(n) == c:
+                reach(n, c, seen)
+    return out

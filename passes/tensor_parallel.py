@@ -37,7 +37,7 @@ from __future__ import annotations
 import operator
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.fx as fx
@@ -218,7 +218,8 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
                           sequence_parallel: bool | None = None, *, seed: int = 0,
                           model: torch.nn.Module | None = None,
                           init: Callable[[torch.nn.Module], None] | None = None,
-                          prefix: str = "model.", vocab_multiple: int = 128) -> fx.GraphModule:
+                          prefix: str = "model.", vocab_multiple: int = 128,
+                          materialize: Collection[str] | None = None) -> fx.GraphModule:
     """Rewrite `gm` in place into tensor rank `tp_rank`'s program (of `t` ranks in `group`).
 
     Requires: gm from capture; `plan_or_t` an int t or a Plan (its t, sequence_parallel);
@@ -230,7 +231,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
       owning module of the user's `model` (graph names minus `prefix`) under the seed
       (seed, module path): its reset_parameters(), then `init(module)` (e.g. the model's
       _init_weights) — one module's parameters in memory at a time; meta buffers are restored
-      from meta_init's record); view/reshape/expand/split constants are local; collectives are
+      from meta_init's record). With `materialize` (a set of get_attr targets, e.g. the
+      weights of this pipeline rank's chunks from passes.pipeline.chunk_attr_targets), only
+      those become real tensors; every other tensor attribute becomes a meta tensor of its
+      local shape (never initialised, never copied). view/reshape/expand/split constants are
+      local; collectives are
       call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
       lints. Reads meta tp_layout / tp_convert / tp_role / tp_param; rewrites meta['val'] to
       local shapes.
@@ -249,7 +254,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
         propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
                            vocab_multiple=vocab_multiple)
         info = gm.meta["tp"]
-    if _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed):
+    if _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed, materialize):
         _real_device_constants(gm, torch.device("cpu"))
     gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
     if t > 1:
@@ -271,28 +276,41 @@ def _get_owner(gm: torch.nn.Module, target: str) -> tuple[torch.nn.Module, str]:
 
 def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
                       model: torch.nn.Module | None, init: Callable | None, prefix: str,
-                      seed: int) -> bool:
+                      seed: int, materialize: Collection[str] | None = None) -> bool:
     """Replace every split parameter (and its tied aliases) by this rank's shard; materialise
     meta parameters and buffers locally (see autopar.runtime.shard: global-shape init per
-    module, buffers recorded by meta_init). Returns whether anything was on the meta device."""
+    module, buffers recorded by meta_init) — only the targets in `materialize` when given,
+    the rest become meta tensors of local shape. Returns whether anything was on the meta
+    device."""
     done: dict[int, torch.Tensor] = {}
     meta = _MetaSource(model, init, prefix, seed)
+    made: set[int] = set()          # ids of the replacements already installed
+    saw_meta = False
     targets = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    # by tensor, not by name: a tied weight is real if any of its names is wanted
+    wanted = None if materialize is None else {
+        id(getattr(*_get_owner(gm, x), None)) for x in targets if x in materialize}
     for target in sorted(targets):
         owner, name = _get_owner(gm, target)
         full = getattr(owner, name, None)
-        if not isinstance(full, torch.Tensor):
-            continue
+        if not isinstance(full, torch.Tensor) or id(full) in made:
+            continue    # not a tensor, or an alias already replaced through a tied name
+        saw_meta |= full.is_meta
         split = info.params.get(target) if t > 1 else None
-        if split is None and not full.is_meta:
+        real = wanted is None or id(full) in wanted
+        if split is None and not full.is_meta and real:
             continue
         if id(full) not in done:
-            value = meta.value(target, full) if full.is_meta else full.detach()
+            if real:
+                value = meta.value(target, full) if full.is_meta else full.detach()
+            else:   # another pipeline rank's weight: its local shape only, no memory
+                value = full.detach() if full.is_meta else torch.empty_like(full, device="meta")
             local = shard_rt.local_shard(value, split, rank, t) if split is not None else value
             done[id(full)] = (torch.nn.Parameter(local, requires_grad=full.requires_grad)
                               if isinstance(full, torch.nn.Parameter) else local)
+            made.add(id(done[id(full)]))
         _replace_everywhere(gm, full, done[id(full)])
-    return meta.used
+    return saw_meta
 
 
 def _real_device_constants(gm: fx.GraphModule, device: torch.device) -> None:

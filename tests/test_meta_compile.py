@@ -57,3 +57,32 @@ def test_meta_model_compiles_and_matches_its_real_twin():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_a_pipeline_rank_materialises_only_its_own_chunks(t):
+    """Local shards only (issue 3): the build for pipeline rank r makes real tensors for the
+    weights of r's chunks (c ≡ r mod p) only; the other chunks' weights stay meta shapes."""
+    from autopar.build import build_program
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16)
+    with autopar.meta_init():
+        model = GPT(cfg)
+    ids = torch.zeros(1, cfg.block_size, dtype=torch.long)
+    prog = autopar.parallelize(model, gpus=2 * t, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=4,
+                               cluster="local-cpu", t=t, p=2, v=2, micro_batch_size=1,
+                               schedule="interleaved-1f1b", init=_init)
+    built = build_program(prog)
+    total = sum(x.numel() for x in built.gm.parameters())
+    for r in range(2):
+        chunks = built.chunks(t - 1, pp_rank=r)
+        mine = {id(x) for c, gm in enumerate(chunks) if c % 2 == r for x in gm.parameters()}
+        for c, gm in enumerate(chunks):
+            for name, x in gm.named_parameters():
+                if c % 2 == r:
+                    assert not x.is_meta, (r, c, name)
+                elif id(x) not in mine:
+                    assert x.is_meta, (r, c, name)
+        real = {id(x): x.numel() for gm in chunks for x in gm.parameters() if not x.is_meta}
+        assert 0 < sum(real.values()) < 0.8 * total / t   # about half of this rank's 1/t
+    assert all(x.is_meta for gm in built.chunks(0, weights=False) for x in gm.parameters())

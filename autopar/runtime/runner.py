@@ -209,7 +209,7 @@ class Runner:
                                  f"first and last stage (tied embeddings) are supported")
         self._full_shapes = {k: tuple(v.shape) for k, v in  # tied weights under every name
                              built.gm.named_parameters(remove_duplicate=False)}
-        self._splits = self._tp_splits()
+        self._splits = self._tp_splits(all_chunks)
         self._blocked: dict[str, tuple[Any, int]] = {}   # q -> (ParamSplit, full size)
         self.param_infos = {q: self._param_info(q) for q in self._params}
         self._build_training(options)
@@ -222,6 +222,7 @@ class Runner:
             tp_rank=pg.tp_rank, record=options.record_timeline,
             before_action=self._before_action, after_run=self._after_run)
         self._arm_at = self._arming_points(actions)
+        built.release(pg.tp_rank, pg.pp_rank)   # the runner owns its weights now
         self.steps = 0
 
     # ---- construction -------------------------------------------------------------------
@@ -231,6 +232,12 @@ class Runner:
         plan, pg = self.plan, self.pg
         shared: dict[str, torch.nn.Parameter] = {}
         self._qual: dict[tuple[int, str], str] = {}
+        # Tensors of the user's model are copied; shards and materialised weights the build
+        # made for this rank are taken over (the build's cache of them is released below).
+        users = {id(x) for x in list(self.built.gm.parameters()) + list(self.built.gm.buffers())}
+
+        def own(x: torch.Tensor) -> torch.Tensor:
+            return (x.detach().clone() if id(x) in users else x.detach()).to(self.device)
         out = {}
         for c in range(pg.pp_rank, plan.p * plan.v, plan.p):
             gm = all_chunks[c]
@@ -247,12 +254,11 @@ class Runner:
             net = module.CHUNK_CLASS()
             for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
                 if qual not in shared:  # one tensor per name on this rank (tied weights share)
-                    value = getattr(gm, attr).detach().clone().to(self.device)
-                    shared[qual] = torch.nn.Parameter(value, requires_grad=True)
+                    shared[qual] = torch.nn.Parameter(own(getattr(gm, attr)), requires_grad=True)
                 net.register_parameter(attr, shared[qual])
                 self._qual[(c, attr)] = qual
             for attr, (qual, _shape, _dtype) in module.BUFFERS.items():
-                net.register_buffer(attr, getattr(gm, attr).detach().clone().to(self.device))
+                net.register_buffer(attr, own(getattr(gm, attr)))
             for attr, qual in getattr(module, "OBJECTS", {}).items():
                 if qual != "tp_group":
                     raise ValueError(f"compile: chunk {c} refers to attribute {attr} ({qual}), "
@@ -262,12 +268,11 @@ class Runner:
             out[c] = LoadedChunk.from_module(c, module, net)
         return out
 
-    def _tp_splits(self) -> dict[str, tuple[Any, int]]:
+    def _tp_splits(self, all_chunks: list) -> dict[str, tuple[Any, int]]:
         """Graph name -> (ParamSplit, full size along its dim) of this rank's split parameters."""
         splits: dict[str, tuple[Any, int]] = {}
         if self.pg.t == 1:
             return splits
-        all_chunks = self.built.chunks(self.pg.tp_rank)
         for c in self.chunks:
             gm = all_chunks[c]
             spec = gm.meta["autopar_chunk"]
