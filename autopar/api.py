@@ -85,10 +85,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     of solving again; it must be for the same GPU count.
     """
     from autopar.cost.hardware import get_cluster
-    from autopar.cost.solver import solve
+    from autopar.cost.solver import solve, tensor_degrees
     from autopar.passes.capture import capture
     from autopar.passes.layers import find_layers
     from autopar.passes.profile import profile_from_graph
+    from autopar.passes.tp_cost import with_tp_corrections
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
@@ -117,6 +118,10 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     seq_len = int(example_inputs[0].shape[1]) if example_inputs[0].dim() > 1 else 1
     profile = profile_from_graph(captured, structure, seq_len=seq_len,
                                  name=name or type(model).__name__)
+    # what the tensor-parallel pass keeps replicated at each t the solver may pick, priced
+    profile = with_tp_corrections(
+        profile, captured, structure, tensor_degrees(profile, cl, gpus, t),
+        sequence_parallel=(False, True) if sequence_parallel is None else (sequence_parallel,))
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,

@@ -11,6 +11,14 @@ Mechanisms (one each, no per-configuration constants):
   tensor-parallel collectives); selective = the attention core (activation-activation GEMMs)
   plus re-materialising the dropped attention tensors.
 - Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
+- Tensor-parallel fallbacks (`ModelProfile.tp_fallbacks`, from the graph path's analysis of the
+  tensor-parallel pass at each t, autopar/passes/tp_cost.py): the GEMMs the pass keeps replicated
+  are priced whole (t = 1), their parameters, saved activations and elementwise bytes are not
+  divided by t (not even under sequence parallelism), the all-reduces of row-parallel GEMMs it
+  does not split are dropped, and the collectives it inserts (gathers of split values, gradient
+  all-gathers / all-reduces of sliced replicated values) are added to the tensor-parallel
+  communication, forward ones again under full recompute. Without an entry for t (textbook
+  profiles) the structural split of Gemm.tp_split is priced as is.
 - Collectives (`allreduce_s`, `allgather_s`, `p2p_s`): latency + bytes / bandwidth of the link
   the group lives on (Megatron rank order, `group_link`): ring all-reduce 2(n-1)/n, all-gather
   and reduce-scatter (n-1)/n. Nothing is overlapped with compute except the data-parallel
@@ -55,7 +63,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.cost.hardware import Cluster
-from autopar.cost.profile import Gemm, ModelProfile, RegionProfile
+from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
 from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Prediction
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
@@ -203,6 +211,30 @@ def gemm_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float,
     return max(compute_s, traffic_s) + cluster.kernel_launch_s
 
 
+def _fallback(profile: ModelProfile, kind: str, t: int, sp: bool) -> TPRegionFallback:
+    """What the tensor-parallel pass keeps whole in region `kind` at (t, sp) (see cost/profile.py
+    TPRegionFallback); nothing when the profile has no analysis for t."""
+    if not profile.tp_fallbacks or t <= 1:
+        return NO_FALLBACK
+    c = profile.tp_correction(t, sp)
+    return c.region(kind) if c is not None else NO_FALLBACK
+
+
+def _extra_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int, e: int,
+                         tp_inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives the pass inserts in a region, per
+    micro-batch."""
+    fwd = bwd = 0.0
+    for c in fix.collectives:
+        coll = allgather_s if c.kind == "all-gather" else allreduce_s
+        sec = coll(cluster, b * c.elems * e, t, tp_inter)
+        if c.backward:
+            bwd += sec
+        else:
+            fwd += sec
+    return fwd, bwd
+
+
 def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int) -> float:
     batch = g.batch * (b if g.batch_scales else 1)
     m = g.m * (1 if g.batch_scales else b)
@@ -220,10 +252,13 @@ def elementwise_time_s(cluster: Cluster, nbytes: float) -> float:
     return nbytes / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
 
 
-def _other_bytes(region: RegionProfile, t: int, b: int, sp: bool) -> float:
-    """Non-GEMM bytes per micro-batch on one tensor rank (replicated part split only by SP)."""
+def _other_bytes(region: RegionProfile, t: int, b: int, sp: bool,
+                 fix: TPRegionFallback = NO_FALLBACK) -> float:
+    """Non-GEMM bytes per micro-batch on one tensor rank (replicated part split only by SP; the
+    part the tensor-parallel pass keeps whole not at all)."""
     repl = region.other_bytes - region.other_split_bytes
-    return b * (region.other_split_bytes / t + repl / (t if sp else 1))
+    split = region.other_split_bytes - fix.other_split_bytes
+    return b * (split / t + repl / (t if sp else 1) + fix.other_split_bytes)
 
 
 # ----- communication ----------------------------------------------------------------------------
@@ -310,22 +345,26 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
     """(compute_s, tp_comm_s, forward_pass_s) of one block for one micro-batch: compute_s is
     forward + backward + recompute; forward_pass_s the forward with its TP collectives."""
     blk, e = profile.block, profile.activation_bytes_per_elem
-    gemm = [_local_gemm_time_s(cluster, g, t, b, e) for g in blk.gemms]
+    fix = _fallback(profile, "block", t, sp)
+    gemm = [_local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e)
+            for i, g in enumerate(blk.gemms)]
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)
-    fwd_other = elementwise_time_s(cluster, _other_bytes(blk, t, b, sp))
+    fwd_other = elementwise_time_s(cluster, _other_bytes(blk, t, b, sp, fix))
     fwd = fwd_gemm + fwd_other
     bwd = 2 * fwd_gemm + BWD_ELEMENTWISE_FACTOR * fwd_other
     if recompute == "full":
         rec = fwd
     elif recompute == "selective":
-        rec = attn_gemm + elementwise_time_s(cluster, 2 * b * blk.act_attention_bytes / t)
+        rec = attn_gemm + elementwise_time_s(cluster, _attention_bytes(blk, t, fix, 2 * b))
     else:
         rec = 0.0
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
-    # the same bytes), the same in backward, once more for a full recompute
-    ar_bytes = b * blk.tp_allreduce_elems * e
-    n_coll = max(1, round(blk.tp_allreduce_elems / (profile.seq_len * profile.hidden)))
+    # the same bytes), the same in backward, once more for a full recompute; minus those of
+    # row-parallel GEMMs the pass keeps replicated, plus the collectives it inserts
+    ar_elems = blk.tp_allreduce_elems - fix.allreduce_elems_removed
+    ar_bytes = b * ar_elems * e
+    n_coll = max(1, round(ar_elems / (profile.seq_len * profile.hidden)))
     if sp:
         one = 2 * n_coll * allgather_s(cluster, ar_bytes / n_coll, t, tp_inter)
         # SP keeps only the sequence shard of each column-parallel input, so backward
@@ -335,8 +374,10 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
         one = n_coll * allreduce_s(cluster, ar_bytes / n_coll, t, tp_inter)
         extra = 0.0
     passes = 3 if recompute == "full" else 2
-    tp = passes * one + extra if blk.tp_allreduce_elems else 0.0
-    return fwd + bwd + rec, tp, fwd + (one if blk.tp_allreduce_elems else 0.0)
+    tp = passes * one + extra if ar_elems else 0.0
+    x_fwd, x_bwd = _extra_collectives_s(cluster, fix, t, b, e, tp_inter)
+    tp += (2 if recompute == "full" else 1) * x_fwd + x_bwd
+    return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
 
 
 def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bool,
@@ -345,34 +386,57 @@ def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: b
     e = profile.activation_bytes_per_elem
     vpad_ratio = padded_vocab(profile.vocab, t) / profile.vocab
     emb, head = profile.embedding, profile.head
-    emb_s = 3 * elementwise_time_s(cluster, _other_bytes(emb, t, b, sp))
-    emb_ar = b * emb.tp_allreduce_elems * e
+    efix, hfix = _fallback(profile, "embedding", t, sp), _fallback(profile, "head", t, sp)
+    emb_s = 3 * elementwise_time_s(cluster, _other_bytes(emb, t, b, sp, efix))
+    emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
     emb_s += (allgather_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
+    emb_s += sum(_extra_collectives_s(cluster, efix, t, b, e, tp_inter))
     head_s = 0.0
-    for g in head.gemms:
+    for i, g in enumerate(head.gemms):
+        if i in hfix.replicated_gemms:  # kept whole by the tensor-parallel pass: no padding
+            head_s += 3 * _local_gemm_time_s(cluster, g, 1, b, e)
+            continue
         n = g.n * vpad_ratio if g.tp_split == "n" else g.n
         g2 = Gemm(name=g.name, batch=g.batch, m=g.m, n=round(n), k=g.k, tp_split=g.tp_split,
                   batch_scales=g.batch_scales)
         head_s += 3 * _local_gemm_time_s(cluster, g2, t, b, e)
-    head_s += 3 * elementwise_time_s(cluster, _other_bytes(head, t, b, sp) * vpad_ratio)
+    whole = b * hfix.other_split_bytes
+    head_s += 3 * elementwise_time_s(
+        cluster, (_other_bytes(head, t, b, sp, hfix) - whole) * vpad_ratio + whole)
     # column-parallel head: identity forward, all-reduce of the input gradient in backward
     # (SP: all-gather forward + reduce-scatter backward, the same bytes)
-    in_bytes = b * head.input_bytes
+    in_bytes = b * (head.input_bytes - hfix.allreduce_elems_removed * e)
     head_s += (2 * allgather_s(cluster, in_bytes, t, tp_inter) if sp
                else allreduce_s(cluster, in_bytes, t, tp_inter))
+    head_s += sum(_extra_collectives_s(cluster, hfix, t, b, e, tp_inter))
     return emb_s, head_s
 
 
-def _params(profile: ModelProfile, t: int) -> tuple[float, float, float]:
-    """Parameters on one tensor rank: (per block, embedding on rank 0, head on rank p-1)."""
+def _params(profile: ModelProfile, t: int, sp: bool = False) -> tuple[float, float, float]:
+    """Parameters on one tensor rank: (per block, embedding on rank 0, head on rank p-1); the
+    split ones the tensor-parallel pass keeps whole at (t, sp) count whole."""
     vpad = padded_vocab(profile.vocab, t)
     blk, emb, head = profile.block, profile.embedding, profile.head
-    block = blk.params_split_elems / t + blk.params_replicated_elems
-    embp = emb.params_split_elems * vpad / profile.vocab / t + emb.params_replicated_elems
-    headp = head.params_split_elems * vpad / profile.vocab / t + head.params_replicated_elems
+    bf, ef, hf = (_fallback(profile, k, t, sp).params_elems for k in ("block", "embedding", "head"))
+    block = (blk.params_split_elems - bf) / t + blk.params_replicated_elems + bf
+    table = (emb.params_split_elems - ef) * vpad / profile.vocab / t + ef
+    embp = table + emb.params_replicated_elems
+    headp = ((head.params_split_elems - hf) * vpad / profile.vocab / t
+             + head.params_replicated_elems + hf)
     if profile.tied_embeddings:  # the last stage keeps a copy of the word embedding
-        headp += emb.params_split_elems * vpad / profile.vocab / t
+        headp += table
     return block, embp, headp
+
+
+def _tied_table_elems(profile: ModelProfile, t: int, sp: bool) -> float:
+    """Elements of the (tied) word embedding on one tensor rank, as the gradient sync sees it."""
+    ef = _fallback(profile, "embedding", t, sp).params_elems
+    return (profile.embedding.params_split_elems - ef) / t + ef
+
+
+def _attention_bytes(blk: RegionProfile, t: int, fix: TPRegionFallback, b: float = 1) -> float:
+    """Attention activations (the s² tensors) of b sequences on one tensor rank."""
+    return b * (blk.act_attention_bytes - fix.act_attention_bytes) / t + b * fix.act_attention_bytes
 
 
 def _activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str, sp: bool) -> float:
@@ -380,10 +444,11 @@ def _activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str, sp:
     blk = profile.block
     if recompute == "full":
         return b * blk.input_bytes / (t if sp else 1)
+    fix = _fallback(profile, "block", t, sp)
     repl = blk.act_replicated_bytes / (t if sp else 1)
-    kept = blk.act_split_bytes / t + repl
+    kept = (blk.act_split_bytes - fix.act_split_bytes) / t + repl + fix.act_split_bytes
     if recompute == "none":
-        kept += blk.act_attention_bytes / t
+        kept += _attention_bytes(blk, t, fix)
     return b * kept
 
 
@@ -412,7 +477,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
         # 1F1B-style schedules: every micro-batch's pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
         # prefetching hides it behind the layer's compute, the excess is exposed
         dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
-        block_p = _params(profile, t)[0]
+        block_p = _params(profile, t, sp)[0]
         passes = 3 if cfg.recompute == "full" else 2
         gather_s = (passes * allgather_s(cluster, 2 * block_p, d, dp_inter)
                     + allgather_s(cluster, GRAD_REDUCE_BYTES * block_p, d, dp_inter))
@@ -446,7 +511,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     zt = ZERO_TRAITS[cfg.zero]
     comp_ns, tp_ns, emb_ns, head_ns, p2p_ns = load_parts_ns(profile, cluster, cfg, memo)
     comp_s = comp_ns / NS
-    block_p, emb_p, head_p = _params(profile, t)
+    block_p, emb_p, head_p = _params(profile, t, sp)
 
     dp_layer, window_layer, dp_first, dp_last = _dp_terms_s(
         profile, cluster, cfg, memo, block_p, emb_p, head_p, comp_s)
@@ -490,8 +555,8 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
     pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
     tied_sync = 0.0
     if profile.tied_embeddings and p > 1:  # first and last stage sum the shared embedding grad
-        tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * profile.embedding.params_split_elems
-                                / t, 2, pp_inter)
+        tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * _tied_table_elems(
+            profile, t, cfg.sequence_parallel and t > 1), 2, pp_inter)
     zero3 = zt.per_microbatch_gather
     if d <= 1 or (zero3 and not sched.chunk_major):  # ZeRO-3 under 1F1B: in the load
         return 0.0, 0.0, tied_sync, tied_sync
@@ -554,7 +619,7 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     (embedding and head included): no partition of this configuration needs less."""
     zt = ZERO_TRAITS[cfg.zero]
     per_param = zt.weight_bytes(cfg.d) + zt.grad_bytes(cfg.d) + zt.optimizer_bytes(cfg.d)
-    block_p, emb_p, head_p = _params(profile, cfg.t)
+    block_p, emb_p, head_p = _params(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
     return per_param * (block_p * profile.num_layers + emb_p + head_p) / cfg.p
 
 
@@ -579,8 +644,8 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
     full_layer = _activation_bytes(profile, t, b, "none", sp)
     # working memory while one layer runs its backward: its full activations when recomputed
     # (full) or its attention tensors (selective); ZeRO-3 also holds 2 gathered layers
-    work = {"full": full_layer, "selective": b * profile.block.act_attention_bytes / t,
-            "none": 0.0}[cfg.recompute]
+    work = {"full": full_layer, "selective": _attention_bytes(
+        profile.block, t, _fallback(profile, "block", t, sp), b), "none": 0.0}[cfg.recompute]
     # ZeRO-3 working set. Chunk-major: two chunks of the rank (computing + prefetched) in
     # 16-bit, the fp32 accumulator of the chunk in backward and the 16-bit buffer of the one
     # being reduce-scattered, per layer 4/v + 6/v B per parameter; the embedding / head are
@@ -590,11 +655,14 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
         chunk_w, chunk_g, edge_w, edge_g = 4.0 / v, 6.0 / v, 2.0, 4.0
     elif zt.per_microbatch_gather:
         work += 2 * 2 * block_p
-    emb_act = b * (profile.embedding.act_split_bytes / t + profile.embedding.act_replicated_bytes
-                   / (t if sp else 1))
+    efix, hfix = _fallback(profile, "embedding", t, sp), _fallback(profile, "head", t, sp)
+    emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t
+                   + profile.embedding.act_replicated_bytes / (t if sp else 1)
+                   + efix.act_split_bytes)
     vpad_ratio = padded_vocab(profile.vocab, t) / profile.vocab
-    head_act = b * (profile.head.act_split_bytes * vpad_ratio / t
-                    + profile.head.act_replicated_bytes / (t if sp else 1))
+    head_act = b * ((profile.head.act_split_bytes - hfix.act_split_bytes) * vpad_ratio / t
+                    + profile.head.act_replicated_bytes / (t if sp else 1)
+                    + hfix.act_split_bytes)
     mem_layer, mem_fixed, parts, fparts = [], [], [], []
     for r in range(p):
         inflight = sched.inflight(p, v, m, r)

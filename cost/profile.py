@@ -85,12 +85,78 @@ class RegionProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TPCollective:
+    """A collective the tensor-parallel pass inserts beyond the structural (Megatron) ones, for one
+    sequence: `kind` "all-gather" (also a reduce-scatter: the same bytes) or "all-reduce" of a
+    value of `elems` elements (its global size); in the forward pass (repeated by a full
+    recompute) or in the backward pass."""
+    kind: Literal["all-gather", "all-reduce"]
+    elems: int
+    backward: bool
+    what: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPRegionFallback:
+    """What the tensor-parallel pass keeps whole in one region at one t, relative to the region's
+    structural split (the `tp_split` of its GEMMs and its split / replicated counts).
+
+    replicated_gemms: indices into RegionProfile.gemms the pass computes whole on every rank.
+    params_elems: parameter elements the profile counts as split that stay replicated.
+    act_split_bytes / act_attention_bytes: saved activations (per sequence) the profile divides
+      by t that stay whole on every rank (also under sequence parallelism).
+    other_split_bytes: non-GEMM bytes (per sequence) the profile divides by t that stay whole.
+    allreduce_elems_removed: forward all-reduce elements of the structural count
+      (RegionProfile.tp_allreduce_elems) the pass does not do (a row-parallel GEMM kept
+      replicated, a vocabulary embedding not split); the backward pair goes with it.
+    collectives: the extra collectives the pass inserts around the replicated values.
+    """
+    replicated_gemms: tuple[int, ...] = ()
+    params_elems: int = 0
+    act_split_bytes: int = 0
+    act_attention_bytes: int = 0
+    other_split_bytes: int = 0
+    allreduce_elems_removed: int = 0
+    collectives: tuple[TPCollective, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return self == NO_FALLBACK
+
+
+NO_FALLBACK = TPRegionFallback()
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPCorrection:
+    """The tensor-parallel pass's decision at degree t (and sequence_parallel) as corrections of
+    the structural profile, per region (built by autopar.passes.tp_cost from the graph)."""
+    t: int
+    sequence_parallel: bool
+    embedding: TPRegionFallback = NO_FALLBACK
+    block: TPRegionFallback = NO_FALLBACK
+    head: TPRegionFallback = NO_FALLBACK
+    fallbacks: tuple[str, ...] = ()  # the pass's replicated candidates (node: reason)
+
+    @property
+    def empty(self) -> bool:
+        return self.embedding.empty and self.block.empty and self.head.empty
+
+    def region(self, kind: str) -> TPRegionFallback:
+        return getattr(self, kind)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelProfile:
     """A transformer as the planner sees it: embedding, `num_layers` identical blocks, head.
 
     `block` is analysed once and stands for every repeated layer. Dimensions are read from the
     graph (hidden, heads, kv_heads, vocab, ffn) and are used for divisibility rules.
     `activation_bytes_per_elem` is the training precision the act_* numbers assume (2: 16-bit).
+    `tp_fallbacks`: for each tensor-parallel degree t (and sequence_parallel) the graph path
+    analysed, what the tensor-parallel pass keeps replicated and the collectives it adds
+    (`TPCorrection`); the cost model prices them. Empty for the textbook profile, and for a t
+    that was not analysed: the structural split (`Gemm.tp_split`) is priced as is.
     """
     name: str
     num_layers: int
@@ -106,6 +172,23 @@ class ModelProfile:
     tied_embeddings: bool = False
     activation_bytes_per_elem: int = 2
     notes: tuple[str, ...] = field(default=())
+    tp_fallbacks: tuple[TPCorrection, ...] = field(default=())
+
+    def tp_correction(self, t: int, sequence_parallel: bool = False) -> TPCorrection | None:
+        """The pass's corrections at (t, sequence_parallel); the other mode's at t when only
+        that one was analysed (their replicated GEMMs and parameters are the same); None for
+        t = 1, a t not analysed, or no corrections (the structural split holds)."""
+        if t <= 1:
+            return None
+        sp = bool(sequence_parallel)
+        found = None
+        for c in self.tp_fallbacks:
+            if c.t == t and c.sequence_parallel == sp:
+                found = c
+                break
+            if c.t == t and found is None:
+                found = c
+        return None if found is None or found.empty else found
 
     @property
     def params_elems(self) -> int:

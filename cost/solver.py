@@ -99,6 +99,18 @@ def _tensor_rule(profile: ModelProfile, t: int) -> str | None:
     return None
 
 
+def tensor_degrees(profile: ModelProfile, cluster: "Cluster | str", gpus: int,
+                   t: int | None = None) -> list[int]:
+    """The tensor-parallel degrees t > 1 `solve` may choose for `gpus` GPUs (the rules of
+    `enumerate_configs`: t divides gpus, passes _tensor_rule, and stays in a node unless
+    pinned); the graph path analyses the tensor-parallel pass at these (passes/tp_cost.py)."""
+    cluster = get_cluster(cluster)
+    if t is not None:
+        return [t] if isinstance(t, int) and t > 1 and gpus % t == 0 else []
+    return [k for k in _divisors(gpus) if k > 1 and _tensor_rule(profile, k) is None
+            and k <= cluster.gpus_per_node]
+
+
 def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
                       pins: Pins) -> tuple[list[Config], list[Rejection]]:
     """All knob combinations the rules allow, and the rejected ones with reasons."""
@@ -154,9 +166,7 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
             for recompute in RECOMPUTE:
                 if not pins.allows("recompute", recompute):
                     continue
-                # with t = 1 (d = 1) sequence parallelism (ZeRO) is a no-op: one value,
-                # the pinned one if any
-                sps = (False, True) if t > 1 else (bool(pins.sequence_parallel),)
+                sps = _sequence_parallel_modes(profile, t, p, d, pins, rejected)
                 for sp in sps:
                     if t > 1 and not pins.allows("sequence_parallel", sp):
                         continue
@@ -179,6 +189,21 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                         yield Config(t=t, p=p, d=d, v=v, micro_batch_size=b,
                                      num_microbatches=m, schedule=schedule,
                                      recompute=recompute, sequence_parallel=sp, zero=zero)
+
+
+def _sequence_parallel_modes(profile, t, p, d, pins, rejected) -> tuple[bool, ...]:
+    """Sequence parallelism splits the sequence over the t ranks, so it needs seq_len % t == 0
+    (the pass refuses otherwise); with t = 1 it is a no-op: one value, the pinned one if any."""
+    if t == 1:
+        return (bool(pins.sequence_parallel),)
+    if profile.seq_len % t == 0:
+        return (False, True)
+    why = Rejection({"t": t, "p": p, "d": d, "sequence_parallel": True},
+                    f"sequence parallelism needs the sequence length ({profile.seq_len}) "
+                    f"divisible by t={t}; pick a t that divides it or pad the sequence")
+    if pins.sequence_parallel and why not in rejected:
+        rejected.append(why)
+    return (False,)
 
 
 def _breadth_first_vs(p: int, l: int, pins: Pins) -> list[int]:
@@ -467,6 +492,11 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: t={pins.t}: {why}; pick a t that divides them (the "
                              f"vocabulary {profile.vocab} needs no rule: it is padded to a "
                              f"multiple of 128·t)")
+        if pins.sequence_parallel and profile.seq_len % pins.t:
+            raise ValueError(f"solve: sequence_parallel=True with t={pins.t}: sequence "
+                             f"parallelism needs the sequence length ({profile.seq_len}) "
+                             f"divisible by t={pins.t}; pick a t that divides it or pad the "
+                             f"sequence")
     pinned = [(n, getattr(pins, n)) for n in ("t", "p", "d") if getattr(pins, n) is not None]
     prod = math.prod(v for _, v in pinned)
     if pinned and (gpus % prod or (len(pinned) == 3 and prod != gpus)):
@@ -565,7 +595,8 @@ def _evaluate(profile, cluster, configs):
     smemo: dict = {}
     for i in order:
         cfg = configs[i]
-        skey = (cfg.t, cfg.p, cfg.d, cfg.zero)
+        # (sequence parallelism can change what the tensor-parallel pass replicates)
+        skey = (cfg.t, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
         if skey not in smemo:
             smemo[skey] = state_bytes_lower_bound(profile, cfg)
         state = smemo[skey]

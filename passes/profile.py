@@ -3,7 +3,13 @@
 Requires: a `Captured` and the `LayerStructure` of `find_layers` (nodes tagged with
   meta["autopar_region"]). Reads meta["val"], meta["nn_module_stack"], meta["autopar_region"].
   Writes meta["autopar_gemm"] (the `Gemm` of each matmul node) and meta["autopar_tp"]
-  ("n" | "k" | "batch" | None) on the nodes it classifies.
+  ("n" | "k" | "batch" | None) on the nodes it classifies, and for autopar.passes.tp_cost (which
+  prices the tensor-parallel pass's replicated fallbacks against this profile):
+  meta["autopar_gemm_idx"] (indices of the node's GEMMs in its region's `gemms`),
+  meta["autopar_other"] ((bytes per sequence, counted as split)) on nodes of other_bytes,
+  meta["autopar_saved"] ([(producer node name | None, bytes per sequence, "split" | "repl" |
+  "attn")]) on nodes that save tensors for backward, and gm.meta["autopar_params"]
+  ({region: {parameter identity: (elements, split)}}).
 Guarantees: one `RegionProfile` per region (embedding, block 0 standing for every block, head +
   loss), per sequence (the example batch is divided out), with:
   - GEMMs from aten mm / addmm / bmm / baddbmm / matmul / linear and scaled_dot_product_attention
@@ -88,6 +94,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
     regions["block"].allreduce = g.row_gemms * s * h
     regions["embedding"].allreduce = s * h if g.vocab_embedding is not None else 0
     out = {k: _finish(k, r, g.input_bytes(k)) for k, r in regions.items()}
+    gm.meta["autopar_params"] = {k: dict(r.params) for k, r in regions.items()}
     notes = [f"graph profile: {structure.num_layers} × {structure.block_class}"
              + (f" ({structure.num_blocks} captured)" if structure.num_blocks != structure.num_layers
                 else "")]
@@ -345,11 +352,13 @@ def _gemms_and_params(g: _GraphFacts, kind: str, region: list, r: _Region) -> No
         if n.op != "call_function":
             continue
         if n.target in _SDPA:
+            n.meta["autopar_gemm_idx"] = (len(r.gemms), len(r.gemms) + 1)
             r.gemms.extend(_sdpa_gemms(n, g.batch, _label(n, base)))
             n.meta["autopar_tp"] = "batch"
         elif n.target in _WEIGHT_GEMMS:
             split = g.split_of(n, kind)
             gemm = _gemm(n, g.batch, _label(n, base), split)
+            n.meta["autopar_gemm_idx"] = (len(r.gemms),)
             r.gemms.append(gemm)
             n.meta["autopar_gemm"], n.meta["autopar_tp"] = gemm, split
             _charge_params(g, n, split, r, shared)
@@ -426,12 +435,15 @@ def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
             b = 3 * _numel(q.shape[:-1]) * int(k.shape[-2]) * TRAIN_BYTES_PER_ELEM / g.batch
             r.other += b
             r.other_split += b
+            n.meta["autopar_other"] = (b, True)
             continue
         tensors = [_val(a) for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
         b = sum(_train_bytes(t) for t in tensors + [out]) / g.batch
         r.other += b
-        if out.dim() and int(out.shape[-1]) != g.hidden:
+        split = bool(out.dim() and int(out.shape[-1]) != g.hidden)
+        if split:
             r.other_split += b
+        n.meta["autopar_other"] = (b, split)
 
 
 def _train_bytes(t: torch.Tensor) -> float:
@@ -446,6 +458,8 @@ def _measure_activations(captured: Captured, g: _GraphFacts, regions: dict) -> N
     """Run the graph on meta tensors; charge each saved-for-backward storage to its region."""
     gm = g.gm
     seq = g.structure_seq()
+    for n in gm.graph.nodes:
+        n.meta.pop("autopar_saved", None)  # a second profile of the same graph starts afresh
     run = _SavedTensorMeter(gm, g, seq)
     args = [torch.empty_like(a, device="meta") if torch.is_tensor(a) else a
             for a in captured.example_inputs]
@@ -523,12 +537,17 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         acc = self.totals.setdefault(region, [0.0, 0.0, 0.0])
         if t.dim() >= 2 and int(t.shape[-1]) == self.seq and int(t.shape[-2]) == self.seq:
             acc[2] += nbytes
+            cls = "attn"
         elif (t.dim() >= 2 and int(t.shape[-1]) == self.g.hidden
               and self.node.meta.get("autopar_tp") != "k"
               and self.g.tp.get(self.node.name) != "k"):
             acc[1] += nbytes
+            cls = "repl"
         else:
             acc[0] += nbytes
+            cls = "split"
+        self.node.meta.setdefault("autopar_saved", []).append(
+            (made_by.name if made_by is not None else None, nbytes, cls))
         return t
 
 

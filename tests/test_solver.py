@@ -160,3 +160,13 @@ def test_solve_time_for_large_models_printed():
                      f"{plan.predicted.tflops_per_gpu:.0f} TFLOP/s/GPU")
         assert plan.t <= 8
     print("\n" + "\n".join(lines))
+
+
+def test_sequence_parallel_only_where_t_divides_the_sequence():
+    """The pass refuses SP when seq_len % t != 0, so the solver must never offer it there."""
+    prof = transformer_profile(num_layers=8, hidden=1536, heads=24, seq_len=1000, vocab=V)
+    plan = solve(prof, A100, gpus=24, global_batch_size=24, t=3)    # 1000 % 3 != 0
+    assert plan.t == 3 and not plan.sequence_parallel
+    assert solve(prof, A100, gpus=24, global_batch_size=24, t=4).t == 4  # 1000 % 4 == 0
+    with pytest.raises(ValueError, match=r"sequence length \(1000\) divisible by t=3"):
+        solve(prof, A100, gpus=24, global_batch_size=24, t=3, sequence_parallel=True)

@@ -1,0 +1,291 @@
+"""Price the tensor-parallel pass's decisions: per-t corrections of the structural profile.
+
+`profile_from_graph` classifies each GEMM by Megatron's structural rule (`Gemm.tp_split`) and the
+cost model divides the work, parameters and activations of every split GEMM by t. The pass
+(`propagate_sharding`) decides per t what really is split: where a split cannot continue (k/v
+projections when t exceeds the key/value heads, an op with no split rule, logits returned without
+a loss below the machine balance) it keeps the GEMMs replicated and inserts the collectives that
+connect replicated and split values. `tp_corrections` runs the pass for each candidate t (and
+sequence-parallel mode) on the planning graph and states the difference per region as a
+`TPCorrection` (cost/profile.py), which `cost/model.py` prices:
+
+  - replicated GEMMs: the region GEMMs the profile splits (n / k / batch) whose node the pass
+    leaves unsplit (layout neither Shard nor Partial);
+  - parameters: the region's parameters the profile counts as split and the pass does not split;
+  - activations / non-GEMM bytes: saved tensors and elementwise traffic the profile counts as
+    split, on the values downstream of a replicated GEMM that stay replicated ("affected" below:
+    the forward closure of the replicated GEMMs through non-GEMM ops with unsplit layouts, inside
+    the region);
+  - all-reduces removed: a row-parallel GEMM kept replicated does not all-reduce its output (nor
+    its column partner's input gradient); a vocabulary embedding that is not vocab-parallel does
+    not all-reduce the lookup; a head whose vocab GEMMs are all replicated needs no all-reduce of
+    its input gradient;
+  - extra collectives, mirroring the rewrite (`apply_tensor_parallel`'s `_Rewriter`) edge by
+    edge on `meta['tp_convert']`: a split value gathered to replicated (all-gather forward; its
+    backward is a reduce-scatter when the consumer is split and the value needs a gradient, else
+    a local slice) unless it is the structural sequence-parallel gather into a column-parallel
+    GEMM; a replicated value of the affected set sliced into a split consumer (free forward; the
+    gradient is all-gathered backward, or all-reduced through `copy_to_tp` for multi-block
+    slices); a replicated affected value read by a split op without a slice (`copy_to_tp`:
+    all-reduce of its gradient). Each is priced at the value's global size per sequence.
+    Partial → replicated / sequence-sharded edges are the structural all-reduces (reduce-scatters
+    under SP) that RegionProfile.tp_allreduce_elems already counts.
+
+Block 0 stands for every block, as in the profile. The pass writes only meta (node meta
+tp_layout / tp_convert / tp_role / tp_param and gm.meta['tp']); running it for another t
+overwrites all of it, and `apply_tensor_parallel` / `tp_report` re-run it when gm.meta['tp'] is
+for a different t or mode, so analysing several t on the planning graph is safe.
+
+Requires: the Captured / LayerStructure that `profile_from_graph` profiled (it writes the
+  autopar_gemm_idx / autopar_other / autopar_saved node meta and gm.meta["autopar_params"]
+  read here).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPRegionFallback
+from autopar.passes.capture import Captured
+from autopar.passes.layers import LayerStructure
+from autopar.passes.profile import _VIEWS, _batch_dependent, _param_identity
+from autopar.passes.sharding import Replicate, Shard, is_tensor
+from autopar.passes.tensor_parallel import _is_split, _requires_grad, propagate_sharding
+
+_REGIONS = ("embedding", "block", "head")
+_SPLITS = ("n", "k", "batch")
+
+
+def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: LayerStructure,
+                        ts: Iterable[int], *,
+                        sequence_parallel: Iterable[bool] = (False, True)) -> ModelProfile:
+    """`profile` with `tp_fallbacks` filled for every t > 1 of `ts` and every mode of
+    `sequence_parallel` the pass accepts (a sequence length not divisible by t rejects SP), and
+    a note per t with fallbacks (or whose analysis failed: that t is priced structurally)."""
+    corr, failed = _analyse(captured, structure, profile, ts, sequence_parallel)
+    notes = [f"tensor parallel t={c.t}{' + SP' if c.sequence_parallel else ''}: "
+             f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr if not c.empty]
+    notes += [f"tensor parallel t={t}{' + SP' if sp else ''}: pass analysis failed ({why}); "
+              f"priced structurally" for t, sp, why in failed]
+    return dataclasses.replace(profile, tp_fallbacks=corr, notes=profile.notes + tuple(notes))
+
+
+def tp_corrections(captured: Captured, structure: LayerStructure, profile: ModelProfile,
+                   ts: Iterable[int], *, sequence_parallel: Iterable[bool] = (False, True)
+                   ) -> tuple[TPCorrection, ...]:
+    """One `TPCorrection` per analysed (t, sequence_parallel), t > 1 (empty ones included: the
+    pass splits everything the profile splits). A mode the pass rejects (SP with a sequence
+    length not divisible by t) or cannot analyse is left out: the cost model then prices it
+    with the other mode's correction at that t, or structurally."""
+    return _analyse(captured, structure, profile, ts, sequence_parallel)[0]
+
+
+def _analyse(captured, structure, profile, ts, sequence_parallel):
+    gm = captured.gm
+    facts = _Facts(captured, structure, profile)
+    out, failed = [], []
+    for t in sorted({int(t) for t in ts if int(t) > 1}):
+        for sp in dict.fromkeys(bool(s) for s in sequence_parallel):
+            try:
+                propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
+            except ValueError:
+                continue  # SP with a sequence not divisible by t: the mode is not runnable
+            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
+                failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+                continue
+            try:
+                out.append(_correction(facts, t, sp))
+            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
+                failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+    return tuple(out), failed
+
+
+class _Facts:
+    """Per-graph facts shared by every t: regions, parameter identities, gradients, batch."""
+
+    def __init__(self, captured: Captured, structure: LayerStructure, profile: ModelProfile):
+        gm = captured.gm
+        if "autopar_params" not in gm.meta:
+            raise ValueError("tp_corrections: the graph has no profile meta; run "
+                             "profile_from_graph(captured, structure) on it first")
+        self.gm, self.profile, self.batch = gm, profile, captured.batch_size
+        self.nodes = {n.name: n for n in gm.graph.nodes}
+        self.region = {"embedding": [self.nodes[x] for x in structure.embedding_nodes],
+                       "block": [self.nodes[x] for x in structure.block_nodes[0]],
+                       "head": [self.nodes[x] for x in structure.head_nodes]}
+        self.region["head"] += [n for n in gm.graph.nodes  # output gathers (logits, no loss)
+                                if n.op == "output" and n not in self.region["head"]]
+        self.targets: dict[int, list[str]] = {}
+        for target, (pid, _) in _param_identity(captured).items():
+            self.targets.setdefault(pid, []).append(target)
+        self.grad = _requires_grad(gm)
+        self.per_batch = _batch_dependent(gm)
+
+    def elems(self, n: fx.Node) -> int:
+        """Global elements of n's value for one sequence."""
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return 0
+        numel = math.prod(int(d) for d in v.shape)
+        return numel // self.batch if n in self.per_batch else numel
+
+
+def _correction(facts: _Facts, t: int, sp: bool) -> TPCorrection:
+    """The correction of the decision now in the graph's meta (gm.meta['tp'] for t, sp)."""
+    info = facts.gm.meta["tp"]
+    assert info.t == t and info.sequence_parallel == sp
+    regions = {kind: _region(facts, kind, info) for kind in _REGIONS}
+    return TPCorrection(t=t, sequence_parallel=sp, **regions,
+                        fallbacks=tuple(f"{f.node}: {f.reason}" for f in info.fallbacks))
+
+
+def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
+    prof = getattr(facts.profile, kind)
+    nodes = facts.region[kind]
+    inside = set(nodes)
+    # GEMMs the profile splits and the pass computes whole
+    seeds, gemm_idx = [], []
+    for n in nodes:
+        idx = n.meta.get("autopar_gemm_idx")
+        if not idx or n.meta.get("autopar_tp") not in _SPLITS or _is_split(n.meta.get("tp_layout")):
+            continue
+        seeds.append(n)
+        gemm_idx.extend(i for i in idx if prof.gemms[i].tp_split is not None)
+    affected = _closure(seeds, inside)
+    # all-reduces of the structural count that the pass does not do
+    removed = sum(prof.gemms[i].batch * prof.gemms[i].m * prof.gemms[i].n
+                  for i in gemm_idx if prof.gemms[i].tp_split == "k")
+    if kind == "embedding" and prof.tp_allreduce_elems and not any(
+            n.meta.get("tp_role") == "vocab_embedding" for n in nodes):
+        removed += prof.tp_allreduce_elems
+    vocab = [i for i, g in enumerate(prof.gemms) if g.tp_split == "n"]
+    if kind == "head" and vocab and set(vocab) <= set(gemm_idx):
+        removed += prof.input_bytes // facts.profile.activation_bytes_per_elem
+    return TPRegionFallback(
+        replicated_gemms=tuple(sorted(set(gemm_idx))),
+        params_elems=_params_kept_whole(facts, kind, info),
+        act_split_bytes=round(_saved_whole(facts, nodes, affected, "split")),
+        act_attention_bytes=round(_saved_whole(facts, nodes, affected, "attn")),
+        other_split_bytes=round(sum(n.meta.get("autopar_other", (0, False))[0] for n in affected
+                                    if n.meta.get("autopar_other", (0, False))[1])),
+        allreduce_elems_removed=removed,
+        collectives=_collectives(facts, nodes, set(seeds), affected))
+
+
+def _unsplit(n: fx.Node) -> bool:
+    return not _is_split(n.meta.get("tp_layout"))
+
+
+def _is_gemm(n: fx.Node) -> bool:
+    return "autopar_gemm_idx" in n.meta or "autopar_gemm" in n.meta
+
+
+def _closure(seeds: list[fx.Node], inside: set) -> set:
+    """The replicated GEMMs and the values computed from them whole, up to the next GEMM or
+    split value (inside the region)."""
+    out, todo = set(seeds), list(seeds)
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in out or u not in inside or u.op != "call_function" or _is_gemm(u) \
+                    or not _unsplit(u):
+                continue
+            out.add(u)
+            todo.append(u)
+    return out
+
+
+def _params_kept_whole(facts: _Facts, kind: str, info: Any) -> int:
+    """Elements of the region's parameters the profile splits and the pass leaves whole."""
+    table = facts.gm.meta["autopar_params"].get(kind, {})
+    return sum(elems for pid, (elems, split) in table.items()
+               if split and not any(t in info.params for t in facts.targets.get(pid, ())))
+
+
+def _view_chain(n: Any) -> list[str]:
+    """n and the nodes it views, back to the value that owns the storage."""
+    out = [n.name]
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _VIEWS \
+            and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+        out.append(n.name)
+    return out
+
+
+def _saved_whole(facts: _Facts, nodes: list, affected: set, cls: str) -> float:
+    """Bytes (per sequence) the profile saved as `cls` ("split" / "attn": divided by t) that are
+    values of the affected set and reach the saving node whole (not sliced on its edge), or
+    temporaries an affected node makes and saves itself (e.g. a cross-entropy's log-softmax)."""
+    names = {n.name for n in affected}
+    total = 0.0
+    for n in nodes:
+        records = n.meta.get("autopar_saved")
+        if not records:
+            continue
+        sliced = {x for a, lay in n.meta.get("tp_convert", {}).items() if isinstance(lay, Shard)
+                  for x in _view_chain(facts.nodes[a])}
+        for producer, nbytes, c in records:
+            if c != cls:
+                continue
+            if (producer in names and producer not in sliced) or (producer is None
+                                                                   and n in affected):
+                total += nbytes
+    return total
+
+
+def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple:
+    """The collectives the rewrite inserts that the structural pricing does not count (see the
+    module docstring), deduplicated like the rewrite's conversion cache."""
+    out: list[TPCollective] = []
+    seen: set = set()
+
+    def add(key: tuple, kind: str, n: fx.Node, backward: bool, what: str) -> None:
+        if key in seen:
+            return
+        seen.add(key)
+        e = facts.elems(n)
+        if e:
+            out.append(TPCollective(kind=kind, elems=e, backward=backward, what=what))
+
+    def slice_grad(x: fx.Node, want: Shard, key: tuple) -> None:
+        # _Rewriter._slice: scatter_to_sp (gradient all-gathered) or copy_to_tp + local blocks
+        if x not in facts.grad:
+            return
+        if len(want.blocks) == 1 and not want.padded:
+            add(key + ("slice",), "all-gather", x, True, f"gradient of {x.name} (sliced)")
+        else:
+            add(("f", x), "all-reduce", x, True, f"gradient of {x.name} (copy_to_tp)")
+
+    for n in nodes:
+        conv = n.meta.get("tp_convert", {})
+        out_split = _is_split(n.meta.get("tp_layout"))
+        for a_name, want in conv.items():
+            a = facts.nodes[a_name]
+            have = a.meta.get("tp_layout")
+            grad = a in facts.grad
+            key = (a, repr(want), out_split and grad)
+            if isinstance(have, Shard):
+                structural = have.seq and n not in seeds and a not in affected \
+                    and n.op != "output"
+                if structural:
+                    continue
+                add(key, "all-gather", a, False, f"{a.name} gathered for {n.name}")
+                if out_split and grad:
+                    add(key + ("bwd",), "all-gather", a, True,
+                        f"gradient of {a.name} reduce-scattered")
+                if isinstance(want, Shard):
+                    slice_grad(a, want, key)
+            elif isinstance(have, Replicate) and isinstance(want, Shard) and a in affected:
+                slice_grad(a, want, key)
+        if not out_split or n.meta.get("tp_role") == "vocab_ce":
+            continue
+        for a in n.all_input_nodes:  # _Rewriter._convert_inputs: copy_to_tp on whole inputs
+            if a.name in conv or a not in affected or a not in facts.grad or not is_tensor(a):
+                continue
+            if isinstance(a.meta.get("tp_layout"), Replicate):
+                add(("f", a), "all-reduce", a, True, f"gradient of {a.name} (copy_to_tp)")
+    return tuple(out)
