@@ -105,26 +105,31 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     n = group_size(group)
     dim = dim % x.dim()
-    src = x.movedim(dim, 0).contiguous()                       # (S, ...) with S on dim 0
-    out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))  # (n*S, ...)
+    src = x.contiguous()                                        # (..., S, ...)
+    out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))   # (n*D0, ...)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with _peer_guard("all-gather with", group):
         gather(out, src, group=group)
-    return out.movedim(0, dim).contiguous()
+    if dim == 0:
+        return out                                              # (n*S, ...): no copy
+    # one copy: (n, ..., S, ...) -> (..., n, S, ...) -> (..., n*S, ...)
+    return out.unflatten(0, (n, src.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     n = group_size(group)
     dim = _check_split(x, dim, n, "reduce-scatter")
-    src = x.movedim(dim, 0).contiguous()                       # (n*S, ...)
+    shape = tuple(x.shape)
+    # (..., n*S, ...) -> (n, ..., S, ...): rank r's block first-dim contiguous (one copy)
+    src = x.unflatten(dim, (n, shape[dim] // n)).movedim(dim, 0).contiguous()
     backend = str(dist.get_backend(group))
     if backend not in _NO_REDUCE_SCATTER:
-        out = src.new_empty((src.shape[0] // n,) + tuple(src.shape[1:]))  # (S, ...)
+        out = src.new_empty(src.shape[1:])                      # (..., S, ...)
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
             with _peer_guard("reduce-scatter with", group):
-                rs(out, src, group=group)
-            return out.movedim(0, dim).contiguous()
+                rs(out, src.flatten(0, 1), group=group)         # gloo wants (n*D0, ...)
+            return out
         except PeerError:
             raise
         except (NotImplementedError, RuntimeError) as exc:
@@ -134,8 +139,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
                 raise
             _NO_REDUCE_SCATTER.add(backend)
     # Fallback: all-reduce the whole tensor, keep this rank's slice (n x the traffic).
-    full = _all_reduce(src, group)
-    return full.chunk(n, dim=0)[group_rank(group)].movedim(0, dim).contiguous()
+    return _all_reduce(src, group)[group_rank(group)]
 
 
 # ---- autograd Functions ------------------------------------------------------------------
