@@ -66,7 +66,8 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
     for knob in ("t", "p", "d", "v", "zero"):
         sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
-    sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first"])
+    sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
+                                               "interleaved-zb"])
     sp.add_argument("--recompute", choices=["none", "selective", "full"])
 
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 3)
 
@@ -198,10 +198,11 @@ def _validate_plan(plan: Plan) -> None:
         raise ValueError(f"Plan.recompute={plan.recompute!r}: must be one of {RECOMPUTE}")
     if plan.zero not in ZERO_LEVELS:
         raise ValueError(f"Plan.zero={plan.zero!r}: must be one of {ZERO_LEVELS}")
-    if plan.v > 1 and plan.schedule not in ("interleaved-1f1b", "breadth-first"):
+    if plan.v > 1 and plan.schedule not in ("interleaved-1f1b", "interleaved-zb",
+                                            "breadth-first"):
         raise ValueError(f"Plan.v={plan.v} with schedule={plan.schedule!r}: several chunks per "
-                         f"pipeline rank need schedule 'interleaved-1f1b' or 'breadth-first'; "
-                         f"set v=1 or change the schedule")
+                         f"pipeline rank need schedule 'interleaved-1f1b', 'interleaved-zb' or "
+                         f"'breadth-first'; set v=1 or change the schedule")
     expected = plan.micro_batch_size * plan.num_microbatches * plan.d
     if expected != plan.global_batch_size:
         raise ValueError(

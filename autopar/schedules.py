@@ -5,6 +5,7 @@ An action is one of (compact string in brackets, c = chunk, i = micro-batch, q =
 
     F   forward of chunk c on micro-batch i                        [F{c}.{i}]
     B   backward of chunk c on micro-batch i                       [B{c}.{i}]
+    W   weight-gradient part of that backward (zero-bubble lists)  [W{c}.{i}]
     SEND_F / RECV_F  chunk c's output activation of micro-batch i  [sF{c}.{i}>{q} / rF{c}.{i}<{q}]
     SEND_B / RECV_B  gradient w.r.t. chunk c's input, micro-batch i [sB{c}.{i}>{q} / rB{c}.{i}<{q}]
     REDUCE  start the data-parallel gradient reduction of chunk c   [R{c}]
@@ -12,6 +13,23 @@ An action is one of (compact string in brackets, c = chunk, i = micro-batch, q =
 A message is named by its producer on both sides: rank 0 runs `sF0.3>1` and rank 1 runs
 `rF0.3<0` (chunk 0's output of micro-batch 3, consumed by chunk 1's forward). Chunks on the
 same rank hand off locally (no action), which only happens for p = 1.
+
+Zero-bubble lists (`interleaved_zb`, "interleaved-zb"; 2401.10241's B/W split): when a list
+contains W actions, B{c}.{i} is only the gradient w.r.t. chunk c's input (what the previous
+stage waits for) and W{c}.{i}, later on the same rank and without messages, computes the
+weight gradients of chunk c for micro-batch i. Either every B of a schedule has its W or none
+has (then B is the whole backward, as in every other schedule). A micro-batch of a chunk stays
+in flight (its activations alive) until its W. `interleaved_zb` keeps interleaved_1f1b's F/B
+order (1F1B's for v = 1: ZB-H1) and places each W by a list-scheduling simulation (where the
+rank would otherwise wait, or when it holds as many un-W'ed micro-batches as rank 0 of the
+F/B order ever holds; the rest at the end of the step). Its messages keep one global order
+(deadlock-free as below) but are placed where the producing rank is free, which is what
+asynchronous sends (cost.simulate comm="isend"/"irecv", the runtime) want; under fully blocking
+send/recv with other than the ordering times the ranks can lose time to the rendezvous.
+
+    >>> print(format_schedule(interleaved_zb(2, 1, 2)))
+    rank 0: F0.0 sF0.0>1 F0.1 sF0.1>1 rB1.0<1 B0.0 W0.0 rB1.1<1 B0.1 W0.1
+    rank 1: rF0.0<0 F1.0 rF0.1<0 B1.0 sB1.0>0 F1.1 B1.1 sB1.1>0 W1.0 W1.1
 
 Blocking semantics (what `validate` checks; the strictest a runtime can impose): a send and
 its matching receive complete together (rendezvous); a rank blocked in one of them does nothing
@@ -42,8 +60,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
-COMPUTE = ("F", "B")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
+COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM + ("REDUCE",)
 
@@ -82,15 +100,16 @@ class Action:
         return (self.kind[-1], self.chunk, self.mb)
 
 
-_ACTION_RE = re.compile(r"^(?:([FB])(\d+)\.(\d+)|R(\d+)|([sr])([FB])(\d+)\.(\d+)([<>])(\d+))$")
+_ACTION_RE = re.compile(r"^(?:([FBW])(\d+)\.(\d+)|R(\d+)|([sr])([FB])(\d+)\.(\d+)([<>])(\d+))$")
 
 
 def parse_action(text: str) -> Action:
-    """Inverse of `str(action)`: 'F0.3', 'B1.0', 'sF0.3>1', 'rB2.0<0', 'R1'."""
+    """Inverse of `str(action)`: 'F0.3', 'B1.0', 'W1.0', 'sF0.3>1', 'rB2.0<0', 'R1'."""
     m = _ACTION_RE.match(text.strip())
     if not m:
         raise ValueError(f"cannot parse action {text!r}: expected F{{c}}.{{i}}, B{{c}}.{{i}}, "
-                         f"sF{{c}}.{{i}}>{{peer}}, rF{{c}}.{{i}}<{{peer}}, sB…, rB… or R{{c}}")
+                         f"W{{c}}.{{i}}, sF{{c}}.{{i}}>{{peer}}, rF{{c}}.{{i}}<{{peer}}, sB…, "
+                         f"rB… or R{{c}}")
     g = m.groups()
     if g[0]:
         return Action(g[0], int(g[1]), int(g[2]))
@@ -120,7 +139,7 @@ def parse_schedule(text: str) -> list[list[Action]]:
 
 
 # ----- compute orders (what each rank computes, in order) ---------------------------------
-Op = tuple[str, int, int]  # ('F' | 'B', chunk, micro-batch)
+Op = tuple[str, int, int]  # ('F' | 'B' | 'W', chunk, micro-batch)
 
 
 def _check_dims(p: int, v: int, m: int, name: str) -> None:
@@ -186,6 +205,62 @@ def _interleaved_ops(p: int, v: int, m: int) -> list[list[Op]]:
     return out
 
 
+def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
+                        bound: Sequence[int]) -> list[list[Op]]:
+    """Insert W c.i after each B c.i of the F/B orders `ops` (zero-bubble, 2401.10241) by a
+    list-scheduling simulation with durations `times` = (F, input-gradient B, W).
+
+    At each instant a free rank, in this priority: (1) runs its oldest deferred W if its next
+    action is an F and it holds bound[r] chunk-micro-batches whose W has not run (the memory
+    bound: F's run minus W's run never exceeds bound[r]); (2) runs its next F/B if that
+    action's inputs are there; (3) otherwise runs its oldest deferred W (filling the wait);
+    (4) otherwise waits. After its last F/B it flushes the remaining W's. A deferred W always
+    exists in case (1): the F/B order keeps F's minus B's below bound[r] before each F.
+    """
+    dur = _durations(times)
+    p = len(ops)
+    end: dict[Op, float] = {}
+    free = [0.0] * p
+    pos = [0] * p
+    live = [0] * p                          # F's run − W's run on the rank
+    pending: list[list[Op]] = [[] for _ in range(p)]
+    out: list[list[Op]] = [[] for _ in range(p)]
+    t = 0.0
+    while any(pos[r] < len(ops[r]) or pending[r] for r in range(p)):
+        for r in range(p):
+            if free[r] > t:
+                continue
+            nxt = ops[r][pos[r]] if pos[r] < len(ops[r]) else None
+            ready = nxt is not None and all(end.get(d, float("inf")) <= t for d in _deps(nxt, C))
+            if nxt is not None and nxt[0] == "F" and live[r] >= bound[r]:
+                if not pending[r]:
+                    raise AssertionError(f"rank {r}: in-flight bound {bound[r]} reached with "
+                                         f"no deferred W before {nxt}")
+                op = pending[r].pop(0)
+            elif ready:
+                op = nxt
+                pos[r] += 1
+            elif pending[r]:
+                op = pending[r].pop(0)
+            else:
+                continue  # waits for data
+            end[op] = free[r] = t + dur[op[0]]
+            out[r].append(op)
+            if op[0] == "F":
+                live[r] += 1
+            elif op[0] == "B":
+                pending[r].append(("W",) + op[1:])
+            else:
+                live[r] -= 1
+        later = [x for x in free + list(end.values()) if x > t]
+        if not later:
+            if any(pos[r] < len(ops[r]) or pending[r] for r in range(p)):
+                raise ValueError(f"compute order cannot make progress at t={t}")
+            break
+        t = min(later)
+    return out
+
+
 def _breadth_first_ops(p: int, v: int, m: int) -> list[list[Op]]:
     out = []
     for r in range(p):
@@ -201,13 +276,24 @@ def _deps(op: Op, C: int) -> list[Op]:
     kind, c, i = op
     if kind == "F":
         return [("F", c - 1, i)] if c > 0 else []
+    if kind == "W":
+        return [("B", c, i)]
     return [("F", c, i)] + ([("B", c + 1, i)] if c < C - 1 else [])
 
 
+def _durations(times: Sequence[float]) -> dict[str, float]:
+    """(F, B) or (F, B, W) durations by kind; B is the input-gradient part when W is given."""
+    if not (len(times) in (2, 3) and all(x > 0 for x in times)):
+        raise ValueError(f"times={tuple(times)!r}: expected (forward, backward) or (forward, "
+                         f"input-gradient backward, weight-gradient backward) durations > 0")
+    return dict(zip("FBW", times))
+
+
 def _dataflow_times(ops: list[list[Op]], C: int,
-                    times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> dict[Op, tuple]:
-    """Start/end of every compute (forward, backward durations `times_fb`), ranks in order,
-    waiting only for data."""
+                    times_fb: Sequence[float] = (_ORDER_F, _ORDER_B)) -> dict[Op, tuple]:
+    """Start/end of every compute (durations `times_fb`: (F, B) or (F, B, W)), ranks in
+    order, waiting only for data."""
+    dur = _durations(times_fb)
     times: dict[Op, tuple[int, int]] = {}
     pos, clock = [0] * len(ops), [0] * len(ops)
     progressed = True
@@ -220,7 +306,7 @@ def _dataflow_times(ops: list[list[Op]], C: int,
                 if any(d not in times for d in deps):
                     break
                 start = max([clock[r]] + [times[d][1] for d in deps])
-                end = start + (times_fb[0] if op[0] == "F" else times_fb[1])
+                end = start + dur[op[0]]
                 times[op], clock[r], pos[r] = (start, end), end, pos[r] + 1
                 progressed = True
     stuck = {r: rank_ops[pos[r]] for r, rank_ops in enumerate(ops) if pos[r] < len(rank_ops)}
@@ -249,10 +335,15 @@ class _Busy:
 
 
 def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
-                times_fb: tuple[float, float]) -> list[list[Action]]:
+                times_fb: Sequence[float]) -> list[list[Action]]:
+    """Actions of the compute orders `ops` with their messages (one global, deadlock-free
+    order, see the module docstring). times_fb: (F, B) durations, or (F, B, W) for lists
+    with W actions (B then the input-gradient part)."""
     C = p * v
-    if not (len(times_fb) == 2 and all(x > 0 for x in times_fb)):
-        raise ValueError(f"times_fb={times_fb!r}: expected (forward, backward) durations > 0")
+    has_w = any(op[0] == "W" for rank_ops in ops for op in rank_ops)
+    if len(_durations(times_fb)) != (3 if has_w else 2):
+        raise ValueError(f"times_fb={tuple(times_fb)!r}: expected (forward, backward) durations"
+                         f"{', and the weight-gradient one for W actions' if has_w else ''}")
     times = _dataflow_times(ops, C, tuple(times_fb))
     busy = [_Busy(times[op] for op in rank_ops) for rank_ops in ops]
     keyed: list[list[tuple]] = [[] for _ in range(p)]
@@ -261,6 +352,8 @@ def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
             keyed[r].append((times[op][0], 1, 0, 0, 0, Action(*op)))
     if p > 1:
         for (kind, c, i), (_, prod_end) in times.items():
+            if kind == "W":
+                continue  # weight gradients stay on their rank
             dst_chunk = c + 1 if kind == "F" else c - 1
             if not 0 <= dst_chunk < C:
                 continue
@@ -271,12 +364,16 @@ def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
                             *busy[dst].boundaries(prod_end, cons_start)})
             # the instant where the rendezvous waits least (0 where both ranks are between
             # computes); blocking send/recv cannot always reach 0 when compute edges interleave
+            # zero-bubble lists (W fills the gaps, so both ranks are rarely idle at once):
+            # first never let the send land after the consumer's start (a send placed inside
+            # one of the producer's computes goes out at that compute's end), then wait least
             at, best = cons_start, None
             for t in cands:  # sorted: the first zero-wait instant wins
-                w = busy[src].wait(t) + busy[dst].wait(t)
+                ws, wd = busy[src].wait(t), busy[dst].wait(t)
+                w = ((ws, wd) if has_w else (0, ws + wd))
                 if best is None or w < best:
                     at, best = t, w
-                    if w == 0:
+                    if w == (0, 0):
                         break
             order = (at, 0, 0 if kind == "F" else 1, c, i)  # one global order of messages
             keyed[src].append(order + (Action("SEND_" + kind, c, i, dst),))
@@ -286,7 +383,10 @@ def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
 
 
 def _add_reduces(acts: list[Action]) -> list[Action]:
-    last_b = {a.chunk: n for n, a in enumerate(acts) if a.kind == "B"}
+    """R{c} right after chunk c's last B (its last W in a zero-bubble list: the gradients of
+    chunk c are final only then)."""
+    last = "W" if any(a.kind == "W" for a in acts) else "B"
+    last_b = {a.chunk: n for n, a in enumerate(acts) if a.kind == last}
     after = {n: c for c, n in last_b.items()}
     out = []
     for n, a in enumerate(acts):
@@ -323,6 +423,44 @@ def interleaved_1f1b(p: int, v: int, m: int, *, reduce: bool = False,
     return _with_comms(_interleaved_ops(p, v, m), p, v, reduce, times_fb)
 
 
+def interleaved_zb(p: int, v: int, m: int, *, reduce: bool = False,
+                   times: Sequence[float] = (_ORDER_F, _ORDER_B / 2, _ORDER_B / 2),
+                   max_inflight: Sequence[int] | int | None = None) -> list[list[Action]]:
+    """Zero-bubble interleaved 1F1B: 2401.10241's split of each backward into B (input
+    gradient, what the previous stage waits for) and W (weight gradient, which nothing waits
+    for) applied to `interleaved_1f1b`'s order (v = 1: 1F1B's order, i.e. ZB-H1).
+
+    Every rank runs exactly interleaved_1f1b(p, v, m)'s F/B sequence; each W c.i comes after
+    its B c.i, placed by `_place_weight_grads` with durations `times` = (F, B, W) (default
+    1, 1, 1 as in the paper: the dX and dW GEMMs have equal FLOPs): a W runs where the rank
+    would otherwise wait for its next input (warm-up gaps, the cool-down) or when the rank
+    reaches its in-flight bound; the rest are flushed at the end. Memory bound: a
+    chunk-micro-batch is in flight from its F to its W, and `max_inflight` (per rank or one
+    number; default: `peak_inflight(interleaved_1f1b(p, v, m))`, the activations 1F1B-style
+    schedules hold) is never exceeded, so interleaved-zb needs no more activation memory than
+    interleaved-1f1b. With `reduce`, R{c} follows chunk c's last W."""
+    _check_dims(p, v, m, "interleaved-zb")
+    if len(_durations(times)) != 3:
+        raise ValueError(f"interleaved-zb: times={tuple(times)!r}: expected (forward, "
+                         f"input-gradient backward, weight-gradient backward) durations")
+    ops = _interleaved_ops(p, v, m) if v > 1 else _one_f_one_b_ops(p, m)
+    if max_inflight is None:
+        bound = [max(_peak_live(rank_ops, "B") for rank_ops in ops)] * p
+    elif isinstance(max_inflight, int):
+        bound = [max_inflight] * p
+    else:
+        bound = list(max_inflight)
+    if len(bound) != p or any(not isinstance(b, int) or b < 1 for b in bound):
+        raise ValueError(f"interleaved-zb: max_inflight={max_inflight!r}: one positive "
+                         f"integer or one per rank (p={p})")
+    floor = [_peak_live(rank_ops, "B") for rank_ops in ops]
+    if any(b < f for b, f in zip(bound, floor)):
+        raise ValueError(f"interleaved-zb: max_inflight={bound} is below what the F/B order "
+                         f"of interleaved-1f1b itself keeps in flight ({floor})")
+    zb = _place_weight_grads(ops, p * v, tuple(times), bound)
+    return _with_comms(zb, p, v, reduce, tuple(times))
+
+
 def breadth_first(p: int, v: int, m: int, *, reduce: bool = True,
                   times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
     """Breadth-first / layered gradient accumulation (2106.02679, 2211.05953): each rank runs a
@@ -337,12 +475,14 @@ def make_schedule(name: str, p: int, v: int, m: int, *,
                   reduce: bool | None = None,
                   times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
     """Dispatch on a Plan schedule name. `reduce=None` emits R{c} only for breadth-first.
-    `times_fb`: (forward, backward) time of a chunk, only used to order the messages."""
+    `times_fb`: (forward, backward) time of a chunk, only used to order the messages (and,
+    for interleaved-zb, to place the W's: B and W each take half the backward)."""
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"schedule {name!r}: must be one of {SCHEDULE_NAMES}")
     if name in ("gpipe", "1f1b") and v != 1:
         raise ValueError(f"schedule {name!r} with v={v}: one chunk per rank only; use "
-                         f"'interleaved-1f1b' or 'breadth-first' for v > 1, or set v=1")
+                         f"'interleaved-1f1b', 'interleaved-zb' or 'breadth-first' for v > 1, "
+                         f"or set v=1")
     red = (name == "breadth-first") if reduce is None else reduce
     if name == "gpipe":
         return gpipe(p, m, reduce=red, times_fb=times_fb)
@@ -350,6 +490,9 @@ def make_schedule(name: str, p: int, v: int, m: int, *,
         return one_f_one_b(p, m, reduce=red, times_fb=times_fb)
     if name == "interleaved-1f1b":
         return interleaved_1f1b(p, v, m, reduce=red, times_fb=times_fb)
+    if name == "interleaved-zb":  # input-gradient and weight-gradient halves of the backward
+        f, b = times_fb
+        return interleaved_zb(p, v, m, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)
 
 
@@ -366,14 +509,16 @@ def infer_dims(per_rank: Sequence[Sequence[Action]]) -> tuple[int, int, int]:
 
 def validate(per_rank: Sequence[Sequence[Action]], p: int, v: int, m: int) -> None:
     """Raise ValueError if the schedule is incomplete, out of dependency order, has unmatched
-    communication, or deadlocks under rendezvous (blocking) send/recv semantics."""
+    communication, or deadlocks under rendezvous (blocking) send/recv semantics. W actions:
+    all B's have their W (after the B, same rank) or none has."""
     if len(per_rank) != p:
         raise ValueError(f"schedule has {len(per_rank)} ranks; p={p} expected")
     C = p * v
     _check_actions(per_rank, p, C, m)
     _check_complete(per_rank, p, C, m)
+    has_w = any(a.kind == "W" for acts in per_rank for a in acts)
     for r, acts in enumerate(per_rank):
-        _check_order(r, acts, p, C, m)
+        _check_order(r, acts, p, C, m, has_w)
     _check_deadlock(per_rank)
 
 
@@ -418,9 +563,17 @@ def _check_complete(per_rank, p: int, C: int, m: int) -> None:
             if a in seen:
                 raise ValueError(f"duplicated action {a} (rank {r})")
             seen[a] = r
+    ws = [a for a in seen if a.kind == "W"]
+    if ws and len(ws) != C * m:
+        missing = [f"W{c}.{i}" for c in range(C) for i in range(m) if Action("W", c, i) not in seen]
+        raise ValueError(f"schedule mixes backwards with and without a weight-gradient W: "
+                         f"{len(ws)} W action(s) for {C * m} B's (missing {', '.join(missing[:6])}"
+                         f"{', ...' if len(missing) > 6 else ''}); either every B{{c}}.{{i}} "
+                         f"has its W{{c}}.{{i}} (B = input gradient only) or none has "
+                         f"(B = whole backward)")
     for c in range(C):
         for i in range(m):
-            for kind in COMPUTE:
+            for kind in (COMPUTE if ws else ("F", "B")):
                 if Action(kind, c, i) not in seen:
                     raise ValueError(f"missing action {kind}{c}.{i} on rank {c % p}")
             if p == 1:
@@ -440,9 +593,11 @@ def _check_complete(per_rank, p: int, C: int, m: int) -> None:
                          f"per chunk or none")
 
 
-def _check_order(r: int, acts: Sequence[Action], p: int, C: int, m: int) -> None:
+def _check_order(r: int, acts: Sequence[Action], p: int, C: int, m: int,
+                 has_w: bool = False) -> None:
     done: set[tuple] = set()
-    b_left = {c: m for c in range(r, C, p)}
+    b_left = {c: m for c in range(r, C, p)}   # backwards (their W's when has_w) still to run
+    last = "W" if has_w else "B"
     for n, a in enumerate(acts):
         c, i = a.chunk, a.mb
         need: list[tuple[tuple, str]] = []
@@ -456,16 +611,19 @@ def _check_order(r: int, acts: Sequence[Action], p: int, C: int, m: int) -> None
                              f"the backward of chunk {c + 1} for micro-batch {i}"))
         elif a.kind.startswith("SEND"):
             need.append(((a.kind[-1], c, i), f"the {a.kind[-1]}{c}.{i} that produces it"))
+        elif a.kind == "W":
+            need.append((("B", c, i), f"its input-gradient backward B{c}.{i}"))
         elif a.kind == "REDUCE" and b_left[c]:
-            raise ValueError(f"{_where(r, n, a)}: chunk {c} still has {b_left[c]} backward(s) "
-                             f"to run; REDUCE must follow its last backward")
+            what = "weight-gradient W" if has_w else "backward"
+            raise ValueError(f"{_where(r, n, a)}: chunk {c} still has {b_left[c]} {what}(s) "
+                             f"to run; REDUCE must follow its last {what}")
         for key, what in need:
             if key not in done:
                 raise ValueError(f"{_where(r, n, a)} runs before {what} "
                                  f"{'has been received' if key[0].startswith('RECV') else 'has run'} "
                                  f"on this rank")
         done.add((a.kind, c, i))
-        if a.kind == "B":
+        if a.kind == last:
             b_left[c] -= 1
 
 
@@ -495,14 +653,19 @@ def _check_deadlock(per_rank: Sequence[Sequence[Action]]) -> None:
         raise ValueError("deadlock under blocking (rendezvous) send/recv: " + "; ".join(stuck))
 
 
+def _peak_live(ops: Iterable, until: str) -> int:
+    live = peak = 0
+    for op in ops:
+        kind = op.kind if isinstance(op, Action) else op[0]
+        live += (kind == "F") - (kind == until)
+        peak = max(peak, live)
+    return peak
+
+
 def peak_inflight(per_rank: Sequence[Sequence[Action]]) -> list[int]:
     """Per rank, the most (chunk, micro-batch) pairs whose forward has run and backward not —
-    the number of chunk activations held at once (for v = 1: micro-batches; 1F1B: p − r)."""
-    out = []
-    for acts in per_rank:
-        live = peak = 0
-        for a in acts:
-            live += (a.kind == "F") - (a.kind == "B")
-            peak = max(peak, live)
-        out.append(peak)
-    return out
+    the number of chunk activations held at once (for v = 1: micro-batches; 1F1B: p − r).
+    In a list with W actions a pair stays in flight until its W (the weight gradient still
+    needs the saved inputs)."""
+    has_w = any(a.kind == "W" for acts in per_rank for a in acts)
+    return [_peak_live(acts, "W" if has_w else "B") for acts in per_rank]

@@ -1,26 +1,29 @@
 """Gantt charts of pipeline schedules, simulated or measured.
 
 Events are `(rank, action, start_s, end_s)` tuples — `cost.simulate.Event` or plain tuples —
-where `action` is an `autopar.schedules.Action` or its string ('F0.3', 'B1.0', 'sF0.3>1',
-'R2'). The runtime records measured events in this form and calls `draw_timeline` too.
+where `action` is an `autopar.schedules.Action` or its string ('F0.3', 'B1.0', 'W1.0',
+'sF0.3>1', 'R2'). The runtime records measured events in this form and calls `draw_timeline` too.
 """
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from autopar.schedules import Action, make_schedule, parse_action
+from autopar.schedules import Action, interleaved_zb, make_schedule, parse_action
+
+_CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 
 
 def _colour(kind: str, local_chunk: int, v: int):
     from matplotlib import colormaps
-    cmap = colormaps["Blues" if kind == "F" else "Oranges"]
+    cmap = colormaps[_CMAPS[kind]]
     # lighter for the first local chunk, darker for later ones
     return cmap(0.35 + 0.5 * (local_chunk / max(1, v - 1)) if v > 1 else 0.55)
 
 
 def draw_timeline(events: Iterable[Sequence], p: int, path: str, title: str = "pipeline schedule") -> str:
-    """Draw one row per pipeline rank (rank 0 on top): forwards blue, backwards orange (darker
-    for later local chunks), micro-batch numbers in the boxes, transfers and reductions as thin
+    """Draw one row per pipeline rank (rank 0 on top): forwards blue, backwards orange (the
+    input-gradient part in zero-bubble schedules) and weight-gradient W's green (darker for
+    later local chunks), micro-batch numbers in the boxes, transfers and reductions as thin
     grey / purple bars under the row; white is idle. Writes a PNG at `path`, returns it."""
     import matplotlib
     matplotlib.use("Agg")
@@ -35,7 +38,7 @@ def draw_timeline(events: Iterable[Sequence], p: int, path: str, title: str = "p
     fig, ax = plt.subplots(figsize=(min(40, 4 + 0.25 * len(evs) / max(p, 1)), 0.7 * p + 1.5))
     for r, a, s, e in evs:
         y = p - 1 - r
-        if a.kind in ("F", "B"):
+        if a.kind in _CMAPS:
             ax.broken_barh([(s, e - s)], (y + 0.1, 0.8), facecolors=_colour(a.kind, a.chunk // p, v),
                            edgecolor="black", linewidth=0.4)
             if e > s:
@@ -48,10 +51,13 @@ def draw_timeline(events: Iterable[Sequence], p: int, path: str, title: str = "p
     ax.set_xlim(0, end)
     ax.set_xlabel("time (s)")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=_colour("F", 0, 1), label="forward"),
-                       Patch(color=_colour("B", 0, 1), label="backward"),
-                       Patch(color="grey", label="p2p"), Patch(color="tab:purple", label="reduce")],
-              loc="upper right", fontsize=7, ncol=4)
+    has_w = any(a.kind == "W" for _, a, _, _ in evs)
+    handles = [Patch(color=_colour("F", 0, 1), label="forward"),
+               Patch(color=_colour("B", 0, 1), label="input grad" if has_w else "backward")]
+    if has_w:
+        handles.append(Patch(color=_colour("W", 0, 1), label="weight grad"))
+    handles += [Patch(color="grey", label="p2p"), Patch(color="tab:purple", label="reduce")]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -80,14 +86,21 @@ def chunk_times(plan) -> tuple[list[float], list[float]]:
 
 def plan_timeline(plan, path: str) -> str:
     """Simulate `plan`'s schedule (per-chunk times from `chunk_times`, p2p and reduction time
-    not drawn: 0) with blocking send/recv, and draw it at `path`."""
+    not drawn: 0) with blocking send/recv, and draw it at `path`. interleaved-zb: the weight
+    gradient W takes the forward's time (same GEMM FLOPs; B the rest of the backward) and the
+    simulation uses the runtime's pre-posted receives (comm="irecv")."""
     from autopar.cost.simulate import simulate
 
     fwd, bwd = chunk_times(plan)
     c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
-    per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
-                             times_fb=(fwd[c0], bwd[c0]))
-    res = simulate(per_rank, fwd, bwd)
+    if plan.schedule == "interleaved-zb":
+        per_rank = interleaved_zb(plan.p, plan.v, plan.num_microbatches,
+                                  times=(fwd[c0], bwd[c0] - fwd[c0], fwd[c0]))
+        res = simulate(per_rank, fwd, bwd, comm="irecv", wgt_s=fwd)
+    else:
+        per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
+                                 times_fb=(fwd[c0], bwd[c0]))
+        res = simulate(per_rank, fwd, bwd)
     title = (f"{plan.schedule}  p={plan.p} v={plan.v} m={plan.num_microbatches}  "
              f"bubble {res.bubble_fraction:.1%} of {res.makespan_s:.3g} s (simulated)")
     return draw_timeline(res.events, plan.p, path, title=title)

@@ -32,6 +32,13 @@ Mechanisms (one each, no per-configuration constants):
   Breadth-first (2211.05953) has the same bubble: with equal chunks and asynchronous sends its
   event simulation (cost/simulate.py, blocking=False) idles exactly (p-1)·tau/v per rank, like
   interleaved 1F1B (tests/test_breadth_first_planner.py checks all four schedules).
+  Zero-bubble interleaved 1F1B ("interleaved-zb", 2401.10241's B/W split on the interleaved or,
+  for v = 1, the 1F1B order) fills the ramp-down with the deferred weight-gradient halves W of
+  the backwards: with F : B : W = 1 : 1 : 1 each rank idles (p-1)·(F + B - W) per chunk instead
+  of (p-1)·(F + B + W), a third (ScheduleTraits.bubble_div = 3; with full recompute B also
+  recomputes the forward, F : B : W = 1 : 2 : 1, half: bubble_div = 2), so
+      T_pipe = m * max_r tau_r + (sum_r tau_r - max_r tau_r) / (v * bubble_div),
+  what cost/simulate.py gives on autopar.schedules.interleaved_zb's lists for equal chunks.
 - Data parallel, 1F1B / interleaved / GPipe: one gradient reduction per step per pipeline rank
   (ZeRO-1: reduce-scatter of gradients + all-gather of 16-bit weights, the same volume), of which
   at most DP_OVERLAP of the last micro-batch's backward can hide it. Then the optimizer step
@@ -51,7 +58,8 @@ Mechanisms (one each, no per-configuration constants):
 - Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
   recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
   (SCHEDULE_TRAITS; breadth-first: all m micro-batches of all v chunks, v·m, as
-  autopar.schedules.peak_inflight counts on its action lists), embedding on the first and head
+  autopar.schedules.peak_inflight counts on its action lists; interleaved-zb: every rank up to
+  rank 0's interleaved-1f1b peak, ZB-H1's bound: a micro-batch stays in flight until its W), embedding on the first and head
   (+ tied embedding copy) on the last rank, and the cluster's reserve. ZeRO-3 under
   breadth-first holds the gathered working set of two chunks (computing + prefetched weights,
   fp32 gradient accumulator + 16-bit reduce-scatter buffer): 10/v B per parameter of the rank.
@@ -60,6 +68,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable
 
 from autopar.cost.hardware import Cluster
@@ -131,6 +140,8 @@ class ScheduleTraits:
     (schedules that are not chunk-major).
     zero_levels: the ZeRO levels the schedule supports (ZeRO-3 belongs with breadth-first,
     which gathers each chunk's weights once per step, see issue 6).
+    bubble_div(recompute): the pipeline bubble is (Σ load − max load) / (v · bubble_div);
+    1 except for zero-bubble schedules, whose deferred weight gradients fill part of it.
     """
     multi_chunk: bool
     inflight: Callable[[int, int, int, int], int]
@@ -140,6 +151,7 @@ class ScheduleTraits:
     # once per step (its reduction overlaps later chunks' backward) and ZeRO-3 gathers its
     # weights once per pass instead of once per micro-batch
     chunk_major: bool = False
+    bubble_div: Callable[[str], int] = lambda recompute: 1
 
 
 def _inflight_gpipe(p: int, v: int, m: int, r: int) -> int:
@@ -160,13 +172,35 @@ def _inflight_breadth_first(p: int, v: int, m: int, r: int) -> int:
     return m * v  # every chunk's forward of every micro-batch runs before the first backward
 
 
+def _inflight_zero_bubble(p: int, v: int, m: int, r: int) -> int:
+    # ZB-H1's bound (autopar.schedules.interleaved_zb): every rank may hold as many
+    # chunk-micro-batches (F run, W not yet) as rank 0 of the F/B order it keeps
+    if v == 1:
+        return _inflight_1f1b(p, v, m, 0)
+    g0 = -(-m // (m // p))  # first micro-batch group (p when p | m, the solver's rule)
+    return min(2 * (p - 1) + (v - 1) * g0 + 1, m * v)
+
+
+def _bubble_div_zero_bubble(recompute: str) -> int:
+    # idle (p-1)(F + B - W) of (p-1)(F + B + W): 1:1:1 -> 1/3; full recompute 1:2:1 -> 1/2
+    return 2 if recompute == "full" else 3
+
+
 SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
     "gpipe": ScheduleTraits(multi_chunk=False, inflight=_inflight_gpipe),
     "1f1b": ScheduleTraits(multi_chunk=False, inflight=_inflight_1f1b),
     "interleaved-1f1b": ScheduleTraits(multi_chunk=True, inflight=_inflight_interleaved),
     "breadth-first": ScheduleTraits(multi_chunk=True, inflight=_inflight_breadth_first,
                                     zero_levels=(0, 1, 3), chunk_major=True),
+    # no ZeRO-3: the runtime does not gather weights for the deferred W's
+    "interleaved-zb": ScheduleTraits(multi_chunk=True, inflight=_inflight_zero_bubble,
+                                     bubble_div=_bubble_div_zero_bubble),
 }
+
+
+def bubble_div(cfg: Config) -> int:
+    """The schedule's bubble divisor (ScheduleTraits.bubble_div) for this configuration."""
+    return SCHEDULE_TRAITS[cfg.schedule].bubble_div(cfg.recompute)
 
 
 @dataclass(frozen=True)
@@ -707,16 +741,19 @@ def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: int) -> int:
     return cc.mem_layer_bytes[r] * y_r + cc.mem_fixed_bytes[r]
 
 
-def step_time_scaled(cc: ConfigCosts, y: list[int]) -> int:
-    """v · step time in ns, exactly: (m·v - 1)·max load + Σ load + v·max tail."""
-    v, m = cc.cfg.v, cc.cfg.num_microbatches
+def step_time_scaled(cc: ConfigCosts, y: list[int]) -> int | Fraction:
+    """v · step time in ns, exactly: (m·v - 1)·max load + Σ load + v·max tail; with a bubble
+    divisor k > 1 (zero-bubble) ((m·V - 1)·max load + Σ load + V·max tail) / k, V = v·k (an
+    exact Fraction)."""
+    v, m, k = cc.cfg.v, cc.cfg.num_microbatches, bubble_div(cc.cfg)
     loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
     tail = max(max(rank_tail_ns(cc, r, yr)) for r, yr in enumerate(y))
-    return (m * v - 1) * max(loads) + sum(loads) + v * tail
+    scaled = (m * v * k - 1) * max(loads) + sum(loads) + v * k * tail
+    return scaled if k == 1 else Fraction(scaled, k)
 
 
 def step_time_ns(cc: ConfigCosts, y: list[int]) -> float:
-    return step_time_scaled(cc, y) / cc.cfg.v
+    return float(step_time_scaled(cc, y) / cc.cfg.v)
 
 
 def fits(cc: ConfigCosts, y: list[int]) -> bool:
@@ -744,7 +781,7 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     tr = max(range(cfg.p), key=lambda r: max(tails[r]))
     tail_ns, opt_ns = max(tails[tr]), tails[tr][1]
     step_ns = step_time_ns(cc, y)
-    bubble_ns = (sum(loads) - loads[crit]) / v
+    bubble_ns = (sum(loads) - loads[crit]) / (v * bubble_div(cfg))
     yc = y[crit]
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))

@@ -4,6 +4,10 @@ Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
 - each rank runs its list in order, one action at a time;
 - F{c}.{i} / B{c}.{i} take fwd_s[c] / bwd_s[c] seconds and start as soon as the rank reaches
   them (their inputs were received by earlier actions of the same list);
+- zero-bubble lists (with W actions, autopar.schedules.interleaved_zb): W{c}.{i} takes
+  wgt_s[c] (default bwd_s[c] / 2: the weight-gradient GEMMs have the FLOPs of the
+  input-gradient ones) and B{c}.{i} the rest of the backward, bwd_s[c] − wgt_s[c], so bwd_s is
+  the whole backward for every schedule. Lists without W ignore wgt_s;
 - blocking=True (default; gloo's blocking send/recv, what the validator assumes): a send and
   its matching receive are a rendezvous: the transfer starts when both ranks have reached them,
   takes p2p_s, and both ranks are blocked until it ends;
@@ -32,7 +36,7 @@ Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
   compute, transfer or reduction ends.
 
 Definitions in `SimResult`:
-- busy_s[r]: compute (F and B) time of rank r; idle_s[r] = makespan_s − busy_s[r] (waiting
+- busy_s[r]: compute (F, B and W) time of rank r; idle_s[r] = makespan_s − busy_s[r] (waiting
   and p2p transfers both count as idle);
 - bubble_fraction = Σ idle / (p · makespan) = 1 − Σ busy / (p · makespan): the share of the
   step the ranks do not compute. GPipe/1F1B with equal chunks, p2p 0: (p−1)/(m+p−1);
@@ -87,15 +91,35 @@ def _per_chunk(name: str, values: Sequence[float], C: int) -> list[float]:
     return vals
 
 
+def _compute_times(per_rank: Sequence[Sequence[Action]], fwd_s, bwd_s, wgt_s,
+                   C: int) -> dict[str, list[float]]:
+    """Per kind ('F', 'B', 'W'), per chunk: the duration of that compute in `per_rank`."""
+    fwd, bwd = _per_chunk("fwd_s", fwd_s, C), _per_chunk("bwd_s", bwd_s, C)
+    if not any(a.kind == "W" for acts in per_rank for a in acts):
+        return {"F": fwd, "B": bwd}
+    if wgt_s is None:
+        wgt = [b / 2 for b in bwd]
+    elif isinstance(wgt_s, (int, float)):
+        wgt = _per_chunk("wgt_s", [float(wgt_s)] * C, C)
+    else:
+        wgt = _per_chunk("wgt_s", wgt_s, C)
+    if any(w > b for w, b in zip(wgt, bwd)):
+        raise ValueError(f"simulate: wgt_s={wgt} exceeds bwd_s={bwd} for some chunk; bwd_s is "
+                         f"the whole backward (B + W), wgt_s its weight-gradient part")
+    return {"F": fwd, "B": [b - w for b, w in zip(bwd, wgt)], "W": wgt}
+
+
 def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
              bwd_s: Sequence[float], p2p_s: float = 0.0, reduce_s: float = 0.0, *,
              blocking: bool = True, comm: str | None = None, send_s: float = 0.0,
-             overhead_s: float = 0.0, prefetch: int | None = None) -> SimResult:
+             overhead_s: float = 0.0, prefetch: int | None = None,
+             wgt_s: Sequence[float] | None = None) -> SimResult:
     """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times.
 
     comm: "blocking" | "async" | "isend" (see the module docstring); None takes it from
     `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" and
-    "irecv", prefetch to "irecv" only.
+    "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part of bwd_s
+    (used only by lists with W actions; default bwd_s / 2).
     """
     if comm is None:
         comm = "blocking" if blocking else "async"
@@ -104,13 +128,14 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
                          f"the gloo runtime (async send, blocking receive)")
     if comm == "irecv":
         return _simulate_irecv(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s,
-                               prefetch)
+                               prefetch, wgt_s)
     if comm == "isend":
-        return _simulate_isend(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s)
+        return _simulate_isend(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s,
+                               wgt_s)
     blocking = comm == "blocking"
     p, v, m = infer_dims(per_rank)
     validate(per_rank, p, v, m)
-    fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
+    dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if p2p_s < 0 or reduce_s < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s} must be ≥ 0")
     pos, clock, stream = [0] * p, [0.0] * p, [0.0] * p
@@ -123,11 +148,11 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
         for r in range(p):
             while pos[r] < len(per_rank[r]):
                 a = per_rank[r][pos[r]]
-                if a.kind in ("F", "B"):
-                    dur = (fwd if a.kind == "F" else bwd)[a.chunk]
-                    events.append(Event(r, a, clock[r], clock[r] + dur))
-                    clock[r] += dur
-                    busy[r] += dur
+                if a.kind in dur:
+                    d = dur[a.kind][a.chunk]
+                    events.append(Event(r, a, clock[r], clock[r] + d))
+                    clock[r] += d
+                    busy[r] += d
                 elif a.kind == "REDUCE":
                     start = max(clock[r], stream[r])
                     stream[r] = start + reduce_s
@@ -162,11 +187,11 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
 
 def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
                     bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
-                    overhead_s: float) -> SimResult:
+                    overhead_s: float, wgt_s: Sequence[float] | None = None) -> SimResult:
     """comm="isend": non-blocking sender (busy send_s), receive = rendezvous + p2p_s."""
     p, v, m = infer_dims(per_rank)
     validate(per_rank, p, v, m)
-    fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
+    dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
                          f"overhead_s={overhead_s} must all be ≥ 0")
@@ -181,10 +206,10 @@ def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
             while pos[r] < len(per_rank[r]):
                 a = per_rank[r][pos[r]]
                 start = clock[r] + (overhead_s if pos[r] else 0.0)
-                if a.kind in ("F", "B"):
-                    dur = (fwd if a.kind == "F" else bwd)[a.chunk]
-                    clock[r] = start + dur
-                    busy[r] += dur
+                if a.kind in dur:
+                    d = dur[a.kind][a.chunk]
+                    clock[r] = start + d
+                    busy[r] += d
                 elif a.kind == "REDUCE":
                     s0 = max(start, stream[r])
                     stream[r] = s0 + reduce_s
@@ -211,12 +236,13 @@ def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
 
 def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
                     bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
-                    overhead_s: float, prefetch: int | None) -> SimResult:
+                    overhead_s: float, prefetch: int | None,
+                    wgt_s: Sequence[float] | None = None) -> SimResult:
     """comm="irecv": non-blocking sender (busy send_s); receives pre-posted, waited for by
     the consuming compute."""
     p, v, m = infer_dims(per_rank)
     validate(per_rank, p, v, m)
-    fwd, bwd = _per_chunk("fwd_s", fwd_s, p * v), _per_chunk("bwd_s", bwd_s, p * v)
+    dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
                          f"overhead_s={overhead_s} must all be ≥ 0")
@@ -237,26 +263,26 @@ def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
             acts = per_rank[r]
             while pos[r] < len(acts):
                 n, a = pos[r], acts[pos[r]]
-                reach = clock[r] + (overhead_s if n and a.kind in ("F", "B", "SEND_F",
+                reach = clock[r] + (overhead_s if n and a.kind in ("F", "B", "W", "SEND_F",
                                                                    "SEND_B") else 0.0)
                 ahead = len(acts) if prefetch is None else prefetch
                 while nxt[r] < len(recvs[r]) and recvs[r][nxt[r]] <= n + ahead:
                     post.setdefault(acts[recvs[r][nxt[r]]].message(), clock[r])
                     nxt[r] += 1
-                if a.kind in ("F", "B"):
+                if a.kind in dur:
                     need = ("F", a.chunk - 1, a.mb) if a.kind == "F" else ("B", a.chunk + 1,
                                                                             a.mb)
                     start = reach
-                    if need in remote[r] and 0 <= need[1] < C:
+                    if a.kind != "W" and need in remote[r] and 0 <= need[1] < C:
                         if need not in sent:
                             break  # the peer has not posted the send yet
                         arrive = max(post[need], sent[need]) + p2p_s
                         start = max(reach, arrive)
                         comm[r] += start - reach
                         events.append(Event(r, remote[r][need], reach, start))
-                    dur = (fwd if a.kind == "F" else bwd)[a.chunk]
-                    clock[r] = start + dur
-                    busy[r] += dur
+                    d = dur[a.kind][a.chunk]
+                    clock[r] = start + d
+                    busy[r] += d
                     events.append(Event(r, a, start, clock[r]))
                 elif a.kind == "REDUCE":
                     s0 = max(reach, stream[r])
@@ -276,7 +302,8 @@ def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
 def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend") -> dict:
     """Per-chunk mean forward/backward seconds, p2p_s, send_s and overhead_s from a measured
     timeline (`(rank, action, start_s, end_s)` as the runtime records), for
-    `simulate(..., comm=comm, **fit)`.
+    `simulate(..., comm=comm, **fit)`. A zero-bubble timeline (W events) also gives wgt_s (mean
+    W per chunk), and bwd_s is then the mean B + mean W (simulate's whole backward).
 
     comm="irecv" (pre-posted receives; a RECV event is the consumer's wait): p2p_s is the
     median of (wait end − matching send end) over the waits that began before their send had
@@ -290,14 +317,17 @@ def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend"
     evs = [(int(r), a if isinstance(a, Action) else parse_action(str(a)), float(s), float(e))
            for r, a, s, e in events]
     C = p * v
-    fwd, bwd = [], []
+    fwd, bwd, wgt = [], [], []
+    has_w = any(a.kind == "W" for _, a, _, _ in evs)
     for c in range(C):
-        for kind, out in (("F", fwd), ("B", bwd)):
+        for kind, out in (("F", fwd), ("B", bwd)) + ((("W", wgt),) if has_w else ()):
             d = [e - s for _, a, s, e in evs if a.kind == kind and a.chunk == c]
             if not d:
                 raise ValueError(f"fit_measured: no {kind} event of chunk {c}; the timeline "
                                  f"does not cover the p·v={C} chunks")
             out.append(sum(d) / len(d))
+    if has_w:  # bwd_s is the whole backward (B + W) for simulate
+        bwd = [b + w for b, w in zip(bwd, wgt)]
     sent = {a.message(): e for _, a, s, e in evs if a.kind.startswith("SEND")}
     if comm not in ("isend", "irecv"):
         raise ValueError(f"fit_measured: comm={comm!r}; the runtime records 'isend' "
@@ -317,20 +347,23 @@ def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend"
     for r in range(p):
         mine = sorted((s, e) for rr, _, s, e in evs if rr == r)
         gaps += [max(0.0, b[0] - a[1]) for a, b in zip(mine, mine[1:])]
-    return {"fwd_s": fwd, "bwd_s": bwd, "p2p_s": p2p,
-            "send_s": sum(sends) / len(sends) if sends else 0.0,
-            "overhead_s": sum(gaps) / len(gaps) if gaps else 0.0}
+    fit = {"fwd_s": fwd, "bwd_s": bwd, "p2p_s": p2p,
+           "send_s": sum(sends) / len(sends) if sends else 0.0,
+           "overhead_s": sum(gaps) / len(gaps) if gaps else 0.0}
+    if has_w:
+        fit["wgt_s"] = wgt
+    return fit
 
 
 def measured_idle_fraction(events: Sequence[Sequence], p: int) -> tuple[float, ...]:
-    """Per rank: 1 − (its F/B time) / (the step's span, first start to last end over all
+    """Per rank: 1 − (its F/B/W time) / (the step's span, first start to last end over all
     ranks) — the measured counterpart of SimResult.idle_fraction."""
     evs = [(int(r), str(a), float(s), float(e)) for r, a, s, e in events]
     t0 = min(s for _, _, s, _ in evs)
     span = max(e for *_, e in evs) - t0
     busy = [0.0] * p
     for r, a, s, e in evs:
-        if a[0] in "FB":
+        if a[0] in "FBW":
             busy[r] += e - s
     return tuple(1.0 - b / span if span else 0.0 for b in busy)
 

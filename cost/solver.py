@@ -7,8 +7,9 @@ Variables
                   all combinations with that chunk layout; y_r = sum of x over chunks c = r mod p.
     M[k], D[k]    integer ns: max per-micro-batch rank load, and max rank tail (exposed
                   data-parallel reduction + optimizer), 0 unless k is selected.
-Objective (integer, ns · W, W = lcm of the chunk counts v of the candidates)
-    minimise sum_k (W / v_k) · ((m_k·v_k - 1)·M[k] + sel[k]·S_k + v_k·D[k])
+Objective (integer, ns · W, W = lcm of the V_k = v_k · bubble_div_k of the candidates;
+bubble_div = 1 except for zero-bubble schedules, cost.model.bubble_div)
+    minimise sum_k (W / V_k) · ((m_k·V_k - 1)·M[k] + sel[k]·S_k + V_k·D[k])
     = W · step time of the selected combination (cost.model.step_time_scaled; S_k = sum of rank
     loads does not depend on the partition).
 Constraint families (one method each)
@@ -17,7 +18,8 @@ Constraint families (one method each)
     _add_load_max        M[k] >= load_r(y_r) for every rank r, if sel[k]
     _add_tail_max        D[k] >= tail_r(y_r) and >= optimizer_r(y_r), if sel[k]
     _add_memory          memory_r(y_r) <= capacity, if sel[k]
-Schedules: gpipe, 1f1b, interleaved-1f1b (v = 2..8, m % p == 0) and breadth-first (v in
+Schedules: gpipe, 1f1b, interleaved-1f1b (v = 2..8, m % p == 0), interleaved-zb (zero-bubble
+interleaved 1F1B: v = 1, ZB-H1, or v = 2..8 with m % p == 0; ZeRO 0/1) and breadth-first (v in
 _breadth_first_vs, any m >= p; with p = 1 and d > 1 it is layered gradient accumulation); ZeRO
 levels per schedule from SCHEDULE_TRAITS (ZeRO-3 only where weights are gathered once per chunk
 per pass, i.e. breadth-first). Their costs differ only through cost.model (bubble, DP exposure,
@@ -36,18 +38,24 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Iterator
 
 from ortools.sat.python import cp_model
 
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                activation_bytes_lower_bound, config_costs, fits, load_parts_ns, predict,
+                                activation_bytes_lower_bound, bubble_div, config_costs, fits, load_parts_ns, predict,
                                 state_bytes_lower_bound, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, step_time_scaled)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import RECOMPUTE, Alternative, Plan, Prediction, Stage
 
+# Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
+# `schedules=`): its bubble is priced (a third of interleaved 1F1B's) but not the cost of
+# splitting each backward into B and W, which on the CPU runtime measured 10-25 % of a
+# backward at benchmark sizes (benchmarks/pipeline.py) — more than the bubble it saved there.
+AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
 MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
 MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble
 SOLVER_TIME_LIMIT_S = 20.0
@@ -69,9 +77,14 @@ class Pins:
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
     zero_levels: tuple[int, ...] = (0, 1, 3)
+    # schedules the solver may choose (None: AUTO_SCHEDULES); a pinned schedule is always
+    # allowed
+    schedules: tuple[str, ...] | None = None
 
     def allows(self, name: str, value: Any) -> bool:
         pin = getattr(self, name)
+        if name == "schedule" and pin is None:
+            return value in (AUTO_SCHEDULES if self.schedules is None else self.schedules)
         return pin is None or pin == value
 
 
@@ -241,6 +254,8 @@ def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int]]:
             if pins.allows("v", 1):
                 yield schedule, 1
             continue
+        if schedule == "interleaved-zb" and pins.allows("v", 1):
+            yield schedule, 1  # ZB-H1: 1F1B's order, any m >= p
         vmax = l // p if pins.v else min(l // p, MAX_CHUNKS_PER_RANK)
         for v in range(2, vmax + 1):
             if not pins.allows("v", v):
@@ -289,10 +304,11 @@ def balance(fixed: list[int], slope: int, num_layers: int, v: int, caps: list[in
     return y
 
 
-def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int:
+def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int | Fraction:
     """A lower bound of v·step time over all partitions (memory ignored): the least max load
     and the least max tail, each minimised on its own over integer rank layer counts."""
     p, v, m = cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches
+    k = bubble_div(cc.cfg)
     loads0 = [_fixed_load(cc, r) for r in range(p)]
     total = sum(loads0) + cc.layer_ns * num_layers
     y = balance(loads0, cc.layer_ns, num_layers, v, [num_layers] * p)
@@ -300,7 +316,8 @@ def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int:
     per = cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
     tails_avg = sum(rank_tail_ns(cc, r, 0)[0] for r in range(p)) + per * num_layers
     tail = max(-(-tails_avg // p), max(_tail(cc, r, v) for r in range(p)))
-    return (m * v - 1) * max_load + total + v * tail
+    scaled = (m * v * k - 1) * max_load + total + v * k * tail
+    return scaled if k == 1 else Fraction(scaled, k)
 
 
 def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
@@ -352,7 +369,7 @@ class _PlanModel:
                  hint: tuple[int, list[int]] | None) -> None:
         self.cands, self.l = candidates, num_layers
         self.model = cp_model.CpModel()
-        self.W = math.lcm(*[cc.cfg.v for cc in candidates])
+        self.W = math.lcm(*[cc.cfg.v * bubble_div(cc.cfg) for cc in candidates])
         self.sel = [self.model.NewBoolVar(f"sel{k}") for k in range(len(candidates))]
         self.x: dict[tuple[int, int], list[cp_model.IntVar]] = {}
         self.y: dict[tuple[int, int], list[Any]] = {}
@@ -420,7 +437,8 @@ class _PlanModel:
     def _set_objective(self) -> None:
         terms = []
         for k, cc in enumerate(self.cands):
-            p, v, m = cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches
+            p, m = cc.cfg.p, cc.cfg.num_microbatches
+            v = cc.cfg.v * bubble_div(cc.cfg)  # V_k: the bubble is (S - M) / V_k
             s_total = sum(_fixed_load(cc, r) for r in range(p)) + cc.layer_ns * self.l
             w = self.W // v
             terms += [w * (m * v - 1) * self.M[k], w * s_total * self.sel[k],
@@ -515,10 +533,15 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
                              f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
                              f"{b * dd}); change global_batch_size or micro_batch_size")
     if pins.v is not None and pins.v > 1 and pins.schedule not in (
-            None, "interleaved-1f1b", "breadth-first"):
+            None, "interleaved-1f1b", "interleaved-zb", "breadth-first"):
         raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
-                         f"rank need schedule='interleaved-1f1b' or 'breadth-first'; set v=1 "
+                         f"rank need schedule='interleaved-1f1b', 'interleaved-zb' or "
+                         f"'breadth-first'; set v=1 "
                          f"or change schedule")
+    if pins.schedules is not None and set(pins.schedules) - set(SCHEDULE_TRAITS):
+        raise ValueError(f"solve: schedules={pins.schedules!r}: unknown "
+                         f"{sorted(set(pins.schedules) - set(SCHEDULE_TRAITS))}; the cost model "
+                         f"supports {sorted(SCHEDULE_TRAITS)}")
 
 
 def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_batch_size: int,
@@ -526,12 +549,17 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           v: int | None = None, micro_batch_size: int | None = None,
           schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
           sequence_parallel: bool | None = None, max_alternatives: int = 50,
-          zero_levels: tuple[int, ...] = (0, 1, 3)) -> Plan:
-    """The predicted-fastest plan that fits in memory, with ranked alternatives."""
+          zero_levels: tuple[int, ...] = (0, 1, 3),
+          schedules: tuple[str, ...] | None = None) -> Plan:
+    """The predicted-fastest plan that fits in memory, with ranked alternatives.
+    `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
+    cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
+    planned."""
     cluster = get_cluster(cluster)
     pins = Pins(t=t, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                zero_levels=tuple(zero_levels))
+                zero_levels=tuple(zero_levels),
+                schedules=None if schedules is None else tuple(schedules))
     _validate(profile, cluster, gpus, global_batch_size, pins)
     t0 = time.perf_counter()
     configs, rejected = enumerate_configs(profile, cluster, gpus, global_batch_size, pins)
@@ -564,12 +592,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
 
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                             memo: dict) -> int:
-    """v·step time lower bound from the loads alone: (m·v - 1)·ceil(S/p) + S (tail >= 0)."""
+                             memo: dict) -> int | Fraction:
+    """v·step time lower bound from the loads alone: (m·v - 1)·ceil(S/p) + S (tail >= 0);
+    with a bubble divisor k: ((m·v·k - 1)·ceil(S/p) + S) / k."""
     comp, tp, emb, head, p2p = load_parts_ns(profile, cluster, cfg, memo)
     total = (comp + tp) * profile.num_layers + emb + head + cfg.p * p2p
     max_load = max(-(-total // cfg.p), p2p + max(emb, head) + (comp + tp) * cfg.v)
-    return (cfg.num_microbatches * cfg.v - 1) * max_load + total
+    k = bubble_div(cfg)
+    scaled = (cfg.num_microbatches * cfg.v * k - 1) * max_load + total
+    return scaled if k == 1 else Fraction(scaled, k)
 
 
 def _evaluate(profile, cluster, configs):
@@ -584,11 +615,12 @@ def _evaluate(profile, cluster, configs):
     quick = []
     for cfg in configs:
         key = (cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel,
+               cfg.sequence_parallel, bubble_div(cfg),
                ZERO_TRAITS[cfg.zero].per_microbatch_gather
                and not SCHEDULE_TRAITS[cfg.schedule].chunk_major)
         if key not in qmemo:
-            qmemo[key] = quick_lower_bound_scaled(profile, cluster, cfg, memo) / cfg.v / 1e9
+            qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, cfg, memo)
+                               ) / cfg.v / 1e9
         quick.append(qmemo[key])
     order = sorted(range(len(configs)), key=lambda i: quick[i])
     best_ub = math.inf
@@ -621,14 +653,14 @@ def _evaluate(profile, cluster, configs):
                 f"usable per GPU")))
             continue
         cc = config_costs(profile, cluster, cfg, memo)
-        e = _Evaluated(cc=cc, cfg=cfg, lb_s=lower_bound_scaled(cc, l) / cfg.v / 1e9)
+        e = _Evaluated(cc=cc, cfg=cfg, lb_s=float(lower_bound_scaled(cc, l)) / cfg.v / 1e9)
         if e.lb_s > best_ub:
             e.note = f"slower: lower bound {e.lb_s:.4g} s > best {best_ub:.4g} s"
             pruned.append(e)
             continue
         e.y = heuristic_partition(cc, l)
         if e.y is not None:
-            e.ub_s = step_time_scaled(cc, e.y) / cfg.v / 1e9
+            e.ub_s = float(step_time_scaled(cc, e.y)) / cfg.v / 1e9
             best_ub = min(best_ub, e.ub_s)
         else:
             e.mem_lb = memory_lower_bound(cc, l)

@@ -155,6 +155,18 @@ def test_gpt_p2_interleaved_v2():
                                              layers=4))
 
 
+def test_gpt_p2_interleaved_zero_bubble_v2():
+    """B / W split backwards (tied embeddings: chunk 0's backward is all W)."""
+    check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-zb",
+                                             layers=4))
+
+
+def test_llama_p2_d2_interleaved_zero_bubble():
+    """Data-parallel buckets armed before the last W (weight gradients accumulate there)."""
+    check_against_reference("llama", make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-zb",
+                                               layers=4))
+
+
 def test_gpt_uneven_chunks_3_layers_p2():
     check_against_reference("gpt", make_plan(p=2, m=3, schedule="1f1b", layers=3))
 

@@ -20,6 +20,12 @@ Per step the executor runs, in order, the actions of this rank:
              With t > 1 each tensor rank sends 1/t of a boundary tensor (they are replicated
              over the tensor group) and the receiver all-gathers over the tensor group after the
              wait (the scatter/gather optimisation of 2104.04473 §4.1).
+  W c.i      weight gradients of chunk c on micro-batch i. A list that has W c.i splits that
+             backward (zero-bubble schedules, 2401.10241): B c.i then computes only the
+             gradients of the received inputs (what chunk c-1 waits for) and records where the
+             weights' branches join that path; W c.i resumes from there down to the weights
+             (autopar/runtime/split_backward.py: together one backward's work, and gradients
+             still accumulate through AccumulateGrad, so the runner's hooks see them).
   REDUCE c   no-op here: the runner's data-parallel reduction is driven by the hooks below.
 
 Hooks (how the runner attaches data-parallel work to the schedule without special cases here):
@@ -46,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import _peer_guard
+from autopar.runtime.split_backward import backward_input, backward_weight
 from autopar.schedules import Action
 
 
@@ -119,14 +126,17 @@ class PipelineExecutor:
         self._losses: dict[int, torch.Tensor] = {}
         self._pending: list[tuple[Any, torch.Tensor, int]] = []
         self._posted: dict[tuple[str, int, int], _Posted] = {}
+        self._weights_due: dict[tuple[int, int], Any] = {}   # B done, W pending
         if not hasattr(self, "_bufs"):
             self._bufs: dict[tuple, torch.Tensor] = {}
         self.events = []
-        handlers = {"F": self._forward, "B": self._backward, "SEND_F": self._send_f,
+        handlers = {"F": self._forward, "B": self._backward, "W": self._weight,
+                    "SEND_F": self._send_f,
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
                     "REDUCE": _noop}
         actions = self.actions
         ahead = self._recv_positions() if self.async_recv else []
+        self._split = self._split_backwards()
         nxt, L = 0, len(actions) if self.prefetch is None else self.prefetch
         record, events, pp = self.record, self.events, self.pp_rank
         clock = time.time
@@ -146,9 +156,11 @@ class PipelineExecutor:
         if self.after_run is not None:
             self.after_run()
         self._wait_sends()
-        if self._stash or self._fwd_in or self._bwd_in or self._bwd_out or self._posted:
+        if (self._stash or self._fwd_in or self._bwd_in or self._bwd_out or self._posted
+                or self._weights_due):
             left = sorted(set(self._stash) | set(self._fwd_in) | set(self._bwd_in)
-                          | set(self._bwd_out) | {k[1:] for k in self._posted})
+                          | set(self._bwd_out) | {k[1:] for k in self._posted}
+                          | set(self._weights_due))
             raise RuntimeError(f"executor: the schedule left (chunk, micro-batch) state "
                                f"{left} unused on pipeline rank {self.pp_rank}; the action "
                                f"list is incomplete")
@@ -160,6 +172,10 @@ class PipelineExecutor:
             self._recv_key = key
             self._recv_pos = [n for n, a in enumerate(key) if a.kind[:4] == "RECV"]
         return self._recv_pos
+
+    def _split_backwards(self) -> frozenset[tuple[int, int]]:
+        """(chunk, micro-batch) whose backward is split into B and W by this action list."""
+        return frozenset((a.chunk, a.mb) for a in self.actions if a.kind == "W")
 
     # ---- compute ------------------------------------------------------------------------
     def _local(self, chunk: int) -> bool:
@@ -186,13 +202,17 @@ class PipelineExecutor:
         ch = self.chunks[a.chunk]
         st = self._stash.pop((a.chunk, a.mb))
         if ch.returns_loss:
-            torch.autograd.backward(st.outputs[0] / self.num_microbatches)
+            outs, grads = [st.outputs[0] / self.num_microbatches], [None]
         else:
-            grads = self._take(self._bwd_in, ("B", a.chunk + 1, a.mb))
+            got = self._take(self._bwd_in, ("B", a.chunk + 1, a.mb))
             pairs = [(o, g) for o, g in zip((o for o, s in zip(st.outputs, ch.send) if s[3]),
-                                            grads) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                                            got) if o.requires_grad]
+            outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if (a.chunk, a.mb) in self._split:
+            self._weights_due[(a.chunk, a.mb)] = backward_input(
+                outs, grads, st.inputs, list(ch.net.parameters()))
+        elif outs:
+            torch.autograd.backward(outs, grads)
         in_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
                     for x, spec in zip(st.inputs, ch.recv) if spec[3]]
         if a.chunk > 0:
@@ -200,6 +220,13 @@ class PipelineExecutor:
                 self._bwd_in[(a.chunk, a.mb)] = in_grads
             else:
                 self._bwd_out[(a.chunk, a.mb)] = in_grads
+
+    def _weight(self, a: Action) -> None:
+        work = self._weights_due.pop((a.chunk, a.mb), None)
+        if work is None:
+            raise RuntimeError(f"executor: W{a.chunk}.{a.mb} on pipeline rank {self.pp_rank} "
+                               f"before its B; the action list is out of dependency order")
+        backward_weight(work)
 
     def _ready(self, a: Action) -> None:
         """Wait for the received message the compute `a` consumes, if one is in flight."""

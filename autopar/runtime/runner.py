@@ -396,9 +396,9 @@ class Runner:
 
     def _before_action(self, n: int, a: Any) -> None:
         """Executor hook before actions[n]: GradSync arming (zero=0, d>1) before a chunk's
-        last B; under zero=3 the gathers / releases / reduce-scatters planned at n, then the
+        last B (its last W when the schedule splits backwards); under zero=3 the gathers / releases / reduce-scatters planned at n, then the
         wait for chunk a.chunk's weights before its F/B."""
-        if self.grad_sync is not None and a.kind == "B":
+        if self.grad_sync is not None and a.kind == self._final_kind:
             self._arm(a)
         if a.kind == "REDUCE" and isinstance(self.zero, _ChunkedZero) \
                 and a.chunk in self._chunk_index:
@@ -428,13 +428,15 @@ class Runner:
     def _arming_points(self, actions: Sequence[Any]) -> dict[tuple[int, int], list]:
         """(chunk, micro-batch) of a B action -> the parameters whose gradient it makes final:
         those of the chunk whose last B it is (for a parameter two local chunks use, the later
-        of their last Bs)."""
+        of their last Bs). With split backwards (W actions) the weight gradients accumulate in
+        W, so W takes B's place here."""
+        self._final_kind = "W" if any(a.kind == "W" for a in actions) else "B"
         uses: dict[int, set[str]] = {}
         for (c, _attr), q in self._qual.items():
             uses.setdefault(c, set()).add(q)
         last: dict[str, tuple[int, int, int]] = {}
         for pos, a in enumerate(actions):
-            if a.kind == "B":
+            if a.kind == self._final_kind:
                 for q in uses.get(a.chunk, ()):
                     last[q] = (pos, a.chunk, a.mb)
         out: dict[tuple[int, int], list] = {}
