@@ -292,6 +292,12 @@ def test_llama_t2_p2_interleaved():
 
 
 @pytest.mark.slow
+def test_llama_t2_p2_interleaved_zero_bubble():
+    """Tensor-parallel collectives sit on the input-gradient path: B runs them, W none."""
+    check_against_reference("llama", make_plan(t=2, p=2, v=2, m=2, schedule="interleaved-zb",
+                                               layers=4))
+
+
 def test_gpt_t2_p2_d2():
     check_against_reference("gpt", make_plan(t=2, p=2, d=2, m=2, schedule="1f1b", layers=2),
                             timeout_s=600)

@@ -143,3 +143,10 @@ def test_zero3_and_bad_precision_are_clear_errors(monkeypatch):
     prog, _ = make_program("gpt", make_plan(d=2, m=2, layers=2))
     with pytest.raises(ValueError, match=r"precision='fp16'"):
         prog.compile(precision="fp16")
+
+
+def test_bf16_p2_interleaved_zero_bubble_clipping_active():
+    """Split backwards (W accumulates the weight gradients) feed the fp32 main-grads through
+    the post-accumulate hooks, and clipping sees the whole gradient."""
+    check("gpt", make_plan(p=2, v=2, m=2, schedule="interleaved-zb", layers=4),
+          precision="bf16", max_norm=0.05)
