@@ -206,10 +206,12 @@ def bench_rank(rank, world, args):
     torch.set_num_threads(1)
     runs = {"interleaved-1f1b": build_autopar(args, "interleaved-1f1b", 2),
             "interleaved-zb": build_autopar(args, "interleaved-zb", 2),
-            "1f1b": build_autopar(args, "1f1b", 1)}
+            "1f1b": build_autopar(args, "1f1b", 1),
+            "interleaved-1f1b-planned-cut": build_autopar(args, "interleaved-1f1b", 2,
+                                                             args.split)}
     blocking_recv, blocking_step = build_autopar(args, "interleaved-1f1b", 2)
     blocking_recv.executor.async_recv = False     # ablation: the previous runtime
-    steps = {"ours_plan": build_autopar(args, "interleaved-1f1b", 2, args.split)[1],
+    steps = {"ours_plan": runs["interleaved-1f1b-planned-cut"][1],
              "ours_zb_plan": build_autopar(args, "interleaved-zb", 2, args.split)[1],
              "ours": runs["interleaved-1f1b"][1], "ours_zb": runs["interleaved-zb"][1],
              "ours_1f1b": runs["1f1b"][1], "ours_blocking_recv": blocking_step,
@@ -326,7 +328,8 @@ def main() -> None:
     out_dir = args.out or tempfile.mkdtemp(prefix="autopar_timeline_")
     import os
     os.makedirs(out_dir, exist_ok=True)
-    for sched, v in (("interleaved-1f1b", 2), ("interleaved-zb", 2), ("1f1b", 1)):
+    for sched, v in (("interleaved-1f1b", 2), ("interleaved-zb", 2), ("1f1b", 1),
+                     ("interleaved-1f1b-planned-cut", 2)):
         recorded, acts = res[sched]
         rep = idle_report(recorded, acts, v)
         fit = rep["last"][2]
