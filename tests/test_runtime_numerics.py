@@ -161,6 +161,11 @@ def test_gpt_p2_interleaved_zero_bubble_v2():
                                              layers=4))
 
 
+def test_gpt_p2_zero_bubble_v1_uneven():
+    """v = 1 is ZB-H1 on the 1F1B order; 3 layers over 2 stages."""
+    check_against_reference("gpt", make_plan(p=2, m=3, schedule="interleaved-zb", layers=3))
+
+
 def test_llama_p2_d2_interleaved_zero_bubble():
     """Data-parallel buckets armed before the last W (weight gradients accumulate there)."""
     check_against_reference("llama", make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-zb",
