@@ -54,6 +54,11 @@ class BuiltProgram:
             self._chunks[key] = self._cut(tp_rank, self._materialize(pp_rank, weights))
         return self._chunks[key]
 
+    def user_tensors(self) -> dict[int, torch.Tensor]:
+        """id -> tensor of the user's parameters and buffers the captured graph holds (the
+        build shares them, never writes them; whoever trains must copy them)."""
+        return {id(x): x for x in list(self.gm.parameters()) + list(self.gm.buffers())}
+
     def release(self, tp_rank: int, pp_rank: int | None = None) -> None:
         """Forget cached chunks so their weights are freed once the runtime owns copies."""
         self._chunks.pop((tp_rank, pp_rank, True), None)
@@ -120,8 +125,7 @@ def _tensor_parallel(built: BuiltProgram, tp_rank: int, materialize: set[str] | 
                          f"plan with t=1") from exc
     # Copy the graph and module tree but share the tensors: the pass replaces attributes (it
     # never writes into a tensor), so a real model's weights are not duplicated on every rank.
-    memo = {id(x): x for x in list(built.gm.parameters()) + list(built.gm.buffers())}
-    gm = copy.deepcopy(built.gm, memo)
+    gm = copy.deepcopy(built.gm, built.user_tensors())
     # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
     # runtime binds to this rank's real group when it loads the generated chunk.
     # With t = 1 the pass only materialises meta parameters (global-shape init of their module)

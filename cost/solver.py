@@ -211,11 +211,12 @@ def _sequence_parallel_modes(profile, t, p, d, pins, rejected) -> tuple[bool, ..
         return (bool(pins.sequence_parallel),)
     if profile.seq_len % t == 0:
         return (False, True)
-    why = Rejection({"t": t, "p": p, "d": d, "sequence_parallel": True},
-                    f"sequence parallelism needs the sequence length ({profile.seq_len}) "
-                    f"divisible by t={t}; pick a t that divides it or pad the sequence")
-    if pins.sequence_parallel and why not in rejected:
-        rejected.append(why)
+    if pins.sequence_parallel:
+        why = Rejection({"t": t, "p": p, "d": d, "sequence_parallel": True},
+                        f"sequence parallelism needs the sequence length ({profile.seq_len}) "
+                        f"divisible by t={t}; pick a t that divides it or pad the sequence")
+        if why not in rejected:      # one per (t, p, d), not per knob combination
+            rejected.append(why)
     return (False,)
 
 
@@ -532,12 +533,11 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: global_batch_size={global_batch} does not split into "
                              f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
                              f"{b * dd}); change global_batch_size or micro_batch_size")
-    if pins.v is not None and pins.v > 1 and pins.schedule not in (
-            None, "interleaved-1f1b", "interleaved-zb", "breadth-first"):
+    if pins.v is not None and pins.v > 1 and pins.schedule is not None \
+            and not SCHEDULE_TRAITS[pins.schedule].multi_chunk:
+        multi = " or ".join(repr(s) for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk)
         raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
-                         f"rank need schedule='interleaved-1f1b', 'interleaved-zb' or "
-                         f"'breadth-first'; set v=1 "
-                         f"or change schedule")
+                         f"rank need schedule={multi}; set v=1 or change schedule")
     if pins.schedules is not None and set(pins.schedules) - set(SCHEDULE_TRAITS):
         raise ValueError(f"solve: schedules={pins.schedules!r}: unknown "
                          f"{sorted(set(pins.schedules) - set(SCHEDULE_TRAITS))}; the cost model "

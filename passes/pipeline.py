@@ -348,9 +348,9 @@ def chunk_attr_targets(gm: torch.fx.GraphModule, plan: Plan) -> list[set[str]]:
             elif i in analysis.free:     # recomputed in the chunk: its attrs are read there
                 reach(i, c, seen)
 
-    for c in range(len(plan.stages)):
-        seen: set[torch.fx.Node] = set()
-        for n in gm.graph.nodes:
-            if analysis.chunk.get(n) == c:
-                reach(n, c, seen)
+    seen: list[set[torch.fx.Node]] = [set() for _ in plan.stages]
+    for n in gm.graph.nodes:
+        c = analysis.chunk.get(n)
+        if c is not None:
+            reach(n, c, seen[c])
     return out

@@ -282,7 +282,6 @@ def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
     module, buffers recorded by meta_init) — only the targets in `materialize` when given,
     the rest become meta tensors of local shape. Returns whether anything was on the meta
     device."""
-    done: dict[int, torch.Tensor] = {}
     meta = _MetaSource(model, init, prefix, seed)
     made: set[int] = set()          # ids of the replacements already installed
     saw_meta = False
@@ -300,16 +299,15 @@ def _shard_parameters(gm: fx.GraphModule, info: TPInfo, rank: int, t: int,
         real = wanted is None or id(full) in wanted
         if split is None and not full.is_meta and real:
             continue
-        if id(full) not in done:
-            if real:
-                value = meta.value(target, full) if full.is_meta else full.detach()
-            else:   # another pipeline rank's weight: its local shape only, no memory
-                value = full.detach() if full.is_meta else torch.empty_like(full, device="meta")
-            local = shard_rt.local_shard(value, split, rank, t) if split is not None else value
-            done[id(full)] = (torch.nn.Parameter(local, requires_grad=full.requires_grad)
-                              if isinstance(full, torch.nn.Parameter) else local)
-            made.add(id(done[id(full)]))
-        _replace_everywhere(gm, full, done[id(full)])
+        if real:
+            value = meta.value(target, full) if full.is_meta else full.detach()
+        else:   # another pipeline rank's weight: its local shape only, no memory
+            value = full.detach() if full.is_meta else torch.empty_like(full, device="meta")
+        local = shard_rt.local_shard(value, split, rank, t) if split is not None else value
+        new = (torch.nn.Parameter(local, requires_grad=full.requires_grad)
+               if isinstance(full, torch.nn.Parameter) else local)
+        made.add(id(new))
+        _replace_everywhere(gm, full, new)   # every alias (tied names) now holds `new`
     return saw_meta
 
 

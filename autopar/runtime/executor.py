@@ -135,8 +135,8 @@ class PipelineExecutor:
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
                     "REDUCE": _noop}
         actions = self.actions
-        ahead = self._recv_positions() if self.async_recv else []
-        self._split = self._split_backwards()
+        recvs, self._split = self._list_facts()
+        ahead = recvs if self.async_recv else []
         nxt, L = 0, len(actions) if self.prefetch is None else self.prefetch
         record, events, pp = self.record, self.events, self.pp_rank
         clock = time.time
@@ -166,16 +166,15 @@ class PipelineExecutor:
                                f"list is incomplete")
         return [self._losses[i] for i in sorted(self._losses)]
 
-    def _recv_positions(self) -> list[int]:
+    def _list_facts(self) -> tuple[list[int], frozenset[tuple[int, int]]]:
+        """Of the action list, cached while it is unchanged: the positions of its RECV actions,
+        and the (chunk, micro-batch) whose backward it splits into B and W."""
         key = tuple(self.actions)
-        if getattr(self, "_recv_key", None) != key:
-            self._recv_key = key
-            self._recv_pos = [n for n, a in enumerate(key) if a.kind[:4] == "RECV"]
-        return self._recv_pos
-
-    def _split_backwards(self) -> frozenset[tuple[int, int]]:
-        """(chunk, micro-batch) whose backward is split into B and W by this action list."""
-        return frozenset((a.chunk, a.mb) for a in self.actions if a.kind == "W")
+        if getattr(self, "_facts_key", None) != key:
+            self._facts_key = key
+            self._facts = ([n for n, a in enumerate(key) if a.kind[:4] == "RECV"],
+                           frozenset((a.chunk, a.mb) for a in key if a.kind == "W"))
+        return self._facts
 
     # ---- compute ------------------------------------------------------------------------
     def _local(self, chunk: int) -> bool:

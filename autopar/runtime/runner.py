@@ -221,6 +221,8 @@ class Runner:
             pp_rank=pg.pp_rank, p2p_group=pg.pipeline, tensor_group=pg.tensor, t=pg.t,
             tp_rank=pg.tp_rank, record=options.record_timeline,
             before_action=self._before_action, after_run=self._after_run)
+        # weight gradients accumulate in W when the schedule splits backwards, else in B
+        self._final_kind = "W" if any(a.kind == "W" for a in actions) else "B"
         self._arm_at = self._arming_points(actions)
         built.release(pg.tp_rank, pg.pp_rank)   # the runner owns its weights now
         self.steps = 0
@@ -234,7 +236,7 @@ class Runner:
         self._qual: dict[tuple[int, str], str] = {}
         # Tensors of the user's model are copied; shards and materialised weights the build
         # made for this rank are taken over (the build's cache of them is released below).
-        users = {id(x) for x in list(self.built.gm.parameters()) + list(self.built.gm.buffers())}
+        users = self.built.user_tensors()
 
         def own(x: torch.Tensor) -> torch.Tensor:
             return (x.detach().clone() if id(x) in users else x.detach()).to(self.device)
@@ -429,8 +431,7 @@ class Runner:
         """(chunk, micro-batch) of a B action -> the parameters whose gradient it makes final:
         those of the chunk whose last B it is (for a parameter two local chunks use, the later
         of their last Bs). With split backwards (W actions) the weight gradients accumulate in
-        W, so W takes B's place here."""
-        self._final_kind = "W" if any(a.kind == "W" for a in actions) else "B"
+        W, so W takes B's place here (self._final_kind)."""
         uses: dict[int, set[str]] = {}
         for (c, _attr), q in self._qual.items():
             uses.setdefault(c, set()).add(q)
