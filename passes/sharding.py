@@ -102,7 +102,7 @@ _TRANSPARENT = {aten.alias, aten.detach, aten.to, aten._to_copy, aten.clone, ate
                 aten.lift_fresh_copy, aten.type_as}
 _RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
              aten.squeeze, aten.unsqueeze}
-_SIZE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_SIZE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to}
 _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.alias,
                              aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.zeros_like,
                              aten.ones_like, aten.empty_like, aten.full_like,
@@ -203,7 +203,9 @@ def _prod(xs: Any) -> int:
 
 # ----- the propagator ---------------------------------------------------------------------------
 
-_CHAIN = _TRANSPARENT | {aten.t, aten.transpose, aten.permute}
+# numpy_T (`w.T`: all dims reversed) and mT (last two swapped) are how some models
+# (transformers' Falcon, `x @ self.weight.T`) transpose a weight.
+_CHAIN = _TRANSPARENT | {aten.t, aten.transpose, aten.permute, aten.numpy_T, aten.mT}
 
 
 class Propagator:
@@ -376,7 +378,9 @@ class Propagator:
             return
         target: Layout = R
         shp = shape(arg)
-        if allow_seq and self.sp and shp and len(shp) >= 3 and self.seq_len \
+        # a statistic over the split dim (partial_mean) scales split values: all-reduced whole
+        if allow_seq and self.sp and self.role.get(arg) != "partial_mean" and shp \
+                and len(shp) >= 3 and self.seq_len \
                 and shp[1] == self.seq_len and self.seq_len % self.t == 0:
             target = Shard(1, (self.seq_len,), seq=True)
         self.convert.setdefault(node, {})[arg] = target
@@ -450,6 +454,11 @@ def _chain_dim(node: fx.Node, dim: int, forward: bool) -> int:
     if op is aten.permute:
         perm = [_norm_dim(p, len(shape(node))) for p in node.args[1]]
         return perm.index(dim) if forward else perm[dim]
+    if op is aten.numpy_T:
+        return len(shape(node)) - 1 - dim
+    if op is aten.mT:
+        nd = len(shape(node))
+        return nd - 1 if dim == nd - 2 else nd - 2 if dim == nd - 1 else dim
     return dim
 
 
@@ -701,6 +710,9 @@ def _reduce(p: Propagator, node: fx.Node) -> Any:
     if lay.dim in dims:
         if packet(node) is aten.sum and not lay.padded:
             return Partial()
+        if packet(node) is aten.mean and not lay.padded and not lay.seq:
+            p.role[node] = "partial_mean"  # mean(x_local)/t per rank; summed = the global mean
+            return Partial()
         raise Conflict(lay.origins, node, f"{node.name}: reduces over the split dim")
     new_dim = lay.dim if keep else lay.dim - sum(d < lay.dim for d in dims)
     return _like(node, replace(lay, dim=new_dim))
@@ -790,8 +802,9 @@ def _param_root(node: Any) -> fx.Node | None:
     return None
 
 
-def _batched_matmul(p: Propagator, node: fx.Node) -> Layout:
-    a, b = node.args[0], node.args[1]
+def _batched_matmul(p: Propagator, node: fx.Node, a: Any = None, b: Any = None) -> Layout:
+    if a is None:
+        a, b = node.args[0], node.args[1]
     la, lb = p.eff(node, a), p.eff(node, b)
     na, nb, nd = len(shape(a)), len(shape(b)), len(shape(node))
     if not isinstance(la, Shard) and not isinstance(lb, Shard):
@@ -821,6 +834,57 @@ def _batched_matmul(p: Propagator, node: fx.Node) -> Layout:
         p.demand(node, a, R)
         return replace(lb, dim=nd - 1)
     return _replicated(p, node)
+
+
+def _baddbmm(p: Propagator, node: fx.Node) -> Layout:
+    """baddbmm(input, b1, b2) = beta·input + alpha·(b1 @ b2) (BLOOM's ALiBi attention scores):
+    the product as a batched matmul; `input` is added elementwise, so it must follow the
+    product's layout (sliced, or broadcast along the split dim)."""
+    inp, b1, b2 = node.args[:3]
+    lay = _batched_matmul(p, node, b1, b2)
+    if isinstance(lay, Partial):
+        raise Conflict(_union([l for l in (p.eff(node, b1), p.eff(node, b2))
+                               if isinstance(l, Shard)]), node,
+                       f"{node.name}: baddbmm contracts over the split dim and adds an input")
+    if not isinstance(lay, Shard):
+        p.demand(node, inp, R)
+        return lay
+    i = lay.dim - (len(shape(node)) - len(shape(inp)))
+    if i < 0 or shape(inp)[i] == 1:
+        p.demand(node, inp, R)
+    else:
+        p.demand(node, inp, replace(lay, dim=i))
+    return lay
+
+
+def _index(p: Propagator, node: fx.Node) -> Layout:
+    """x[..., idx, ...] with one index tensor (Falcon's qkv[:, :, :, [-2]]): the indexed dim
+    is replaced by the index's dims; fine while that is not the split dim."""
+    x, indices = node.args[0], list(node.args[1])
+    lay = p.eff(node, x)
+    tensors = [i for i, ix in enumerate(indices) if ix is not None]
+    if not isinstance(lay, Shard):
+        return _replicated(p, node)
+    d = tensors[0] if len(tensors) == 1 else None
+    if d is None or d == lay.dim or lay.padded:
+        raise Conflict(lay.origins, node, f"{node.name}: indexes the split dim {lay.dim} "
+                       f"(or several dims at once)")
+    p.demand(node, indices[d], R)
+    extra = len(shape(indices[d])) - 1
+    return replace(lay, dim=lay.dim + (extra if lay.dim > d else 0))
+
+
+def _stack(p: Propagator, node: fx.Node) -> Layout:
+    """stack(xs, dim) = cat of xs unsqueezed at dim (GPT-J's rotate_every_two): the pieces
+    must share one layout; the split dim shifts past the new one."""
+    tensors = list(node.args[0])
+    dim = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0),
+                    len(shape(node)))
+    shards = _shards(p, node, tensors)
+    if not shards:
+        return R
+    lay = _pointwise_same_shape(p, node, tensors, shards[0][1])
+    return replace(lay, dim=lay.dim + (lay.dim >= dim))
 
 
 def _embedding(p: Propagator, node: fx.Node) -> Layout:
@@ -895,8 +959,10 @@ def _cross_entropy(p: Propagator, node: fx.Node) -> Layout:
 _RULES = {
     **{op: _reshape for op in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten,
                                aten.unflatten, aten.squeeze, aten.unsqueeze)},
-    aten.expand: _expand,
+    aten.expand: _expand, aten.broadcast_to: _expand,
+    aten.index: _index, aten.stack: _stack, aten.baddbmm: _baddbmm,
     aten.transpose: _transpose, aten.t: _transpose, aten.permute: _transpose,
+    aten.numpy_T: _transpose, aten.mT: _transpose,
     **{op: _split for op in _SPLITS},
     aten.cat: _cat,
     aten.slice: _slice, aten.select: _slice, aten.narrow: _slice,

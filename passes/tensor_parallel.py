@@ -92,7 +92,8 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
     Requires: `gm` from `capture` (ATen training IR with node.meta['val']).
     Guarantees: every node has meta['tp_layout'] (Replicate | Shard | Partial, a tuple for
       multi-output nodes); split get_attr nodes have meta['tp_param'] (a ParamSplit); nodes the
-      rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce');
+      rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
+      'partial_mean': a mean over the split dim, each rank's summand);
       meta['tp_convert'] = {input name: layout} on edges that need a collective or a slice;
       gm.meta['tp'] is a TPInfo. Writes only meta; the graph is unchanged.
     A split value the graph returns (logits of a model without a loss) stays column-parallel
@@ -172,7 +173,10 @@ def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
         role = prop.role.get(node)
         if role:
             node.meta["tp_role"] = role
-            {"column": info.column, "row": info.row}.get(role, info.vocab).append(node.name)
+            listed = {"column": info.column, "row": info.row, "vocab_embedding": info.vocab,
+                      "vocab_ce": info.vocab}.get(role)
+            if listed is not None:
+                listed.append(node.name)
         lay = node.meta["tp_layout"]
         if node.op == "get_attr" and isinstance(lay, Shard):
             split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded)
@@ -446,15 +450,7 @@ class _Rewriter:
             return self.cache[key]
         g = self.group
         if isinstance(have, Partial):
-            if isinstance(want, Shard) and want.seq:
-                x = self._call(C.reduce_scatter_to_sp, (arg, g, want.dim), want, before, grad, arg)
-            else:
-                x = self._call(C.reduce_from_tp, (arg, g), Replicate(), before, grad, arg)
-            if have.bias:
-                bias = self.by_name[have.bias]
-                if isinstance(want, Shard) and bias in self.grad:
-                    bias = self._f(bias, before)
-                x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
+            x = self._reduced(arg, have, want, before, grad)
             if isinstance(want, Shard) and not want.seq:
                 x = self._slice(x, want, before, grad)
             elif isinstance(want, Replicate) and out_split and grad:
@@ -471,6 +467,28 @@ class _Rewriter:
                                Replicate(), before, grad, arg)
             if isinstance(want, Shard):
                 x = self._slice(x, want, before, grad)
+        self.cache[key] = x
+        return x
+
+    def _reduced(self, arg: fx.Node, have: Partial, want: Any, before: fx.Node,
+                 grad: bool) -> fx.Node:
+        """The sum of a Partial `arg` (+ its bias), all-reduced (or reduce-scattered along the
+        sequence) once and shared by every consumer: a post-norm block reads the embedding
+        both in its column-parallel input and in its residual add."""
+        seq = isinstance(want, Shard) and want.seq
+        key = ("reduced", arg, seq)
+        if key in self.cache:
+            return self.cache[key]
+        g = self.group
+        if seq:
+            x = self._call(C.reduce_scatter_to_sp, (arg, g, want.dim), want, before, grad, arg)
+        else:
+            x = self._call(C.reduce_from_tp, (arg, g), Replicate(), before, grad, arg)
+        if have.bias:
+            bias = self.by_name[have.bias]
+            if seq and bias in self.grad:
+                bias = self._f(bias, before)
+            x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
         self.cache[key] = x
         return x
 
@@ -495,6 +513,13 @@ class _Rewriter:
             node.args, node.kwargs = (w, ids, self.group, pad), {}
         elif role == "vocab_ce":
             self._vocab_ce(node)
+        elif role == "partial_mean":
+            x = node.args[0]
+            dims = node.args[1] if len(node.args) > 1 else list(range(len(shape(x))))
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            node.target = shard_rt.partial_mean
+            node.args = (x, self.group, list(dims), keep, node.kwargs.get("dtype"))
+            node.kwargs = {}
         elif op in S._SIZE_ARG_OPS:
             self._local_sizes(node)
         elif op in S._SPLITS:

@@ -29,7 +29,10 @@ sequence-parallel mode) on the planning graph and states the difference per regi
     slices); a replicated affected value read by a split op without a slice (`copy_to_tp`:
     all-reduce of its gradient). Each is priced at the value's global size per sequence.
     Partial → replicated / sequence-sharded edges are the structural all-reduces (reduce-scatters
-    under SP) that RegionProfile.tp_allreduce_elems already counts.
+    under SP) that RegionProfile.tp_allreduce_elems already counts, except a mean over the split
+    dim (role partial_mean, e.g. OLMo-2's RMSNorm over all q heads): its statistic is all-reduced
+    forward, and the replicated values computed from it all-reduce their gradient where they
+    scale split values.
 
 Block 0 stands for every block, as in the profile. The pass writes only meta (node meta
 tp_layout / tp_convert / tp_role / tp_param and gm.meta['tp']); running it for another t
@@ -260,6 +263,7 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
         else:
             add(("f", x), "all-reduce", x, True, f"gradient of {x.name} (copy_to_tp)")
 
+    stats = _partial_mean_stats(nodes)
     for n in nodes:
         conv = n.meta.get("tp_convert", {})
         out_split = _is_split(n.meta.get("tp_layout"))
@@ -268,7 +272,9 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
             have = a.meta.get("tp_layout")
             grad = a in facts.grad
             key = (a, repr(want), out_split and grad)
-            if isinstance(have, Shard):
+            if a.meta.get("tp_role") == "partial_mean":
+                add(key, "all-reduce", a, False, f"{a.name}: mean over the split dim")
+            elif isinstance(have, Shard):
                 structural = have.seq and n not in seeds and a not in affected \
                     and n.op != "output"
                 if structural:
@@ -284,8 +290,23 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
         if not out_split or n.meta.get("tp_role") == "vocab_ce":
             continue
         for a in n.all_input_nodes:  # _Rewriter._convert_inputs: copy_to_tp on whole inputs
-            if a.name in conv or a not in affected or a not in facts.grad or not is_tensor(a):
+            if a.name in conv or not (a in affected or a in stats) or a not in facts.grad \
+                    or not is_tensor(a):
                 continue
             if isinstance(a.meta.get("tp_layout"), Replicate):
                 add(("f", a), "all-reduce", a, True, f"gradient of {a.name} (copy_to_tp)")
     return tuple(out)
+
+
+def _partial_mean_stats(nodes: list) -> set:
+    """The replicated values computed from an all-reduced mean over the split dim (an RMSNorm
+    statistic over all heads): where they scale split values, their gradient is all-reduced."""
+    out: set = set()
+    todo = [u for n in nodes if n.meta.get("tp_role") == "partial_mean" for u in n.users]
+    while todo:
+        n = todo.pop()
+        if n in out or not isinstance(n.meta.get("tp_layout"), Replicate):
+            continue
+        out.add(n)
+        todo.extend(n.users)
+    return out

@@ -49,6 +49,16 @@ def make_model(name: str, layers: int) -> tuple[torch.nn.Module, int]:
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=16)
         return LlamaForCausalLM(cfg), 64
+    if name in ("hf-falcon", "hf-bloom"):
+        from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
+        if name == "hf-falcon":   # fused qkv grouped per kv head (new decoder architecture)
+            return FalconForCausalLM(FalconConfig(
+                num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                new_decoder_architecture=True, vocab_size=64, hidden_dropout=0.0,
+                attention_dropout=0.0)), 64
+        return BloomForCausalLM(BloomConfig(   # ALiBi: one bias tensor read by every layer
+            n_layer=layers, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0,
+            attention_dropout=0.0)), 64
     raise ValueError(name)
 
 
@@ -216,6 +226,19 @@ def test_hf_gpt2_p2():
 def test_hf_llama_p2():
     pytest.importorskip("transformers")
     check_against_reference("hf-llama", make_plan(p=2, m=2, schedule="1f1b", layers=2))
+
+
+@pytest.mark.slow
+def test_hf_falcon_t2_p2_interleaved():
+    pytest.importorskip("transformers")
+    check_against_reference("hf-falcon", make_plan(t=2, p=2, v=2, m=2,
+                                                   schedule="interleaved-1f1b", layers=4))
+
+
+@pytest.mark.slow
+def test_hf_bloom_p2_uneven():
+    pytest.importorskip("transformers")
+    check_against_reference("hf-bloom", make_plan(p=2, m=2, schedule="1f1b", layers=3))
 
 
 # ---- bad input --------------------------------------------------------------------------

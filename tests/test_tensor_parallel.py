@@ -324,3 +324,43 @@ def test_tp_report_lines():
     assert tp_report(1, gm) == ["tensor parallel: off (t=1)"]
     gm = propagate_sharding(_llama_gm(kv=2), 4)
     assert sum("replicated: " in line for line in tp_report(4, gm)) == 4
+
+
+# ----- more transformers architectures: the pattern comes out of propagation --------------------
+
+# name -> extra forward all-reduces per layer beyond Megatron's 2 (OLMo-2: the q and k RMSNorms
+# normalise over all heads, so each all-reduces its (B, T, 1) statistic)
+_MORE = {"hf_neox": 0, "hf_falcon": 0, "hf_gptj": 0, "hf_bloom": 0, "hf_olmo2": 2,
+         "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": 0, "hf_opt": 0, "hf_gemma": 0}
+
+
+@pytest.mark.parametrize("name", sorted(_MORE))
+def test_more_transformers_architectures_split_like_megatron(name):
+    import hf_zoo
+    torch.manual_seed(0)
+    model = getattr(hf_zoo, name)()
+    ids = torch.randint(0, 64, (B, T))
+    gm = apply_tensor_parallel(capture(model, (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
+    info = gm.meta["tp"]
+    assert not info.fallbacks, info.summary()
+    assert len(info.row) == 2 * 2                       # attention out + MLP down, 2 layers
+    # 2 all-reduces per layer (+ the statistics), + 1 for the vocab-parallel embedding
+    assert len(_calls(gm, C.reduce_from_tp)) == (2 + _MORE[name]) * 2 + 1
+    assert len(_calls(gm, shard_rt.partial_mean)) == _MORE[name] * 2
+    assert not _calls(gm, C.gather_from_sp) and not _calls(gm, C.all_gather_sp)
+    local = sum(p.numel() for p in gm.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    assert 0.49 < local / full < 0.53                   # only norms and biases replicated
+    gm.graph.lint()
+
+
+def test_multi_query_fused_qkv_keeps_attention_replicated_and_says_why():
+    # GPT-BigCode multi-query: one k/v head inside the fused c_attn cannot be split by heads
+    # (Megatron-Core requires the query groups to divide by t as well): attention stays
+    # replicated, reported; the MLP and the vocabulary are still split
+    import hf_zoo
+    model = hf_zoo.hf_bigcode()
+    ids = torch.randint(0, 64, (B, T))
+    info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2).meta["tp"]
+    assert any("attention split along a non-head dim" in f.reason for f in info.fallbacks)
+    assert len(info.row) == 2 and info.vocab

@@ -17,6 +17,7 @@ from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes.capture import capture
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
 from autopar.testing import spawn
+from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2
 
 pytestmark = pytest.mark.distributed
 
@@ -57,7 +58,8 @@ def hf_bert() -> torch.nn.Module:
 
 
 MODELS = {"gpt": gpt, "llama_style": llama_style, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
-          "hf_bert": hf_bert}
+          "hf_bert": hf_bert, "hf_neox": hf_neox, "hf_falcon": hf_falcon, "hf_gptj": hf_gptj,
+          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2}
 
 
 def _build(name: str, kwargs: dict) -> torch.nn.Module:
@@ -171,6 +173,21 @@ CASES = [("gpt", 2, {}), ("llama_style", 2, {}), ("hf_gpt2", 2, {}), ("hf_llama"
 @pytest.mark.parametrize("name,t,kwargs", CASES, ids=[c[0] for c in CASES])
 def test_tp2_matches_single_device(name, t, kwargs):
     run_tp(name, t, **kwargs)
+
+
+MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2"]
+
+
+@pytest.mark.parametrize("name", MORE)
+def test_tp2_more_transformers_architectures_match_single_device(name):
+    results = run_tp(name, 2)
+    assert not results[0]["info"].fallbacks   # split, not a silent replicated fallback
+
+
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2"])
+def test_tp2_sequence_parallel_more_architectures(name):
+    results = run_tp(name, 2, sp=True)
+    assert not results[0]["info"].fallbacks
 
 
 @pytest.mark.parametrize("name,t,kwargs", CASES, ids=[c[0] for c in CASES])

@@ -252,6 +252,15 @@ def _pieces(x: torch.Tensor, split: ParamSplit, rank: int, t: int) -> torch.Tens
     return torch.cat(out, dim=split.dim)
 
 
+def partial_mean(x: torch.Tensor, group: Any, dims: list[int], keepdim: bool = False,
+                 dtype: Any = None) -> torch.Tensor:
+    """This rank's summand of a mean over a split dim: mean(x_local) / t, so that the sum over
+    the t ranks (a Partial, all-reduced by the caller's reduce_from_tp) is the global mean
+    (every rank holds an equal 1/t of the dim). Used e.g. by an RMSNorm over all heads
+    (OLMo-2's q/k norm), whose statistic is then one small all-reduce."""
+    return torch.mean(x, dims, keepdim, dtype=dtype) / group_size(group)
+
+
 def unshuffle_blocks(x: torch.Tensor, group: Any, dim: int, blocks: list[int],
                      padded: int = 0) -> torch.Tensor:
     """Reorder a rank-major all-gather of Shard(dim, blocks) pieces into the global order

@@ -1,0 +1,94 @@
+"""Tiny unmodified `transformers` models (2 layers, hidden 32, 4 heads, vocab 64) of
+architectures beyond GPT-2 / Llama / BERT, built from configs (no downloads). Module level: the
+spawned ranks of the numerics tests import them by name."""
+from __future__ import annotations
+
+import torch
+
+
+# More unmodified `transformers` architectures, each exercising a different way of writing
+# attention: fused qkv interleaved per head (GPT-NeoX, partial rotary), fused qkv grouped per kv
+# head with `x @ w.T`, index-select and broadcast_to (Falcon's new decoder), rotary through
+# stack + flatten (GPT-J), ALiBi through baddbmm on (B·heads, T, d) (BLOOM), and an RMSNorm
+# over all heads, i.e. over the split dim (OLMo-2's q/k norm).
+def hf_neox() -> torch.nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=16, use_cache=False, hidden_dropout=0.0,
+        attention_dropout=0.0, rotary_pct=0.5))
+
+
+def hf_falcon() -> torch.nn.Module:
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, vocab_size=64, use_cache=False, hidden_dropout=0.0,
+        attention_dropout=0.0))
+
+
+def hf_gptj() -> torch.nn.Module:
+    from transformers import GPTJConfig, GPTJForCausalLM
+    return GPTJForCausalLM(GPTJConfig(n_layer=2, n_embd=32, n_head=4, rotary_dim=4,
+                                      vocab_size=64, n_positions=16, use_cache=False,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def hf_bloom() -> torch.nn.Module:
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64,
+                                        use_cache=False, hidden_dropout=0.0,
+                                        attention_dropout=0.0))
+
+
+def hf_olmo2() -> torch.nn.Module:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return Olmo2ForCausalLM(Olmo2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=16, use_cache=False))
+
+
+def hf_mistral() -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=16, use_cache=False))
+
+
+def hf_qwen3() -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+        use_cache=False))
+
+
+def hf_phi() -> torch.nn.Module:
+    from transformers import PhiConfig, PhiForCausalLM
+    return PhiForCausalLM(PhiConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=16, use_cache=False, partial_rotary_factor=0.5,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+
+
+def hf_opt() -> torch.nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, vocab_size=64,
+        max_position_embeddings=16, word_embed_proj_dim=32, use_cache=False, dropout=0.0,
+        attention_dropout=0.0))
+
+
+def hf_gemma() -> torch.nn.Module:
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(GemmaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=16,
+        use_cache=False))
+
+
+def hf_bigcode() -> torch.nn.Module:
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, use_cache=False,
+        multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
