@@ -145,6 +145,7 @@ class _GraphFacts:
         self.row_gemms = 0
         self.tied = False
         self.sdpa: list[torch.fx.Node] = []
+        self.batched: list[torch.fx.Node] = []  # activation × activation GEMMs (unfused attention)
         self.col_widths: list[tuple[torch.fx.Node, int]] = []
         self.vocab_embedding = self._vocab_embedding()
         self.embedding_param_ids = {params[nodes[x].target][0] for x in structure.embedding_nodes
@@ -168,11 +169,26 @@ class _GraphFacts:
         raise ValueError("profile_from_graph: block 0 has no (B, T, hidden) floating input; "
                          "cannot tell the hidden size")
 
+    def _attention(self) -> tuple | None:
+        """(q, k, v) as attention reads them: sdpa's operands, or, for attention written out
+        (matmul / bmm / baddbmm, e.g. BLOOM's ALiBi), the scores GEMM q·kᵀ (the block's first
+        activation × activation GEMM) and the context GEMM's value operand."""
+        if self.sdpa:
+            return tuple(self.sdpa[0].args[:3])
+        if len(self.batched) < 2:
+            return None
+        q, k = _operands(self.batched[0])
+        return q, k, _operands(self.batched[1])[1]
+
     def dims(self) -> dict[str, int]:
         heads, hd = 1, self.hidden
         if self.sdpa:
             q = _val(self.sdpa[0].args[0])
             heads, hd = int(q.shape[-3]), int(q.shape[-1])
+        elif self._attention() is not None:  # (B·H, L, E) or (B, H, L, E): H per sequence
+            scores, q = self.batched[0], _val(self._attention()[0])
+            heads = _numel(_val(scores).shape[:-2]) // self.batch
+            hd = int(q.shape[-1])
         kv = self._kv_heads(hd, heads)
         mlp = [w for nd, w in self.col_widths if nd not in self._attn_gemms]
         vocab = (int(_val(self.vocab_embedding.args[0]).shape[0]) if self.vocab_embedding
@@ -181,16 +197,16 @@ class _GraphFacts:
                 "ffn": max(mlp, default=4 * self.hidden)}
 
     def _kv_heads(self, hd: int, heads: int) -> int:
-        if not self.sdpa:
+        attn = self._attention()
+        if attn is None:
             return heads
-        q_g = self._feeding_gemm(self.sdpa[0].args[0])
-        k_g = self._feeding_gemm(self.sdpa[0].args[1])
+        q_g, k_g = self._feeding_gemm(attn[0]), self._feeding_gemm(attn[1])
         if k_g is None:
             return heads
         width = int(_val(k_g).shape[-1])
         if k_g is q_g:  # fused qkv: width = hd · (heads + 2 · kv)
             return (width // hd - heads) // 2
-        v_g = self._feeding_gemm(self.sdpa[0].args[2])
+        v_g = self._feeding_gemm(attn[2])
         if v_g is k_g:  # fused kv
             return width // hd // 2
         return width // hd
@@ -241,6 +257,7 @@ class _GraphFacts:
                 continue
             if _weight_of(n) is None:
                 self.tp[n.name] = "batch"
+                self.batched.append(n)
                 continue
             act = _activation_of(n)
             col = act in pure
@@ -250,6 +267,8 @@ class _GraphFacts:
                 self.col_widths.append((n, int(_val(n).shape[-1])))
             elif self.tp[n.name] == "k":
                 self.row_gemms += 1
+        if not self.sdpa and self._attention() is not None:
+            self._attn_gemms.update(self._feeding_gemm(a) for a in self._attention())
         self.attn_inputs = {a for s in self.sdpa for a in s.args[:3]}
 
     def split_of(self, n: torch.fx.Node, kind: str) -> Any:

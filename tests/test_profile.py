@@ -135,3 +135,24 @@ def test_plan_175b_from_meta_timing():
     t = transformer_profile(num_layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200)
     assert p.num_layers == 96 and p.fwd_flops_per_seq() == t.fwd_flops_per_seq()
     assert p.block.params_elems == t.block.params_elems
+
+
+def _hf_profile(model):
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    cap = capture(model, (ids,), lm_cross_entropy)
+    return profile_from_graph(cap, find_layers(cap))
+
+
+def test_heads_of_attention_written_out_with_matmuls():
+    """Without scaled_dot_product_attention the heads come from the scores GEMM q·kᵀ: BLOOM
+    (ALiBi through baddbmm on (B·heads, T, d), fused qkv) and GPT-2 with eager attention
+    ((B, heads, T, d) matmuls). Before, such models profiled as 1 head and the solver refused
+    every t > 1."""
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
+    bloom = _hf_profile(BloomForCausalLM(BloomConfig(
+        n_layer=2, hidden_size=32, n_head=4, vocab_size=64, use_cache=False)))
+    assert (bloom.heads, bloom.kv_heads, bloom.hidden, bloom.ffn) == (4, 4, 32, 128)
+    gpt2 = _hf_profile(GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=32, n_head=8, vocab_size=64, n_positions=16, use_cache=False,
+        attn_implementation="eager")))
+    assert (gpt2.heads, gpt2.kv_heads, gpt2.ffn) == (8, 8, 128)
