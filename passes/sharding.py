@@ -89,11 +89,13 @@ class Conflict(Exception):
 
 
 class Refine(Exception):
-    """A fused output is cut at non-block boundaries: re-seed `origin` with finer blocks."""
+    """A fused output is cut at non-block boundaries: re-seed `origin` with finer blocks.
+    `fallback`: a tentative refinement — the Conflict to report instead if the refined split
+    later conflicts (the driver then undoes it and turns `origin` off)."""
 
-    def __init__(self, origin: str, blocks: tuple[int, ...]):
+    def __init__(self, origin: str, blocks: tuple[int, ...], fallback: Conflict | None = None):
         super().__init__(f"refine {origin} to {blocks}")
-        self.origin, self.blocks = origin, blocks
+        self.origin, self.blocks, self.fallback = origin, blocks, fallback
 
 
 # ----- op families ------------------------------------------------------------------------------
@@ -524,11 +526,33 @@ def _reshape(p: Propagator, node: fx.Node) -> Layout:
         return lay
     mapped = map_reshape(shape(src), shape(node), lay, p.t)
     if mapped is None:
-        raise Conflict(lay.origins, node,
-                       f"{node.name}: reshape {list(shape(src))} -> {list(shape(node))} cannot "
-                       f"keep dim {lay.dim} split in {p.t} (blocks {lay.blocks}): sizes do not "
-                       f"divide by t={p.t}", indivisible=True)
+        conflict = Conflict(lay.origins, node,
+                            f"{node.name}: reshape {list(shape(src))} -> {list(shape(node))} "
+                            f"cannot keep dim {lay.dim} split in {p.t} (blocks {lay.blocks}): "
+                            f"sizes do not divide by t={p.t}", indivisible=True)
+        _refine_for_reshape(p, node, lay, conflict)
+        raise conflict
     return mapped
+
+
+def _refine_for_reshape(p: Propagator, node: fx.Node, lay: Shard, conflict: Conflict) -> None:
+    """A fused output unflattened as (k, size/k) (PyTorch's MultiheadAttention in-projection:
+    (…, 3E) → (…, 3, E)) keeps its split only if each of the k parts is split on its own: raise
+    a tentative Refine with every block cut into k equal parts when that makes the reshape
+    expressible. Tentative, because the same shapes arise where the inner part must stay whole
+    (k/v heads fewer than t: (…, kv·d) → (…, kv, d) would split the head dim d): if the refined
+    split conflicts later, the driver undoes it and reports `conflict`."""
+    src, dst = shape(node.args[0]), shape(node)
+    origin = next(iter(lay.origins)) if len(lay.origins) == 1 else None
+    seed = p.refine.get(origin) if origin else None
+    if origin is None or lay.padded or not (seed is None or seed == lay.blocks):
+        return
+    for k in sorted({d for d in dst if d > 1}):
+        if any(b % (k * p.t) for b in lay.blocks):
+            continue
+        finer = tuple(b // k for b in lay.blocks for _ in range(k))
+        if map_reshape(src, dst, replace(lay, blocks=finer), p.t) is not None:
+            raise Refine(origin, finer, fallback=conflict)
 
 
 def _expand(p: Propagator, node: fx.Node) -> Layout:

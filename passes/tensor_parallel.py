@@ -114,6 +114,7 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
     off: set[str] = set()
     refine: dict[str, tuple[int, ...]] = {}
     fallbacks: dict[str, Fallback] = {}
+    tentative: dict[str, S.Conflict] = {}   # refined origins and the conflict they replaced
     for _ in range(_MAX_ROUNDS):
         prop = S.Propagator(gm, t, off=off, refine=refine, sequence_parallel=sequence_parallel,
                             seq_len=seq_len, vocab_multiple=vocab_multiple,
@@ -123,7 +124,19 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
             break
         except S.Refine as r:
             refine[r.origin] = r.blocks
+            if r.fallback is not None:
+                tentative[r.origin] = r.fallback
         except S.Conflict as c:
+            undo = [o for o in c.origins if o in tentative]
+            for o in undo:  # the tentative refinement did not hold: report the original
+                first = tentative.pop(o)
+                del refine[o]
+                fallbacks[o] = Fallback(node=o, reason=first.reason,
+                                        where=source_line(first.node),
+                                        indivisible=first.indivisible)
+                off.add(o)
+            if undo:
+                continue
             if not c.origins - off:
                 raise RuntimeError(f"tensor_parallel: propagation loops at {c.node.name}: "
                                    f"{c.reason}") from None

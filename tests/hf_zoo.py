@@ -1,6 +1,7 @@
-"""Tiny unmodified `transformers` models (2 layers, hidden 32, 4 heads, vocab 64) of
-architectures beyond GPT-2 / Llama / BERT, built from configs (no downloads). Module level: the
-spawned ranks of the numerics tests import them by name."""
+"""Tiny models (2 layers, hidden 32, 4 heads, vocab 64) of architectures beyond the examples'
+and GPT-2 / Llama / BERT: unmodified `transformers` models built from configs (no downloads),
+and a language model on PyTorch's own nn.TransformerEncoder. Module level: the spawned ranks of
+the numerics tests import them by name."""
 from __future__ import annotations
 
 import torch
@@ -92,3 +93,26 @@ def hf_bigcode() -> torch.nn.Module:
     return GPTBigCodeForCausalLM(GPTBigCodeConfig(
         n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, use_cache=False,
         multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+class TorchEncoderLM(torch.nn.Module):
+    """A causal LM on nn.TransformerEncoder: MultiheadAttention's packed in_proj_weight (3E, E)
+    is unflattened to (3, E) before q, k, v are picked (F.multi_head_attention_forward)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, seq: int = 16,
+                 layers: int = 2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
+                                                 batch_first=True, norm_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        return self.head(self.enc(self.emb(ids), mask=self.mask[:T, :T], is_causal=True))
+
+
+def torch_encoder() -> torch.nn.Module:
+    return TorchEncoderLM()

@@ -331,7 +331,8 @@ def test_tp_report_lines():
 # name -> extra forward all-reduces per layer beyond Megatron's 2 (OLMo-2: the q and k RMSNorms
 # normalise over all heads, so each all-reduces its (B, T, 1) statistic)
 _MORE = {"hf_neox": 0, "hf_falcon": 0, "hf_gptj": 0, "hf_bloom": 0, "hf_olmo2": 2,
-         "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": 0, "hf_opt": 0, "hf_gemma": 0}
+         "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": 0, "hf_opt": 0, "hf_gemma": 0,
+         "torch_encoder": 0}
 
 
 @pytest.mark.parametrize("name", sorted(_MORE))

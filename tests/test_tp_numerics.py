@@ -17,7 +17,7 @@ from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes.capture import capture
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
 from autopar.testing import spawn
-from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2
+from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2, torch_encoder
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +59,7 @@ def hf_bert() -> torch.nn.Module:
 
 MODELS = {"gpt": gpt, "llama_style": llama_style, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
           "hf_bert": hf_bert, "hf_neox": hf_neox, "hf_falcon": hf_falcon, "hf_gptj": hf_gptj,
-          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2}
+          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2, "torch_encoder": torch_encoder}
 
 
 def _build(name: str, kwargs: dict) -> torch.nn.Module:
@@ -175,7 +175,7 @@ def test_tp2_matches_single_device(name, t, kwargs):
     run_tp(name, t, **kwargs)
 
 
-MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2"]
+MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2", "torch_encoder"]
 
 
 @pytest.mark.parametrize("name", MORE)
