@@ -185,10 +185,9 @@ class _GraphFacts:
         if self.sdpa:
             q = _val(self.sdpa[0].args[0])
             heads, hd = int(q.shape[-3]), int(q.shape[-1])
-        elif self._attention() is not None:  # (B·H, L, E) or (B, H, L, E): H per sequence
-            scores, q = self.batched[0], _val(self._attention()[0])
-            heads = _numel(_val(scores).shape[:-2]) // self.batch
-            hd = int(q.shape[-1])
+        elif (attn := self._attention()) is not None:  # (B·H, L, E) or (B, H, L, E)
+            heads = _numel(_val(self.batched[0]).shape[:-2]) // self.batch   # H per sequence
+            hd = int(_val(attn[0]).shape[-1])
         kv = self._kv_heads(hd, heads)
         mlp = [w for nd, w in self.col_widths if nd not in self._attn_gemms]
         vocab = (int(_val(self.vocab_embedding.args[0]).shape[0]) if self.vocab_embedding
@@ -267,8 +266,8 @@ class _GraphFacts:
                 self.col_widths.append((n, int(_val(n).shape[-1])))
             elif self.tp[n.name] == "k":
                 self.row_gemms += 1
-        if not self.sdpa and self._attention() is not None:
-            self._attn_gemms.update(self._feeding_gemm(a) for a in self._attention())
+        if not self.sdpa and (attn := self._attention()) is not None:
+            self._attn_gemms.update(self._feeding_gemm(a) for a in attn)
         self.attn_inputs = {a for s in self.sdpa for a in s.args[:3]}
 
     def split_of(self, n: torch.fx.Node, kind: str) -> Any:

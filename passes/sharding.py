@@ -720,17 +720,23 @@ def _nll(p: Propagator, node: fx.Node) -> Layout:
     return R
 
 
-def _reduce(p: Propagator, node: fx.Node) -> Any:
-    x = node.args[0]
-    lay = p.eff(node, x)
-    if not isinstance(lay, Shard):
-        return _like(node, lay)
-    nd = len(shape(x))
+def reduce_dims(node: fx.Node) -> tuple[list[int], bool]:
+    """(the non-negative dims a reduction `node` reduces over, keepdim); no dims or an empty
+    list means all of them, as in aten."""
+    nd = len(shape(node.args[0]))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         dims = list(range(nd))
     dims = [_norm_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
     keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    return dims, keep
+
+
+def _reduce(p: Propagator, node: fx.Node) -> Any:
+    lay = p.eff(node, node.args[0])
+    if not isinstance(lay, Shard):
+        return _like(node, lay)
+    dims, keep = reduce_dims(node)
     if lay.dim in dims:
         if packet(node) is aten.sum and not lay.padded:
             return Partial()

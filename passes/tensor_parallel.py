@@ -527,11 +527,9 @@ class _Rewriter:
         elif role == "vocab_ce":
             self._vocab_ce(node)
         elif role == "partial_mean":
-            x = node.args[0]
-            dims = node.args[1] if len(node.args) > 1 else list(range(len(shape(x))))
-            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+            dims, keep = S.reduce_dims(node)
             node.target = shard_rt.partial_mean
-            node.args = (x, self.group, list(dims), keep, node.kwargs.get("dtype"))
+            node.args = (node.args[0], self.group, dims, keep, node.kwargs.get("dtype"))
             node.kwargs = {}
         elif op in S._SIZE_ARG_OPS:
             self._local_sizes(node)

@@ -188,8 +188,8 @@ def _is_gemm(n: fx.Node) -> bool:
 
 
 def _closure(seeds: list[fx.Node], inside: set) -> set:
-    """The replicated GEMMs and the values computed from them whole, up to the next GEMM or
-    split value (inside the region)."""
+    """The seeds (replicated GEMMs, or means over the split dim) and the values computed from
+    them whole, up to the next GEMM or split value (inside the region)."""
     out, todo = set(seeds), list(seeds)
     while todo:
         n = todo.pop()
@@ -263,7 +263,9 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
         else:
             add(("f", x), "all-reduce", x, True, f"gradient of {x.name} (copy_to_tp)")
 
-    stats = _partial_mean_stats(nodes)
+    # values computed whole from an all-reduced mean over the split dim (an RMSNorm statistic
+    # over all heads): where they scale split values, their gradient is all-reduced
+    stats = _closure([n for n in nodes if n.meta.get("tp_role") == "partial_mean"], set(nodes))
     for n in nodes:
         conv = n.meta.get("tp_convert", {})
         out_split = _is_split(n.meta.get("tp_layout"))
@@ -297,16 +299,3 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
                 add(("f", a), "all-reduce", a, True, f"gradient of {a.name} (copy_to_tp)")
     return tuple(out)
 
-
-def _partial_mean_stats(nodes: list) -> set:
-    """The replicated values computed from an all-reduced mean over the split dim (an RMSNorm
-    statistic over all heads): where they scale split values, their gradient is all-reduced."""
-    out: set = set()
-    todo = [u for n in nodes if n.meta.get("tp_role") == "partial_mean" for u in n.users]
-    while todo:
-        n = todo.pop()
-        if n in out or not isinstance(n.meta.get("tp_layout"), Replicate):
-            continue
-        out.add(n)
-        todo.extend(n.users)
-    return out

@@ -20,10 +20,10 @@ def hf_neox() -> torch.nn.Module:
         attention_dropout=0.0, rotary_pct=0.5))
 
 
-def hf_falcon() -> torch.nn.Module:
+def hf_falcon(layers: int = 2) -> torch.nn.Module:
     from transformers import FalconConfig, FalconForCausalLM
     return FalconForCausalLM(FalconConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, vocab_size=64, use_cache=False, hidden_dropout=0.0,
         attention_dropout=0.0))
 
@@ -35,9 +35,9 @@ def hf_gptj() -> torch.nn.Module:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def hf_bloom() -> torch.nn.Module:
+def hf_bloom(layers: int = 2) -> torch.nn.Module:
     from transformers import BloomConfig, BloomForCausalLM
-    return BloomForCausalLM(BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64,
+    return BloomForCausalLM(BloomConfig(n_layer=layers, hidden_size=32, n_head=4, vocab_size=64,
                                         use_cache=False, hidden_dropout=0.0,
                                         attention_dropout=0.0))
 

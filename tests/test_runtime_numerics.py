@@ -7,6 +7,7 @@ import copy
 import os
 import time
 
+import hf_zoo
 import pytest
 import torch
 
@@ -49,16 +50,10 @@ def make_model(name: str, layers: int) -> tuple[torch.nn.Module, int]:
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=16)
         return LlamaForCausalLM(cfg), 64
-    if name in ("hf-falcon", "hf-bloom"):
-        from transformers import BloomConfig, BloomForCausalLM, FalconConfig, FalconForCausalLM
-        if name == "hf-falcon":   # fused qkv grouped per kv head (new decoder architecture)
-            return FalconForCausalLM(FalconConfig(
-                num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-                new_decoder_architecture=True, vocab_size=64, hidden_dropout=0.0,
-                attention_dropout=0.0)), 64
-        return BloomForCausalLM(BloomConfig(   # ALiBi: one bias tensor read by every layer
-            n_layer=layers, hidden_size=32, n_head=4, vocab_size=64, hidden_dropout=0.0,
-            attention_dropout=0.0)), 64
+    if name == "hf-falcon":   # fused qkv grouped per kv head (new decoder architecture)
+        return hf_zoo.hf_falcon(layers), 64
+    if name == "hf-bloom":    # ALiBi: one bias tensor read by every layer
+        return hf_zoo.hf_bloom(layers), 64
     raise ValueError(name)
 
 

@@ -194,3 +194,21 @@ def test_parallelize_prices_the_fallbacks():
     structural = dataclasses.replace(prof, tp_fallbacks=())
     cfg = M.Config(t=4, p=1, d=1)
     assert M.predict(prof, A100, cfg).step_time_s > M.predict(structural, A100, cfg).step_time_s
+
+
+def test_mean_over_the_split_dim_priced_as_a_small_all_reduce_each_way():
+    # OLMo-2 RMS-normalises q and k over all heads (the split dim): per block, each norm's
+    # (T, 1) statistic is all-reduced forward, and the gradient of the rsqrt computed from it
+    # (which scales the split q / k) is all-reduced backward; nothing falls back
+    import hf_zoo
+    torch.manual_seed(0)
+    model = hf_zoo.hf_olmo2()
+    ids = torch.randint(0, 64, (2, 8))
+    cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    structure = find_layers(cap)
+    prof = profile_from_graph(cap, structure)
+    for corr in tp_corrections(cap, structure, prof, [2]):
+        assert not corr.fallbacks and not corr.block.replicated_gemms
+        got = sorted((c.kind, c.elems, c.backward) for c in corr.block.collectives)
+        assert got == [("all-reduce", 8, False)] * 2 + [("all-reduce", 8, True)] * 2, \
+            (corr.sequence_parallel, corr.block.collectives)
