@@ -3,8 +3,10 @@
 `build_program(prog)` captures the FULL model (every layer, no repeat limit) with example
 inputs resized to the plan's micro-batch size (the graph has static shapes: views carry the
 batch dimension), labels its regions with passes.layers.find_layers, and cuts it into the
-plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1 —
-and checkpoints each chunk per plan.recompute (passes.recompute.apply_recompute: whole blocks
+plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1 and
+(except for schedules that split the backward into B and W) passes.overlap's fusion of each
+column-parallel entry with its projections, which overlaps the input gradient's all-reduce
+with the weight gradients — and checkpoints each chunk per plan.recompute (passes.recompute.apply_recompute: whole blocks
 for 'full', the attention core for 'selective'; after the cut, so region meta is intact).
 The result is cached on the program (`prog._autopar_built`).
 """
@@ -18,6 +20,7 @@ import torch
 import torch.fx
 
 from autopar.plan import Plan
+from autopar.schedules import SPLIT_BACKWARD
 
 
 @dataclass
@@ -80,6 +83,9 @@ class BuiltProgram:
         gm = self.gm
         if self.plan.t > 1 or _has_meta(gm) or materialize is not None:
             gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank, materialize)
+        if self.plan.t > 1 and self.plan.schedule not in SPLIT_BACKWARD:
+            from autopar.passes.overlap import overlap_tp_backward
+            gm = overlap_tp_backward(gm)
         chunks = split_chunks(gm, self.plan, prefix=self.prefix)
         return [apply_recompute(c, self.plan.recompute) for c in chunks]
 

@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
+# schedules whose backward is split into B (input gradients) and W (weight gradients)
+SPLIT_BACKWARD = ("interleaved-zb",)
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM + ("REDUCE",)
@@ -490,7 +492,7 @@ def make_schedule(name: str, p: int, v: int, m: int, *,
         return one_f_one_b(p, m, reduce=red, times_fb=times_fb)
     if name == "interleaved-1f1b":
         return interleaved_1f1b(p, v, m, reduce=red, times_fb=times_fb)
-    if name == "interleaved-zb":  # input-gradient and weight-gradient halves of the backward
+    if name in SPLIT_BACKWARD:  # input-gradient and weight-gradient halves of the backward
         f, b = times_fb
         return interleaved_zb(p, v, m, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)

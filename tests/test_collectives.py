@@ -140,6 +140,33 @@ def _safety_worker(rank, world_size):
     return out
 
 
+def _column_parallel_worker(rank, world_size):
+    """column_parallel == f (or all_gather_sp) + separate projections, gradients included:
+    "linear" and "mm" layouts, a bias, a frozen weight, an output that gets no gradient."""
+    group, bad = dist.group.WORLD, []
+    for sp_dim in (None, 1):
+        x = _rand(10 + rank if sp_dim is not None else 10, 2, 4, 6)      # (B, T or T/t, C)
+        w1, b1, w2, w3 = _rand(11, 5, 6), _rand(12, 5), _rand(13, 6, 3), _rand(14, 7, 6)
+        w_loss = _rand(15 + rank, 2, 4 * (world_size if sp_dim else 1), 5)
+        outs = {}
+        for fused in (False, True):
+            xs, a1, c1, a2 = (v.clone().requires_grad_() for v in (x, w1, b1, w2))
+            a3 = w3.clone()                                               # frozen
+            if fused:
+                y1, y2, y3 = C.column_parallel(xs, group, ("linear", "mm", "linear"),
+                                               (a1, a2, a3), (c1, None, None), sp_dim)
+            else:
+                full = C.copy_to_tp(xs, group) if sp_dim is None else C.all_gather_sp(
+                    xs, group, sp_dim)
+                y1, y2, y3 = F.linear(full, a1, c1), full @ a2, F.linear(full, a3)
+            (y1 * w_loss).sum().add_(y2.sum()).backward()                 # y3: no gradient
+            outs[fused] = [y1, y2, y3, xs.grad, a1.grad, c1.grad, a2.grad]
+        for i, (u, v) in enumerate(zip(outs[False], outs[True])):
+            if not torch.allclose(u, v, rtol=1e-10, atol=1e-12):
+                bad.append(f"sp_dim={sp_dim} item {i}")
+    return bad
+
+
 # ---- tests --------------------------------------------------------------------------------
 
 def test_identity_without_any_group():
@@ -159,6 +186,11 @@ def test_tensor_parallel_mlp_matches_single_process():
 def test_functions_match_definitions(n, force_fallback):
     from autopar.testing import spawn
     assert spawn(_definitions_worker, n, force_fallback, timeout_s=120) == [[]] * n
+
+
+def test_column_parallel_matches_f_and_separate_projections():
+    from autopar.testing import spawn
+    assert spawn(_column_parallel_worker, 2, timeout_s=120) == [[], []]
 
 
 def test_safety_round_trips_and_singletons():

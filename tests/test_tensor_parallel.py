@@ -101,6 +101,69 @@ def test_sequence_parallel_swaps_all_reduce_for_gather_and_reduce_scatter():
     gm.graph.lint()
 
 
+def _overlapped(gm):
+    from autopar.passes.overlap import overlap_tp_backward
+    return overlap_tp_backward(gm)
+
+
+def test_overlap_fuses_each_column_entry_with_its_projections():
+    """passes.overlap: f + the q/k/v (gate/up, head) linears it feeds become one
+    column_parallel call; the row side and every other collective are untouched."""
+    gm = apply_tensor_parallel(_llama_gm(n_layer=3), 2, 0, None)
+    before = len(_calls(gm, C.reduce_from_tp))
+    gm = _overlapped(gm)
+    fused = _calls(gm, C.column_parallel)
+    assert len(fused) == 2 * 3 + 1 == gm.meta["autopar_overlap"]   # attention, MLP; LM head
+    assert [len(n.args[2]) for n in fused] == [3, 2] * 3 + [1]     # q,k,v | gate,up | head
+    assert all(n.args[2] == ("linear",) * len(n.args[2]) and n.args[5] is None for n in fused)
+    assert not [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
+    assert len(_calls(gm, C.reduce_from_tp)) == before
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+                and n.args[0].target is C.column_parallel]
+    assert "column_parallel(mul_1, tp_group, ('linear', 'linear', 'linear')" in gm.code
+    gm.graph.lint()
+
+
+def test_overlap_under_sequence_parallel_keeps_the_gather_dim():
+    gm = _overlapped(apply_tensor_parallel(_llama_gm(), 2, 0, None, sequence_parallel=True))
+    fused = _calls(gm, C.column_parallel)
+    assert len(fused) == 2 * 2 + 1 and {n.args[5] for n in fused} == {1}
+    assert not _calls(gm, C.all_gather_sp)
+
+
+def test_overlap_reads_conv1d_addmm_and_x_matmul_w_t():
+    """GPT-2's Conv1D is addmm(b, x, W) with W (in, out); Falcon's x @ w.T a matmul: both
+    are projections ("mm" layout), biases ride along."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from hf_zoo import hf_falcon
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
+                                       n_positions=16, use_cache=False))
+    ids = torch.randint(0, 64, (B, T))
+    for m, biased in ((model, True), (hf_falcon(layers=1), False)):
+        gm = _overlapped(apply_tensor_parallel(
+            capture(m, (ids,), lm_cross_entropy, ids).gm, 2, 0, None))
+        fused = _calls(gm, C.column_parallel)
+        assert len(fused) == 3 and "mm" in {lay for n in fused for lay in n.args[2]}
+        # Conv1D's bias rides along (added once per rank: it is split with the columns)
+        assert any(b is not None for n in fused for b in n.args[4]) == biased
+        gm.graph.lint()
+
+
+def test_overlap_leaves_an_entry_with_a_non_projection_user():
+    """OLMo-2's q/k norm statistic enters the split region through f into a mul, not a
+    projection: that f stays a plain copy_to_tp; the others are fused."""
+    from hf_zoo import hf_olmo2
+    ids = torch.randint(0, 64, (B, T))
+    gm = apply_tensor_parallel(capture(hf_olmo2(), (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
+    entries = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
+    gm = _overlapped(gm)
+    left = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
+    assert gm.meta["autopar_overlap"] == 2 * 2 + 1 == len(entries) - len(left) and left
+    for n in left:
+        assert any(u.target is not torch.ops.aten.linear.default for u in n.users)
+    gm.graph.lint()
+
+
 def test_generated_code_reads_like_megatron():
     gm = apply_tensor_parallel(_gpt_gm(n_layer=1), 2, 0, None)
     code = gm.code

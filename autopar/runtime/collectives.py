@@ -11,6 +11,9 @@ one rank: a program compiled for t=1 runs without any process group):
     gather_from_sp    all-gather         split
     reduce_scatter_to_sp reduce-scatter  all-gather
     all_gather_sp     all-gather         reduce-scatter
+    column_parallel   f or all_gather_sp, then the projections it feeds; backward starts the
+                      input gradient's all-reduce / reduce-scatter, computes the weight
+                      gradients meanwhile, then waits (passes/overlap.py puts it in the graph)
 
 The lower-case functions `f(x, group)`, `g(x, group)`, `copy_to_tp(x, group)`, ... are plain
 functions, usable as FX `call_function` targets. gloo in torch 2.13 supports all_reduce,
@@ -24,7 +27,7 @@ operands, so an in-place all-reduce of one would corrupt the other).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,8 +36,8 @@ from autopar.runtime.dist import PeerError, is_peer_failure, peer_error
 
 __all__ = [
     "copy_to_tp", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
-    "all_gather_sp", "f", "g", "send_tensor", "recv_tensor", "group_size", "group_rank",
-    "PeerError",
+    "all_gather_sp", "column_parallel", "f", "g", "send_tensor", "recv_tensor", "group_size",
+    "group_rank", "PeerError",
 ]
 
 _NO_REDUCE_SCATTER: set[str] = set()  # backends found to lack reduce-scatter at run time
@@ -117,6 +120,11 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return _start_reduce_scatter(x, dim, group)()
+
+
+def _start_reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
+    """Launch the reduce-scatter of `x` along `dim`; the returned function waits for it."""
     n = group_size(group)
     dim = _check_split(x, dim, n, "reduce-scatter")
     shape = tuple(x.shape)
@@ -128,8 +136,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         try:
             with _peer_guard("reduce-scatter with", group):
-                rs(out, src.flatten(0, 1), group=group)         # gloo wants (n*D0, ...)
-            return out
+                work = rs(out, src.flatten(0, 1), group=group, async_op=True)  # gloo: (n*D0, ...)
+            return _waiter(work, out, "reduce-scatter with", group)
         except PeerError:
             raise
         except (NotImplementedError, RuntimeError) as exc:
@@ -139,7 +147,28 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
                 raise
             _NO_REDUCE_SCATTER.add(backend)
     # Fallback: all-reduce the whole tensor, keep this rank's slice (n x the traffic).
-    return _all_reduce(src, group)[group_rank(group)]
+    return _start_all_reduce(src, group, lambda r: r[group_rank(group)])
+
+
+def _start_all_reduce(x: torch.Tensor, group: Any,
+                      then: Callable[[torch.Tensor], torch.Tensor] = lambda r: r,
+                      owned: bool = False) -> Callable[[], torch.Tensor]:
+    """Launch the all-reduce of `x` (of a copy unless `owned`: nobody else reads x); the
+    returned function waits and gives then(sum)."""
+    out = x.contiguous() if owned else _fresh(x)
+    with _peer_guard("all-reduce with", group):
+        work = dist.all_reduce(out, group=group, async_op=True)
+    wait = _waiter(work, out, "all-reduce with", group)
+    return lambda: then(wait())
+
+
+def _waiter(work: Any, out: torch.Tensor, op: str, group: Any) -> Callable[[], torch.Tensor]:
+    def wait() -> torch.Tensor:
+        with _peer_guard(op, group):
+            if work is not None:
+                work.wait()
+        return out
+    return wait
 
 
 # ---- autograd Functions ------------------------------------------------------------------
@@ -221,6 +250,54 @@ class _AllGatherSP(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
+class _ColumnParallel(torch.autograd.Function):
+    """f (or SP's all-gather) fused with the projections it feeds: the input gradient's
+    all-reduce (SP: reduce-scatter) runs while the weight gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, x, group, layouts, sp_dim, *weights_and_biases):
+        k = len(layouts)
+        ws, bs = weights_and_biases[:k], weights_and_biases[k:]
+        full = x if sp_dim is None else _all_gather(x, sp_dim, group)   # (B, T, C)
+        ctx.group, ctx.layouts, ctx.sp_dim = group, layouts, sp_dim
+        ctx.has_bias = [b is not None for b in bs]
+        ctx.save_for_backward(full, *ws)
+        return tuple(_project(full, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        full, *ws = ctx.saved_tensors
+        k, need = len(ws), ctx.needs_input_grad
+        finish = None
+        if need[0]:
+            dx = None
+            for g, w, lay in zip(grads, ws, ctx.layouts):
+                if g is not None:   # dx = sum_i dy_i W_i (linear's W is (out, in))
+                    d = g.matmul(w if lay == "linear" else w.t())
+                    dx = d if dx is None else dx.add_(d)
+            if dx is None:
+                dx = torch.zeros_like(full)
+            finish = (_start_all_reduce(dx, ctx.group, owned=True) if ctx.sp_dim is None
+                      else _start_reduce_scatter(dx, ctx.sp_dim, ctx.group))
+        x2 = full.reshape(-1, full.shape[-1])                          # (B*T, C)
+        dws, dbs = [], []
+        for i, (g, lay, has_b) in enumerate(zip(grads, ctx.layouts, ctx.has_bias)):
+            g2 = None if g is None else g.reshape(-1, g.shape[-1])     # (B*T, N/t)
+            dws.append(None if g2 is None or not need[4 + i] else
+                       (g2.t().mm(x2) if lay == "linear" else x2.t().mm(g2)))
+            dbs.append(g2.sum(0) if has_b and g2 is not None and need[4 + k + i] else None)
+        return (None if finish is None else finish(), None, None, None, *dws, *dbs)
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
+    if layout == "linear":                                          # y = x Wᵀ + b, W (N, C)
+        return torch.nn.functional.linear(x, w, b)
+    if x.dim() != 2:                                                # y = x W + b, W (C, N)
+        y = torch.matmul(x, w)
+        return y if b is None else y + b
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
 # ---- plain functions (FX call_function targets) ------------------------------------------
 
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -251,6 +328,17 @@ def reduce_scatter_to_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Ten
 def all_gather_sp(x: torch.Tensor, group: Any, dim: int = 1) -> torch.Tensor:
     """All-gather `x` along `dim`; backward reduce-scatters."""
     return x if group_size(group) == 1 else _AllGatherSP.apply(x, group, dim)
+
+
+def column_parallel(x: torch.Tensor, group: Any, layouts: tuple[str, ...], weights: tuple,
+                    biases: tuple, sp_dim: int | None = None) -> tuple[torch.Tensor, ...]:
+    """f (sp_dim None) or all_gather_sp(x, group, sp_dim), then one projection per weight:
+    "linear": x Wᵀ + b (aten.linear), "mm": x W + b (aten.mm / addmm / matmul). Backward
+    overlaps the input gradient's reduction with the weight gradients (Megatron-LM's
+    asynchronous tensor-parallel all-reduce; 2205.05198 §4.2.2 for the reduce-scatter)."""
+    if group_size(group) == 1:
+        return tuple(_project(x, w, b, lay) for w, b, lay in zip(weights, biases, layouts))
+    return _ColumnParallel.apply(x, group, tuple(layouts), sp_dim, *weights, *biases)
 
 
 f = copy_to_tp

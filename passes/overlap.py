@@ -1,0 +1,106 @@
+"""Overlap the column-parallel input gradient's reduction with the weight-gradient GEMMs.
+
+Math (Megatron-LM's asynchronous tensor-parallel all-reduce; 2205.05198 §4.2.2 for SP): for
+column-parallel projections y_i = x·W_iᵀ that read one f(x), the backward is
+
+    dx = all-reduce_t( Σ_i dy_i·W_i )      (SP: reduce-scatter along the sequence)
+    dW_i = dy_iᵀ·x                          (local, needs no other rank)
+
+so the reduction of dx can be in flight while the dW_i GEMMs run. Eager autograd cannot do
+that across nodes: f's backward blocks until the reduction is done and the dW GEMMs (inside
+each linear's backward) ran before it. This pass fuses f with the projections into one
+`collectives.column_parallel` call whose backward launches the reduction asynchronously,
+computes every dW_i and db_i, then waits.
+
+`overlap_tp_backward(gm) -> gm`
+Requires: gm from passes.tensor_parallel.apply_tensor_parallel (collectives are call_function
+  nodes on the `tp_group` get_attr); meta["val"] on values.
+Guarantees: every `copy_to_tp(x, group)` / `all_gather_sp(x, group, dim)` whose users are all
+  projections of it — aten.linear(f, W[, b]), aten.matmul(f, W) with a 2-D W (Falcon's x @ w.T),
+  or aten.mm(f, W) / aten.addmm(b, f, W) (GPT-2's Conv1D) — is replaced by one `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and
+  a getitem per projection; the numbers (forward and gradients) are unchanged; f nodes with
+  any other user are left as they are. The graph lints.
+Reads node.meta: "val". Writes: the new nodes' meta (copied from the f node and from each
+  projection: "val", "autopar_region", "stack_trace", "nn_module_stack").
+Not for schedules that split the backward into B and W (interleaved-zb): B would run the fused
+  backward whole and W would run it again.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.runtime import collectives as C
+
+_ATEN = torch.ops.aten
+_SOURCES = {C.copy_to_tp, C.all_gather_sp}
+
+
+def _projection(user: fx.Node, f: fx.Node) -> tuple[str, fx.Node, fx.Node | None] | None:
+    """(layout, weight, bias) when `user` projects f with a weight, else None."""
+    args = user.args
+    if user.target is _ATEN.linear.default and args[0] is f and f not in args[1:] \
+            and not user.kwargs:
+        return "linear", args[1], args[2] if len(args) > 2 else None
+    if user.target in (_ATEN.mm.default, _ATEN.matmul.default) and args[0] is f \
+            and args[1] is not f and _dims(args[1]) == 2:
+        return "mm", args[1], None
+    if user.target is _ATEN.addmm.default and args[1] is f and f not in (args[0], args[2]) \
+            and not user.kwargs:
+        return "mm", args[2], args[0]
+    return None
+
+
+def _dims(node: object) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _sp_dim(f: fx.Node) -> int | None:
+    if f.target is C.copy_to_tp:
+        return None
+    return f.args[2] if len(f.args) > 2 else f.kwargs.get("dim", 1)
+
+
+def _fuse(graph: fx.Graph, f: fx.Node) -> bool:
+    users = list(f.users)
+    projections = [_projection(u, f) for u in users]
+    if not users or any(p is None for p in projections):
+        return False
+    layouts = tuple(p[0] for p in projections)
+    weights = tuple(p[1] for p in projections)
+    biases = tuple(p[2] for p in projections)
+    # the fused node must come after every weight / bias it reads: insert before the last user
+    # in graph order that none of them follows (all of them are defined before their user)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(users, key=order.__getitem__)
+    if any(order[a] > order[first] for a in weights + biases if a is not None):
+        return False
+    with graph.inserting_before(first):
+        fused = graph.call_function(C.column_parallel, (f.args[0], f.args[1], layouts, weights,
+                                                        biases, _sp_dim(f)))
+    fused.meta.update({k: v for k, v in f.meta.items() if k != "val"})
+    fused.meta["val"] = tuple(u.meta.get("val") for u in users)
+    with graph.inserting_before(first):     # all getitems before any user is erased
+        items = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users))]
+    for item, u in zip(items, users):
+        item.meta.update(u.meta)
+        u.replace_all_uses_with(item)
+        graph.erase_node(u)
+    graph.erase_node(f)
+    return True
+
+
+def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fuse each column-parallel entry with its projections (see the module docstring)."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _SOURCES:
+            fused += _fuse(gm.graph, node)
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    gm.meta["autopar_overlap"] = fused
+    return gm
