@@ -20,7 +20,7 @@ writes measured and simulated timeline PNGs. An ablation row times the interleav
 with the executor's blocking receives (async_recv=False, the previous runtime).
 The default model (hidden 256, seq 64, micro-batch 4) makes compute dominate Python overhead.
 
-    python benchmarks/pipeline.py [--steps 8] [--record 3] [--layers 8] [--vocab 8192] [--out DIR]
+    python benchmarks/pipeline.py [--steps 20] [--record 3] [--layers 8] [--vocab 8192] [--out DIR]
 """
 from __future__ import annotations
 
@@ -270,7 +270,9 @@ def draw_pair(res: dict, sched: str, out_dir: str) -> str:
 def main() -> None:
     import tempfile
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per program")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="timed steps per program (the host's speed drifts: more steps, "
+                         "steadier medians)")
     ap.add_argument("--record", type=int, default=3, help="recorded steps per schedule")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)

@@ -159,6 +159,8 @@ def _column_parallel_worker(rank, world_size):
                 full = C.copy_to_tp(xs, group) if sp_dim is None else C.all_gather_sp(
                     xs, group, sp_dim)
                 y1, y2, y3 = F.linear(full, a1, c1), full @ a2, F.linear(full, a3)
+            if fused and sp_dim is not None:   # SP saves the shard, gathers it in backward
+                assert y1.grad_fn.saved_tensors[0].shape == x.shape
             (y1 * w_loss).sum().add_(y2.sum()).backward()                 # y3: no gradient
             outs[fused] = [y1, y2, y3, xs.grad, a1.grad, c1.grad, a2.grad]
         for i, (u, v) in enumerate(zip(outs[False], outs[True])):

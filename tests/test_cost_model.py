@@ -171,7 +171,8 @@ def test_dp_comm_uses_inter_node_link_when_group_spans_nodes():
 def test_column_parallel_backward_reduction_hides_under_weight_gradients(sp):
     """passes/overlap.py runs each f's backward reduction under its projections' dW GEMMs:
     per block the exposed part is Σ_i max(0, c - dW_i) over the two column groups (q/k/v,
-    fc_in); interleaved-zb (B/W split) does not overlap."""
+    fc_in) (SP's re-gather of the saved shard stays exposed); interleaved-zb (B/W split)
+    does not overlap."""
     prof = _gpt()
     args = (prof, A100, 8, 1, "none", sp, False)
     comp, tp_plain, fwd = M._block_times_s(*args, overlap=False)

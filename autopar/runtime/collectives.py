@@ -106,17 +106,23 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return _start_all_gather(x, dim, group)()
+
+
+def _start_all_gather(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of `x` along `dim`; the returned function waits for it."""
     n = group_size(group)
     dim = dim % x.dim()
     src = x.contiguous()                                        # (..., S, ...)
     out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))   # (n*D0, ...)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with _peer_guard("all-gather with", group):
-        gather(out, src, group=group)
+        work = gather(out, src, group=group, async_op=True)
+    wait = _waiter(work, out, "all-gather with", group)
     if dim == 0:
-        return out                                              # (n*S, ...): no copy
+        return wait                                             # (n*S, ...): no copy
     # one copy: (n, ..., S, ...) -> (..., n, S, ...) -> (..., n*S, ...)
-    return out.unflatten(0, (n, src.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+    return lambda: wait().unflatten(0, (n, src.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -261,13 +267,18 @@ class _ColumnParallel(torch.autograd.Function):
         full = x if sp_dim is None else _all_gather(x, sp_dim, group)   # (B, T, C)
         ctx.group, ctx.layouts, ctx.sp_dim = group, layouts, sp_dim
         ctx.has_bias = [b is not None for b in bs]
-        ctx.save_for_backward(full, *ws)
+        # SP keeps only this rank's sequence shard (B, T/t, C) and gathers it again in
+        # backward, under the dx GEMMs (2205.05198 §4.2.2): the memory SP is chosen for
+        ctx.save_for_backward(x if sp_dim is not None else full, *ws)
         return tuple(_project(full, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
 
     @staticmethod
     def backward(ctx, *grads):
-        full, *ws = ctx.saved_tensors
-        k, need = len(ws), ctx.needs_input_grad
+        saved, *ws = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        want_w = any(need[4 + i] or need[4 + len(ws) + i] for i in range(len(ws)))
+        gather = (_start_all_gather(saved, ctx.sp_dim, ctx.group)
+                  if ctx.sp_dim is not None and want_w else None)
         finish = None
         if need[0]:
             dx = None
@@ -276,17 +287,29 @@ class _ColumnParallel(torch.autograd.Function):
                     d = g.matmul(w if lay == "linear" else w.t())
                     dx = d if dx is None else dx.add_(d)
             if dx is None:
-                dx = torch.zeros_like(full)
+                shape = list(saved.shape)
+                if ctx.sp_dim is not None:
+                    shape[ctx.sp_dim] *= group_size(ctx.group)
+                dx = saved.new_zeros(shape)
             finish = (_start_all_reduce(dx, ctx.group, owned=True) if ctx.sp_dim is None
                       else _start_reduce_scatter(dx, ctx.sp_dim, ctx.group))
-        x2 = full.reshape(-1, full.shape[-1])                          # (B*T, C)
-        dws, dbs = [], []
-        for i, (g, lay, has_b) in enumerate(zip(grads, ctx.layouts, ctx.has_bias)):
-            g2 = None if g is None else g.reshape(-1, g.shape[-1])     # (B*T, N/t)
-            dws.append(None if g2 is None or not need[4 + i] else
-                       (g2.t().mm(x2) if lay == "linear" else x2.t().mm(g2)))
-            dbs.append(g2.sum(0) if has_b and g2 is not None and need[4 + k + i] else None)
+        full = saved if gather is None else gather()
+        dws, dbs = _weight_grads(full, grads, ctx.layouts, ctx.has_bias, need[4:])
         return (None if finish is None else finish(), None, None, None, *dws, *dbs)
+
+
+def _weight_grads(full: torch.Tensor, grads: tuple, layouts: tuple[str, ...],
+                  has_bias: list[bool], need: tuple[bool, ...]) -> tuple[list, list]:
+    """dW_i (layout's shape) and db_i of each projection of `full`; None where not needed."""
+    k = len(layouts)
+    x2 = full.reshape(-1, full.shape[-1])                              # (B*T, C)
+    dws, dbs = [], []
+    for i, (g, lay, has_b) in enumerate(zip(grads, layouts, has_bias)):
+        g2 = None if g is None else g.reshape(-1, g.shape[-1])         # (B*T, N/t)
+        dws.append(None if g2 is None or not need[i] else
+                   (g2.t().mm(x2) if lay == "linear" else x2.t().mm(g2)))
+        dbs.append(g2.sum(0) if has_b and g2 is not None and need[k + i] else None)
+    return dws, dbs
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: str) -> torch.Tensor:
