@@ -21,14 +21,16 @@ Mechanisms (one each, no per-configuration constants):
   profiles) the structural split of Gemm.tp_split is priced as is.
 - Collectives (`allreduce_s`, `allgather_s`, `p2p_s`): latency + bytes / bandwidth of the link
   the group lives on (Megatron rank order, `group_link`): ring all-reduce 2(n-1)/n, all-gather
-  and reduce-scatter (n-1)/n. Overlapped with compute: the data-parallel reduction (see
-  DP_OVERLAP) and, except under interleaved-zb (ScheduleTraits.tp_overlap), the backward
-  reduction of each column-parallel input gradient, which the runtime runs under the weight
-  gradients of the projections it feeds (passes/overlap.py, Megatron-LM's asynchronous
-  tensor-parallel all-reduce): per block Σ_i max(0, c − dW_i) is exposed, pairing the f's
-  with the runs of column-parallel GEMMs in graph order. SP's backward re-gather of the saved
-  sequence shard, which the runtime runs under the dx GEMMs, is priced as exposed. The forward all-reduces and p2p are
-  not overlapped.
+  and reduce-scatter (n-1)/n. Nothing is overlapped with compute except the data-parallel
+  reduction (see DP_OVERLAP) — Megatron-LM ran TP collectives and p2p on the compute stream.
+  autopar's runtime does hide the backward reduction of each column-parallel input gradient
+  under the weight-gradient GEMMs (passes/overlap.py), and under SP the re-gather of the saved
+  shard under the dx GEMMs; the model does not credit either. The published runs it is
+  calibrated against predate Megatron's asynchronous TP all-reduce, and with full credit
+  (Σ min(c, dW) per block) the model, already a few % optimistic, put 2104.04473's 76B–1T rows
+  at +10–12.5%; on a GPU the overlapped NCCL kernels also slow the GEMMs they share SMs and
+  memory bandwidth with, by an amount no source here gives. Predicted step times are thus
+  an upper bound by at most that backward communication.
 - Pipeline: each pipeline rank r has a per-micro-batch load tau_r (forward + backward of all its
   chunks, their TP collectives and p2p). With m micro-batches and v chunks per rank
       T_pipe = m * max_r tau_r + (sum_r tau_r - max_r tau_r) / v.
@@ -158,10 +160,6 @@ class ScheduleTraits:
     # weights once per pass instead of once per micro-batch
     chunk_major: bool = False
     bubble_div: Callable[[str], int] = lambda recompute: 1
-    # the runtime fuses each column-parallel entry with its projections (passes/overlap.py):
-    # the input gradient's all-reduce / reduce-scatter runs under their weight-gradient GEMMs.
-    # Not when the backward is split into B and W (the W GEMMs run later, elsewhere).
-    tp_overlap: bool = True
 
 
 def _inflight_gpipe(p: int, v: int, m: int, r: int) -> int:
@@ -204,7 +202,7 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
                                     zero_levels=(0, 1, 3), chunk_major=True),
     # no ZeRO-3: the runtime does not gather weights for the deferred W's
     "interleaved-zb": ScheduleTraits(multi_chunk=True, inflight=_inflight_zero_bubble,
-                                     bubble_div=_bubble_div_zero_bubble, tp_overlap=False),
+                                     bubble_div=_bubble_div_zero_bubble),
 }
 
 
@@ -385,12 +383,9 @@ class ConfigCosts:
 
 
 def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
-                   sp: bool, tp_inter: bool, overlap: bool = False
-                   ) -> tuple[float, float, float]:
+                   sp: bool, tp_inter: bool) -> tuple[float, float, float]:
     """(compute_s, tp_comm_s, forward_pass_s) of one block for one micro-batch: compute_s is
-    forward + backward + recompute; forward_pass_s the forward with its TP collectives.
-    `overlap`: the backward reduction of each column-parallel input gradient hides under
-    the weight-gradient GEMMs of its projections (ScheduleTraits.tp_overlap)."""
+    forward + backward + recompute; forward_pass_s the forward with its TP collectives."""
     blk, e = profile.block, profile.activation_bytes_per_elem
     fix = _fallback(profile, "block", t, sp)
     gemm = [_local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e)
@@ -422,47 +417,14 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
         extra = 0.0
     passes = 3 if recompute == "full" else 2
     tp = passes * one + extra if ar_elems else 0.0
-    if overlap and ar_elems:
-        # the f side: one all-reduce (SP: reduce-scatter, the same bytes) per collective,
-        # under the dW GEMMs. SP's re-gather of the saved shard also runs under the dx GEMMs
-        # in the runtime, but stays priced as exposed (`extra`): crediting both put the
-        # published Megatron runs (test_calibration) past +10%, overlapped NCCL kernels also
-        # slow the GEMMs they share the GPU with, and no sourced number says by how much
-        c_s = (allgather_s if sp else allreduce_s)(cluster, ar_bytes / n_coll, t, tp_inter)
-        tp -= n_coll * c_s - _exposed_s(c_s, n_coll, _column_wgrad_groups_s(blk, gemm, fix))
     x_fwd, x_bwd = _extra_collectives_s(cluster, fix, t, b, e, tp_inter)
     tp += (2 if recompute == "full" else 1) * x_fwd + x_bwd
     return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
 
 
-def _column_wgrad_groups_s(blk: RegionProfile, gemm_s: list[float],
-                           fix: TPRegionFallback) -> list[float]:
-    """Weight-gradient seconds of each run of column-parallel GEMMs (split on n) between
-    row-parallel ones, in graph order: the projections one f feeds (q/k/v, gate/up)."""
-    groups, cur = [], 0.0
-    for i, (g, sec) in enumerate(zip(blk.gemms, gemm_s)):
-        if i in fix.replicated_gemms or not g.has_weight_grad:
-            continue
-        if g.tp_split == "n":
-            cur += sec                         # dW costs what the forward GEMM costs
-        elif g.tp_split == "k" and cur:
-            groups.append(cur)
-            cur = 0.0
-    return groups + ([cur] if cur else [])
-
-
-def _exposed_s(c_s: float, n_coll: int, wgrad_s: list[float]) -> float:
-    """Exposed time of n_coll reductions of c_s each, one under each weight-gradient group
-    (paired in order when the counts agree, else all under their sum)."""
-    if len(wgrad_s) == n_coll:
-        return sum(max(0.0, c_s - w) for w in wgrad_s)
-    return max(0.0, n_coll * c_s - sum(wgrad_s))
-
-
 def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bool,
-                  tp_inter: bool, overlap: bool = False) -> tuple[float, float]:
-    """(embedding_s, head_s) per micro-batch incl. their collectives; never recomputed.
-    `overlap` as in _block_times_s (the head's input gradient under its weight gradient)."""
+                  tp_inter: bool) -> tuple[float, float]:
+    """(embedding_s, head_s) per micro-batch incl. their collectives; never recomputed."""
     e = profile.activation_bytes_per_elem
     vpad_ratio = padded_vocab(profile.vocab, t) / profile.vocab
     emb, head = profile.embedding, profile.head
@@ -471,7 +433,7 @@ def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: b
     emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
     emb_s += (allgather_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
     emb_s += sum(_extra_collectives_s(cluster, efix, t, b, e, tp_inter))
-    head_s = wgrad_s = 0.0
+    head_s = 0.0
     for i, g in enumerate(head.gemms):
         if i in hfix.replicated_gemms:  # kept whole by the tensor-parallel pass: no padding
             head_s += 3 * _local_gemm_time_s(cluster, g, 1, b, e)
@@ -479,18 +441,15 @@ def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: b
         n = g.n * vpad_ratio if g.tp_split == "n" else g.n
         g2 = Gemm(name=g.name, batch=g.batch, m=g.m, n=round(n), k=g.k, tp_split=g.tp_split,
                   batch_scales=g.batch_scales)
-        sec = _local_gemm_time_s(cluster, g2, t, b, e)
-        head_s += 3 * sec
-        wgrad_s += sec if g.tp_split == "n" and g.has_weight_grad else 0.0
+        head_s += 3 * _local_gemm_time_s(cluster, g2, t, b, e)
     whole = b * hfix.other_split_bytes
     head_s += 3 * elementwise_time_s(
         cluster, (_other_bytes(head, t, b, sp, hfix) - whole) * vpad_ratio + whole)
     # column-parallel head: identity forward, all-reduce of the input gradient in backward
     # (SP: all-gather forward + reduce-scatter backward, the same bytes)
     in_bytes = b * (head.input_bytes - hfix.allreduce_elems_removed * e)
-    bwd_s = (allgather_s if sp else allreduce_s)(cluster, in_bytes, t, tp_inter)
-    head_s += (allgather_s(cluster, in_bytes, t, tp_inter) if sp else 0.0) + (
-        _exposed_s(bwd_s, 1, [wgrad_s]) if overlap and in_bytes > 0 else bwd_s)
+    head_s += (2 * allgather_s(cluster, in_bytes, t, tp_inter) if sp
+               else allreduce_s(cluster, in_bytes, t, tp_inter))
     head_s += sum(_extra_collectives_s(cluster, hfix, t, b, e, tp_inter))
     return emb_s, head_s
 
@@ -547,15 +506,13 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
     pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
     memo = {} if memo is None else memo
-    overlap = SCHEDULE_TRAITS[cfg.schedule].tp_overlap
-    key = ("layer", t, b, cfg.recompute, sp, tp_inter, overlap)
+    key = ("layer", t, b, cfg.recompute, sp, tp_inter)
     if key not in memo:
-        memo[key] = _block_times_s(profile, cluster, t, b, cfg.recompute, sp, tp_inter,
-                                   overlap)
+        memo[key] = _block_times_s(profile, cluster, t, b, cfg.recompute, sp, tp_inter)
     comp_s, tp_s, _ = memo[key]
-    key = ("edge", t, b, sp, tp_inter, overlap)
+    key = ("edge", t, b, sp, tp_inter)
     if key not in memo:
-        memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter, overlap)
+        memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
     emb_s, head_s = memo[key]
     zt = ZERO_TRAITS[cfg.zero]
     if zt.per_microbatch_gather and d > 1 and not SCHEDULE_TRAITS[cfg.schedule].chunk_major:
@@ -665,7 +622,7 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
         return dp_layer, sched.dp_overlap * comp_s * (2.0 / 3.0), dp_first, dp_last
     # chunk-major: a chunk's m forwards (W_f) / m backwards (W_b) hide the next chunk's traffic
     key = ("layer", t, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel and t > 1,
-           group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus), sched.tp_overlap)
+           group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus))
     if memo is None or key not in memo:
         times = _block_times_s(profile, cluster, t, cfg.micro_batch_size, cfg.recompute,
                                *key[4:])

@@ -36,6 +36,12 @@ ROWS = [
      False, published_flops(64, 2048, 96, 12288, V) / (64 * 18.13) / 1e12),
     ("1909.08053 1.2B V100", "dgx2h-v100-32gb", 16, 1536, 40, 1024, 1, 1, 1, 8, 8, 1, "full",
      False, 39.0),
+    # 1T: 128 layers, h 25600, 160 heads, t 8, p 64, 3072 GPUs, B 3072 (Table 1); "502
+    # petaFLOP/s on 3072 GPUs ... 52% of theoretical peak" (abstract, ../shared/seeds/000):
+    # 163 TFLOP/s. b = 1, v = 1 (the scripts' values are not in the reference; v = 2 reads
+    # +9.4%). With the TP backward overlap credited it read +7.4% (v = 2: +12%)
+    ("2104.04473 1T", "dgx-a100-80gb", 160, 25600, 128, 2048, 8, 64, 3072, 3072, 1, 1,
+     "full", False, 163.0),
 ]
 
 
@@ -122,10 +128,7 @@ def test_bloom_176b_unmodified_transformers_model_plans_like_bigscience():
     """BLOOM-176B (arXiv 2211.05100, §3.4: 384 A100 80GB, global batch 2048 × 2048 tokens,
     tensor 4 × pipeline 12 × data 8 with ZeRO-1), planned from the unmodified `transformers`
     model on the meta device. Its attention is written out (ALiBi through baddbmm), so the
-    heads come from the scores GEMM; the planner, free in t, p, d, finds BigScience's degrees
-    as its best or within 1% of its best (t=4 p=12 and t=8 p=6 are a near-tie once the
-    column-parallel backward all-reduce overlaps the weight gradients, passes/overlap.py).
-    Without the heads from the scores GEMM it found no t > 1 at all (t=1 p=24 d=16)."""
+    heads come from the scores GEMM; the planner, free in t, p, d, finds BigScience's degrees."""
     import autopar
     from transformers import BloomConfig, BloomForCausalLM
     cfg = BloomConfig(n_layer=70, hidden_size=14336, n_head=112, vocab_size=250880,
@@ -136,9 +139,4 @@ def test_bloom_176b_unmodified_transformers_model_plans_like_bigscience():
     plan = autopar.parallelize(model, gpus=384, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=2048,
                                cluster="dgx-a100-80gb").plan
-    best = plan.predicted.step_time_s
-    ours = [a.predicted.step_time_s for a in plan.alternatives if a.feasible
-            and tuple(a.config[k] for k in ("t", "p", "d", "zero")) == (4, 12, 8, 1)]
-    assert (plan.t, plan.p, plan.d, plan.zero) == (4, 12, 8, 1) or (
-        ours and min(ours) <= 1.01 * best), plan.explain()
-    assert plan.t in (4, 8) and plan.d == 8 and plan.zero == 1, plan
+    assert (plan.t, plan.p, plan.d, plan.zero) == (4, 12, 8, 1), plan

@@ -166,33 +166,3 @@ def test_dp_comm_uses_inter_node_link_when_group_spans_nodes():
                             M.Config(t=1, p=1, d=8, num_microbatches=1))
     assert across.dp_layer_ns > 5 * inside.dp_layer_ns
 
-
-@pytest.mark.parametrize("sp", [False, True])
-def test_column_parallel_backward_reduction_hides_under_weight_gradients(sp):
-    """passes/overlap.py runs each f's backward reduction under its projections' dW GEMMs:
-    per block the exposed part is Σ_i max(0, c - dW_i) over the two column groups (q/k/v,
-    fc_in) (SP's re-gather of the saved shard stays exposed); interleaved-zb (B/W split)
-    does not overlap."""
-    prof = _gpt()
-    args = (prof, A100, 8, 1, "none", sp, False)
-    comp, tp_plain, fwd = M._block_times_s(*args, overlap=False)
-    comp2, tp_over, fwd2 = M._block_times_s(*args, overlap=True)
-    assert (comp2, fwd2) == (comp, fwd)                  # only backward comm changes
-    e = prof.activation_bytes_per_elem                   # 2 collectives of (s, h) per block
-    c = (M.allgather_s if sp else M.allreduce_s)(A100, prof.block.tp_allreduce_elems * e / 2,
-                                                 8, False)
-    gemm = [M._local_gemm_time_s(A100, g, 8, 1, e) for g in prof.block.gemms]
-    w = [gemm[0], gemm[4]]                               # qkv | fc_in (names in the profile)
-    assert [g.name for g in prof.block.gemms][0::4] == ["qkv", "fc_in"]
-    assert tp_over == pytest.approx(tp_plain - sum(min(c, wi) for wi in w))
-    assert 0 < tp_over < tp_plain
-    # a slow link: nothing but the dW time can hide
-    slow = with_overrides(A100, intra_node_bandwidth_Bps=1e9)
-    _, tp_s_plain, _ = M._block_times_s(prof, slow, 8, 1, "none", sp, False, overlap=False)
-    _, tp_s_over, _ = M._block_times_s(prof, slow, 8, 1, "none", sp, False, overlap=True)
-    assert tp_s_plain - tp_s_over == pytest.approx(sum(w))
-    one_f = M.Config(t=8, p=2, d=1, num_microbatches=4, schedule="1f1b", sequence_parallel=sp)
-    zb = M.Config(t=8, p=2, d=1, num_microbatches=4, schedule="interleaved-zb",
-                  sequence_parallel=sp)
-    assert M.load_parts_s(prof, A100, one_f)[1] == pytest.approx(tp_over)
-    assert M.load_parts_s(prof, A100, zb)[1] == pytest.approx(tp_plain)

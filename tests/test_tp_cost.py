@@ -87,9 +87,7 @@ def test_kv_projections_replicated_when_t_exceeds_kv_heads():
 def test_fallback_compute_priced_from_the_gemm_shapes():
     prof, fixed = _profiles(kv=2)
     t, cl = 4, FLOP_BOUND
-    # interleaved-zb: no TP overlap (passes/overlap.py), which isolates the fallback's
-    # collectives (the replicated k/v GEMMs' weight gradients would hide nothing)
-    cfg = M.Config(t=t, p=1, d=1, schedule="interleaved-zb")
+    cfg = M.Config(t=t, p=1, d=1)
     comp0, tp0, *edges0 = M.load_parts_s(prof, cl, cfg)
     comp1, tp1, *edges1 = M.load_parts_s(fixed, cl, cfg)
     kv = [g for g in prof.block.gemms if g.name in ("attn.k_proj", "attn.v_proj")]

