@@ -15,8 +15,9 @@ Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
 RNG: checkpoint(preserve_rng_state=True) snapshots the default generator when the block runs
 forward and replays it during recomputation, so dropout masks are identical. Tensor-parallel
 dropout (autopar.runtime.shard.tp_dropout) draws from per-rank generators the default snapshot
-does not cover; a region that contains it also passes `context_fn=tp_rng_context`, which
-replays those generators the same way.
+does not cover; a region that contains it calls checkpoint through `checkpoint_tp_rng`, which
+passes `context_fn=tp_rng_context` to replay those generators the same way (a named function:
+the generated chunk source must be able to spell the call).
 
 Requires: node.meta["autopar_region"] on the compute nodes (passes/layers.find_layers; kept by
   passes/pipeline.split_chunks and passes/tensor_parallel); node.meta["val"] on values; a block's
@@ -199,13 +200,15 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, re
     gm.add_submodule(name, torch.fx.GraphModule(torch.nn.Module(), sub,
                                                 class_name=name.title().replace("_", "")))
 
-    kwargs: dict[str, Any] = {"use_reentrant": False, "preserve_rng_state": True}
-    if _uses_tp_dropout(nodes):
-        kwargs["context_fn"] = tp_rng_context
+    # a function object cannot be written into the generated source as a keyword value, so a
+    # region with tensor-parallel dropout calls checkpoint through a named wrapper instead
+    target, kwargs = ((checkpoint_tp_rng, {}) if _uses_tp_dropout(nodes) else
+                      (torch.utils.checkpoint.checkpoint,
+                       {"use_reentrant": False, "preserve_rng_state": True}))
     with gm.graph.inserting_after(last):
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
-        call = gm.graph.call_function(torch.utils.checkpoint.checkpoint, (fn, *inputs), kwargs)
+        call = gm.graph.call_function(target, (fn, *inputs), kwargs)
     fn.meta["autopar_region"] = call.meta["autopar_region"] = region
     call.meta["autopar_recompute"] = mode
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
@@ -262,6 +265,12 @@ def _uses_tp_dropout(nodes: Iterable[torch.fx.Node]) -> bool:
 
 
 # ---- tensor-parallel RNG replay ------------------------------------------------------------
+def checkpoint_tp_rng(fn: Any, *args: Any) -> Any:
+    """checkpoint(fn, *args) that also replays the tensor-parallel dropout generators."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                             preserve_rng_state=True, context_fn=tp_rng_context)
+
+
 def tp_rng_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """checkpoint's context_fn: snapshot the tensor-parallel dropout generators when the region
     runs forward, and run its recomputation with exactly those generator states (restoring the
