@@ -4,6 +4,8 @@ active global-norm clipping, bf16 mixed precision (against a single-device bf16 
 ZeRO-1's optimizer-state memory (1/d per rank)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -132,6 +134,14 @@ def test_bf16_d2():
 @pytest.mark.slow
 def test_bf16_p2_d2_zero1():
     check("gpt", with_zero(make_plan(p=2, d=2, m=2, layers=2), 1), precision="bf16")
+
+
+@pytest.mark.slow
+def test_bf16_t2_sequence_parallel_overlapped_column_parallel():
+    """bf16 through the fused column-parallel calls (passes/overlap.py): their weight
+    gradients reach the fp32 main_grad hooks like a plain linear's."""
+    check("gpt", dataclasses.replace(make_plan(t=2, m=2, layers=2), sequence_parallel=True),
+          precision="bf16", max_norm=0.05)
 
 
 def test_zero3_and_bad_precision_are_clear_errors(monkeypatch):
