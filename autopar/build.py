@@ -6,8 +6,9 @@ batch dimension), labels its regions with passes.layers.find_layers, and cuts it
 plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1 and
 (except for schedules that split the backward into B and W) passes.overlap's fusion of each
 column-parallel entry with its projections, which overlaps the input gradient's all-reduce
-with the weight gradients — and checkpoints each chunk per plan.recompute (passes.recompute.apply_recompute: whole blocks
-for 'full', the attention core for 'selective'; after the cut, so region meta is intact).
+with the weight gradients — and checkpoints each chunk per plan.recompute
+(passes.recompute.apply_recompute: whole blocks for 'full', the attention core for
+'selective'; after the cut, so region meta is intact).
 The result is cached on the program (`prog._autopar_built`).
 """
 from __future__ import annotations

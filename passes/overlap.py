@@ -67,13 +67,14 @@ def _sp_dim(f: fx.Node) -> int | None:
 def _fuse(graph: fx.Graph, f: fx.Node) -> bool:
     users = list(f.users)
     projections = [_projection(u, f) for u in users]
-    if not users or any(p is None for p in projections):
+    if not users or len(f.args) < 2 or any(p is None for p in projections):
         return False
     layouts = tuple(p[0] for p in projections)
     weights = tuple(p[1] for p in projections)
     biases = tuple(p[2] for p in projections)
-    # the fused node must come after every weight / bias it reads: insert before the last user
-    # in graph order that none of them follows (all of them are defined before their user)
+    # the fused node goes before the first projection, so every weight / bias it reads must be
+    # defined by then (a weight computed later, e.g. a transpose right before its own use,
+    # leaves this f unfused rather than reordering the graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(users, key=order.__getitem__)
     if any(order[a] > order[first] for a in weights + biases if a is not None):
