@@ -151,7 +151,7 @@ def main() -> None:
         args = argparse.Namespace(**{**vars(a), "hidden": hidden, "heads": hidden // 64})
         res = _measure(args)
         t_single, t_auto, t_sp, t_dt = (res[v][0] for v in VARIANTS)
-        print(f"\nLlama-style h={hidden} heads={hidden // 64} layers={a.layers} seq={a.seq} "
+        print(f"\nLlama-style h={hidden} heads={args.heads} layers={a.layers} seq={a.seq} "
               f"batch={a.batch} vocab={a.vocab}")
         print(f"{'':20}{'step s':>9}{'loss':>9}   runs")
         for v in VARIANTS:

@@ -203,8 +203,7 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, re
     # a function object cannot be written into the generated source as a keyword value, so a
     # region with tensor-parallel dropout calls checkpoint through a named wrapper instead
     target, kwargs = ((checkpoint_tp_rng, {}) if _uses_tp_dropout(nodes) else
-                      (torch.utils.checkpoint.checkpoint,
-                       {"use_reentrant": False, "preserve_rng_state": True}))
+                      (torch.utils.checkpoint.checkpoint, dict(_CHECKPOINT_KWARGS)))
     with gm.graph.inserting_after(last):
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
@@ -265,10 +264,13 @@ def _uses_tp_dropout(nodes: Iterable[torch.fx.Node]) -> bool:
 
 
 # ---- tensor-parallel RNG replay ------------------------------------------------------------
+_CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": True}
+
+
 def checkpoint_tp_rng(fn: Any, *args: Any) -> Any:
     """checkpoint(fn, *args) that also replays the tensor-parallel dropout generators."""
-    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
-                                             preserve_rng_state=True, context_fn=tp_rng_context)
+    return torch.utils.checkpoint.checkpoint(fn, *args, **_CHECKPOINT_KWARGS,
+                                             context_fn=tp_rng_context)
 
 
 def tp_rng_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import torch
 
+# the sizes every Llama-like config here shares (OLMo-2, Mistral, Qwen3, Gemma)
+_LLAMA_LIKE = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=64, vocab_size=64,
+                   max_position_embeddings=16, use_cache=False)
+
 
 # More unmodified `transformers` architectures, each exercising a different way of writing
 # attention: fused qkv interleaved per head (GPT-NeoX, partial rotary), fused qkv grouped per kv
@@ -44,24 +49,17 @@ def hf_bloom(layers: int = 2) -> torch.nn.Module:
 
 def hf_olmo2() -> torch.nn.Module:
     from transformers import Olmo2Config, Olmo2ForCausalLM
-    return Olmo2ForCausalLM(Olmo2Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=64, max_position_embeddings=16, use_cache=False))
+    return Olmo2ForCausalLM(Olmo2Config(**_LLAMA_LIKE))
 
 
 def hf_mistral() -> torch.nn.Module:
     from transformers import MistralConfig, MistralForCausalLM
-    return MistralForCausalLM(MistralConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=64, vocab_size=64, max_position_embeddings=16, use_cache=False))
+    return MistralForCausalLM(MistralConfig(**_LLAMA_LIKE))
 
 
 def hf_qwen3() -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    return Qwen3ForCausalLM(Qwen3Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=16,
-        use_cache=False))
+    return Qwen3ForCausalLM(Qwen3Config(**_LLAMA_LIKE, head_dim=8))
 
 
 def hf_phi() -> torch.nn.Module:
@@ -82,10 +80,7 @@ def hf_opt() -> torch.nn.Module:
 
 def hf_gemma() -> torch.nn.Module:
     from transformers import GemmaConfig, GemmaForCausalLM
-    return GemmaForCausalLM(GemmaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, vocab_size=64, max_position_embeddings=16,
-        use_cache=False))
+    return GemmaForCausalLM(GemmaConfig(**_LLAMA_LIKE, head_dim=8))
 
 
 def hf_bigcode() -> torch.nn.Module:

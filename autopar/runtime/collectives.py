@@ -93,10 +93,7 @@ def _check_split(x: torch.Tensor, dim: int, n: int, op: str) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    out = _fresh(x)
-    with _peer_guard("all-reduce with", group):
-        dist.all_reduce(out, group=group)
-    return out
+    return _start_all_reduce(x, group)()
 
 
 def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
