@@ -64,7 +64,7 @@ def _sp_dim(f: fx.Node) -> int | None:
     return f.args[2] if len(f.args) > 2 else f.kwargs.get("dim", 1)
 
 
-def _fuse(graph: fx.Graph, f: fx.Node) -> bool:
+def _fuse(graph: fx.Graph, f: fx.Node, order: dict[fx.Node, int]) -> bool:
     users = list(f.users)
     projections = [_projection(u, f) for u in users]
     if not users or len(f.args) < 2 or any(p is None for p in projections):
@@ -75,7 +75,6 @@ def _fuse(graph: fx.Graph, f: fx.Node) -> bool:
     # the fused node goes before the first projection, so every weight / bias it reads must be
     # defined by then (a weight computed later, e.g. a transpose right before its own use,
     # leaves this f unfused rather than reordering the graph)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     first = min(users, key=order.__getitem__)
     if any(order[a] > order[first] for a in weights + biases if a is not None):
         return False
@@ -97,9 +96,12 @@ def _fuse(graph: fx.Graph, f: fx.Node) -> bool:
 def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
     """Fuse each column-parallel entry with its projections (see the module docstring)."""
     fused = 0
+    # positions of the original nodes, numbered once: fusing inserts nodes but never moves an
+    # original one, and only originals (users, weights, biases) are compared
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SOURCES:
-            fused += _fuse(gm.graph, node)
+            fused += _fuse(gm.graph, node, order)
     if fused:
         gm.graph.lint()
         gm.recompile()
