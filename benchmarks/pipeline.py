@@ -4,7 +4,7 @@ Same model (an untied GPT from autopar.examples, 8 layers, hidden 256, vocab 819
 + loss weigh ~3 blocks, as in real models), same micro-batches, p·v = 4 chunks (embedding in
 chunk 0, head + loss in chunk 3), timed side by side (round-robin) in one run. Two cuts: the
 even one a hand-written pipeline uses ([2, 2, 2, 2]) and the one autopar's planner picks
-(`autopar.parallelize` pinned to p=2, v=2 on local-cpu, e.g. [3, 2, 2, 1]); each runtime
+(`autopar.parallelize` pinned to p=2, v=2 on local-cpu, e.g. [2, 2, 3, 1]); each runtime
 runs both, so the ratios separate the planner's gain from the runtime's.
 Programs: autopar's interleaved-1f1b and interleaved-zb (the same F/B order with each backward
 split into B = input gradients and W = weight gradients, the W's deferred into the bubble,

@@ -376,6 +376,9 @@ class ConfigCosts:
     model_flops_per_step: float        # without recompute (for MFU)
     mem_parts: tuple[tuple[float, ...], ...]  # per rank: (weights, grads, opt, act) per layer,
     mem_fixed_parts: tuple[tuple[float, ...], ...]  # and fixed, for the Memory breakdown
+    # per layer per micro-batch: the forward pass with its TP collectives (part of layer_ns;
+    # the rest is backward + recompute); only cost/layout.py's schedule simulation splits them
+    layer_fwd_ns: int
 
     @property
     def layer_ns(self) -> int:
@@ -494,6 +497,18 @@ def _activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str, sp:
     return b * kept
 
 
+def _block_times_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                      memo: dict) -> tuple[float, float, float]:
+    """`_block_times_s` of cfg's (t, b, recompute, sp, TP link), cached in `memo`."""
+    sp = cfg.sequence_parallel and cfg.t > 1
+    tp_inter = group_spans_nodes(cluster, stride=1, size=cfg.t, gpus=cfg.gpus)
+    key = ("layer", cfg.t, cfg.micro_batch_size, cfg.recompute, sp, tp_inter)
+    if key not in memo:
+        memo[key] = _block_times_s(profile, cluster, cfg.t, cfg.micro_batch_size,
+                                   cfg.recompute, sp, tp_inter)
+    return memo[key]
+
+
 def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
                  memo: dict | None = None) -> tuple[float, float, float, float, float]:
     """(layer compute, layer TP comm, embedding, head, rank p2p) seconds per micro-batch.
@@ -506,10 +521,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
     pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
     memo = {} if memo is None else memo
-    key = ("layer", t, b, cfg.recompute, sp, tp_inter)
-    if key not in memo:
-        memo[key] = _block_times_s(profile, cluster, t, b, cfg.recompute, sp, tp_inter)
-    comp_s, tp_s, _ = memo[key]
+    comp_s, tp_s, _ = _block_times_memo(profile, cluster, cfg, memo)
     key = ("edge", t, b, sp, tp_inter)
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
@@ -551,7 +563,9 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
+    memo = {} if memo is None else memo
     comp_ns, tp_ns, emb_ns, head_ns, p2p_ns = load_parts_ns(profile, cluster, cfg, memo)
+    fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]), comp_ns + tp_ns)
     comp_s = comp_ns / NS
     block_p, emb_p, head_p = _params(profile, t, sp)
 
@@ -579,7 +593,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         capacity_bytes=int(cluster.usable_memory_bytes),
         flops_per_step=B * (3 * flops_fwd_seq + rec_seq),
         model_flops_per_step=B * 3 * flops_fwd_seq,
-        mem_parts=parts, mem_fixed_parts=fparts)
+        mem_parts=parts, mem_fixed_parts=fparts, layer_fwd_ns=fwd_ns)
 
 
 def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict | None,

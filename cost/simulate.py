@@ -113,14 +113,19 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
              bwd_s: Sequence[float], p2p_s: float = 0.0, reduce_s: float = 0.0, *,
              blocking: bool = True, comm: str | None = None, send_s: float = 0.0,
              overhead_s: float = 0.0, prefetch: int | None = None,
-             wgt_s: Sequence[float] | None = None) -> SimResult:
+             wgt_s: Sequence[float] | None = None, check: bool = True) -> SimResult:
     """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times.
 
     comm: "blocking" | "async" | "isend" (see the module docstring); None takes it from
     `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" and
     "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part of bwd_s
-    (used only by lists with W actions; default bwd_s / 2).
+    (used only by lists with W actions; default bwd_s / 2). check=False skips the validation
+    (autopar.schedules.validate) for lists already validated, e.g. the same lists timed with
+    many different chunk times (cost/layout.py); an invalid list may then hang nothing but
+    simulates to nonsense.
     """
+    if check:
+        validate(per_rank, *infer_dims(per_rank))
     if comm is None:
         comm = "blocking" if blocking else "async"
     if comm not in COMM_MODES:
@@ -134,7 +139,6 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
                                wgt_s)
     blocking = comm == "blocking"
     p, v, m = infer_dims(per_rank)
-    validate(per_rank, p, v, m)
     dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if p2p_s < 0 or reduce_s < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s} must be ≥ 0")
@@ -190,7 +194,6 @@ def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
                     overhead_s: float, wgt_s: Sequence[float] | None = None) -> SimResult:
     """comm="isend": non-blocking sender (busy send_s), receive = rendezvous + p2p_s."""
     p, v, m = infer_dims(per_rank)
-    validate(per_rank, p, v, m)
     dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
@@ -241,7 +244,6 @@ def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
     """comm="irecv": non-blocking sender (busy send_s); receives pre-posted, waited for by
     the consuming compute."""
     p, v, m = infer_dims(per_rank)
-    validate(per_rank, p, v, m)
     dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
     if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
         raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "

@@ -24,6 +24,9 @@ _breadth_first_vs, any m >= p; with p = 1 and d > 1 it is layered gradient accum
 levels per schedule from SCHEDULE_TRAITS (ZeRO-3 only where weights are gathered once per chunk
 per pass, i.e. breadth-first). Their costs differ only through cost.model (bubble, DP exposure,
 memory), so the constraint families are the same for every schedule.
+Stage layout within a rank (after the solve): the objective depends on the rank totals y only,
+so the layers of each rank are spread over its chunks by simulating the plan's schedule
+(cost/layout.py: the fill and drain run through the first and last chunks).
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
 step time exceeds the step time of a feasible plan already found, or a lower bound of their
@@ -44,6 +47,7 @@ from typing import Any, Callable, Iterator
 from ortools.sat.python import cp_model
 
 from autopar.cost.hardware import Cluster, get_cluster
+from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
                                 activation_bytes_lower_bound, bubble_div, config_costs, fits, load_parts_ns, predict,
                                 state_bytes_lower_bound, rank_layers, rank_load_ns,
@@ -585,7 +589,9 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
         raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail + survivors))
     chosen = survivors[k]
     p_, v_ = chosen.cc.cfg.p, chosen.cc.cfg.v
-    x = chunks_from_ranks(rank_layers(x, p_), p_, v_)
+    # CP-SAT fixed the rank totals; which of a rank's chunks holds its layers the step-time
+    # formula cannot see, the schedule's simulation can (cost/layout.py)
+    x = spread_layers(chosen.cc, chunks_from_ranks(rank_layers(x, p_), p_, v_))
     solve_s = time.perf_counter() - t0
     return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
                        memory_fail, rejected, max_alternatives, optimal, solve_s)

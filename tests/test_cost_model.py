@@ -85,7 +85,7 @@ def _equal_chunk_costs(p, v, m, layer_ns=1000):
     return M.ConfigCosts(cfg=cfg, layer_compute_ns=layer_ns, layer_tp_ns=0, **z,
                          mem_layer_bytes=(0,) * p, mem_fixed_bytes=(0,) * p, capacity_bytes=1,
                          flops_per_step=1.0, model_flops_per_step=1.0,
-                         mem_parts=(), mem_fixed_parts=())
+                         mem_parts=(), mem_fixed_parts=(), layer_fwd_ns=layer_ns // 3)
 
 
 @pytest.mark.parametrize("p,v,m", [(4, 1, 8), (8, 1, 64), (4, 2, 8), (8, 3, 64), (2, 4, 4)])

@@ -1,0 +1,115 @@
+"""Spread each pipeline rank's layers over its chunks by simulating the schedule.
+
+The solver (cost/solver.py) fixes y_r, the layers of pipeline rank r. cost.model's step time
+depends on y only (T_pipe = m·max τ + (Σ τ − max τ)/v, exact for equal chunks) and so is blind
+to how a rank's y_r layers are spread over its v chunks. The schedule is not. Every
+micro-batch's forward runs chunks 0, 1, …, C−1 in order and its backward C−1, …, 0, so the
+pipeline fills through the forward of chunk 0 (which also holds the embedding) and drains
+through the backward of chunk 0, after every other rank has finished. A layer more in chunk 0
+than in rank 0's later chunks lengthens both ends; the same layer in a later chunk of rank 0
+runs in the steady state, while the other ranks are busy too. The same holds, mirrored, for
+the last chunk and the head.
+
+`spread_layers` picks the split: it times the plan's own action lists (autopar.schedules)
+with the simulator (cost/simulate.py, comm="irecv": the runtime's pre-posted receives, so a
+compute waits for its data only), fed with the cost model's per-chunk forward and backward
+times. It hill-climbs over moves of one layer between two chunks of the same rank. y, and so
+the predicted step time, the memory and the solver's optimality, are unchanged.
+
+Worked example: benchmarks/pipeline.py's GPT on 2 CPU ranks (8 layers; the LM head + loss
+weighs ~2.4 layers; p=2, v=2, m=4; the solver's y = (5, 3)). Fed per-layer times measured
+there (layer F 5.8 / B 12.0 ms, head 17.7 / 27.4, embedding 0.5 / 3.4), the near-even
+split [3, 2, 2, 1] simulates to 479 ms and [2, 2, 3, 1] to 467 ms (the even [2, 2, 2, 2]:
+515 ms). The benchmark's pinned cut sweep measured them in the same order.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from autopar.cost.model import ConfigCosts
+from autopar.cost.simulate import simulate
+from autopar.schedules import Action, make_schedule
+
+NS = 1e9
+# cost.model._edge_times_s prices the embedding and the head as one forward plus a backward
+# of twice its work (GEMMs: dX and dW, each of the forward's size; elementwise: 2x the
+# traffic), so a third of each is forward.
+EDGE_FORWARD_SHARE = 1 / 3
+# Simulated compute actions one call may spend (p·v·m·2 per simulation): ~50 simulations of
+# p=8, v=4, m=32 (~2 s); larger plans get fewer moves tried.
+MAX_SIMULATED_ACTIONS = 100_000
+
+
+def chunk_times_s(cc: ConfigCosts, x: Sequence[int]) -> tuple[list[float], list[float], float]:
+    """Per-chunk forward and backward seconds per micro-batch for layers per chunk `x`, and the
+    seconds of one pipeline message. A layer takes cc.layer_ns (its TP collectives included),
+    cc.layer_fwd_ns of it forward; chunk 0 adds the embedding and the last chunk the head;
+    cc.p2p_ns is a rank's per-micro-batch p2p: 2·v messages."""
+    C = len(x)
+    fwd, bwd = [], []
+    for c, n in enumerate(x):
+        edge = (cc.embed_ns if c == 0 else 0) + (cc.head_ns if c == C - 1 else 0)
+        f = cc.layer_fwd_ns * n + EDGE_FORWARD_SHARE * edge
+        fwd.append(f / NS)
+        bwd.append((cc.layer_ns * n + edge - f) / NS)
+    return fwd, bwd, cc.p2p_ns / (2 * cc.cfg.v) / NS
+
+
+def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
+                     per_rank: Sequence[Sequence[Action]], check: bool = True) -> float:
+    """Makespan of the action lists `per_rank` with `x`'s per-chunk times (cost/simulate.py,
+    comm="irecv"); the data-parallel tail and optimizer (the same for every x of one y) are
+    not included. check=False: `per_rank` was validated already."""
+    fwd, bwd, p2p = chunk_times_s(cc, x)
+    return simulate(per_rank, fwd, bwd, p2p, comm="irecv", check=check).makespan_s
+
+
+def _moves(x: list[int], p: int) -> list[list[int]]:
+    """Every split that moves one layer from one chunk to another chunk of the same rank
+    (each chunk keeps at least one layer), in a fixed order: rank, source, destination."""
+    out = []
+    C = len(x)
+    for r in range(p):
+        mine = range(r, C, p)
+        for a in mine:
+            if x[a] <= 1:
+                continue
+            for b in mine:
+                if b != a:
+                    y = list(x)
+                    y[a] -= 1
+                    y[b] += 1
+                    out.append(y)
+    return out
+
+
+def spread_layers(cc: ConfigCosts, x: Sequence[int],
+                  max_actions: int = MAX_SIMULATED_ACTIONS) -> list[int]:
+    """Layers per chunk with the same per-rank totals as `x` (chunk c on rank c mod p) and the
+    least simulated step time of the plan's schedule (first-improvement hill climbing from `x`
+    over single-layer moves within a rank; a move must shorten the simulated step to be taken,
+    so with equal-cost chunks `x` comes back unchanged). At most `max_actions` simulated
+    compute actions are spent. One chunk per rank (v = 1) leaves nothing to choose."""
+    cfg = cc.cfg
+    x = list(x)
+    if cfg.v == 1 or cfg.p == 1:
+        return x
+    fwd, bwd, _ = chunk_times_s(cc, x)
+    c0 = max(range(len(x)), key=lambda c: fwd[c])
+    per_rank = make_schedule(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                             times_fb=(fwd[c0], bwd[c0]))
+    cost = 2 * cfg.p * cfg.v * cfg.num_microbatches
+    budget = max_actions // cost - 1
+    best = simulated_step_s(cc, x, per_rank)
+    improved = True
+    while improved and budget > 0:
+        improved = False
+        for cand in _moves(x, cfg.p):
+            if budget <= 0:
+                break
+            budget -= 1
+            t = simulated_step_s(cc, cand, per_rank, check=False)
+            if t < best * (1 - 1e-9):
+                x, best, improved = cand, t, True
+                break
+    return x

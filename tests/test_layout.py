@@ -1,0 +1,118 @@
+"""Spreading a rank's layers over its chunks by simulating the schedule (cost/layout.py)."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost import layout
+from autopar.cost import model as M
+from autopar.cost.hardware import get_cluster
+from autopar.cost.profile import transformer_profile
+from autopar.cost.simulate import simulate
+from autopar.cost.solver import chunks_from_ranks, solve
+from autopar.schedules import interleaved_1f1b, make_schedule
+
+MS = 1_000_000  # ns
+
+
+def _costs(p: int, v: int, m: int, layer_f_ms: float, layer_b_ms: float, embed_ms: float,
+           head_ms: float, schedule: str = "interleaved-1f1b") -> M.ConfigCosts:
+    cfg = M.Config(t=1, p=p, d=1, v=v, num_microbatches=m, schedule=schedule)
+    z = dict(p2p_ns=0, dp_layer_ns=0, dp_first_ns=0, dp_last_ns=0, window_layer_ns=0,
+             opt_layer_ns=0, opt_first_ns=0, opt_last_ns=0)
+    return M.ConfigCosts(cfg=cfg, layer_compute_ns=round((layer_f_ms + layer_b_ms) * MS),
+                         layer_tp_ns=0, embed_ns=round(embed_ms * MS),
+                         head_ns=round(head_ms * MS), **z, mem_layer_bytes=(0,) * p,
+                         mem_fixed_bytes=(0,) * p, capacity_bytes=1, flops_per_step=1.0,
+                         model_flops_per_step=1.0, mem_parts=(), mem_fixed_parts=(),
+                         layer_fwd_ns=round(layer_f_ms * MS))
+
+
+def _ranks(x, p):
+    return M.rank_layers(x, p)
+
+
+def _sim(cc, x):
+    fwd, bwd, _ = layout.chunk_times_s(cc, x)
+    acts = make_schedule(cc.cfg.schedule, cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches)
+    return layout.simulated_step_s(cc, x, acts)
+
+
+def test_chunk_times_put_embedding_first_and_head_last():
+    cc = _costs(2, 2, 4, 5.0, 10.0, 3.0, 30.0)
+    fwd, bwd, p2p = layout.chunk_times_s(cc, [1, 2, 2, 1])
+    assert fwd == pytest.approx([0.006, 0.010, 0.010, 0.015])
+    assert bwd == pytest.approx([0.012, 0.020, 0.020, 0.030])
+    assert p2p == 0
+
+
+def test_worked_example_moves_a_layer_out_of_the_first_chunk():
+    """The module docstring's example: benchmarks/pipeline.py's GPT with measured per-layer
+    times; y = (5, 3) from the solver. The near-even [3, 2, 2, 1] fills and drains through a
+    3-layer chunk 0; [2, 2, 3, 1] runs that layer in rank 0's second chunk instead."""
+    cc = _costs(2, 2, 4, 5.8, 12.0, 3.9, 45.1)
+    start = [3, 2, 2, 1]
+    got = layout.spread_layers(cc, start)
+    assert got == [2, 2, 3, 1]
+    assert _ranks(got, 2) == _ranks(start, 2)
+    assert _sim(cc, got) < _sim(cc, start) * 0.98
+
+
+def test_equal_chunks_without_edges_stay_as_given():
+    """Nothing to gain: every move lengthens some chunk, so the near-even split comes back."""
+    cc = _costs(4, 2, 8, 1.0, 2.0, 0.0, 0.0)
+    start = chunks_from_ranks([4, 4, 4, 4], 4, 2)
+    assert layout.spread_layers(cc, start) == start
+
+
+def test_heavy_head_is_mirrored_on_the_last_rank():
+    """A head worth 4 layers, ranks balanced (8 layers vs 4 + head): the last chunk is the
+    pipeline's turning point (each micro-batch's forward ends and its backward starts there),
+    so rank p−1's earlier chunk takes its layers."""
+    cc = _costs(2, 2, 4, 5.0, 10.0, 0.0, 60.0)
+    start = [4, 2, 4, 2]
+    got = layout.spread_layers(cc, start)
+    assert _ranks(got, 2) == _ranks(start, 2)
+    assert got[3] < start[3]
+    assert _sim(cc, got) < _sim(cc, start)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "breadth-first"])
+def test_every_multi_chunk_schedule_only_improves(schedule):
+    cc = _costs(2, 3, 4, 5.0, 10.0, 8.0, 40.0, schedule=schedule)
+    start = chunks_from_ranks([7, 5], 2, 3)
+    got = layout.spread_layers(cc, start)
+    assert _ranks(got, 2) == [7, 5] and min(got) >= 1
+    assert _sim(cc, got) <= _sim(cc, start)
+
+
+def test_no_budget_or_one_chunk_per_rank_returns_the_input():
+    cc = _costs(2, 2, 4, 5.8, 12.0, 3.9, 45.1)
+    assert layout.spread_layers(cc, [3, 2, 2, 1], max_actions=1) == [3, 2, 2, 1]
+    one = _costs(2, 1, 4, 5.8, 12.0, 3.9, 45.1, schedule="1f1b")
+    assert layout.spread_layers(one, [5, 3]) == [5, 3]
+
+
+def test_simulate_without_check_times_the_same():
+    acts = interleaved_1f1b(2, 2, 4)
+    fwd, bwd = [0.01, 0.02, 0.02, 0.03], [0.02, 0.04, 0.04, 0.06]
+    a = simulate(acts, fwd, bwd, 0.001, comm="irecv")
+    b = simulate(acts, fwd, bwd, 0.001, comm="irecv", check=False)
+    assert a.makespan_s == b.makespan_s and a.events == b.events
+
+
+def test_solver_spreads_the_chosen_plans_layers_by_simulation():
+    """The solver's rank totals stay; within them the plan's chunks simulate no slower than the
+    near-even split, and a heavy-head model gets a lighter first chunk than near-even gives."""
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=64, vocab=32768)
+    plan = solve(prof, "dgx-a100-80gb", gpus=2, global_batch_size=16, t=1, p=2, d=1, v=2,
+                 micro_batch_size=4, schedule="interleaved-1f1b")
+    x = [st.last_layer - st.first_layer for st in plan.stages]
+    even = chunks_from_ranks(_ranks(x, 2), 2, 2)
+    cfg = M.Config(t=plan.t, p=plan.p, d=plan.d, v=plan.v,
+                   micro_batch_size=plan.micro_batch_size,
+                   num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                   recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
+                   zero=plan.zero)
+    cc = M.config_costs(prof, get_cluster("dgx-a100-80gb"), cfg)
+    assert _sim(cc, x) <= _sim(cc, even)
+    assert x != even and x[0] < even[0]
