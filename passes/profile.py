@@ -48,6 +48,7 @@ _SDPA = {aten.scaled_dot_product_attention.default}
 # Ops that only re-describe memory (no bytes moved) and are skipped by other_bytes.
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
           aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+          aten.numpy_T.default, aten.mT.default,   # `w.T` / `w.mT` (Falcon's x @ w.T)
           aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.default, aten.alias.default, aten.split.Tensor,
           aten.split_with_sizes.default, aten.detach.default, aten.flatten.using_ints,

@@ -10,9 +10,10 @@ A layout says how the tensor-parallel ranks 0..t-1 hold a value of the single-de
                               are each split by heads. `padded` > 0: the dim is padded to that
                               global size first (vocab padding), rank r holds rows
                               [r·padded/t, (r+1)·padded/t).
-  Partial(bias)               every rank holds a summand; the value is the sum over ranks
-                              (a row-parallel product). `bias` names a bias node still to be
-                              added once, after the reduction.
+  Partial(biases)             every rank holds a summand; the value is the sum over ranks
+                              (a row-parallel product). `biases` names the bias nodes still
+                              to be added once, after the reduction; two Partials summed stay
+                              Partial (parallel attention + MLP branches: one reduction).
 
 Propagation runs forward in topological order. A weight matmul whose input is replicated is a
 column-parallel *candidate*: its output is seeded Shard(last) with the candidate's name as
@@ -70,10 +71,10 @@ class Shard:
 
 @dataclass(frozen=True)
 class Partial:
-    bias: str | None = None
+    biases: tuple[str, ...] = ()   # added once, after the reduction (row-parallel biases)
 
     def __repr__(self) -> str:
-        return f"Partial(bias={self.bias})" if self.bias else "Partial()"
+        return f"Partial(biases={self.biases})" if self.biases else "Partial()"
 
 
 Layout = Replicate | Shard | Partial
@@ -395,19 +396,25 @@ class Propagator:
         op = packet(node)
         if op in _RESHAPES or op in {aten.alias, aten.clone, aten.contiguous, aten.to,
                                      aten._to_copy, aten.type_as}:
-            bias = lays[0].bias if isinstance(lays[0], Partial) else None
-            return not bias or shape(node)[-1:] == shape(args[0])[-1:]
-        if op in {aten.add, aten.sub} and len(args) == 2:
-            return all(isinstance(l, Partial) and not l.bias for l in lays)
-        if op in {aten.mul, aten.div, aten.neg} and len(args) == 1:
-            return not lays[0].bias
+            biases = lays[0].biases if isinstance(lays[0], Partial) else ()
+            return not biases or shape(node)[-1:] == shape(args[0])[-1:]
+        if op in {aten.add, aten.add_, aten.sub} and len(args) == 2 \
+                and node.kwargs.get("alpha", 1) == 1:
+            # Σa + Σb = Σ(a + b): parallel attention / MLP branches (GPT-J, NeoX, Falcon) sum
+            # before one reduction; a subtrahend's bias would need negating, so none there
+            return (all(isinstance(l, Partial) for l in lays)
+                    and (op is not aten.sub or not lays[1].biases))
+        # scaling by a number, or dropout with the replicated stream (every rank the same
+        # mask: the sum's mask), is linear: unless a bias is still to be added
+        if op in {aten.mul, aten.div, aten.neg, aten.dropout} and len(args) == 1:
+            return not lays[0].biases
         return False
 
     def _rule(self, node: fx.Node) -> Any:
         op = packet(node)
         lays = [self.eff(node, a) for a in _tensor_args(node)]
         if any(isinstance(l, Partial) for l in lays):
-            return Partial(next((l.bias for l in lays if isinstance(l, Partial)), None))
+            return Partial(tuple(b for l in lays if isinstance(l, Partial) for b in l.biases))
         handler = _RULES.get(op)
         if handler is not None:
             return handler(self, node)
@@ -762,7 +769,7 @@ def _matmul(p: Propagator, node: fx.Node) -> Layout:
         if bias is not None:
             p.demand(node, bias, R)
         p.role[node] = "row"
-        return Partial(bias.name if bias is not None else None)
+        return Partial((bias.name,) if bias is not None else ())
     if node.name not in p.off and not (isinstance(xl, Shard) and not xl.seq):
         n_size = shape(w)[w_n]
         blocks = p.refine.get(node.name, (n_size,))

@@ -497,8 +497,8 @@ class _Rewriter:
             x = self._call(C.reduce_scatter_to_sp, (arg, g, want.dim), want, before, grad, arg)
         else:
             x = self._call(C.reduce_from_tp, (arg, g), Replicate(), before, grad, arg)
-        if have.bias:
-            bias = self.by_name[have.bias]
+        for name in have.biases:
+            bias = self.by_name[name]
             if seq and bias in self.grad:
                 bias = self._f(bias, before)
             x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
@@ -547,7 +547,9 @@ class _Rewriter:
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self.group, self.seed, *rest)
-        elif op is aten.dropout and _is_split(node.meta.get("tp_layout")):
+        elif op is aten.dropout and isinstance(node.meta.get("tp_layout"), Shard):
+            # (a Partial keeps the replicated stream: one mask for every summand is the mask
+            # of their sum)
             x, p, train = node.args
             node.target = shard_rt.tp_dropout
             node.args, node.kwargs = (x, p, train, self.group, self.seed), {}
@@ -612,6 +614,17 @@ def _sdpa_dropout(node: fx.Node) -> bool:
 def _orig_size(node: fx.Node, dim: int) -> int:
     return int(node.meta["tp_global_val"].shape[dim]) if "tp_global_val" in node.meta \
         else shape(node)[dim]
+
+
+def _per_rank_dropout(n: fx.Node) -> bool:
+    """Dropout on a per-rank RNG stream: on a split (not partial) value, or attention's."""
+    if n.target in (shard_rt.tp_dropout, shard_rt.tp_sdpa):
+        return True
+    lay = n.meta.get("tp_layout")
+    if packet(n) is aten.dropout:
+        return n.args[1] != 0 and isinstance(lay, Shard)
+    return (packet(n) is aten.scaled_dot_product_attention and _is_split(lay)
+            and _sdpa_dropout(n))
 
 
 def _is_split(lay: Any) -> bool:
@@ -726,10 +739,7 @@ def tp_report(plan: Any, gm: fx.GraphModule) -> list[str]:
     lines += [f"  vocab padded: {k} to {p} rows (invisible in loss and state dict)"
               for k, p in padded]
     roles = [n.meta.get("tp_role") for n in gm.graph.nodes]
-    split_dropout = sum(1 for n in gm.graph.nodes if _is_split(n.meta.get("tp_layout")) and (
-        (packet(n) is aten.dropout and n.args[1] != 0) or
-        (packet(n) is aten.scaled_dot_product_attention and _sdpa_dropout(n))
-        or n.target in (shard_rt.tp_dropout, shard_rt.tp_sdpa)))
+    split_dropout = sum(1 for n in gm.graph.nodes if _per_rank_dropout(n))
     if split_dropout:
         lines.append(f"  dropout: {split_dropout} in split regions on per-rank RNG streams; "
                      f"replicated regions share the default stream")

@@ -17,7 +17,8 @@ sequence-parallel mode) on the planning graph and states the difference per regi
     the forward closure of the replicated GEMMs through non-GEMM ops with unsplit layouts, inside
     the region);
   - all-reduces removed: a row-parallel GEMM kept replicated does not all-reduce its output (nor
-    its column partner's input gradient); a vocabulary embedding that is not vocab-parallel does
+    its column partner's input gradient); two partial sums added before their reduction
+    (parallel attention + MLP branches) are reduced once; a vocabulary embedding that is not vocab-parallel does
     not all-reduce the lookup; a head whose vocab GEMMs are all replicated needs no all-reduce of
     its input gradient;
   - extra collectives, mirroring the rewrite (`apply_tensor_parallel`'s `_Rewriter`) edge by
@@ -56,7 +57,7 @@ from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPReg
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
 from autopar.passes.profile import _VIEWS, _batch_dependent, _param_identity
-from autopar.passes.sharding import Replicate, Shard, is_tensor
+from autopar.passes.sharding import Partial, Replicate, Shard, is_tensor
 from autopar.passes.tensor_parallel import _is_split, _requires_grad, propagate_sharding
 
 _REGIONS = ("embedding", "block", "head")
@@ -162,6 +163,9 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
     # all-reduces of the structural count that the pass does not do
     removed = sum(prof.gemms[i].batch * prof.gemms[i].m * prof.gemms[i].n
                   for i in gemm_idx if prof.gemms[i].tp_split == "k")
+    if kind == "block":  # the structural count there is one per row-parallel GEMM
+        removed += min(_merged_reductions_elems(facts, nodes),
+                       max(0, prof.tp_allreduce_elems - removed))
     if kind == "embedding" and prof.tp_allreduce_elems and not any(
             n.meta.get("tp_role") == "vocab_embedding" for n in nodes):
         removed += prof.tp_allreduce_elems
@@ -177,6 +181,26 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
                                     if n.meta.get("autopar_other", (0, False))[1])),
         allreduce_elems_removed=removed,
         collectives=_collectives(facts, nodes, set(seeds), affected))
+
+
+def _merged_reductions_elems(facts: _Facts, nodes: list) -> int:
+    """All-reduce elements the structural count has and the rewrite does not do because
+    partial sums are added before their reduction (parallel attention + MLP branches: GPT-J,
+    NeoX, Falcon reduce once per block): the split row-parallel outputs produced in the region
+    minus the partial values produced there that some consumer really reduces (statistics of
+    a mean over the split dim, role partial_mean, are priced as extra collectives)."""
+    inside = set(nodes)
+    rows = sum(facts.elems(n) for n in nodes if n.meta.get("tp_role") == "row"
+               and isinstance(n.meta.get("tp_layout"), Partial))
+    reduced = set()
+    for n in facts.gm.graph.nodes:
+        for name, want in n.meta.get("tp_convert", {}).items():
+            src = facts.nodes.get(name)
+            if (src in inside and isinstance(src.meta.get("tp_layout"), Partial)
+                    and not isinstance(want, Partial)
+                    and src.meta.get("tp_role") != "partial_mean"):
+                reduced.add(src)
+    return max(0, rows - sum(facts.elems(n) for n in reduced))
 
 
 def _unsplit(n: fx.Node) -> bool:

@@ -90,6 +90,32 @@ def test_two_forward_all_reduces_per_layer():
         gm.graph.lint()
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["all-reduce", "sequence-parallel"])
+def test_parallel_attention_and_mlp_branches_reduce_once(sp):
+    """Falcon's parallel block adds the attention and MLP row-parallel outputs before the
+    residual: partial + partial stays partial, so one reduction per layer (GPT-NeoX's
+    Megatron reduces its parallel residual once too), not two; the cost model's correction
+    drops the merged all-reduce."""
+    from hf_zoo import hf_falcon
+    from autopar.passes.layers import find_layers
+    from autopar.passes.profile import profile_from_graph
+    from autopar.passes.tp_cost import tp_corrections
+    ids = torch.randint(0, 64, (2, 8))
+    layers = 3
+    gm = apply_tensor_parallel(capture(hf_falcon(layers=layers), (ids,), lm_cross_entropy,
+                                       ids).gm, 2, 0, None, sequence_parallel=sp)
+    reduce = C.reduce_scatter_to_sp if sp else C.reduce_from_tp
+    assert len(_calls(gm, reduce)) == layers + 1          # + the vocab-parallel embedding
+    gm.graph.lint()
+    cap = capture(hf_falcon(layers=layers), (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    structure = find_layers(cap)
+    prof = profile_from_graph(cap, structure)
+    fix = next(c for c in tp_corrections(cap, structure, prof, [2], sequence_parallel=[sp])
+               if c.t == 2 and c.sequence_parallel == sp)
+    assert prof.block.tp_allreduce_elems == 2 * 8 * prof.hidden     # structural: 2 per layer
+    assert fix.block.allreduce_elems_removed == 8 * prof.hidden     # the pass does one
+
+
 def test_sequence_parallel_swaps_all_reduce_for_gather_and_reduce_scatter():
     gm = apply_tensor_parallel(_gpt_gm(n_layer=2), 2, 0, None, sequence_parallel=True)
     assert not _calls(gm, C.reduce_from_tp)
@@ -392,8 +418,10 @@ def test_tp_report_lines():
 # ----- more transformers architectures: the pattern comes out of propagation --------------------
 
 # name -> extra forward all-reduces per layer beyond Megatron's 2 (OLMo-2: the q and k RMSNorms
-# normalise over all heads, so each all-reduces its (B, T, 1) statistic)
-_MORE = {"hf_neox": 0, "hf_falcon": 0, "hf_gptj": 0, "hf_bloom": 0, "hf_olmo2": 2,
+# normalise over all heads, so each all-reduces its (B, T, 1) statistic; Falcon: its parallel
+# attention and MLP outputs are summed before one reduction; GPT-J / NeoX would be too, but a
+# dropout between a biased projection and the sum needs the bias added first)
+_MORE = {"hf_neox": 0, "hf_falcon": -1, "hf_gptj": 0, "hf_bloom": 0, "hf_olmo2": 2,
          "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": 0, "hf_opt": 0, "hf_gemma": 0,
          "torch_encoder": 0}
 
@@ -410,7 +438,7 @@ def test_more_transformers_architectures_split_like_megatron(name):
     assert len(info.row) == 2 * 2                       # attention out + MLP down, 2 layers
     # 2 all-reduces per layer (+ the statistics), + 1 for the vocab-parallel embedding
     assert len(_calls(gm, C.reduce_from_tp)) == (2 + _MORE[name]) * 2 + 1
-    assert len(_calls(gm, shard_rt.partial_mean)) == _MORE[name] * 2
+    assert len(_calls(gm, shard_rt.partial_mean)) == max(0, _MORE[name]) * 2
     assert not _calls(gm, C.gather_from_sp) and not _calls(gm, C.all_gather_sp)
     local = sum(p.numel() for p in gm.parameters())
     full = sum(p.numel() for p in model.parameters())
