@@ -47,10 +47,6 @@ def brute_force(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int,
 def plan_objective(profile: ModelProfile, cluster: "Cluster | str", plan: Plan) -> Fraction:
     """The exact integer-cost step time (ns) of a plan, as the solver and brute force see it."""
     cluster = get_cluster(cluster)
-    cfg = Config(t=plan.t, p=plan.p, d=plan.d, v=plan.v, micro_batch_size=plan.micro_batch_size,
-                 num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                 recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
-                 zero=plan.zero)
-    cc = config_costs(profile, cluster, cfg)
+    cc = config_costs(profile, cluster, Config.of_plan(plan))
     y = rank_layers([s.num_layers for s in plan.stages], plan.p)
     return Fraction(step_time_scaled(cc, y), plan.v)

@@ -26,11 +26,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from autopar.cost.model import ConfigCosts
+from autopar.cost.model import NS, ConfigCosts
 from autopar.cost.simulate import simulate
 from autopar.schedules import Action, make_schedule
 
-NS = 1e9
 # cost.model._edge_times_s prices the embedding and the head as one forward plus a backward
 # of twice its work (GEMMs: dX and dW, each of the forward's size; elementwise: 2x the
 # traffic), so a third of each is forward.

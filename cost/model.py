@@ -81,7 +81,7 @@ from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
-from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Prediction
+from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
 # gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
@@ -128,6 +128,15 @@ class Config:
         if self.v > 1 and not SCHEDULE_TRAITS[self.schedule].multi_chunk:
             raise ValueError(f"Config.v={self.v} with schedule={self.schedule!r}: several chunks "
                              f"per rank need an interleaved schedule; set v=1")
+
+    @classmethod
+    def of_plan(cls, plan: "Plan") -> "Config":
+        """The configuration of a Plan (everything but its stages)."""
+        return cls(t=plan.t, p=plan.p, d=plan.d, v=plan.v,
+                   micro_batch_size=plan.micro_batch_size,
+                   num_microbatches=plan.num_microbatches, schedule=plan.schedule,
+                   recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
+                   zero=plan.zero)
 
     @property
     def gpus(self) -> int:

@@ -121,8 +121,8 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
     "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part of bwd_s
     (used only by lists with W actions; default bwd_s / 2). check=False skips the validation
     (autopar.schedules.validate) for lists already validated, e.g. the same lists timed with
-    many different chunk times (cost/layout.py); an invalid list may then hang nothing but
-    simulates to nonsense.
+    many different chunk times (cost/layout.py); an invalid list is then not caught and
+    simulates to nonsense (the simulation still ends).
     """
     if check:
         validate(per_rank, *infer_dims(per_rank))

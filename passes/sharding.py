@@ -400,8 +400,8 @@ class Propagator:
             return not biases or shape(node)[-1:] == shape(args[0])[-1:]
         if op in {aten.add, aten.add_, aten.sub} and len(args) == 2 \
                 and node.kwargs.get("alpha", 1) == 1:
-            # Σa + Σb = Σ(a + b): parallel attention / MLP branches (GPT-J, NeoX, Falcon) sum
-            # before one reduction; a subtrahend's bias would need negating, so none there
+            # Σa + Σb = Σ(a + b): parallel attention / MLP branches (Falcon) sum before one
+            # reduction; a subtrahend's bias would need negating, so none there
             return (all(isinstance(l, Partial) for l in lays)
                     and (op is not aten.sub or not lays[1].biases))
         # scaling by a number, or dropout with the replicated stream (every rank the same

@@ -18,9 +18,9 @@ sequence-parallel mode) on the planning graph and states the difference per regi
     the region);
   - all-reduces removed: a row-parallel GEMM kept replicated does not all-reduce its output (nor
     its column partner's input gradient); two partial sums added before their reduction
-    (parallel attention + MLP branches) are reduced once; a vocabulary embedding that is not vocab-parallel does
-    not all-reduce the lookup; a head whose vocab GEMMs are all replicated needs no all-reduce of
-    its input gradient;
+    (parallel attention + MLP branches) are reduced once; a vocabulary embedding that is not
+    vocab-parallel does not all-reduce the lookup; a head whose vocab GEMMs are all replicated
+    needs no all-reduce of its input gradient;
   - extra collectives, mirroring the rewrite (`apply_tensor_parallel`'s `_Rewriter`) edge by
     edge on `meta['tp_convert']`: a split value gathered to replicated (all-gather forward; its
     backward is a reduce-scatter when the consumer is split and the value needs a gradient, else
@@ -185,8 +185,8 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
 
 def _merged_reductions_elems(facts: _Facts, nodes: list) -> int:
     """All-reduce elements the structural count has and the rewrite does not do because
-    partial sums are added before their reduction (parallel attention + MLP branches: GPT-J,
-    NeoX, Falcon reduce once per block): the split row-parallel outputs produced in the region
+    partial sums are added before their reduction (parallel attention + MLP branches: Falcon
+    reduces once per block): the split row-parallel outputs produced in the region
     minus the partial values produced there that some consumer really reduces (statistics of
     a mean over the split dim, role partial_mean, are priced as extra collectives)."""
     inside = set(nodes)

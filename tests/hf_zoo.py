@@ -25,11 +25,12 @@ def hf_neox() -> torch.nn.Module:
         attention_dropout=0.0, rotary_pct=0.5))
 
 
-def hf_falcon(layers: int = 2) -> torch.nn.Module:
+def hf_falcon(layers: int = 2, hidden_dropout: float = 0.0) -> torch.nn.Module:
     from transformers import FalconConfig, FalconForCausalLM
     return FalconForCausalLM(FalconConfig(
         num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
-        new_decoder_architecture=True, vocab_size=64, use_cache=False, hidden_dropout=0.0,
+        new_decoder_architecture=True, vocab_size=64, use_cache=False,
+        hidden_dropout=hidden_dropout,
         attention_dropout=0.0))
 
 

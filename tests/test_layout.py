@@ -32,7 +32,6 @@ def _ranks(x, p):
 
 
 def _sim(cc, x):
-    fwd, bwd, _ = layout.chunk_times_s(cc, x)
     acts = make_schedule(cc.cfg.schedule, cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches)
     return layout.simulated_step_s(cc, x, acts)
 
@@ -106,13 +105,8 @@ def test_solver_spreads_the_chosen_plans_layers_by_simulation():
     prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=64, vocab=32768)
     plan = solve(prof, "dgx-a100-80gb", gpus=2, global_batch_size=16, t=1, p=2, d=1, v=2,
                  micro_batch_size=4, schedule="interleaved-1f1b")
-    x = [st.last_layer - st.first_layer for st in plan.stages]
+    x = [st.num_layers for st in plan.stages]
     even = chunks_from_ranks(_ranks(x, 2), 2, 2)
-    cfg = M.Config(t=plan.t, p=plan.p, d=plan.d, v=plan.v,
-                   micro_batch_size=plan.micro_batch_size,
-                   num_microbatches=plan.num_microbatches, schedule=plan.schedule,
-                   recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
-                   zero=plan.zero)
-    cc = M.config_costs(prof, get_cluster("dgx-a100-80gb"), cfg)
+    cc = M.config_costs(prof, get_cluster("dgx-a100-80gb"), M.Config.of_plan(plan))
     assert _sim(cc, x) <= _sim(cc, even)
     assert x != even and x[0] < even[0]

@@ -84,6 +84,9 @@ def _train(step_fn, params, vocab: int = 64) -> list[float]:
     # shift-invariant), so with the default eps Adam's update of it is normalised rounding noise
     # (±lr, sign-random) in both runs alike; 1e-6 keeps noise-level gradients from moving it.
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+    # both runs start the default RNG stream alike: dropout in replicated regions (and on
+    # partial sums) then draws the single device's masks
+    torch.manual_seed(4321)
     losses = []
     for ids, tgt in _batches(vocab):
         opt.zero_grad()
@@ -191,6 +194,15 @@ def test_tp2_more_transformers_architectures_match_single_device(name):
     # at least one overlapped entry per block (GPT-J / parallel blocks share one): Falcon's
     # x @ w.T and BLOOM's biased projections included
     assert results[0]["fused"] >= 2
+
+
+def test_dropout_on_merged_partial_sums_matches_single_device():
+    """Falcon's dropout on the summed attention + MLP outputs runs before their one reduction,
+    on the replicated RNG stream: every rank draws the single device's mask, and the mask of
+    the summands is the mask of the sum, so even with dropout 0.3 the losses and weights match
+    one device (a per-rank stream there would not)."""
+    results = run_tp("hf_falcon", 2, hidden_dropout=0.3)
+    assert not results[0]["info"].fallbacks
 
 
 @pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2"])
