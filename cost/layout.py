@@ -16,11 +16,16 @@ compute waits for its data only), fed with the cost model's per-chunk forward an
 times. It hill-climbs over moves of one layer between two chunks of the same rank. y, and so
 the predicted step time, the memory and the solver's optimality, are unchanged.
 
+The first and the last chunk may end with no layers: they still hold the embedding and the
+head + loss. Megatron-Core's pipeline layouts allow the same (a stage of only "L", the loss;
+account_for_loss_in_pipeline_split). A heavy head alone in the last chunk is the turning point
+of every micro-batch (its forward ends and its backward starts there) at the least cost.
+
 Worked example: benchmarks/pipeline.py's GPT on 2 CPU ranks (8 layers; the LM head + loss
-weighs ~2.4 layers; p=2, v=2, m=4; the solver's y = (5, 3)). Fed per-layer times measured
-there (layer F 5.8 / B 12.0 ms, head 17.7 / 27.4, embedding 0.5 / 3.4), the near-even
-split [3, 2, 2, 1] simulates to 479 ms and [2, 2, 3, 1] to 467 ms (the even [2, 2, 2, 2]:
-515 ms). The benchmark's pinned cut sweep measured them in the same order.
+weighs ~2.5 layers; p=2, v=2, m=4; the solver's y = (5, 3)). Fed per-layer times measured
+there (layer F 5.8 / B 12.0 ms, embedding 3.9 ms, head + loss 45.1 ms), the near-even split
+[3, 2, 2, 1] simulates to 473 ms, [2, 2, 3, 1] to 461 ms and [2, 3, 3, 0], which the search
+picks, to 434 ms (the even [2, 2, 2, 2]: 509 ms).
 """
 from __future__ import annotations
 
@@ -64,14 +69,16 @@ def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
 
 
 def _moves(x: list[int], p: int) -> list[list[int]]:
-    """Every split that moves one layer from one chunk to another chunk of the same rank
-    (each chunk keeps at least one layer), in a fixed order: rank, source, destination."""
+    """Every split that moves one layer from one chunk to another chunk of the same rank, in a
+    fixed order: rank, source, destination. A chunk keeps at least one layer, except the first
+    (the embedding) and the last (the head + loss): they have work without layers, and a
+    head-only last chunk shortens the fill and drain that run through it."""
     out = []
     C = len(x)
     for r in range(p):
         mine = range(r, C, p)
         for a in mine:
-            if x[a] <= 1:
+            if x[a] <= (0 if a in (0, C - 1) else 1):
                 continue
             for b in mine:
                 if b != a:

@@ -26,7 +26,8 @@ per pass, i.e. breadth-first). Their costs differ only through cost.model (bubbl
 memory), so the constraint families are the same for every schedule.
 Stage layout within a rank (after the solve): the objective depends on the rank totals y only,
 so the layers of each rank are spread over its chunks by simulating the plan's schedule
-(cost/layout.py: the fill and drain run through the first and last chunks).
+(cost/layout.py: the fill and drain run through the first and last chunks, which may end with
+the embedding / head + loss alone).
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
 step time exceeds the step time of a feasible plan already found, or a lower bound of their

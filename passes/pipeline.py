@@ -85,12 +85,13 @@ def count_layers(gm: torch.fx.GraphModule) -> int:
 
 
 def check_stages(plan: Plan, num_layers: int) -> None:
-    """ValueError unless plan.stages cut exactly `num_layers` blocks into p·v non-empty chunks."""
+    """ValueError unless plan.stages cut exactly `num_layers` blocks into p·v chunks, at most one
+    per layer, each with work: layers, or the embedding (first chunk) / head + loss (last)."""
     chunks = plan.p * plan.v
     if chunks > 1 and chunks > num_layers:
         raise ValueError(
             f"pipeline: p·v = {plan.p}·{plan.v} = {chunks} chunks but the model has only "
-            f"{num_layers} layers; every chunk needs at least one layer — lower v (at most "
+            f"{num_layers} layers; a pipeline has at most one chunk per layer — lower v (at most "
             f"{max(1, num_layers // plan.p)}) or p")
     end = plan.stages[-1].last_layer if plan.stages else 0
     if end != num_layers:
@@ -98,9 +99,11 @@ def check_stages(plan: Plan, num_layers: int) -> None:
             f"pipeline: plan.stages cover layers [0, {end}) but the graph has {num_layers} "
             f"layers; re-plan for this model (plan.num_layers={plan.num_layers})")
     for st in plan.stages:
-        if chunks > 1 and st.num_layers == 0:
+        # the first and last chunks have work without layers (the embedding; the head + loss)
+        if chunks > 1 and st.num_layers == 0 and not (st.embedding or st.head):
             raise ValueError(f"pipeline: chunk {st.chunk} has no layers ({st.describe()}); "
-                             f"each of the p·v={chunks} chunks needs at least one layer")
+                             f"every chunk but the first (embedding) and the last (head + "
+                             f"loss) needs at least one layer")
 
 
 def _region_chunk(plan: Plan, region: tuple) -> int:

@@ -84,6 +84,20 @@ def test_more_chunks_than_layers_is_rejected():
         build_program(prog)
 
 
+def test_only_edge_chunks_may_have_no_layers():
+    """The first chunk has the embedding and the last the head + loss to run without layers;
+    an empty middle chunk would only relay."""
+    ok = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4, split=[0, 2, 2, 0])
+    prog, _ = make_program("gpt", ok)
+    specs = [c.meta["autopar_chunk"] for c in build_program(prog).chunks()]
+    assert [s.describe() for s in specs] == ["embedding", "layers 0-1", "layers 2-3",
+                                             "head+loss"]
+    bad = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4, split=[2, 0, 1, 1])
+    prog, _ = make_program("gpt", bad)
+    with pytest.raises(ValueError, match=r"chunk 1 has no layers .*first \(embedding\)"):
+        build_program(prog)
+
+
 def test_stages_not_covering_the_model_are_rejected():
     plan = make_plan(p=2, m=2, layers=2)
     prog, _ = make_program("gpt", plan)

@@ -181,6 +181,18 @@ def test_gpt_uneven_chunks_3_layers_p2():
     check_against_reference("gpt", make_plan(p=2, m=3, schedule="1f1b", layers=3))
 
 
+def test_gpt_p2_interleaved_head_only_last_chunk():
+    """The planner's layout may leave the last chunk with the head + loss alone (a tied one:
+    its weight is the embedding's, on the other pipeline rank)."""
+    check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b",
+                                             layers=4, split=[1, 2, 1, 0]))
+
+
+def test_llama_p2_embedding_only_first_chunk():
+    check_against_reference("llama", make_plan(p=2, m=2, schedule="1f1b", layers=2,
+                                               split=[0, 2]))
+
+
 def test_gpt_p2_d2():
     check_against_reference("gpt", make_plan(p=2, d=2, m=2, schedule="1f1b", layers=2))
 

@@ -97,7 +97,8 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
     if layers and plan.p * plan.v > 1 and plan.p * plan.v > layers:
         raise ValueError(
             f"p·v = {plan.p}·{plan.v} = {plan.p * plan.v} chunks but the model has {layers} "
-            f"layers; each chunk needs at least one layer — use v <= {max(1, layers // plan.p)} "
+            f"layers; a pipeline has at most one chunk per layer — use v <= "
+            f"{max(1, layers // plan.p)} "
             f"(or a smaller p)")
 
 
