@@ -141,6 +141,13 @@ def is_pointwise(node: fx.Node) -> bool:
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
+def dropout_is_identity(node: fx.Node) -> bool:
+    """aten.dropout(x, p, train) that returns x: p == 0 or train False."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return (isinstance(p, (int, float)) and p == 0) or train is False
+
+
 def source_line(node: fx.Node) -> str:
     """The user's source line of `node`: the innermost stack-trace frame outside torch."""
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
@@ -400,10 +407,18 @@ class Propagator:
             return not biases or shape(node)[-1:] == shape(args[0])[-1:]
         if op in {aten.add, aten.add_, aten.sub} and len(args) == 2 \
                 and node.kwargs.get("alpha", 1) == 1:
-            # Σa + Σb = Σ(a + b): parallel attention / MLP branches (Falcon) sum before one
-            # reduction; a subtrahend's bias would need negating, so none there
+            # Σa + Σb = Σ(a + b): parallel attention / MLP branches (Falcon, GPT-NeoX) sum
+            # before one reduction; a subtrahend's bias would need negating, so none there.
+            # Only when the sum is each operand's one use: an operand reduced for another
+            # user anyway (a sequential block's residual, also read by the next norm) saves
+            # nothing, and the residual stream stays replicated as in Megatron.
             return (all(isinstance(l, Partial) for l in lays)
+                    and all(len(a.users) == 1 for a in args)
                     and (op is not aten.sub or not lays[1].biases))
+        # dropout of probability 0 (GPT-J's and GPT-NeoX's defaults) or not training is the
+        # identity: a bias still to be added passes through it as through a view
+        if op is aten.dropout and dropout_is_identity(node):
+            return True
         # scaling by a number, or dropout with the replicated stream (every rank the same
         # mask: the sum's mask), is linear: unless a bias is still to be added
         if op in {aten.mul, aten.div, aten.neg, aten.dropout} and len(args) == 1:

@@ -90,24 +90,28 @@ def test_two_forward_all_reduces_per_layer():
         gm.graph.lint()
 
 
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_neox", "hf_gptj"])
 @pytest.mark.parametrize("sp", [False, True], ids=["all-reduce", "sequence-parallel"])
-def test_parallel_attention_and_mlp_branches_reduce_once(sp):
-    """Falcon's parallel block adds the attention and MLP row-parallel outputs before the
-    residual: partial + partial stays partial, so one reduction per layer (GPT-NeoX's
-    Megatron reduces its parallel residual once too), not two; the cost model's correction
-    drops the merged all-reduce."""
-    from hf_zoo import hf_falcon
+def test_parallel_attention_and_mlp_branches_reduce_once(sp, name):
+    """Parallel blocks (Falcon, GPT-NeoX, GPT-J) add the attention and MLP row-parallel outputs
+    before the residual: partial + partial stays partial (through dropouts of probability 0,
+    the biases added after the reduction), so one reduction per layer (GPT-NeoX's Megatron
+    reduces its parallel residual once too), not two; the cost model's correction drops the
+    merged all-reduce."""
+    import hf_zoo
     from autopar.passes.layers import find_layers
     from autopar.passes.profile import profile_from_graph
     from autopar.passes.tp_cost import tp_corrections
     ids = torch.randint(0, 64, (2, 8))
-    layers = 3
-    gm = apply_tensor_parallel(capture(hf_falcon(layers=layers), (ids,), lm_cross_entropy,
-                                       ids).gm, 2, 0, None, sequence_parallel=sp)
+    layers = 3 if name == "hf_falcon" else 2
+    make = (lambda: hf_zoo.hf_falcon(layers=layers)) if name == "hf_falcon" \
+        else getattr(hf_zoo, name)
+    gm = apply_tensor_parallel(capture(make(), (ids,), lm_cross_entropy, ids).gm, 2, 0, None,
+                               sequence_parallel=sp)
     reduce = C.reduce_scatter_to_sp if sp else C.reduce_from_tp
     assert len(_calls(gm, reduce)) == layers + 1          # + the vocab-parallel embedding
     gm.graph.lint()
-    cap = capture(hf_falcon(layers=layers), (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    cap = capture(make(), (ids,), lm_cross_entropy, ids, repeat_limit=2)
     structure = find_layers(cap)
     prof = profile_from_graph(cap, structure)
     fix = next(c for c in tp_corrections(cap, structure, prof, [2], sequence_parallel=[sp])
@@ -197,7 +201,8 @@ def test_generated_code_reads_like_megatron():
     assert "copy_to_tp(layer_norm, tp_group)" in code
     assert "split_with_sizes.default(linear, [16, 16, 16], 2)" in code    # local q, k, v
     assert "view.default(getitem, [2, 8, 2, 8])" in code                   # n_heads / t
-    assert "reduce_from_tp(linear_1, tp_group)" in code
+    # row-parallel output reduced after its dropout (p = 0: the identity), bias added after
+    assert "reduce_from_tp(dropout_1, tp_group)" in code
     assert "vocab_parallel_cross_entropy" in code and "vocab_parallel_embedding" in code
 
 
@@ -418,11 +423,11 @@ def test_tp_report_lines():
 # ----- more transformers architectures: the pattern comes out of propagation --------------------
 
 # name -> extra forward all-reduces per layer beyond Megatron's 2 (OLMo-2: the q and k RMSNorms
-# normalise over all heads, so each all-reduces its (B, T, 1) statistic; Falcon: its parallel
-# attention and MLP outputs are summed before one reduction; GPT-J / NeoX would be too, but a
-# dropout between a biased projection and the sum needs the bias added first)
-_MORE = {"hf_neox": 0, "hf_falcon": -1, "hf_gptj": 0, "hf_bloom": 0, "hf_olmo2": 2,
-         "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": 0, "hf_opt": 0, "hf_gemma": 0,
+# normalise over all heads, so each all-reduces its (B, T, 1) statistic; Falcon, GPT-J,
+# GPT-NeoX and Phi: their parallel attention and MLP outputs are summed before one reduction,
+# through dropouts of probability 0, with the row-parallel biases added once after it)
+_MORE = {"hf_neox": -1, "hf_falcon": -1, "hf_gptj": -1, "hf_bloom": 0, "hf_olmo2": 2,
+         "hf_mistral": 0, "hf_qwen3": 0, "hf_phi": -1, "hf_opt": 0, "hf_gemma": 0,
          "torch_encoder": 0}
 
 

@@ -20,7 +20,7 @@ from autopar.passes.capture import capture
 from autopar.passes.overlap import overlap_tp_backward
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
 from autopar.testing import spawn
-from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2, torch_encoder
+from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2, hf_phi, torch_encoder
 
 pytestmark = pytest.mark.distributed
 
@@ -62,7 +62,8 @@ def hf_bert() -> torch.nn.Module:
 
 MODELS = {"gpt": gpt, "llama_style": llama_style, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
           "hf_bert": hf_bert, "hf_neox": hf_neox, "hf_falcon": hf_falcon, "hf_gptj": hf_gptj,
-          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2, "torch_encoder": torch_encoder}
+          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2, "hf_phi": hf_phi,
+          "torch_encoder": torch_encoder}
 
 
 def _build(name: str, kwargs: dict) -> torch.nn.Module:
@@ -184,7 +185,8 @@ def test_tp2_matches_single_device(name, t, kwargs):
     assert results[0]["fused"] >= 2 * 2
 
 
-MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2", "torch_encoder"]
+# GPT-NeoX, Falcon, GPT-J and Phi: parallel attention + MLP, one reduction per layer
+MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2", "hf_phi", "torch_encoder"]
 
 
 @pytest.mark.parametrize("name", MORE)
@@ -205,7 +207,7 @@ def test_dropout_on_merged_partial_sums_matches_single_device():
     assert not results[0]["info"].fallbacks
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2"])
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2", "hf_neox"])
 def test_tp2_sequence_parallel_more_architectures(name):
     results = run_tp(name, 2, sp=True)
     assert not results[0]["info"].fallbacks
