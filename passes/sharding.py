@@ -548,13 +548,32 @@ def _reshape(p: Propagator, node: fx.Node) -> Layout:
         return lay
     mapped = map_reshape(shape(src), shape(node), lay, p.t)
     if mapped is None:
+        factors = _unflattened(shape(src), shape(node), lay.dim)
+        why = (f"; dim {lay.dim} ({shape(src)[lay.dim]}) unflattens into {factors} and a split "
+               f"must fall on the leading factor (e.g. the key/value groups of a fused qkv "
+               f"projection): t must divide {factors[0]}") if factors else ""
         conflict = Conflict(lay.origins, node,
                             f"{node.name}: reshape {list(shape(src))} -> {list(shape(node))} "
                             f"cannot keep dim {lay.dim} split in {p.t} (blocks {lay.blocks}): "
-                            f"sizes do not divide by t={p.t}", indivisible=True)
+                            f"sizes do not divide by t={p.t}{why}", indivisible=True)
         _refine_for_reshape(p, node, lay, conflict)
         raise conflict
     return mapped
+
+
+def _unflattened(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> list[int] | None:
+    """The sizes `src`'s dim `dim` unflattens into in `dst` (dims before it unchanged), e.g.
+    (2, 8, 64) -> (2, 8, 2, 4, 8), dim 2: [2, 4, 8]; None when it does not unflatten."""
+    if list(src[:dim]) != list(dst[:dim]):
+        return None
+    size = 1
+    for k in range(dim, len(dst)):
+        size *= dst[k]
+        if size == src[dim]:
+            return list(dst[dim:k + 1]) if k > dim else None
+        if size > src[dim]:
+            return None
+    return None
 
 
 def _refine_for_reshape(p: Propagator, node: fx.Node, lay: Shard, conflict: Conflict) -> None:

@@ -6,6 +6,14 @@ import functools
 import pytest
 import torch
 
+from autopar.testing import preload
+
+# the spawned ranks of the numerics tests build these models: the fork server imports them once
+# instead of every rank of every test (~5 s each)
+preload(*(f"transformers.models.{m}.modeling_{m}" for m in (
+    "gpt2", "llama", "bert", "gpt_neox", "falcon", "gptj", "bloom", "olmo2", "phi")),
+    "torch.export", "autopar.examples.gpt", "autopar.examples.llama")
+
 VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 128, 16, 48, 4, 3
 TINY_MODELS = ("gpt", "llama-style", "hf-gpt2", "hf-llama", "hf-bert")
 

@@ -34,6 +34,20 @@ def _hang_on_1(rank, world_size):
     return rank
 
 
+def _env_and_threads(rank, world_size):
+    return os.environ.get("AUTOPAR_TEST_MARK"), torch.get_num_threads(), os.getpid()
+
+
+def test_spawned_ranks_see_the_environment_of_the_call(monkeypatch):
+    """The ranks fork from a server started by an earlier spawn: they still get the caller's
+    environment as it is at this call, one thread each, and a process of their own."""
+    spawn(_env_and_threads, 1)                  # the fork server runs from here on
+    monkeypatch.setenv("AUTOPAR_TEST_MARK", "set-after-the-server-started")
+    out = spawn(_env_and_threads, 2)
+    assert [o[:2] for o in out] == [("set-after-the-server-started", 1)] * 2
+    assert len({o[2] for o in out} | {os.getpid()}) == 3
+
+
 def _groups_worker(rank, world_size, t, p, d):
     pg = ProcessGroups.create(t, p, d, timeout_s=30)
     # sum of global ranks over each group must equal the sum of its declared members
@@ -106,8 +120,8 @@ def test_spawn_reraises_with_remote_traceback():
 def test_spawn_deadline_kills_and_names_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 had not finished"):
-        spawn(_hang_on_1, 2, timeout_s=30)  # generous: rank 0 must start and finish first
-    assert time.monotonic() - start < 50
+        spawn(_hang_on_1, 2, timeout_s=15)  # generous: rank 0 must start and finish first
+    assert time.monotonic() - start < 35
 
 
 def test_spawn_reports_dead_rank_unless_allowed():

@@ -13,7 +13,7 @@ import torch.nn as nn
 from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
 from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes.capture import capture
-from autopar.passes.sharding import Partial, Replicate, Shard, map_reshape
+from autopar.passes.sharding import Partial, Replicate, Shard, _unflattened, map_reshape
 from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding, tp_report
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
@@ -275,6 +275,22 @@ def test_heads_not_divisible_by_pinned_t_is_a_clear_error():
         propagate_sharding(gm, 4)
     msg = str(err.value)
     assert "t=4" in msg and "gpt.py" in msg and "fix:" in msg
+
+
+def test_kv_groups_not_divisible_by_pinned_t_names_the_groups():
+    # Falcon's fused qkv is grouped per kv head: (…, 64) -> (…, 2 groups, 4, 8); at t=4 the
+    # split would cut inside a group (Megatron-Core requires t | query groups as well)
+    import hf_zoo
+    ids = torch.randint(0, 64, (B, T))
+    gm = capture(hf_zoo.hf_falcon(layers=1), (ids,), lm_cross_entropy, ids).gm
+    with pytest.raises(ValueError) as err:
+        propagate_sharding(gm, 4)
+    msg = str(err.value)
+    assert "unflattens into [2, 4, 8]" in msg and "t must divide 2" in msg
+    assert "modeling_falcon.py" in msg and "fix:" in msg
+    assert _unflattened((2, 8, 64), (2, 8, 2, 4, 8), 2) == [2, 4, 8]
+    assert _unflattened((2, 8, 64), (2, 8, 64), 2) is None
+    assert _unflattened((2, 8, 64), (16, 64), 2) is None
 
 
 def test_bad_t_and_sequence_length():
