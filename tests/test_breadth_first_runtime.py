@@ -32,6 +32,15 @@ def test_gpt_breadth_first_v2_d2(zero):
     check_against_reference("gpt", bf_plan(v=2, zero=zero), timeout_s=400)
 
 
+def test_gpt_breadth_first_edge_chunks_without_layers_zero3():
+    """The planner's layout may leave the first chunk the embedding alone and the last the head
+    + loss alone (cost/layout.py): under ZeRO-3 their (tied) weight is all they gather."""
+    plan = make_plan(p=2, d=2, v=2, m=2, schedule="breadth-first", layers=4,
+                     split=[0, 2, 2, 0])
+    check_against_reference("gpt", Plan.from_dict({**plan.to_dict(), "zero": 3}),
+                            timeout_s=400)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_gpt_breadth_first_v4_one_layer_per_chunk_d2(zero):
