@@ -10,10 +10,13 @@ A layout says how the tensor-parallel ranks 0..t-1 hold a value of the single-de
                               are each split by heads. `padded` > 0: the dim is padded to that
                               global size first (vocab padding), rank r holds rows
                               [r·padded/t, (r+1)·padded/t).
-  Partial(biases)             every rank holds a summand; the value is the sum over ranks
+  Partial(biases, masked)     every rank holds a summand; the value is the sum over ranks
                               (a row-parallel product). `biases` names the bias nodes still
                               to be added once, after the reduction; two Partials summed stay
                               Partial (parallel attention + MLP branches: one reduction).
+                              A dropout of a biased Partial stays Partial: the summands take
+                              its noise (drawn once, on the replicated stream) and `masked`
+                              pairs each bias with that dropout, added as bias·noise.
 
 Propagation runs forward in topological order. A weight matmul whose input is replicated is a
 column-parallel *candidate*: its output is seeded Shard(last) with the candidate's name as
@@ -72,9 +75,19 @@ class Shard:
 @dataclass(frozen=True)
 class Partial:
     biases: tuple[str, ...] = ()   # added once, after the reduction (row-parallel biases)
+    # (bias, dropout node): the bias times that dropout's noise, added after the reduction
+    # (a dropout of the biased sum Σa + b is Σ(a·noise) + b·noise, one noise on every rank)
+    masked: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def pending(self) -> bool:
+        """Something is still to be added after the reduction."""
+        return bool(self.biases or self.masked)
 
     def __repr__(self) -> str:
-        return f"Partial(biases={self.biases})" if self.biases else "Partial()"
+        parts = [f"biases={self.biases}"] * bool(self.biases) + \
+            [f"masked={self.masked}"] * bool(self.masked)
+        return f"Partial({', '.join(parts)})"
 
 
 Layout = Replicate | Shard | Partial
@@ -403,8 +416,10 @@ class Propagator:
         op = packet(node)
         if op in _RESHAPES or op in {aten.alias, aten.clone, aten.contiguous, aten.to,
                                      aten._to_copy, aten.type_as}:
-            biases = lays[0].biases if isinstance(lays[0], Partial) else ()
-            return not biases or shape(node)[-1:] == shape(args[0])[-1:]
+            lay = lays[0] if isinstance(lays[0], Partial) else Partial()
+            if lay.masked:          # bias·noise has the value's full shape: no reshape
+                return shape(node) == shape(args[0])
+            return not lay.biases or shape(node)[-1:] == shape(args[0])[-1:]
         if op in {aten.add, aten.add_, aten.sub} and len(args) == 2 \
                 and node.kwargs.get("alpha", 1) == 1:
             # Σa + Σb = Σ(a + b): parallel attention / MLP branches (Falcon, GPT-NeoX) sum
@@ -414,22 +429,30 @@ class Propagator:
             # nothing, and the residual stream stays replicated as in Megatron.
             return (all(isinstance(l, Partial) for l in lays)
                     and all(len(a.users) == 1 for a in args)
-                    and (op is not aten.sub or not lays[1].biases))
+                    and (op is not aten.sub or not lays[1].pending))
         # dropout of probability 0 (GPT-J's and GPT-NeoX's defaults) or not training is the
         # identity: a bias still to be added passes through it as through a view
         if op is aten.dropout and dropout_is_identity(node):
             return True
+        # dropout of a biased sum: the biases are masked by the same noise (see Partial),
+        # once; the rewriter draws the noise on the replicated stream
+        if op is aten.dropout and len(args) == 1 and lays[0].biases and not lays[0].masked:
+            return True
         # scaling by a number, or dropout with the replicated stream (every rank the same
         # mask: the sum's mask), is linear: unless a bias is still to be added
         if op in {aten.mul, aten.div, aten.neg, aten.dropout} and len(args) == 1:
-            return not lays[0].biases
+            return not lays[0].pending
         return False
 
     def _rule(self, node: fx.Node) -> Any:
         op = packet(node)
         lays = [self.eff(node, a) for a in _tensor_args(node)]
-        if any(isinstance(l, Partial) for l in lays):
-            return Partial(tuple(b for l in lays if isinstance(l, Partial) for b in l.biases))
+        parts = [l for l in lays if isinstance(l, Partial)]
+        if parts and op is aten.dropout and parts[0].biases and not dropout_is_identity(node):
+            return Partial(masked=tuple((b, node.name) for b in parts[0].biases))
+        if parts:
+            return Partial(tuple(b for l in parts for b in l.biases),
+                           tuple(m for l in parts for m in l.masked))
         handler = _RULES.get(op)
         if handler is not None:
             return handler(self, node)

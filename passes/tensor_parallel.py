@@ -405,6 +405,7 @@ class _Rewriter:
             self.group = self.graph.get_attr("tp_group")
         self.group.meta["tp_layout"] = Replicate()
         self.by_name = {n.name: n for n in self.graph.nodes}
+        self.noise: dict[str, fx.Node] = {}   # dropout of a biased Partial -> its noise
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -502,8 +503,30 @@ class _Rewriter:
             if seq and bias in self.grad:
                 bias = self._f(bias, before)
             x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
+        for name, drop in have.masked:
+            # bias·noise: replicated, full shape (every rank computes all of it, so its
+            # gradient is whole on every rank); under SP each rank adds its sequence slice
+            bias = self.by_name[name]
+            masked = self._call(aten.mul.Tensor, (bias, self.noise[drop]), Replicate(), before,
+                                grad or bias in self.grad, arg)
+            if seq:
+                masked = self._call(C.scatter_to_sp, (masked, g, want.dim), want, before,
+                                    masked in self.grad, arg)
+            x = self._call(aten.add.Tensor, (x, masked), x.meta["tp_layout"], before, grad, arg)
         self.cache[key] = x
         return x
+
+    def _masking_dropout(self, node: fx.Node) -> None:
+        """dropout(Σa + b) of a biased Partial: draw the noise as the single device does
+        (aten.dropout of ones: the same Bernoulli draw of the same shape on the replicated
+        stream, scaled by 1/(1-p)), multiply each summand by it here and keep it for the
+        bias·noise added after the reduction (_reduced)."""
+        x, *rest = node.args
+        ones = self._call(aten.ones_like.default, (x,), Replicate(), node, False, x)
+        self.noise[node.name] = self._call(aten.dropout.default, (ones, *rest), Replicate(),
+                                           node, False, x)
+        node.target = aten.mul.Tensor
+        node.args, node.kwargs = (x, self.noise[node.name]), {}
 
     def _slice(self, x: fx.Node, want: Shard, before: fx.Node, grad: bool) -> fx.Node:
         if len(want.blocks) == 1 and not want.padded and grad:
@@ -547,6 +570,8 @@ class _Rewriter:
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self.group, self.seed, *rest)
+        elif op is aten.dropout and _masks_biases(node):
+            self._masking_dropout(node)
         elif op is aten.dropout and isinstance(node.meta.get("tp_layout"), Shard):
             # (a Partial keeps the replicated stream: one mask for every summand is the mask
             # of their sum)
@@ -604,6 +629,12 @@ class _Rewriter:
         sizes = [p.local(self.t) for p in pieces]
         node.target = aten.split_with_sizes.default
         node.args, node.kwargs = (src, sizes, dim), {}
+
+
+def _masks_biases(node: fx.Node) -> bool:
+    """A dropout of a biased Partial (Partial.masked names it)."""
+    lay = node.meta.get("tp_layout")
+    return isinstance(lay, Partial) and any(d == node.name for _, d in lay.masked)
 
 
 def _sdpa_dropout(node: fx.Node) -> bool:

@@ -17,11 +17,12 @@ _LLAMA_LIKE = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
 # head with `x @ w.T`, index-select and broadcast_to (Falcon's new decoder), rotary through
 # stack + flatten (GPT-J), ALiBi through baddbmm on (B·heads, T, d) (BLOOM), and an RMSNorm
 # over all heads, i.e. over the split dim (OLMo-2's q/k norm).
-def hf_neox() -> torch.nn.Module:
+def hf_neox(layers: int = 2, hidden_dropout: float = 0.0) -> torch.nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     return GPTNeoXForCausalLM(GPTNeoXConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=16, use_cache=False, hidden_dropout=0.0,
+        num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+        vocab_size=64, max_position_embeddings=16, use_cache=False,
+        hidden_dropout=hidden_dropout,
         attention_dropout=0.0, rotary_pct=0.5))
 
 

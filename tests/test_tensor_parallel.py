@@ -90,12 +90,13 @@ def test_two_forward_all_reduces_per_layer():
         gm.graph.lint()
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_neox", "hf_gptj"])
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_neox", "hf_gptj", "hf_neox_dropout"])
 @pytest.mark.parametrize("sp", [False, True], ids=["all-reduce", "sequence-parallel"])
 def test_parallel_attention_and_mlp_branches_reduce_once(sp, name):
     """Parallel blocks (Falcon, GPT-NeoX, GPT-J) add the attention and MLP row-parallel outputs
-    before the residual: partial + partial stays partial (through dropouts of probability 0,
-    the biases added after the reduction), so one reduction per layer (GPT-NeoX's Megatron
+    before the residual: partial + partial stays partial (through dropouts, the biases added
+    after the reduction, masked by a dropout's noise), so one reduction per layer (GPT-NeoX's
+    Megatron
     reduces its parallel residual once too), not two; the cost model's correction drops the
     merged all-reduce."""
     import hf_zoo
@@ -104,8 +105,10 @@ def test_parallel_attention_and_mlp_branches_reduce_once(sp, name):
     from autopar.passes.tp_cost import tp_corrections
     ids = torch.randint(0, 64, (2, 8))
     layers = 3 if name == "hf_falcon" else 2
-    make = (lambda: hf_zoo.hf_falcon(layers=layers)) if name == "hf_falcon" \
-        else getattr(hf_zoo, name)
+    make = {"hf_falcon": lambda: hf_zoo.hf_falcon(layers=layers),
+            # dropout 0.3 on each biased branch: bias·noise added after the one reduction
+            "hf_neox_dropout": lambda: hf_zoo.hf_neox(hidden_dropout=0.3)}.get(
+                name, getattr(hf_zoo, name, None))
     gm = apply_tensor_parallel(capture(make(), (ids,), lm_cross_entropy, ids).gm, 2, 0, None,
                                sequence_parallel=sp)
     reduce = C.reduce_scatter_to_sp if sp else C.reduce_from_tp

@@ -198,12 +198,16 @@ def test_tp2_more_transformers_architectures_match_single_device(name):
     assert results[0]["fused"] >= 2
 
 
-def test_dropout_on_merged_partial_sums_matches_single_device():
+@pytest.mark.parametrize("name,sp", [("hf_falcon", False), ("hf_neox", False),
+                                     ("hf_neox", True)])
+def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     """Falcon's dropout on the summed attention + MLP outputs runs before their one reduction,
     on the replicated RNG stream: every rank draws the single device's mask, and the mask of
     the summands is the mask of the sum, so even with dropout 0.3 the losses and weights match
-    one device (a per-rank stream there would not)."""
-    results = run_tp("hf_falcon", 2, hidden_dropout=0.3)
+    one device (a per-rank stream there would not). GPT-NeoX drops out each biased branch
+    before the sum: the summands take the noise and each bias is added after the one
+    reduction as bias·noise (with SP: each rank's sequence slice of it)."""
+    results = run_tp(name, 2, sp=sp, hidden_dropout=0.3)
     assert not results[0]["info"].fallbacks
 
 
