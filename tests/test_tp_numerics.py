@@ -38,11 +38,12 @@ def llama_style(kv: int = 2) -> torch.nn.Module:
                                  ffn_hidden=64))
 
 
-def hf_gpt2() -> torch.nn.Module:
+def hf_gpt2(hidden_dropout: float = 0.0) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
-                                      n_positions=16, use_cache=False, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0))
+                                      n_positions=16, use_cache=False,
+                                      resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout,
+                                      attn_pdrop=0.0))
 
 
 def hf_llama(kv: int = 2) -> torch.nn.Module:
@@ -199,14 +200,15 @@ def test_tp2_more_transformers_architectures_match_single_device(name):
 
 
 @pytest.mark.parametrize("name,sp", [("hf_falcon", False), ("hf_neox", False),
-                                     ("hf_neox", True)])
+                                     ("hf_neox", True), ("hf_gpt2", False)])
 def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     """Falcon's dropout on the summed attention + MLP outputs runs before their one reduction,
     on the replicated RNG stream: every rank draws the single device's mask, and the mask of
     the summands is the mask of the sum, so even with dropout 0.3 the losses and weights match
     one device (a per-rank stream there would not). GPT-NeoX drops out each biased branch
     before the sum: the summands take the noise and each bias is added after the one
-    reduction as bias·noise (with SP: each rank's sequence slice of it)."""
+    reduction as bias·noise (with SP: each rank's sequence slice of it); GPT-2's residual
+    dropouts after its biased projections take the same path."""
     results = run_tp(name, 2, sp=sp, hidden_dropout=0.3)
     assert not results[0]["info"].fallbacks
 
