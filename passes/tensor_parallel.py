@@ -653,7 +653,7 @@ def _per_rank_dropout(n: fx.Node) -> bool:
         return True
     lay = n.meta.get("tp_layout")
     if packet(n) is aten.dropout:
-        return n.args[1] != 0 and isinstance(lay, Shard)
+        return not S.dropout_is_identity(n) and isinstance(lay, Shard)
     return (packet(n) is aten.scaled_dot_product_attention and _is_split(lay)
             and _sdpa_dropout(n))
 

@@ -98,8 +98,7 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
         raise ValueError(
             f"p·v = {plan.p}·{plan.v} = {plan.p * plan.v} chunks but the model has {layers} "
             f"layers; a pipeline has at most one chunk per layer — use v <= "
-            f"{max(1, layers // plan.p)} "
-            f"(or a smaller p)")
+            f"{max(1, layers // plan.p)} (or a smaller p)")
 
 
 def compile_program(prog: Any, optimizer: Callable | None = None,
