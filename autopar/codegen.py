@@ -204,7 +204,7 @@ def synthetic_batch(step: int, global_batch: int, seq: int, vocab: int,
 _LAUNCH = '''"""Launch the saved autopar program under torchrun (one node, several nodes, or SLURM).
 
     torchrun --standalone --nproc_per_node={gpus} launch.py --model FILE.py:factory [--steps N]
-    NNODES=2 NODE_RANK=0 MASTER_ADDR=head ./run_multinode.sh --model FILE.py:factory
+    NNODES=2 MASTER_ADDR=head ./run_multinode.sh --model FILE.py:factory   (on every node)
     sbatch slurm.sbatch --model FILE.py:factory
 
 `factory()` returns (model, example_inputs, loss_fn) as given to autopar.parallelize; the model
@@ -276,7 +276,7 @@ def main():
             runner.save_checkpoint(args.checkpoint)
     if rank0 and args.losses_out:
         Path(args.losses_out).write_text(json.dumps({{"start": start, "losses": losses}}))
-    torch.distributed.destroy_process_group()
+    runner.close()   # every rank is done before any leaves; then the groups are destroyed
 
 
 if __name__ == "__main__":
@@ -284,13 +284,14 @@ if __name__ == "__main__":
 '''
 
 _RUN_MULTINODE = """#!/bin/sh
-# Multi-node launch of this program: run it on every node (same command, that node's NODE_RANK).
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 ./run_multinode.sh --model m.py:factory
+# Multi-node launch of this program: run the same command on every node.
+#   NNODES=2 MASTER_ADDR=node0 MASTER_PORT=29500 ./run_multinode.sh --model m.py:factory
 # The c10d rendezvous runs on MASTER_ADDR:MASTER_PORT; NNODES x NPROC_PER_NODE must be {gpus}.
+# It numbers the nodes itself (torchrun ignores --node-rank with c10d); each node's ranks are
+# consecutive, so the plan's tensor-parallel groups (adjacent ranks) stay inside a node.
 set -eu
 : "${{NNODES:={nnodes}}}"
 : "${{NPROC_PER_NODE:={per_node}}}"
-: "${{NODE_RANK:=0}}"
 : "${{MASTER_ADDR:?set MASTER_ADDR to the address of node 0}}"
 : "${{MASTER_PORT:=29500}}"
 : "${{RDZV_ID:=autopar-{model}}}"
@@ -299,7 +300,7 @@ if [ $((NNODES * NPROC_PER_NODE)) -ne {gpus} ]; then
   exit 2
 fi
 cd "$(dirname "$0")"
-exec torchrun --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \\
+exec torchrun --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \\
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \\
   --max-restarts="${{MAX_RESTARTS:-0}}" launch.py "$@"
 """

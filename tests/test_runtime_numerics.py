@@ -314,6 +314,26 @@ def test_dead_peer_raises_peer_error_naming_it():
     assert elapsed_s < 20 + 10  # within the configured timeout (20 s), not a hang
 
 
+def _closing_rank(rank, world, plan):
+    import torch.distributed as dist
+    prog, vocab = make_program("gpt", plan)
+    runner = prog.compile(timeout_s=30)
+    x, y = make_data(plan, vocab)[0]
+    runner.train_step(x, y)
+    if rank == 1:
+        time.sleep(1.5)       # the last rank to finish
+    t0 = time.monotonic()
+    runner.close()
+    return time.monotonic() - t0, dist.is_initialized()
+
+
+def test_close_waits_for_every_rank_then_destroys_the_groups():
+    plan = make_plan(p=2, m=2, layers=2)
+    (waited_s, still_up), (_, still_up_1) = spawn(_closing_rank, 2, plan, timeout_s=150)
+    assert waited_s > 1.0          # rank 0 left only after rank 1 arrived
+    assert not still_up and not still_up_1
+
+
 # ---- with tensor parallelism (passes/tensor_parallel.py) ----------------------------------
 def test_gpt_t2_p2():
     check_against_reference("gpt", make_plan(t=2, p=2, m=2, schedule="1f1b", layers=2),

@@ -635,6 +635,19 @@ class Runner:
         self.steps = step
         return step
 
+    def close(self) -> None:
+        """End the job on this rank: wait for every rank, then destroy the process groups.
+        Collective: every rank calls it once, after its last step. Why the barrier: under gloo a
+        rank that exits while a peer still reads its last message can fail that peer with
+        "Connection closed by peer" (pytorch#75512); under torchrun that failure ends the job
+        with an error although training finished."""
+        from autopar.runtime.collectives import _peer_guard
+        if not dist.is_initialized():
+            return
+        with _peer_guard("the closing barrier with", self.pg.world):
+            dist.barrier(group=self.pg.world)
+        dist.destroy_process_group()
+
     def _no_zero3_checkpoints(self, what: str) -> None:
         if self.zero3 is not None:
             raise ValueError(f"{what}: checkpoints under zero=3 are not supported yet (the "
