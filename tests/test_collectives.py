@@ -169,6 +169,34 @@ def _column_parallel_worker(rank, world_size):
     return bad
 
 
+def _vocab_ce_worker(rank, world_size, vocab, slice_cols):
+    """vocab_parallel_cross_entropy on this rank's columns [r·n, (r+1)·n) of logits padded to
+    n·t columns, against F.cross_entropy on the unpadded logits; loss and logit gradient."""
+    from autopar.runtime.shard import vocab_parallel_cross_entropy
+    group, n = dist.group.WORLD, slice_cols
+    logits = _rand(0, 6, vocab) * 8            # large logits: the max shift matters
+    target = torch.tensor([0, vocab - 1, 3, -100, vocab // 2, 1])   # one ignored row
+    weights = _rand(1, 6)
+    bad = []
+    for code, reduction in ((0, "none"), (1, "mean"), (2, "sum")):
+        full = logits.clone().requires_grad_()
+        ref = F.cross_entropy(full, target, reduction=reduction)
+        (ref * weights).sum().backward() if code == 0 else ref.backward()
+        padded = torch.cat([logits, logits.new_zeros(6, n * world_size - vocab)], dim=1)
+        mine = padded[:, rank * n:(rank + 1) * n].clone().requires_grad_()
+        got = vocab_parallel_cross_entropy(mine, target, group, vocab, reduction=code)
+        (got * weights).sum().backward() if code == 0 else got.backward()
+        if not torch.allclose(got, ref.detach(), rtol=1e-5, atol=1e-6):   # computed in fp32
+            bad.append(f"{reduction}: loss {got} vs {ref}")
+        cols = slice(rank * n, min((rank + 1) * n, vocab))
+        want = full.grad[:, cols]
+        if not torch.allclose(mine.grad[:, :want.shape[1]], want, rtol=1e-5, atol=1e-7):
+            bad.append(f"{reduction}: gradient of columns {cols}")
+        if mine.grad[:, want.shape[1]:].count_nonzero() != 0:
+            bad.append(f"{reduction}: padding columns got a gradient")
+    return bad
+
+
 # ---- tests --------------------------------------------------------------------------------
 
 def test_identity_without_any_group():
@@ -199,3 +227,13 @@ def test_safety_round_trips_and_singletons():
     from autopar.testing import spawn
     for rank_result in spawn(_safety_worker, 2, timeout_s=120):
         assert rank_result == {k: True for k in rank_result}, rank_result
+
+
+@pytest.mark.parametrize("world,vocab,slice_cols", [
+    (2, 10, 5),     # even split
+    (3, 11, 6),     # the last slice part padding
+    (3, 7, 6),      # the last slice all padding (its row max is -inf)
+])
+def test_vocab_parallel_cross_entropy_matches_cross_entropy(world, vocab, slice_cols):
+    from autopar.testing import spawn
+    assert spawn(_vocab_ce_worker, world, vocab, slice_cols, timeout_s=120) == [[]] * world

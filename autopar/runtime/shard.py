@@ -295,8 +295,13 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, group: Any
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Cross-entropy of logits split over the vocab (Megatron): max, target logit and sum of
-    exponentials are all-reduced; the full logits are never gathered."""
+    """Cross-entropy of logits split over the vocab, the full logits never gathered, with one
+    collective. Rank r all-gathers (m_r, s_r, z_r): its row max, the sum of exp(logit - m_r)
+    over its columns, and the target's logit if the target is one of its columns (else 0).
+    Then with M = max_r m_r (the online-softmax rescaling):
+        logsumexp = M + log Σ_r s_r·exp(m_r - M),   loss = logsumexp - Σ_r z_r.
+    Megatron all-reduces the max, the target logit and the sum of exponentials in turn: three
+    synchronisations of all t ranks where this has one."""
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, reduction):
@@ -305,20 +310,22 @@ class _VocabParallelCE(torch.autograd.Function):
         logits = logits.float()
         cols = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # vocab padding
-        lmax = logits.max(dim=-1).values
-        _all_reduce(lmax, group, dist.ReduceOp.MAX)
-        shifted = logits - lmax.unsqueeze(-1)
+        # a slice that is all padding has max -inf: clamp so that exp(logit - max) is 0, not nan
+        lmax = logits.max(dim=-1).values.clamp(min=torch.finfo(logits.dtype).min)   # (N,)
+        exp = (logits - lmax.unsqueeze(-1)).exp_()                                  # (N, V/t)
         outside = (target < start) | (target >= start + n_local)
         local_t = (target - start).masked_fill(outside, 0)
-        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        _all_reduce(picked, group, dist.ReduceOp.SUM)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        _all_reduce(sum_exp, group, dist.ReduceOp.SUM)
-        loss = sum_exp.log() - picked
+        picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        every = _all_gather(torch.stack([lmax, exp.sum(dim=-1), picked]), group)  # (t, 3, N)
+        maxes, sums, targets = every.unbind(1)                                      # (t, N) each
+        gmax = maxes.max(dim=0).values
+        rescale = (maxes - gmax).exp_()                                             # (t, N)
+        sum_exp = (sums * rescale).sum(dim=0)
+        loss = gmax + sum_exp.log() - targets.sum(dim=0)
         valid = target != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside, valid)
+        mine = rescale[group_rank(group)] / sum_exp          # softmax = exp · exp(m_r - M) / S
+        ctx.save_for_backward(exp.mul_(mine.unsqueeze(-1)), local_t, outside, valid)
         ctx.reduction, ctx.count = reduction, valid.sum().clamp(min=1)
         if reduction == "mean":
             return loss.sum() / ctx.count
@@ -352,9 +359,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return out.to(logits.dtype)
 
 
-def _all_reduce(x: torch.Tensor, group: Any, op: Any) -> None:
-    if group_size(group) > 1:
-        dist.all_reduce(x, op=op, group=group)
+def _all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """(t, *x.shape): every tensor rank's x, in rank order."""
+    if group_size(group) == 1:
+        return x.unsqueeze(0)
+    out = x.new_empty((group_size(group), *x.shape))
+    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
+    return out
 
 
 # ----- dropout streams --------------------------------------------------------------------------
