@@ -17,6 +17,9 @@ rotating order; each variant's time is the median of its rounds (this host's spe
 tens of percent over minutes, so one run of each was a coin toss). Two sizes: hidden 512, and
 hidden 1024 (16 heads, FFN 4096, seq 256, batch 4), which is compute-bound: per layer and
 step the matmuls are ~100 GFLOP while the tensor-parallel all-reduces move 4 × 4 MB.
+`--sizes 2048` adds a more compute-bound point (4× the matmul work per all-reduced byte of
+hidden 512, ~12 minutes more): there the speed-up nears 2 and autopar's edge over DTensor
+shrinks to what the vocab-parallel head saves (both run the same local matmuls).
 Printed: per size, the median step times, every round's, and the ratios.
 Targets (issue 3): autopar ≤ 0.9 × DTensor, and ≥ 1.7 × speed-up over one process when the
 model is compute-bound.
@@ -136,7 +139,8 @@ def _measure(a: argparse.Namespace) -> dict[str, tuple[float, list[float], float
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="512,1024",
-                   help="hidden sizes, comma-separated (heads = hidden / 64, FFN 4 x hidden)")
+                   help="hidden sizes, comma-separated (heads = hidden / 64, FFN 4 x hidden); "
+                        "2048 is the most compute-bound point (~12 min)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
