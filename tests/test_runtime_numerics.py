@@ -327,6 +327,27 @@ def _closing_rank(rank, world, plan):
     return time.monotonic() - t0, dist.is_initialized()
 
 
+def _dead_before_close(rank, world, plan):
+    prog, vocab = make_program("gpt", plan)
+    runner = prog.compile(timeout_s=20)
+    x, y = make_data(plan, vocab)[0]
+    runner.train_step(x, y)
+    if rank == 1:
+        os._exit(3)
+    try:
+        runner.close()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_close_with_a_dead_rank_raises_peer_error_naming_it():
+    results = spawn(_dead_before_close, 2, make_plan(p=2, m=2, layers=2), timeout_s=150,
+                    allow_exit=[1])
+    kind, message = results[0]
+    assert kind == "PeerError" and "rank 1" in message, message
+
+
 def test_close_waits_for_every_rank_then_destroys_the_groups():
     plan = make_plan(p=2, m=2, layers=2)
     (waited_s, still_up), (_, still_up_1) = spawn(_closing_rank, 2, plan, timeout_s=150)
