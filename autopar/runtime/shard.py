@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import group_rank, group_size
+from autopar.runtime.collectives import _all_gather, group_rank, group_size
 
 
 class UnboundGroup:
@@ -305,8 +304,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, ignore_index, reduction):
-        n_local = logits.shape[-1]
-        start = group_rank(group) * n_local
+        n_local, rank = logits.shape[-1], group_rank(group)
+        start = rank * n_local
         logits = logits.float()
         cols = torch.arange(start, start + n_local, device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))  # vocab padding
@@ -316,15 +315,15 @@ class _VocabParallelCE(torch.autograd.Function):
         outside = (target < start) | (target >= start + n_local)
         local_t = (target - start).masked_fill(outside, 0)
         picked = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        every = _all_gather(torch.stack([lmax, exp.sum(dim=-1), picked]), group)  # (t, 3, N)
-        maxes, sums, targets = every.unbind(1)                                      # (t, N) each
+        every = _stacked_from_every_rank(torch.stack([lmax, exp.sum(dim=-1), picked]), group)
+        maxes, sums, targets = every.unbind(1)                # every: (t, 3, N); each (t, N)
         gmax = maxes.max(dim=0).values
         rescale = (maxes - gmax).exp_()                                             # (t, N)
         sum_exp = (sums * rescale).sum(dim=0)
         loss = gmax + sum_exp.log() - targets.sum(dim=0)
         valid = target != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
-        mine = rescale[group_rank(group)] / sum_exp          # softmax = exp · exp(m_r - M) / S
+        mine = rescale[rank] / sum_exp          # softmax = exp · exp(m_r - M) / S
         ctx.save_for_backward(exp.mul_(mine.unsqueeze(-1)), local_t, outside, valid)
         ctx.reduction, ctx.count = reduction, valid.sum().clamp(min=1)
         if reduction == "mean":
@@ -359,13 +358,12 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return out.to(logits.dtype)
 
 
-def _all_gather(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """(t, *x.shape): every tensor rank's x, in rank order."""
+def _stacked_from_every_rank(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """(t, *x.shape): every tensor rank's x, in rank order (the runtime's peer-guarded
+    all-gather along a new leading dim)."""
     if group_size(group) == 1:
         return x.unsqueeze(0)
-    out = x.new_empty((group_size(group), *x.shape))
-    dist.all_gather(list(out.unbind(0)), x.contiguous(), group=group)
-    return out
+    return _all_gather(x.unsqueeze(0), 0, group)
 
 
 # ----- dropout streams --------------------------------------------------------------------------
