@@ -283,11 +283,17 @@ def test_v_larger_than_layers_allow_is_a_clear_error(monkeypatch):
         prog.compile()
 
 
-def _dying_rank(rank, world, plan):
+def _after_one_step(plan, timeout_s):
+    """A GPT runner for `plan` that has taken one step, and that step's batch."""
     prog, vocab = make_program("gpt", plan)
-    runner = prog.compile(timeout_s=20)
+    runner = prog.compile(timeout_s=timeout_s)
     x, y = make_data(plan, vocab)[0]
     runner.train_step(x, y)
+    return runner, x, y
+
+
+def _dying_rank(rank, world, plan):
+    runner, x, y = _after_one_step(plan, timeout_s=20)
     if rank == 1:  # die in the middle of step 2: after the first forward
         ex = runner.executor
         original = ex._forward
@@ -316,10 +322,7 @@ def test_dead_peer_raises_peer_error_naming_it():
 
 def _closing_rank(rank, world, plan):
     import torch.distributed as dist
-    prog, vocab = make_program("gpt", plan)
-    runner = prog.compile(timeout_s=30)
-    x, y = make_data(plan, vocab)[0]
-    runner.train_step(x, y)
+    runner, _, _ = _after_one_step(plan, timeout_s=30)
     if rank == 1:
         time.sleep(1.5)       # the last rank to finish
     t0 = time.monotonic()
@@ -328,10 +331,7 @@ def _closing_rank(rank, world, plan):
 
 
 def _dead_before_close(rank, world, plan):
-    prog, vocab = make_program("gpt", plan)
-    runner = prog.compile(timeout_s=20)
-    x, y = make_data(plan, vocab)[0]
-    runner.train_step(x, y)
+    runner, _, _ = _after_one_step(plan, timeout_s=20)
     if rank == 1:
         os._exit(3)
     try:
