@@ -637,10 +637,9 @@ class Runner:
 
     def close(self) -> None:
         """End the job on this rank: wait for every rank, then destroy the process groups.
-        Collective: every rank calls it once, after its last step. Why the barrier: under gloo a
-        rank that exits while a peer still reads its last message can fail that peer with
-        "Connection closed by peer" (pytorch#75512); under torchrun that failure ends the job
-        with an error although training finished."""
+        Collective: every rank calls it once, after its last step. The barrier keeps any rank
+        from exiting while a peer is still in its last step's collectives or p2p messages (a
+        peer that vanishes mid-exchange is a failure of the job); a dead rank is a PeerError."""
         from autopar.runtime.collectives import _peer_guard
         if not dist.is_initialized():
             return
