@@ -2,7 +2,10 @@
 
 Pure functions of (ModelProfile, Cluster, Config, layers per chunk); units are in the names.
 The solver (cost/solver.py), `predict` and `Plan.explain()` all go through `config_costs` and
-`step_time_ns`, so the solver's objective and the reported prediction are the same function.
+the step-time pieces below it (`rank_load_ns`, `rank_tail_terms_ns`, `rank_memory_bytes`,
+affine in a rank's layer count, and `scaled_step_ns`, the one statement of the step-time
+formula), so the solver's constraints and objective and the reported prediction are the same
+functions.
 
 Mechanisms (one each, no per-configuration constants):
 - GEMM time: `gemm_time_s`, the shape-dependent efficiency + roofline of cost/hardware.py.
@@ -77,7 +80,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable
+from typing import Callable, TypeVar
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
@@ -362,15 +365,25 @@ def padded_vocab(vocab: int, t: int) -> int:
 
 # ----- per-configuration constants ---------------------------------------------------------------
 @dataclass(frozen=True)
-class ConfigCosts:
-    """Integer-ns / byte constants of one configuration; everything is linear in y_r, the layer
-    count of pipeline rank r. The solver and `step_time_ns` use exactly these integers."""
+class LoadCosts:
+    """Integer ns of the per-micro-batch pipeline load (`rank_load_ns`): all a lower bound of
+    the step time needs, cheaper than the whole `ConfigCosts`."""
     cfg: Config
     layer_compute_ns: int    # per layer per micro-batch: fwd + bwd + recompute (+ ZeRO-3 wait)
     layer_tp_ns: int         # per layer per micro-batch: tensor-parallel collectives
     embed_ns: int            # chunk 0 extra per micro-batch (compute + collectives)
     head_ns: int             # last chunk extra per micro-batch
     p2p_ns: int              # per rank per micro-batch (all its chunks' sends/receives)
+
+    @property
+    def layer_ns(self) -> int:
+        return self.layer_compute_ns + self.layer_tp_ns
+
+
+@dataclass(frozen=True)
+class ConfigCosts(LoadCosts):
+    """Integer-ns / byte constants of one configuration; everything is linear in y_r, the layer
+    count of pipeline rank r. The solver and `step_time_ns` use exactly these integers."""
     dp_layer_ns: int         # per layer on the rank: gradient reduction
     dp_first_ns: int         # rank 0 extra (embedding grads, tied-embedding sync)
     dp_last_ns: int          # rank p-1 extra (head grads, tied-embedding sync)
@@ -388,10 +401,6 @@ class ConfigCosts:
     # per layer per micro-batch: the forward pass with its TP collectives (part of layer_ns;
     # the rest is backward + recompute); only cost/layout.py's schedule simulation splits them
     layer_fwd_ns: int
-
-    @property
-    def layer_ns(self) -> int:
-        return self.layer_compute_ns + self.layer_tp_ns
 
 
 def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
@@ -561,10 +570,12 @@ def _ns(seconds: float) -> int:
     return int(round(seconds * NS))
 
 
-def load_parts_ns(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                  memo: dict | None = None) -> tuple[int, int, int, int, int]:
+def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
+               memo: dict | None = None) -> LoadCosts:
     """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
-    return tuple(_ns(x) for x in load_parts_s(profile, cluster, cfg, memo))  # type: ignore
+    comp, tp, emb, head, p2p = (_ns(x) for x in load_parts_s(profile, cluster, cfg, memo))
+    return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
+                     p2p_ns=p2p)
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
@@ -573,9 +584,9 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
     memo = {} if memo is None else memo
-    comp_ns, tp_ns, emb_ns, head_ns, p2p_ns = load_parts_ns(profile, cluster, cfg, memo)
-    fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]), comp_ns + tp_ns)
-    comp_s = comp_ns / NS
+    lc = load_costs(profile, cluster, cfg, memo)
+    fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]), lc.layer_ns)
+    comp_s = lc.layer_compute_ns / NS
     block_p, emb_p, head_p = _params(profile, t, sp)
 
     dp_layer, window_layer, dp_first, dp_last = _dp_terms_s(
@@ -593,8 +604,8 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
 
     ns = _ns
     return ConfigCosts(
-        cfg=cfg, layer_compute_ns=comp_ns, layer_tp_ns=tp_ns,
-        embed_ns=emb_ns, head_ns=head_ns, p2p_ns=p2p_ns,
+        cfg=cfg, layer_compute_ns=lc.layer_compute_ns, layer_tp_ns=lc.layer_tp_ns,
+        embed_ns=lc.embed_ns, head_ns=lc.head_ns, p2p_ns=lc.p2p_ns,
         dp_layer_ns=ns(dp_layer), dp_first_ns=ns(dp_first), dp_last_ns=ns(dp_last),
         window_layer_ns=ns(window_layer), opt_layer_ns=ns(adam(block_p)),
         opt_first_ns=ns(adam(emb_p)), opt_last_ns=ns(adam(head_p)),
@@ -744,6 +755,13 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
 
 
 # ----- step time from rank layer counts (shared by solver, brute force and predict) ------------
+# The step time's pieces, each affine in the rank layer counts y_r with integer coefficients.
+# They only add and multiply by int constants, so y_r (and the loads and tails passed to
+# scaled_step_ns) may be plain ints (predict, the brute force, the bounds) or CP-SAT linear
+# expressions (cost/solver.py's constraints and objective): the solver restates none of them.
+Lin = TypeVar("Lin")  # an int, or a CP-SAT linear expression
+
+
 def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[int]:
     """y_r: layers on pipeline rank r when chunk c runs on rank c mod p."""
     y = [0] * p
@@ -752,35 +770,81 @@ def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[i
     return y
 
 
-def rank_load_ns(cc: ConfigCosts, r: int, y_r: int) -> int:
+def rank_load_ns(lc: LoadCosts, r: int, y_r: Lin) -> Lin:
+    """tau_r, the per-micro-batch load of pipeline rank r holding y_r layers: its layers, its
+    p2p, the embedding on rank 0 and the head on rank p-1."""
+    p = lc.cfg.p
+    fixed = lc.p2p_ns + (lc.embed_ns if r == 0 else 0) + (lc.head_ns if r == p - 1 else 0)
+    return lc.layer_ns * y_r + fixed
+
+
+def total_load_ns(lc: LoadCosts, num_layers: int) -> int:
+    """Σ_r tau_r, the same for every split of num_layers layers (one slope on every rank)."""
+    return sum(rank_load_ns(lc, r, 0) for r in range(lc.cfg.p)) + lc.layer_ns * num_layers
+
+
+def tail_layer_ns(cc: ConfigCosts) -> int:
+    """Per layer of a rank: its exposed data-parallel reduction + its optimizer step."""
+    return cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
+
+
+def rank_tail_terms_ns(cc: ConfigCosts, r: int, y_r: Lin) -> tuple[Lin, Lin]:
+    """(exposed DP reduction + optimizer, optimizer) after rank r's last backward; its tail is
+    the larger of the two: the overlap credit (window_layer_ns) cannot make the tail shorter
+    than the optimizer step."""
     p = cc.cfg.p
-    return (cc.layer_ns * y_r + cc.p2p_ns + (cc.embed_ns if r == 0 else 0)
-            + (cc.head_ns if r == p - 1 else 0))
+    opt_fixed = (cc.opt_first_ns if r == 0 else 0) + (cc.opt_last_ns if r == p - 1 else 0)
+    dp_fixed = (cc.dp_first_ns if r == 0 else 0) + (cc.dp_last_ns if r == p - 1 else 0)
+    return (tail_layer_ns(cc) * y_r + (dp_fixed + opt_fixed),
+            cc.opt_layer_ns * y_r + opt_fixed)
 
 
-def rank_tail_ns(cc: ConfigCosts, r: int, y_r: int) -> tuple[int, int]:
-    """(exposed DP reduction + optimizer, optimizer) of rank r; the tail is the max of the two."""
-    p = cc.cfg.p
-    opt = cc.opt_layer_ns * y_r + (cc.opt_first_ns if r == 0 else 0) + (
-        cc.opt_last_ns if r == p - 1 else 0)
-    dp = cc.dp_layer_ns * y_r + (cc.dp_first_ns if r == 0 else 0) + (
-        cc.dp_last_ns if r == p - 1 else 0)
-    return dp - cc.window_layer_ns * y_r + opt, opt
+def rank_tail_ns(cc: ConfigCosts, r: int, y_r: int) -> int:
+    """The tail of rank r: the larger of `rank_tail_terms_ns`."""
+    return max(rank_tail_terms_ns(cc, r, y_r))
 
 
-def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: int) -> int:
+def total_tail_ns(cc: ConfigCosts, num_layers: int) -> int:
+    """Σ_r of the first tail term, the same for every split of num_layers layers."""
+    return (sum(rank_tail_terms_ns(cc, r, 0)[0] for r in range(cc.cfg.p))
+            + tail_layer_ns(cc) * num_layers)
+
+
+def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: Lin) -> Lin:
     return cc.mem_layer_bytes[r] * y_r + cc.mem_fixed_bytes[r]
 
 
-def step_time_scaled(cc: ConfigCosts, y: list[int]) -> int | Fraction:
-    """v · step time in ns, exactly: (m·v - 1)·max load + Σ load + v·max tail; with a bubble
-    divisor k > 1 (zero-bubble) ((m·V - 1)·max load + Σ load + V·max tail) / k, V = v·k (an
-    exact Fraction)."""
-    v, m, k = cc.cfg.v, cc.cfg.num_microbatches, bubble_div(cc.cfg)
-    loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
-    tail = max(max(rank_tail_ns(cc, r, yr)) for r, yr in enumerate(y))
-    scaled = (m * v * k - 1) * max(loads) + sum(loads) + v * k * tail
+def step_scale(cfg: Config) -> int:
+    """V = v · bubble_div: the bubble is (Σ tau - max tau) / V, so V · step time is an integer
+    for integer loads."""
+    return cfg.v * bubble_div(cfg)
+
+
+def scaled_step_ns(cfg: Config, max_load_ns: Lin, total_load_ns: Lin, max_tail_ns: Lin) -> Lin:
+    """V · step time in ns (V = step_scale(cfg)) from the max and the sum of the rank loads and
+    the max tail: the module docstring's T_pipe plus the tail,
+        step = m · max tau + (Σ tau - max tau) / V + max tail
+        V · step = (m·V - 1) · max tau + Σ tau + V · max tail.
+    The one statement of the step-time formula: step_time_scaled, both lower bounds and the
+    solver's objective (which scales each combination's by W / V to a common denominator W)
+    call it."""
+    V = step_scale(cfg)
+    return (cfg.num_microbatches * V - 1) * max_load_ns + total_load_ns + V * max_tail_ns
+
+
+def v_step_ns(cfg: Config, max_load_ns: int, total_load_ns: int,
+              max_tail_ns: int) -> int | Fraction:
+    """v · step time in ns, exactly: `scaled_step_ns` / bubble_div (an int when bubble_div is 1,
+    else an exact Fraction)."""
+    scaled, k = scaled_step_ns(cfg, max_load_ns, total_load_ns, max_tail_ns), bubble_div(cfg)
     return scaled if k == 1 else Fraction(scaled, k)
+
+
+def step_time_scaled(cc: ConfigCosts, y: list[int]) -> int | Fraction:
+    """v · step time in ns of the rank layer counts y, exactly (`v_step_ns`)."""
+    loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
+    tail = max(rank_tail_ns(cc, r, yr) for r, yr in enumerate(y))
+    return v_step_ns(cc.cfg, max(loads), sum(loads), tail)
 
 
 def step_time_ns(cc: ConfigCosts, y: list[int]) -> float:
@@ -805,14 +869,14 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
         raise ValueError(f"layers_per_chunk={list(layers_per_chunk)}: needs p·v = {nchunks} "
                          f"entries summing to num_layers={profile.num_layers}")
     y = rank_layers(layers_per_chunk, cfg.p)
-    m, v = cfg.num_microbatches, cfg.v
+    m = cfg.num_microbatches
     loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
     crit = max(range(cfg.p), key=lambda r: loads[r])
-    tails = [rank_tail_ns(cc, r, yr) for r, yr in enumerate(y)]
+    tails = [rank_tail_terms_ns(cc, r, yr) for r, yr in enumerate(y)]
     tr = max(range(cfg.p), key=lambda r: max(tails[r]))
     tail_ns, opt_ns = max(tails[tr]), tails[tr][1]
     step_ns = step_time_ns(cc, y)
-    bubble_ns = (sum(loads) - loads[crit]) / (v * bubble_div(cfg))
+    bubble_ns = (sum(loads) - loads[crit]) / step_scale(cfg)
     yc = y[crit]
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))

@@ -7,17 +7,18 @@ Variables
                   all combinations with that chunk layout; y_r = sum of x over chunks c = r mod p.
     M[k], D[k]    integer ns: max per-micro-batch rank load, and max rank tail (exposed
                   data-parallel reduction + optimizer), 0 unless k is selected.
-Objective (integer, ns · W, W = lcm of the V_k = v_k · bubble_div_k of the candidates;
-bubble_div = 1 except for zero-bubble schedules, cost.model.bubble_div)
-    minimise sum_k (W / V_k) · ((m_k·V_k - 1)·M[k] + sel[k]·S_k + V_k·D[k])
-    = W · step time of the selected combination (cost.model.step_time_scaled; S_k = sum of rank
-    loads does not depend on the partition).
-Constraint families (one method each)
+Objective (integer, ns · W, W = lcm of the V_k = cost.model.step_scale of the candidates:
+v_k · bubble_div_k, bubble_div = 1 except for zero-bubble schedules)
+    minimise sum_k (W / V_k) · scaled_step_ns(cfg_k, M[k], sel[k]·S_k, D[k])
+    = W · step time of the selected combination (cost.model.scaled_step_ns is V · step time;
+    S_k = total_load_ns, the sum of the rank loads, does not depend on the partition).
+Constraint families (one method each; every cost is a cost.model function of y_r, affine, so
+the same function prices ints in predict and builds the linear expressions here)
     _add_selection       exactly one combination
     _add_partition       sum_c x[c] = l for every chunk layout
-    _add_load_max        M[k] >= load_r(y_r) for every rank r, if sel[k]
-    _add_tail_max        D[k] >= tail_r(y_r) and >= optimizer_r(y_r), if sel[k]
-    _add_memory          memory_r(y_r) <= capacity, if sel[k]
+    _add_load_max        M[k] >= rank_load_ns(y_r) for every rank r, if sel[k]
+    _add_tail_max        D[k] >= each of rank_tail_terms_ns(y_r), if sel[k]
+    _add_memory          rank_memory_bytes(y_r) <= capacity, if sel[k]
 Schedules: gpipe, 1f1b, interleaved-1f1b (v = 2..8, m % p == 0), interleaved-zb (zero-bubble
 interleaved 1F1B: v = 1, ZB-H1, or v = 2..8 with m % p == 0; ZeRO 0/1) and breadth-first (v in
 _breadth_first_vs, any m >= p; with p = 1 and d > 1 it is layered gradient accumulation); ZeRO
@@ -31,8 +32,9 @@ the embedding / head + loss alone).
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
 step time exceeds the step time of a feasible plan already found, or a lower bound of their
-memory exceeds the GPU's (optimality is kept: a pruned combination cannot win). The brute force in cost/bruteforce.py enumerates the same combinations
-and every partition with the same integer costs.
+memory exceeds the GPU's (optimality is kept: a pruned combination cannot win). The brute
+force in cost/bruteforce.py enumerates the same combinations and every partition with the same
+integer costs.
 """
 from __future__ import annotations
 
@@ -50,9 +52,11 @@ from ortools.sat.python import cp_model
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                activation_bytes_lower_bound, bubble_div, config_costs, fits, load_parts_ns, predict,
-                                state_bytes_lower_bound, rank_layers, rank_load_ns,
-                                rank_memory_bytes, rank_tail_ns, step_time_scaled)
+                                activation_bytes_lower_bound, bubble_div, config_costs,
+                                load_costs, predict, rank_layers, rank_load_ns,
+                                rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
+                                scaled_step_ns, state_bytes_lower_bound, step_scale,
+                                step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import RECOMPUTE, Alternative, Plan, Prediction, Stage
 
@@ -275,14 +279,6 @@ def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int]]:
 
 
 # ----- bounds and a heuristic partition -----------------------------------------------------
-def _tail(cc: ConfigCosts, r: int, y: int) -> int:
-    return max(rank_tail_ns(cc, r, y))
-
-
-def _fixed_load(cc: ConfigCosts, r: int) -> int:
-    return rank_load_ns(cc, r, 0)
-
-
 def balance(fixed: list[int], slope: int, num_layers: int, v: int, caps: list[int],
             tie: "Callable[[int, int], int] | None" = None) -> list[int] | None:
     """Integer y_r in [v, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None.
@@ -312,18 +308,16 @@ def balance(fixed: list[int], slope: int, num_layers: int, v: int, caps: list[in
 
 def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int | Fraction:
     """A lower bound of v·step time over all partitions (memory ignored): the least max load
-    and the least max tail, each minimised on its own over integer rank layer counts."""
-    p, v, m = cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches
-    k = bubble_div(cc.cfg)
-    loads0 = [_fixed_load(cc, r) for r in range(p)]
-    total = sum(loads0) + cc.layer_ns * num_layers
-    y = balance(loads0, cc.layer_ns, num_layers, v, [num_layers] * p)
-    max_load = max(loads0[r] + cc.layer_ns * y[r] for r in range(p))
-    per = cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
-    tails_avg = sum(rank_tail_ns(cc, r, 0)[0] for r in range(p)) + per * num_layers
-    tail = max(-(-tails_avg // p), max(_tail(cc, r, v) for r in range(p)))
-    scaled = (m * v * k - 1) * max_load + total + v * k * tail
-    return scaled if k == 1 else Fraction(scaled, k)
+    and the least max tail, each minimised on its own over integer rank layer counts (every
+    rank holds at least v layers, one per chunk)."""
+    p, v = cc.cfg.p, cc.cfg.v
+    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
+    y = balance(fixed, cc.layer_ns, num_layers, v, [num_layers] * p)
+    max_load = max(rank_load_ns(cc, r, y[r]) for r in range(p))
+    # the exposed tails sum to the same for every split: their max is at least their mean
+    tail = max(-(-total_tail_ns(cc, num_layers) // p),
+               max(rank_tail_ns(cc, r, v) for r in range(p)))
+    return v_step_ns(cc.cfg, max_load, total_load_ns(cc, num_layers), tail)
 
 
 def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
@@ -353,8 +347,9 @@ def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
         room = cc.capacity_bytes - cc.mem_fixed_bytes[r]
         caps.append(num_layers if cc.mem_layer_bytes[r] == 0 else
                     max(0, min(num_layers, room // cc.mem_layer_bytes[r])))
-    loads0 = [_fixed_load(cc, r) for r in range(p)]
-    return balance(loads0, cc.layer_ns, num_layers, v, caps, tie=lambda r, n: _tail(cc, r, n))
+    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
+    return balance(fixed, cc.layer_ns, num_layers, v, caps,
+                   tie=lambda r, n: rank_tail_ns(cc, r, n))
 
 
 def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
@@ -375,7 +370,7 @@ class _PlanModel:
                  hint: tuple[int, list[int]] | None) -> None:
         self.cands, self.l = candidates, num_layers
         self.model = cp_model.CpModel()
-        self.W = math.lcm(*[cc.cfg.v * bubble_div(cc.cfg) for cc in candidates])
+        self.W = math.lcm(*[step_scale(cc.cfg) for cc in candidates])
         self.sel = [self.model.NewBoolVar(f"sel{k}") for k in range(len(candidates))]
         self.x: dict[tuple[int, int], list[cp_model.IntVar]] = {}
         self.y: dict[tuple[int, int], list[Any]] = {}
@@ -408,7 +403,7 @@ class _PlanModel:
     def _ub(self, cc: ConfigCosts) -> tuple[int, int]:
         p = cc.cfg.p
         load = max(rank_load_ns(cc, r, self.l) for r in range(p))
-        tail = max(max(abs(q) for q in rank_tail_ns(cc, r, self.l)) for r in range(p))
+        tail = max(max(abs(q) for q in rank_tail_terms_ns(cc, r, self.l)) for r in range(p))
         return load, tail
 
     def _add_load_max(self) -> None:
@@ -417,8 +412,7 @@ class _PlanModel:
             ub_load, _ = self._ub(cc)
             mk = self.model.NewIntVar(0, ub_load, f"M{k}")
             for r in range(cc.cfg.p):
-                load = cc.layer_ns * y[r] + _fixed_load(cc, r)
-                self.model.Add(mk >= load).OnlyEnforceIf(self.sel[k])
+                self.model.Add(mk >= rank_load_ns(cc, r, y[r])).OnlyEnforceIf(self.sel[k])
             self.M.append(mk)
 
     def _add_tail_max(self) -> None:
@@ -427,28 +421,24 @@ class _PlanModel:
             _, ub_tail = self._ub(cc)
             dk = self.model.NewIntVar(0, ub_tail, f"D{k}")
             for r in range(cc.cfg.p):
-                t0, o0 = rank_tail_ns(cc, r, 0)
-                per = cc.dp_layer_ns - cc.window_layer_ns + cc.opt_layer_ns
-                self.model.Add(dk >= per * y[r] + t0).OnlyEnforceIf(self.sel[k])
-                self.model.Add(dk >= cc.opt_layer_ns * y[r] + o0).OnlyEnforceIf(self.sel[k])
+                for term in rank_tail_terms_ns(cc, r, y[r]):
+                    self.model.Add(dk >= term).OnlyEnforceIf(self.sel[k])
             self.D.append(dk)
 
     def _add_memory(self) -> None:
         for k, cc in enumerate(self.cands):
             y = self.y[(cc.cfg.p, cc.cfg.v)]
             for r in range(cc.cfg.p):
-                self.model.Add(cc.mem_layer_bytes[r] * y[r] + cc.mem_fixed_bytes[r]
+                self.model.Add(rank_memory_bytes(cc, r, y[r])
                                <= cc.capacity_bytes).OnlyEnforceIf(self.sel[k])
 
     def _set_objective(self) -> None:
         terms = []
         for k, cc in enumerate(self.cands):
-            p, m = cc.cfg.p, cc.cfg.num_microbatches
-            v = cc.cfg.v * bubble_div(cc.cfg)  # V_k: the bubble is (S - M) / V_k
-            s_total = sum(_fixed_load(cc, r) for r in range(p)) + cc.layer_ns * self.l
-            w = self.W // v
-            terms += [w * (m * v - 1) * self.M[k], w * s_total * self.sel[k],
-                      w * v * self.D[k]]
+            # Σ load does not depend on the split; it counts only if k is selected
+            total = total_load_ns(cc, self.l) * self.sel[k]
+            scaled = scaled_step_ns(cc.cfg, self.M[k], total, self.D[k])  # V_k · step
+            terms.append(self.W // step_scale(cc.cfg) * scaled)
         self.model.Minimize(sum(terms))
 
     def _add_hint(self, k: int, y_hint: list[int]) -> None:
@@ -600,14 +590,12 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
                              memo: dict) -> int | Fraction:
-    """v·step time lower bound from the loads alone: (m·v - 1)·ceil(S/p) + S (tail >= 0);
-    with a bubble divisor k: ((m·v·k - 1)·ceil(S/p) + S) / k."""
-    comp, tp, emb, head, p2p = load_parts_ns(profile, cluster, cfg, memo)
-    total = (comp + tp) * profile.num_layers + emb + head + cfg.p * p2p
-    max_load = max(-(-total // cfg.p), p2p + max(emb, head) + (comp + tp) * cfg.v)
-    k = bubble_div(cfg)
-    scaled = (cfg.num_microbatches * cfg.v * k - 1) * max_load + total
-    return scaled if k == 1 else Fraction(scaled, k)
+    """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
+    split, so their max is at least ceil(S/p), and at least any rank's load with v layers."""
+    lc = load_costs(profile, cluster, cfg, memo)
+    total = total_load_ns(lc, profile.num_layers)
+    max_load = max(-(-total // cfg.p), max(rank_load_ns(lc, r, cfg.v) for r in range(cfg.p)))
+    return v_step_ns(cfg, max_load, total, 0)
 
 
 def _evaluate(profile, cluster, configs):
