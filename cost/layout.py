@@ -68,7 +68,7 @@ def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
     return simulate(per_rank, fwd, bwd, p2p, comm="irecv", check=check).makespan_s
 
 
-def _moves(x: list[int], p: int) -> list[list[int]]:
+def layer_moves(x: list[int], p: int) -> list[list[int]]:
     """Every split that moves one layer from one chunk to another chunk of the same rank, in a
     fixed order: rank, source, destination. A chunk keeps at least one layer, except the first
     (the embedding) and the last (the head + loss): they have work without layers, and a
@@ -110,7 +110,7 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
     improved = True
     while improved and budget > 0:
         improved = False
-        for cand in _moves(x, cfg.p):
+        for cand in layer_moves(x, cfg.p):
             if budget <= 0:
                 break
             budget -= 1

@@ -475,7 +475,8 @@ def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: b
     return emb_s, head_s
 
 
-def _params(profile: ModelProfile, t: int, sp: bool = False) -> tuple[float, float, float]:
+def shard_params_elems(profile: ModelProfile, t: int,
+                       sp: bool = False) -> tuple[float, float, float]:
     """Parameters on one tensor rank: (per block, embedding on rank 0, head on rank p-1); the
     split ones the tensor-parallel pass keeps whole at (t, sp) count whole."""
     vpad = padded_vocab(profile.vocab, t)
@@ -502,7 +503,8 @@ def _attention_bytes(blk: RegionProfile, t: int, fix: TPRegionFallback, b: float
     return b * (blk.act_attention_bytes - fix.act_attention_bytes) / t + b * fix.act_attention_bytes
 
 
-def _activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str, sp: bool) -> float:
+def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str,
+                           sp: bool) -> float:
     """Activations kept per layer per micro-batch (2205.05198 §4 per recompute mode)."""
     blk = profile.block
     if recompute == "full":
@@ -549,7 +551,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
         # 1F1B-style schedules: every micro-batch's pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
         # prefetching hides it behind the layer's compute, the excess is exposed
         dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
-        block_p = _params(profile, t, sp)[0]
+        block_p = shard_params_elems(profile, t, sp)[0]
         passes = 3 if cfg.recompute == "full" else 2
         gather_s = (passes * allgather_s(cluster, 2 * block_p, d, dp_inter)
                     + allgather_s(cluster, GRAD_REDUCE_BYTES * block_p, d, dp_inter))
@@ -587,7 +589,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     lc = load_costs(profile, cluster, cfg, memo)
     fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]), lc.layer_ns)
     comp_s = lc.layer_compute_ns / NS
-    block_p, emb_p, head_p = _params(profile, t, sp)
+    block_p, emb_p, head_p = shard_params_elems(profile, t, sp)
 
     dp_layer, window_layer, dp_first, dp_last = _dp_terms_s(
         profile, cluster, cfg, memo, block_p, emb_p, head_p, comp_s)
@@ -695,7 +697,7 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     (embedding and head included): no partition of this configuration needs less."""
     zt = ZERO_TRAITS[cfg.zero]
     per_param = zt.weight_bytes(cfg.d) + zt.grad_bytes(cfg.d) + zt.optimizer_bytes(cfg.d)
-    block_p, emb_p, head_p = _params(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
+    block_p, emb_p, head_p = shard_params_elems(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
     return per_param * (block_p * profile.num_layers + emb_p + head_p) / cfg.p
 
 
@@ -704,7 +706,7 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
     rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk)."""
     sp = cfg.sequence_parallel and cfg.t > 1
-    act = _activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
+    act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
     sched = SCHEDULE_TRAITS[cfg.schedule]
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
     least = min(sched.inflight(cfg.p, cfg.v, cfg.num_microbatches, r) for r in (0, cfg.p - 1))
@@ -716,8 +718,8 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
     t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
     zt, sched = ZERO_TRAITS[cfg.zero], SCHEDULE_TRAITS[cfg.schedule]
     wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
-    act_layer = _activation_bytes(profile, t, b, cfg.recompute, sp)
-    full_layer = _activation_bytes(profile, t, b, "none", sp)
+    act_layer = layer_activation_bytes(profile, t, b, cfg.recompute, sp)
+    full_layer = layer_activation_bytes(profile, t, b, "none", sp)
     # working memory while one layer runs its backward: its full activations when recomputed
     # (full) or its attention tensors (selective); ZeRO-3 also holds 2 gathered layers
     work = {"full": full_layer, "selective": _attention_bytes(

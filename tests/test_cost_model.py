@@ -105,13 +105,13 @@ def test_pipeline_uneven_chunks_max_loaded_rank():
 def test_activation_memory_matches_2205_05198():
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     prof = _gpt(num_layers=2, hidden=h, heads=a, seq_len=s)
-    none = M._activation_bytes(prof, t, b, "none", False)
+    none = M.layer_activation_bytes(prof, t, b, "none", False)
     assert none == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-6)
-    sp = M._activation_bytes(prof, t, b, "none", True)
+    sp = M.layer_activation_bytes(prof, t, b, "none", True)
     assert sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t, rel=1e-6)
-    sel_sp = M._activation_bytes(prof, t, b, "selective", True)
+    sel_sp = M.layer_activation_bytes(prof, t, b, "selective", True)
     assert sel_sp == pytest.approx(s * b * h * 34 / t, rel=1e-6)
-    assert M._activation_bytes(prof, t, b, "full", False) == 2 * s * b * h
+    assert M.layer_activation_bytes(prof, t, b, "full", False) == 2 * s * b * h
 
 
 def test_memory_per_zero_level_and_inflight():
@@ -120,9 +120,9 @@ def test_memory_per_zero_level_and_inflight():
     c0 = M.config_costs(prof, A100, M.Config(zero=0, **kw))
     c1 = M.config_costs(prof, A100, M.Config(zero=1, **kw))
     w, g, o, act = c0.mem_parts[1]
-    assert (w + g + o) / M._params(prof, 1)[0] == pytest.approx(18)
+    assert (w + g + o) / M.shard_params_elems(prof, 1)[0] == pytest.approx(18)
     w1, g1, o1, _ = c1.mem_parts[1]
-    assert (w1 + g1 + o1) / M._params(prof, 1)[0] == pytest.approx(6 + 12 / 4)
+    assert (w1 + g1 + o1) / M.shard_params_elems(prof, 1)[0] == pytest.approx(6 + 12 / 4)
     # 1F1B: rank r holds p - r micro-batches
     acts = [c0.mem_parts[r][3] for r in range(4)]
     assert acts[0] == pytest.approx(4 * acts[3]) and acts[1] == pytest.approx(3 * acts[3])

@@ -61,7 +61,7 @@ def test_worked_example_moves_a_layer_out_of_the_first_chunk():
 def test_only_the_edge_chunks_may_lose_every_layer():
     """The first chunk keeps the embedding and the last the head + loss without layers; a
     middle chunk with none would only relay, so moves keep one layer there."""
-    moves = layout._moves([1, 1, 1, 1, 1, 1], 2)
+    moves = layout.layer_moves([1, 1, 1, 1, 1, 1], 2)
     for x in moves:
         assert min(x[1:-1]) >= 1 and sum(x) == 6
     assert [0, 1, 2, 1, 1, 1] in moves and [1, 1, 1, 2, 1, 0] in moves

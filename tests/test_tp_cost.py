@@ -111,8 +111,9 @@ def test_fallback_memory_counts_kv_weights_whole():
     t = 4
     c = fixed.tp_correction(t)
     per_layer = c.block.params_elems * (1 - 1 / t)
-    assert M._params(fixed, t)[0] - M._params(prof, t)[0] == pytest.approx(per_layer)
-    assert M._params(fixed, t)[1:] == M._params(prof, t)[1:]
+    assert (M.shard_params_elems(fixed, t)[0] - M.shard_params_elems(prof, t)[0]
+            == pytest.approx(per_layer))
+    assert M.shard_params_elems(fixed, t)[1:] == M.shard_params_elems(prof, t)[1:]
     cfg = M.Config(t=t, p=1, d=1, zero=0)
     a, b = M.predict(prof, A100, cfg), M.predict(fixed, A100, cfg)
     # 2 + 4 + 12 bytes (16-bit weights, fp32 grads, Adam) per parameter, every layer
