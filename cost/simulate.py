@@ -43,6 +43,11 @@ Definitions in `SimResult`:
 - bubble_over_compute = Σ idle / Σ busy: the papers' bubble time fraction t_pb / t_id
   (2104.04473 §2.2): (p−1)/m for GPipe/1F1B, (p−1)/(v·m) for interleaved.
 
+One event loop (`_run`) times every mode: it runs each rank down its list until it must
+wait on a message, times computes and reductions itself, and leaves the rest to the mode's
+rule (a `_CommRule`): the dispatch gap before an action, what a SEND and a RECV do (or that
+the rank must wait there), and when a compute's input has arrived.
+
 Events are `Event(rank, action, start_s, end_s)`, one per action (a transfer appears on both
 ranks with the same interval); `autopar.timeline.draw_timeline` draws them, and the runtime
 records measured events in the same form.
@@ -52,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from autopar.schedules import Action, infer_dims, validate
+from autopar.schedules import Action, infer_dims, parse_action, validate
 
 
 class Event(NamedTuple):
@@ -116,13 +121,13 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
              wgt_s: Sequence[float] | None = None, check: bool = True) -> SimResult:
     """Event-simulate `per_rank` (validated first) with per-chunk micro-batch times.
 
-    comm: "blocking" | "async" | "isend" (see the module docstring); None takes it from
-    `blocking` ("blocking" when True, "async" when False). send_s applies to "isend" and
-    "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part of bwd_s
-    (used only by lists with W actions; default bwd_s / 2). check=False skips the validation
-    (autopar.schedules.validate) for lists already validated, e.g. the same lists timed with
-    many different chunk times (cost/layout.py); an invalid list is then not caught and
-    simulates to nonsense (the simulation still ends).
+    comm: "blocking" | "async" | "isend" | "irecv" (see the module docstring); None takes it
+    from `blocking` ("blocking" when True, "async" when False). send_s and overhead_s apply to
+    "isend" and "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part
+    of bwd_s (used only by lists with W actions; default bwd_s / 2). check=False skips the
+    validation (autopar.schedules.validate) for lists already validated, e.g. the same lists
+    timed with many different chunk times (cost/layout.py); an invalid list is then not caught
+    and simulates to nonsense (the simulation still ends).
     """
     if check:
         validate(per_rank, *infer_dims(per_rank))
@@ -131,133 +136,39 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
     if comm not in COMM_MODES:
         raise ValueError(f"simulate: comm={comm!r} is not one of {COMM_MODES}; use 'isend' for "
                          f"the gloo runtime (async send, blocking receive)")
-    if comm == "irecv":
-        return _simulate_irecv(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s,
-                               prefetch, wgt_s)
-    if comm == "isend":
-        return _simulate_isend(per_rank, fwd_s, bwd_s, p2p_s, reduce_s, send_s, overhead_s,
-                               wgt_s)
-    blocking = comm == "blocking"
-    p, v, m = infer_dims(per_rank)
+    p, v, _ = infer_dims(per_rank)
     dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
-    if p2p_s < 0 or reduce_s < 0:
-        raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s} must be ≥ 0")
-    pos, clock, stream = [0] * p, [0.0] * p, [0.0] * p
-    busy, comm = [0.0] * p, [0.0] * p
-    events: list[Event] = []
-    arrival: dict[tuple[str, int, int], float] = {}
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(per_rank[r]):
-                a = per_rank[r][pos[r]]
-                if a.kind in dur:
-                    d = dur[a.kind][a.chunk]
-                    events.append(Event(r, a, clock[r], clock[r] + d))
-                    clock[r] += d
-                    busy[r] += d
-                elif a.kind == "REDUCE":
-                    start = max(clock[r], stream[r])
-                    stream[r] = start + reduce_s
-                    events.append(Event(r, a, start, stream[r]))
-                elif not blocking:
-                    key = a.message()
-                    if a.kind.startswith("SEND"):
-                        arrival[key] = clock[r] + p2p_s
-                        events.append(Event(r, a, clock[r], arrival[key]))
-                    elif key not in arrival:
-                        break  # not sent yet
-                    else:
-                        start = max(clock[r], arrival[key] - p2p_s)
-                        comm[r] += max(0.0, arrival[key] - start)
-                        clock[r] = max(clock[r], arrival[key])
-                        events.append(Event(r, a, start, clock[r]))
-                else:
-                    q = a.peer
-                    b = per_rank[q][pos[q]] if pos[q] < len(per_rank[q]) else None
-                    if b is None or not b.is_comm or b.peer != r or b.message() != a.message():
-                        break  # the peer has not reached the matching action yet
-                    start = max(clock[r], clock[q])
-                    clock[r] = clock[q] = start + p2p_s
-                    comm[r] += p2p_s
-                    comm[q] += p2p_s
-                    events += [Event(r, a, start, clock[r]), Event(q, b, start, clock[q])]
-                    pos[q] += 1
-                pos[r] += 1
-                progressed = True
-    return _result(p, clock, stream, busy, comm, events)
+    rule = _comm_rule(comm, per_rank, p * v, p2p_s=p2p_s, reduce_s=reduce_s, send_s=send_s,
+                      overhead_s=overhead_s, prefetch=prefetch)
+    return _run(per_rank, dur, reduce_s, rule)
 
 
-def _simulate_isend(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
-                    bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
-                    overhead_s: float, wgt_s: Sequence[float] | None = None) -> SimResult:
-    """comm="isend": non-blocking sender (busy send_s), receive = rendezvous + p2p_s."""
-    p, v, m = infer_dims(per_rank)
-    dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
-    if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
-        raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
-                         f"overhead_s={overhead_s} must all be ≥ 0")
-    pos, clock, stream = [0] * p, [0.0] * p, [0.0] * p
-    busy, comm = [0.0] * p, [0.0] * p
-    events: list[Event] = []
-    posted: dict[tuple[str, int, int], float] = {}   # message -> time its isend was posted
-    progressed = True
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(per_rank[r]):
-                a = per_rank[r][pos[r]]
-                start = clock[r] + (overhead_s if pos[r] else 0.0)
-                if a.kind in dur:
-                    d = dur[a.kind][a.chunk]
-                    clock[r] = start + d
-                    busy[r] += d
-                elif a.kind == "REDUCE":
-                    s0 = max(start, stream[r])
-                    stream[r] = s0 + reduce_s
-                    clock[r] = start
-                    events.append(Event(r, a, s0, stream[r]))
-                    pos[r] += 1
-                    progressed = True
-                    continue
-                elif a.kind.startswith("SEND"):
-                    clock[r] = start + send_s
-                    posted[a.message()] = clock[r]
-                    comm[r] += send_s
-                else:
-                    key = a.message()
-                    if key not in posted:
-                        break  # the peer has not posted the send yet
-                    clock[r] = max(start, posted[key]) + p2p_s
-                    comm[r] += clock[r] - start
-                events.append(Event(r, a, start, clock[r]))
-                pos[r] += 1
-                progressed = True
-    return _result(p, clock, stream, busy, comm, events)
+# ----- the event loop and the communication rules it is run with ---------------------------
+@dataclass
+class _Ranks:
+    """Where each rank is: its position in its list, its clock, the end of its reduction
+    stream, its compute (busy) and transfer (comm) seconds so far; the events so far."""
+    pos: list[int]
+    clock: list[float]
+    stream: list[float]
+    busy: list[float]
+    comm: list[float]
+    events: list[Event]
+
+    @classmethod
+    def at_start(cls, p: int) -> "_Ranks":
+        return cls([0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [])
 
 
-def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
-                    bwd_s: Sequence[float], p2p_s: float, reduce_s: float, send_s: float,
-                    overhead_s: float, prefetch: int | None,
-                    wgt_s: Sequence[float] | None = None) -> SimResult:
-    """comm="irecv": non-blocking sender (busy send_s); receives pre-posted, waited for by
-    the consuming compute."""
-    p, v, m = infer_dims(per_rank)
-    dur = _compute_times(per_rank, fwd_s, bwd_s, wgt_s, p * v)
-    if min(p2p_s, reduce_s, send_s, overhead_s) < 0:
-        raise ValueError(f"simulate: p2p_s={p2p_s}, reduce_s={reduce_s}, send_s={send_s}, "
-                         f"overhead_s={overhead_s} must all be ≥ 0")
-    if prefetch is not None and prefetch < 0:
-        raise ValueError(f"simulate: prefetch={prefetch} must be ≥ 0 or None (post all)")
-    C = p * v
-    recvs = [[n for n, a in enumerate(acts) if a.kind.startswith("RECV")] for acts in per_rank]
-    remote = [{per_rank[r][n].message(): per_rank[r][n] for n in recvs[r]} for r in range(p)]
-    pos, clock, stream, nxt = [0] * p, [0.0] * p, [0.0] * p, [0] * p
-    busy, comm = [0.0] * p, [0.0] * p
-    events: list[Event] = []
-    sent: dict[tuple[str, int, int], float] = {}     # message -> its isend was posted
-    post: dict[tuple[str, int, int], float] = {}     # message -> its irecv was posted
+def _run(per_rank: Sequence[Sequence[Action]], dur: dict[str, list[float]], reduce_s: float,
+         rule: "_CommRule") -> SimResult:
+    """Run every rank down its list, each as far as it can before it waits on a message, until
+    no rank moves. Computes and reductions are timed here; sends, receives and the wait of a
+    compute for its input by `rule`."""
+    p = len(per_rank)
+    st = _Ranks.at_start(p)
+    pos, clock, stream, busy, events = st.pos, st.clock, st.stream, st.busy, st.events
+    reached, gap_s, input_ready_s = rule.reached, rule.gap_s, rule.input_ready_s  # (hot loop)
     progressed = True
     while progressed:
         progressed = False
@@ -265,40 +176,199 @@ def _simulate_irecv(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float]
             acts = per_rank[r]
             while pos[r] < len(acts):
                 n, a = pos[r], acts[pos[r]]
-                reach = clock[r] + (overhead_s if n and a.kind in ("F", "B", "W", "SEND_F",
-                                                                   "SEND_B") else 0.0)
-                ahead = len(acts) if prefetch is None else prefetch
-                while nxt[r] < len(recvs[r]) and recvs[r][nxt[r]] <= n + ahead:
-                    post.setdefault(acts[recvs[r][nxt[r]]].message(), clock[r])
-                    nxt[r] += 1
+                reached(st, r, n)
+                start = clock[r] + gap_s(n, a)
                 if a.kind in dur:
-                    need = ("F", a.chunk - 1, a.mb) if a.kind == "F" else ("B", a.chunk + 1,
-                                                                            a.mb)
-                    start = reach
-                    if a.kind != "W" and need in remote[r] and 0 <= need[1] < C:
-                        if need not in sent:
-                            break  # the peer has not posted the send yet
-                        arrive = max(post[need], sent[need]) + p2p_s
-                        start = max(reach, arrive)
-                        comm[r] += start - reach
-                        events.append(Event(r, remote[r][need], reach, start))
+                    start = input_ready_s(st, r, a, start)
+                    if start is None:
+                        break  # its input has not been sent yet
                     d = dur[a.kind][a.chunk]
                     clock[r] = start + d
                     busy[r] += d
                     events.append(Event(r, a, start, clock[r]))
-                elif a.kind == "REDUCE":
-                    s0 = max(reach, stream[r])
-                    stream[r] = s0 + reduce_s
-                    events.append(Event(r, a, s0, stream[r]))
-                elif a.kind.startswith("SEND"):
-                    clock[r] = reach + send_s
-                    sent[a.message()] = clock[r]
-                    comm[r] += send_s
-                    events.append(Event(r, a, reach, clock[r]))
-                # RECV: posted above (at the latest now); its wait belongs to the consumer
+                elif a.kind == "REDUCE":  # queued on the rank's own stream: never blocks
+                    begin = max(start, stream[r])
+                    stream[r] = begin + reduce_s
+                    clock[r] = start  # the rank pays only its dispatch gap
+                    events.append(Event(r, a, begin, stream[r]))
+                elif not (rule.send if a.kind.startswith("SEND") else rule.recv)(st, r, a, start):
+                    break  # the peer has not got to its side of the message yet
                 pos[r] += 1
                 progressed = True
-    return _result(p, clock, stream, busy, comm, events)
+    return _result(st)
+
+
+class _CommRule:
+    """How one comm mode times a rank's sends and receives (send / recv: False while the rank
+    must wait for its peer, else it moves the clocks and records the events). The defaults:
+    no dispatch gap between actions, and a compute never waits for its input (the RECV before
+    it did)."""
+
+    def __init__(self, per_rank: Sequence[Sequence[Action]], p2p_s: float) -> None:
+        self.per_rank, self.p2p_s = per_rank, p2p_s
+
+    def gap_s(self, n: int, a: Action) -> float:
+        """Dispatch time between a rank's action n - 1 and action n (`a`)."""
+        return 0.0
+
+    def reached(self, st: _Ranks, r: int, n: int) -> None:
+        """Rank r is at its action n (again, while it waits there)."""
+
+    def input_ready_s(self, st: _Ranks, r: int, a: Action, start: float) -> float | None:
+        """When compute `a`, ready at `start`, may begin; None while its input is unsent."""
+        return start
+
+    def send(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        raise NotImplementedError
+
+    def recv(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        raise NotImplementedError
+
+
+class _Rendezvous(_CommRule):
+    """comm="blocking": a send and its receive start when both ranks have reached them, take
+    p2p_s, and block both ranks until they end."""
+
+    def send(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        q = a.peer
+        acts = self.per_rank[q]
+        b = acts[st.pos[q]] if st.pos[q] < len(acts) else None
+        if b is None or not b.is_comm or b.peer != r or b.message() != a.message():
+            return False
+        begin = max(st.clock[r], st.clock[q])
+        st.clock[r] = st.clock[q] = begin + self.p2p_s
+        st.comm[r] += self.p2p_s
+        st.comm[q] += self.p2p_s
+        st.events += [Event(r, a, begin, st.clock[r]), Event(q, b, begin, st.clock[q])]
+        st.pos[q] += 1  # the peer's side is done too
+        return True
+
+    recv = send
+
+
+class _AsyncSend(_CommRule):
+    """comm="async": a send never blocks and its data arrives p2p_s after it is issued; the
+    receive waits for that arrival."""
+
+    def __init__(self, per_rank: Sequence[Sequence[Action]], p2p_s: float) -> None:
+        super().__init__(per_rank, p2p_s)
+        self.arrival: dict[tuple[str, int, int], float] = {}
+
+    def send(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        self.arrival[a.message()] = start + self.p2p_s
+        st.events.append(Event(r, a, start, self.arrival[a.message()]))
+        return True
+
+    def recv(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        arrive = self.arrival.get(a.message())
+        if arrive is None:
+            return False
+        begin = max(start, arrive - self.p2p_s)
+        st.comm[r] += max(0.0, arrive - begin)
+        st.clock[r] = max(start, arrive)
+        st.events.append(Event(r, a, begin, st.clock[r]))
+        return True
+
+
+class _PostedSend(_CommRule):
+    """comm="isend": the sender is busy send_s posting its isend and goes on; the receive ends
+    p2p_s after both the receive and the send are posted. overhead_s before every action but
+    a rank's first."""
+
+    def __init__(self, per_rank: Sequence[Sequence[Action]], p2p_s: float, send_s: float,
+                 overhead_s: float) -> None:
+        super().__init__(per_rank, p2p_s)
+        self.send_s, self.overhead_s = send_s, overhead_s
+        self.sent: dict[tuple[str, int, int], float] = {}  # message -> its isend was posted
+
+    def gap_s(self, n: int, a: Action) -> float:
+        return self.overhead_s if n else 0.0
+
+    def send(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        st.clock[r] = start + self.send_s
+        self.sent[a.message()] = st.clock[r]
+        st.comm[r] += self.send_s
+        st.events.append(Event(r, a, start, st.clock[r]))
+        return True
+
+    def recv(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        sent = self.sent.get(a.message())
+        if sent is None:
+            return False
+        st.clock[r] = max(start, sent) + self.p2p_s
+        st.comm[r] += st.clock[r] - start
+        st.events.append(Event(r, a, start, st.clock[r]))
+        return True
+
+
+# the actions the executor dispatches from Python under comm="irecv" (its RECVs were posted
+# earlier, its REDUCEs are queued on another stream)
+_DISPATCHED = ("F", "B", "W", "SEND_F", "SEND_B")
+
+
+class _PrepostedRecv(_PostedSend):
+    """comm="irecv": sends as in "isend"; each receive is posted `prefetch` actions ahead of
+    its RECV (None: all at the start) and costs nothing there; the compute that consumes it
+    waits until max(recv posted, send posted) + p2p_s. overhead_s before dispatched actions."""
+
+    def __init__(self, per_rank: Sequence[Sequence[Action]], p2p_s: float, send_s: float,
+                 overhead_s: float, prefetch: int | None, num_chunks: int) -> None:
+        super().__init__(per_rank, p2p_s, send_s, overhead_s)
+        self.prefetch, self.num_chunks = prefetch, num_chunks
+        self.recvs = [[n for n, a in enumerate(acts) if a.kind.startswith("RECV")]
+                      for acts in per_rank]
+        self.remote = [{acts[n].message(): acts[n] for n in mine}
+                       for acts, mine in zip(per_rank, self.recvs)]
+        self.next = [0] * len(per_rank)                      # per rank: next receive to post
+        self.posted: dict[tuple[str, int, int], float] = {}  # message -> its irecv was posted
+
+    def gap_s(self, n: int, a: Action) -> float:
+        return self.overhead_s if n and a.kind in _DISPATCHED else 0.0
+
+    def reached(self, st: _Ranks, r: int, n: int) -> None:
+        acts, mine = self.per_rank[r], self.recvs[r]
+        ahead = len(acts) if self.prefetch is None else self.prefetch
+        while self.next[r] < len(mine) and mine[self.next[r]] <= n + ahead:
+            self.posted.setdefault(acts[mine[self.next[r]]].message(), st.clock[r])
+            self.next[r] += 1
+
+    def input_ready_s(self, st: _Ranks, r: int, a: Action, start: float) -> float | None:
+        if a.kind == "W":  # its input is the rank's own B
+            return start
+        need = ("F", a.chunk - 1, a.mb) if a.kind == "F" else ("B", a.chunk + 1, a.mb)
+        if need not in self.remote[r] or not 0 <= need[1] < self.num_chunks:
+            return start  # produced on this rank (or the first / last chunk's own input)
+        if need not in self.sent:
+            return None
+        arrive = max(self.posted[need], self.sent[need]) + self.p2p_s
+        begin = max(start, arrive)
+        st.comm[r] += begin - start
+        st.events.append(Event(r, self.remote[r][need], start, begin))  # the wait, as its RECV
+        return begin
+
+    def recv(self, st: _Ranks, r: int, a: Action, start: float) -> bool:
+        return True  # posted by `reached`; the consuming compute waits for it
+
+
+def _comm_rule(comm: str, per_rank: Sequence[Sequence[Action]], num_chunks: int, *,
+               p2p_s: float, reduce_s: float, send_s: float, overhead_s: float,
+               prefetch: int | None) -> _CommRule:
+    """The rule of mode `comm`, its times checked (those it uses, with reduce_s)."""
+    if comm in ("blocking", "async"):
+        _check_non_negative(p2p_s=p2p_s, reduce_s=reduce_s)
+        return (_Rendezvous if comm == "blocking" else _AsyncSend)(per_rank, p2p_s)
+    _check_non_negative(p2p_s=p2p_s, reduce_s=reduce_s, send_s=send_s, overhead_s=overhead_s)
+    if comm == "isend":
+        return _PostedSend(per_rank, p2p_s, send_s, overhead_s)
+    if prefetch is not None and prefetch < 0:
+        raise ValueError(f"simulate: prefetch={prefetch} must be ≥ 0 or None (post all)")
+    return _PrepostedRecv(per_rank, p2p_s, send_s, overhead_s, prefetch, num_chunks)
+
+
+def _check_non_negative(**times: float) -> None:
+    if min(times.values()) < 0:
+        listed = ", ".join(f"{name}={value}" for name, value in times.items())
+        raise ValueError(f"simulate: {listed} must {'all ' if len(times) > 2 else ''}be ≥ 0")
 
 
 def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend") -> dict:
@@ -315,7 +385,6 @@ def fit_measured(events: Sequence[Sequence], p: int, v: int, comm: str = "isend"
     had ended before the receive began; the quickest receive if none), send_s the mean send
     duration, overhead_s the mean gap between consecutive actions of a rank.
     """
-    from autopar.schedules import parse_action
     evs = [(int(r), a if isinstance(a, Action) else parse_action(str(a)), float(s), float(e))
            for r, a, s, e in events]
     C = p * v
@@ -370,14 +439,14 @@ def measured_idle_fraction(events: Sequence[Sequence], p: int) -> tuple[float, .
     return tuple(1.0 - b / span if span else 0.0 for b in busy)
 
 
-def _result(p: int, clock: list[float], stream: list[float], busy: list[float],
-            comm: list[float], events: list[Event]) -> SimResult:
+def _result(st: _Ranks) -> SimResult:
     """The step ends when the last rank's compute or reduction stream does; idle = the rest."""
-    makespan = max(clock + stream)
+    p, busy = len(st.pos), st.busy
+    makespan = max(st.clock + st.stream)
     idle = [makespan - b for b in busy]
     total_busy = sum(busy)
     return SimResult(
-        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(comm),
+        makespan_s=makespan, busy_s=tuple(busy), idle_s=tuple(idle), p2p_s=tuple(st.comm),
         bubble_fraction=1.0 - total_busy / (p * makespan) if makespan else 0.0,
         bubble_over_compute=sum(idle) / total_busy if total_busy else 0.0,
-        events=tuple(sorted(events, key=lambda e: (e.rank, e.start_s, e.end_s))))
+        events=tuple(sorted(st.events, key=lambda e: (e.rank, e.start_s, e.end_s))))
