@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+from autopar.cost.simulate import simulate
 from autopar.schedules import Action, interleaved_zb, make_schedule, parse_action
 
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
@@ -89,8 +90,6 @@ def plan_timeline(plan, path: str) -> str:
     not drawn: 0) with blocking send/recv, and draw it at `path`. interleaved-zb: the weight
     gradient W takes the forward's time (same GEMM FLOPs; B the rest of the backward) and the
     simulation uses the runtime's pre-posted receives (comm="irecv")."""
-    from autopar.cost.simulate import simulate
-
     fwd, bwd = chunk_times(plan)
     c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
     if plan.schedule == "interleaved-zb":

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from autopar.testing import spawn
 
 KEYS = ("matmul_flops_per_s", "matmul_curve", "p2p_bandwidth_Bps", "p2p_latency_s",
         "allreduce_bandwidth_Bps", "allreduce_latency_s", "memory_bytes", "cores", "measured_at")
@@ -85,8 +88,6 @@ def measure_matmul(dims=_FULL_DIMS, repeats: int = 3, min_time_s: float = 0.01,
 
 def _comm_worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict[str, Any]:
     """Ping-pong and all-reduce timings on 2 gloo ranks (runs under autopar.testing.spawn)."""
-    import torch.distributed as dist
-
     peer = 1 - rank
     p2p, ar = {}, {}
     for nbytes in sizes:
@@ -132,8 +133,6 @@ def _latency_bandwidth(times: dict[int, float]) -> tuple[float, float]:
 
 def measure_comm(quick: bool = False, timeout_s: float = 120.0) -> dict[str, float]:
     """gloo point-to-point and all-reduce latency/bandwidth between 2 local processes."""
-    from autopar.testing import spawn
-
     sizes = list(_QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES)
     res = spawn(_comm_worker, 2, sizes, 2 if quick else 3, timeout_s=timeout_s,
                 pg_timeout_s=60)[0]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from autopar.cost.calibrate import load_local_calibration
+
 GB = 1e9
 
 
@@ -129,12 +131,7 @@ _LOCAL_DEFAULTS = dict(matmul_flops_per_s=5e10, memory_bytes=8 * GB, hbm_bandwid
 
 
 def _local_cpu() -> Cluster:
-    cal = None
-    try:  # lazily: cost/calibrate.py is optional and may not exist yet
-        from autopar.cost.calibrate import load_local_calibration
-        cal = load_local_calibration()
-    except ImportError:
-        cal = None
+    cal = load_local_calibration()
     vals = dict(_LOCAL_DEFAULTS)
     sources = ["local-cpu defaults: conservative 2-core CPU (AVX2 FMA ~50 GFLOP/s total), "
                "DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50 us"]
