@@ -781,8 +781,9 @@ def rank_load_ns(lc: LoadCosts, r: int, y_r: Lin) -> Lin:
 
 
 def total_load_ns(lc: LoadCosts, num_layers: int) -> int:
-    """Σ_r tau_r, the same for every split of num_layers layers (one slope on every rank)."""
-    return sum(rank_load_ns(lc, r, 0) for r in range(lc.cfg.p)) + lc.layer_ns * num_layers
+    """Σ_r tau_r, the same for every split of num_layers layers: `rank_load_ns` summed (one
+    slope on every rank, p2p on each, the embedding and the head once)."""
+    return lc.layer_ns * num_layers + lc.cfg.p * lc.p2p_ns + lc.embed_ns + lc.head_ns
 
 
 def tail_layer_ns(cc: ConfigCosts) -> int:
@@ -807,9 +808,10 @@ def rank_tail_ns(cc: ConfigCosts, r: int, y_r: int) -> int:
 
 
 def total_tail_ns(cc: ConfigCosts, num_layers: int) -> int:
-    """Σ_r of the first tail term, the same for every split of num_layers layers."""
-    return (sum(rank_tail_terms_ns(cc, r, 0)[0] for r in range(cc.cfg.p))
-            + tail_layer_ns(cc) * num_layers)
+    """Σ_r of the first tail term, the same for every split of num_layers layers:
+    `rank_tail_terms_ns` summed (one slope on every rank, the edge terms once)."""
+    return (tail_layer_ns(cc) * num_layers + cc.dp_first_ns + cc.dp_last_ns + cc.opt_first_ns
+            + cc.opt_last_ns)
 
 
 def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: Lin) -> Lin:

@@ -591,10 +591,12 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
                              memo: dict) -> int | Fraction:
     """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
-    split, so their max is at least ceil(S/p), and at least any rank's load with v layers."""
+    split, so their max is at least ceil(S/p), and at least any rank's load with v layers (the
+    first and the last rank's are the largest: they add the embedding and the head)."""
     lc = load_costs(profile, cluster, cfg, memo)
     total = total_load_ns(lc, profile.num_layers)
-    max_load = max(-(-total // cfg.p), max(rank_load_ns(lc, r, cfg.v) for r in range(cfg.p)))
+    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, cfg.v),
+                   rank_load_ns(lc, cfg.p - 1, cfg.v))
     return v_step_ns(cfg, max_load, total, 0)
 
 
