@@ -824,7 +824,7 @@ def step_scale(cfg: Config) -> int:
     return cfg.v * bubble_div(cfg)
 
 
-def scaled_step_ns(cfg: Config, max_load_ns: Lin, total_load_ns: Lin, max_tail_ns: Lin) -> Lin:
+def scaled_step_ns(cfg: Config, load_max_ns: Lin, load_sum_ns: Lin, tail_max_ns: Lin) -> Lin:
     """V · step time in ns (V = step_scale(cfg)) from the max and the sum of the rank loads and
     the max tail: the module docstring's T_pipe plus the tail,
         step = m · max tau + (Σ tau - max tau) / V + max tail
@@ -833,14 +833,14 @@ def scaled_step_ns(cfg: Config, max_load_ns: Lin, total_load_ns: Lin, max_tail_n
     solver's objective (which scales each combination's by W / V to a common denominator W)
     call it."""
     V = step_scale(cfg)
-    return (cfg.num_microbatches * V - 1) * max_load_ns + total_load_ns + V * max_tail_ns
+    return (cfg.num_microbatches * V - 1) * load_max_ns + load_sum_ns + V * tail_max_ns
 
 
-def v_step_ns(cfg: Config, max_load_ns: int, total_load_ns: int,
-              max_tail_ns: int) -> int | Fraction:
+def v_step_ns(cfg: Config, load_max_ns: int, load_sum_ns: int,
+              tail_max_ns: int) -> int | Fraction:
     """v · step time in ns, exactly: `scaled_step_ns` / bubble_div (an int when bubble_div is 1,
     else an exact Fraction)."""
-    scaled, k = scaled_step_ns(cfg, max_load_ns, total_load_ns, max_tail_ns), bubble_div(cfg)
+    scaled, k = scaled_step_ns(cfg, load_max_ns, load_sum_ns, tail_max_ns), bubble_div(cfg)
     return scaled if k == 1 else Fraction(scaled, k)
 
 
