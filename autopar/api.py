@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,8 +51,9 @@ class ParallelProgram:
 
     def compile(self, optimizer: Callable | None = None, max_grad_norm: float | None = None,
                 **kwargs: Any):
-        """Build this rank's program inside torchrun (or an existing process group)."""
-        from autopar.runtime.runner import compile_program
+        """Build this rank's program inside torchrun (or an existing process group); see
+        autopar.compile.compile_program for the keyword arguments."""
+        from autopar.compile import compile_program  # torch.distributed only when compiling
         return compile_program(self, optimizer=optimizer, max_grad_norm=max_grad_norm, **kwargs)
 
 
@@ -144,6 +144,3 @@ def load_plan(path: str | Path) -> Plan:
     """Read a plan.json written by `ParallelProgram.save` or `autopar plan --json`."""
     return Plan.from_json(Path(path).read_text())
 
-
-def dump_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(plan.to_dict(), indent=2))

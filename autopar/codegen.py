@@ -9,10 +9,10 @@ parameter tensors to an instance and calls it: what runs is exactly this source
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import linecache
 import math
-import sys
 import textwrap
 import types
 from pathlib import Path
@@ -176,19 +176,15 @@ def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0) -> str:
     return render_chunk(chunks[chunk], prog.plan, tp_rank, model_name=prog.plan.model)
 
 
-_LOADED = 0
-
-
 def load_chunk_module(source: str, filename: str = "<autopar chunk>") -> types.ModuleType:
-    """Execute chunk source as a fresh module (registered with linecache for tracebacks)."""
-    global _LOADED
-    _LOADED += 1
-    name = f"autopar_generated_chunk_{_LOADED}"
-    module = types.ModuleType(name)
+    """Execute chunk source as a fresh module, registered with linecache (as torch.fx does for
+    its generated code) so tracebacks show the generated lines. The module is not put in
+    sys.modules: it lives as long as the runtime holds it."""
+    digest = hashlib.sha1(f"{filename}\n{source}".encode()).hexdigest()[:16]
+    module = types.ModuleType(f"autopar_generated_chunk_{digest}")
     module.__file__ = filename
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own codegen
-    sys.modules[name] = module
     return module
 
 

@@ -30,6 +30,8 @@ import traceback
 from multiprocessing import connection
 from typing import Any, Callable, Iterable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
@@ -63,9 +65,6 @@ def free_port() -> int:
 
 def _child(conn, fn, rank, world_size, port, pg_timeout_s, backend, env_at_call, args,
            kwargs) -> None:
-    import torch
-    import torch.distributed as dist
-
     # the fork server's environment is the one of its start: take the caller's of this call
     os.environ.clear()
     os.environ.update(env_at_call)
@@ -224,3 +223,19 @@ def _kill_all(procs) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=5.0)
+
+
+def refuse_reduce_scatter() -> list[tuple]:
+    """Make this process's torch.distributed refuse reduce-scatter, as a backend without it
+    does (NotImplementedError), so autopar's collectives take their all-reduce + slice
+    fallback; returns the list the refused calls are appended to (to check the fallback ran).
+    For spawned test ranks only: it rebinds the functions in torch.distributed."""
+    refused: list[tuple] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        refused.append(args)
+        raise NotImplementedError("reduce_scatter is not supported by this backend (test)")
+    dist.reduce_scatter_tensor = refuse
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single = refuse
+    return refused

@@ -14,10 +14,12 @@ Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
 
 RNG: checkpoint(preserve_rng_state=True) snapshots the default generator when the block runs
 forward and replays it during recomputation, so dropout masks are identical. Tensor-parallel
-dropout (autopar.runtime.shard.tp_dropout) draws from per-rank generators the default snapshot
-does not cover; a region that contains it calls checkpoint through `checkpoint_tp_rng`, which
-passes `context_fn=tp_rng_context` to replay those generators the same way (a named function:
-the generated chunk source must be able to spell the call).
+dropout (autopar.runtime.shard.tp_dropout / tp_sdpa) draws from the program's per-rank
+DropoutStreams (the graph attribute `tp_rng`), which the default snapshot does not cover; a
+region that contains it calls `checkpoint_tp_rng(streams, fn, *args)`, which passes the
+streams' `recompute_context` as checkpoint's context_fn to replay them the same way (a named
+function taking the streams as an argument: the generated chunk source must be able to spell
+the call).
 
 Requires: node.meta["autopar_region"] on the compute nodes (passes/layers.find_layers; kept by
   passes/pipeline.split_chunks and passes/tensor_parallel); node.meta["val"] on values; a block's
@@ -35,13 +37,14 @@ Reads node.meta: "autopar_region", "val". Writes: node.meta["autopar_region"] an
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
+
+from autopar.runtime.shard import DropoutStreams, tp_dropout, tp_sdpa
 
 MODES = ("none", "selective", "full")
 
@@ -50,7 +53,8 @@ _SDPA = {_aten.scaled_dot_product_attention.default,
          _aten._scaled_dot_product_flash_attention_for_cpu.default,
          _aten._scaled_dot_product_efficient_attention.default,
          _aten._scaled_dot_product_flash_attention.default,
-         torch.nn.functional.scaled_dot_product_attention}
+         torch.nn.functional.scaled_dot_product_attention,
+         tp_sdpa}   # split heads with attention dropout (the tensor-parallel rewrite)
 _MATMUL = {_aten.matmul.default, _aten.bmm.default, _aten.baddbmm.default, _aten.mm.default,
            torch.matmul, torch.bmm, operator.matmul}
 _SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.default,
@@ -201,13 +205,15 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, re
                                                 class_name=name.title().replace("_", "")))
 
     # a function object cannot be written into the generated source as a keyword value, so a
-    # region with tensor-parallel dropout calls checkpoint through a named wrapper instead
-    target, kwargs = ((checkpoint_tp_rng, {}) if _uses_tp_dropout(nodes) else
-                      (torch.utils.checkpoint.checkpoint, dict(_CHECKPOINT_KWARGS)))
+    # region with tensor-parallel dropout calls checkpoint through a named wrapper instead,
+    # handing it the program's dropout streams (a graph input of the region) to replay
+    streams = _dropout_streams(nodes)
+    target, lead, kwargs = ((checkpoint_tp_rng, (streams,), {}) if streams is not None else
+                            (torch.utils.checkpoint.checkpoint, (), dict(_CHECKPOINT_KWARGS)))
     with gm.graph.inserting_after(last):
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
-        call = gm.graph.call_function(target, (fn, *inputs), kwargs)
+        call = gm.graph.call_function(target, (*lead, fn, *inputs), kwargs)
     fn.meta["autopar_region"] = call.meta["autopar_region"] = region
     call.meta["autopar_recompute"] = mode
     call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
@@ -255,47 +261,21 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
                              f"as one call — use recompute='none' for this model")
 
 
-def _uses_tp_dropout(nodes: Iterable[torch.fx.Node]) -> bool:
-    try:
-        from autopar.runtime.shard import tp_dropout
-    except ImportError:
-        return False
-    return any(n.target is tp_dropout for n in nodes)
+def _dropout_streams(nodes: Iterable[torch.fx.Node]) -> torch.fx.Node | None:
+    """The DropoutStreams argument (the `tp_rng` get_attr) of the region's first
+    tensor-parallel dropout (tp_dropout or tp_sdpa), or None when it has none."""
+    for n in nodes:
+        if n.target in _TP_DROPOUT:
+            return n.args[_TP_DROPOUT[n.target]]
+    return None
 
 
 # ---- tensor-parallel RNG replay ------------------------------------------------------------
 _CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": True}
+_TP_DROPOUT = {tp_dropout: 3, tp_sdpa: 3}   # target -> position of its DropoutStreams argument
 
 
-def checkpoint_tp_rng(fn: Any, *args: Any) -> Any:
-    """checkpoint(fn, *args) that also replays the tensor-parallel dropout generators."""
+def checkpoint_tp_rng(streams: DropoutStreams, fn: Any, *args: Any) -> Any:
+    """checkpoint(fn, *args) that also replays the tensor-parallel dropout streams."""
     return torch.utils.checkpoint.checkpoint(fn, *args, **_CHECKPOINT_KWARGS,
-                                             context_fn=tp_rng_context)
-
-
-def tp_rng_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """checkpoint's context_fn: snapshot the tensor-parallel dropout generators when the region
-    runs forward, and run its recomputation with exactly those generator states (restoring the
-    live ones afterwards), so tp_dropout draws the same masks twice."""
-    from autopar.runtime import shard
-    gens = shard._GENERATORS
-    snapshot = {k: g.get_state() for k, g in gens.items()}
-
-    @contextlib.contextmanager
-    def replay():
-        live = dict(gens)
-        states = {k: g.get_state() for k, g in live.items()}
-        for k in list(gens):
-            if k in snapshot:
-                gens[k].set_state(snapshot[k])
-            else:
-                del gens[k]  # created during this forward: recreated fresh (its seed) on replay
-        try:
-            yield
-        finally:
-            gens.clear()
-            gens.update(live)
-            for k, g in live.items():
-                g.set_state(states[k])
-
-    return contextlib.nullcontext(), replay()
+                                             context_fn=streams.recompute_context)

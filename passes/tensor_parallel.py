@@ -275,7 +275,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
         _real_device_constants(gm, torch.device("cpu"))
     gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
     if t > 1:
-        shard_rt.reset_streams(seed, tp_rank)
+        gm.tp_rng = shard_rt.DropoutStreams(tp_rank)   # a fresh program, fresh streams
         _Rewriter(gm, t, seed).run()
     gm.tp_rank = tp_rank
     gm.graph.lint()
@@ -406,6 +406,17 @@ class _Rewriter:
         self.group.meta["tp_layout"] = Replicate()
         self.by_name = {n.name: n for n in self.graph.nodes}
         self.noise: dict[str, fx.Node] = {}   # dropout of a biased Partial -> its noise
+        self.streams: fx.Node | None = None   # get_attr `tp_rng`, made at the first dropout
+
+    def _streams(self) -> fx.Node:
+        """The get_attr node of the program's DropoutStreams (gm.tp_rng), next to tp_group."""
+        if self.streams is None:
+            with self.graph.inserting_after(self.group), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a plain attribute, as tp_group
+                self.streams = self.graph.get_attr("tp_rng")
+            self.streams.meta["tp_layout"] = Replicate()
+            self.made.add(self.streams)
+        return self.streams
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -569,7 +580,7 @@ class _Rewriter:
                 and _sdpa_dropout(node):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
-            node.args = (q, k, v, self.group, self.seed, *rest)
+            node.args = (q, k, v, self._streams(), self.seed, *rest)
         elif op is aten.dropout and _masks_biases(node):
             self._masking_dropout(node)
         elif op is aten.dropout and isinstance(node.meta.get("tp_layout"), Shard):
@@ -577,7 +588,7 @@ class _Rewriter:
             # of their sum)
             x, p, train = node.args
             node.target = shard_rt.tp_dropout
-            node.args, node.kwargs = (x, p, train, self.group, self.seed), {}
+            node.args, node.kwargs = (x, p, train, self._streams(), self.seed), {}
         elif op is aten.repeat_interleave and "output_size" in node.kwargs:
             lay = node.meta["tp_layout"]
             if isinstance(lay, Shard):

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.runtime import collectives as C
+from autopar.testing import refuse_reduce_scatter
 
 pytestmark = pytest.mark.distributed
 
@@ -50,11 +51,11 @@ def _mlp_worker(rank, world_size):
     }
 
 
+
 def _definitions_worker(rank, n, force_fallback):
     """Each Function's forward and backward against its definition over all n ranks."""
     group = dist.group.WORLD
-    if force_fallback:
-        C._NO_REDUCE_SCATTER.add(dist.get_backend(group))
+    refused = refuse_reduce_scatter() if force_fallback else None
     shape = (n, 2 * n, 3)
     xs = [_rand(100 + q, *shape) for q in range(n)]     # rank q's input
     gs = [_rand(200 + q, *shape) for q in range(n)]     # rank q's grad of the output (full size)
@@ -99,6 +100,8 @@ def _definitions_worker(rank, n, force_fallback):
                 fails.append(f"{name} dim={dim} forward")
             if not torch.allclose(x.grad, want_grad(None)):
                 fails.append(f"{name} dim={dim} backward")
+    if refused is not None and not refused:
+        fails.append("the reduce-scatter fallback never ran")
     return fails
 
 

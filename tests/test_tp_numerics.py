@@ -324,16 +324,15 @@ def test_logits_returned_column_parallel_and_gathered_match_single_device():
 def _mask_worker(rank: int, world: int) -> dict:
     """Attention-dropout masks: q = k = 0 gives uniform attention, v = I makes the output the
     dropped-out attention matrix itself, so its nonzeros are the keep-mask."""
-    import torch.distributed as dist
     import torch.nn.functional as F
     from autopar.runtime import shard as shard_rt
     T_ = 16
     q = torch.zeros(2, 2, T_, T_)
     v = torch.eye(T_).expand(2, 2, T_, T_).contiguous()
     torch.manual_seed(5)                 # the same default stream on every tensor rank
-    shard_rt.reset_streams(0, rank)
+    streams = shard_rt.DropoutStreams(rank)
     before = torch.get_rng_state()
-    split = shard_rt.tp_sdpa(q, q, v, dist.group.WORLD, 0, None, 0.5) != 0
+    split = shard_rt.tp_sdpa(q, q, v, streams, 0, None, 0.5) != 0
     untouched = torch.equal(torch.get_rng_state(), before)
     replicated = F.scaled_dot_product_attention(q, q, v, dropout_p=0.5) != 0
     return {"split": split, "replicated": replicated, "untouched": untouched}

@@ -4,10 +4,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import collectives as C
 from autopar.runtime.params import ParamInfo
 from autopar.runtime.zero import ZeroOptimizer
-from autopar.testing import spawn
+from autopar.testing import refuse_reduce_scatter, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -46,9 +45,9 @@ def _state_bytes(opt):
     return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
 
 
+
 def _worker(rank, d, fallback):
-    if fallback:
-        C._NO_REDUCE_SCATTER.add(dist.get_backend())
+    refused = refuse_reduce_scatter() if fallback else []
     model = _model()
     zero = ZeroOptimizer(list(model.parameters()), _infos(model), _adamw, dist.group.WORLD)
     for step in range(3):
@@ -71,7 +70,7 @@ def _worker(rank, d, fallback):
             p.copy_(r)
     zero2 = ZeroOptimizer(list(model2.parameters()), _infos(model2), _adamw, dist.group.WORLD)
     zero2.load_gathered_state(gathered)
-    return {"weights": weights_ok, "state": state_ok,
+    return {"weights": weights_ok, "state": state_ok, "refused": len(refused),
             "bytes": zero.state_bytes(), "ref_bytes": _state_bytes(ref_opt),
             "segments": len(zero.segments), "n_params": sum(p.numel() for p in model.parameters()),
             "resume": all(torch.equal(zero2.optimizer.state[m2]["exp_avg"],
@@ -84,6 +83,7 @@ def test_zero1_equals_unsharded_adamw(d, fallback):
     results = spawn(_worker, d, fallback, timeout_s=150)
     for r in results:
         assert r["weights"] and r["state"] and r["resume"], r
+        assert (r["refused"] > 0) == fallback, r    # the fallback path really ran
         # memory: m and v are 1/d of unsharded (+ one 4-byte step per segment, + padding)
         n, S = r["n_params"], -(-r["n_params"] // d)
         assert r["bytes"] <= 2 * 4 * S + 4 * r["segments"]

@@ -18,6 +18,12 @@ renames it to `path.ckpt-<uuid>` and atomically repoints the symlink `path` at i
 (os.replace of a fresh link), then deletes the previous version and any leftovers. A crash at
 any moment leaves `path` pointing at a complete checkpoint (the old one until the replace).
 
+A training program's checkpoint (`save_program_checkpoint` / `load_program_checkpoint`, what
+Runner.save_checkpoint / load_checkpoint call): every local parameter under its user key, its
+fp32 value (the masters under bf16) and the optimizer state from the program's optimizer
+regime. A parameter whose tensor-parallel split is not one range (fused q/k/v: each rank holds
+a slice of every block, ParamInfo.blocked) is gathered over the tensor group and stored whole.
+
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with
 torch.load(weights_only=True); our layout is JSON.
@@ -38,7 +44,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from autopar.runtime.params import ParamInfo
+from autopar.runtime.dist import peer_guard
+from autopar.runtime.params import LocalParams, ParamInfo
+from autopar.runtime.shard import gather_unshard, local_shard
 
 LAYOUT_FILE = "autopar_layout.json"
 PLAN_FILE = "plan.json"
@@ -392,10 +400,6 @@ def _read_pieces(path: Path, layout: dict, jobs: list) -> dict[str, torch.Tensor
     return buffers
 
 
-def read_step(path: str | os.PathLike) -> int:
-    return int(read_layout(path)["step"])
-
-
 def read_plan_json(path: str | os.PathLike) -> str:
     return read_layout(path)["plan"]
 
@@ -421,3 +425,74 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
         if key in state:
             optimizer.state[p] = {k: v.to(torch.float32) if v.dim() == 0 else v.to(p.dtype)
                                   for k, v in state[key].items()}
+
+
+# ---- a training program's checkpoint -------------------------------------------------------
+
+def save_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime: Any,
+                            groups: Any, step: int, plan_json: str) -> None:
+    """Save the program's weights, optimizer state and step (module docstring). `regime`: the
+    program's optimizer regime (autopar.runtime.regimes). Collective: every rank calls it."""
+    regime.check_checkpointable("save_checkpoint")
+    weights = regime.fp32_weights()
+    ostate = regime.optimizer_state()
+    tensors: Tensors = {}
+    for q, w in weights.items():
+        info = params.infos[q]
+        if info.blocked:      # fused q/k/v: store the whole tensor (tp rank 0 writes)
+            whole = _whole_over_tp(params, q, groups)
+            w = whole(w)
+            ostate[info.key] = {k: whole(v) for k, v in sorted(ostate.get(info.key, {}).items())}
+            info = info.whole()
+        tensors[info.key] = (w.detach().cpu(), info)
+    ostate = {k: {n: v.detach().cpu() for n, v in st.items()} for k, st in ostate.items()}
+    with peer_guard("checkpoint save with", groups.world):
+        save_checkpoint(path, tensors, ostate, step, groups, plan_json)
+
+
+def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime: Any,
+                            groups: Any) -> int:
+    """Load a checkpoint saved under this or any other plan into the program; return its step.
+    Keys and full shapes must match the model's: otherwise the same ValueError on every rank,
+    naming them. Collective: every rank calls it."""
+    regime.check_checkpointable("load_checkpoint")
+    layout = read_layout(path)
+    _check_program_keys(path, layout, params)
+    targets: Tensors = {}
+    for q, p in params.tensors.items():
+        info = params.infos[q]
+        shape = info.global_shape if info.blocked else p.shape
+        targets[info.key] = (torch.zeros(shape, dtype=torch.float32),
+                             info.whole() if info.blocked else info)
+    ostate: OptimState = {}
+    step = load_checkpoint(path, targets, groups, optimizer_state=ostate, strict=False)
+    weights: dict[str, torch.Tensor] = {}
+    for q in params.tensors:
+        key = params.infos[q].key
+        w = targets[key][0]
+        if params.infos[q].blocked:
+            split, _ = params.splits[q]
+            mine = lambda v: local_shard(v, split, groups.tp_rank, groups.t)  # noqa: E731
+            w = mine(w)
+            ostate[key] = {k: v if v.dim() == 0 else mine(v) for k, v in ostate.get(key, {}).items()}
+        weights[q] = w
+    regime.load(weights, ostate)
+    return step
+
+
+def _whole_over_tp(params: LocalParams, q: str, groups: Any) -> Any:
+    """tensor -> the whole tensor gathered over the tensor group (0-d tensors unchanged)."""
+    split, full = params.splits[q]
+    return lambda v: v if v.dim() == 0 else gather_unshard(v, split, full, groups.tensor)
+
+
+def _check_program_keys(path: Any, layout: dict, params: LocalParams) -> None:
+    """Every rank's parameters together must be exactly the checkpoint's, with the same full
+    shapes; else the same ValueError on every rank, naming the keys."""
+    mine = {info.key: list(info.global_shape) for info in params.infos.values()}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    model: dict[str, list[int]] = {}
+    for part in parts:
+        model.update(part)
+    check_fits(layout, model, where=f"load_checkpoint: {path}", fix="(the plan may differ)")

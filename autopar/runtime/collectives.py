@@ -18,7 +18,7 @@ one rank: a program compiled for t=1 runs without any process group):
 The lower-case functions `f(x, group)`, `g(x, group)`, `copy_to_tp(x, group)`, ... are plain
 functions, usable as FX `call_function` targets. gloo in torch 2.13 supports all_reduce,
 all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single (measured); if a backend
-lacks reduce-scatter we fall back to all-reduce + slice.
+lacks reduce-scatter, `start_reduce_scatter` falls back to all-reduce + slice.
 
 Collectives never write into a tensor autograd may still need: the incoming value is copied
 into a fresh contiguous buffer first (an add's backward hands the *same* grad tensor to both
@@ -26,21 +26,19 @@ operands, so an in-place all-reduce of one would corrupt the other).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.dist import PeerError, is_peer_failure, peer_error
+from autopar.runtime.dist import PeerError, peer_guard
 
 __all__ = [
     "copy_to_tp", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
     "all_gather_sp", "column_parallel", "f", "g", "send_tensor", "recv_tensor", "group_size",
-    "group_rank", "PeerError",
+    "group_rank", "PeerError", "all_reduce", "all_reduce_", "all_gather", "reduce_scatter",
+    "start_all_reduce", "start_all_gather", "start_reduce_scatter",
 ]
-
-_NO_REDUCE_SCATTER: set[str] = set()  # backends found to lack reduce-scatter at run time
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -53,27 +51,6 @@ def group_size(group: Any) -> int:
 def group_rank(group: Any) -> int:
     """This rank's index within `group`; None means a group of one rank."""
     return 0 if group is None else dist.get_rank(group)
-
-
-def _group_ranks(group: Any) -> list[int]:
-    try:
-        return dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - only used to word an error message
-        return []
-
-
-@contextmanager
-def _peer_guard(op: str, group: Any, peers: list[int] | None = None) -> Iterator[None]:
-    try:
-        yield
-    except PeerError:
-        raise
-    except RuntimeError as exc:
-        if not is_peer_failure(exc):
-            raise
-        others = peers if peers is not None else [
-            r for r in _group_ranks(group) if r != dist.get_rank()]
-        raise peer_error(op, others, exc) from exc
 
 
 def _fresh(x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +69,18 @@ def _check_split(x: torch.Tensor, dim: int, n: int, op: str) -> int:
     return dim
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _start_all_reduce(x, group)()
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum of `x` over `group` (a new tensor; `x` is left as it is)."""
+    return start_all_reduce(x, group)()
+
+
+def all_reduce_(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum the contiguous `x` over `group` in place; returns x. Only for buffers nobody else
+    reads meanwhile (flattened gradients, a loss): autograd values go through all_reduce."""
+    if not x.is_contiguous():
+        raise ValueError(f"all_reduce_: a tensor of shape {tuple(x.shape)} is not contiguous; "
+                         f"an in-place reduction needs one buffer (use all_reduce)")
+    return start_all_reduce(x, group, owned=True)()
 
 
 def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -102,18 +89,19 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return _start_all_gather(x, dim, group)()
+def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order."""
+    return start_all_gather(x, dim, group)()
 
 
-def _start_all_gather(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
+def start_all_gather(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
     """Launch the all-gather of `x` along `dim`; the returned function waits for it."""
     n = group_size(group)
     dim = dim % x.dim()
     src = x.contiguous()                                        # (..., S, ...)
     out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))   # (n*D0, ...)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    with _peer_guard("all-gather with", group):
+    with peer_guard("all-gather with", group):
         work = gather(out, src, group=group, async_op=True)
     wait = _waiter(work, out, "all-gather with", group)
     if dim == 0:
@@ -122,44 +110,48 @@ def _start_all_gather(x: torch.Tensor, dim: int, group: Any) -> Callable[[], tor
     return lambda: wait().unflatten(0, (n, src.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return _start_reduce_scatter(x, dim, group)()
+def reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """This rank's 1/n slice along `dim` of the sum of `x` over `group`."""
+    return start_reduce_scatter(x, dim, group)()
 
 
-def _start_reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
     """Launch the reduce-scatter of `x` along `dim`; the returned function waits for it."""
     n = group_size(group)
     dim = _check_split(x, dim, n, "reduce-scatter")
     shape = tuple(x.shape)
     # (..., n*S, ...) -> (n, ..., S, ...): rank r's block first-dim contiguous (one copy)
     src = x.unflatten(dim, (n, shape[dim] // n)).movedim(dim, 0).contiguous()
-    backend = str(dist.get_backend(group))
-    if backend not in _NO_REDUCE_SCATTER:
-        out = src.new_empty(src.shape[1:])                      # (..., S, ...)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        try:
-            with _peer_guard("reduce-scatter with", group):
-                work = rs(out, src.flatten(0, 1), group=group, async_op=True)  # gloo: (n*D0, ...)
-            return _waiter(work, out, "reduce-scatter with", group)
-        except PeerError:
+    out = src.new_empty(src.shape[1:])                          # (..., S, ...)
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        with peer_guard("reduce-scatter with", group):
+            work = rs(out, src.flatten(0, 1), group=group, async_op=True)  # gloo: (n*D0, ...)
+        return _waiter(work, out, "reduce-scatter with", group)
+    except PeerError:
+        raise
+    except (NotImplementedError, RuntimeError) as exc:
+        if not _unsupported(exc):
             raise
-        except (NotImplementedError, RuntimeError) as exc:
-            unsupported = isinstance(exc, NotImplementedError) or any(
-                w in str(exc).lower() for w in ("not supported", "unsupported", "not implemented"))
-            if not unsupported:
-                raise
-            _NO_REDUCE_SCATTER.add(backend)
-    # Fallback: all-reduce the whole tensor, keep this rank's slice (n x the traffic).
-    return _start_all_reduce(src, group, lambda r: r[group_rank(group)])
+    # Fallback: all-reduce the whole tensor, keep this rank's slice (n x the traffic). Tried
+    # anew on every call (no memory of the backend: no module state); a backend without
+    # reduce-scatter refuses at once, before moving any data.
+    return start_all_reduce(src, group, lambda r: r[group_rank(group)])
 
 
-def _start_all_reduce(x: torch.Tensor, group: Any,
-                      then: Callable[[torch.Tensor], torch.Tensor] = lambda r: r,
-                      owned: bool = False) -> Callable[[], torch.Tensor]:
+def _unsupported(exc: BaseException) -> bool:
+    """Whether a collective's error says the backend does not implement it."""
+    return isinstance(exc, NotImplementedError) or any(
+        w in str(exc).lower() for w in ("not supported", "unsupported", "not implemented"))
+
+
+def start_all_reduce(x: torch.Tensor, group: Any,
+                     then: Callable[[torch.Tensor], torch.Tensor] = lambda r: r,
+                     owned: bool = False) -> Callable[[], torch.Tensor]:
     """Launch the all-reduce of `x` (of a copy unless `owned`: nobody else reads x); the
     returned function waits and gives then(sum)."""
     out = x.contiguous() if owned else _fresh(x)
-    with _peer_guard("all-reduce with", group):
+    with peer_guard("all-reduce with", group):
         work = dist.all_reduce(out, group=group, async_op=True)
     wait = _waiter(work, out, "all-reduce with", group)
     return lambda: then(wait())
@@ -167,7 +159,7 @@ def _start_all_reduce(x: torch.Tensor, group: Any,
 
 def _waiter(work: Any, out: torch.Tensor, op: str, group: Any) -> Callable[[], torch.Tensor]:
     def wait() -> torch.Tensor:
-        with _peer_guard(op, group):
+        with peer_guard(op, group):
             if work is not None:
                 work.wait()
         return out
@@ -186,7 +178,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -194,7 +186,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -211,7 +203,7 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
@@ -220,7 +212,7 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
+        return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -233,11 +225,11 @@ class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
+        return reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _AllGatherSP(torch.autograd.Function):
@@ -246,11 +238,11 @@ class _AllGatherSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
+        return all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ColumnParallel(torch.autograd.Function):
@@ -261,7 +253,7 @@ class _ColumnParallel(torch.autograd.Function):
     def forward(ctx, x, group, layouts, sp_dim, *weights_and_biases):
         k = len(layouts)
         ws, bs = weights_and_biases[:k], weights_and_biases[k:]
-        full = x if sp_dim is None else _all_gather(x, sp_dim, group)   # (B, T, C)
+        full = x if sp_dim is None else all_gather(x, sp_dim, group)   # (B, T, C)
         ctx.group, ctx.layouts, ctx.sp_dim = group, layouts, sp_dim
         ctx.has_bias = [b is not None for b in bs]
         # SP keeps only this rank's sequence shard (B, T/t, C) and gathers it again in
@@ -274,7 +266,7 @@ class _ColumnParallel(torch.autograd.Function):
         saved, *ws = ctx.saved_tensors
         need = ctx.needs_input_grad
         want_w = any(need[4 + i] or need[4 + len(ws) + i] for i in range(len(ws)))
-        gather = (_start_all_gather(saved, ctx.sp_dim, ctx.group)
+        gather = (start_all_gather(saved, ctx.sp_dim, ctx.group)
                   if ctx.sp_dim is not None and want_w else None)
         finish = None
         if need[0]:
@@ -288,8 +280,8 @@ class _ColumnParallel(torch.autograd.Function):
                 if ctx.sp_dim is not None:
                     shape[ctx.sp_dim] *= group_size(ctx.group)
                 dx = saved.new_zeros(shape)
-            finish = (_start_all_reduce(dx, ctx.group, owned=True) if ctx.sp_dim is None
-                      else _start_reduce_scatter(dx, ctx.sp_dim, ctx.group))
+            finish = (start_all_reduce(dx, ctx.group, owned=True) if ctx.sp_dim is None
+                      else start_reduce_scatter(dx, ctx.sp_dim, ctx.group))
         full = saved if gather is None else gather()
         dws, dbs = _weight_grads(full, grads, ctx.layouts, ctx.has_bias, need[4:])
         return (None if finish is None else finish(), None, None, None, *dws, *dbs)
@@ -372,7 +364,7 @@ def send_tensor(t: torch.Tensor, dst: int, group: Any) -> None:
 
     Blocking dist.send, not batch_isend_irecv: batched p2p hangs on gloo.
     """
-    with _peer_guard("send to", group, [dst]):
+    with peer_guard("send to", group, [dst]):
         dist.send(t.detach().contiguous(), dst=dst, group=group)
 
 
@@ -383,6 +375,6 @@ def recv_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, src: in
     Raises PeerError naming `src` if it died (at once) or sent nothing within the group timeout.
     """
     buf = torch.empty(tuple(shape), dtype=dtype, device=device)
-    with _peer_guard("receive from", group, [src]):
+    with peer_guard("receive from", group, [src]):
         dist.recv(buf, src=src, group=group)
     return buf

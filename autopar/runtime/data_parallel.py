@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import group_size
-from autopar.runtime.dist import PeerError, is_peer_failure, peer_error
+from autopar.runtime.dist import peer_guard
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20   # DDP's trick: a small first bucket starts communication early
@@ -88,12 +88,11 @@ class GradSync:
         self._armed: set[int] = set()     # id(param) whose next accumulation is final
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self.buckets: list[_Bucket] = []
-        self._hooks: list[Any] = []
         if self.size == 1:
             return                        # identity fast path: nothing to average
         self._build_buckets(self._chunk_lists(chunks))
         for p in self.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            p.register_post_accumulate_grad_hook(self._on_grad)
 
     # ---- construction -------------------------------------------------------------------
     def _chunk_lists(self, chunks: Sequence[Sequence[torch.Tensor]] | None
@@ -231,17 +230,8 @@ class GradSync:
                 self._copy_in(b, pos)
         b.launched = True
         self.num_collectives += 1
-        try:
+        with peer_guard("all-reduce with", self.group):
             b.handle = dist.all_reduce(b.flat, group=self.group, async_op=True)
-        except RuntimeError as exc:
-            raise self._peer(exc) from exc
-
-    def _peer(self, exc: RuntimeError) -> RuntimeError:
-        if isinstance(exc, PeerError) or not is_peer_failure(exc):
-            return exc
-        me = dist.get_rank()
-        return peer_error("all-reduce with",
-                          [r for r in dist.get_process_group_ranks(self.group) if r != me], exc)
 
     # ---- end of step --------------------------------------------------------------------
     def finish(self) -> None:
@@ -251,11 +241,9 @@ class GradSync:
         for b in self.buckets:
             if not b.launched:
                 self._launch(b)
-        try:
+        with peer_guard("all-reduce with", self.group):
             for b in self.buckets:
                 b.handle.wait()
-        except RuntimeError as exc:
-            raise self._peer(exc) from exc
         for b in self.buckets:
             for pos, p in enumerate(b.params):
                 if hasattr(p, "main_grad"):
@@ -265,11 +253,6 @@ class GradSync:
             b.ready.clear()
             b.handle, b.launched = None, False
         self._armed.clear()
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
 
     def __repr__(self) -> str:
         sizes = [b.flat.numel() for b in self.buckets]

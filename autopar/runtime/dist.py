@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,30 @@ def peer_error(op: str, peers: Iterable[int], exc: BaseException) -> PeerError:
         f"participating, so this job cannot continue; check that rank's log for the first error "
         f"(raise timeout_s if it was only slow; under torchrun --max-restarts the job resumes "
         f"from the last checkpoint).", peers)
+
+
+@contextmanager
+def peer_guard(op: str, group: Any, peers: Iterable[int] | None = None) -> Iterator[None]:
+    """Turn a peer failure inside the block into a PeerError naming `op` and the peers (the
+    other ranks of `group` unless `peers` is given); other errors pass through unchanged."""
+    try:
+        yield
+    except PeerError:
+        raise
+    except RuntimeError as exc:
+        if not is_peer_failure(exc):
+            raise
+        others = list(peers) if peers is not None else [
+            r for r in _group_ranks(group) if r != dist.get_rank()]
+        raise peer_error(op, others, exc) from exc
+
+
+def _group_ranks(group: Any) -> list[int]:
+    """The global ranks of `group`, or [] when they cannot be read (only words a message)."""
+    try:
+        return dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError):
+        return []
 
 
 def timeout(timeout_s: float) -> datetime.timedelta:
@@ -112,8 +137,27 @@ def init_distributed(world_size: int | None = None, *, timeout_s: float = DEFAUL
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
+    store = _restart_store(td)
+    if store is not None:
+        kwargs.update(store=store, rank=_env_int("RANK"), world_size=_env_int("WORLD_SIZE"))
     dist.init_process_group(backend, timeout=td, **kwargs)
     return device
+
+
+def _restart_store(td: datetime.timedelta) -> Any:
+    """Under a torchrun restart, the agent's store under a prefix of this attempt; else None.
+
+    torchrun (torch 2.13, --standalone / c10d rendezvous) hands restarted workers the same
+    agent TCPStore, which still holds the previous attempt's gloo addresses: a restarted rank
+    can read a dead rank's address and fail with "Connection refused" (measured). Prefixing
+    the store with TORCHELASTIC_RESTART_COUNT gives every attempt fresh keys.
+    """
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT")
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          _env_int("WORLD_SIZE"), is_master=False, timeout=td)
+    return dist.PrefixStore(f"autopar/attempt{restart}", store)
 
 
 def _check_world(expected: int | None, actual: int) -> None:
@@ -162,28 +206,12 @@ class ProcessGroups:
     timeout_s: float
 
     @property
-    def tp_size(self) -> int:
-        return self.t
-
-    @property
-    def dp_size(self) -> int:
-        return self.d
-
-    @property
-    def pp_size(self) -> int:
-        return self.p
-
-    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.p - 1
-
-    @property
-    def in_embedding_group(self) -> bool:
-        return self.rank in self.embedding_ranks
 
     @classmethod
     def create(cls, t: int, p: int, d: int, *,
@@ -222,11 +250,6 @@ class ProcessGroups:
             pipeline_ranks=mine["pipeline"][1], embedding_ranks=mine["embedding"][1],
             model_parallel_ranks=mine["model_parallel"][1],
             prev_pp_rank=prev_rank, next_pp_rank=next_rank, timeout_s=float(timeout_s))
-
-    @classmethod
-    def from_plan(cls, plan: Any, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
-        """`create(plan.t, plan.p, plan.d)`: the groups an autopar.Plan runs on."""
-        return cls.create(plan.t, plan.p, plan.d, timeout_s=timeout_s)
 
     def __repr__(self) -> str:
         return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "

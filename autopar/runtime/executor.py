@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import _peer_guard
+from autopar.runtime.dist import peer_guard
 from autopar.runtime.split_backward import backward_input, backward_weight
 from autopar.schedules import Action
 
@@ -250,7 +250,7 @@ class PipelineExecutor:
     # ---- communication ------------------------------------------------------------------
     def _wait_sends(self) -> None:
         for work, _buf, dst in self._pending:
-            with _peer_guard(f"send to rank {dst}", self.p2p_group, [dst]):
+            with peer_guard(f"send to rank {dst}", self.p2p_group, [dst]):
                 work.wait()
         self._pending = []
 
@@ -271,11 +271,11 @@ class PipelineExecutor:
             if self.async_send:
                 # isend: the sender never blocks (a weaker requirement than the schedule's
                 # rendezvous order, so still deadlock-free); completed at the end of the step.
-                with _peer_guard("send to", self.p2p_group, [dst]):
+                with peer_guard("send to", self.p2p_group, [dst]):
                     work = dist.isend(x, dst=dst, group=self.p2p_group, tag=tag)
                 self._pending.append((work, x, dst))
             else:
-                with _peer_guard("send to", self.p2p_group, [dst]):
+                with peer_guard("send to", self.p2p_group, [dst]):
                     dist.send(x, dst=dst, group=self.p2p_group, tag=tag)
 
     def _specs(self, a: Action) -> list[tuple]:
@@ -308,7 +308,7 @@ class PipelineExecutor:
             else:
                 full.append(None)
                 buf = self._buffer(a, k, shape, dt)
-            with _peer_guard("receive from", self.p2p_group, [src]):
+            with peer_guard("receive from", self.p2p_group, [src]):
                 works.append(dist.irecv(buf, src=src, group=self.p2p_group, tag=tag))
             bufs.append(buf)
         self._posted[a.message()] = _Posted(a, works, bufs, full)
@@ -317,7 +317,7 @@ class PipelineExecutor:
         a = posted.action
         src = self.pipeline_ranks[a.peer]
         start = time.time()
-        with _peer_guard("receive from", self.p2p_group, [src]):
+        with peer_guard("receive from", self.p2p_group, [src]):
             for w in posted.works:
                 w.wait()
         out = []

@@ -12,9 +12,13 @@ tensor has 25216 rows of which the first stop - start = 25041 are real.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
+
+from autopar.runtime.shard import ParamSplit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,9 +38,106 @@ class ParamInfo:
             return local
         return local.narrow(self.split_dim, 0, self.stop - self.start)
 
+    @property
+    def blocked(self) -> bool:
+        """A slice of every block of a fused parameter (q, k, v): split over the tensor ranks
+        but not as one contiguous range, so norms count it on every rank and checkpoints
+        gather it and store it whole."""
+        return self.split_dim is None and not self.replicated_over_tp
+
+    def whole(self) -> "ParamInfo":
+        """The description of the tensor gathered whole over the tensor group."""
+        return ParamInfo(key=self.key, aliases=self.aliases, global_shape=self.global_shape,
+                         shared_with=self.shared_with)
+
     def global_index(self) -> tuple[slice, ...]:
         """Index of this rank's real slice in the full tensor."""
         idx = [slice(None)] * len(self.global_shape)
         if self.split_dim is not None:
             idx[self.split_dim] = slice(self.start, self.stop)
         return tuple(idx)
+
+
+def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int, ...],
+                   global_shape: tuple[int, ...] | None, split: tuple[ParamSplit, int] | None,
+                   tp_rank: int, t: int, shared: bool) -> ParamInfo:
+    """The ParamInfo of a local tensor of `local_shape` on tensor rank `tp_rank` of t.
+
+    split: (ParamSplit, full size along its dim) when the tensor-parallel pass split it, else
+    None. global_shape: the single-device shape when known (else derived from the local one).
+    Worked example (the module docstring's wte): local (25216, 768), split (ParamSplit(0,
+    (50257,), padded=50432), 50257), tp_rank 1 of 2 -> split_dim 0, [25216, 50257).
+    """
+    shared_with = "embedding" if shared else None
+    if split is None:
+        return ParamInfo(key=key, aliases=aliases, global_shape=global_shape or local_shape,
+                         shared_with=shared_with)
+    ps, full = split
+    if global_shape is None:   # the local shape with the split dim at full size
+        global_shape = tuple(full if i == ps.dim else n for i, n in enumerate(local_shape))
+    if ps.padded:
+        n = ps.padded // t
+        start, stop = min(tp_rank * n, full), min((tp_rank + 1) * n, full)
+    elif len(ps.blocks) == 1:
+        start, stop = tp_rank * (full // t), (tp_rank + 1) * (full // t)
+    else:  # a slice of every block: not one range (ParamInfo.blocked)
+        return ParamInfo(key=key, aliases=aliases, global_shape=global_shape,
+                         replicated_over_tp=False, shared_with=shared_with)
+    return ParamInfo(key=key, aliases=aliases, global_shape=global_shape, split_dim=ps.dim,
+                     start=start, stop=stop, replicated_over_tp=False, shared_with=shared_with)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalParams:
+    """This rank's parameters, each once, and what the runtime needs to know of them. Built
+    by autopar.compile from the chunk graphs; read by the optimizer regimes, clipping,
+    full_state_dict() and checkpoints.
+
+    tensors: graph name -> parameter, in chunk order (the order of the optimizer's params).
+    infos: graph name -> its ParamInfo.
+    first_chunk: local chunk -> the names it registers first (each name in one chunk).
+    used_by: graph name -> the local chunks whose code reads it (a tied weight: two when the
+      first and last chunk share this rank).
+    splits: graph name -> (ParamSplit, full size along its dim) of the tensor-split ones.
+    """
+    tensors: "OrderedDict[str, torch.nn.Parameter]"
+    infos: dict[str, ParamInfo]
+    first_chunk: dict[int, tuple[str, ...]]
+    used_by: dict[str, frozenset[int]]
+    splits: dict[str, tuple[ParamSplit, int]]
+
+    @property
+    def shared(self) -> list[str]:
+        """Names also held by another pipeline stage (tied input/output embeddings)."""
+        return [q for q in self.tensors if self.infos[q].shared_with is not None]
+
+    def ordered_infos(self) -> list[ParamInfo]:
+        return [self.infos[q] for q in self.tensors]
+
+    def in_chunks(self) -> dict[int, set[str]]:
+        """Local chunk -> every name its code reads (used_by, inverted)."""
+        out: dict[int, set[str]] = {}
+        for q, chunks in self.used_by.items():
+            for c in chunks:
+                out.setdefault(c, set()).add(q)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateDictSpec:
+    """How the single-device state dict is assembled from the ranks' tensors.
+
+    graph_names: user key -> the graph name of the tensor holding it (tied weights: several
+      keys, one name). reference: the user's model's state_dict (its key order, and the value
+      of a key no chunk holds, e.g. a buffer the captured program never reads).
+    """
+    graph_names: Mapping[str, str]
+    reference: Callable[[], Mapping[str, torch.Tensor]]
+
+    def assemble(self, merged: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
+        """The state dict in the model's key order from {graph name: full tensor}."""
+        out: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for key, value in self.reference().items():
+            name = self.graph_names.get(key, key)
+            out[key] = merged[name] if name in merged else value.detach().clone()
+        return out

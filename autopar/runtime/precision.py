@@ -40,8 +40,9 @@ class MixedPrecision:
         for m, p in zip(self.master_params, self.params):
             m.grad = p.main_grad          # the optimizer reads the fp32 accumulation directly
         self.to_compute()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._fold)
-                       for p in self.params] if accumulate_in_hook else []
+        if accumulate_in_hook:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._fold)
 
     def to_compute(self) -> None:
         """Parameters := compute_dtype(masters) (or just cast them when there are no masters)."""
@@ -76,8 +77,3 @@ class MixedPrecision:
         for p in self.params:
             p.main_grad.zero_()
             p.grad = None
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -16,15 +16,15 @@ explicitly and reads the rank from it, so every rank runs the same graph code.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime.collectives import _all_gather, group_rank, group_size
+from autopar.runtime.collectives import all_gather, group_rank, group_size
 
 
 class UnboundGroup:
@@ -77,6 +77,14 @@ def unshard(pieces: list[torch.Tensor], split: ParamSplit, full_size: int) -> to
         out += [p.narrow(split.dim, offset, n) for p in pieces]
         offset += n
     return torch.cat(out, dim=split.dim)
+
+
+def gather_unshard(local: torch.Tensor, split: ParamSplit, full_size: int,
+                   group: Any) -> torch.Tensor:
+    """The full tensor from every tensor rank's shard `local` of it (padding dropped).
+    Collective over the tensor-parallel `group`: every rank calls it and gets the result."""
+    piece = local.detach().contiguous().unsqueeze(0)                   # (1, *local)
+    return unshard(list(all_gather(piece, 0, group).unbind(0)), split, full_size)
 
 
 # ----- local shards of a meta-device model --------------------------------------------------
@@ -174,7 +182,7 @@ def real_buffer(module: torch.nn.Module, name: str) -> torch.Tensor | None:
     return module.__dict__.get("_autopar_real_buffers", {}).get(name)
 
 
-@contextmanager
+@contextlib.contextmanager
 def meta_init() -> Iterator[None]:
     """Build a model whose parameters and buffers are on the meta device, recording what a
     meta model otherwise loses:
@@ -363,40 +371,90 @@ def _stacked_from_every_rank(x: torch.Tensor, group: Any) -> torch.Tensor:
     all-gather along a new leading dim)."""
     if group_size(group) == 1:
         return x.unsqueeze(0)
-    return _all_gather(x.unsqueeze(0), 0, group)
+    return all_gather(x.unsqueeze(0), 0, group)
 
 
 # ----- dropout streams --------------------------------------------------------------------------
-# Megatron's model-parallel RNG tracker: split regions draw from a per-tensor-rank stream
-# (seeded seed + 2718 + 1_000_003·tp_rank, advanced by every draw), replicated regions from the
-# default generator, which the tracker never touches, so it stays identical on all tensor ranks.
-# Caveat for recomputation: a re-run forward must restore the tracker's state too (Megatron's
-# CheckpointFunction does); tracker_state()/set_tracker_state() are there for that.
 
-def tp_dropout(x: torch.Tensor, p: float, train: bool, group: Any, seed: int) -> torch.Tensor:
+class DropoutStreams:
+    """The tensor-parallel dropout generators of one rank's program (Megatron's model-parallel
+    RNG tracker). Split regions draw from a per-tensor-rank stream, seeded
+    seed + 2718 + 1_000_003·tp_rank and advanced by every draw; replicated regions draw from
+    the default generator, which this object never touches, so it stays identical on all
+    tensor ranks. One object per program and rank, bound to the graph as the attribute
+    `tp_rng` next to `tp_group` (the tensor-parallel pass makes one, the runtime binds its
+    own when it loads the generated chunks): a freshly compiled program draws the same masks
+    as the last one did. A recomputed region replays the streams (`recompute_context`).
+    """
+
+    def __init__(self, tp_rank: int):
+        self.tp_rank = tp_rank
+        self._gens: dict[tuple[int, str], torch.Generator] = {}
+
+    def __repr__(self) -> str:
+        return f"DropoutStreams(tp_rank={self.tp_rank}, streams={len(self._gens)})"
+
+    def generator(self, seed: int, device: Any = "cpu") -> torch.Generator:
+        """This rank's stream for `seed` on `device`, created at its seed on first use."""
+        device = torch.device(device)
+        key = (seed, str(device))
+        if key not in self._gens:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(2718 + seed + 1_000_003 * self.tp_rank)
+            self._gens[key] = gen
+        return self._gens[key]
+
+    def recompute_context(self) -> tuple[contextlib.AbstractContextManager,
+                                          contextlib.AbstractContextManager]:
+        """torch.utils.checkpoint's context_fn: snapshot the streams when the region runs
+        forward, and run its recomputation with exactly those states (restoring the live ones
+        afterwards), so tp_dropout draws the same masks twice."""
+        snapshot = {k: g.get_state() for k, g in self._gens.items()}
+        return contextlib.nullcontext(), self._replay(snapshot)
+
+    @contextlib.contextmanager
+    def _replay(self, snapshot: dict[tuple[int, str], torch.Tensor]) -> Iterator[None]:
+        live = dict(self._gens)
+        states = {k: g.get_state() for k, g in live.items()}
+        for k in list(self._gens):
+            if k in snapshot:
+                self._gens[k].set_state(snapshot[k])
+            else:
+                del self._gens[k]  # created during this forward: recreated fresh on replay
+        try:
+            yield
+        finally:
+            self._gens.clear()
+            self._gens.update(live)
+            for k, g in live.items():
+                g.set_state(states[k])
+
+
+def tp_dropout(x: torch.Tensor, p: float, train: bool, streams: DropoutStreams,
+               seed: int) -> torch.Tensor:
     """Dropout on a split value, its mask drawn from this tensor rank's own stream."""
     if not train or p == 0.0:
         return x
-    gen = _tracker(group, seed, x.device)
+    gen = streams.generator(seed, x.device)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
 
 
-def tp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, seed: int,
-            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+def tp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, streams: DropoutStreams,
+            seed: int, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
             is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
     """scaled_dot_product_attention on this rank's heads whose attention-dropout mask comes
-    from this tensor rank's stream: the default generator is swapped for the tracker's state
+    from this tensor rank's stream: the default generator is swapped for the stream's state
     around the call (sdpa takes no generator argument) and restored after."""
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, **kwargs)
-    gen = _tracker(group, seed, q.device)
+    gen = streams.generator(seed, q.device)
     with _default_stream(gen, q.device):
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
                                               **kwargs)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _default_stream(gen: torch.Generator, device: torch.device) -> Iterator[None]:
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
         else torch.default_generator
@@ -407,34 +465,3 @@ def _default_stream(gen: torch.Generator, device: torch.device) -> Iterator[None
     finally:
         gen.set_state(default.get_state())
         default.set_state(saved)
-
-
-_GENERATORS: dict[tuple, torch.Generator] = {}
-
-
-def _tracker(group: Any, seed: int, device: Any = "cpu") -> torch.Generator:
-    device = torch.device(device)
-    key = (seed, group_rank(group), str(device))
-    if key not in _GENERATORS:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(2718 + seed + 1_000_003 * group_rank(group))
-        _GENERATORS[key] = gen
-    return _GENERATORS[key]
-
-
-def reset_streams(seed: int, tp_rank: int) -> None:
-    """Restart tensor rank `tp_rank`'s dropout streams for `seed` (apply_tensor_parallel calls
-    it, so a freshly compiled program draws the same masks as the last one did)."""
-    for key in [k for k in _GENERATORS if k[:2] == (seed, tp_rank)]:
-        del _GENERATORS[key]
-
-
-def tracker_state() -> dict[tuple, torch.Tensor]:
-    """The states of every tensor-parallel dropout stream (to save around a recomputation)."""
-    return {k: g.get_state() for k, g in _GENERATORS.items()}
-
-
-def set_tracker_state(state: dict[tuple, torch.Tensor]) -> None:
-    for k, st in state.items():
-        if k in _GENERATORS:
-            _GENERATORS[k].set_state(st)

@@ -10,7 +10,7 @@ the contiguous shard [r·S, (r+1)·S). A step is
 
 Communication: reduce-scatter + all-gather move the same bytes as one all-reduce (ring:
 2·(d-1)/d·N each way). gloo in torch 2.13 has reduce_scatter_tensor; if a backend lacks it,
-collectives.py falls back to all-reduce + own slice (d× the reduce traffic), and says so there.
+collectives.start_reduce_scatter falls back to all-reduce + own slice (d× the reduce traffic).
 
 The shard is handed to the user's optimizer as *segments*: one fp32 tensor per parameter
 piece that falls into the shard (a shard boundary may cut a parameter). Elementwise optimizers
@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-
 import torch.distributed as dist
 
-from autopar.runtime.collectives import (_NO_REDUCE_SCATTER, _all_gather, _peer_guard,
-                                         _reduce_scatter, group_rank, group_size)
+from autopar.runtime.clip import clip_grad_norm_
+from autopar.runtime.collectives import (all_gather, group_rank, group_size,
+                                         start_reduce_scatter)
 from autopar.runtime.params import ParamInfo
 
 
@@ -80,7 +80,7 @@ class ZeroOptimizer:
         self.master = [self._master_piece(s, master_dtype) for s in self.segments]
         self.optimizer = optimizer_factory(list(self.master))
         self._shard_grad: torch.Tensor | None = None
-        self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # in-flight async reduce-scatter
+        self._pending: Callable[[], torch.Tensor] | None = None  # waits for the reduce-scatter
 
     def _segments(self) -> list[_Segment]:
         lo_shard, hi_shard = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
@@ -111,24 +111,19 @@ class ZeroOptimizer:
             g = _grad_of(p)
             if g is not None:
                 flat[off:off + p.numel()].copy_(g.reshape(-1))
-        if d > 1 and async_op and str(dist.get_backend(self.group)) not in _NO_REDUCE_SCATTER:
-            out = flat.new_empty(S)                                           # (S,)
-            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            with _peer_guard("reduce-scatter with", self.group):
-                handle = rs(out, flat, group=self.group, async_op=True)
-            self._pending = (handle, out, flat)  # flat stays alive until the wait
+        if d == 1:
+            self._set_shard_grad(flat)                                        # (S,)
             return
-        self._set_shard_grad(_reduce_scatter(flat, 0, self.group) if d > 1 else flat)  # (S,)
+        self._pending = start_reduce_scatter(flat, 0, self.group)   # holds flat until the wait
+        if not async_op:
+            self.finish_reduce()
 
     def finish_reduce(self) -> None:
         """Wait for an async reduce-scatter launched by reduce_grads(async_op=True)."""
         if self._pending is None:
             return
-        handle, out, _flat = self._pending
-        self._pending = None
-        with _peer_guard("reduce-scatter with", self.group):
-            handle.wait()
-        self._set_shard_grad(out)
+        wait, self._pending = self._pending, None
+        self._set_shard_grad(wait())                                          # (S,)
 
     def _set_shard_grad(self, shard: torch.Tensor) -> None:
         if self.d > 1:
@@ -140,7 +135,6 @@ class ZeroOptimizer:
 
     def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
         """Global-norm clipping of the sharded gradients (sums over dp too); returns the norm."""
-        from autopar.runtime.clip import clip_grad_norm_
         self.finish_reduce()
         if self._shard_grad is None:
             self.reduce_grads()
@@ -155,6 +149,11 @@ class ZeroOptimizer:
         if self._shard_grad is None:
             self.reduce_grads()
         self.optimizer.step()
+        self.publish()
+
+    def publish(self) -> None:
+        """After the optimizer stepped my shard: all-gather every shard into the parameters
+        (ChunkedZero steps one optimizer over several shards, then publishes each)."""
         self._shard_grad = None
         self._all_gather_params()
 
@@ -166,7 +165,7 @@ class ZeroOptimizer:
         mine = torch.zeros(self.shard_numel, dtype=dtype, device=device)    # (S,)
         for s, m in zip(self.segments, self.master):
             mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(m)
-        full = _all_gather(mine, 0, self.group) if self.d > 1 else mine     # (N',)
+        full = all_gather(mine, 0, self.group) if self.d > 1 else mine     # (N',)
         for p, off in zip(self.params, self.offsets):
             p.copy_(full[off:off + p.numel()].view_as(p))
 
@@ -188,15 +187,6 @@ class ZeroOptimizer:
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
                    for v in st.values() if isinstance(v, torch.Tensor))
 
-    def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.master)
-
-    def reload_master_from_params(self) -> None:
-        """Re-copy the master shard from the parameters (after loading new weights)."""
-        with torch.no_grad():
-            for s, m in zip(self.segments, self.master):
-                m.copy_(self.params[s.index].detach().reshape(-1)[s.lo:s.hi])
-
     def gathered_masters(self) -> list[torch.Tensor]:
         """The fp32 master weights shaped like each local parameter (all-gathers over dp;
         collective): what a checkpoint saves under bf16."""
@@ -204,13 +194,13 @@ class ZeroOptimizer:
         mine = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         for s, m in zip(self.segments, self.master):
             mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(m.detach().reshape(-1))
-        full = _all_gather(mine, 0, self.group) if self.d > 1 else mine
+        full = all_gather(mine, 0, self.group) if self.d > 1 else mine
         return [full[off:off + p.numel()].view_as(p).clone()
                 for p, off in zip(self.params, self.offsets)]
 
     def load_masters(self, weights: Sequence[torch.Tensor]) -> None:
         """Set my master shard from full-precision tensors shaped like each local parameter
-        (no communication; exact, unlike reload_master_from_params under bf16)."""
+        (no communication; exact under bf16, where the parameters hold rounded values)."""
         with torch.no_grad():
             for s, m in zip(self.segments, self.master):
                 m.copy_(weights[s.index].detach().reshape(-1)[s.lo:s.hi])
@@ -228,7 +218,7 @@ class ZeroOptimizer:
                 v = self.optimizer.state.get(m, {}).get(name)
                 if v is not None:
                     mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(v.reshape(-1))
-            full = _all_gather(mine, 0, self.group) if self.d > 1 else mine
+            full = all_gather(mine, 0, self.group) if self.d > 1 else mine
             for p, off, info in zip(self.params, self.offsets, self.param_infos):
                 out.setdefault(info.key, {})[name] = full[off:off + p.numel()].view_as(p).clone()
         for name, value in scalars.items():
@@ -248,7 +238,6 @@ class ZeroOptimizer:
                 elif isinstance(v, torch.Tensor):
                     scalars.setdefault(k, v.detach())
         if self.d > 1:
-            import torch.distributed as dist
             agreed: list[Any] = [None] * self.d
             dist.all_gather_object(agreed, (sorted(tensors),
                                             {k: float(v) for k, v in scalars.items()}),

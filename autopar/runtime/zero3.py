@@ -43,7 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import _peer_guard, group_rank, group_size
+from autopar.runtime.collectives import group_rank, group_size
+from autopar.runtime.dist import peer_guard
 
 GATHER, RELEASE, REDUCE_SCATTER = "GATHER", "RELEASE", "REDUCE_SCATTER"
 _TOKEN = {GATHER: "AG", RELEASE: "FREE", REDUCE_SCATTER: "RS"}
@@ -275,7 +276,7 @@ class Zero3Chunks:
         if self.d == 1:
             ch.flat.copy_(mine)
             return None
-        with _peer_guard("ZeRO-3 weight all-gather with", self.group):
+        with peer_guard("ZeRO-3 weight all-gather with", self.group):
             work = _collective("all_gather")(ch.flat, mine, group=self.group,
                                              async_op=async_op)
         self.num_gathers += 1
@@ -293,7 +294,7 @@ class Zero3Chunks:
             raise ValueError(f"Zero3Chunks: chunk {c}'s weights are released; gather({c}) "
                              f"must run before its compute (see plan_gathers)")
         if ch.pending is not None:
-            with _peer_guard("ZeRO-3 weight all-gather with", self.group):
+            with peer_guard("ZeRO-3 weight all-gather with", self.group):
                 ch.pending[0].wait()
             ch.pending = None
 
@@ -309,9 +310,6 @@ class Zero3Chunks:
     def _free(ch: _Chunk) -> None:
         ch.flat.untyped_storage().resize_(0)
         ch.gathered = False
-
-    def is_gathered(self, c: int) -> bool:
-        return self._get(c).gathered
 
     # ---- gradients and the step ----------------------------------------------------------
     @torch.no_grad()
@@ -348,7 +346,7 @@ class Zero3Chunks:
             ch.rs = (None, flat, None, has)
             return None
         out = flat.new_empty(S)                                                     # (S,)
-        with _peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
+        with peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
             work = _collective("reduce_scatter")(out, flat, group=self.group,
                                                  async_op=async_op)
         self.num_reduce_scatters += 1
@@ -358,7 +356,7 @@ class Zero3Chunks:
     def _finish_reduce(self, ch: _Chunk) -> None:
         work, out, _, has = ch.rs
         if work is not None:
-            with _peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
+            with peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
                 work.wait()
         if self.d > 1:
             out.div_(self.d)

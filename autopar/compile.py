@@ -1,0 +1,258 @@
+"""`compile_program`: a ParallelProgram becomes this rank's Runner (inside torchrun).
+
+The compiler's last step, run on every rank:
+  1. check everything that can be checked locally (world size = t·p·d, micro-batches ≥ p,
+     enough layers for p·v chunks, zero level, precision) and raise ValueError before any
+     process blocks (`check_program`);
+  2. join the process groups (autopar.runtime.dist; a torchrun restart gets a fresh store);
+  3. build this rank's chunk graphs (autopar.build: capture, tensor split, pipeline cut,
+     recompute) with only its own chunks' weights real;
+  4. load the generated source of its chunks (autopar.codegen; or the files `prog.save`
+     wrote), attach its parameters and buffers, bind the graph attributes the code names
+     (`tp_group`: the tensor group; `tp_rng`: this program's dropout streams);
+  5. describe every local parameter (autopar.runtime.params.LocalParams: user key, full
+     shape, this rank's slice), choose the optimizer regime of plan.zero
+     (autopar.runtime.regimes) and hand everything to autopar.runtime.runner.Runner.
+The runtime never imports the compiler: what it needs arrives here as data.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from autopar.build import BuiltProgram, build_program
+from autopar.codegen import chunk_file_name, load_chunk_module, render_chunk
+from autopar.plan import Plan
+from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
+from autopar.runtime.executor import LoadedChunk
+from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, describe_param
+from autopar.runtime.regimes import make_regime
+from autopar.runtime.runner import Runner
+from autopar.runtime.shard import DropoutStreams, ParamSplit
+from autopar.schedules import make_schedule
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _launched_world_size() -> int | None:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    value = os.environ.get("WORLD_SIZE")
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def check_program(plan: Plan, num_layers: int | None = None) -> None:
+    """Local checks of a plan against this launch; ValueError with value, rule and fix."""
+    world = _launched_world_size()
+    if world is not None and world != plan.gpus:
+        raise ValueError(
+            f"WORLD_SIZE={world} but the plan needs t·p·d = {plan.t}·{plan.p}·{plan.d} = "
+            f"{plan.gpus} ranks; launch exactly {plan.gpus} processes "
+            f"(torchrun --nproc_per_node={plan.gpus}) or re-plan with gpus={world}")
+    if plan.zero not in (0, 1, 3):
+        raise ValueError(
+            f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not supported by the runtime; "
+            f"use zero=0/1, or zero=3 with schedule='breadth-first'")
+    if plan.zero == 3 and plan.schedule != "breadth-first":
+        raise ValueError(
+            f"plan.zero=3 with schedule={plan.schedule!r}: ZeRO-3 is not yet supported by the "
+            f"runtime; use zero=0/1 with this schedule, or schedule='breadth-first' (it "
+            f"gathers each chunk's weights once per pass, not once per micro-batch)")
+    if plan.p > 1 and plan.num_microbatches < plan.p:
+        raise ValueError(
+            f"plan.num_microbatches={plan.num_microbatches} < p={plan.p}: a pipeline of "
+            f"{plan.p} stages needs at least p micro-batches per step to fill; raise the global "
+            f"batch, lower micro_batch_size, or use a smaller p")
+    layers = num_layers if num_layers is not None else plan.num_layers
+    if layers and plan.p * plan.v > 1 and plan.p * plan.v > layers:
+        raise ValueError(
+            f"p·v = {plan.p}·{plan.v} = {plan.p * plan.v} chunks but the model has {layers} "
+            f"layers; a pipeline has at most one chunk per layer — use v <= "
+            f"{max(1, layers // plan.p)} (or a smaller p)")
+
+
+def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> None:
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 (or None for no clipping)")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
+                         f"(bf16 = bf16 compute with fp32 master weights)")
+    if plan.zero == 3 and precision != "fp32":
+        raise ValueError(f"precision={precision!r} with zero=3: the ZeRO-3 runtime runs fp32 "
+                         f"only for now; use precision='fp32', or zero=1 for bf16")
+
+
+def compile_program(prog: Any, optimizer: Callable | None = None,
+                    max_grad_norm: float | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                    precision: str = "fp32", program_dir: str | Path | None = None,
+                    record_timeline: bool = False, bucket_bytes: int | None = None) -> Runner:
+    """Build this rank's Runner (inside torchrun, or with a default process group already made).
+
+    precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
+    accumulation). program_dir: load the chunk sources from a directory written by
+    `prog.save` instead of generating them in memory (edits to those files take effect).
+    bucket_bytes: GradSync bucket size (default 25 MiB, as DDP).
+    """
+    plan: Plan = prog.plan
+    check_program(plan)
+    _check_options(plan, max_grad_norm, precision)
+    schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches)
+    built = build_program(prog)             # local work only: capture, layers, cut
+    check_program(plan, built.num_layers)
+    device = init_distributed(plan.gpus, timeout_s=timeout_s)
+    pg = ProcessGroups.create(plan.t, plan.p, plan.d, timeout_s=timeout_s)
+    graphs = built.chunks(pg.tp_rank, pg.pp_rank)    # only this rank's chunks hold weights
+    chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
+    params = _local_params(built, graphs, chunks, names, pg)
+    built.release(pg.tp_rank, pg.pp_rank)            # the runner owns its weights now
+    dtype = PRECISIONS[precision]
+    if dtype != torch.float32:
+        _retype_boundaries(chunks, dtype)
+    actions = schedule[pg.pp_rank]
+    regime = make_regime(plan, params, pg, actions, optimizer=optimizer, compute_dtype=dtype,
+                         bucket_bytes=bucket_bytes)
+    return Runner(plan=plan, chunks=chunks, params=params, regime=regime, groups=pg,
+                  actions=actions, device=device, max_grad_norm=max_grad_norm,
+                  record_timeline=record_timeline,
+                  state_dict=StateDictSpec(graph_names=built.state_keys,
+                                           reference=prog.model.state_dict))
+
+
+# ---- loading this rank's chunks ---------------------------------------------------------
+def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: ProcessGroups,
+                 device: torch.device, program_dir: str | Path | None
+                 ) -> tuple[dict[int, LoadedChunk], dict[tuple[int, str], str]]:
+    """(chunk -> LoadedChunk, (chunk, attribute) -> graph name) of this rank's chunks.
+
+    Tensors of the user's model are copied; shards and materialised weights the build made
+    for this rank are taken over (the build's cache of them is released by the caller).
+    """
+    plan = built.plan
+    users = built.user_tensors()
+    owned: dict[str, torch.nn.Parameter] = {}   # one tensor per name (tied weights share it)
+    names: dict[tuple[int, str], str] = {}
+    objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank)}
+
+    def own(x: torch.Tensor) -> torch.Tensor:
+        return (x.detach().clone() if id(x) in users else x.detach()).to(device)
+    out = {}
+    for c in range(pg.pp_rank, plan.p * plan.v, plan.p):
+        gm = graphs[c]
+        module = load_chunk_module(*_chunk_source(gm, plan, c, pg.tp_rank, program_dir))
+        net = module.CHUNK_CLASS()
+        for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
+            if qual not in owned:
+                owned[qual] = torch.nn.Parameter(own(getattr(gm, attr)), requires_grad=True)
+            net.register_parameter(attr, owned[qual])
+            names[(c, attr)] = qual
+        for attr, (qual, _shape, _dtype) in module.BUFFERS.items():
+            net.register_buffer(attr, own(getattr(gm, attr)))
+        for attr, qual in getattr(module, "OBJECTS", {}).items():
+            if qual not in objects:
+                raise ValueError(f"compile: chunk {c} refers to attribute {attr} ({qual}), "
+                                 f"which the runtime does not know how to bind "
+                                 f"(known: {sorted(objects)})")
+            setattr(net, attr, objects[qual])
+        net.train()
+        out[c] = LoadedChunk.from_module(c, module, net)
+    return out, names
+
+
+def _chunk_source(gm: torch.fx.GraphModule, plan: Plan, c: int, tp_rank: int,
+                  program_dir: str | Path | None) -> tuple[str, str]:
+    """(source, file name) of chunk c: generated in memory, or read from `prog.save`'s files."""
+    if program_dir is None:
+        return (render_chunk(gm, plan, tp_rank, model_name=plan.model),
+                f"<autopar chunk {c} tp{tp_rank}>")
+    path = Path(program_dir) / chunk_file_name(c, tp_rank, plan.t)
+    if not path.exists():
+        raise ValueError(f"compile: {path} does not exist; program_dir must be a "
+                         f"directory written by prog.save() for this plan")
+    return path.read_text(), str(path)
+
+
+def _retype_boundaries(chunks: dict[int, LoadedChunk], dtype: torch.dtype) -> None:
+    """Floating activations crossing pipeline stages travel in the compute dtype."""
+    name = str(dtype).replace("torch.", "")
+    for ch in chunks.values():
+        for specs in (ch.recv, ch.send):
+            for i, spec in enumerate(specs):
+                if getattr(torch, spec[2]).is_floating_point:
+                    specs[i] = (spec[0], spec[1], name) + tuple(spec[3:])
+
+
+# ---- describing this rank's parameters ----------------------------------------------------
+def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
+                  chunks: dict[int, LoadedChunk], names: dict[tuple[int, str], str],
+                  pg: ProcessGroups) -> LocalParams:
+    """The LocalParams table of this rank's loaded chunks (see autopar.runtime.params)."""
+    tensors: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
+    first_chunk: dict[int, list[str]] = {c: [] for c in chunks}
+    used_by: dict[str, set[int]] = {}
+    for (c, attr), q in names.items():   # chunk order, then each chunk's PARAMETERS order
+        used_by.setdefault(q, set()).add(c)
+        if q not in tensors:
+            tensors[q] = getattr(chunks[c].net, attr)
+            first_chunk[c].append(q)
+    holders = _pipeline_holders(graphs)
+    shared = {q for q in tensors if len(holders[q]) > 1}
+    for q in sorted(shared):
+        if holders[q] != {0, pg.p - 1}:
+            raise ValueError(f"parameter {q} is used on pipeline ranks {sorted(holders[q])}; "
+                             f"only weights shared by the first and last stage (tied "
+                             f"embeddings) are supported")
+    splits = _tp_splits(graphs, chunks) if pg.t > 1 else {}
+    keys = _user_keys(built)
+    full_shapes = {k: tuple(v.shape) for k, v in   # tied weights under every name
+                   built.gm.named_parameters(remove_duplicate=False)}
+    infos: dict[str, ParamInfo] = {}
+    for q, p in tensors.items():
+        own_keys = keys.get(q, [])
+        key = q if (q in own_keys or not own_keys) else own_keys[0]
+        infos[q] = describe_param(
+            key=key, aliases=tuple(k for k in own_keys if k != key),
+            local_shape=tuple(p.shape), global_shape=full_shapes.get(built.prefix + q),
+            split=splits.get(q), tp_rank=pg.tp_rank, t=pg.t, shared=q in shared)
+    return LocalParams(tensors=tensors, infos=infos,
+                       first_chunk={c: tuple(qs) for c, qs in first_chunk.items()},
+                       used_by={q: frozenset(cs) for q, cs in used_by.items()}, splits=splits)
+
+
+def _user_keys(built: BuiltProgram) -> dict[str, list[str]]:
+    """Graph name -> the user's state-dict keys of that tensor, sorted (tied: several)."""
+    out: dict[str, list[str]] = {}
+    for key, name in sorted(built.state_keys.items()):
+        out.setdefault(name, []).append(key)
+    return out
+
+
+def _pipeline_holders(graphs: list[torch.fx.GraphModule]) -> dict[str, set[int]]:
+    """Parameter name -> pipeline ranks whose chunks use it."""
+    holders: dict[str, set[int]] = {}
+    for gm in graphs:
+        spec = gm.meta["autopar_chunk"]
+        for qual in spec.params.values():
+            holders.setdefault(qual, set()).add(spec.rank)
+    return holders
+
+
+def _tp_splits(graphs: list[torch.fx.GraphModule], chunks: dict[int, LoadedChunk]
+               ) -> dict[str, tuple[ParamSplit, int]]:
+    """Graph name -> (ParamSplit, full size along its dim) of this rank's split parameters,
+    from the tensor-parallel pass's metadata on the chunk graphs."""
+    splits: dict[str, tuple[ParamSplit, int]] = {}
+    for c in chunks:
+        gm = graphs[c]
+        spec = gm.meta["autopar_chunk"]
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and "tp_param" in n.meta and n.target in spec.params:
+                split = n.meta["tp_param"]
+                full = n.meta.get("tp_global_val", n.meta["val"])
+                splits[spec.params[n.target]] = (split, int(full.shape[split.dim]))
+    return splits

@@ -1,0 +1,158 @@
+"""zero=1: optimizer states and fp32 master weights sharded over the data group.
+
+The mechanism is autopar.runtime.zero.ZeroOptimizer (one flat buffer, dp rank r steps its
+1/d; reduce-scatter of the gradients, all-gather of the new weights). This regime wires it
+into a step:
+
+- depth-first schedules (gpipe, 1f1b, interleaved): one ZeroOptimizer over all local
+  parameters, reduce-scattered after the schedule;
+- breadth-first: one ZeroOptimizer shard per chunk (`ChunkedZero`), each reduce-scattered at
+  the schedule's REDUCE R{c}, right after the chunk's last backward, so it overlaps the
+  backward of the chunks below it — the per-chunk reduction of layered gradient accumulation
+  (2106.02679 §4). Chunks holding a tied weight are reduced after the schedule instead: their
+  full gradient must first be summed over the embedding group.
+
+Under bf16 MixedPrecision keeps only the fp32 `main_grad` (no masters): the masters live in
+the shards.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+
+from autopar.runtime.clip import clip_grad_norm_
+from autopar.runtime.params import LocalParams
+from autopar.runtime.precision import MixedPrecision
+from autopar.runtime.regimes.base import OptimizerFactory, OptimState, Regime, sum_tied_grads
+from autopar.runtime.zero import ZeroOptimizer
+from autopar.schedules import Action
+
+
+class ChunkedZero:
+    """ZeRO-1 for breadth-first: one ZeroOptimizer flat shard per chunk, all stepped by one
+    optimizer (module doc). Same interface as ZeroOptimizer (what the regime calls);
+    parameters are concatenated in chunk order, which is LocalParams' order."""
+
+    def __init__(self, chunks: list[tuple[list, list, bool]], make: OptimizerFactory,
+                 group: Any):
+        self.parts = [ZeroOptimizer(ps, infos, lambda _masters: None, group)
+                      for ps, infos, _tied in chunks]
+        self._deferred = {i for i, (_ps, _infos, tied) in enumerate(chunks) if tied}
+        self.optimizer = make([m for part in self.parts for m in part.master])
+        for part in self.parts:
+            part.optimizer = self.optimizer
+        self._reduced: set[int] = set()
+
+    def reduce_chunk(self, i: int) -> None:
+        """Reduce-scatter chunk i's gradients now (at its REDUCE action), unless deferred."""
+        if i not in self._deferred and i not in self._reduced:
+            self.parts[i].reduce_grads(async_op=True)   # overlaps the backward below it
+            self._reduced.add(i)
+
+    def reduce_grads(self) -> None:
+        for i, part in enumerate(self.parts):
+            if i not in self._reduced:
+                part.reduce_grads()
+                self._reduced.add(i)
+            part.finish_reduce()
+
+    def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
+        self.reduce_grads()
+        masters = [m for part in self.parts for m in part.master]
+        infos = [part.param_infos[s.index] for part in self.parts for s in part.segments]
+        return clip_grad_norm_(masters, infos, max_norm, groups, dp_sharded=True,
+                               real_parts=False)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.reduce_grads()
+        self.optimizer.step()
+        for part in self.parts:
+            part.publish()
+        self._reduced.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none)
+        self._reduced.clear()
+
+    def gathered_masters(self) -> list[torch.Tensor]:
+        return [w for part in self.parts for w in part.gathered_masters()]
+
+    def load_masters(self, weights: Sequence[torch.Tensor]) -> None:
+        weights = list(weights)
+        for part in self.parts:
+            part.load_masters(weights[:len(part.params)])
+            weights = weights[len(part.params):]
+
+    def gathered_state(self) -> OptimState:
+        out: OptimState = {}
+        for part in self.parts:
+            out.update(part.gathered_state())
+        return out
+
+    def load_gathered_state(self, state: OptimState) -> None:
+        for part in self.parts:
+            part.load_gathered_state(state)
+
+
+class Zero1(Regime):
+    """zero=1 on this rank (module doc)."""
+
+    def __init__(self, params: LocalParams, groups: Any, make: OptimizerFactory,
+                 actions: Sequence[Action], *, breadth_first: bool,
+                 precision_dtype: torch.dtype | None = None):
+        self.params, self.groups = params, groups
+        tensors = list(params.tensors.values())
+        shared = set(params.shared)
+        self.zero: ZeroOptimizer | ChunkedZero
+        self._chunk_index: dict[int, int] = {}
+        if breadth_first:
+            chunks = [(c, qs) for c, qs in sorted(params.first_chunk.items()) if qs]
+            self.zero = ChunkedZero(
+                [([params.tensors[q] for q in qs], [params.infos[q] for q in qs],
+                  any(q in shared for q in qs)) for _, qs in chunks], make, groups.data)
+            self._chunk_index = {c: i for i, (c, _) in enumerate(chunks)}
+        else:
+            self.zero = ZeroOptimizer(tensors, params.ordered_infos(), make, groups.data)
+        # after the shards took their fp32 masters from the fp32 weights
+        self.mp = (MixedPrecision(tensors, compute_dtype=precision_dtype, master_weights=False)
+                   if precision_dtype is not None else None)
+        self.optimizer = self.zero.optimizer
+        self._shared = [params.tensors[q] for q in params.shared]
+
+    def before_action(self, n: int, action: Action) -> None:
+        if action.kind == "REDUCE" and action.chunk in self._chunk_index:
+            self.zero.reduce_chunk(self._chunk_index[action.chunk])
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad()
+
+    def finish(self) -> None:
+        sum_tied_grads(self._shared, self.groups.embedding)
+        self.zero.reduce_grads()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.zero.clip_grad_norm_(max_norm, self.groups)
+
+    def step(self) -> None:
+        self.zero.step()
+        self.zero.zero_grad()
+
+    def fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
+        if self.mp is not None:     # the fp32 values are the masters, sharded over d
+            return OrderedDict(zip(self.params.tensors, self.zero.gathered_masters()))
+        return OrderedDict((q, p.detach()) for q, p in self.params.tensors.items())
+
+    def optimizer_state(self) -> OptimState:
+        return self.zero.gathered_state()
+
+    def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
+        with torch.no_grad():
+            for q, w in weights.items():
+                self.params.tensors[q].copy_(w)
+        self.zero.load_masters([weights[q] for q in self.params.tensors])
+        if optimizer_state:
+            self.zero.load_gathered_state(optimizer_state)
