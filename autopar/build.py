@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.passes import meta as K
 from autopar.plan import Plan
 from autopar.schedules import SPLIT_BACKWARD
 
@@ -139,7 +140,7 @@ def _tensor_parallel(built: BuiltProgram, tp_rank: int, materialize: set[str] | 
     # and turns other pipeline ranks' weights into meta tensors.
     out = apply_tensor_parallel(gm, built.plan, tp_rank, None, model=built.model,
                                 init=built.init, materialize=materialize)
-    return out, out.meta.get("tp")
+    return out, out.meta.get(K.TP_INFO)
 
 
 def _has_meta(gm: torch.fx.GraphModule) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.passes import meta as K
 from autopar.passes.pipeline import ChunkSpec
 
 _COLLECTIVE_MODULES = ("autopar.runtime.collectives", "autopar.runtime.shard", "torch.distributed")
@@ -77,7 +78,7 @@ def _collectives(gm: torch.fx.GraphModule) -> list[str]:
 def render_chunk(gm: torch.fx.GraphModule, plan: Any, tp_rank: int = 0,
                  model_name: str = "model") -> str:
     """The Python source of one chunk GraphModule (from passes.pipeline.split_chunks)."""
-    spec: ChunkSpec = gm.meta["autopar_chunk"]
+    spec: ChunkSpec = gm.meta[K.CHUNK]
     collectives = _collectives(gm)
     cls = f"Chunk{spec.chunk:02d}"
     params = {attr: (qual, tuple(getattr(gm, attr).shape),

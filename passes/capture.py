@@ -4,8 +4,8 @@ Requires: an nn.Module on real or meta tensors, example inputs on the same devic
   loss_fn(model_output, targets) and targets (the output is passed to loss_fn as is, so a
   transformers ModelOutput works).
 Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes carry
-  meta["val"] (FakeTensor: shape/dtype), meta["nn_module_stack"] (the module path of the
-  user's code, prefixed by `Captured.prefix`), meta["stack_trace"] (user source line);
+  meta[K.VAL] (FakeTensor: shape/dtype), meta[K.NN_MODULE_STACK] (the module path of the
+  user's code, prefixed by `Captured.prefix`), meta[K.STACK_TRACE] (user source line);
   parameters and buffers are get_attr nodes with the user's fully qualified names (plus the
   prefix), so a state dict maps 1:1.
   With `repeat_limit=r`, every repeated block container (found structurally: a ModuleList /

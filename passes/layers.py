@@ -1,10 +1,10 @@
 """Find the repeated transformer blocks and the embedding / head regions of a captured graph.
 
-Requires: a GraphModule from `capture` (nodes carry meta["nn_module_stack"] and meta["val"]).
-Guarantees: every node gets meta["autopar_region"] = ("embedding", None) | ("block", i) |
+Requires: a GraphModule from `capture` (nodes carry meta[K.NN_MODULE_STACK] and meta[K.VAL]).
+Guarantees: every node gets meta[K.REGION] = ("embedding", None) | ("block", i) |
   ("head", None); the returned `LayerStructure` lists the block module paths in graph order,
   the nodes of each region and the values crossing each block boundary.
-Reads: meta["nn_module_stack"], meta["val"]. Writes: meta["autopar_region"].
+Reads: meta[K.NN_MODULE_STACK], meta[K.VAL]. Writes: meta[K.REGION].
 
 How blocks are found (structure, never attribute names): for every module path in the stacks,
 its siblings (same parent path) are listed in order of first appearance; a run of ≥2
@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx
+
+from autopar.passes import meta as K
 
 Region = tuple[str, int | None]
 
@@ -97,7 +99,7 @@ def find_layers(gm: Any, *, check_identical: bool = True) -> LayerStructure:
     block_of = _block_index(nodes, stacks, block_paths)
     regions = _assign_regions(nodes, block_of, len(block_paths))
     for n in nodes:
-        n.meta["autopar_region"] = regions[n]
+        n.meta[K.REGION] = regions[n]
     structure = _describe(nodes, regions, container, block_class, block_paths, captured)
     if check_identical:
         _check_identical(structure)
@@ -107,7 +109,7 @@ def find_layers(gm: Any, *, check_identical: bool = True) -> LayerStructure:
 # ----- finding the block list --------------------------------------------------------------------
 
 def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = node.meta.get(K.NN_MODULE_STACK) or {}
     out = []
     for value in stack.values():
         path, cls = value[0], value[1]
@@ -249,9 +251,9 @@ def _signature(block: list[torch.fx.Node]) -> tuple:
     sig = []
     for n in block:
         if n.op in ("call_function", "call_method", "call_module"):
-            sig.append((str(n.target), _shapes(n.meta.get("val"))))
+            sig.append((str(n.target), _shapes(n.meta.get(K.VAL))))
         elif n.op == "get_attr":
-            sig.append(("param", _shapes(n.meta.get("val"))))
+            sig.append(("param", _shapes(n.meta.get(K.VAL))))
     return tuple(sig)
 
 

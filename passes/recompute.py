@@ -19,8 +19,8 @@ does not cover; a region that contains it calls checkpoint through `checkpoint_t
 passes `context_fn=tp_rng_context` to replay those generators the same way (a named function:
 the generated chunk source must be able to spell the call).
 
-Requires: node.meta["autopar_region"] on the compute nodes (passes/layers.find_layers; kept by
-  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta["val"] on values; a block's
+Requires: node.meta[K.REGION] on the compute nodes (passes/layers.find_layers; kept by
+  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta[K.VAL] on values; a block's
   activation nodes are contiguous in graph order (no outside node consumes a block value before
   the block's last node) — true of captured graphs, checked.
 Guarantees: the same forward values and gradients as the input graph (bit-identical for the
@@ -28,10 +28,9 @@ Guarantees: the same forward values and gradients as the input graph (bit-identi
   the checkpointed submodule as arguments, so the module's attributes are unchanged (the runtime
   attaches parameters as before and codegen emits the submodule as a nested class); gm is
   modified in place, linted, recompiled and returned.
-Reads node.meta: "autopar_region", "val". Writes: node.meta["autopar_region"] and "val" on the
-  new get_attr / checkpoint / getitem nodes (the region of the nodes they replace);
-  node.meta["autopar_recompute"] = mode on each checkpoint call; gm.meta["autopar_recompute"] =
-  {"mode": mode, "regions": [submodule names]}.
+Reads node.meta (keys of passes/meta.py): REGION, VAL, STACK_TRACE (in errors). Writes: REGION
+  and VAL on the new get_attr / checkpoint / getitem nodes (the region of the nodes they
+  replace); gm.meta[RECOMPUTE] = {"mode": mode, "regions": [submodule names]}.
 """
 from __future__ import annotations
 
@@ -42,6 +41,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.fx
 import torch.utils.checkpoint
+
+from autopar.passes import meta as K
 
 MODES = ("none", "selective", "full")
 
@@ -74,7 +75,7 @@ def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule
             while hasattr(gm, name):
                 name += "_"
             names.append(_outline(gm, nodes, name, region, mode))
-    gm.meta["autopar_recompute"] = {"mode": mode, "regions": names}
+    gm.meta[K.RECOMPUTE] = {"mode": mode, "regions": names}
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -96,7 +97,7 @@ def _blocks(gm: torch.fx.GraphModule) -> dict[int, list[torch.fx.Node]]:
     act = _activation_nodes(gm)
     out: dict[int, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
-        region = n.meta.get("autopar_region")
+        region = n.meta.get(K.REGION)
         if (n in act and n.op == "call_function" and isinstance(region, tuple)
                 and region[0] == "block"):
             out.setdefault(region[1], []).append(n)
@@ -122,11 +123,11 @@ def _attention_cores(gm: torch.fx.GraphModule) -> list[tuple[Any, list[torch.fx.
             continue
         if _target_in(n, _SDPA):
             nodes = [n] + [u for u in n.users if u.target is operator.getitem]
-            cores.append((n.meta.get("autopar_region"), nodes))
+            cores.append((n.meta.get(K.REGION), nodes))
         elif _target_in(n, _SOFTMAX):
             nodes = _unfused_core(n, act, order)
             if nodes:
-                cores.append((n.meta.get("autopar_region"), nodes))
+                cores.append((n.meta.get(K.REGION), nodes))
     return cores
 
 
@@ -208,14 +209,13 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, re
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
         call = gm.graph.call_function(target, (fn, *inputs), kwargs)
-    fn.meta["autopar_region"] = call.meta["autopar_region"] = region
-    call.meta["autopar_recompute"] = mode
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    fn.meta[K.REGION] = call.meta[K.REGION] = region
+    call.meta[K.VAL] = tuple(o.meta.get(K.VAL) for o in outputs)
     prev = call
     for k, o in enumerate(outputs):
         with gm.graph.inserting_after(prev):
             item = gm.graph.call_function(operator.getitem, (call, k))
-        item.meta = {"val": o.meta.get("val"), "autopar_region": region}
+        item.meta = {K.VAL: o.meta.get(K.VAL), K.REGION: region}
         o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
         prev = item
     for n in reversed(nodes):
@@ -249,7 +249,7 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
         if n is last:
             seen_last = True
         elif not seen_last and n not in inside and any(i in inside for i in n.all_input_nodes):
-            raise ValueError(f"recompute: node {n.name} ({n.meta.get('stack_trace', '')!s:.80}) "
+            raise ValueError(f"recompute: node {n.name} ({n.meta.get(K.STACK_TRACE, '')!s:.80}) "
                              f"uses a value of region {name} before the region ends; the region "
                              f"is not contiguous in graph order, so it cannot be checkpointed "
                              f"as one call — use recompute='none' for this model")

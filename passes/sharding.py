@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.passes import meta as K
+
 aten = torch.ops.aten
 
 
@@ -136,12 +138,12 @@ def packet(node: fx.Node) -> Any:
 
 
 def shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = node.meta.get(K.VAL) if isinstance(node, fx.Node) else None
     return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def is_tensor(node: Any) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+    return isinstance(node, fx.Node) and isinstance(node.meta.get(K.VAL), torch.Tensor)
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -163,7 +165,7 @@ def dropout_is_identity(node: fx.Node) -> bool:
 
 def source_line(node: fx.Node) -> str:
     """The user's source line of `node`: the innermost stack-trace frame outside torch."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    trace = (node.meta.get(K.STACK_TRACE) or "").strip().splitlines()
     frames = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
     user = [f for f in frames if _TORCH_DIR not in f]
     return (user or frames or ["(no stack trace)"])[-1]
@@ -381,7 +383,7 @@ class Propagator:
             if w is None:
                 return False
             k, v = shape(w)[w_k], shape(w)[w_n]
-            b = origin.meta["val"].element_size()
+            b = origin.meta[K.VAL].element_size()
             ratios.append(6 * k * v / ((v + 2 * k) * b))
         worst = min(ratios)
         if worst < self.flop_per_byte:
@@ -462,7 +464,7 @@ class Propagator:
 
 
 def _like(node: fx.Node, lay: Layout) -> Any:
-    val = node.meta.get("val")
+    val = node.meta.get(K.VAL)
     if isinstance(val, (tuple, list)):
         return tuple(lay for _ in val)
     return lay
@@ -474,7 +476,7 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
 
     def visit(a: Any) -> None:
         if isinstance(a, fx.Node):
-            if a not in seen and (is_tensor(a) or isinstance(a.meta.get("val"), (tuple, list))):
+            if a not in seen and (is_tensor(a) or isinstance(a.meta.get(K.VAL), (tuple, list))):
                 seen.add(a)
                 out.append(a)
         elif isinstance(a, (list, tuple)):
@@ -638,7 +640,7 @@ def _split(p: Propagator, node: fx.Node) -> Any:
     seed's blocks when they are not: fused qkv)."""
     src = node.args[0]
     lay = p.eff(node, src)
-    vals = node.meta["val"]
+    vals = node.meta[K.VAL]
     if not isinstance(lay, Shard):
         return tuple(lay for _ in vals)
     nd = len(shape(src))

@@ -42,6 +42,7 @@ from typing import Any, Callable, Collection
 import torch
 import torch.fx as fx
 
+from autopar.passes import meta as K
 from autopar.passes import sharding as S
 from autopar.passes.sharding import Partial, Replicate, Shard, packet, shape, source_line
 from autopar.runtime import collectives as C
@@ -63,7 +64,7 @@ class Fallback:
 
 @dataclass(kw_only=True)
 class TPInfo:
-    """What propagate_sharding decided; stored as gm.meta['tp']."""
+    """What propagate_sharding decided; stored as gm.meta[K.TP_INFO]."""
     t: int
     sequence_parallel: bool
     params: dict[str, shard_rt.ParamSplit]           # get_attr target -> split (split ones only)
@@ -89,13 +90,13 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
                        cluster: Any = "dgx-a100-80gb") -> fx.GraphModule:
     """Decide the tensor-parallel layout of every value of `gm` for degree `t`.
 
-    Requires: `gm` from `capture` (ATen training IR with node.meta['val']).
-    Guarantees: every node has meta['tp_layout'] (Replicate | Shard | Partial, a tuple for
-      multi-output nodes); split get_attr nodes have meta['tp_param'] (a ParamSplit); nodes the
-      rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
+    Requires: `gm` from `capture` (ATen training IR with node.meta[K.VAL]).
+    Guarantees: every node has meta[K.TP_LAYOUT] (Replicate | Shard | Partial, a tuple for
+      multi-output nodes); split get_attr nodes have meta[K.TP_PARAM] (a ParamSplit); nodes the
+      rewrite changes have meta[K.TP_ROLE] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
       'partial_mean': a mean over the split dim, each rank's summand);
-      meta['tp_convert'] = {input name: layout} on edges that need a collective or a slice;
-      gm.meta['tp'] is a TPInfo. Writes only meta; the graph is unchanged.
+      meta[K.TP_CONVERT] = {input name: layout} on edges that need a collective or a slice;
+      gm.meta[K.TP_INFO] is a TPInfo. Writes only meta; the graph is unchanged.
     A split value the graph returns (logits of a model without a loss) stays column-parallel
       and is all-gathered at the output only when that pays on `cluster` (its machine balance,
       sustained GEMM FLOP/s over intra-node bytes/s; see Propagator._gather_output); otherwise
@@ -149,7 +150,7 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
     info = _write_meta(gm, prop, t, sequence_parallel, list(fallbacks.values()))
     if strict and t > 1:
         _check_lost_regions(gm, info)
-    gm.meta["tp"] = info
+    gm.meta[K.TP_INFO] = info
     return gm
 
 
@@ -178,22 +179,22 @@ def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
                 fallbacks: list[Fallback]) -> TPInfo:
     info = TPInfo(t=t, sequence_parallel=sp, params={}, fallbacks=fallbacks, notes=prop.notes)
     for node in gm.graph.nodes:
-        node.meta["tp_layout"] = prop.layout.get(node, Replicate())
-        node.meta.pop("tp_role", None)
-        node.meta.pop("tp_param", None)
+        node.meta[K.TP_LAYOUT] = prop.layout.get(node, Replicate())
+        node.meta.pop(K.TP_ROLE, None)
+        node.meta.pop(K.TP_PARAM, None)
         conv = prop.convert.get(node)
-        node.meta["tp_convert"] = {a.name: lay for a, lay in conv.items()} if conv else {}
+        node.meta[K.TP_CONVERT] = {a.name: lay for a, lay in conv.items()} if conv else {}
         role = prop.role.get(node)
         if role:
-            node.meta["tp_role"] = role
+            node.meta[K.TP_ROLE] = role
             listed = {"column": info.column, "row": info.row, "vocab_embedding": info.vocab,
                       "vocab_ce": info.vocab}.get(role)
             if listed is not None:
                 listed.append(node.name)
-        lay = node.meta["tp_layout"]
+        lay = node.meta[K.TP_LAYOUT]
         if node.op == "get_attr" and isinstance(lay, Shard):
             split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded)
-            node.meta["tp_param"] = split
+            node.meta[K.TP_PARAM] = split
             info.params[node.target] = split
     return info
 
@@ -221,9 +222,9 @@ def _feeds_split_work(start: fx.Node) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if _is_split(node.meta.get("tp_layout")) and node.op != "output":
+        if _is_split(node.meta.get(K.TP_LAYOUT)) and node.op != "output":
             return True
-        if node.meta.get("tp_role") or packet(node) in S._MATMULS:
+        if node.meta.get(K.TP_ROLE) or packet(node) in S._MATMULS:
             continue
         todo.extend(node.users)
     return False
@@ -241,7 +242,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
 
     Requires: gm from capture; `plan_or_t` an int t or a Plan (its t, sequence_parallel);
       `group` the tensor-parallel ProcessGroup (None only for t = 1 or for inspecting the
-      rewritten graph without running it). Runs propagate_sharding first unless gm.meta['tp']
+      rewritten graph without running it). Runs propagate_sharding first unless gm.meta[K.TP_INFO]
       already holds a decision for this t and mode.
     Guarantees: parameters on gm are this rank's local shards (sliced from real parameters,
       or, for parameters on the meta device, sliced from the global-shape init of their
@@ -254,7 +255,7 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
       local shape (never initialised, never copied). view/reshape/expand/split constants are
       local; collectives are
       call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
-      lints. Reads meta tp_layout / tp_convert / tp_role / tp_param; rewrites meta['val'] to
+      lints. Reads meta TP_LAYOUT / TP_CONVERT / TP_ROLE / TP_PARAM; rewrites meta[VAL] to
       local shapes.
     """
     t = getattr(plan_or_t, "t", plan_or_t)
@@ -266,11 +267,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
                          f"t={t}; pass the tensor-parallel group of this rank")
     if not 0 <= tp_rank < t:
         raise ValueError(f"apply_tensor_parallel: tp_rank={tp_rank} is outside [0, {t})")
-    info = gm.meta.get("tp")
+    info = gm.meta.get(K.TP_INFO)
     if info is None or info.t != t or info.sequence_parallel != sequence_parallel:
         propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
                            vocab_multiple=vocab_multiple)
-        info = gm.meta["tp"]
+        info = gm.meta[K.TP_INFO]
     if _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed, materialize):
         _real_device_constants(gm, torch.device("cpu"))
     gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
@@ -403,7 +404,7 @@ class _Rewriter:
         with self.graph.inserting_before(first), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a plain attribute, not a parameter: lint accepts it
             self.group = self.graph.get_attr("tp_group")
-        self.group.meta["tp_layout"] = Replicate()
+        self.group.meta[K.TP_LAYOUT] = Replicate()
         self.by_name = {n.name: n for n in self.graph.nodes}
         self.noise: dict[str, fx.Node] = {}   # dropout of a biased Partial -> its noise
 
@@ -422,31 +423,31 @@ class _Rewriter:
               val_like: fx.Node) -> fx.Node:
         with self.graph.inserting_before(before):
             node = self.graph.call_function(fn, args)
-        node.meta["tp_layout"] = lay
-        node.meta["val"] = val_like.meta.get("val")
-        node.meta["stack_trace"] = val_like.meta.get("stack_trace")
-        node.meta["nn_module_stack"] = val_like.meta.get("nn_module_stack", {})
+        node.meta[K.TP_LAYOUT] = lay
+        node.meta[K.VAL] = val_like.meta.get(K.VAL)
+        node.meta[K.STACK_TRACE] = val_like.meta.get(K.STACK_TRACE)
+        node.meta[K.NN_MODULE_STACK] = val_like.meta.get(K.NN_MODULE_STACK, {})
         self.made.add(node)
         if grad:
             self.grad.add(node)
         return node
 
     def _convert_inputs(self, node: fx.Node) -> None:
-        out_split = _is_split(node.meta.get("tp_layout"))
-        if node.meta.get("tp_role") == "row":
+        out_split = _is_split(node.meta.get(K.TP_LAYOUT))
+        if node.meta.get(K.TP_ROLE) == "row":
             self._drop_bias(node)  # added once after the reduction, not here
         converted = set()
-        for name, want in node.meta.get("tp_convert", {}).items():
+        for name, want in node.meta.get(K.TP_CONVERT, {}).items():
             arg = self.by_name[name]
             new = self._conversion(arg, want, out_split, node)
             node.replace_input_with(arg, new)
             converted.add(new)
-        if not out_split or node.meta.get("tp_role") == "vocab_ce":
+        if not out_split or node.meta.get(K.TP_ROLE) == "vocab_ce":
             return
         for arg in list(node.all_input_nodes):
             if arg in converted or arg is self.group or arg not in self.grad:
                 continue
-            if isinstance(arg.meta.get("tp_layout"), Replicate) and S.is_tensor(arg):
+            if isinstance(arg.meta.get(K.TP_LAYOUT), Replicate) and S.is_tensor(arg):
                 node.replace_input_with(arg, self._f(arg, node))
 
     def _f(self, arg: fx.Node, before: fx.Node) -> fx.Node:
@@ -457,7 +458,7 @@ class _Rewriter:
         return self.cache[key]
 
     def _conversion(self, arg: fx.Node, want: Any, out_split: bool, before: fx.Node) -> fx.Node:
-        have = arg.meta["tp_layout"]
+        have = arg.meta[K.TP_LAYOUT]
         grad = arg in self.grad
         key = ("conv", arg, repr(want), out_split and grad)
         if key in self.cache:
@@ -502,7 +503,7 @@ class _Rewriter:
             bias = self.by_name[name]
             if seq and bias in self.grad:
                 bias = self._f(bias, before)
-            x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
+            x = self._call(aten.add.Tensor, (x, bias), x.meta[K.TP_LAYOUT], before, grad, arg)
         for name, drop in have.masked:
             # bias·noise: replicated, full shape (every rank computes all of it, so its
             # gradient is whole on every rank); under SP each rank adds its sequence slice
@@ -512,7 +513,7 @@ class _Rewriter:
             if seq:
                 masked = self._call(C.scatter_to_sp, (masked, g, want.dim), want, before,
                                     masked in self.grad, arg)
-            x = self._call(aten.add.Tensor, (x, masked), x.meta["tp_layout"], before, grad, arg)
+            x = self._call(aten.add.Tensor, (x, masked), x.meta[K.TP_LAYOUT], before, grad, arg)
         self.cache[key] = x
         return x
 
@@ -540,7 +541,7 @@ class _Rewriter:
     # -- ops --
 
     def _rewrite(self, node: fx.Node) -> None:
-        role = node.meta.get("tp_role")
+        role = node.meta.get(K.TP_ROLE)
         op = packet(node)
         if role == "vocab_embedding":
             w, ids = node.args[0], node.args[1]
@@ -559,27 +560,27 @@ class _Rewriter:
         elif op in S._SPLITS:
             self._local_split(node)
         elif op is aten.unflatten:
-            lay = node.meta["tp_layout"]
+            lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
                 sizes = list(_local_shape(shape(node), lay, self.t))
                 dim = S._norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
-        elif op is aten.scaled_dot_product_attention and _is_split(node.meta.get("tp_layout")) \
+        elif op is aten.scaled_dot_product_attention and _is_split(node.meta.get(K.TP_LAYOUT)) \
                 and _sdpa_dropout(node):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self.group, self.seed, *rest)
         elif op is aten.dropout and _masks_biases(node):
             self._masking_dropout(node)
-        elif op is aten.dropout and isinstance(node.meta.get("tp_layout"), Shard):
+        elif op is aten.dropout and isinstance(node.meta.get(K.TP_LAYOUT), Shard):
             # (a Partial keeps the replicated stream: one mask for every summand is the mask
             # of their sum)
             x, p, train = node.args
             node.target = shard_rt.tp_dropout
             node.args, node.kwargs = (x, p, train, self.group, self.seed), {}
         elif op is aten.repeat_interleave and "output_size" in node.kwargs:
-            lay = node.meta["tp_layout"]
+            lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
                 kw = dict(node.kwargs)
                 kw["output_size"] = lay.local(self.t)
@@ -608,7 +609,7 @@ class _Rewriter:
         node.args, node.kwargs = (logits, target, self.group, vocab, ignore, reduction), {}
 
     def _local_sizes(self, node: fx.Node) -> None:
-        lay = node.meta["tp_layout"]
+        lay = node.meta[K.TP_LAYOUT]
         if not isinstance(lay, Shard):
             return
         local = _local_shape(shape(node), lay, self.t)
@@ -618,14 +619,14 @@ class _Rewriter:
 
     def _local_split(self, node: fx.Node) -> None:
         src = node.args[0]
-        lay = src.meta["tp_layout"]
+        lay = src.meta[K.TP_LAYOUT]
         if not isinstance(lay, Shard) or packet(node) is aten.unbind:
             return
         nd = len(shape(src))
         dim = S._norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
         if dim != lay.dim:
             return
-        pieces = node.meta["tp_layout"]
+        pieces = node.meta[K.TP_LAYOUT]
         sizes = [p.local(self.t) for p in pieces]
         node.target = aten.split_with_sizes.default
         node.args, node.kwargs = (src, sizes, dim), {}
@@ -633,7 +634,7 @@ class _Rewriter:
 
 def _masks_biases(node: fx.Node) -> bool:
     """A dropout of a biased Partial (Partial.masked names it)."""
-    lay = node.meta.get("tp_layout")
+    lay = node.meta.get(K.TP_LAYOUT)
     return isinstance(lay, Partial) and any(d == node.name for _, d in lay.masked)
 
 
@@ -643,7 +644,7 @@ def _sdpa_dropout(node: fx.Node) -> bool:
 
 
 def _orig_size(node: fx.Node, dim: int) -> int:
-    return int(node.meta["tp_global_val"].shape[dim]) if "tp_global_val" in node.meta \
+    return int(node.meta[K.TP_GLOBAL_VAL].shape[dim]) if K.TP_GLOBAL_VAL in node.meta \
         else shape(node)[dim]
 
 
@@ -651,7 +652,7 @@ def _per_rank_dropout(n: fx.Node) -> bool:
     """Dropout on a per-rank RNG stream: on a split (not partial) value, or attention's."""
     if n.target in (shard_rt.tp_dropout, shard_rt.tp_sdpa):
         return True
-    lay = n.meta.get("tp_layout")
+    lay = n.meta.get(K.TP_LAYOUT)
     if packet(n) is aten.dropout:
         return not S.dropout_is_identity(n) and isinstance(lay, Shard)
     return (packet(n) is aten.scaled_dot_product_attention and _is_split(lay)
@@ -673,18 +674,18 @@ def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, 
 
 
 def _localize_val(node: fx.Node, t: int) -> None:
-    """meta['val'] becomes the local shape (a meta tensor); the global one is kept in
-    meta['tp_global_val']."""
-    val, lay = node.meta.get("val"), node.meta.get("tp_layout")
-    if "tp_global_val" in node.meta:
+    """meta[K.VAL] becomes the local shape (a meta tensor); the global one is kept in
+    meta[K.TP_GLOBAL_VAL]."""
+    val, lay = node.meta.get(K.VAL), node.meta.get(K.TP_LAYOUT)
+    if K.TP_GLOBAL_VAL in node.meta:
         return
     if isinstance(val, torch.Tensor) and isinstance(lay, Shard):
-        node.meta["tp_global_val"] = val
-        node.meta["val"] = torch.empty(_local_shape(tuple(val.shape), lay, t), dtype=val.dtype,
+        node.meta[K.TP_GLOBAL_VAL] = val
+        node.meta[K.VAL] = torch.empty(_local_shape(tuple(val.shape), lay, t), dtype=val.dtype,
                                        device="meta")
     elif isinstance(val, (tuple, list)) and isinstance(lay, tuple):
-        node.meta["tp_global_val"] = val
-        node.meta["val"] = type(val)(
+        node.meta[K.TP_GLOBAL_VAL] = val
+        node.meta[K.VAL] = type(val)(
             torch.empty(_local_shape(tuple(v.shape), l, t), dtype=v.dtype, device="meta")
             if isinstance(v, torch.Tensor) else v for v, l in zip(val, lay))
 
@@ -693,7 +694,7 @@ def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose value depends on a trainable parameter (floating point, grad enabled)."""
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
+        val = node.meta.get(K.VAL)
         floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
         if node.op == "get_attr":
             owner, name = _get_owner(gm, node.target)
@@ -721,16 +722,16 @@ def gather_full_state_dict(gm: fx.GraphModule, group: Any = None,
     from every tensor rank's shards. Collective: every rank of `group` must call it; every rank
     gets the result. Tied parameters appear under all their names, as in model.state_dict()."""
     group = group if group is not None else getattr(gm, "tp_group", None)
-    info: TPInfo | None = gm.meta.get("tp")
+    info: TPInfo | None = gm.meta.get(K.TP_INFO)
     t = C.group_size(group) if not isinstance(group, shard_rt.UnboundGroup) else group.t
     split_of = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr" and "tp_param" in node.meta:
+        if node.op == "get_attr" and K.TP_PARAM in node.meta:
             owner, name = _get_owner(gm, node.target)
-            split_of[id(getattr(owner, name))] = (node.meta["tp_param"],
-                                                  int(node.meta.get("tp_global_val",
-                                                                    node.meta["val"]).shape[
-                                                          node.meta["tp_param"].dim]))
+            split_of[id(getattr(owner, name))] = (node.meta[K.TP_PARAM],
+                                                  int(node.meta.get(K.TP_GLOBAL_VAL,
+                                                                    node.meta[K.VAL]).shape[
+                                                          node.meta[K.TP_PARAM].dim]))
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for key, value in gm.state_dict(keep_vars=True).items():
@@ -761,15 +762,15 @@ def tp_report(plan: Any, gm: fx.GraphModule) -> list[str]:
     sp = bool(getattr(plan, "sequence_parallel", False))
     if not isinstance(t, int) or t <= 1:
         return ["tensor parallel: off (t=1)"]
-    info = gm.meta.get("tp")
+    info = gm.meta.get(K.TP_INFO)
     if info is None or info.t != t or info.sequence_parallel != sp:
         propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
-        info = gm.meta["tp"]
+        info = gm.meta[K.TP_INFO]
     lines = info.summary().splitlines()
     padded = sorted({(k, s.padded) for k, s in info.params.items() if s.padded})
     lines += [f"  vocab padded: {k} to {p} rows (invisible in loss and state dict)"
               for k, p in padded]
-    roles = [n.meta.get("tp_role") for n in gm.graph.nodes]
+    roles = [n.meta.get(K.TP_ROLE) for n in gm.graph.nodes]
     split_dropout = sum(1 for n in gm.graph.nodes if _per_rank_dropout(n))
     if split_dropout:
         lines.append(f"  dropout: {split_dropout} in split regions on per-rank RNG streams; "
