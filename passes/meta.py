@@ -78,8 +78,8 @@ KEYS: tuple[MetaKey, ...] = (
             writer="torch.export (passes.capture)",
             readers=("passes.sharding", "passes.pipeline", "passes.recompute")),
     MetaKey(name=REPEATS, scope="graph", type="dict[str, int]",
-            meaning="true child count of each repeated block container capture truncated "
-                    "(path without the capture prefix); empty for a full capture",
+            meaning="true child count of each repeated block container capture truncated, "
+                    "by its path in NN_MODULE_STACK; empty for a full capture",
             writer="passes.capture", readers=("passes.layers",)),
     MetaKey(name=REGION, scope="node", type="tuple[str, int | None]",
             meaning='("embedding", None) | ("block", i) | ("head", None)',

@@ -12,14 +12,15 @@ each linear's backward) ran before it. This pass fuses f with the projections in
 `collectives.column_parallel` call whose backward launches the reduction asynchronously,
 computes every dW_i and db_i, then waits.
 
-`overlap_tp_backward(gm) -> gm`
+`overlap_tp_backward(gm) -> gm` (`OVERLAP_PASS` in a pass list)
 Requires: gm from passes.tensor_parallel.apply_tensor_parallel (collectives are call_function
-  nodes on the `tp_group` get_attr); meta[K.VAL] on values.
+  nodes on the `tp_group` get_attr); meta[VAL] on values.
 Guarantees: every `copy_to_tp(x, group)` / `all_gather_sp(x, group, dim)` whose users are all
   projections of it — aten.linear(f, W[, b]), aten.matmul(f, W) with a 2-D W (Falcon's x @ w.T),
-  or aten.mm(f, W) / aten.addmm(b, f, W) (GPT-2's Conv1D) — is replaced by one `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and
-  a getitem per projection; the numbers (forward and gradients) are unchanged; f nodes with
-  any other user are left as they are. The graph lints.
+  or aten.mm(f, W) / aten.addmm(b, f, W) (GPT-2's Conv1D) — is replaced by one
+  `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and a getitem per
+  projection; the numbers (forward and gradients) are unchanged; f nodes with
+  any other user are left as they are.
 Reads node.meta (keys of passes/meta.py): VAL. Writes: the new nodes' meta (copied from the f
   node and from each projection: VAL, REGION, STACK_TRACE, NN_MODULE_STACK); gm.meta[OVERLAP] =
   the number of entries fused.
@@ -34,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
+from autopar.passes.manager import Pass, run_passes
 from autopar.runtime import collectives as C
 
 _ATEN = torch.ops.aten
@@ -95,8 +97,7 @@ def _fuse(graph: fx.Graph, f: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fuse each column-parallel entry with its projections (see the module docstring)."""
+def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
     fused = 0
     # positions of the original nodes, numbered once: fusing inserts nodes but never moves an
     # original one, and only originals (users, weights, biases) are compared
@@ -104,8 +105,15 @@ def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SOURCES:
             fused += _fuse(gm.graph, node, order)
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
     gm.meta[K.OVERLAP] = fused
     return gm
+
+
+OVERLAP_PASS = Pass("overlap_tp_backward", _fuse_entries, reads=(K.VAL,),
+                    writes=(K.REGION, K.VAL, K.OVERLAP))
+
+
+def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fuse each column-parallel entry with its projections (see the module docstring);
+    linted and recompiled (passes.manager.run_passes)."""
+    return run_passes(gm, [OVERLAP_PASS])

@@ -4,9 +4,11 @@ Chunk c holds the blocks [stages[c].first_layer, stages[c].last_layer), the embe
 c = 0 and the head + loss when c is the last chunk; it runs on pipeline rank c mod p
 (interleaved placement, 2104.04473 §2.2.2). Layer counts need not divide p·v.
 
-Requires: every compute node of the layers carries node.meta[K.REGION] =
-  ("embedding", None) | ("block", i) | ("head", None) (written by passes/layers.find_layers);
-  node.meta[K.VAL] (FakeTensor) on every value; get_attr nodes name the model's parameters and
+`split_chunks(gm, plan) -> list[GraphModule]` is the compiler's one splitter: passes before it
+run on the whole graph, passes after it on each chunk (passes/manager.py).
+Requires: every compute node of the layers carries node.meta[REGION] =
+  ("embedding", None) | ("block", i) | ("head", None) (written by passes/layers.py);
+  node.meta[VAL] (FakeTensor) on every value; get_attr nodes name the model's parameters and
   buffers; the graph returns the scalar loss (capture with a loss_fn).
 Guarantees: `split_chunks` returns p·v GraphModules. Chunk c's forward takes
   (*received, *model_inputs) — the values crossing the cut c-1 → c in graph order, then the
@@ -42,10 +44,6 @@ class Boundary:
     replicated: bool = True  # identical on every tensor rank (False: a tensor-parallel shard or
     #                          partial sum, which each tensor rank sends whole to its peer)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
 
 @dataclass
 class ChunkSpec:
@@ -80,7 +78,7 @@ class ChunkSpec:
 
 
 def count_layers(gm: torch.fx.GraphModule) -> int:
-    """Number of blocks, from the ('block', i) regions of find_layers."""
+    """Number of blocks, from the ('block', i) regions of the layers pass."""
     blocks = [n.meta[K.REGION][1] for n in gm.graph.nodes
               if n.meta.get(K.REGION, (None,))[0] == "block"]
     return max(blocks) + 1 if blocks else 0
@@ -182,10 +180,6 @@ class _Analysis:
         for n in nodes:
             if n in self.chunk and n.target is operator.getitem and n.args[0] in self.chunk:
                 self.chunk[n] = self.chunk[n.args[0]]
-
-    def producer_chunk(self, n: torch.fx.Node) -> int | None:
-        """Chunk computing n, None for nodes available everywhere (inputs, attrs, free)."""
-        return self.chunk.get(n)
 
     def crossing(self, c: int) -> list[torch.fx.Node]:
         """Values computed before chunk c and read in chunk c or later (graph order)."""
@@ -325,8 +319,8 @@ def split_chunks(gm: torch.fx.GraphModule, plan: Plan, *, prefix: str = "model."
     """
     num_layers = count_layers(gm)
     if num_layers == 0:
-        raise ValueError("pipeline: no ('block', i) regions in the graph; run "
-                         "passes.layers.find_layers(gm) before split_chunks")
+        raise ValueError("pipeline: no ('block', i) regions in the graph; run the layers pass "
+                         "(passes.layers.LAYERS_PASS) before split_chunks")
     check_stages(plan, num_layers)
     analysis = _Analysis(gm, plan)
     return [_build_chunk(analysis, c, prefix) for c in range(len(plan.stages))]

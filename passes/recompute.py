@@ -19,15 +19,17 @@ does not cover; a region that contains it calls checkpoint through `checkpoint_t
 passes `context_fn=tp_rng_context` to replay those generators the same way (a named function:
 the generated chunk source must be able to spell the call).
 
-Requires: node.meta[K.REGION] on the compute nodes (passes/layers.find_layers; kept by
-  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta[K.VAL] on values; a block's
+`apply_recompute(gm, mode) -> gm`; `recompute_pass(mode)` is the same as a pass-list entry (run
+per chunk, after passes.pipeline.split_chunks).
+Requires: node.meta[REGION] on the compute nodes (passes/layers.py; kept by
+  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta[VAL] on values; a block's
   activation nodes are contiguous in graph order (no outside node consumes a block value before
   the block's last node) — true of captured graphs, checked.
 Guarantees: the same forward values and gradients as the input graph (bit-identical for the
   same RNG state); parameters and other get_attr nodes stay in the outer graph and are passed to
   the checkpointed submodule as arguments, so the module's attributes are unchanged (the runtime
   attaches parameters as before and codegen emits the submodule as a nested class); gm is
-  modified in place, linted, recompiled and returned.
+  modified in place and returned.
 Reads node.meta (keys of passes/meta.py): REGION, VAL, STACK_TRACE (in errors). Writes: REGION
   and VAL on the new get_attr / checkpoint / getitem nodes (the region of the nodes they
   replace); gm.meta[RECOMPUTE] = {"mode": mode, "regions": [submodule names]}.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
@@ -43,6 +46,7 @@ import torch.fx
 import torch.utils.checkpoint
 
 from autopar.passes import meta as K
+from autopar.passes.manager import Pass, run_passes
 
 MODES = ("none", "selective", "full")
 
@@ -58,26 +62,35 @@ _SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.defau
             torch.softmax, torch.nn.functional.softmax}
 
 
-def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
-    """Checkpoint `gm`'s blocks ('full') or attention cores ('selective'); see module doc."""
+def recompute_pass(mode: str) -> Pass:
+    """The pass checkpointing a chunk's blocks ('full') or attention cores ('selective')."""
     if mode not in MODES:
         raise ValueError(f"apply_recompute: mode={mode!r} is not one of {MODES}; use "
                          f"'none' (keep activations), 'selective' (recompute the attention core) "
                          f"or 'full' (recompute whole blocks)")
+    return Pass(f"recompute[{mode}]", partial(_checkpoint_regions, mode=mode),
+                reads=(K.REGION, K.VAL), writes=(K.REGION, K.VAL, K.RECOMPUTE))
+
+
+def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """Checkpoint `gm`'s blocks ('full') or attention cores ('selective'); see module doc.
+    Linted and recompiled (passes.manager.run_passes)."""
+    return run_passes(gm, [recompute_pass(mode)])
+
+
+def _checkpoint_regions(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
     names: list[str] = []
     if mode == "full":
         for i, nodes in _blocks(gm).items():
-            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i), mode))
+            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i)))
     elif mode == "selective":
         for k, (region, nodes) in enumerate(_attention_cores(gm)):
             tag = f"{region[1]}" if region and region[1] is not None else f"{k}"
             name = f"recompute_attention_{tag}"
             while hasattr(gm, name):
                 name += "_"
-            names.append(_outline(gm, nodes, name, region, mode))
+            names.append(_outline(gm, nodes, name, region))
     gm.meta[K.RECOMPUTE] = {"mode": mode, "regions": names}
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
@@ -174,8 +187,8 @@ def _reach(start: torch.fx.Node, step: Callable) -> set[torch.fx.Node]:
 
 
 # ---- outlining -------------------------------------------------------------------------
-def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, region: Any,
-             mode: str) -> str:
+def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
+             region: Any) -> str:
     """Replace `nodes` (graph order) by `checkpoint(self.<name>, *inputs)`; return name."""
     nodes = _absorb(gm, nodes)
     inside = set(nodes)

@@ -36,13 +36,15 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Collection
 
 import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
+from autopar.passes.manager import Pass, run_passes
 from autopar.passes import sharding as S
 from autopar.passes.sharding import Partial, Replicate, Shard, packet, shape, source_line
 from autopar.runtime import collectives as C
@@ -233,17 +235,27 @@ def _feeds_split_work(start: fx.Node) -> bool:
 # ----- transformation ---------------------------------------------------------------------------
 
 def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, group: Any,
-                          sequence_parallel: bool | None = None, *, seed: int = 0,
-                          model: torch.nn.Module | None = None,
-                          init: Callable[[torch.nn.Module], None] | None = None,
-                          prefix: str = "model.", vocab_multiple: int = 128,
-                          materialize: Collection[str] | None = None) -> fx.GraphModule:
-    """Rewrite `gm` in place into tensor rank `tp_rank`'s program (of `t` ranks in `group`).
+                          sequence_parallel: bool | None = None, **options: Any
+                          ) -> fx.GraphModule:
+    """Rewrite `gm` in place into tensor rank `tp_rank`'s program: `tensor_parallel_pass` (see
+    it for the options and the guarantees) run on gm, linted and recompiled."""
+    return run_passes(gm, [tensor_parallel_pass(plan_or_t, tp_rank, group, sequence_parallel,
+                                                **options)])
+
+
+def tensor_parallel_pass(plan_or_t: Any, tp_rank: int, group: Any,
+                         sequence_parallel: bool | None = None, *, seed: int = 0,
+                         model: torch.nn.Module | None = None,
+                         init: Callable[[torch.nn.Module], None] | None = None,
+                         prefix: str = "model.", vocab_multiple: int = 128,
+                         materialize: Collection[str] | None = None) -> Pass:
+    """The pass rewriting a graph in place into tensor rank `tp_rank`'s program (of `t` ranks
+    in `group`); the arguments are checked here, before any graph work.
 
     Requires: gm from capture; `plan_or_t` an int t or a Plan (its t, sequence_parallel);
       `group` the tensor-parallel ProcessGroup (None only for t = 1 or for inspecting the
-      rewritten graph without running it). Runs propagate_sharding first unless gm.meta[K.TP_INFO]
-      already holds a decision for this t and mode.
+      rewritten graph without running it). Runs propagate_sharding first unless
+      gm.meta[TP_INFO] already holds a decision for this t and mode.
     Guarantees: parameters on gm are this rank's local shards (sliced from real parameters,
       or, for parameters on the meta device, sliced from the global-shape init of their
       owning module of the user's `model` (graph names minus `prefix`) under the seed
@@ -253,10 +265,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
       weights of this pipeline rank's chunks from passes.pipeline.chunk_attr_targets), only
       those become real tensors; every other tensor attribute becomes a meta tensor of its
       local shape (never initialised, never copied). view/reshape/expand/split constants are
-      local; collectives are
-      call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
-      lints. Reads meta TP_LAYOUT / TP_CONVERT / TP_ROLE / TP_PARAM; rewrites meta[VAL] to
-      local shapes.
+      local; collectives are call_function nodes taking the get_attr node `tp_group`
+      (gm.tp_group = group).
+    Reads (keys of passes/meta.py): TP_INFO, TP_LAYOUT, TP_CONVERT, TP_ROLE, TP_PARAM, VAL.
+      Writes: those (propagate_sharding), VAL made local with the global value kept in
+      TP_GLOBAL_VAL.
     """
     t = getattr(plan_or_t, "t", plan_or_t)
     if sequence_parallel is None:
@@ -267,6 +280,19 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
                          f"t={t}; pass the tensor-parallel group of this rank")
     if not 0 <= tp_rank < t:
         raise ValueError(f"apply_tensor_parallel: tp_rank={tp_rank} is outside [0, {t})")
+    rewrite = partial(_rewrite_rank, t=t, tp_rank=tp_rank, group=group,
+                      sequence_parallel=sequence_parallel, seed=seed, model=model, init=init,
+                      prefix=prefix, vocab_multiple=vocab_multiple, materialize=materialize)
+    return Pass(f"tensor_parallel[t={t}, rank={tp_rank}]", rewrite,
+                reads=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM),
+                writes=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM,
+                        K.TP_GLOBAL_VAL))
+
+
+def _rewrite_rank(gm: fx.GraphModule, *, t: int, tp_rank: int, group: Any,
+                  sequence_parallel: bool, seed: int, model: torch.nn.Module | None,
+                  init: Callable | None, prefix: str, vocab_multiple: int,
+                  materialize: Collection[str] | None) -> fx.GraphModule:
     info = gm.meta.get(K.TP_INFO)
     if info is None or info.t != t or info.sequence_parallel != sequence_parallel:
         propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
@@ -279,8 +305,6 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
         shard_rt.reset_streams(seed, tp_rank)
         _Rewriter(gm, t, seed).run()
     gm.tp_rank = tp_rank
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 

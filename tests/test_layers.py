@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LAYERS, captured_tiny, make_tiny, tiny_batch
+from conftest import LAYERS, captured_tiny
 
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
