@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.build import build_program
 from autopar.passes import meta as K
 from autopar.passes.pipeline import ChunkSpec
 
@@ -168,7 +169,6 @@ def _render_class(gm: torch.fx.GraphModule, cls: str, doc: str,
 
 def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0) -> str:
     """The generated Python of pipeline chunk `chunk` as tensor rank `tp_rank` runs it."""
-    from autopar.build import build_program
     built = build_program(prog)
     chunks = built.chunks(tp_rank, weights=False)   # source needs shapes, not weights
     if not 0 <= chunk < len(chunks):

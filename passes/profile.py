@@ -47,14 +47,14 @@ _WEIGHT_GEMMS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.
                  aten.bmm.default, aten.baddbmm.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 # Ops that only re-describe memory (no bytes moved) and are skipped by other_bytes.
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
-          aten.numpy_T.default, aten.mT.default,   # `w.T` / `w.mT` (Falcon's x @ w.T)
-          aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-          aten.squeeze.default, aten.alias.default, aten.split.Tensor,
-          aten.split_with_sizes.default, aten.detach.default, aten.flatten.using_ints,
-          aten.chunk.default, aten.unflatten.int, aten._assert_tensor_metadata.default,
-          aten.to.dtype, aten.to.dtype_layout, aten.unbind.int}
+VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                      aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+                      aten.numpy_T.default, aten.mT.default,   # `w.T` / `w.mT` (Falcon's x @ w.T)
+                      aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+                      aten.squeeze.default, aten.alias.default, aten.split.Tensor,
+                      aten.split_with_sizes.default, aten.detach.default, aten.flatten.using_ints,
+                      aten.chunk.default, aten.unflatten.int, aten._assert_tensor_metadata.default,
+                      aten.to.dtype, aten.to.dtype_layout, aten.unbind.int})
 TRAIN_BYTES_PER_ELEM = 2  # 16-bit training precision for floating activations
 
 
@@ -83,7 +83,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
         first = next(a for a in captured.example_inputs if torch.is_tensor(a))
         seq_len = int(first.shape[1]) if first.dim() > 1 else int(first.shape[0])
     nodes = {n.name: n for n in gm.graph.nodes}
-    params = _param_identity(captured)
+    params = param_identity(captured)
     g = _GraphFacts(gm, structure, nodes, params, batch)
     regions = {"embedding": _Region(), "block": _Region(), "head": _Region()}
     for kind, names in (("embedding", structure.embedding_nodes),
@@ -118,7 +118,7 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         tp_allreduce_elems=r.allreduce)
 
 
-def _param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
+def param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
     """Graph get_attr target -> (identity, elems) for every parameter; tied names share one id."""
     out = {}
     for pname, p in captured.model.named_parameters(remove_duplicate=False):
@@ -301,7 +301,7 @@ def _is_gemm(n: torch.fx.Node) -> bool:
 
 def _root(n: Any) -> Any:
     """Follow view-like single-input ops back to their source."""
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS:
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in VIEW_OPS:
         n = n.args[0]
     return n
 
@@ -445,7 +445,7 @@ def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
     read and write = 3 · heads · L · S elements (as in the unfused kernels of 2104.04473).
     """
     for n in region:
-        if n.op != "call_function" or n.target in _VIEWS or n.target in _WEIGHT_GEMMS:
+        if n.op != "call_function" or n.target in VIEW_OPS or n.target in _WEIGHT_GEMMS:
             continue
         out = _val(n)
         if not isinstance(out, torch.Tensor):
@@ -514,7 +514,7 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         # Storage addresses identify tensors only while they live: keep every value alive
         # (meta tensors cost no memory) so that no address is reused during the run.
         self.keep: list[Any] = []
-        self.per_batch = _batch_dependent(gm)
+        self.per_batch = batch_dependent(gm)
 
     def fetch_attr(self, target: str) -> Any:
         t = super().fetch_attr(target)
@@ -571,7 +571,7 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         return t
 
 
-def _batch_dependent(gm: torch.fx.GraphModule) -> set:
+def batch_dependent(gm: torch.fx.GraphModule) -> set:
     """Nodes whose value depends on the inputs (and so scales with the batch)."""
     dep: set = set()
     for n in gm.graph.nodes:

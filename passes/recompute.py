@@ -47,6 +47,7 @@ import torch.utils.checkpoint
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
+from autopar.runtime.shard import tp_dropout
 
 MODES = ("none", "selective", "full")
 
@@ -269,10 +270,6 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
 
 
 def _uses_tp_dropout(nodes: Iterable[torch.fx.Node]) -> bool:
-    try:
-        from autopar.runtime.shard import tp_dropout
-    except ImportError:
-        return False
     return any(n.target is tp_dropout for n in nodes)
 
 

@@ -43,16 +43,23 @@ from typing import Any, Callable, Collection
 import torch
 import torch.fx as fx
 
+from autopar.cost.hardware import get_cluster
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
 from autopar.passes import sharding as S
-from autopar.passes.sharding import Partial, Replicate, Shard, packet, shape, source_line
+from autopar.passes.sharding import (Partial, Replicate, Shard, is_split, packet, shape,
+                                     source_line)
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
 
 aten = torch.ops.aten
 
 _MAX_ROUNDS = 10_000
+
+
+class PropagationError(RuntimeError):
+    """Sharding propagation settles on no layout: a conflict whose origins are all off already
+    (it loops) or no fixed point within _MAX_ROUNDS — a graph the rules cannot settle."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,11 +112,11 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
       its origins fall back to replicated. Either way the choice is in TPInfo.notes.
     Errors: ValueError for a bad t, a sequence length not divisible by t under sequence
       parallelism, or (strict) a head / hidden size that cannot be split under this t, naming
-      the node and the user's source line.
+      the node and the user's source line; PropagationError when no layout settles.
     """
     _check_t(t)
     seq_len = _seq_len(gm) if sequence_parallel else None
-    if sequence_parallel and (seq_len is None or seq_len % t):
+    if sequence_parallel and not sequence_parallel_fits(gm, t):
         raise ValueError(f"sequence_parallel with t={t}: the sequence length {seq_len} (dim 1 of "
                          f"the first input) must be divisible by t; pad the sequence to a "
                          f"multiple of {t} or turn sequence parallelism off")
@@ -141,14 +148,14 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
             if undo:
                 continue
             if not c.origins - off:
-                raise RuntimeError(f"tensor_parallel: propagation loops at {c.node.name}: "
-                                   f"{c.reason}") from None
+                raise PropagationError(f"tensor_parallel: propagation loops at {c.node.name}: "
+                                       f"{c.reason} ({source_line(c.node)})") from None
             for o in c.origins - off:
                 fallbacks[o] = Fallback(node=o, reason=c.reason, where=source_line(c.node),
                                         indivisible=c.indivisible)
             off |= c.origins
     else:
-        raise RuntimeError("tensor_parallel: sharding propagation did not converge")
+        raise PropagationError("tensor_parallel: sharding propagation did not converge")
     info = _write_meta(gm, prop, t, sequence_parallel, list(fallbacks.values()))
     if strict and t > 1:
         _check_lost_regions(gm, info)
@@ -159,7 +166,6 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
 def _flop_per_byte(cluster: Any) -> float:
     """Machine balance: the GEMM FLOPs one byte of tensor-parallel communication costs
     (sustained peak / intra-node collective bandwidth; A100: 0.8·312e12 / 231e9 ≈ 1080)."""
-    from autopar.cost.hardware import get_cluster
     c = get_cluster(cluster)
     return c.peak_flops * c.gemm_max_efficiency / c.intra_node_bandwidth_Bps
 
@@ -168,6 +174,12 @@ def _check_t(t: Any) -> None:
     if not isinstance(t, int) or isinstance(t, bool) or t < 1:
         raise ValueError(f"tensor_parallel: t={t!r} must be a positive integer (the number of "
                          f"tensor-parallel ranks)")
+
+
+def sequence_parallel_fits(gm: fx.GraphModule, t: int) -> bool:
+    """Whether sequence parallelism can split gm's sequence (dim 1 of the first input) t ways."""
+    seq_len = _seq_len(gm)
+    return seq_len is not None and seq_len % t == 0
 
 
 def _seq_len(gm: fx.GraphModule) -> int | None:
@@ -224,9 +236,9 @@ def _feeds_split_work(start: fx.Node) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if _is_split(node.meta.get(K.TP_LAYOUT)) and node.op != "output":
+        if is_split(node.meta.get(K.TP_LAYOUT)) and node.op != "output":
             return True
-        if node.meta.get(K.TP_ROLE) or packet(node) in S._MATMULS:
+        if node.meta.get(K.TP_ROLE) or packet(node) in S.MATMUL_OPS:
             continue
         todo.extend(node.users)
     return False
@@ -421,7 +433,7 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, t: int, seed: int):
         self.gm, self.graph, self.t, self.seed = gm, gm.graph, t, seed
-        self.grad = _requires_grad(gm)
+        self.grad = nodes_requiring_grad(gm)
         self.cache: dict[tuple, fx.Node] = {}
         self.made: set[fx.Node] = set()
         first = next(n for n in self.graph.nodes if n.op != "placeholder")
@@ -457,7 +469,7 @@ class _Rewriter:
         return node
 
     def _convert_inputs(self, node: fx.Node) -> None:
-        out_split = _is_split(node.meta.get(K.TP_LAYOUT))
+        out_split = is_split(node.meta.get(K.TP_LAYOUT))
         if node.meta.get(K.TP_ROLE) == "row":
             self._drop_bias(node)  # added once after the reduction, not here
         converted = set()
@@ -579,18 +591,18 @@ class _Rewriter:
             node.target = shard_rt.partial_mean
             node.args = (node.args[0], self.group, dims, keep, node.kwargs.get("dtype"))
             node.kwargs = {}
-        elif op in S._SIZE_ARG_OPS:
+        elif op in S.SIZE_ARG_OPS:
             self._local_sizes(node)
-        elif op in S._SPLITS:
+        elif op in S.SPLIT_OPS:
             self._local_split(node)
         elif op is aten.unflatten:
             lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
                 sizes = list(_local_shape(shape(node), lay, self.t))
-                dim = S._norm_dim(node.args[1], len(shape(node.args[0])))
+                dim = S.norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
-        elif op is aten.scaled_dot_product_attention and _is_split(node.meta.get(K.TP_LAYOUT)) \
+        elif op is aten.scaled_dot_product_attention and is_split(node.meta.get(K.TP_LAYOUT)) \
                 and _sdpa_dropout(node):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
@@ -620,7 +632,7 @@ class _Rewriter:
 
     def _vocab_ce(self, node: fx.Node) -> None:
         logits, target = node.args[0], node.args[1]
-        if packet(node) in S._NLL:  # nll_loss(log_softmax(x)) = cross_entropy(x)
+        if packet(node) in S.NLL_OPS:  # nll_loss(log_softmax(x)) = cross_entropy(x)
             log_softmax, logits = logits, logits.args[0]
             node.replace_input_with(log_softmax, logits)
             if not log_softmax.users:
@@ -647,7 +659,7 @@ class _Rewriter:
         if not isinstance(lay, Shard) or packet(node) is aten.unbind:
             return
         nd = len(shape(src))
-        dim = S._norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+        dim = S.norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
         if dim != lay.dim:
             return
         pieces = node.meta[K.TP_LAYOUT]
@@ -679,14 +691,8 @@ def _per_rank_dropout(n: fx.Node) -> bool:
     lay = n.meta.get(K.TP_LAYOUT)
     if packet(n) is aten.dropout:
         return not S.dropout_is_identity(n) and isinstance(lay, Shard)
-    return (packet(n) is aten.scaled_dot_product_attention and _is_split(lay)
+    return (packet(n) is aten.scaled_dot_product_attention and is_split(lay)
             and _sdpa_dropout(n))
-
-
-def _is_split(lay: Any) -> bool:
-    if isinstance(lay, tuple):
-        return any(_is_split(l) for l in lay)
-    return isinstance(lay, (Shard, Partial))
 
 
 def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, ...]:
@@ -714,7 +720,7 @@ def _localize_val(node: fx.Node, t: int) -> None:
             if isinstance(v, torch.Tensor) else v for v, l in zip(val, lay))
 
 
-def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+def nodes_requiring_grad(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose value depends on a trainable parameter (floating point, grad enabled)."""
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:

@@ -57,9 +57,10 @@ from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPReg
 from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
-from autopar.passes.profile import _VIEWS, _batch_dependent, _param_identity
-from autopar.passes.sharding import Partial, Replicate, Shard, is_tensor
-from autopar.passes.tensor_parallel import _is_split, _requires_grad, propagate_sharding
+from autopar.passes.profile import VIEW_OPS, batch_dependent, param_identity
+from autopar.passes.sharding import Partial, Replicate, Shard, is_split, is_tensor
+from autopar.passes.tensor_parallel import (PropagationError, nodes_requiring_grad,
+                                            propagate_sharding, sequence_parallel_fits)
 
 _REGIONS = ("embedding", "block", "head")
 _SPLITS = ("n", "k", "batch")
@@ -70,7 +71,8 @@ def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: La
                         sequence_parallel: Iterable[bool] = (False, True)) -> ModelProfile:
     """`profile` with `tp_fallbacks` filled for every t > 1 of `ts` and every mode of
     `sequence_parallel` the pass accepts (a sequence length not divisible by t rejects SP), and
-    a note per t with fallbacks (or whose analysis failed: that t is priced structurally)."""
+    a note per t with fallbacks (or whose propagation settles on no layout, PropagationError:
+    that t is priced structurally). Any other error is a bug and propagates."""
     corr, failed = _analyse(captured, structure, profile, ts, sequence_parallel)
     notes = [f"tensor parallel t={c.t}{' + SP' if c.sequence_parallel else ''}: "
              f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr if not c.empty]
@@ -84,7 +86,7 @@ def tp_corrections(captured: Captured, structure: LayerStructure, profile: Model
                    ) -> tuple[TPCorrection, ...]:
     """One `TPCorrection` per analysed (t, sequence_parallel), t > 1 (empty ones included: the
     pass splits everything the profile splits). A mode the pass rejects (SP with a sequence
-    length not divisible by t) or cannot analyse is left out: the cost model then prices it
+    length not divisible by t) or cannot settle is left out: the cost model then prices it
     with the other mode's correction at that t, or structurally."""
     return _analyse(captured, structure, profile, ts, sequence_parallel)[0]
 
@@ -95,17 +97,14 @@ def _analyse(captured, structure, profile, ts, sequence_parallel):
     out, failed = [], []
     for t in sorted({int(t) for t in ts if int(t) > 1}):
         for sp in dict.fromkeys(bool(s) for s in sequence_parallel):
+            if sp and not sequence_parallel_fits(gm, t):
+                continue  # the mode is not runnable at this t
             try:
                 propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
-            except ValueError:
-                continue  # SP with a sequence not divisible by t: the mode is not runnable
-            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
+            except PropagationError as e:  # planning goes on, this t priced structurally
                 failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
                 continue
-            try:
-                out.append(_correction(facts, t, sp))
-            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
-                failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+            out.append(_correction(facts, t, sp))
     return tuple(out), failed
 
 
@@ -125,10 +124,10 @@ class _Facts:
         self.region["head"] += [n for n in gm.graph.nodes  # output gathers (logits, no loss)
                                 if n.op == "output" and n not in self.region["head"]]
         self.targets: dict[int, list[str]] = {}
-        for target, (pid, _) in _param_identity(captured).items():
+        for target, (pid, _) in param_identity(captured).items():
             self.targets.setdefault(pid, []).append(target)
-        self.grad = _requires_grad(gm)
-        self.per_batch = _batch_dependent(gm)
+        self.grad = nodes_requiring_grad(gm)
+        self.per_batch = batch_dependent(gm)
 
     def elems(self, n: fx.Node) -> int:
         """Global elements of n's value for one sequence."""
@@ -156,7 +155,7 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
     seeds, gemm_idx = [], []
     for n in nodes:
         idx = n.meta.get(K.GEMM_IDX)
-        if not idx or n.meta.get(K.GEMM_SPLIT) not in _SPLITS or _is_split(n.meta.get(K.TP_LAYOUT)):
+        if not idx or n.meta.get(K.GEMM_SPLIT) not in _SPLITS or is_split(n.meta.get(K.TP_LAYOUT)):
             continue
         seeds.append(n)
         gemm_idx.extend(i for i in idx if prof.gemms[i].tp_split is not None)
@@ -205,7 +204,7 @@ def _merged_reductions_elems(facts: _Facts, nodes: list) -> int:
 
 
 def _unsplit(n: fx.Node) -> bool:
-    return not _is_split(n.meta.get(K.TP_LAYOUT))
+    return not is_split(n.meta.get(K.TP_LAYOUT))
 
 
 def _is_gemm(n: fx.Node) -> bool:
@@ -237,7 +236,7 @@ def _params_kept_whole(facts: _Facts, kind: str, info: Any) -> int:
 def _view_chain(n: Any) -> list[str]:
     """n and the nodes it views, back to the value that owns the storage."""
     out = [n.name]
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _VIEWS \
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in VIEW_OPS \
             and isinstance(n.args[0], fx.Node):
         n = n.args[0]
         out.append(n.name)
@@ -293,7 +292,7 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
     stats = _closure([n for n in nodes if n.meta.get(K.TP_ROLE) == "partial_mean"], set(nodes))
     for n in nodes:
         conv = n.meta.get(K.TP_CONVERT, {})
-        out_split = _is_split(n.meta.get(K.TP_LAYOUT))
+        out_split = is_split(n.meta.get(K.TP_LAYOUT))
         for a_name, want in conv.items():
             a = facts.nodes[a_name]
             have = a.meta.get(K.TP_LAYOUT)

@@ -28,7 +28,7 @@ def _relu_graph() -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-# ----- the runner ---------------------------------------------------------------------------------
+# ----- the runner --------------------------------------------------------------------------------
 
 def _to_sigmoid(gm: fx.GraphModule) -> fx.GraphModule:
     for n in gm.graph.nodes:
@@ -91,7 +91,7 @@ def test_pass_keys_must_be_declared():
         Pass("typo", lambda gm: gm, reads=("autopar_typo",))
 
 
-# ----- the registry ---------------------------------------------------------------------------------
+# ----- the registry ------------------------------------------------------------------------------
 
 def test_registry_has_one_entry_per_key_and_one_naming_scheme():
     names = [k.name for k in K.KEYS]

@@ -14,7 +14,7 @@ from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
 from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
-from autopar.passes.sharding import Partial, Replicate, Shard, _unflattened, map_reshape
+from autopar.passes.sharding import Partial, Replicate, Shard, unflattened_sizes, map_reshape
 from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding, tp_report
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
@@ -292,9 +292,9 @@ def test_kv_groups_not_divisible_by_pinned_t_names_the_groups():
     msg = str(err.value)
     assert "unflattens into [2, 4, 8]" in msg and "t must divide 2" in msg
     assert "modeling_falcon.py" in msg and "fix:" in msg
-    assert _unflattened((2, 8, 64), (2, 8, 2, 4, 8), 2) == [2, 4, 8]
-    assert _unflattened((2, 8, 64), (2, 8, 64), 2) is None
-    assert _unflattened((2, 8, 64), (16, 64), 2) is None
+    assert unflattened_sizes((2, 8, 64), (2, 8, 2, 4, 8), 2) == [2, 4, 8]
+    assert unflattened_sizes((2, 8, 64), (2, 8, 64), 2) is None
+    assert unflattened_sizes((2, 8, 64), (16, 64), 2) is None
 
 
 def test_bad_t_and_sequence_length():
