@@ -45,8 +45,8 @@ import torch.fx as fx
 
 from autopar.cost.hardware import get_cluster
 from autopar.passes import meta as K
-from autopar.passes.manager import Pass, run_passes
 from autopar.passes import sharding as S
+from autopar.passes.manager import Pass, run_passes
 from autopar.passes.sharding import (Partial, Replicate, Shard, is_split, packet, shape,
                                      source_line)
 from autopar.runtime import collectives as C
