@@ -4,7 +4,6 @@
                                loss_fn=autopar.cross_entropy, global_batch_size=1536)
     print(prog.plan); print(prog.plan.explain())
 """
-from autopar.api import ParallelProgram, load_plan, parallelize
 from autopar.losses import cross_entropy
 from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
 
@@ -14,7 +13,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Cluster lives in autopar.cost.hardware; imported lazily to keep `import autopar` light.
+    # Imported on first use: `import autopar.runtime...` (every rank of a job) must not pull in
+    # the compiler (capture, passes, cost model, solver), and `import autopar` stays light.
+    if name in ("parallelize", "ParallelProgram", "load_plan"):
+        from autopar import api
+        return getattr(api, name)
     if name == "meta_init":
         from autopar.runtime.shard import meta_init
         return meta_init

@@ -1,4 +1,10 @@
-"""`autopar.parallelize`: capture → layers → profile → solve, returning a ParallelProgram."""
+"""`autopar.parallelize`: capture → layers → profile → solve, returning a ParallelProgram.
+
+The planning path is the front of the compiler's pipeline (passes/manager.py): capture (the
+entry, Module -> GraphModule), the layers pass, then two analyses that return results rather
+than graphs: the cost model's profile (passes/profile.py) and the price of the tensor-parallel
+pass's decisions (passes/tp_cost.py).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -7,6 +13,17 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.build import build_program
+from autopar.codegen import chunk_source, save_program
+from autopar.cost.hardware import get_cluster
+from autopar.cost.solver import solve, tensor_degrees
+from autopar.passes import meta as K
+from autopar.passes.capture import capture
+from autopar.passes.layers import LAYERS_PASS
+from autopar.passes.manager import run_passes
+from autopar.passes.profile import profile_from_graph
+from autopar.passes.tensor_parallel import tp_report
+from autopar.passes.tp_cost import with_tp_corrections
 from autopar.plan import Plan
 
 
@@ -36,24 +53,23 @@ class ParallelProgram:
                f"v={self.plan.v}, schedule={self.plan.schedule!r})"
 
     def _build(self):
-        from autopar.build import build_program
         return build_program(self)
 
     def source(self, chunk: int = 0, tp_rank: int = 0) -> str:
         """The generated Python of one pipeline chunk (as tensor rank `tp_rank` runs it)."""
-        from autopar.codegen import chunk_source
         return chunk_source(self, chunk=chunk, tp_rank=tp_rank)
 
     def save(self, directory: str | Path) -> Path:
         """Write plan.json, one .py per chunk and a torchrun launcher into `directory`."""
-        from autopar.codegen import save_program
         return save_program(self, Path(directory))
 
     def compile(self, optimizer: Callable | None = None, max_grad_norm: float | None = None,
                 **kwargs: Any):
         """Build this rank's program inside torchrun (or an existing process group); see
         autopar.compile.compile_program for the keyword arguments."""
-        from autopar.compile import compile_program  # torch.distributed only when compiling
+        # imported here: the runtime pulls in torch.distributed.pipelining (~1.5 s), which
+        # planning alone (`import autopar`, the CLI's `plan`) never needs
+        from autopar.compile import compile_program
         return compile_program(self, optimizer=optimizer, max_grad_norm=max_grad_norm, **kwargs)
 
 
@@ -84,13 +100,6 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     `plan=` reuses a plan made earlier (e.g. read from plan.json on every torchrun rank) instead
     of solving again; it must be for the same GPU count.
     """
-    from autopar.cost.hardware import get_cluster
-    from autopar.cost.solver import solve, tensor_degrees
-    from autopar.passes.capture import capture
-    from autopar.passes.layers import find_layers
-    from autopar.passes.profile import profile_from_graph
-    from autopar.passes.tp_cost import with_tp_corrections
-
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
                          f"(the number of GPUs / torchrun ranks to plan for)")
@@ -114,7 +123,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                example_inputs=example_inputs, loss_fn=loss_fn,
                                example_targets=example_targets, cluster=cl, init=init)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
-    structure = find_layers(captured)
+    structure = run_passes(captured.gm, [LAYERS_PASS]).meta[K.LAYERS]
     seq_len = int(example_inputs[0].shape[1]) if example_inputs[0].dim() > 1 else 1
     profile = profile_from_graph(captured, structure, seq_len=seq_len,
                                  name=name or type(model).__name__)
@@ -134,7 +143,6 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
 
 def _graph_notes(plan: Plan, captured: Any) -> list[str]:
     """What the tensor-parallel pass would do under `plan`, analysed on the planning graph."""
-    from autopar.passes.tensor_parallel import tp_report
     if plan.t == 1:
         return []
     return tp_report(plan, captured.gm)

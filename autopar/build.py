@@ -2,13 +2,18 @@
 
 `build_program(prog)` captures the FULL model (every layer, no repeat limit) with example
 inputs resized to the plan's micro-batch size (the graph has static shapes: views carry the
-batch dimension), labels its regions with passes.layers.find_layers, and cuts it into the
-plan's p·v chunks — per tensor rank, after the tensor-parallel rewrite when plan.t > 1 and
-(except for schedules that split the backward into B and W) passes.overlap's fusion of each
-column-parallel entry with its projections, which overlaps the input gradient's all-reduce
-with the weight gradients — and checkpoints each chunk per plan.recompute
-(passes.recompute.apply_recompute: whole blocks for 'full', the attention core for
-'selective'; after the cut, so region meta is intact).
+batch dimension) and runs the layers pass on it. `BuiltProgram.chunks(tp_rank)` then runs,
+per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after each pass):
+
+    full_graph_passes   the tensor-parallel rewrite (plan.t > 1, or weights to materialise),
+                        then, when plan.t > 1 and the schedule does not split the backward
+                        into B and W, passes.overlap's fusion of each column-parallel entry
+                        with its projections (the input gradient's all-reduce overlaps the
+                        weight gradients)
+    split_chunks        the plan's p·v chunks
+    chunk_passes        per chunk, recompute per plan.recompute (whole blocks for 'full', the
+                        attention core for 'selective'; after the cut, so region meta is intact)
+
 The result is cached on the program (`prog._autopar_built`).
 """
 from __future__ import annotations
@@ -20,6 +25,14 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.passes import meta as K
+from autopar.passes.capture import capture
+from autopar.passes.layers import LAYERS_PASS
+from autopar.passes.manager import Pass, run_passes
+from autopar.passes.overlap import OVERLAP_PASS
+from autopar.passes.pipeline import check_stages, chunk_attr_targets, count_layers, split_chunks
+from autopar.passes.recompute import recompute_pass
+from autopar.passes.tensor_parallel import tensor_parallel_pass
 from autopar.plan import Plan
 from autopar.schedules import SPLIT_BACKWARD
 
@@ -72,23 +85,34 @@ class BuiltProgram:
             return set()
         if pp_rank is None:
             return None
-        from autopar.passes.pipeline import chunk_attr_targets
         if self._attrs is None:
             self._attrs = chunk_attr_targets(self.gm, self.plan)
         p, n = self.plan.p, len(self.plan.stages)
         return set().union(*(self._attrs[c] for c in range(pp_rank, n, p)))
 
     def _cut(self, tp_rank: int, materialize: set[str] | None) -> list[torch.fx.GraphModule]:
-        from autopar.passes.pipeline import split_chunks
-        from autopar.passes.recompute import apply_recompute
         gm = self.gm
         if self.plan.t > 1 or _has_meta(gm) or materialize is not None:
-            gm, self.tp_results[tp_rank] = _tensor_parallel(self, tp_rank, materialize)
+            # the rewrite works in place: on a copy of the graph and module tree that shares
+            # the tensors (it replaces attributes, never writes into a tensor), so a real
+            # model's weights are not duplicated on every rank
+            gm = run_passes(copy.deepcopy(gm, self.user_tensors()),
+                            self._full_graph_passes(tp_rank, materialize))
+            self.tp_results[tp_rank] = gm.meta.get(K.TP_INFO)
+        chunk_passes = [recompute_pass(self.plan.recompute)]
+        return [run_passes(c, chunk_passes)
+                for c in split_chunks(gm, self.plan, prefix=self.prefix)]
+
+    def _full_graph_passes(self, tp_rank: int, materialize: set[str] | None) -> list[Pass]:
+        # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
+        # runtime binds to this rank's real group when it loads the generated chunk.
+        # With t = 1 the rewrite only materialises meta parameters (global-shape init of their
+        # module) and turns other pipeline ranks' weights into meta tensors.
+        passes = [tensor_parallel_pass(self.plan, tp_rank, None, model=self.model,
+                                       init=self.init, materialize=materialize)]
         if self.plan.t > 1 and self.plan.schedule not in SPLIT_BACKWARD:
-            from autopar.passes.overlap import overlap_tp_backward
-            gm = overlap_tp_backward(gm)
-        chunks = split_chunks(gm, self.plan, prefix=self.prefix)
-        return [apply_recompute(c, self.plan.recompute) for c in chunks]
+            passes.append(OVERLAP_PASS)
+        return passes
 
 
 def _resize_batch(x: Any, b: int) -> Any:
@@ -123,25 +147,6 @@ def _state_keys(model: torch.nn.Module, gm: torch.fx.GraphModule, prefix: str) -
     return out
 
 
-def _tensor_parallel(built: BuiltProgram, tp_rank: int, materialize: set[str] | None):
-    try:
-        from autopar.passes.tensor_parallel import apply_tensor_parallel
-    except ImportError as exc:
-        raise ValueError(f"plan.t={built.plan.t} needs the tensor-parallel pass "
-                         f"(autopar.passes.tensor_parallel), which is not available: {exc}; "
-                         f"plan with t=1") from exc
-    # Copy the graph and module tree but share the tensors: the pass replaces attributes (it
-    # never writes into a tensor), so a real model's weights are not duplicated on every rank.
-    gm = copy.deepcopy(built.gm, built.user_tensors())
-    # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
-    # runtime binds to this rank's real group when it loads the generated chunk.
-    # With t = 1 the pass only materialises meta parameters (global-shape init of their module)
-    # and turns other pipeline ranks' weights into meta tensors.
-    out = apply_tensor_parallel(gm, built.plan, tp_rank, None, model=built.model,
-                                init=built.init, materialize=materialize)
-    return out, out.meta.get("tp")
-
-
 def _has_meta(gm: torch.fx.GraphModule) -> bool:
     return any(t.is_meta for t in list(gm.parameters()) + list(gm.buffers()))
 
@@ -151,10 +156,6 @@ def build_program(prog: Any) -> BuiltProgram:
     cached = getattr(prog, "_autopar_built", None)
     if cached is not None:
         return cached
-    from autopar.passes.capture import capture
-    from autopar.passes.layers import find_layers
-    from autopar.passes.pipeline import check_stages, count_layers
-
     plan: Plan = prog.plan
     if prog.loss_fn is None or prog.example_targets is None:
         raise ValueError("build: the program has no loss_fn/example_targets; pipeline training "
@@ -164,8 +165,7 @@ def build_program(prog: Any) -> BuiltProgram:
     inputs = tuple(_resize_batch(x, b) for x in prog.example_inputs)
     targets = _resize_batch(prog.example_targets, b)
     captured = capture(prog.model, inputs, prog.loss_fn, targets)
-    gm = captured.gm
-    find_layers(gm)
+    gm = run_passes(captured.gm, [LAYERS_PASS])
     num_layers = count_layers(gm)
     check_stages(plan, num_layers)
     built = BuiltProgram(plan=plan, gm=gm, num_layers=num_layers, prefix=captured.prefix,

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.build import build_program
+from autopar.passes import meta as K
 from autopar.passes.pipeline import ChunkSpec
 
 _COLLECTIVE_MODULES = ("autopar.runtime.collectives", "autopar.runtime.shard", "torch.distributed")
@@ -77,7 +79,7 @@ def _collectives(gm: torch.fx.GraphModule) -> list[str]:
 def render_chunk(gm: torch.fx.GraphModule, plan: Any, tp_rank: int = 0,
                  model_name: str = "model") -> str:
     """The Python source of one chunk GraphModule (from passes.pipeline.split_chunks)."""
-    spec: ChunkSpec = gm.meta["autopar_chunk"]
+    spec: ChunkSpec = gm.meta[K.CHUNK]
     collectives = _collectives(gm)
     cls = f"Chunk{spec.chunk:02d}"
     params = {attr: (qual, tuple(getattr(gm, attr).shape),
@@ -167,7 +169,6 @@ def _render_class(gm: torch.fx.GraphModule, cls: str, doc: str,
 
 def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0) -> str:
     """The generated Python of pipeline chunk `chunk` as tensor rank `tp_rank` runs it."""
-    from autopar.build import build_program
     built = build_program(prog)
     chunks = built.chunks(tp_rank, weights=False)   # source needs shapes, not weights
     if not 0 <= chunk < len(chunks):

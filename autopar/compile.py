@@ -28,6 +28,8 @@ import torch.fx
 
 from autopar.build import BuiltProgram, build_program
 from autopar.codegen import chunk_file_name, load_chunk_module, render_chunk
+from autopar.passes import meta as K
+from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import Plan
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
@@ -236,7 +238,7 @@ def _pipeline_holders(graphs: list[torch.fx.GraphModule]) -> dict[str, set[int]]
     """Parameter name -> pipeline ranks whose chunks use it."""
     holders: dict[str, set[int]] = {}
     for gm in graphs:
-        spec = gm.meta["autopar_chunk"]
+        spec = gm.meta[K.CHUNK]
         for qual in spec.params.values():
             holders.setdefault(qual, set()).add(spec.rank)
     return holders
@@ -248,11 +250,8 @@ def _tp_splits(graphs: list[torch.fx.GraphModule], chunks: dict[int, LoadedChunk
     from the tensor-parallel pass's metadata on the chunk graphs."""
     splits: dict[str, tuple[ParamSplit, int]] = {}
     for c in chunks:
-        gm = graphs[c]
-        spec = gm.meta["autopar_chunk"]
-        for n in gm.graph.nodes:
-            if n.op == "get_attr" and "tp_param" in n.meta and n.target in spec.params:
-                split = n.meta["tp_param"]
-                full = n.meta.get("tp_global_val", n.meta["val"])
-                splits[spec.params[n.target]] = (split, int(full.shape[split.dim]))
+        spec = graphs[c].meta[K.CHUNK]
+        for target, split in param_splits(graphs[c]).items():
+            if target in spec.params:
+                splits[spec.params[target]] = split
     return splits

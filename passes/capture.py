@@ -1,16 +1,21 @@
 """Capture a user's model (and loss) as an FX graph with torch.export (non-strict).
 
+`capture` is the compiler's entry, nn.Module -> GraphModule; the passes that follow are
+GraphModule -> GraphModule (passes/manager.py).
+
 Requires: an nn.Module on real or meta tensors, example inputs on the same device, optionally
   loss_fn(model_output, targets) and targets (the output is passed to loss_fn as is, so a
   transformers ModelOutput works).
 Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes carry
-  meta["val"] (FakeTensor: shape/dtype), meta["nn_module_stack"] (the module path of the
-  user's code, prefixed by `Captured.prefix`), meta["stack_trace"] (user source line);
+  meta[VAL] (FakeTensor: shape/dtype), meta[NN_MODULE_STACK] (the module path of the
+  user's code, prefixed by `Captured.prefix`), meta[STACK_TRACE] (user source line) — torch's
+  keys, listed in passes/meta.py;
   parameters and buffers are get_attr nodes with the user's fully qualified names (plus the
   prefix), so a state dict maps 1:1.
   With `repeat_limit=r`, every repeated block container (found structurally: a ModuleList /
   Sequential whose children all have the same class and parameter shapes) is cut to its first r
-  children for the export and restored afterwards; `Captured.repeats` records the true lengths.
+  children for the export and restored afterwards; `Captured.repeats` records the true lengths
+  and gm.meta[REPEATS] the same by graph path (with the prefix), for passes/layers.py.
   Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
   graph (repeat_limit=None).
 Errors: a model torch.export cannot trace raises `CaptureError` naming the user's source line,
@@ -27,6 +32,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
+
+from autopar.passes import meta as K
 
 
 class CaptureError(ValueError):
@@ -53,8 +60,7 @@ class Captured:
     """The captured program. `gm` is runnable (same numerics as the model).
 
     repeats: {container path in the user's model (no prefix): true number of children} for
-    every container that `repeat_limit` truncated; empty for a full capture. Use
-    `repeat_count(path)` to look a container up by its graph path (with the prefix).
+    every container that `repeat_limit` truncated; empty for a full capture.
     """
     gm: torch.fx.GraphModule
     exported: torch.export.ExportedProgram
@@ -70,15 +76,6 @@ class Captured:
         """Batch size of the example (dim 0 of the first tensor input)."""
         first = next(a for a in self.example_inputs if torch.is_tensor(a))
         return int(first.shape[0]) if first.dim() else 1
-
-    @property
-    def truncated(self) -> bool:
-        return bool(self.repeats)
-
-    def repeat_count(self, graph_path: str, default: int) -> int:
-        """True child count of the container at `graph_path` (as in nn_module_stack)."""
-        path = graph_path[len(self.prefix):] if graph_path.startswith(self.prefix) else graph_path
-        return self.repeats.get(path, default)
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
@@ -108,8 +105,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
     else:
         exported = _export(wrapper, args)
     gm = exported.module()
+    prefix = "model."   # the loss wrapper holds the user's model as `model`
+    gm.meta[K.REPEATS] = {(prefix + path).rstrip("."): n for path, n in repeats.items()}
     return Captured(gm=gm, exported=exported, model=model, has_loss=loss_fn is not None,
-                    prefix="model.", example_inputs=tuple(example_inputs), targets=targets,
+                    prefix=prefix, example_inputs=tuple(example_inputs), targets=targets,
                     repeats=dict(repeats))
 
 

@@ -1,10 +1,14 @@
 """Find the repeated transformer blocks and the embedding / head regions of a captured graph.
 
-Requires: a GraphModule from `capture` (nodes carry meta["nn_module_stack"] and meta["val"]).
-Guarantees: every node gets meta["autopar_region"] = ("embedding", None) | ("block", i) |
-  ("head", None); the returned `LayerStructure` lists the block module paths in graph order,
-  the nodes of each region and the values crossing each block boundary.
-Reads: meta["nn_module_stack"], meta["val"]. Writes: meta["autopar_region"].
+`tag_layers(gm) -> gm` (the pass; `LAYERS_PASS` in a pass list) and `find_layers(gm)` (the
+analysis entry: runs the pass, returns the `LayerStructure`).
+Requires: a GraphModule from `capture` (nodes carry meta[NN_MODULE_STACK] and meta[VAL]).
+Guarantees: every node gets meta[REGION] = ("embedding", None) | ("block", i) |
+  ("head", None); gm.meta[LAYERS] is the `LayerStructure`: the block module paths in graph
+  order, the nodes of each region and the values crossing each block boundary. The graph is
+  unchanged.
+Reads (keys of passes/meta.py): node NN_MODULE_STACK, VAL; gm REPEATS (the true block count of
+  a truncated capture; absent: the blocks in the graph). Writes: node REGION; gm LAYERS.
 
 How blocks are found (structure, never attribute names): for every module path in the stacks,
 its siblings (same parent path) are listed in order of first appearance; a run of ≥2
@@ -22,10 +26,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Iterable
 
 import torch
 import torch.fx
+
+from autopar.passes import meta as K
+from autopar.passes.capture import Captured
+from autopar.passes.manager import Pass, run_passes
 
 Region = tuple[str, int | None]
 
@@ -62,15 +71,6 @@ class LayerStructure:
         """Blocks present in the graph (≤ num_layers)."""
         return len(self.block_paths)
 
-    def region_nodes(self, kind: str, index: int | None = None) -> tuple[str, ...]:
-        if kind == "embedding":
-            return self.embedding_nodes
-        if kind == "head":
-            return self.head_nodes
-        if kind == "block":
-            return self.block_nodes[0 if index is None else index]
-        raise ValueError(f"region kind {kind!r}: must be 'embedding', 'block' or 'head'")
-
     def describe(self) -> str:
         return (f"{self.num_layers} × {self.block_class} at {self.container} "
                 f"({self.num_blocks} in graph); embedding {len(self.embedding_nodes)} nodes, "
@@ -82,32 +82,45 @@ def block_signature(structure: LayerStructure, i: int) -> tuple:
     return structure.signatures[i]
 
 
-def find_layers(gm: Any, *, check_identical: bool = True) -> LayerStructure:
-    """Tag every node of `gm` with its region and describe the layers (see module docstring).
-
-    `gm` is a GraphModule or a `Captured` (then the true block count comes from its repeats).
-    Raises LayerError when no block repeats or (check_identical) the blocks differ.
-    """
-    captured = None
-    if not isinstance(gm, torch.fx.GraphModule) and hasattr(gm, "gm"):
-        captured, gm = gm, gm.gm
+def tag_layers(gm: torch.fx.GraphModule, *, check_identical: bool = True
+               ) -> torch.fx.GraphModule:
+    """Tag every node of `gm` with its region and store the LayerStructure in gm.meta[LAYERS]
+    (see the module docstring). Raises LayerError when no block repeats or (check_identical)
+    the blocks differ."""
     nodes = list(gm.graph.nodes)
     stacks = {n: _stack_paths(n) for n in nodes}
     container, block_paths, block_class = _find_blocks(nodes, stacks)
     block_of = _block_index(nodes, stacks, block_paths)
     regions = _assign_regions(nodes, block_of, len(block_paths))
     for n in nodes:
-        n.meta["autopar_region"] = regions[n]
-    structure = _describe(nodes, regions, container, block_class, block_paths, captured)
+        n.meta[K.REGION] = regions[n]
+    structure = _describe(nodes, regions, container, block_class, block_paths,
+                          gm.meta.get(K.REPEATS, {}))
     if check_identical:
         _check_identical(structure)
-    return structure
+    gm.meta[K.LAYERS] = structure
+    return gm
+
+
+LAYERS_PASS = Pass("layers", tag_layers, reads=(K.NN_MODULE_STACK, K.VAL, K.REPEATS),
+                   writes=(K.REGION, K.LAYERS))
+
+
+def find_layers(gm: torch.fx.GraphModule | Captured, *, check_identical: bool = True
+                ) -> LayerStructure:
+    """Run the layers pass on `gm` (a GraphModule or a `Captured`) and return its
+    LayerStructure; the nodes keep their REGION tags."""
+    gm = gm.gm if isinstance(gm, Captured) else gm
+    layers = LAYERS_PASS if check_identical else Pass(
+        "layers", partial(tag_layers, check_identical=False), LAYERS_PASS.reads,
+        LAYERS_PASS.writes)
+    return run_passes(gm, [layers]).meta[K.LAYERS]
 
 
 # ----- finding the block list --------------------------------------------------------------------
 
 def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
-    stack = node.meta.get("nn_module_stack") or {}
+    stack = node.meta.get(K.NN_MODULE_STACK) or {}
     out = []
     for value in stack.values():
         path, cls = value[0], value[1]
@@ -209,7 +222,7 @@ def _assign_regions(nodes: list, block_of: dict, num_blocks: int) -> dict:
 
 
 def _describe(nodes: list, regions: dict, container: str, block_class: str,
-              block_paths: tuple[str, ...], captured: Any) -> LayerStructure:
+              block_paths: tuple[str, ...], repeats: dict[str, int]) -> LayerStructure:
     nb = len(block_paths)
     per_block: list[list[str]] = [[] for _ in range(nb)]
     inputs: list[dict[str, None]] = [{} for _ in range(nb)]
@@ -236,7 +249,7 @@ def _describe(nodes: list, regions: dict, container: str, block_class: str,
                     outputs[regions[a][1]][a.name] = None
     by_name = {n.name: n for n in nodes}
     signatures = tuple(_signature([by_name[x] for x in blk]) for blk in per_block)
-    num_layers = captured.repeat_count(container, nb) if captured is not None else nb
+    num_layers = repeats.get(container, nb)
     return LayerStructure(
         container=container, block_class=block_class, block_paths=block_paths,
         num_layers=num_layers, embedding_nodes=tuple(emb),
@@ -249,9 +262,9 @@ def _signature(block: list[torch.fx.Node]) -> tuple:
     sig = []
     for n in block:
         if n.op in ("call_function", "call_method", "call_module"):
-            sig.append((str(n.target), _shapes(n.meta.get("val"))))
+            sig.append((str(n.target), _shapes(n.meta.get(K.VAL))))
         elif n.op == "get_attr":
-            sig.append(("param", _shapes(n.meta.get("val"))))
+            sig.append(("param", _shapes(n.meta.get(K.VAL))))
     return tuple(sig)
 
 

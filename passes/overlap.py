@@ -12,16 +12,18 @@ each linear's backward) ran before it. This pass fuses f with the projections in
 `collectives.column_parallel` call whose backward launches the reduction asynchronously,
 computes every dW_i and db_i, then waits.
 
-`overlap_tp_backward(gm) -> gm`
+`overlap_tp_backward(gm) -> gm` (`OVERLAP_PASS` in a pass list)
 Requires: gm from passes.tensor_parallel.apply_tensor_parallel (collectives are call_function
-  nodes on the `tp_group` get_attr); meta["val"] on values.
+  nodes on the `tp_group` get_attr); meta[VAL] on values.
 Guarantees: every `copy_to_tp(x, group)` / `all_gather_sp(x, group, dim)` whose users are all
   projections of it — aten.linear(f, W[, b]), aten.matmul(f, W) with a 2-D W (Falcon's x @ w.T),
-  or aten.mm(f, W) / aten.addmm(b, f, W) (GPT-2's Conv1D) — is replaced by one `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and
-  a getitem per projection; the numbers (forward and gradients) are unchanged; f nodes with
-  any other user are left as they are. The graph lints.
-Reads node.meta: "val". Writes: the new nodes' meta (copied from the f node and from each
-  projection: "val", "autopar_region", "stack_trace", "nn_module_stack").
+  or aten.mm(f, W) / aten.addmm(b, f, W) (GPT-2's Conv1D) — is replaced by one
+  `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and a getitem per
+  projection; the numbers (forward and gradients) are unchanged; f nodes with
+  any other user are left as they are.
+Reads node.meta (keys of passes/meta.py): VAL. Writes: the new nodes' meta (copied from the f
+  node and from each projection: VAL, REGION, STACK_TRACE, NN_MODULE_STACK); gm.meta[OVERLAP] =
+  the number of entries fused.
 Not for schedules that split the backward into B and W (interleaved-zb): B would run the fused
   backward whole and W would run it again.
 """
@@ -32,6 +34,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar.passes import meta as K
+from autopar.passes.manager import Pass, run_passes
 from autopar.runtime import collectives as C
 
 _ATEN = torch.ops.aten
@@ -54,7 +58,7 @@ def _projection(user: fx.Node, f: fx.Node) -> tuple[str, fx.Node, fx.Node | None
 
 
 def _dims(node: object) -> int | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = node.meta.get(K.VAL) if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
@@ -81,8 +85,8 @@ def _fuse(graph: fx.Graph, f: fx.Node, order: dict[fx.Node, int]) -> bool:
     with graph.inserting_before(first):
         fused = graph.call_function(C.column_parallel, (f.args[0], f.args[1], layouts, weights,
                                                         biases, _sp_dim(f)))
-    fused.meta.update({k: v for k, v in f.meta.items() if k != "val"})
-    fused.meta["val"] = tuple(u.meta.get("val") for u in users)
+    fused.meta.update({k: v for k, v in f.meta.items() if k != K.VAL})
+    fused.meta[K.VAL] = tuple(u.meta.get(K.VAL) for u in users)
     with graph.inserting_before(first):     # all getitems before any user is erased
         items = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(users))]
     for item, u in zip(items, users):
@@ -93,8 +97,7 @@ def _fuse(graph: fx.Graph, f: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
-def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fuse each column-parallel entry with its projections (see the module docstring)."""
+def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
     fused = 0
     # positions of the original nodes, numbered once: fusing inserts nodes but never moves an
     # original one, and only originals (users, weights, biases) are compared
@@ -102,8 +105,15 @@ def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SOURCES:
             fused += _fuse(gm.graph, node, order)
-    if fused:
-        gm.graph.lint()
-        gm.recompile()
-    gm.meta["autopar_overlap"] = fused
+    gm.meta[K.OVERLAP] = fused
     return gm
+
+
+OVERLAP_PASS = Pass("overlap_tp_backward", _fuse_entries, reads=(K.VAL,),
+                    writes=(K.REGION, K.VAL, K.OVERLAP))
+
+
+def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fuse each column-parallel entry with its projections (see the module docstring);
+    linted and recompiled (passes.manager.run_passes)."""
+    return run_passes(gm, [OVERLAP_PASS])

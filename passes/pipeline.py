@@ -4,9 +4,11 @@ Chunk c holds the blocks [stages[c].first_layer, stages[c].last_layer), the embe
 c = 0 and the head + loss when c is the last chunk; it runs on pipeline rank c mod p
 (interleaved placement, 2104.04473 §2.2.2). Layer counts need not divide p·v.
 
-Requires: every compute node of the layers carries node.meta["autopar_region"] =
-  ("embedding", None) | ("block", i) | ("head", None) (written by passes/layers.find_layers);
-  node.meta["val"] (FakeTensor) on every value; get_attr nodes name the model's parameters and
+`split_chunks(gm, plan) -> list[GraphModule]` is the compiler's one splitter: passes before it
+run on the whole graph, passes after it on each chunk (passes/manager.py).
+Requires: every compute node of the layers carries node.meta[REGION] =
+  ("embedding", None) | ("block", i) | ("head", None) (written by passes/layers.py);
+  node.meta[VAL] (FakeTensor) on every value; get_attr nodes name the model's parameters and
   buffers; the graph returns the scalar loss (capture with a loss_fn).
 Guarantees: `split_chunks` returns p·v GraphModules. Chunk c's forward takes
   (*received, *model_inputs) — the values crossing the cut c-1 → c in graph order, then the
@@ -15,8 +17,9 @@ Guarantees: `split_chunks` returns p·v GraphModules. Chunk c's forward takes
   Parameters live in every chunk that uses them (a tied embedding gets a copy in the first and
   the last chunk); nodes that depend on buffers and constants only (rotary tables, position
   ids) are recomputed in each chunk that needs them rather than sent.
-Reads node.meta: "autopar_region", "val". Writes gm.meta["autopar_chunk"] (a ChunkSpec) on
-  each chunk; the chunk's class docstring names its layers and rank.
+Reads node.meta (keys of passes/meta.py): REGION, VAL, TP_LAYOUT, STACK_TRACE (in errors).
+  Writes gm.meta[CHUNK] (a ChunkSpec) on each chunk; the chunk's class docstring names its
+  layers and rank.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autopar.passes import meta as K
 from autopar.plan import Plan
 
 
@@ -39,10 +43,6 @@ class Boundary:
     requires_grad: bool
     replicated: bool = True  # identical on every tensor rank (False: a tensor-parallel shard or
     #                          partial sum, which each tensor rank sends whole to its peer)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 @dataclass
@@ -78,9 +78,9 @@ class ChunkSpec:
 
 
 def count_layers(gm: torch.fx.GraphModule) -> int:
-    """Number of blocks, from the ('block', i) regions of find_layers."""
-    blocks = [n.meta["autopar_region"][1] for n in gm.graph.nodes
-              if n.meta.get("autopar_region", (None,))[0] == "block"]
+    """Number of blocks, from the ('block', i) regions of the layers pass."""
+    blocks = [n.meta[K.REGION][1] for n in gm.graph.nodes
+              if n.meta.get(K.REGION, (None,))[0] == "block"]
     return max(blocks) + 1 if blocks else 0
 
 
@@ -119,7 +119,7 @@ def _region_chunk(plan: Plan, region: tuple) -> int:
                 return st.chunk
         raise ValueError(f"pipeline: layer {index} is in no stage of the plan "
                          f"(stages end at {plan.stages[-1].last_layer})")
-    raise ValueError(f"pipeline: unknown autopar_region {region!r}")
+    raise ValueError(f"pipeline: unknown region {region!r} in node meta {K.REGION!r}")
 
 
 class _Analysis:
@@ -159,7 +159,7 @@ class _Analysis:
                 continue
             lb = max((self.chunk.get(i, lower.get(i, 0)) for i in n.all_input_nodes), default=0)
             lower[n] = lb
-            region = n.meta.get("autopar_region")
+            region = n.meta.get(K.REGION)
             if n.target is operator.getitem and n.args[0] in self.chunk:
                 self.chunk[n] = self.chunk[n.args[0]]
             elif region is not None:
@@ -181,10 +181,6 @@ class _Analysis:
             if n in self.chunk and n.target is operator.getitem and n.args[0] in self.chunk:
                 self.chunk[n] = self.chunk[n.args[0]]
 
-    def producer_chunk(self, n: torch.fx.Node) -> int | None:
-        """Chunk computing n, None for nodes available everywhere (inputs, attrs, free)."""
-        return self.chunk.get(n)
-
     def crossing(self, c: int) -> list[torch.fx.Node]:
         """Values computed before chunk c and read in chunk c or later (graph order)."""
         out = []
@@ -205,20 +201,20 @@ class _Analysis:
 
 
 def _source_line(n: torch.fx.Node) -> str:
-    trace = n.meta.get("stack_trace") or ""
+    trace = n.meta.get(K.STACK_TRACE) or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else "unknown"
 
 
 def _boundary(n: torch.fx.Node, analysis: _Analysis) -> Boundary:
-    val = n.meta.get("val")
+    val = n.meta.get(K.VAL)
     if not isinstance(val, torch.Tensor):
         raise ValueError(
             f"pipeline: value {n.name} ({type(val).__name__}) crosses a chunk boundary but is "
             f"not a tensor; only tensors can be sent between stages — move the cut "
             f"(source: {_source_line(n)})")
     grad = n in analysis.param_dep and val.dtype.is_floating_point
-    layout = n.meta.get("tp_layout")   # written by passes/tensor_parallel when t > 1
+    layout = n.meta.get(K.TP_LAYOUT)   # written by passes/tensor_parallel when t > 1
     replicated = layout is None or type(layout).__name__ == "Replicate"
     return Boundary(n.name, tuple(int(s) for s in val.shape), str(val.dtype).replace("torch.", ""),
                     grad, replicated)
@@ -301,7 +297,7 @@ def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModu
         model_inputs=tuple(used_inputs), params=params, buffers=buffers, objects=objects,
         returns_loss=last)
     chunk = torch.fx.GraphModule(root, graph, class_name=f"Chunk{c}")
-    chunk.meta["autopar_chunk"] = spec
+    chunk.meta[K.CHUNK] = spec
     type(chunk).__doc__ = (f"Pipeline chunk {c} of {spec.num_chunks}: {spec.describe()}; "
                            f"runs on pipeline rank {st.rank}.")
     return chunk
@@ -323,8 +319,8 @@ def split_chunks(gm: torch.fx.GraphModule, plan: Plan, *, prefix: str = "model."
     """
     num_layers = count_layers(gm)
     if num_layers == 0:
-        raise ValueError("pipeline: no ('block', i) regions in the graph; run "
-                         "passes.layers.find_layers(gm) before split_chunks")
+        raise ValueError("pipeline: no ('block', i) regions in the graph; run the layers pass "
+                         "(passes.layers.LAYERS_PASS) before split_chunks")
     check_stages(plan, num_layers)
     analysis = _Analysis(gm, plan)
     return [_build_chunk(analysis, c, prefix) for c in range(len(plan.stages))]
@@ -335,7 +331,7 @@ def chunk_attr_targets(gm: torch.fx.GraphModule, plan: Plan) -> list[set[str]]:
 
     The same assignment split_chunks makes, without building the chunks: the runtime uses it
     to materialise only the weights of its own pipeline rank's chunks (a tied embedding is in
-    the first and the last chunk's set). Reads node.meta "autopar_region".
+    the first and the last chunk's set). Reads node.meta[REGION].
     """
     check_stages(plan, count_layers(gm))
     analysis = _Analysis(gm, plan)

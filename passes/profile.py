@@ -1,14 +1,14 @@
 """Build the cost model's `ModelProfile` from a captured graph (the real path; shapes, not names).
 
 Requires: a `Captured` and the `LayerStructure` of `find_layers` (nodes tagged with
-  meta["autopar_region"]). Reads meta["val"], meta["nn_module_stack"], meta["autopar_region"].
-  Writes meta["autopar_gemm"] (the `Gemm` of each matmul node) and meta["autopar_tp"]
+  meta[K.REGION]). Reads meta[K.VAL], meta[K.NN_MODULE_STACK], meta[K.REGION].
+  Writes meta[K.GEMM] (the `Gemm` of each matmul node) and meta[K.GEMM_SPLIT]
   ("n" | "k" | "batch" | None) on the nodes it classifies, and for autopar.passes.tp_cost (which
   prices the tensor-parallel pass's replicated fallbacks against this profile):
-  meta["autopar_gemm_idx"] (indices of the node's GEMMs in its region's `gemms`),
-  meta["autopar_other"] ((bytes per sequence, counted as split)) on nodes of other_bytes,
-  meta["autopar_saved"] ([(producer node name | None, bytes per sequence, "split" | "repl" |
-  "attn")]) on nodes that save tensors for backward, and gm.meta["autopar_params"]
+  meta[K.GEMM_IDX] (indices of the node's GEMMs in its region's `gemms`),
+  meta[K.OTHER] ((bytes per sequence, counted as split)) on nodes of other_bytes,
+  meta[K.SAVED] ([(producer node name | None, bytes per sequence, "split" | "repl" |
+  "attn")]) on nodes that save tensors for backward, and gm.meta[K.PARAMS]
   ({region: {parameter identity: (elements, split)}}).
 Guarantees: one `RegionProfile` per region (embedding, block 0 standing for every block, head +
   loss), per sequence (the example batch is divided out), with:
@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from autopar.cost.profile import Gemm, ModelProfile, RegionProfile
+from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
 
@@ -46,14 +47,14 @@ _WEIGHT_GEMMS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.
                  aten.bmm.default, aten.baddbmm.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 # Ops that only re-describe memory (no bytes moved) and are skipped by other_bytes.
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-          aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
-          aten.numpy_T.default, aten.mT.default,   # `w.T` / `w.mT` (Falcon's x @ w.T)
-          aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
-          aten.squeeze.default, aten.alias.default, aten.split.Tensor,
-          aten.split_with_sizes.default, aten.detach.default, aten.flatten.using_ints,
-          aten.chunk.default, aten.unflatten.int, aten._assert_tensor_metadata.default,
-          aten.to.dtype, aten.to.dtype_layout, aten.unbind.int}
+VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                      aten.transpose.int, aten.t.default, aten.permute.default, aten.expand.default,
+                      aten.numpy_T.default, aten.mT.default,   # `w.T` / `w.mT` (Falcon's x @ w.T)
+                      aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+                      aten.squeeze.default, aten.alias.default, aten.split.Tensor,
+                      aten.split_with_sizes.default, aten.detach.default, aten.flatten.using_ints,
+                      aten.chunk.default, aten.unflatten.int, aten._assert_tensor_metadata.default,
+                      aten.to.dtype, aten.to.dtype_layout, aten.unbind.int})
 TRAIN_BYTES_PER_ELEM = 2  # 16-bit training precision for floating activations
 
 
@@ -82,7 +83,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
         first = next(a for a in captured.example_inputs if torch.is_tensor(a))
         seq_len = int(first.shape[1]) if first.dim() > 1 else int(first.shape[0])
     nodes = {n.name: n for n in gm.graph.nodes}
-    params = _param_identity(captured)
+    params = param_identity(captured)
     g = _GraphFacts(gm, structure, nodes, params, batch)
     regions = {"embedding": _Region(), "block": _Region(), "head": _Region()}
     for kind, names in (("embedding", structure.embedding_nodes),
@@ -95,7 +96,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
     regions["block"].allreduce = g.row_gemms * s * h
     regions["embedding"].allreduce = s * h if g.vocab_embedding is not None else 0
     out = {k: _finish(k, r, g.input_bytes(k)) for k, r in regions.items()}
-    gm.meta["autopar_params"] = {k: dict(r.params) for k, r in regions.items()}
+    gm.meta[K.PARAMS] = {k: dict(r.params) for k, r in regions.items()}
     notes = [f"graph profile: {structure.num_layers} × {structure.block_class}"
              + (f" ({structure.num_blocks} captured)" if structure.num_blocks != structure.num_layers
                 else "")]
@@ -117,7 +118,7 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         tp_allreduce_elems=r.allreduce)
 
 
-def _param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
+def param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
     """Graph get_attr target -> (identity, elems) for every parameter; tied names share one id."""
     out = {}
     for pname, p in captured.model.named_parameters(remove_duplicate=False):
@@ -128,7 +129,7 @@ def _param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
 # ----- graph facts: GEMMs, residual stream, classification ----------------------------------------
 
 def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return n.meta.get(K.VAL) if isinstance(n, torch.fx.Node) else None
 
 
 def _numel(shape: Any) -> int:
@@ -300,7 +301,7 @@ def _is_gemm(n: torch.fx.Node) -> bool:
 
 def _root(n: Any) -> Any:
     """Follow view-like single-input ops back to their source."""
-    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _VIEWS:
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in VIEW_OPS:
         n = n.args[0]
     return n
 
@@ -371,15 +372,15 @@ def _gemms_and_params(g: _GraphFacts, kind: str, region: list, r: _Region) -> No
         if n.op != "call_function":
             continue
         if n.target in _SDPA:
-            n.meta["autopar_gemm_idx"] = (len(r.gemms), len(r.gemms) + 1)
+            n.meta[K.GEMM_IDX] = (len(r.gemms), len(r.gemms) + 1)
             r.gemms.extend(_sdpa_gemms(n, g.batch, _label(n, base)))
-            n.meta["autopar_tp"] = "batch"
+            n.meta[K.GEMM_SPLIT] = "batch"
         elif n.target in _WEIGHT_GEMMS:
             split = g.split_of(n, kind)
             gemm = _gemm(n, g.batch, _label(n, base), split)
-            n.meta["autopar_gemm_idx"] = (len(r.gemms),)
+            n.meta[K.GEMM_IDX] = (len(r.gemms),)
             r.gemms.append(gemm)
-            n.meta["autopar_gemm"], n.meta["autopar_tp"] = gemm, split
+            n.meta[K.GEMM], n.meta[K.GEMM_SPLIT] = gemm, split
             _charge_params(g, n, split, r, shared)
 
 
@@ -398,7 +399,7 @@ def _charge_params(g: _GraphFacts, n: torch.fx.Node, split: Any, r: _Region,
 
 def _label(n: torch.fx.Node, base: str) -> str:
     """The GEMM's module path relative to its block (or the model), e.g. "attn.c_attn"."""
-    stack = n.meta.get("nn_module_stack") or {}
+    stack = n.meta.get(K.NN_MODULE_STACK) or {}
     path = list(stack.values())[-1][0] if stack else ""
     for prefix in (base, "model."):
         if prefix and path.startswith(prefix):
@@ -444,7 +445,7 @@ def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
     read and write = 3 · heads · L · S elements (as in the unfused kernels of 2104.04473).
     """
     for n in region:
-        if n.op != "call_function" or n.target in _VIEWS or n.target in _WEIGHT_GEMMS:
+        if n.op != "call_function" or n.target in VIEW_OPS or n.target in _WEIGHT_GEMMS:
             continue
         out = _val(n)
         if not isinstance(out, torch.Tensor):
@@ -454,7 +455,7 @@ def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
             b = 3 * _numel(q.shape[:-1]) * int(k.shape[-2]) * TRAIN_BYTES_PER_ELEM / g.batch
             r.other += b
             r.other_split += b
-            n.meta["autopar_other"] = (b, True)
+            n.meta[K.OTHER] = (b, True)
             continue
         tensors = [_val(a) for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
         b = sum(_train_bytes(t) for t in tensors + [out]) / g.batch
@@ -462,7 +463,7 @@ def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
         split = bool(out.dim() and int(out.shape[-1]) != g.hidden)
         if split:
             r.other_split += b
-        n.meta["autopar_other"] = (b, split)
+        n.meta[K.OTHER] = (b, split)
 
 
 def _train_bytes(t: torch.Tensor) -> float:
@@ -478,7 +479,7 @@ def _measure_activations(captured: Captured, g: _GraphFacts, regions: dict) -> N
     gm = g.gm
     seq = g.structure_seq()
     for n in gm.graph.nodes:
-        n.meta.pop("autopar_saved", None)  # a second profile of the same graph starts afresh
+        n.meta.pop(K.SAVED, None)  # a second profile of the same graph starts afresh
     run = _SavedTensorMeter(gm, g, seq)
     args = [torch.empty_like(a, device="meta") if torch.is_tensor(a) else a
             for a in captured.example_inputs]
@@ -513,7 +514,7 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         # Storage addresses identify tensors only while they live: keep every value alive
         # (meta tensors cost no memory) so that no address is reused during the run.
         self.keep: list[Any] = []
-        self.per_batch = _batch_dependent(gm)
+        self.per_batch = batch_dependent(gm)
 
     def fetch_attr(self, target: str) -> Any:
         t = super().fetch_attr(target)
@@ -552,25 +553,25 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         made_by = self.producer.get(key)
         if made_by is None or made_by in self.per_batch:
             nbytes /= self.g.batch  # per sequence; batch-independent tensors (positions) stay
-        region = self.node.meta.get("autopar_region", ("embedding", None))
+        region = self.node.meta.get(K.REGION, ("embedding", None))
         acc = self.totals.setdefault(region, [0.0, 0.0, 0.0])
         if t.dim() >= 2 and int(t.shape[-1]) == self.seq and int(t.shape[-2]) == self.seq:
             acc[2] += nbytes
             cls = "attn"
         elif (t.dim() >= 2 and int(t.shape[-1]) == self.g.hidden
-              and self.node.meta.get("autopar_tp") != "k"
+              and self.node.meta.get(K.GEMM_SPLIT) != "k"
               and self.g.tp.get(self.node.name) != "k"):
             acc[1] += nbytes
             cls = "repl"
         else:
             acc[0] += nbytes
             cls = "split"
-        self.node.meta.setdefault("autopar_saved", []).append(
+        self.node.meta.setdefault(K.SAVED, []).append(
             (made_by.name if made_by is not None else None, nbytes, cls))
         return t
 
 
-def _batch_dependent(gm: torch.fx.GraphModule) -> set:
+def batch_dependent(gm: torch.fx.GraphModule) -> set:
     """Nodes whose value depends on the inputs (and so scales with the batch)."""
     dep: set = set()
     for n in gm.graph.nodes:

@@ -21,29 +21,33 @@ streams' `recompute_context` as checkpoint's context_fn to replay them the same 
 function taking the streams as an argument: the generated chunk source must be able to spell
 the call).
 
-Requires: node.meta["autopar_region"] on the compute nodes (passes/layers.find_layers; kept by
-  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta["val"] on values; a block's
+`apply_recompute(gm, mode) -> gm`; `recompute_pass(mode)` is the same as a pass-list entry (run
+per chunk, after passes.pipeline.split_chunks).
+Requires: node.meta[REGION] on the compute nodes (passes/layers.py; kept by
+  passes/pipeline.split_chunks and passes/tensor_parallel); node.meta[VAL] on values; a block's
   activation nodes are contiguous in graph order (no outside node consumes a block value before
   the block's last node) — true of captured graphs, checked.
 Guarantees: the same forward values and gradients as the input graph (bit-identical for the
   same RNG state); parameters and other get_attr nodes stay in the outer graph and are passed to
   the checkpointed submodule as arguments, so the module's attributes are unchanged (the runtime
   attaches parameters as before and codegen emits the submodule as a nested class); gm is
-  modified in place, linted, recompiled and returned.
-Reads node.meta: "autopar_region", "val". Writes: node.meta["autopar_region"] and "val" on the
-  new get_attr / checkpoint / getitem nodes (the region of the nodes they replace);
-  node.meta["autopar_recompute"] = mode on each checkpoint call; gm.meta["autopar_recompute"] =
-  {"mode": mode, "regions": [submodule names]}.
+  modified in place and returned.
+Reads node.meta (keys of passes/meta.py): REGION, VAL, STACK_TRACE (in errors). Writes: REGION
+  and VAL on the new get_attr / checkpoint / getitem nodes (the region of the nodes they
+  replace); gm.meta[RECOMPUTE] = {"mode": mode, "regions": [submodule names]}.
 """
 from __future__ import annotations
 
 import operator
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from autopar.passes import meta as K
+from autopar.passes.manager import Pass, run_passes
 from autopar.runtime.shard import DropoutStreams, tp_dropout, tp_sdpa
 
 MODES = ("none", "selective", "full")
@@ -61,26 +65,35 @@ _SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.defau
             torch.softmax, torch.nn.functional.softmax}
 
 
-def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
-    """Checkpoint `gm`'s blocks ('full') or attention cores ('selective'); see module doc."""
+def recompute_pass(mode: str) -> Pass:
+    """The pass checkpointing a chunk's blocks ('full') or attention cores ('selective')."""
     if mode not in MODES:
         raise ValueError(f"apply_recompute: mode={mode!r} is not one of {MODES}; use "
                          f"'none' (keep activations), 'selective' (recompute the attention core) "
                          f"or 'full' (recompute whole blocks)")
+    return Pass(f"recompute[{mode}]", partial(_checkpoint_regions, mode=mode),
+                reads=(K.REGION, K.VAL), writes=(K.REGION, K.VAL, K.RECOMPUTE))
+
+
+def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
+    """Checkpoint `gm`'s blocks ('full') or attention cores ('selective'); see module doc.
+    Linted and recompiled (passes.manager.run_passes)."""
+    return run_passes(gm, [recompute_pass(mode)])
+
+
+def _checkpoint_regions(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
     names: list[str] = []
     if mode == "full":
         for i, nodes in _blocks(gm).items():
-            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i), mode))
+            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i)))
     elif mode == "selective":
         for k, (region, nodes) in enumerate(_attention_cores(gm)):
             tag = f"{region[1]}" if region and region[1] is not None else f"{k}"
             name = f"recompute_attention_{tag}"
             while hasattr(gm, name):
                 name += "_"
-            names.append(_outline(gm, nodes, name, region, mode))
-    gm.meta["autopar_recompute"] = {"mode": mode, "regions": names}
-    gm.graph.lint()
-    gm.recompile()
+            names.append(_outline(gm, nodes, name, region))
+    gm.meta[K.RECOMPUTE] = {"mode": mode, "regions": names}
     return gm
 
 
@@ -100,7 +113,7 @@ def _blocks(gm: torch.fx.GraphModule) -> dict[int, list[torch.fx.Node]]:
     act = _activation_nodes(gm)
     out: dict[int, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
-        region = n.meta.get("autopar_region")
+        region = n.meta.get(K.REGION)
         if (n in act and n.op == "call_function" and isinstance(region, tuple)
                 and region[0] == "block"):
             out.setdefault(region[1], []).append(n)
@@ -126,11 +139,11 @@ def _attention_cores(gm: torch.fx.GraphModule) -> list[tuple[Any, list[torch.fx.
             continue
         if _target_in(n, _SDPA):
             nodes = [n] + [u for u in n.users if u.target is operator.getitem]
-            cores.append((n.meta.get("autopar_region"), nodes))
+            cores.append((n.meta.get(K.REGION), nodes))
         elif _target_in(n, _SOFTMAX):
             nodes = _unfused_core(n, act, order)
             if nodes:
-                cores.append((n.meta.get("autopar_region"), nodes))
+                cores.append((n.meta.get(K.REGION), nodes))
     return cores
 
 
@@ -177,8 +190,8 @@ def _reach(start: torch.fx.Node, step: Callable) -> set[torch.fx.Node]:
 
 
 # ---- outlining -------------------------------------------------------------------------
-def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, region: Any,
-             mode: str) -> str:
+def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
+             region: Any) -> str:
     """Replace `nodes` (graph order) by `checkpoint(self.<name>, *inputs)`; return name."""
     nodes = _absorb(gm, nodes)
     inside = set(nodes)
@@ -214,14 +227,13 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str, re
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
         call = gm.graph.call_function(target, (*lead, fn, *inputs), kwargs)
-    fn.meta["autopar_region"] = call.meta["autopar_region"] = region
-    call.meta["autopar_recompute"] = mode
-    call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+    fn.meta[K.REGION] = call.meta[K.REGION] = region
+    call.meta[K.VAL] = tuple(o.meta.get(K.VAL) for o in outputs)
     prev = call
     for k, o in enumerate(outputs):
         with gm.graph.inserting_after(prev):
             item = gm.graph.call_function(operator.getitem, (call, k))
-        item.meta = {"val": o.meta.get("val"), "autopar_region": region}
+        item.meta = {K.VAL: o.meta.get(K.VAL), K.REGION: region}
         o.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
         prev = item
     for n in reversed(nodes):
@@ -255,7 +267,7 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
         if n is last:
             seen_last = True
         elif not seen_last and n not in inside and any(i in inside for i in n.all_input_nodes):
-            raise ValueError(f"recompute: node {n.name} ({n.meta.get('stack_trace', '')!s:.80}) "
+            raise ValueError(f"recompute: node {n.name} ({n.meta.get(K.STACK_TRACE, '')!s:.80}) "
                              f"uses a value of region {name} before the region ends; the region "
                              f"is not contiguous in graph order, so it cannot be checkpointed "
                              f"as one call — use recompute='none' for this model")

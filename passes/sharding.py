@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.passes import meta as K
+
 aten = torch.ops.aten
 
 
@@ -118,7 +120,8 @@ _TRANSPARENT = {aten.alias, aten.detach, aten.to, aten._to_copy, aten.clone, ate
                 aten.lift_fresh_copy, aten.type_as}
 _RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
              aten.squeeze, aten.unsqueeze}
-_SIZE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to}
+SIZE_ARG_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.expand,
+                          aten.broadcast_to})
 _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.alias,
                              aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.zeros_like,
                              aten.ones_like, aten.empty_like, aten.full_like,
@@ -126,9 +129,10 @@ _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as,
 _REDUCE_DIM = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.max,
                aten.min, aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all}
 _SOFTMAX = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum}
-_MATMULS = {aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm}
+MATMUL_OPS = frozenset({aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm})
 _NO_VALUE = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size}
-_SPLITS = {aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.tensor_split}
+SPLIT_OPS = frozenset({aten.split, aten.split_with_sizes, aten.chunk, aten.unbind,
+                       aten.tensor_split})
 
 
 def packet(node: fx.Node) -> Any:
@@ -136,12 +140,19 @@ def packet(node: fx.Node) -> Any:
 
 
 def shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    val = node.meta.get(K.VAL) if isinstance(node, fx.Node) else None
     return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def is_tensor(node: Any) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+    return isinstance(node, fx.Node) and isinstance(node.meta.get(K.VAL), torch.Tensor)
+
+
+def is_split(lay: Any) -> bool:
+    """A layout (or tuple of them, for a multi-output node) that no rank holds whole."""
+    if isinstance(lay, tuple):
+        return any(is_split(x) for x in lay)
+    return isinstance(lay, (Shard, Partial))
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -163,13 +174,13 @@ def dropout_is_identity(node: fx.Node) -> bool:
 
 def source_line(node: fx.Node) -> str:
     """The user's source line of `node`: the innermost stack-trace frame outside torch."""
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    trace = (node.meta.get(K.STACK_TRACE) or "").strip().splitlines()
     frames = [ln.strip() for ln in trace if ln.strip().startswith("File ")]
     user = [f for f in frames if _TORCH_DIR not in f]
     return (user or frames or ["(no stack trace)"])[-1]
 
 
-def _norm_dim(d: int, ndim: int) -> int:
+def norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
@@ -375,13 +386,13 @@ class Propagator:
         ratios = []
         for name in lay.origins:
             origin = self.by_name.get(name)
-            if origin is None or packet(origin) not in _MATMULS:
+            if origin is None or packet(origin) not in MATMUL_OPS:
                 return False
             x, w, _, w_k, w_n = _matmul_operands(origin)
             if w is None:
                 return False
             k, v = shape(w)[w_k], shape(w)[w_n]
-            b = origin.meta["val"].element_size()
+            b = origin.meta[K.VAL].element_size()
             ratios.append(6 * k * v / ((v + 2 * k) * b))
         worst = min(ratios)
         if worst < self.flop_per_byte:
@@ -462,7 +473,7 @@ class Propagator:
 
 
 def _like(node: fx.Node, lay: Layout) -> Any:
-    val = node.meta.get("val")
+    val = node.meta.get(K.VAL)
     if isinstance(val, (tuple, list)):
         return tuple(lay for _ in val)
     return lay
@@ -474,7 +485,7 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
 
     def visit(a: Any) -> None:
         if isinstance(a, fx.Node):
-            if a not in seen and (is_tensor(a) or isinstance(a.meta.get("val"), (tuple, list))):
+            if a not in seen and (is_tensor(a) or isinstance(a.meta.get(K.VAL), (tuple, list))):
                 seen.add(a)
                 out.append(a)
         elif isinstance(a, (list, tuple)):
@@ -496,10 +507,10 @@ def _chain_dim(node: fx.Node, dim: int, forward: bool) -> int:
         return 1 - dim if shape(node) and len(shape(node)) == 2 else dim
     if op is aten.transpose:
         nd = len(shape(node))
-        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        a, b = norm_dim(node.args[1], nd), norm_dim(node.args[2], nd)
         return b if dim == a else a if dim == b else dim
     if op is aten.permute:
-        perm = [_norm_dim(p, len(shape(node))) for p in node.args[1]]
+        perm = [norm_dim(p, len(shape(node))) for p in node.args[1]]
         return perm.index(dim) if forward else perm[dim]
     if op is aten.numpy_T:
         return len(shape(node)) - 1 - dim
@@ -571,7 +582,7 @@ def _reshape(p: Propagator, node: fx.Node) -> Layout:
         return lay
     mapped = map_reshape(shape(src), shape(node), lay, p.t)
     if mapped is None:
-        factors = _unflattened(shape(src), shape(node), lay.dim)
+        factors = unflattened_sizes(shape(src), shape(node), lay.dim)
         why = (f"; dim {lay.dim} ({shape(src)[lay.dim]}) unflattens into {factors} and a split "
                f"must fall on the leading factor (e.g. the key/value groups of a fused qkv "
                f"projection): t must divide {factors[0]}") if factors else ""
@@ -584,7 +595,7 @@ def _reshape(p: Propagator, node: fx.Node) -> Layout:
     return mapped
 
 
-def _unflattened(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> list[int] | None:
+def unflattened_sizes(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> list[int] | None:
     """The sizes `src`'s dim `dim` unflattens into in `dst` (dims before it unchanged), e.g.
     (2, 8, 64) -> (2, 8, 2, 4, 8), dim 2: [2, 4, 8]; None when it does not unflatten."""
     if list(src[:dim]) != list(dst[:dim]):
@@ -638,13 +649,13 @@ def _split(p: Propagator, node: fx.Node) -> Any:
     seed's blocks when they are not: fused qkv)."""
     src = node.args[0]
     lay = p.eff(node, src)
-    vals = node.meta["val"]
+    vals = node.meta[K.VAL]
     if not isinstance(lay, Shard):
         return tuple(lay for _ in vals)
     nd = len(shape(src))
-    dim = _norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+    dim = norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
     if packet(node) is aten.unbind:
-        dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+        dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
         if dim == lay.dim:
             raise Conflict(lay.origins, node, f"{node.name}: unbind along the split dim")
         return tuple(replace(lay, dim=lay.dim - (lay.dim > dim)) for _ in vals)
@@ -681,7 +692,7 @@ def _cumsum(xs: list[int]) -> list[int]:
 def _cat(p: Propagator, node: fx.Node) -> Layout:
     tensors = list(node.args[0])
     nd = len(shape(node))
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), nd)
     tensors = [a for a in tensors if shape(a) and shape(a) != (0,)]
     shards = _shards(p, node, tensors)
     if not shards:
@@ -709,7 +720,7 @@ def _slice(p: Propagator, node: fx.Node) -> Layout:
     if not isinstance(lay, Shard):
         return lay
     nd = len(shape(node.args[0]))
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else 0, nd)
     if dim == lay.dim:
         if shape(node) == shape(node.args[0]):
             return lay  # a no-op slice (x[:, :T] with T the full size)
@@ -727,7 +738,7 @@ def _repeat_interleave(p: Propagator, node: fx.Node) -> Layout:
     reps = node.args[1]
     if dim is None or not isinstance(reps, int):
         raise Conflict(lay.origins, node, f"{node.name}: repeat_interleave without a dim")
-    dim = _norm_dim(dim, len(shape(node)))
+    dim = norm_dim(dim, len(shape(node)))
     if dim != lay.dim:
         return lay
     return replace(lay, blocks=tuple(b * reps for b in lay.blocks))
@@ -747,14 +758,14 @@ def _norm(p: Propagator, node: fx.Node) -> Any:
 
 def _softmax(p: Propagator, node: fx.Node) -> Layout:
     lay = p.eff(node, node.args[0])
-    if isinstance(lay, Shard) and _norm_dim(node.args[1], len(shape(node))) == lay.dim:
+    if isinstance(lay, Shard) and norm_dim(node.args[1], len(shape(node))) == lay.dim:
         if _feeds_only_nll(node, lay):
             return lay  # log_softmax → nll_loss: one vocab-parallel cross-entropy (see _nll)
         raise Conflict(lay.origins, node, f"{node.name}: softmax over the split dim")
     return lay
 
 
-_NLL = {aten.nll_loss, aten.nll_loss_nd}
+NLL_OPS = frozenset({aten.nll_loss, aten.nll_loss_nd})
 
 
 def _feeds_only_nll(node: fx.Node, lay: Shard) -> bool:
@@ -763,7 +774,7 @@ def _feeds_only_nll(node: fx.Node, lay: Shard) -> bool:
         return False
     class_dim = 1 if len(shape(node)) >= 2 else 0
     return lay.dim == class_dim and all(
-        packet(u) in _NLL and u.args[0] is node and _nll_weight(u) is None for u in node.users)
+        packet(u) in NLL_OPS and u.args[0] is node and _nll_weight(u) is None for u in node.users)
 
 
 def _nll_weight(node: fx.Node) -> Any:
@@ -791,7 +802,7 @@ def reduce_dims(node: fx.Node) -> tuple[list[int], bool]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         dims = list(range(nd))
-    dims = [_norm_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    dims = [norm_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
     keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
     return dims, keep
 
@@ -972,7 +983,7 @@ def _stack(p: Propagator, node: fx.Node) -> Layout:
     """stack(xs, dim) = cat of xs unsqueezed at dim (GPT-J's rotate_every_two): the pieces
     must share one layout; the split dim shifts past the new one."""
     tensors = list(node.args[0])
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0),
+    dim = norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0),
                     len(shape(node)))
     shards = _shards(p, node, tensors)
     if not shards:
@@ -1057,16 +1068,16 @@ _RULES = {
     aten.index: _index, aten.stack: _stack, aten.baddbmm: _baddbmm,
     aten.transpose: _transpose, aten.t: _transpose, aten.permute: _transpose,
     aten.numpy_T: _transpose, aten.mT: _transpose,
-    **{op: _split for op in _SPLITS},
+    **{op: _split for op in SPLIT_OPS},
     aten.cat: _cat,
     aten.slice: _slice, aten.select: _slice, aten.narrow: _slice,
     aten.repeat_interleave: _repeat_interleave,
     aten.layer_norm: _norm, aten.native_layer_norm: _norm, aten.rms_norm: _norm,
     **{op: _softmax for op in _SOFTMAX},
     **{op: _reduce for op in _REDUCE_DIM},
-    **{op: _matmul for op in _MATMULS},
+    **{op: _matmul for op in MATMUL_OPS},
     aten.embedding: _embedding,
     aten.scaled_dot_product_attention: _sdpa,
     aten.cross_entropy_loss: _cross_entropy,
-    **{op: _nll for op in _NLL},
+    **{op: _nll for op in NLL_OPS},
 }

@@ -36,20 +36,30 @@ from __future__ import annotations
 
 import operator
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Collection
 
 import torch
 import torch.fx as fx
 
+from autopar.cost.hardware import get_cluster
+from autopar.passes import meta as K
 from autopar.passes import sharding as S
-from autopar.passes.sharding import Partial, Replicate, Shard, packet, shape, source_line
+from autopar.passes.manager import Pass, run_passes
+from autopar.passes.sharding import (Partial, Replicate, Shard, is_split, packet, shape,
+                                     source_line)
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
 
 aten = torch.ops.aten
 
 _MAX_ROUNDS = 10_000
+
+
+class PropagationError(RuntimeError):
+    """Sharding propagation settles on no layout: a conflict whose origins are all off already
+    (it loops) or no fixed point within _MAX_ROUNDS — a graph the rules cannot settle."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +73,7 @@ class Fallback:
 
 @dataclass(kw_only=True)
 class TPInfo:
-    """What propagate_sharding decided; stored as gm.meta['tp']."""
+    """What propagate_sharding decided; stored as gm.meta[K.TP_INFO]."""
     t: int
     sequence_parallel: bool
     params: dict[str, shard_rt.ParamSplit]           # get_attr target -> split (split ones only)
@@ -89,24 +99,24 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
                        cluster: Any = "dgx-a100-80gb") -> fx.GraphModule:
     """Decide the tensor-parallel layout of every value of `gm` for degree `t`.
 
-    Requires: `gm` from `capture` (ATen training IR with node.meta['val']).
-    Guarantees: every node has meta['tp_layout'] (Replicate | Shard | Partial, a tuple for
-      multi-output nodes); split get_attr nodes have meta['tp_param'] (a ParamSplit); nodes the
-      rewrite changes have meta['tp_role'] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
+    Requires: `gm` from `capture` (ATen training IR with node.meta[K.VAL]).
+    Guarantees: every node has meta[K.TP_LAYOUT] (Replicate | Shard | Partial, a tuple for
+      multi-output nodes); split get_attr nodes have meta[K.TP_PARAM] (a ParamSplit); nodes the
+      rewrite changes have meta[K.TP_ROLE] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
       'partial_mean': a mean over the split dim, each rank's summand);
-      meta['tp_convert'] = {input name: layout} on edges that need a collective or a slice;
-      gm.meta['tp'] is a TPInfo. Writes only meta; the graph is unchanged.
+      meta[K.TP_CONVERT] = {input name: layout} on edges that need a collective or a slice;
+      gm.meta[K.TP_INFO] is a TPInfo. Writes only meta; the graph is unchanged.
     A split value the graph returns (logits of a model without a loss) stays column-parallel
       and is all-gathered at the output only when that pays on `cluster` (its machine balance,
       sustained GEMM FLOP/s over intra-node bytes/s; see Propagator._gather_output); otherwise
       its origins fall back to replicated. Either way the choice is in TPInfo.notes.
     Errors: ValueError for a bad t, a sequence length not divisible by t under sequence
       parallelism, or (strict) a head / hidden size that cannot be split under this t, naming
-      the node and the user's source line.
+      the node and the user's source line; PropagationError when no layout settles.
     """
     _check_t(t)
     seq_len = _seq_len(gm) if sequence_parallel else None
-    if sequence_parallel and (seq_len is None or seq_len % t):
+    if sequence_parallel and not sequence_parallel_fits(gm, t):
         raise ValueError(f"sequence_parallel with t={t}: the sequence length {seq_len} (dim 1 of "
                          f"the first input) must be divisible by t; pad the sequence to a "
                          f"multiple of {t} or turn sequence parallelism off")
@@ -138,25 +148,24 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
             if undo:
                 continue
             if not c.origins - off:
-                raise RuntimeError(f"tensor_parallel: propagation loops at {c.node.name}: "
-                                   f"{c.reason}") from None
+                raise PropagationError(f"tensor_parallel: propagation loops at {c.node.name}: "
+                                       f"{c.reason} ({source_line(c.node)})") from None
             for o in c.origins - off:
                 fallbacks[o] = Fallback(node=o, reason=c.reason, where=source_line(c.node),
                                         indivisible=c.indivisible)
             off |= c.origins
     else:
-        raise RuntimeError("tensor_parallel: sharding propagation did not converge")
+        raise PropagationError("tensor_parallel: sharding propagation did not converge")
     info = _write_meta(gm, prop, t, sequence_parallel, list(fallbacks.values()))
     if strict and t > 1:
         _check_lost_regions(gm, info)
-    gm.meta["tp"] = info
+    gm.meta[K.TP_INFO] = info
     return gm
 
 
 def _flop_per_byte(cluster: Any) -> float:
     """Machine balance: the GEMM FLOPs one byte of tensor-parallel communication costs
     (sustained peak / intra-node collective bandwidth; A100: 0.8·312e12 / 231e9 ≈ 1080)."""
-    from autopar.cost.hardware import get_cluster
     c = get_cluster(cluster)
     return c.peak_flops * c.gemm_max_efficiency / c.intra_node_bandwidth_Bps
 
@@ -165,6 +174,12 @@ def _check_t(t: Any) -> None:
     if not isinstance(t, int) or isinstance(t, bool) or t < 1:
         raise ValueError(f"tensor_parallel: t={t!r} must be a positive integer (the number of "
                          f"tensor-parallel ranks)")
+
+
+def sequence_parallel_fits(gm: fx.GraphModule, t: int) -> bool:
+    """Whether sequence parallelism can split gm's sequence (dim 1 of the first input) t ways."""
+    seq_len = _seq_len(gm)
+    return seq_len is not None and seq_len % t == 0
 
 
 def _seq_len(gm: fx.GraphModule) -> int | None:
@@ -178,22 +193,22 @@ def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
                 fallbacks: list[Fallback]) -> TPInfo:
     info = TPInfo(t=t, sequence_parallel=sp, params={}, fallbacks=fallbacks, notes=prop.notes)
     for node in gm.graph.nodes:
-        node.meta["tp_layout"] = prop.layout.get(node, Replicate())
-        node.meta.pop("tp_role", None)
-        node.meta.pop("tp_param", None)
+        node.meta[K.TP_LAYOUT] = prop.layout.get(node, Replicate())
+        node.meta.pop(K.TP_ROLE, None)
+        node.meta.pop(K.TP_PARAM, None)
         conv = prop.convert.get(node)
-        node.meta["tp_convert"] = {a.name: lay for a, lay in conv.items()} if conv else {}
+        node.meta[K.TP_CONVERT] = {a.name: lay for a, lay in conv.items()} if conv else {}
         role = prop.role.get(node)
         if role:
-            node.meta["tp_role"] = role
+            node.meta[K.TP_ROLE] = role
             listed = {"column": info.column, "row": info.row, "vocab_embedding": info.vocab,
                       "vocab_ce": info.vocab}.get(role)
             if listed is not None:
                 listed.append(node.name)
-        lay = node.meta["tp_layout"]
+        lay = node.meta[K.TP_LAYOUT]
         if node.op == "get_attr" and isinstance(lay, Shard):
             split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded)
-            node.meta["tp_param"] = split
+            node.meta[K.TP_PARAM] = split
             info.params[node.target] = split
     return info
 
@@ -221,9 +236,9 @@ def _feeds_split_work(start: fx.Node) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if _is_split(node.meta.get("tp_layout")) and node.op != "output":
+        if is_split(node.meta.get(K.TP_LAYOUT)) and node.op != "output":
             return True
-        if node.meta.get("tp_role") or packet(node) in S._MATMULS:
+        if node.meta.get(K.TP_ROLE) or packet(node) in S.MATMUL_OPS:
             continue
         todo.extend(node.users)
     return False
@@ -232,17 +247,27 @@ def _feeds_split_work(start: fx.Node) -> bool:
 # ----- transformation ---------------------------------------------------------------------------
 
 def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, group: Any,
-                          sequence_parallel: bool | None = None, *, seed: int = 0,
-                          model: torch.nn.Module | None = None,
-                          init: Callable[[torch.nn.Module], None] | None = None,
-                          prefix: str = "model.", vocab_multiple: int = 128,
-                          materialize: Collection[str] | None = None) -> fx.GraphModule:
-    """Rewrite `gm` in place into tensor rank `tp_rank`'s program (of `t` ranks in `group`).
+                          sequence_parallel: bool | None = None, **options: Any
+                          ) -> fx.GraphModule:
+    """Rewrite `gm` in place into tensor rank `tp_rank`'s program: `tensor_parallel_pass` (see
+    it for the options and the guarantees) run on gm, linted and recompiled."""
+    return run_passes(gm, [tensor_parallel_pass(plan_or_t, tp_rank, group, sequence_parallel,
+                                                **options)])
+
+
+def tensor_parallel_pass(plan_or_t: Any, tp_rank: int, group: Any,
+                         sequence_parallel: bool | None = None, *, seed: int = 0,
+                         model: torch.nn.Module | None = None,
+                         init: Callable[[torch.nn.Module], None] | None = None,
+                         prefix: str = "model.", vocab_multiple: int = 128,
+                         materialize: Collection[str] | None = None) -> Pass:
+    """The pass rewriting a graph in place into tensor rank `tp_rank`'s program (of `t` ranks
+    in `group`); the arguments are checked here, before any graph work.
 
     Requires: gm from capture; `plan_or_t` an int t or a Plan (its t, sequence_parallel);
       `group` the tensor-parallel ProcessGroup (None only for t = 1 or for inspecting the
-      rewritten graph without running it). Runs propagate_sharding first unless gm.meta['tp']
-      already holds a decision for this t and mode.
+      rewritten graph without running it). Runs propagate_sharding first unless
+      gm.meta[TP_INFO] already holds a decision for this t and mode.
     Guarantees: parameters on gm are this rank's local shards (sliced from real parameters,
       or, for parameters on the meta device, sliced from the global-shape init of their
       owning module of the user's `model` (graph names minus `prefix`) under the seed
@@ -252,10 +277,11 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
       weights of this pipeline rank's chunks from passes.pipeline.chunk_attr_targets), only
       those become real tensors; every other tensor attribute becomes a meta tensor of its
       local shape (never initialised, never copied). view/reshape/expand/split constants are
-      local; collectives are
-      call_function nodes taking the get_attr node `tp_group` (gm.tp_group = group); the graph
-      lints. Reads meta tp_layout / tp_convert / tp_role / tp_param; rewrites meta['val'] to
-      local shapes.
+      local; collectives are call_function nodes taking the get_attr node `tp_group`
+      (gm.tp_group = group).
+    Reads (keys of passes/meta.py): TP_INFO, TP_LAYOUT, TP_CONVERT, TP_ROLE, TP_PARAM, VAL.
+      Writes: those (propagate_sharding), VAL made local with the global value kept in
+      TP_GLOBAL_VAL.
     """
     t = getattr(plan_or_t, "t", plan_or_t)
     if sequence_parallel is None:
@@ -266,11 +292,24 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
                          f"t={t}; pass the tensor-parallel group of this rank")
     if not 0 <= tp_rank < t:
         raise ValueError(f"apply_tensor_parallel: tp_rank={tp_rank} is outside [0, {t})")
-    info = gm.meta.get("tp")
+    rewrite = partial(_rewrite_rank, t=t, tp_rank=tp_rank, group=group,
+                      sequence_parallel=sequence_parallel, seed=seed, model=model, init=init,
+                      prefix=prefix, vocab_multiple=vocab_multiple, materialize=materialize)
+    return Pass(f"tensor_parallel[t={t}, rank={tp_rank}]", rewrite,
+                reads=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM),
+                writes=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM,
+                        K.TP_GLOBAL_VAL))
+
+
+def _rewrite_rank(gm: fx.GraphModule, *, t: int, tp_rank: int, group: Any,
+                  sequence_parallel: bool, seed: int, model: torch.nn.Module | None,
+                  init: Callable | None, prefix: str, vocab_multiple: int,
+                  materialize: Collection[str] | None) -> fx.GraphModule:
+    info = gm.meta.get(K.TP_INFO)
     if info is None or info.t != t or info.sequence_parallel != sequence_parallel:
         propagate_sharding(gm, t, sequence_parallel=sequence_parallel,
                            vocab_multiple=vocab_multiple)
-        info = gm.meta["tp"]
+        info = gm.meta[K.TP_INFO]
     if _shard_parameters(gm, info, tp_rank, t, model, init, prefix, seed, materialize):
         _real_device_constants(gm, torch.device("cpu"))
     gm.tp_group = group if group is not None or t == 1 else shard_rt.UnboundGroup(t)
@@ -278,8 +317,6 @@ def apply_tensor_parallel(gm: fx.GraphModule, plan_or_t: Any, tp_rank: int, grou
         gm.tp_rng = shard_rt.DropoutStreams(tp_rank)   # a fresh program, fresh streams
         _Rewriter(gm, t, seed).run()
     gm.tp_rank = tp_rank
-    gm.graph.lint()
-    gm.recompile()
     return gm
 
 
@@ -396,14 +433,14 @@ class _Rewriter:
 
     def __init__(self, gm: fx.GraphModule, t: int, seed: int):
         self.gm, self.graph, self.t, self.seed = gm, gm.graph, t, seed
-        self.grad = _requires_grad(gm)
+        self.grad = nodes_requiring_grad(gm)
         self.cache: dict[tuple, fx.Node] = {}
         self.made: set[fx.Node] = set()
         first = next(n for n in self.graph.nodes if n.op != "placeholder")
         with self.graph.inserting_before(first), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a plain attribute, not a parameter: lint accepts it
             self.group = self.graph.get_attr("tp_group")
-        self.group.meta["tp_layout"] = Replicate()
+        self.group.meta[K.TP_LAYOUT] = Replicate()
         self.by_name = {n.name: n for n in self.graph.nodes}
         self.noise: dict[str, fx.Node] = {}   # dropout of a biased Partial -> its noise
         self.streams: fx.Node | None = None   # get_attr `tp_rng`, made at the first dropout
@@ -433,31 +470,31 @@ class _Rewriter:
               val_like: fx.Node) -> fx.Node:
         with self.graph.inserting_before(before):
             node = self.graph.call_function(fn, args)
-        node.meta["tp_layout"] = lay
-        node.meta["val"] = val_like.meta.get("val")
-        node.meta["stack_trace"] = val_like.meta.get("stack_trace")
-        node.meta["nn_module_stack"] = val_like.meta.get("nn_module_stack", {})
+        node.meta[K.TP_LAYOUT] = lay
+        node.meta[K.VAL] = val_like.meta.get(K.VAL)
+        node.meta[K.STACK_TRACE] = val_like.meta.get(K.STACK_TRACE)
+        node.meta[K.NN_MODULE_STACK] = val_like.meta.get(K.NN_MODULE_STACK, {})
         self.made.add(node)
         if grad:
             self.grad.add(node)
         return node
 
     def _convert_inputs(self, node: fx.Node) -> None:
-        out_split = _is_split(node.meta.get("tp_layout"))
-        if node.meta.get("tp_role") == "row":
+        out_split = is_split(node.meta.get(K.TP_LAYOUT))
+        if node.meta.get(K.TP_ROLE) == "row":
             self._drop_bias(node)  # added once after the reduction, not here
         converted = set()
-        for name, want in node.meta.get("tp_convert", {}).items():
+        for name, want in node.meta.get(K.TP_CONVERT, {}).items():
             arg = self.by_name[name]
             new = self._conversion(arg, want, out_split, node)
             node.replace_input_with(arg, new)
             converted.add(new)
-        if not out_split or node.meta.get("tp_role") == "vocab_ce":
+        if not out_split or node.meta.get(K.TP_ROLE) == "vocab_ce":
             return
         for arg in list(node.all_input_nodes):
             if arg in converted or arg is self.group or arg not in self.grad:
                 continue
-            if isinstance(arg.meta.get("tp_layout"), Replicate) and S.is_tensor(arg):
+            if isinstance(arg.meta.get(K.TP_LAYOUT), Replicate) and S.is_tensor(arg):
                 node.replace_input_with(arg, self._f(arg, node))
 
     def _f(self, arg: fx.Node, before: fx.Node) -> fx.Node:
@@ -468,7 +505,7 @@ class _Rewriter:
         return self.cache[key]
 
     def _conversion(self, arg: fx.Node, want: Any, out_split: bool, before: fx.Node) -> fx.Node:
-        have = arg.meta["tp_layout"]
+        have = arg.meta[K.TP_LAYOUT]
         grad = arg in self.grad
         key = ("conv", arg, repr(want), out_split and grad)
         if key in self.cache:
@@ -513,7 +550,7 @@ class _Rewriter:
             bias = self.by_name[name]
             if seq and bias in self.grad:
                 bias = self._f(bias, before)
-            x = self._call(aten.add.Tensor, (x, bias), x.meta["tp_layout"], before, grad, arg)
+            x = self._call(aten.add.Tensor, (x, bias), x.meta[K.TP_LAYOUT], before, grad, arg)
         for name, drop in have.masked:
             # bias·noise: replicated, full shape (every rank computes all of it, so its
             # gradient is whole on every rank); under SP each rank adds its sequence slice
@@ -523,7 +560,7 @@ class _Rewriter:
             if seq:
                 masked = self._call(C.scatter_to_sp, (masked, g, want.dim), want, before,
                                     masked in self.grad, arg)
-            x = self._call(aten.add.Tensor, (x, masked), x.meta["tp_layout"], before, grad, arg)
+            x = self._call(aten.add.Tensor, (x, masked), x.meta[K.TP_LAYOUT], before, grad, arg)
         self.cache[key] = x
         return x
 
@@ -551,7 +588,7 @@ class _Rewriter:
     # -- ops --
 
     def _rewrite(self, node: fx.Node) -> None:
-        role = node.meta.get("tp_role")
+        role = node.meta.get(K.TP_ROLE)
         op = packet(node)
         if role == "vocab_embedding":
             w, ids = node.args[0], node.args[1]
@@ -565,32 +602,32 @@ class _Rewriter:
             node.target = shard_rt.partial_mean
             node.args = (node.args[0], self.group, dims, keep, node.kwargs.get("dtype"))
             node.kwargs = {}
-        elif op in S._SIZE_ARG_OPS:
+        elif op in S.SIZE_ARG_OPS:
             self._local_sizes(node)
-        elif op in S._SPLITS:
+        elif op in S.SPLIT_OPS:
             self._local_split(node)
         elif op is aten.unflatten:
-            lay = node.meta["tp_layout"]
+            lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
                 sizes = list(_local_shape(shape(node), lay, self.t))
-                dim = S._norm_dim(node.args[1], len(shape(node.args[0])))
+                dim = S.norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
-        elif op is aten.scaled_dot_product_attention and _is_split(node.meta.get("tp_layout")) \
+        elif op is aten.scaled_dot_product_attention and is_split(node.meta.get(K.TP_LAYOUT)) \
                 and _sdpa_dropout(node):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self._streams(), self.seed, *rest)
         elif op is aten.dropout and _masks_biases(node):
             self._masking_dropout(node)
-        elif op is aten.dropout and isinstance(node.meta.get("tp_layout"), Shard):
+        elif op is aten.dropout and isinstance(node.meta.get(K.TP_LAYOUT), Shard):
             # (a Partial keeps the replicated stream: one mask for every summand is the mask
             # of their sum)
             x, p, train = node.args
             node.target = shard_rt.tp_dropout
             node.args, node.kwargs = (x, p, train, self._streams(), self.seed), {}
         elif op is aten.repeat_interleave and "output_size" in node.kwargs:
-            lay = node.meta["tp_layout"]
+            lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
                 kw = dict(node.kwargs)
                 kw["output_size"] = lay.local(self.t)
@@ -606,7 +643,7 @@ class _Rewriter:
 
     def _vocab_ce(self, node: fx.Node) -> None:
         logits, target = node.args[0], node.args[1]
-        if packet(node) in S._NLL:  # nll_loss(log_softmax(x)) = cross_entropy(x)
+        if packet(node) in S.NLL_OPS:  # nll_loss(log_softmax(x)) = cross_entropy(x)
             log_softmax, logits = logits, logits.args[0]
             node.replace_input_with(log_softmax, logits)
             if not log_softmax.users:
@@ -619,7 +656,7 @@ class _Rewriter:
         node.args, node.kwargs = (logits, target, self.group, vocab, ignore, reduction), {}
 
     def _local_sizes(self, node: fx.Node) -> None:
-        lay = node.meta["tp_layout"]
+        lay = node.meta[K.TP_LAYOUT]
         if not isinstance(lay, Shard):
             return
         local = _local_shape(shape(node), lay, self.t)
@@ -629,14 +666,14 @@ class _Rewriter:
 
     def _local_split(self, node: fx.Node) -> None:
         src = node.args[0]
-        lay = src.meta["tp_layout"]
+        lay = src.meta[K.TP_LAYOUT]
         if not isinstance(lay, Shard) or packet(node) is aten.unbind:
             return
         nd = len(shape(src))
-        dim = S._norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
+        dim = S.norm_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), nd)
         if dim != lay.dim:
             return
-        pieces = node.meta["tp_layout"]
+        pieces = node.meta[K.TP_LAYOUT]
         sizes = [p.local(self.t) for p in pieces]
         node.target = aten.split_with_sizes.default
         node.args, node.kwargs = (src, sizes, dim), {}
@@ -644,7 +681,7 @@ class _Rewriter:
 
 def _masks_biases(node: fx.Node) -> bool:
     """A dropout of a biased Partial (Partial.masked names it)."""
-    lay = node.meta.get("tp_layout")
+    lay = node.meta.get(K.TP_LAYOUT)
     return isinstance(lay, Partial) and any(d == node.name for _, d in lay.masked)
 
 
@@ -654,7 +691,7 @@ def _sdpa_dropout(node: fx.Node) -> bool:
 
 
 def _orig_size(node: fx.Node, dim: int) -> int:
-    return int(node.meta["tp_global_val"].shape[dim]) if "tp_global_val" in node.meta \
+    return int(node.meta[K.TP_GLOBAL_VAL].shape[dim]) if K.TP_GLOBAL_VAL in node.meta \
         else shape(node)[dim]
 
 
@@ -662,17 +699,11 @@ def _per_rank_dropout(n: fx.Node) -> bool:
     """Dropout on a per-rank RNG stream: on a split (not partial) value, or attention's."""
     if n.target in (shard_rt.tp_dropout, shard_rt.tp_sdpa):
         return True
-    lay = n.meta.get("tp_layout")
+    lay = n.meta.get(K.TP_LAYOUT)
     if packet(n) is aten.dropout:
         return not S.dropout_is_identity(n) and isinstance(lay, Shard)
-    return (packet(n) is aten.scaled_dot_product_attention and _is_split(lay)
+    return (packet(n) is aten.scaled_dot_product_attention and is_split(lay)
             and _sdpa_dropout(n))
-
-
-def _is_split(lay: Any) -> bool:
-    if isinstance(lay, tuple):
-        return any(_is_split(l) for l in lay)
-    return isinstance(lay, (Shard, Partial))
 
 
 def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, ...]:
@@ -684,27 +715,27 @@ def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, 
 
 
 def _localize_val(node: fx.Node, t: int) -> None:
-    """meta['val'] becomes the local shape (a meta tensor); the global one is kept in
-    meta['tp_global_val']."""
-    val, lay = node.meta.get("val"), node.meta.get("tp_layout")
-    if "tp_global_val" in node.meta:
+    """meta[K.VAL] becomes the local shape (a meta tensor); the global one is kept in
+    meta[K.TP_GLOBAL_VAL]."""
+    val, lay = node.meta.get(K.VAL), node.meta.get(K.TP_LAYOUT)
+    if K.TP_GLOBAL_VAL in node.meta:
         return
     if isinstance(val, torch.Tensor) and isinstance(lay, Shard):
-        node.meta["tp_global_val"] = val
-        node.meta["val"] = torch.empty(_local_shape(tuple(val.shape), lay, t), dtype=val.dtype,
+        node.meta[K.TP_GLOBAL_VAL] = val
+        node.meta[K.VAL] = torch.empty(_local_shape(tuple(val.shape), lay, t), dtype=val.dtype,
                                        device="meta")
     elif isinstance(val, (tuple, list)) and isinstance(lay, tuple):
-        node.meta["tp_global_val"] = val
-        node.meta["val"] = type(val)(
+        node.meta[K.TP_GLOBAL_VAL] = val
+        node.meta[K.VAL] = type(val)(
             torch.empty(_local_shape(tuple(v.shape), l, t), dtype=v.dtype, device="meta")
             if isinstance(v, torch.Tensor) else v for v, l in zip(val, lay))
 
 
-def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
+def nodes_requiring_grad(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose value depends on a trainable parameter (floating point, grad enabled)."""
     out: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
+        val = node.meta.get(K.VAL)
         floating = isinstance(val, torch.Tensor) and val.dtype.is_floating_point
         if node.op == "get_attr":
             owner, name = _get_owner(gm, node.target)
@@ -726,22 +757,28 @@ def _requires_grad(gm: fx.GraphModule) -> set[fx.Node]:
 
 # ----- gathering the full state dict ------------------------------------------------------------
 
+def param_splits(gm: fx.GraphModule) -> dict[str, tuple[shard_rt.ParamSplit, int]]:
+    """get_attr target -> (ParamSplit, full size along its dim) of every parameter the
+    tensor-parallel pass split in `gm` (a rewritten graph, or a chunk of one)."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and K.TP_PARAM in node.meta:
+            split = node.meta[K.TP_PARAM]
+            full = node.meta.get(K.TP_GLOBAL_VAL, node.meta[K.VAL])
+            out[node.target] = (split, int(full.shape[split.dim]))
+    return out
+
+
 def gather_full_state_dict(gm: fx.GraphModule, group: Any = None,
                            prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The single-device state dict (the user's keys: `prefix` stripped, vocab padding dropped)
     from every tensor rank's shards. Collective: every rank of `group` must call it; every rank
     gets the result. Tied parameters appear under all their names, as in model.state_dict()."""
     group = group if group is not None else getattr(gm, "tp_group", None)
-    info: TPInfo | None = gm.meta.get("tp")
+    info: TPInfo | None = gm.meta.get(K.TP_INFO)
     t = C.group_size(group) if not isinstance(group, shard_rt.UnboundGroup) else group.t
-    split_of = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and "tp_param" in node.meta:
-            owner, name = _get_owner(gm, node.target)
-            split_of[id(getattr(owner, name))] = (node.meta["tp_param"],
-                                                  int(node.meta.get("tp_global_val",
-                                                                    node.meta["val"]).shape[
-                                                          node.meta["tp_param"].dim]))
+    split_of = {id(getattr(*_get_owner(gm, target))): split
+                for target, split in param_splits(gm).items()}
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}
     for key, value in gm.state_dict(keep_vars=True).items():
@@ -751,9 +788,7 @@ def gather_full_state_dict(gm: fx.GraphModule, group: Any = None,
             local = value.detach()
             if id(value) in split_of and t > 1 and info is not None:
                 split, full_size = split_of[id(value)]
-                pieces = [torch.empty_like(local) for _ in range(t)]
-                torch.distributed.all_gather(pieces, local.contiguous(), group=group)
-                done[id(value)] = shard_rt.unshard(pieces, split, full_size)
+                done[id(value)] = shard_rt.gather_unshard(local, split, full_size, group)
             else:
                 done[id(value)] = local.clone()
         out[key[len(prefix):] if key.startswith(prefix) else key] = done[id(value)]
@@ -772,15 +807,15 @@ def tp_report(plan: Any, gm: fx.GraphModule) -> list[str]:
     sp = bool(getattr(plan, "sequence_parallel", False))
     if not isinstance(t, int) or t <= 1:
         return ["tensor parallel: off (t=1)"]
-    info = gm.meta.get("tp")
+    info = gm.meta.get(K.TP_INFO)
     if info is None or info.t != t or info.sequence_parallel != sp:
         propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
-        info = gm.meta["tp"]
+        info = gm.meta[K.TP_INFO]
     lines = info.summary().splitlines()
     padded = sorted({(k, s.padded) for k, s in info.params.items() if s.padded})
     lines += [f"  vocab padded: {k} to {p} rows (invisible in loss and state dict)"
               for k, p in padded]
-    roles = [n.meta.get("tp_role") for n in gm.graph.nodes]
+    roles = [n.meta.get(K.TP_ROLE) for n in gm.graph.nodes]
     split_dropout = sum(1 for n in gm.graph.nodes if _per_rank_dropout(n))
     if split_dropout:
         lines.append(f"  dropout: {split_dropout} in split regions on per-rank RNG streams; "

@@ -22,7 +22,7 @@ sequence-parallel mode) on the planning graph and states the difference per regi
     vocab-parallel does not all-reduce the lookup; a head whose vocab GEMMs are all replicated
     needs no all-reduce of its input gradient;
   - extra collectives, mirroring the rewrite (`apply_tensor_parallel`'s `_Rewriter`) edge by
-    edge on `meta['tp_convert']`: a split value gathered to replicated (all-gather forward; its
+    edge on `meta[K.TP_CONVERT]`: a split value gathered to replicated (all-gather forward; its
     backward is a reduce-scatter when the consumer is split and the value needs a gradient, else
     a local slice) unless it is the structural sequence-parallel gather into a column-parallel
     GEMM; a replicated value of the affected set sliced into a split consumer (free forward; the
@@ -36,12 +36,12 @@ sequence-parallel mode) on the planning graph and states the difference per regi
     scale split values.
 
 Block 0 stands for every block, as in the profile. The pass writes only meta (node meta
-tp_layout / tp_convert / tp_role / tp_param and gm.meta['tp']); running it for another t
-overwrites all of it, and `apply_tensor_parallel` / `tp_report` re-run it when gm.meta['tp'] is
+TP_LAYOUT / TP_CONVERT / TP_ROLE / TP_PARAM and gm.meta[TP_INFO]); running it for another t
+overwrites all of it, and `apply_tensor_parallel` / `tp_report` re-run it when gm.meta[K.TP_INFO] is
 for a different t or mode, so analysing several t on the planning graph is safe.
 
 Requires: the Captured / LayerStructure that `profile_from_graph` profiled (it writes the
-  autopar_gemm_idx / autopar_other / autopar_saved node meta and gm.meta["autopar_params"]
+  GEMM_IDX / OTHER / SAVED node meta and gm.meta[PARAMS]
   read here).
 """
 from __future__ import annotations
@@ -54,11 +54,13 @@ import torch
 import torch.fx as fx
 
 from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPRegionFallback
+from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
-from autopar.passes.profile import _VIEWS, _batch_dependent, _param_identity
-from autopar.passes.sharding import Partial, Replicate, Shard, is_tensor
-from autopar.passes.tensor_parallel import _is_split, _requires_grad, propagate_sharding
+from autopar.passes.profile import VIEW_OPS, batch_dependent, param_identity
+from autopar.passes.sharding import Partial, Replicate, Shard, is_split, is_tensor
+from autopar.passes.tensor_parallel import (PropagationError, nodes_requiring_grad,
+                                            propagate_sharding, sequence_parallel_fits)
 
 _REGIONS = ("embedding", "block", "head")
 _SPLITS = ("n", "k", "batch")
@@ -69,7 +71,8 @@ def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: La
                         sequence_parallel: Iterable[bool] = (False, True)) -> ModelProfile:
     """`profile` with `tp_fallbacks` filled for every t > 1 of `ts` and every mode of
     `sequence_parallel` the pass accepts (a sequence length not divisible by t rejects SP), and
-    a note per t with fallbacks (or whose analysis failed: that t is priced structurally)."""
+    a note per t with fallbacks (or whose propagation settles on no layout, PropagationError:
+    that t is priced structurally). Any other error is a bug and propagates."""
     corr, failed = _analyse(captured, structure, profile, ts, sequence_parallel)
     notes = [f"tensor parallel t={c.t}{' + SP' if c.sequence_parallel else ''}: "
              f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr if not c.empty]
@@ -83,7 +86,7 @@ def tp_corrections(captured: Captured, structure: LayerStructure, profile: Model
                    ) -> tuple[TPCorrection, ...]:
     """One `TPCorrection` per analysed (t, sequence_parallel), t > 1 (empty ones included: the
     pass splits everything the profile splits). A mode the pass rejects (SP with a sequence
-    length not divisible by t) or cannot analyse is left out: the cost model then prices it
+    length not divisible by t) or cannot settle is left out: the cost model then prices it
     with the other mode's correction at that t, or structurally."""
     return _analyse(captured, structure, profile, ts, sequence_parallel)[0]
 
@@ -94,17 +97,14 @@ def _analyse(captured, structure, profile, ts, sequence_parallel):
     out, failed = [], []
     for t in sorted({int(t) for t in ts if int(t) > 1}):
         for sp in dict.fromkeys(bool(s) for s in sequence_parallel):
+            if sp and not sequence_parallel_fits(gm, t):
+                continue  # the mode is not runnable at this t
             try:
                 propagate_sharding(gm, t, sequence_parallel=sp, strict=False)
-            except ValueError:
-                continue  # SP with a sequence not divisible by t: the mode is not runnable
-            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
+            except PropagationError as e:  # planning goes on, this t priced structurally
                 failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
                 continue
-            try:
-                out.append(_correction(facts, t, sp))
-            except Exception as e:  # noqa: BLE001 - planning goes on, priced structurally
-                failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+            out.append(_correction(facts, t, sp))
     return tuple(out), failed
 
 
@@ -113,7 +113,7 @@ class _Facts:
 
     def __init__(self, captured: Captured, structure: LayerStructure, profile: ModelProfile):
         gm = captured.gm
-        if "autopar_params" not in gm.meta:
+        if K.PARAMS not in gm.meta:
             raise ValueError("tp_corrections: the graph has no profile meta; run "
                              "profile_from_graph(captured, structure) on it first")
         self.gm, self.profile, self.batch = gm, profile, captured.batch_size
@@ -124,14 +124,14 @@ class _Facts:
         self.region["head"] += [n for n in gm.graph.nodes  # output gathers (logits, no loss)
                                 if n.op == "output" and n not in self.region["head"]]
         self.targets: dict[int, list[str]] = {}
-        for target, (pid, _) in _param_identity(captured).items():
+        for target, (pid, _) in param_identity(captured).items():
             self.targets.setdefault(pid, []).append(target)
-        self.grad = _requires_grad(gm)
-        self.per_batch = _batch_dependent(gm)
+        self.grad = nodes_requiring_grad(gm)
+        self.per_batch = batch_dependent(gm)
 
     def elems(self, n: fx.Node) -> int:
         """Global elements of n's value for one sequence."""
-        v = n.meta.get("val")
+        v = n.meta.get(K.VAL)
         if not isinstance(v, torch.Tensor):
             return 0
         numel = math.prod(int(d) for d in v.shape)
@@ -139,8 +139,8 @@ class _Facts:
 
 
 def _correction(facts: _Facts, t: int, sp: bool) -> TPCorrection:
-    """The correction of the decision now in the graph's meta (gm.meta['tp'] for t, sp)."""
-    info = facts.gm.meta["tp"]
+    """The correction of the decision now in the graph's meta (gm.meta[K.TP_INFO] for t, sp)."""
+    info = facts.gm.meta[K.TP_INFO]
     assert info.t == t and info.sequence_parallel == sp
     regions = {kind: _region(facts, kind, info) for kind in _REGIONS}
     return TPCorrection(t=t, sequence_parallel=sp, **regions,
@@ -154,8 +154,8 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
     # GEMMs the profile splits and the pass computes whole
     seeds, gemm_idx = [], []
     for n in nodes:
-        idx = n.meta.get("autopar_gemm_idx")
-        if not idx or n.meta.get("autopar_tp") not in _SPLITS or _is_split(n.meta.get("tp_layout")):
+        idx = n.meta.get(K.GEMM_IDX)
+        if not idx or n.meta.get(K.GEMM_SPLIT) not in _SPLITS or is_split(n.meta.get(K.TP_LAYOUT)):
             continue
         seeds.append(n)
         gemm_idx.extend(i for i in idx if prof.gemms[i].tp_split is not None)
@@ -167,7 +167,7 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
         removed += min(_merged_reductions_elems(facts, nodes),
                        max(0, prof.tp_allreduce_elems - removed))
     if kind == "embedding" and prof.tp_allreduce_elems and not any(
-            n.meta.get("tp_role") == "vocab_embedding" for n in nodes):
+            n.meta.get(K.TP_ROLE) == "vocab_embedding" for n in nodes):
         removed += prof.tp_allreduce_elems
     vocab = [i for i, g in enumerate(prof.gemms) if g.tp_split == "n"]
     if kind == "head" and vocab and set(vocab) <= set(gemm_idx):
@@ -177,8 +177,8 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
         params_elems=_params_kept_whole(facts, kind, info),
         act_split_bytes=round(_saved_whole(facts, nodes, affected, "split")),
         act_attention_bytes=round(_saved_whole(facts, nodes, affected, "attn")),
-        other_split_bytes=round(sum(n.meta.get("autopar_other", (0, False))[0] for n in affected
-                                    if n.meta.get("autopar_other", (0, False))[1])),
+        other_split_bytes=round(sum(n.meta.get(K.OTHER, (0, False))[0] for n in affected
+                                    if n.meta.get(K.OTHER, (0, False))[1])),
         allreduce_elems_removed=removed,
         collectives=_collectives(facts, nodes, set(seeds), affected))
 
@@ -190,25 +190,25 @@ def _merged_reductions_elems(facts: _Facts, nodes: list) -> int:
     minus the partial values produced there that some consumer really reduces (statistics of
     a mean over the split dim, role partial_mean, are priced as extra collectives)."""
     inside = set(nodes)
-    rows = sum(facts.elems(n) for n in nodes if n.meta.get("tp_role") == "row"
-               and isinstance(n.meta.get("tp_layout"), Partial))
+    rows = sum(facts.elems(n) for n in nodes if n.meta.get(K.TP_ROLE) == "row"
+               and isinstance(n.meta.get(K.TP_LAYOUT), Partial))
     reduced = set()
     for n in facts.gm.graph.nodes:
-        for name, want in n.meta.get("tp_convert", {}).items():
+        for name, want in n.meta.get(K.TP_CONVERT, {}).items():
             src = facts.nodes.get(name)
-            if (src in inside and isinstance(src.meta.get("tp_layout"), Partial)
+            if (src in inside and isinstance(src.meta.get(K.TP_LAYOUT), Partial)
                     and not isinstance(want, Partial)
-                    and src.meta.get("tp_role") != "partial_mean"):
+                    and src.meta.get(K.TP_ROLE) != "partial_mean"):
                 reduced.add(src)
     return max(0, rows - sum(facts.elems(n) for n in reduced))
 
 
 def _unsplit(n: fx.Node) -> bool:
-    return not _is_split(n.meta.get("tp_layout"))
+    return not is_split(n.meta.get(K.TP_LAYOUT))
 
 
 def _is_gemm(n: fx.Node) -> bool:
-    return "autopar_gemm_idx" in n.meta or "autopar_gemm" in n.meta
+    return K.GEMM_IDX in n.meta or K.GEMM in n.meta
 
 
 def _closure(seeds: list[fx.Node], inside: set) -> set:
@@ -228,7 +228,7 @@ def _closure(seeds: list[fx.Node], inside: set) -> set:
 
 def _params_kept_whole(facts: _Facts, kind: str, info: Any) -> int:
     """Elements of the region's parameters the profile splits and the pass leaves whole."""
-    table = facts.gm.meta["autopar_params"].get(kind, {})
+    table = facts.gm.meta[K.PARAMS].get(kind, {})
     return sum(elems for pid, (elems, split) in table.items()
                if split and not any(t in info.params for t in facts.targets.get(pid, ())))
 
@@ -236,7 +236,7 @@ def _params_kept_whole(facts: _Facts, kind: str, info: Any) -> int:
 def _view_chain(n: Any) -> list[str]:
     """n and the nodes it views, back to the value that owns the storage."""
     out = [n.name]
-    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in _VIEWS \
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target in VIEW_OPS \
             and isinstance(n.args[0], fx.Node):
         n = n.args[0]
         out.append(n.name)
@@ -250,10 +250,10 @@ def _saved_whole(facts: _Facts, nodes: list, affected: set, cls: str) -> float:
     names = {n.name for n in affected}
     total = 0.0
     for n in nodes:
-        records = n.meta.get("autopar_saved")
+        records = n.meta.get(K.SAVED)
         if not records:
             continue
-        sliced = {x for a, lay in n.meta.get("tp_convert", {}).items() if isinstance(lay, Shard)
+        sliced = {x for a, lay in n.meta.get(K.TP_CONVERT, {}).items() if isinstance(lay, Shard)
                   for x in _view_chain(facts.nodes[a])}
         for producer, nbytes, c in records:
             if c != cls:
@@ -289,16 +289,16 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
 
     # values computed whole from an all-reduced mean over the split dim (an RMSNorm statistic
     # over all heads): where they scale split values, their gradient is all-reduced
-    stats = _closure([n for n in nodes if n.meta.get("tp_role") == "partial_mean"], set(nodes))
+    stats = _closure([n for n in nodes if n.meta.get(K.TP_ROLE) == "partial_mean"], set(nodes))
     for n in nodes:
-        conv = n.meta.get("tp_convert", {})
-        out_split = _is_split(n.meta.get("tp_layout"))
+        conv = n.meta.get(K.TP_CONVERT, {})
+        out_split = is_split(n.meta.get(K.TP_LAYOUT))
         for a_name, want in conv.items():
             a = facts.nodes[a_name]
-            have = a.meta.get("tp_layout")
+            have = a.meta.get(K.TP_LAYOUT)
             grad = a in facts.grad
             key = (a, repr(want), out_split and grad)
-            if a.meta.get("tp_role") == "partial_mean":
+            if a.meta.get(K.TP_ROLE) == "partial_mean":
                 add(key, "all-reduce", a, False, f"{a.name}: mean over the split dim")
             elif isinstance(have, Shard):
                 structural = have.seq and n not in seeds and a not in affected \
@@ -313,13 +313,13 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
                     slice_grad(a, want, key)
             elif isinstance(have, Replicate) and isinstance(want, Shard) and a in affected:
                 slice_grad(a, want, key)
-        if not out_split or n.meta.get("tp_role") == "vocab_ce":
+        if not out_split or n.meta.get(K.TP_ROLE) == "vocab_ce":
             continue
         for a in n.all_input_nodes:  # _Rewriter._convert_inputs: copy_to_tp on whole inputs
             if a.name in conv or not (a in affected or a in stats) or a not in facts.grad \
                     or not is_tensor(a):
                 continue
-            if isinstance(a.meta.get("tp_layout"), Replicate):
+            if isinstance(a.meta.get(K.TP_LAYOUT), Replicate):
                 add(("f", a), "all-reduce", a, True, f"gradient of {a.name} (copy_to_tp)")
     return tuple(out)
 

@@ -8,6 +8,7 @@ import torch
 from conftest import captured_tiny, make_tiny, tiny_batch
 
 from autopar.examples.gpt import GPT, GPTConfig, gpt_preset, lm_cross_entropy
+from autopar.passes import meta as K
 from autopar.passes.capture import CaptureError, capture, find_repeated_containers
 
 
@@ -17,7 +18,7 @@ def test_capture_loss_matches_model(tiny_name):
     expected = lm_cross_entropy(model(ids), tgt)
     got = cap.gm(ids, tgt)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-    stacks = [n.meta.get("nn_module_stack") for n in cap.gm.graph.nodes
+    stacks = [n.meta.get(K.NN_MODULE_STACK) for n in cap.gm.graph.nodes
               if n.op == "call_function"]
     assert all(s is not None for s in stacks)
 
@@ -46,7 +47,7 @@ def test_meta_capture(name):
     ids = torch.empty(2, 16, dtype=torch.long, device="meta")
     cap = capture(model, (ids,), lm_cross_entropy)  # targets made from the ids' shape
     loss = [n for n in cap.gm.graph.nodes if n.op == "output"][0].args[0][0]
-    assert loss.meta["val"].shape == () and loss.meta["val"].device.type == "meta"
+    assert loss.meta[K.VAL].shape == () and loss.meta[K.VAL].device.type == "meta"
 
 
 def test_gpt_with_dropout_exports_dropout_ops():
@@ -74,7 +75,7 @@ def test_repeat_limit_truncates_and_restores(name, path):
     assert cap.repeats == {path: 4}
     assert len(model.get_submodule(path)) == 4  # restored
     blocks = {v[0] for n in cap.gm.graph.nodes
-              for v in (n.meta.get("nn_module_stack") or {}).values()
+              for v in (n.meta.get(K.NN_MODULE_STACK) or {}).values()
               if v[0].startswith("model." + path + ".") and v[0].count(".") == path.count(".") + 2}
     assert blocks == {f"model.{path}.0", f"model.{path}.1"}
     # the truncated graph still runs: embedding + 2 blocks + head
@@ -115,8 +116,8 @@ def test_meta_model_with_cpu_inputs_is_captured_on_meta():
         model = make_tiny("gpt")
     cap = capture(model, (torch.zeros(2, 16, dtype=torch.long),), lm_cross_entropy,
                   torch.zeros(2, 16, dtype=torch.long))
-    assert all(n.meta["val"].is_meta for n in cap.gm.graph.nodes
-               if isinstance(n.meta.get("val"), torch.Tensor))
+    assert all(n.meta[K.VAL].is_meta for n in cap.gm.graph.nodes
+               if isinstance(n.meta.get(K.VAL), torch.Tensor))
 
 
 def test_bad_arguments():

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LAYERS, captured_tiny, make_tiny, tiny_batch
+from conftest import LAYERS, captured_tiny
 
+from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LayerError, block_signature, find_layers
 
@@ -15,8 +16,8 @@ def test_blocks_and_regions(tiny_name):
     assert s.num_blocks == s.num_layers == LAYERS
     assert all(block_signature(s, i) == block_signature(s, 0) for i in range(LAYERS))
     nodes = list(cap.gm.graph.nodes)
-    assert all("autopar_region" in n.meta for n in nodes)
-    region = {n.name: n.meta["autopar_region"] for n in nodes}
+    assert all(K.REGION in n.meta for n in nodes)
+    region = {n.name: n.meta[K.REGION] for n in nodes}
     targets = {n.name: str(n.target) for n in nodes}
     emb = {targets[x] for x in s.embedding_nodes}
     head = {targets[x] for x in s.head_nodes}
@@ -39,11 +40,11 @@ def test_rotary_tables_shared_by_all_blocks_are_embedding():
     for i in range(1, LAYERS):
         shared &= set(s.block_inputs[i])
     assert shared, "the rotary cos/sin (and mask) feed every block"
-    region = {n.name: n.meta["autopar_region"] for n in cap.gm.graph.nodes}
+    region = {n.name: n.meta[K.REGION] for n in cap.gm.graph.nodes}
     assert all(region[x] == ("embedding", None) for x in shared)
     rotary = [n for n in cap.gm.graph.nodes if n.op == "call_function"
-              and any("rotary" in v[0] for v in (n.meta.get("nn_module_stack") or {}).values())]
-    assert rotary and all(n.meta["autopar_region"] == ("embedding", None) for n in rotary)
+              and any("rotary" in v[0] for v in (n.meta.get(K.NN_MODULE_STACK) or {}).values())]
+    assert rotary and all(n.meta[K.REGION] == ("embedding", None) for n in rotary)
 
 
 def test_truncated_capture_reports_true_layer_count():

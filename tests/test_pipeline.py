@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from autopar.build import build_program
+from autopar.passes import meta as K
 from autopar.passes.pipeline import split_chunks
 
 from test_runtime_numerics import make_plan, make_program, SEQ
@@ -16,7 +17,7 @@ def _run_chunks(chunks, x, y):
     carried: tuple = ()
     inputs = (x, y)
     for gm in chunks:
-        spec = gm.meta["autopar_chunk"]
+        spec = gm.meta[K.CHUNK]
         out = gm(*carried, *(inputs[k] for k in spec.model_inputs))
         carried = out if not spec.returns_loss else ()
     return out
@@ -40,16 +41,16 @@ def test_chunks_compose_to_the_full_model(name, layers, p, v, split):
     torch.testing.assert_close(_run_chunks(chunks, x, y), prog.loss_fn(prog.model(x), y),
                                rtol=1e-5, atol=1e-6)
     for c, gm in enumerate(chunks):
-        spec = gm.meta["autopar_chunk"]
+        spec = gm.meta[K.CHUNK]
         st = plan.stages[c]
         assert (spec.chunk, spec.rank, spec.first_layer, spec.last_layer) == \
             (c, c % p, st.first_layer, st.last_layer)
         assert f"chunk {c}" in type(gm).__doc__ and f"pipeline rank {c % p}" in type(gm).__doc__
         # the sends of chunk c are exactly the receives of chunk c+1
         if c + 1 < len(chunks):
-            assert spec.send == chunks[c + 1].meta["autopar_chunk"].recv
+            assert spec.send == chunks[c + 1].meta[K.CHUNK].recv
             assert spec.send, "a cut must carry at least the residual stream"
-    first, last = chunks[0].meta["autopar_chunk"], chunks[-1].meta["autopar_chunk"]
+    first, last = chunks[0].meta[K.CHUNK], chunks[-1].meta[K.CHUNK]
     assert first.model_inputs == (0,)      # token ids go to the first chunk only
     assert last.model_inputs == (1,)       # targets straight to the last chunk
     assert last.returns_loss and not last.send
@@ -59,7 +60,7 @@ def test_parameters_live_where_used_and_tied_embedding_is_in_both_ends():
     plan = make_plan(p=2, m=2, layers=2)
     prog, _ = make_program("gpt", plan)
     chunks = build_program(prog).chunks(0)
-    names = [set(gm.meta["autopar_chunk"].params.values()) for gm in chunks]
+    names = [set(gm.meta[K.CHUNK].params.values()) for gm in chunks]
     assert "transformer.h.0.attn.c_attn.weight" in names[0]
     assert "transformer.h.0.attn.c_attn.weight" not in names[1]
     assert "transformer.h.1.mlp.c_fc.weight" in names[1]
@@ -72,9 +73,9 @@ def test_rotary_tables_are_recomputed_not_sent():
     plan = make_plan(p=2, m=2, layers=2)
     prog, _ = make_program("llama", plan)
     chunks = build_program(prog).chunks(0)
-    recv = chunks[1].meta["autopar_chunk"].recv
+    recv = chunks[1].meta[K.CHUNK].recv
     assert len(recv) == 1 and recv[0].shape == (2, SEQ, 32) and recv[0].requires_grad
-    assert set(chunks[1].meta["autopar_chunk"].buffers.values()) >= {"rope_cos", "rope_sin"}
+    assert set(chunks[1].meta[K.CHUNK].buffers.values()) >= {"rope_cos", "rope_sin"}
 
 
 def test_more_chunks_than_layers_is_rejected():
@@ -89,7 +90,7 @@ def test_only_edge_chunks_may_have_no_layers():
     an empty middle chunk would only relay."""
     ok = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4, split=[0, 2, 2, 0])
     prog, _ = make_program("gpt", ok)
-    specs = [c.meta["autopar_chunk"] for c in build_program(prog).chunks()]
+    specs = [c.meta[K.CHUNK] for c in build_program(prog).chunks()]
     assert [s.describe() for s in specs] == ["embedding", "layers 0-1", "layers 2-3",
                                              "head+loss"]
     bad = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4, split=[2, 0, 1, 1])

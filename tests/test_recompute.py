@@ -11,6 +11,7 @@ import torch
 from autopar.api import ParallelProgram
 from autopar.build import build_program
 from autopar.codegen import load_chunk_module, render_chunk
+from autopar.passes import meta as K
 from autopar.passes.recompute import apply_recompute
 
 from conftest import make_tiny
@@ -40,13 +41,13 @@ def _loss_and_grads(chunks, x, y, seed: int = 7):
     torch.manual_seed(seed)
     carried: tuple = ()
     for gm in chunks:
-        spec = gm.meta["autopar_chunk"]
+        spec = gm.meta[K.CHUNK]
         out = gm(*carried, *((x, y)[k] for k in spec.model_inputs))
         carried = out if not spec.returns_loss else ()
     out.backward()
     grads = {}
     for gm in chunks:
-        for attr, qual in gm.meta["autopar_chunk"].params.items():
+        for attr, qual in gm.meta[K.CHUNK].params.items():
             g = getattr(gm, attr).grad
             grads[qual] = grads.get(qual, 0) + g
     return out.detach(), grads
@@ -69,7 +70,7 @@ def test_numerics_equal_to_no_recompute(name, dropout, eager, mode):
     ref_loss, ref_grads = _loss_and_grads(
         build_program(_program(name, "none", dropout=dropout, eager=eager)).chunks(0), x, y)
     chunks = build_program(_program(name, mode, dropout=dropout, eager=eager)).chunks(0)
-    regions = [r for gm in chunks for r in gm.meta["autopar_recompute"]["regions"]]
+    regions = [r for gm in chunks for r in gm.meta[K.RECOMPUTE]["regions"]]
     assert len(regions) == 2, regions          # one per block (full) / attention core (selective)
     loss, grads = _loss_and_grads(chunks, x, y)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
@@ -108,7 +109,7 @@ def test_memory_full_below_selective_below_none(name):
     for mode in ("none", "selective", "full"):
         prog = _program(name, mode, p=3, layers=6)
         chunk = build_program(prog).chunks(0)[1]
-        spec = chunk.meta["autopar_chunk"]
+        spec = chunk.meta[K.CHUNK]
         assert (spec.first_layer, spec.last_layer) == (2, 4)
         args = [torch.randn(b.shape, requires_grad=b.requires_grad) for b in spec.recv]
         sizes[mode] = _saved_bytes(chunk, args)
@@ -180,7 +181,7 @@ def _tp_dropout_rank(rank: int, world: int, mode: str) -> dict:
     graph = build_program(prog).chunks(rank, weights=False)[0]
     return {"loss": loss, "state": runner.full_state_dict(),
             "split_attention_dropout": "tp_sdpa" in prog.source(0, rank),
-            "regions": len(graph.meta["autopar_recompute"]["regions"])}
+            "regions": len(graph.meta[K.RECOMPUTE]["regions"])}
 
 
 @pytest.mark.distributed

@@ -12,8 +12,9 @@ import torch.nn as nn
 
 from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
 from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.passes import meta as K
 from autopar.passes.capture import capture
-from autopar.passes.sharding import Partial, Replicate, Shard, _unflattened, map_reshape
+from autopar.passes.sharding import Partial, Replicate, Shard, unflattened_sizes, map_reshape
 from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding, tp_report
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
@@ -61,7 +62,7 @@ def test_map_reshape_splits_hidden_into_heads():
 
 def test_gpt_megatron_pattern_from_propagation():
     gm = propagate_sharding(_gpt_gm(), 2)
-    info = gm.meta["tp"]
+    info = gm.meta[K.TP_INFO]
     assert len(info.column) == 2 * 2 + 1     # qkv and fc per layer, and the LM head
     assert len(info.row) == 2 * 2            # proj and fc2 per layer
     assert not info.fallbacks
@@ -71,7 +72,7 @@ def test_gpt_megatron_pattern_from_propagation():
     proj = next(v for k, v in params.items() if k.endswith("h.0.attn.c_proj.weight"))
     assert proj.dim == 1                                            # row-parallel: input dim
     assert not any(k.endswith("ln_1.weight") or k.endswith("c_proj.bias") for k in params)
-    layouts = {n.name: n.meta["tp_layout"] for n in gm.graph.nodes}
+    layouts = {n.name: n.meta[K.TP_LAYOUT] for n in gm.graph.nodes}
     assert isinstance(layouts["scaled_dot_product_attention"], Shard)
     assert layouts["scaled_dot_product_attention"].dim == 1        # split by heads
     assert isinstance(layouts["linear_1"], Partial)
@@ -146,7 +147,7 @@ def test_overlap_fuses_each_column_entry_with_its_projections():
     before = len(_calls(gm, C.reduce_from_tp))
     gm = _overlapped(gm)
     fused = _calls(gm, C.column_parallel)
-    assert len(fused) == 2 * 3 + 1 == gm.meta["autopar_overlap"]   # attention, MLP; LM head
+    assert len(fused) == 2 * 3 + 1 == gm.meta[K.OVERLAP]   # attention, MLP; LM head
     assert [len(n.args[2]) for n in fused] == [3, 2] * 3 + [1]     # q,k,v | gate,up | head
     assert all(n.args[2] == ("linear",) * len(n.args[2]) and n.args[5] is None for n in fused)
     assert not [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
@@ -191,7 +192,7 @@ def test_overlap_leaves_an_entry_with_a_non_projection_user():
     entries = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
     gm = _overlapped(gm)
     left = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
-    assert gm.meta["autopar_overlap"] == 2 * 2 + 1 == len(entries) - len(left) and left
+    assert gm.meta[K.OVERLAP] == 2 * 2 + 1 == len(entries) - len(left) and left
     for n in left:
         assert any(u.target is not torch.ops.aten.linear.default for u in n.users)
     gm.graph.lint()
@@ -214,8 +215,8 @@ def test_local_shapes_and_meta_vals():
     w = gm.get_parameter("model.transformer.h.0.attn.c_attn.weight")
     assert tuple(w.shape) == (48, 32)
     sdpa = next(n for n in gm.graph.nodes if n.name == "scaled_dot_product_attention")
-    assert tuple(sdpa.meta["val"].shape) == (B, 2, T, 8)
-    assert tuple(sdpa.meta["tp_global_val"].shape) == (B, 4, T, 8)
+    assert tuple(sdpa.meta[K.VAL].shape) == (B, 2, T, 8)
+    assert tuple(sdpa.meta[K.TP_GLOBAL_VAL].shape) == (B, 4, T, 8)
 
 
 def test_transformers_gpt2_conv1d_split_on_stored_dims():
@@ -224,7 +225,7 @@ def test_transformers_gpt2_conv1d_split_on_stored_dims():
                                        n_positions=16, use_cache=False))
     ids = torch.randint(0, 64, (B, T))
     gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2)
-    params = gm.meta["tp"].params
+    params = gm.meta[K.TP_INFO].params
     c_attn = next(v for k, v in params.items() if k.endswith("c_attn.weight"))
     assert c_attn == shard_rt.ParamSplit(dim=1, blocks=(32, 32, 32))   # Conv1D: (in, out)
     c_proj = next(v for k, v in params.items() if k.endswith("attn.c_proj.weight"))
@@ -233,14 +234,14 @@ def test_transformers_gpt2_conv1d_split_on_stored_dims():
 
 def test_gqa_kv_heads_split_when_divisible():
     gm = propagate_sharding(_llama_gm(kv=2), 2)
-    params = gm.meta["tp"].params
+    params = gm.meta[K.TP_INFO].params
     assert next(v for k, v in params.items() if k.endswith("0.attn.k_proj.weight")).dim == 0
-    assert not gm.meta["tp"].fallbacks
+    assert not gm.meta[K.TP_INFO].fallbacks
 
 
 def test_gqa_fewer_kv_heads_than_t_replicates_kv_and_reports_it():
     gm = propagate_sharding(_llama_gm(kv=2), 4)
-    info = gm.meta["tp"]
+    info = gm.meta[K.TP_INFO]
     assert not any(k.endswith("k_proj.weight") for k in info.params)
     assert any(k.endswith("q_proj.weight") for k in info.params)
     reported = {f.node for f in info.fallbacks}
@@ -254,18 +255,18 @@ def test_sequence_parallel_replicated_kv_reads_the_gathered_sequence():
     """SP, t=4 > kv_heads=2: the fallen-back k/v matmuls read the all-gathered block input (as
     q does), so attention sees k/v whole along the sequence and slices them by heads."""
     gm = propagate_sharding(_llama_gm(kv=2), 4, sequence_parallel=True)
-    info = gm.meta["tp"]
+    info = gm.meta[K.TP_INFO]
     assert len({f.node for f in info.fallbacks}) == 4     # k and v of both layers
     nodes = {n.name: n for n in gm.graph.nodes}
     for name in {f.node for f in info.fallbacks}:
         node = nodes[name]
         x = node.args[0]
-        assert isinstance(x.meta["tp_layout"], Shard) and x.meta["tp_layout"].seq, name
-        assert node.meta["tp_convert"] == {x.name: Replicate()}, name
-        assert isinstance(node.meta["tp_layout"], Replicate), name
+        assert isinstance(x.meta[K.TP_LAYOUT], Shard) and x.meta[K.TP_LAYOUT].seq, name
+        assert node.meta[K.TP_CONVERT] == {x.name: Replicate()}, name
+        assert isinstance(node.meta[K.TP_LAYOUT], Replicate), name
     sdpa = torch.ops.aten.scaled_dot_product_attention
     attn = [n for n in gm.graph.nodes if getattr(n.target, "overloadpacket", None) is sdpa]
-    assert len(attn) == 2 and all(not n.meta["tp_layout"].seq for n in attn)
+    assert len(attn) == 2 and all(not n.meta[K.TP_LAYOUT].seq for n in attn)
     gm = apply_tensor_parallel(gm, 4, 0, None, sequence_parallel=True)
     gm.graph.lint()
 
@@ -291,9 +292,9 @@ def test_kv_groups_not_divisible_by_pinned_t_names_the_groups():
     msg = str(err.value)
     assert "unflattens into [2, 4, 8]" in msg and "t must divide 2" in msg
     assert "modeling_falcon.py" in msg and "fix:" in msg
-    assert _unflattened((2, 8, 64), (2, 8, 2, 4, 8), 2) == [2, 4, 8]
-    assert _unflattened((2, 8, 64), (2, 8, 64), 2) is None
-    assert _unflattened((2, 8, 64), (16, 64), 2) is None
+    assert unflattened_sizes((2, 8, 64), (2, 8, 2, 4, 8), 2) == [2, 4, 8]
+    assert unflattened_sizes((2, 8, 64), (2, 8, 64), 2) is None
+    assert unflattened_sizes((2, 8, 64), (16, 64), 2) is None
 
 
 def test_bad_t_and_sequence_length():
@@ -321,7 +322,7 @@ class _SortMLP(nn.Module):
 
 def test_unsplittable_op_falls_back_to_replicated_and_is_reported():
     gm = capture(_SortMLP(), (torch.randn(4, 16),)).gm
-    info = propagate_sharding(gm, 2).meta["tp"]
+    info = propagate_sharding(gm, 2).meta[K.TP_INFO]
     assert [f.node for f in info.fallbacks] == ["linear"]
     assert "sort" in info.fallbacks[0].reason
     assert "test_tensor_parallel.py" in info.fallbacks[0].where
@@ -388,14 +389,14 @@ def test_log_softmax_nll_loss_is_a_vocab_parallel_cross_entropy():
     assert len(ce) == 1 and ce[0].args[4] == -1                   # ignore_index carried over
     assert not [n for n in gm.graph.nodes if "log_softmax" in str(n.target)]   # dead, erased
     assert not _calls(gm, C.gather_from_sp) and not _calls(gm, C.all_gather_sp)
-    assert not gm.meta["tp"].fallbacks
+    assert not gm.meta[K.TP_INFO].fallbacks
 
 
 def test_label_smoothing_keeps_the_head_replicated_and_says_why():
     gm = propagate_sharding(_gm_with(_smoothed), 2)
-    reasons = " ".join(f.reason for f in gm.meta["tp"].fallbacks)
+    reasons = " ".join(f.reason for f in gm.meta[K.TP_INFO].fallbacks)
     assert "label smoothing" in reasons
-    assert not any(n.meta.get("tp_role") == "vocab_ce" for n in gm.graph.nodes)
+    assert not any(n.meta.get(K.TP_ROLE) == "vocab_ce" for n in gm.graph.nodes)
     report = "\n".join(tp_report(2, gm))
     assert "label smoothing" in report and "replicated:" in report
 
@@ -403,15 +404,15 @@ def test_label_smoothing_keeps_the_head_replicated_and_says_why():
 def test_logits_without_loss_gathered_only_when_it_pays():
     # tiny C=32, V=64: 24 FLOP saved per byte gathered, below any machine balance → replicated
     gm = propagate_sharding(_gm_with(None), 2)
-    head = [f for f in gm.meta["tp"].fallbacks if "without a loss" in f.reason]
+    head = [f for f in gm.meta[K.TP_INFO].fallbacks if "without a loss" in f.reason]
     assert len(head) == 1 and "gpt.py" in head[0].where
     # C=256, V=512 on a balance-50 machine: 192 FLOP per byte → column head + all-gather
     from autopar.cost.hardware import get_cluster, with_overrides
     cheap = with_overrides(get_cluster("dgx-a100-80gb"), peak_flops=50e9,
                            gemm_max_efficiency=1.0, intra_node_bandwidth_Bps=1e9)
     gm = propagate_sharding(_gm_with(None, n_embd=256, vocab=512), 2, cluster=cheap)
-    assert not gm.meta["tp"].fallbacks
-    assert any("all-gathered at the output" in n for n in gm.meta["tp"].notes)
+    assert not gm.meta[K.TP_INFO].fallbacks
+    assert any("all-gathered at the output" in n for n in gm.meta[K.TP_INFO].notes)
     gm = apply_tensor_parallel(gm, 2, 0, None)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     gathers = _calls(gm, C.gather_from_sp)
@@ -457,7 +458,7 @@ def test_more_transformers_architectures_split_like_megatron(name):
     model = getattr(hf_zoo, name)()
     ids = torch.randint(0, 64, (B, T))
     gm = apply_tensor_parallel(capture(model, (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
-    info = gm.meta["tp"]
+    info = gm.meta[K.TP_INFO]
     assert not info.fallbacks, info.summary()
     assert len(info.row) == 2 * 2                       # attention out + MLP down, 2 layers
     # 2 all-reduces per layer (+ the statistics), + 1 for the vocab-parallel embedding
@@ -477,6 +478,6 @@ def test_multi_query_fused_qkv_keeps_attention_replicated_and_says_why():
     import hf_zoo
     model = hf_zoo.hf_bigcode()
     ids = torch.randint(0, 64, (B, T))
-    info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2).meta["tp"]
+    info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2).meta[K.TP_INFO]
     assert any("attention split along a non-head dim" in f.reason for f in info.fallbacks)
     assert len(info.row) == 2 and info.vocab

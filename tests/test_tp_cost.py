@@ -213,3 +213,27 @@ def test_mean_over_the_split_dim_priced_as_a_small_all_reduce_each_way():
         got = sorted((c.kind, c.elems, c.backward) for c in corr.block.collectives)
         assert got == [("all-reduce", 8, False)] * 2 + [("all-reduce", 8, True)] * 2, \
             (corr.sequence_parallel, corr.block.collectives)
+
+
+def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):
+    """A model the sharding rules cannot settle (PropagationError) is planned on, that t priced
+    structurally and noted; any other error in the analysis is a bug and propagates."""
+    from autopar.passes import tp_cost
+    from autopar.passes.tensor_parallel import PropagationError
+    cap, structure, prof = _captured(kv=2)
+
+    def unsettled(gm, t, **kw):
+        raise PropagationError(f"tensor_parallel: propagation loops at x (t={t})")
+
+    monkeypatch.setattr(tp_cost, "propagate_sharding", unsettled)
+    fixed = with_tp_corrections(prof, cap, structure, [2])
+    assert fixed.tp_fallbacks == ()
+    assert any("t=2: pass analysis failed (PropagationError: tensor_parallel: propagation "
+               "loops at x (t=2)); priced structurally" in n for n in fixed.notes)
+
+    def bug(gm, t, **kw):
+        raise KeyError("a propagation bug")
+
+    monkeypatch.setattr(tp_cost, "propagate_sharding", bug)
+    with pytest.raises(KeyError, match="a propagation bug"):
+        with_tp_corrections(prof, cap, structure, [2])

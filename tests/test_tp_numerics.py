@@ -16,6 +16,7 @@ import torch
 
 from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
 from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.overlap import overlap_tp_backward
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
@@ -132,12 +133,12 @@ def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool,
     if cluster is not None:
         propagate_sharding(gm, world, sequence_parallel=sp, cluster=cluster)
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD, sequence_parallel=sp)
-    fused = overlap_tp_backward(gm).meta["autopar_overlap"] if overlap else 0
+    fused = overlap_tp_backward(gm).meta[K.OVERLAP] if overlap else 0
     local_elems = sum(p.numel() for p in gm.parameters())
     step = (lambda i, y: gm(i, fix(y))) if inside else (lambda i, y: loss_fn(gm(i), y))
     losses = _train(step, list(gm.parameters()), vocab)
     full = gather_full_state_dict(gm)
-    out = {"losses": losses, "local_elems": local_elems, "info": gm.meta["tp"], "fused": fused}
+    out = {"losses": losses, "local_elems": local_elems, "info": gm.meta[K.TP_INFO], "fused": fused}
     if rank == 0:
         ref_losses = _train(lambda i, y: loss_fn(ref(i), fix(y)), list(ref.parameters()),
                             vocab)
@@ -260,7 +261,7 @@ def test_parameter_elements_per_rank():
     ids, tgt = _batches(64)[0]
     from autopar.passes.tensor_parallel import propagate_sharding
     gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, tgt).gm, 2)
-    split = {id(gm.get_parameter(target)) for target in gm.meta["tp"].params}
+    split = {id(gm.get_parameter(target)) for target in gm.meta[K.TP_INFO].params}
     total = sum(p.numel() for p in gm.parameters())
     split_elems = sum(p.numel() for p in gm.parameters() if id(p) in split)
     want = total - split_elems + split_elems // 2
@@ -281,7 +282,7 @@ def _dropout_worker(rank: int, world: int, dropout: float = 0.2) -> dict:
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD)
     torch.manual_seed(5)  # the same default stream on every tensor rank
     losses = _train(gm, list(gm.parameters()))
-    split = {id(gm.get_parameter(target)) for target in gm.meta["tp"].params}
+    split = {id(gm.get_parameter(target)) for target in gm.meta[K.TP_INFO].params}
     replicated = {n: p.detach().clone() for n, p in gm.named_parameters() if id(p) not in split}
     return {"losses": losses, "replicated": replicated}
 

@@ -1,0 +1,148 @@
+"""Every `node.meta` / `gm.meta` key autopar reads or writes, declared once.
+
+Code spells a key by its constant (`node.meta[meta.REGION]`), never by its string. The keys
+autopar writes follow one scheme, `autopar_<concept>[_<detail>]`; torch's own keys keep the
+names torch gives them and are listed as inputs (writer "torch.export").
+
+`KEYS` is the registry: per key its scope ("node": `node.meta`, "graph": `gm.meta`), value
+type, meaning, the pass that writes it and the modules that read it. `passes.manager.Pass`
+declares its reads and writes with these constants and checks them against the registry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetaKey:
+    """One declared key: where it lives, what it holds, who writes and who reads it."""
+    name: str
+    scope: Literal["node", "graph"]
+    type: str
+    meaning: str
+    writer: str
+    readers: tuple[str, ...]
+
+
+# ----- torch's keys (inputs; capture guarantees them) ------------------------------------------
+VAL = "val"
+NN_MODULE_STACK = "nn_module_stack"
+STACK_TRACE = "stack_trace"
+
+# ----- capture and layers ----------------------------------------------------------------------
+REPEATS = "autopar_repeats"
+REGION = "autopar_region"
+LAYERS = "autopar_layers"
+
+# ----- the profile (planning graph only) -------------------------------------------------------
+GEMM = "autopar_gemm"
+GEMM_SPLIT = "autopar_gemm_split"
+GEMM_IDX = "autopar_gemm_idx"
+OTHER = "autopar_other"
+SAVED = "autopar_saved"
+PARAMS = "autopar_params"
+
+# ----- tensor parallelism ----------------------------------------------------------------------
+TP_LAYOUT = "autopar_tp_layout"
+TP_ROLE = "autopar_tp_role"
+TP_CONVERT = "autopar_tp_convert"
+TP_PARAM = "autopar_tp_param"
+TP_GLOBAL_VAL = "autopar_tp_global_val"
+TP_INFO = "autopar_tp_info"
+
+# ----- overlap, pipeline cut, recompute --------------------------------------------------------
+OVERLAP = "autopar_overlap"
+CHUNK = "autopar_chunk"
+RECOMPUTE = "autopar_recompute"
+
+KEYS: tuple[MetaKey, ...] = (
+    MetaKey(name=VAL, scope="node", type="FakeTensor | tensor on meta | tuple of them",
+            meaning="shape and dtype of the node's value (local shapes after the "
+                    "tensor-parallel rewrite)",
+            writer="torch.export (passes.capture); passes.tensor_parallel makes it local",
+            readers=("passes.layers", "passes.profile", "passes.sharding",
+                     "passes.tensor_parallel", "passes.tp_cost", "passes.overlap",
+                     "passes.pipeline", "passes.recompute", "autopar.compile")),
+    MetaKey(name=NN_MODULE_STACK, scope="node", type="dict[str, tuple[str, type | str]]",
+            meaning="module path of the user's code that made the node",
+            writer="torch.export (passes.capture)", readers=("passes.layers", "passes.profile")),
+    MetaKey(name=STACK_TRACE, scope="node", type="str",
+            meaning="the user's source lines that made the node (named in errors)",
+            writer="torch.export (passes.capture)",
+            readers=("passes.sharding", "passes.pipeline", "passes.recompute")),
+    MetaKey(name=REPEATS, scope="graph", type="dict[str, int]",
+            meaning="true child count of each repeated block container capture truncated, "
+                    "by its path in NN_MODULE_STACK; empty for a full capture",
+            writer="passes.capture", readers=("passes.layers",)),
+    MetaKey(name=REGION, scope="node", type="tuple[str, int | None]",
+            meaning='("embedding", None) | ("block", i) | ("head", None)',
+            writer="passes.layers (overlap and recompute copy it onto the nodes they make)",
+            readers=("passes.profile", "passes.pipeline", "passes.recompute")),
+    MetaKey(name=LAYERS, scope="graph", type="passes.layers.LayerStructure",
+            meaning="the blocks, embedding and head regions and the values crossing blocks",
+            writer="passes.layers", readers=("passes.layers.find_layers", "autopar.api")),
+    MetaKey(name=GEMM, scope="node", type="cost.profile.Gemm",
+            meaning="the GEMM of a weight matmul node, as the cost model prices it",
+            writer="passes.profile", readers=("passes.tp_cost",)),
+    MetaKey(name=GEMM_SPLIT, scope="node", type='"n" | "k" | "batch" | None',
+            meaning="Megatron's structural split of a GEMM node (column, row, batched)",
+            writer="passes.profile", readers=("passes.profile", "passes.tp_cost")),
+    MetaKey(name=GEMM_IDX, scope="node", type="tuple[int, ...]",
+            meaning="indices of the node's GEMMs in its region's RegionProfile.gemms",
+            writer="passes.profile", readers=("passes.tp_cost",)),
+    MetaKey(name=OTHER, scope="node", type="tuple[float, bool]",
+            meaning="non-GEMM bytes moved per sequence, and whether counted as split",
+            writer="passes.profile", readers=("passes.tp_cost",)),
+    MetaKey(name=SAVED, scope="node", type='list[tuple[str | None, float, str]]',
+            meaning='tensors the node saves for backward: (producer name, bytes per sequence, '
+                    '"split" | "repl" | "attn")',
+            writer="passes.profile", readers=("passes.tp_cost",)),
+    MetaKey(name=PARAMS, scope="graph", type="dict[str, dict[int, tuple[int, bool]]]",
+            meaning="per region: parameter identity -> (elements, split) as profiled",
+            writer="passes.profile", readers=("passes.tp_cost",)),
+    MetaKey(name=TP_LAYOUT, scope="node", type="Replicate | Shard | Partial | tuple of them",
+            meaning="how the tensor ranks hold the node's value",
+            writer="passes.tensor_parallel",
+            readers=("passes.tensor_parallel", "passes.tp_cost", "passes.pipeline")),
+    MetaKey(name=TP_ROLE, scope="node", type="str",
+            meaning='what the rewrite does to the node: "column" | "row" | "vocab_embedding" '
+                    '| "vocab_ce" | "partial_mean"',
+            writer="passes.tensor_parallel", readers=("passes.tensor_parallel", "passes.tp_cost")),
+    MetaKey(name=TP_CONVERT, scope="node", type="dict[str, Layout]",
+            meaning="input name -> the layout the node needs it in (a collective or slice)",
+            writer="passes.tensor_parallel", readers=("passes.tensor_parallel", "passes.tp_cost")),
+    MetaKey(name=TP_PARAM, scope="node", type="autopar.runtime.shard.ParamSplit",
+            meaning="the split of a get_attr parameter (split ones only)",
+            writer="passes.tensor_parallel",
+            readers=("passes.tensor_parallel", "autopar.compile")),
+    MetaKey(name=TP_GLOBAL_VAL, scope="node", type="tensor on meta | tuple of them",
+            meaning="the single-device value shape of a node whose VAL the rewrite made local",
+            writer="passes.tensor_parallel",
+            readers=("passes.tensor_parallel", "autopar.compile")),
+    MetaKey(name=TP_INFO, scope="graph", type="passes.tensor_parallel.TPInfo",
+            meaning="the tensor-parallel decision for one t and sequence-parallel mode",
+            writer="passes.tensor_parallel",
+            readers=("passes.tensor_parallel", "passes.tp_cost", "autopar.build")),
+    MetaKey(name=OVERLAP, scope="graph", type="int",
+            meaning="how many column-parallel entries were fused with their projections",
+            writer="passes.overlap", readers=("tests",)),
+    MetaKey(name=CHUNK, scope="graph", type="passes.pipeline.ChunkSpec",
+            meaning="what the runtime needs to know about a chunk besides its code",
+            writer="passes.pipeline.split_chunks",
+            readers=("autopar.codegen", "autopar.compile")),
+    MetaKey(name=RECOMPUTE, scope="graph", type='dict: {"mode": str, "regions": list[str]}',
+            meaning="the recompute mode and the checkpointed submodules of a chunk",
+            writer="passes.recompute", readers=("tests",)),
+)
+
+BY_NAME: MappingProxyType[str, MetaKey] = MappingProxyType({k.name: k for k in KEYS})
+
+
+def declared(name: str) -> MetaKey:
+    """The registry entry of `name`; ValueError for a key nobody declared."""
+    if name not in BY_NAME:
+        raise ValueError(f"meta key {name!r} is not declared in autopar.passes.meta; declare it "
+                         f"there (scope, type, meaning, writer, readers) and use its constant")
+    return BY_NAME[name]
