@@ -91,14 +91,15 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 v: int | None = None, micro_batch_size: int | None = None,
                 schedule: str | None = None, recompute: str | None = None,
                 zero: int | None = None, sequence_parallel: bool | None = None,
-                name: str | None = None, plan: Plan | None = None,
-                init: Callable | None = None) -> ParallelProgram:
+                microbatch_group: int | None = None, name: str | None = None,
+                plan: Plan | None = None, init: Callable | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
     `init=` (e.g. the model's `_init_weights`) is applied, with each module's own
     reset_parameters(), when a meta-device model's local shards are materialised by compile().
     `plan=` reuses a plan made earlier (e.g. read from plan.json on every torchrun rank) instead
-    of solving again; it must be for the same GPU count.
+    of solving again; it must be for the same GPU count. `microbatch_group` pins N, the
+    consecutive micro-batches per chunk visit of the interleaved schedules (p <= N <= m, N | m).
     """
     if not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
@@ -134,7 +135,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                 zero_levels=RUNTIME_ZERO_LEVELS)
+                 microbatch_group=microbatch_group, zero_levels=RUNTIME_ZERO_LEVELS)
     plan = dataclasses.replace(plan, notes=tuple(_graph_notes(plan, captured)))
     return ParallelProgram(model=model, plan=plan, profile=profile,
                            example_inputs=example_inputs, loss_fn=loss_fn,

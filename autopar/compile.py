@@ -37,7 +37,7 @@ from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, descri
 from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
-from autopar.schedules import make_schedule
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, make_schedule
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -66,11 +66,13 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"plan.zero=3 with schedule={plan.schedule!r}: ZeRO-3 is not yet supported by the "
             f"runtime; use zero=0/1 with this schedule, or schedule='breadth-first' (it "
             f"gathers each chunk's weights once per pass, not once per micro-batch)")
-    if plan.p > 1 and plan.num_microbatches < plan.p:
+    if plan.p > 1 and plan.num_microbatches < plan.p \
+            and plan.schedule not in FEWER_MICROBATCHES_THAN_RANKS:
         raise ValueError(
-            f"plan.num_microbatches={plan.num_microbatches} < p={plan.p}: a pipeline of "
-            f"{plan.p} stages needs at least p micro-batches per step to fill; raise the global "
-            f"batch, lower micro_batch_size, or use a smaller p")
+            f"plan.num_microbatches={plan.num_microbatches} < p={plan.p}: schedule "
+            f"{plan.schedule!r} needs at least p micro-batches per step to fill the pipeline; "
+            f"raise the global batch, lower micro_batch_size, use a smaller p, or one of "
+            f"{FEWER_MICROBATCHES_THAN_RANKS}")
     layers = num_layers if num_layers is not None else plan.num_layers
     if layers and plan.p * plan.v > 1 and plan.p * plan.v > layers:
         raise ValueError(
@@ -104,7 +106,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     plan: Plan = prog.plan
     check_program(plan)
     _check_options(plan, max_grad_norm, precision)
-    schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches)
+    schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
+                             group=plan.microbatch_group)
     built = build_program(prog)             # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
     device = init_distributed(plan.gpus, timeout_s=timeout_s)

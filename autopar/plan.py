@@ -10,7 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
+from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
+
+SCHEDULES = SCHEDULE_NAMES
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 3)
 
@@ -124,6 +126,9 @@ class Plan:
     cluster: str
     model: str = "model"
     num_layers: int = 0
+    # N consecutive micro-batches per chunk visit of the interleaved schedules (None: p,
+    # Megatron's order; m: the breadth-first end; Llama 3's tunable N in between)
+    microbatch_group: int | None = None
     alternatives: tuple[Alternative, ...] = field(default=(), compare=False)
     # What the graph passes decided for this plan (e.g. tensor-parallel splits and fallbacks).
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -203,6 +208,12 @@ def _validate_plan(plan: Plan) -> None:
         raise ValueError(f"Plan.v={plan.v} with schedule={plan.schedule!r}: several chunks per "
                          f"pipeline rank need schedule 'interleaved-1f1b', 'interleaved-zb' or "
                          f"'breadth-first'; set v=1 or change the schedule")
+    if plan.microbatch_group is not None:
+        if plan.schedule not in GROUPED:
+            raise ValueError(f"Plan.microbatch_group={plan.microbatch_group} with schedule="
+                             f"{plan.schedule!r}: only the interleaved schedules {GROUPED} run "
+                             f"micro-batches in groups; set microbatch_group=None")
+        check_group(plan.p, plan.num_microbatches, plan.microbatch_group, "Plan")
     expected = plan.micro_batch_size * plan.num_microbatches * plan.d
     if expected != plan.global_batch_size:
         raise ValueError(

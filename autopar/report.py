@@ -55,7 +55,7 @@ def format_plan(plan: "Plan") -> str:
         f"v={plan.v} (chunks/rank)",
         f"  batch          global {plan.global_batch_size} = micro-batch {plan.micro_batch_size}"
         f" × {plan.num_microbatches} micro-batches × d {plan.d}; sequence {plan.seq_len}",
-        f"  schedule       {plan.schedule}   recompute {plan.recompute}   "
+        f"  schedule       {plan.schedule}{_group(plan)}   recompute {plan.recompute}   "
         f"sequence-parallel {'yes' if plan.sequence_parallel else 'no'}   zero {plan.zero}",
         f"  rank layout    {_rank_layout(plan)}",
         "  stages",
@@ -142,3 +142,10 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
             more = f" (+{len(alts) - 2} more)" if len(alts) > 2 else ""
             lines.append(f"  - {reason}\n      e.g. {sample}{more}")
     return "\n".join(lines)
+
+
+def _group(plan: Plan) -> str:
+    """' (N=16 micro-batches per chunk visit)' for an interleaved plan with a wider group."""
+    if plan.microbatch_group is None:
+        return ""
+    return f" (N={plan.microbatch_group} micro-batches per chunk visit)"

@@ -63,6 +63,8 @@ from typing import Iterable, Sequence
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
 # schedules whose backward is split into B (input gradients) and W (weight gradients)
 SPLIT_BACKWARD = ("interleaved-zb",)
+# schedules that run N consecutive micro-batches per chunk visit (Plan.microbatch_group)
+GROUPED = ("interleaved-1f1b", "interleaved-zb")
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 KINDS = COMPUTE + COMM + ("REDUCE",)
@@ -144,14 +146,36 @@ def parse_schedule(text: str) -> list[list[Action]]:
 Op = tuple[str, int, int]  # ('F' | 'B' | 'W', chunk, micro-batch)
 
 
+# schedules whose compute order is defined for fewer micro-batches than pipeline ranks (the
+# pipeline never fills; torch.distributed.pipelining accepts it for GPipe, interleaved and looped
+# BFS too)
+FEWER_MICROBATCHES_THAN_RANKS = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+
+
 def _check_dims(p: int, v: int, m: int, name: str) -> None:
     for label, value in (("p", p), ("v", v), ("m", m)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: {label}={value!r} must be a positive integer")
-    if m < p:
-        raise ValueError(f"{name}: m={m} micro-batches < p={p} pipeline ranks; the pipeline "
-                         f"cannot fill. Use at least p micro-batches (raise the global batch or "
-                         f"lower the micro-batch size) or a smaller p")
+    if m < p and name not in FEWER_MICROBATCHES_THAN_RANKS:
+        raise ValueError(f"{name}: m={m} micro-batches < p={p} pipeline ranks; this schedule "
+                         f"needs the pipeline to fill. Use at least p micro-batches (raise the "
+                         f"global batch or lower the micro-batch size), a smaller p, or one of "
+                         f"{FEWER_MICROBATCHES_THAN_RANKS}")
+
+
+def check_group(p: int, m: int, group: int | None, name: str = "interleaved-1f1b") -> None:
+    """ValueError unless `group` (N, micro-batches per chunk visit) is None (the default: p) or
+    p <= N <= m with N dividing m (Megatron-Core's microbatch_group_size_per_vp_stage rule)."""
+    if group is None:
+        return
+    if not isinstance(group, int) or isinstance(group, bool) or not p <= group <= m \
+            or m % group:
+        raise ValueError(
+            f"{name}: microbatch_group={group!r} with p={p}, m={m}: a group of N consecutive "
+            f"micro-batches per chunk needs p <= N <= m and N dividing m (each group must fill "
+            f"the pipeline; groups are equal); use a divisor of {m} in [{p}, {m}], e.g. "
+            f"{min(d for d in range(max(p, 1), m + 1) if m % d == 0) if p <= m else m}, or None "
+            f"(N = p, Megatron's order)")
 
 
 def _gpipe_ops(p: int, m: int) -> list[list[Op]]:
@@ -170,18 +194,24 @@ def _one_f_one_b_ops(p: int, m: int) -> list[list[Op]]:
     return out
 
 
-def _microbatch_groups(p: int, m: int) -> list[range]:
-    """Split micro-batches 0..m−1 into ⌊m/p⌋ consecutive groups of near-equal size (larger first).
+def _microbatch_groups(p: int, m: int, group: int | None = None) -> list[range]:
+    """Split micro-batches 0..m−1 into the consecutive groups that visit one chunk together.
 
-    Megatron-Core runs a group on one local chunk before moving to the next chunk and needs
-    m % p == 0 (groups of exactly p). For other m, each group must stay at least p wide (so the
-    pipeline fills: a chunk's first micro-batch comes back from rank p−1 in time) and no later
-    group may be wider than the first (the warmup (v−1)·g₀ must cover every group's lag between
-    a micro-batch's forward and backward on the last chunk). Near-equal groups meet both; a short
-    last group (Megatron-Core's table for m % p ≠ 0) or one absorbing the remainder does not:
-    both fail the validator for some (p, v, m). For m % p == 0 this is Megatron's order exactly.
+    group = N: m/N groups of N (check_group: p <= N <= m, N | m). N = p is Megatron-Core's
+    interleaved order, N = m runs every micro-batch on a chunk before the next chunk (the
+    breadth-first end of the family, Llama 3's tunable N in between).
+    group = None: Megatron's order for any m: ⌊m/p⌋ near-equal groups (larger first; one group
+    of m when m < p). Megatron-Core needs m % p == 0 (groups of exactly p). For other m, each
+    group must stay at least p wide (so the pipeline fills: a chunk's first micro-batch comes
+    back from rank p−1 in time) and no later group may be wider than the first (the warmup
+    (v−1)·g₀ must cover every group's lag between a micro-batch's forward and backward on the
+    last chunk). Near-equal groups meet both; a short last group (Megatron-Core's table for
+    m % p ≠ 0) or one absorbing the remainder does not: both fail the validator for some
+    (p, v, m). For m % p == 0 this is Megatron's order exactly.
     """
-    n = m // p
+    if group is not None:
+        return [range(k, k + group) for k in range(0, m, group)]
+    n = max(1, m // p)
     base, extra = divmod(m, n)
     bounds = [0]
     for k in range(n):
@@ -189,14 +219,26 @@ def _microbatch_groups(p: int, m: int) -> list[range]:
     return [range(bounds[k], bounds[k + 1]) for k in range(n)]
 
 
-def _interleaved_ops(p: int, v: int, m: int) -> list[list[Op]]:
-    groups = _microbatch_groups(p, m)
+def first_group_size(p: int, m: int, group: int | None = None) -> int:
+    """g₀, the size of the first micro-batch group of the interleaved orders: what their
+    warm-up (and so the micro-batches a rank holds) is made of."""
+    return len(_microbatch_groups(p, m, group)[0])
+
+
+def _interleaved_ops(p: int, v: int, m: int, group: int | None = None,
+                     hop: int = 2) -> list[list[Op]]:
+    """Megatron-Core's interleaved order: forwards visit local chunks group by group, backwards
+    in reverse; rank r warms up with hop·(p−r−1) + (v−1)·g₀ forwards (g₀: the first group's
+    size), capped at m·v, then alternates forward and backward. hop = 2 for interleaved 1F1B;
+    hop = 1 for the zero-bubble order (torch's ScheduleInterleavedZeroBubble: the W's fill
+    what the shorter warm-up leaves idle, so ranks hold fewer micro-batches)."""
+    groups = _microbatch_groups(p, m, group)
     fwd_table = [(k, i) for g in groups for k in range(v) for i in g]        # (local chunk, mb)
     bwd_table = [(v - 1 - k, i) for k, i in fwd_table]
     total = m * v
     out = []
     for r in range(p):
-        warmup = min((p - r - 1) * 2 + (v - 1) * len(groups[0]), total)
+        warmup = min((p - r - 1) * hop + (v - 1) * len(groups[0]), total)
         fwd = [("F", k * p + r, i) for k, i in fwd_table]
         bwd = [("B", k * p + r, i) for k, i in bwd_table]
         ops = fwd[:warmup]
@@ -414,40 +456,50 @@ def one_f_one_b(p: int, m: int, *, reduce: bool = False,
     return _with_comms(_one_f_one_b_ops(p, m), p, 1, reduce, times_fb)
 
 
-def interleaved_1f1b(p: int, v: int, m: int, *, reduce: bool = False,
-          times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+def interleaved_1f1b(p: int, v: int, m: int, *, group: int | None = None,
+                     reduce: bool = False,
+                     times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
     """Interleaved 1F1B (2104.04473 §2.2.2) in Megatron-Core's order: micro-batches in groups
-    of p run on one local chunk, then the next; backward visits local chunks in reverse. Rank r
-    warms up with 2(p−r−1) + (v−1)·g₀ forwards (g₀ = size of the first group; p when p | m),
-    capped at m·v, then alternates forward/backward. m need not divide by p: the micro-batches
-    form ⌊m/p⌋ near-equal groups (see `_microbatch_groups`)."""
+    of N (`group`; default p) run on one local chunk, then the next; backward visits local
+    chunks in reverse. Rank r warms up with 2(p−r−1) + (v−1)·g₀ forwards (g₀ = size of the
+    first group: N, or p when p | m), capped at m·v, then alternates forward/backward. A larger
+    N keeps more micro-batches in flight (rank 0: 2(p−1) + (v−1)·N + 1) and leaves more time
+    between a message's send and its use (Llama 3's tunable N; N = m is the breadth-first end).
+    Without a group, m need not divide by p: the micro-batches form ⌊m/p⌋ near-equal groups
+    (see `_microbatch_groups`); m < p is allowed (the pipeline never fills)."""
     _check_dims(p, v, m, "interleaved-1f1b")
-    return _with_comms(_interleaved_ops(p, v, m), p, v, reduce, times_fb)
+    check_group(p, m, group)
+    return _with_comms(_interleaved_ops(p, v, m, group), p, v, reduce, times_fb)
 
 
-def interleaved_zb(p: int, v: int, m: int, *, reduce: bool = False,
+def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: bool = False,
                    times: Sequence[float] = (_ORDER_F, _ORDER_B / 2, _ORDER_B / 2),
                    max_inflight: Sequence[int] | int | None = None) -> list[list[Action]]:
     """Zero-bubble interleaved 1F1B: 2401.10241's split of each backward into B (input
     gradient, what the previous stage waits for) and W (weight gradient, which nothing waits
-    for) applied to `interleaved_1f1b`'s order (v = 1: 1F1B's order, i.e. ZB-H1).
+    for) on the interleaved order (v = 1: 1F1B's order, i.e. ZB-H1).
 
-    Every rank runs exactly interleaved_1f1b(p, v, m)'s F/B sequence; each W c.i comes after
-    its B c.i, placed by `_place_weight_grads` with durations `times` = (F, B, W) (default
-    1, 1, 1 as in the paper: the dX and dW GEMMs have equal FLOPs): a W runs where the rank
-    would otherwise wait for its next input (warm-up gaps, the cool-down) or when the rank
-    reaches its in-flight bound; the rest are flushed at the end. Memory bound: a
-    chunk-micro-batch is in flight from its F to its W, and `max_inflight` (per rank or one
-    number; default: `peak_inflight(interleaved_1f1b(p, v, m))`, the activations 1F1B-style
-    schedules hold) is never exceeded, so interleaved-zb needs no more activation memory than
-    interleaved-1f1b. With `reduce`, R{c} follows chunk c's last W."""
+    F/B order: `interleaved_1f1b`'s table (groups of `group` micro-batches per chunk) with the
+    warm-up of torch's ScheduleInterleavedZeroBubble, (p−r−1) + (v−1)·g₀ forwards instead of
+    2(p−r−1) + (v−1)·g₀: the W's fill what the shorter warm-up leaves idle. Each W c.i comes
+    after its B c.i, placed by `_place_weight_grads` with durations `times` = (F, B, W)
+    (default 1, 1, 1 as in the paper: the dX and dW GEMMs have equal FLOPs): a W runs where the
+    rank would otherwise wait for its next input (warm-up gaps, the cool-down) or when the
+    rank reaches its in-flight bound; the rest are flushed at the end.
+    Memory: a chunk-micro-batch is in flight from its F to its W, and the bound `max_inflight`
+    (per rank or one number; default: the most this F/B order itself keeps between F and B on
+    any rank, (v−1)·g₀ + p = v·p for g₀ = p — torch's bound) is never exceeded: p−1 fewer than
+    interleaved 1F1B's rank 0 holds (2(p−1) + (v−1)·p + 1). With `reduce`, R{c} follows chunk
+    c's last W."""
     _check_dims(p, v, m, "interleaved-zb")
+    check_group(p, m, group, "interleaved-zb")
     if len(_durations(times)) != 3:
         raise ValueError(f"interleaved-zb: times={tuple(times)!r}: expected (forward, "
                          f"input-gradient backward, weight-gradient backward) durations")
-    ops = _interleaved_ops(p, v, m) if v > 1 else _one_f_one_b_ops(p, m)
+    ops = _interleaved_ops(p, v, m, group, hop=1) if v > 1 else _one_f_one_b_ops(p, m)
+    floor = [_peak_live(rank_ops, "B") for rank_ops in ops]
     if max_inflight is None:
-        bound = [max(_peak_live(rank_ops, "B") for rank_ops in ops)] * p
+        bound = [max(floor)] * p
     elif isinstance(max_inflight, int):
         bound = [max_inflight] * p
     else:
@@ -455,10 +507,9 @@ def interleaved_zb(p: int, v: int, m: int, *, reduce: bool = False,
     if len(bound) != p or any(not isinstance(b, int) or b < 1 for b in bound):
         raise ValueError(f"interleaved-zb: max_inflight={max_inflight!r}: one positive "
                          f"integer or one per rank (p={p})")
-    floor = [_peak_live(rank_ops, "B") for rank_ops in ops]
     if any(b < f for b, f in zip(bound, floor)):
-        raise ValueError(f"interleaved-zb: max_inflight={bound} is below what the F/B order "
-                         f"of interleaved-1f1b itself keeps in flight ({floor})")
+        raise ValueError(f"interleaved-zb: max_inflight={bound} is below what its F/B order "
+                         f"itself keeps in flight ({floor})")
     zb = _place_weight_grads(ops, p * v, tuple(times), bound)
     return _with_comms(zb, p, v, reduce, tuple(times))
 
@@ -473,10 +524,11 @@ def breadth_first(p: int, v: int, m: int, *, reduce: bool = True,
     return _with_comms(_breadth_first_ops(p, v, m), p, v, reduce, times_fb)
 
 
-def make_schedule(name: str, p: int, v: int, m: int, *,
+def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None,
                   reduce: bool | None = None,
                   times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
-    """Dispatch on a Plan schedule name. `reduce=None` emits R{c} only for breadth-first.
+    """Dispatch on a Plan schedule name. `group`: N micro-batches per chunk visit, for the
+    interleaved schedules only (None: p). `reduce=None` emits R{c} only for breadth-first.
     `times_fb`: (forward, backward) time of a chunk, only used to order the messages (and,
     for interleaved-zb, to place the W's: B and W each take half the backward)."""
     if name not in SCHEDULE_NAMES:
@@ -485,16 +537,20 @@ def make_schedule(name: str, p: int, v: int, m: int, *,
         raise ValueError(f"schedule {name!r} with v={v}: one chunk per rank only; use "
                          f"'interleaved-1f1b', 'interleaved-zb' or 'breadth-first' for v > 1, "
                          f"or set v=1")
+    if group is not None and name not in GROUPED:
+        raise ValueError(f"schedule {name!r} with microbatch_group={group}: only the "
+                         f"interleaved schedules {GROUPED} take a micro-batch group; set it "
+                         f"to None")
     red = (name == "breadth-first") if reduce is None else reduce
     if name == "gpipe":
         return gpipe(p, m, reduce=red, times_fb=times_fb)
     if name == "1f1b":
         return one_f_one_b(p, m, reduce=red, times_fb=times_fb)
     if name == "interleaved-1f1b":
-        return interleaved_1f1b(p, v, m, reduce=red, times_fb=times_fb)
+        return interleaved_1f1b(p, v, m, group=group, reduce=red, times_fb=times_fb)
     if name in SPLIT_BACKWARD:  # input-gradient and weight-gradient halves of the backward
         f, b = times_fb
-        return interleaved_zb(p, v, m, reduce=red, times=(f, b / 2, b / 2))
+        return interleaved_zb(p, v, m, group=group, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)
 
 

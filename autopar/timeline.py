@@ -94,11 +94,12 @@ def plan_timeline(plan, path: str) -> str:
     c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
     if plan.schedule == "interleaved-zb":
         per_rank = interleaved_zb(plan.p, plan.v, plan.num_microbatches,
+                                  group=plan.microbatch_group,
                                   times=(fwd[c0], bwd[c0] - fwd[c0], fwd[c0]))
         res = simulate(per_rank, fwd, bwd, comm="irecv", wgt_s=fwd)
     else:
         per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
-                                 times_fb=(fwd[c0], bwd[c0]))
+                                 group=plan.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
         res = simulate(per_rank, fwd, bwd)
     title = (f"{plan.schedule}  p={plan.p} v={plan.v} m={plan.num_microbatches}  "
              f"bubble {res.bubble_fraction:.1%} of {res.makespan_s:.3g} s (simulated)")

@@ -103,7 +103,7 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
     fwd, bwd, _ = chunk_times_s(cc, x)
     c0 = max(range(len(x)), key=lambda c: fwd[c])
     per_rank = make_schedule(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
-                             times_fb=(fwd[c0], bwd[c0]))
+                             group=cfg.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
     cost = 2 * cfg.p * cfg.v * cfg.num_microbatches
     budget = max_actions // cost - 1
     best = simulated_step_s(cc, x, per_rank)

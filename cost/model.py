@@ -34,6 +34,10 @@ Mechanisms (one each, no per-configuration constants):
   at +10–12.5%; on a GPU the overlapped NCCL kernels also slow the GEMMs they share SMs and
   memory bandwidth with, by an amount no source here gives. Predicted step times are thus
   an upper bound by at most that backward communication.
+- Pipeline p2p: each chunk boundary sends the activation forward and its gradient back, on
+  the pipeline link (each tensor rank 1/t, all-gathered in-node: the scatter/gather of
+  2104.04473 §4.1), charged per micro-batch in the load; an interleaved order with groups of
+  N > p micro-batches per chunk visit hides part of it (`_grouped_p2p_s`).
 - Pipeline: each pipeline rank r has a per-micro-batch load tau_r (forward + backward of all its
   chunks, their TP collectives and p2p). With m micro-batches and v chunks per rank
       T_pipe = m * max_r tau_r + (sum_r tau_r - max_r tau_r) / v.
@@ -85,6 +89,7 @@ from typing import Callable, TypeVar
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
 from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
+from autopar.schedules import GROUPED, check_group, first_group_size
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
 # gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
@@ -115,6 +120,7 @@ class Config:
     recompute: str = "none"
     sequence_parallel: bool = False
     zero: int = 0
+    microbatch_group: int | None = None   # N of the interleaved schedules (None: p)
 
     def __post_init__(self) -> None:
         for name in ("t", "p", "d", "v", "micro_batch_size", "num_microbatches"):
@@ -131,6 +137,11 @@ class Config:
         if self.v > 1 and not SCHEDULE_TRAITS[self.schedule].multi_chunk:
             raise ValueError(f"Config.v={self.v} with schedule={self.schedule!r}: several chunks "
                              f"per rank need an interleaved schedule; set v=1")
+        if self.microbatch_group is not None:
+            if self.schedule not in GROUPED:
+                raise ValueError(f"Config.microbatch_group={self.microbatch_group} with "
+                                 f"schedule={self.schedule!r}: only {GROUPED} take one")
+            check_group(self.p, self.num_microbatches, self.microbatch_group, "Config")
 
     @classmethod
     def of_plan(cls, plan: "Plan") -> "Config":
@@ -139,7 +150,7 @@ class Config:
                    micro_batch_size=plan.micro_batch_size,
                    num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                    recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
-                   zero=plan.zero)
+                   zero=plan.zero, microbatch_group=plan.microbatch_group)
 
     @property
     def gpus(self) -> int:
@@ -149,13 +160,19 @@ class Config:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.num_microbatches * self.d
 
+    @property
+    def first_group(self) -> int:
+        """g₀: micro-batches of the first group of the interleaved orders (N, or p)."""
+        return first_group_size(self.p, self.num_microbatches, self.microbatch_group)
+
 
 # ----- schedule and ZeRO tables (breadth-first / ZeRO-3 variants slot in here) ----------------
 @dataclass(frozen=True)
 class ScheduleTraits:
     """What the cost model needs from a pipeline schedule.
 
-    inflight(p, v, m, r): chunk-micro-batches whose activations rank r holds at its peak.
+    inflight(p, v, m, r, g0): chunk-micro-batches whose activations rank r holds at its peak
+    (g0: the first micro-batch group of the interleaved orders, Config.first_group).
     dp_overlap: fraction of the last micro-batch's backward that can hide the DP reduction
     (schedules that are not chunk-major).
     zero_levels: the ZeRO levels the schedule supports (ZeRO-3 belongs with breadth-first,
@@ -164,7 +181,7 @@ class ScheduleTraits:
     1 except for zero-bubble schedules, whose deferred weight gradients fill part of it.
     """
     multi_chunk: bool
-    inflight: Callable[[int, int, int, int], int]
+    inflight: Callable[[int, int, int, int, int], int]
     dp_overlap: float = DP_OVERLAP
     zero_levels: tuple[int, ...] = (0, 1)
     # all micro-batches of a chunk run back to back in each pass: a chunk's gradients are final
@@ -174,31 +191,37 @@ class ScheduleTraits:
     bubble_div: Callable[[str], int] = lambda recompute: 1
 
 
-def _inflight_gpipe(p: int, v: int, m: int, r: int) -> int:
+def _inflight_gpipe(p: int, v: int, m: int, r: int, g0: int) -> int:
     return m * v  # every micro-batch's forward finishes before any backward
 
 
-def _inflight_1f1b(p: int, v: int, m: int, r: int) -> int:
+def _inflight_1f1b(p: int, v: int, m: int, r: int, g0: int) -> int:
     return min(p - r, m) * v  # rank r warms up with p - r - 1 forwards, then 1F1B
 
 
-def _inflight_interleaved(p: int, v: int, m: int, r: int) -> int:
-    # Megatron-LM's warm-up: 2(p - r - 1) + (v - 1)p forwards, +1 in steady state; on rank 0
-    # this is the 2205.05198 factor p·(1 + (p-1)/(p·v)) micro-batches of l/p layers.
-    return min(2 * (p - r - 1) + (v - 1) * p + 1, m * v)
+def _inflight_interleaved(p: int, v: int, m: int, r: int, g0: int) -> int:
+    # Megatron-LM's warm-up: 2(p - r - 1) + (v - 1)·g0 forwards (g0 = N, p by default), +1 in
+    # steady state; on rank 0 with g0 = p this is the 2205.05198 factor p·(1 + (p-1)/(p·v))
+    # micro-batches of l/p layers
+    return min(2 * (p - r - 1) + (v - 1) * g0 + 1, m * v)
 
 
-def _inflight_breadth_first(p: int, v: int, m: int, r: int) -> int:
+def _inflight_breadth_first(p: int, v: int, m: int, r: int, g0: int) -> int:
     return m * v  # every chunk's forward of every micro-batch runs before the first backward
 
 
-def _inflight_zero_bubble(p: int, v: int, m: int, r: int) -> int:
-    # ZB-H1's bound (autopar.schedules.interleaved_zb): every rank may hold as many
-    # chunk-micro-batches (F run, W not yet) as rank 0 of the F/B order it keeps
-    if v == 1:
-        return _inflight_1f1b(p, v, m, 0)
-    g0 = -(-m // (m // p))  # first micro-batch group (p when p | m, the solver's rule)
-    return min(2 * (p - 1) + (v - 1) * g0 + 1, m * v)
+def _inflight_zero_bubble(p: int, v: int, m: int, r: int, g0: int) -> int:
+    # torch's ScheduleInterleavedZeroBubble bound, which autopar.schedules.interleaved_zb keeps:
+    # its F/B order warms up with (p - r - 1) + (v - 1)·g0 forwards, and no rank holds more
+    # chunk-micro-batches (F run, W not yet) than rank 0's (v - 1)·g0 + p (v·p for g0 = p;
+    # v = 1, ZB-H1: p, 1F1B's rank 0)
+    return min((v - 1) * g0 + p, m * v)
+
+
+def inflight(cfg: Config, r: int) -> int:
+    """Chunk-micro-batches whose activations pipeline rank r holds at its peak under cfg."""
+    return SCHEDULE_TRAITS[cfg.schedule].inflight(cfg.p, cfg.v, cfg.num_microbatches, r,
+                                                  cfg.first_group)
 
 
 def _bubble_div_zero_bubble(recompute: str) -> int:
@@ -565,7 +588,23 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
         if not sp:
             one += allgather_s(cluster, act, t, tp_inter)
         p2p_total = 2 * v * one
+        if cfg.microbatch_group is not None and cfg.microbatch_group > p:
+            p2p_total = _grouped_p2p_s(one, p, v, cfg.microbatch_group,
+                                       (comp_s + tp_s) * profile.num_layers / (p * v))
     return comp_s, tp_s, emb_s, head_s, p2p_total
+
+
+def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float) -> float:
+    """Exposed p2p per micro-batch of the interleaved order with groups of N > p.
+
+    With N = p (Megatron's order) a chunk's first micro-batch of a group comes back round the
+    ring just when the rank needs it: each of the 2·v·m/N chunk visits per step waits for the
+    ring's p hops, 2·v·one per micro-batch — what the p2p term charges for every schedule.
+    A group of N > p leaves the rank N − p more micro-batches of the chunk (chunk_s each, its
+    forward + backward) to compute before it needs the first one back, which hide as much of
+    the ring's latency: max(0, p·one − (N − p)·chunk_s) per visit.
+    """
+    return 2 * v * max(0.0, p * one_s - (group - p) * chunk_s) / group
 
 
 def _ns(seconds: float) -> int:
@@ -707,9 +746,8 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk)."""
     sp = cfg.sequence_parallel and cfg.t > 1
     act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
-    sched = SCHEDULE_TRAITS[cfg.schedule]
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
-    least = min(sched.inflight(cfg.p, cfg.v, cfg.num_microbatches, r) for r in (0, cfg.p - 1))
+    least = min(inflight(cfg, r) for r in (0, cfg.p - 1))
     return act * least / cfg.v * profile.num_layers / cfg.p
 
 
@@ -743,9 +781,9 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
                     + hfix.act_split_bytes)
     mem_layer, mem_fixed, parts, fparts = [], [], [], []
     for r in range(p):
-        inflight = sched.inflight(p, v, m, r)
-        mb = -(-inflight // v)  # micro-batches of the edge regions in flight
-        a = act_layer * inflight / v
+        held = inflight(cfg, r)
+        mb = -(-held // v)  # micro-batches of the edge regions in flight
+        a = act_layer * held / v
         parts.append(((wb + chunk_w) * block_p, (gb + chunk_g) * block_p, ob * block_p, a))
         params = (emb_p if r == 0 else 0.0) + (head_p if r == p - 1 else 0.0)
         acts = (emb_act * mb if r == 0 else 0.0) + (head_act * mb if r == p - 1 else 0.0) + work

@@ -59,6 +59,7 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import RECOMPUTE, Alternative, Plan, Prediction, Stage
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
 # `schedules=`): its bubble is priced (a third of interleaved 1F1B's) but not the cost of
@@ -83,6 +84,7 @@ class Pins:
     recompute: str | None = None
     zero: int | None = None
     sequence_parallel: bool | None = None
+    microbatch_group: int | None = None
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
     zero_levels: tuple[int, ...] = (0, 1, 3)
@@ -173,11 +175,7 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                 b > MAX_MICRO_BATCH and pins.micro_batch_size is None):
             continue
         m = per_replica // b
-        if p > 1 and m < p:
-            rejected.append(Rejection({"t": t, "p": p, "d": d, "micro_batch_size": b},
-                                      f"only m={m} micro-batches for p={p} stages (need m >= p)"))
-            continue
-        for schedule, v in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
+        for schedule, v, group in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
             if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels \
                     and schedule != "gpipe":  # (gpipe with ZeRO-3 is breadth-first, v = 1)
                 rejected.append(Rejection(
@@ -210,7 +208,8 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
                             continue
                         yield Config(t=t, p=p, d=d, v=v, micro_batch_size=b,
                                      num_microbatches=m, schedule=schedule,
-                                     recompute=recompute, sequence_parallel=sp, zero=zero)
+                                     recompute=recompute, sequence_parallel=sp, zero=zero,
+                                     microbatch_group=group)
 
 
 def _sequence_parallel_modes(profile, t, p, d, pins, rejected) -> tuple[bool, ...]:
@@ -243,39 +242,61 @@ def _breadth_first_vs(p: int, l: int, pins: Pins) -> list[int]:
     return [v for v in vs if p > 1 or v > 1]
 
 
-def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int]]:
+def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int, int | None]]:
+    """(schedule, v, micro-batch group N) of every schedule the rules allow for (p, m)."""
     d = key[2]
     if p == 1:  # one stage: plain gradient accumulation, whatever the schedule is called
         sched = pins.schedule if pins.schedule in ("gpipe", "1f1b") else "1f1b"
         if pins.v in (None, 1) and pins.schedule != "breadth-first":
-            yield sched, 1
+            yield sched, 1, None
         if d > 1 and pins.allows("schedule", "breadth-first"):  # layered accumulation
             for v in _breadth_first_vs(p, l, pins):
-                yield "breadth-first", v
+                yield "breadth-first", v, None
         return
+    where = dict(zip(("t", "p", "d", "micro_batch_size"), key))
     for schedule in SCHEDULE_TRAITS:
         if not pins.allows("schedule", schedule):
             continue
+        if m < p and (pins.p is None or schedule not in FEWER_MICROBATCHES_THAN_RANKS
+                      or SCHEDULE_TRAITS[schedule].multi_chunk):
+            # a pipeline that never fills is planned only when p is pinned, and only with one
+            # chunk per rank (the bubble formula then holds: m + p − 1 chunk times)
+            rejected.append(Rejection(dict(where, schedule=schedule), (
+                f"only m={m} micro-batches for p={p} stages (need m >= p; with p pinned, "
+                f"gpipe or 1f1b run fewer)")))
+            continue
         if schedule == "breadth-first":  # no m % p rule: every m >= p fills the pipeline
             for v in _breadth_first_vs(p, l, pins):
-                yield schedule, v
+                yield schedule, v, None
             continue
         if not SCHEDULE_TRAITS[schedule].multi_chunk:
             if pins.allows("v", 1):
-                yield schedule, 1
+                yield schedule, 1, None
             continue
         if schedule == "interleaved-zb" and pins.allows("v", 1):
-            yield schedule, 1  # ZB-H1: 1F1B's order, any m >= p
+            yield schedule, 1, None  # ZB-H1: 1F1B's order, any m >= p
         vmax = l // p if pins.v else min(l // p, MAX_CHUNKS_PER_RANK)
         for v in range(2, vmax + 1):
             if not pins.allows("v", v):
                 continue
             if m % p:
-                rejected.append(Rejection(
-                    dict(zip(("t", "p", "d", "micro_batch_size"), key), schedule=schedule, v=v),
-                    f"interleaving needs m % p == 0 (Megatron-LM); m={m}, p={p}"))
+                rejected.append(Rejection(dict(where, schedule=schedule, v=v), (
+                    f"interleaving needs m % p == 0 (Megatron-LM); m={m}, p={p}")))
                 break
-            yield schedule, v
+            for group in _groups(p, m, pins):
+                yield schedule, v, group
+
+
+def _groups(p: int, m: int, pins: Pins) -> list[int | None]:
+    """Micro-batch groups N tried for the interleaved schedules (m % p == 0): None (N = p,
+    Megatron's order), the multiples 2^k·p that divide m, and m (the breadth-first end), or
+    the pinned N. (A larger N hides more of the ring's p2p latency and gathers ZeRO-3 weights
+    less often, and holds more micro-batches: a coarse grid keeps the search small.)"""
+    if pins.microbatch_group is not None:
+        return [pins.microbatch_group] if (p <= pins.microbatch_group <= m
+                                            and m % pins.microbatch_group == 0) else []
+    wider = {p << k for k in range(1, 8)} | {m}
+    return [None] + sorted(n for n in wider if p < n <= m and m % n == 0)
 
 
 # ----- bounds and a heuristic partition -----------------------------------------------------
@@ -479,7 +500,8 @@ def _config_dict(cfg: Config) -> dict[str, Any]:
     return {"t": cfg.t, "p": cfg.p, "d": cfg.d, "v": cfg.v,
             "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
             "schedule": cfg.schedule, "recompute": cfg.recompute,
-            "sequence_parallel": cfg.sequence_parallel, "zero": cfg.zero}
+            "sequence_parallel": cfg.sequence_parallel, "zero": cfg.zero,
+            "microbatch_group": cfg.microbatch_group}
 
 
 def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
@@ -489,7 +511,12 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"solve: global_batch_size={global_batch!r} must be a positive integer "
                          f"(sequences per optimizer step)")
-    for name in ("t", "p", "d", "v", "micro_batch_size"):
+    if pins.microbatch_group is not None and pins.schedule is not None \
+            and pins.schedule not in GROUPED:
+        raise ValueError(f"solve: microbatch_group={pins.microbatch_group} with schedule="
+                         f"{pins.schedule!r}: only the interleaved schedules {GROUPED} run "
+                         f"micro-batches in groups; unpin one of them")
+    for name in ("t", "p", "d", "v", "micro_batch_size", "microbatch_group"):
         value = getattr(pins, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"solve: {name}={value!r} must be a positive integer or None")
@@ -543,17 +570,17 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           t: int | None = None, p: int | None = None, d: int | None = None,
           v: int | None = None, micro_batch_size: int | None = None,
           schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
-          sequence_parallel: bool | None = None, max_alternatives: int = 50,
-          zero_levels: tuple[int, ...] = (0, 1, 3),
+          sequence_parallel: bool | None = None, microbatch_group: int | None = None,
+          max_alternatives: int = 50, zero_levels: tuple[int, ...] = (0, 1, 3),
           schedules: tuple[str, ...] | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
-    planned."""
+    planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m)."""
     cluster = get_cluster(cluster)
     pins = Pins(t=t, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                zero_levels=tuple(zero_levels),
+                microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
                 schedules=None if schedules is None else tuple(schedules))
     _validate(profile, cluster, gpus, global_batch_size, pins)
     t0 = time.perf_counter()
@@ -612,7 +639,7 @@ def _evaluate(profile, cluster, configs):
     quick = []
     for cfg in configs:
         key = (cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, bubble_div(cfg),
+               cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group,
                ZERO_TRAITS[cfg.zero].per_microbatch_gather
                and not SCHEDULE_TRAITS[cfg.schedule].chunk_major)
         if key not in qmemo:
@@ -639,7 +666,7 @@ def _evaluate(profile, cluster, configs):
                 f"slower: lower bound {quick[i]:.4g} s > best {best_ub:.4g} s")))
             continue
         akey = (cfg.t, cfg.p, cfg.v, cfg.micro_batch_size, cfg.num_microbatches,
-                cfg.recompute, cfg.sequence_parallel, cfg.schedule)
+                cfg.recompute, cfg.sequence_parallel, cfg.schedule, cfg.microbatch_group)
         if akey not in smemo:
             smemo[akey] = activation_bytes_lower_bound(profile, cfg)
         if state + smemo[akey] > cluster.usable_memory_bytes:
@@ -684,6 +711,7 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
     return Plan(t=cfg.t, p=cfg.p, d=cfg.d, v=cfg.v, micro_batch_size=cfg.micro_batch_size,
                 num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
                 recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel, zero=cfg.zero,
+                microbatch_group=cfg.microbatch_group,
                 stages=tuple(stages), predicted=pred, global_batch_size=global_batch,
                 seq_len=profile.seq_len, cluster=cluster.name, model=profile.name,
                 num_layers=profile.num_layers, alternatives=tuple(alts))

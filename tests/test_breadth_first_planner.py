@@ -14,7 +14,7 @@ from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict,
 from autopar.cost.profile import transformer_profile
 from autopar.cost.simulate import simulate
 from autopar.cost.solver import solve
-from autopar.schedules import make_schedule, peak_inflight
+from autopar.schedules import first_group_size, make_schedule, peak_inflight
 
 A100 = get_cluster("dgx-a100-80gb")
 CASES = [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 7),
@@ -55,7 +55,8 @@ def test_closed_form_bubble_equals_simulator(schedule, p, v, m):
 def test_inflight_table_matches_action_lists(schedule, p, v, m):
     acts = make_schedule(schedule, p, v, m)
     traits = SCHEDULE_TRAITS[schedule]
-    assert peak_inflight(acts) == [traits.inflight(p, v, m, r) for r in range(p)]
+    assert peak_inflight(acts) == [traits.inflight(p, v, m, r, first_group_size(p, m))
+                                   for r in range(p)]
 
 
 def _52b():

@@ -32,7 +32,8 @@ def _ranks(x, p):
 
 
 def _sim(cc, x):
-    acts = make_schedule(cc.cfg.schedule, cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches)
+    acts = make_schedule(cc.cfg.schedule, cc.cfg.p, cc.cfg.v, cc.cfg.num_microbatches,
+                         group=cc.cfg.microbatch_group)
     return layout.simulated_step_s(cc, x, acts)
 
 

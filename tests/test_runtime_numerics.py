@@ -4,6 +4,7 @@ Also the bad-input errors of compile/train_step and a peer dying mid-step."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 
@@ -160,6 +161,18 @@ def test_gpt_p2_interleaved_v2():
                                              layers=4))
 
 
+def test_gpt_p2_interleaved_microbatch_group():
+    """N = 4 micro-batches per chunk visit (Megatron's N = p = 2 would alternate chunks
+    every two)."""
+    plan = make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b", layers=4)
+    check_against_reference("gpt", dataclasses.replace(plan, microbatch_group=4))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gpt_p2_fewer_microbatches_than_ranks(schedule):
+    check_against_reference("gpt", make_plan(p=2, m=1, schedule=schedule, layers=2))
+
+
 def test_gpt_p2_interleaved_zero_bubble_v2():
     """B / W split backwards (tied embeddings: chunk 0's backward is all W)."""
     check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-zb",
@@ -266,7 +279,8 @@ def test_world_size_mismatch_is_a_clear_error():
 
 
 def test_too_few_microbatches_is_a_clear_error(monkeypatch):
-    plan = make_plan(p=2, m=2, layers=2)
+    # (gpipe, 1f1b, interleaved-1f1b and breadth-first run m < p; the zero-bubble order not)
+    plan = make_plan(p=2, m=2, layers=2, schedule="interleaved-zb")
     plan = Plan.from_dict({**plan.to_dict(), "num_microbatches": 1, "global_batch_size": 2})
     monkeypatch.setenv("WORLD_SIZE", "2")
     prog, _ = make_program("gpt", plan)

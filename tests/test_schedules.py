@@ -2,7 +2,8 @@
 import pytest
 
 from autopar.schedules import (Action, SCHEDULE_NAMES, breadth_first, format_schedule, gpipe,
-                               interleaved_1f1b, make_schedule, one_f_one_b, parse_action,
+                               interleaved_1f1b, interleaved_zb, make_schedule, one_f_one_b,
+                               parse_action,
                                parse_schedule, peak_inflight, validate)
 
 # Golden strings, written from the definitions (module docstring) and checked by hand:
@@ -88,8 +89,15 @@ def test_round_trip_and_actions():
 
 
 def test_bad_dims():
+    # the zero-bubble order needs a full pipeline (its W placement fills the steady state)
     with pytest.raises(ValueError, match="m=1 micro-batches < p=2"):
-        one_f_one_b(2, 1)
+        interleaved_zb(2, 1, 1)
+    with pytest.raises(ValueError, match="microbatch_group=3 .* N dividing m"):
+        interleaved_1f1b(2, 2, 8, group=3)
+    with pytest.raises(ValueError, match="microbatch_group=1 .* p <= N"):
+        make_schedule("interleaved-zb", 2, 2, 8, group=1)
+    with pytest.raises(ValueError, match="only the interleaved schedules"):
+        make_schedule("breadth-first", 2, 2, 8, group=4)
     with pytest.raises(ValueError, match="one chunk per rank"):
         make_schedule("1f1b", 2, 2, 4)
     with pytest.raises(ValueError, match="must be one of"):
@@ -157,3 +165,42 @@ def test_validator_reduce():
     partial = [[a for a in acts if str(a) != "R0"] for acts in s]
     with pytest.raises(ValueError, match="REDUCE present for chunks"):
         validate(partial, 2, 2, 2)
+
+
+# ----- fewer micro-batches than ranks; micro-batch groups ----------------------------------
+@pytest.mark.parametrize("name,p,v,m", [
+    ("gpipe", 4, 1, 2), ("1f1b", 4, 1, 3), ("interleaved-1f1b", 4, 2, 3),
+    ("interleaved-1f1b", 8, 2, 1), ("breadth-first", 3, 3, 2)])
+def test_fewer_microbatches_than_ranks_is_a_valid_schedule(name, p, v, m):
+    """m < p: the pipeline never fills, but every micro-batch runs (torch.distributed.pipelining
+    accepts it for GPipe, interleaved and looped BFS too)."""
+    s = make_schedule(name, p, v, m)
+    validate(s, p, v, m)
+    assert sum(a.kind == "F" for acts in s for a in acts) == p * v * m
+
+
+@pytest.mark.parametrize("p,v,m,N", [(2, 2, 8, 4), (2, 2, 8, 8), (4, 2, 16, 8), (3, 2, 12, 12)])
+def test_microbatch_group_runs_n_consecutive_microbatches_per_chunk(p, v, m, N):
+    """N micro-batches visit a chunk before the next chunk; rank 0 warms up with
+    2(p−1) + (v−1)·N forwards and so holds that + 1 in flight (N = p: Megatron's order)."""
+    s = interleaved_1f1b(p, v, m, group=N)
+    validate(s, p, v, m)
+    fwd0 = [(a.chunk, a.mb) for a in s[0] if a.kind == "F"]
+    assert fwd0[:N] == [(0, i) for i in range(N)] and fwd0[N] == (p, 0)
+    assert peak_inflight(s)[0] == min(2 * (p - 1) + (v - 1) * N + 1, m * v)
+    assert interleaved_1f1b(p, v, m, group=p) == interleaved_1f1b(p, v, m)
+
+
+@pytest.mark.parametrize("p,v,m,torch_bound", [(8, 2, 16, 16), (4, 2, 8, 8), (4, 3, 12, 12)])
+def test_zero_bubble_holds_no_more_than_torchs_bound(p, v, m, torch_bound):
+    """torch's ScheduleInterleavedZeroBubble keeps v·p micro-batches in flight on every rank
+    (p=8 v=2 m=16: 16); interleaved-zb stays at or below it, p−1 fewer than interleaved
+    1F1B's rank 0, at the same simulated step time as with the 1F1B warm-up (1:1:1 times)."""
+    from autopar.cost.simulate import simulate
+    zb = interleaved_zb(p, v, m)
+    assert max(peak_inflight(zb)) <= torch_bound
+    assert max(peak_inflight(interleaved_1f1b(p, v, m))) == torch_bound + p - 1
+    C = p * v
+    zb_s = simulate(zb, [1.0] * C, [2.0] * C, comm="async").makespan_s
+    il_s = simulate(interleaved_1f1b(p, v, m), [1.0] * C, [2.0] * C, comm="async").makespan_s
+    assert zb_s < il_s

@@ -12,19 +12,22 @@ from autopar.cost.model import SCHEDULE_TRAITS, Config, config_costs, predict
 from autopar.cost.profile import transformer_profile
 from autopar.cost.simulate import fit_measured, simulate
 from autopar.cost.solver import AUTO_SCHEDULES, solve
-from autopar.schedules import (Action, SCHEDULE_NAMES, format_schedule, interleaved_1f1b,
+from autopar.schedules import (Action, SCHEDULE_NAMES, first_group_size, format_schedule,
+                               interleaved_1f1b,
                                interleaved_zb, make_schedule, one_f_one_b, parse_action,
                                parse_schedule, peak_inflight, validate)
 
 A100 = get_cluster("dgx-a100-80gb")
 
-# Checked by hand: each rank's F/B subsequence is interleaved_1f1b's (v = 1: one_f_one_b's),
-# every W c.i after its B c.i on rank c mod p, W's where the rank would wait for its next input
-# or once it holds rank 0's peak of un-W'ed micro-batches, the rest flushed at the end.
+# Checked by hand: each rank's forwards and backwards come in interleaved_1f1b's orders (v = 1:
+# one_f_one_b's) with the shorter zero-bubble warm-up ((p−r−1) + (v−1)·p forwards: rank 0 of
+# (2, 2, 4) runs 3 forwards before its first backward, not 4), every W c.i after its B c.i on
+# rank c mod p, W's where the rank would wait for its next input or once it holds v·p un-W'ed
+# micro-batches, the rest flushed at the end.
 GOLDEN = {
     (2, 2, 4): """
-rank 0: F0.0 sF0.0>1 F0.1 sF0.1>1 rF1.0<1 F2.0 rF1.1<1 sF2.0>1 F2.1 sF2.1>1 F0.2 sF0.2>1 rB3.0<1 B2.0 sB2.0>1 W2.0 rB3.1<1 F0.3 sF0.3>1 rF1.2<1 B2.1 rB1.0<1 sB2.1>1 W2.1 F2.2 rF1.3<1 sF2.2>1 B0.0 rB1.1<1 W0.0 F2.3 sF2.3>1 B0.1 rB3.2<1 B2.2 sB2.2>1 W0.1 W2.2 rB3.3<1 B2.3 rB1.2<1 sB2.3>1 B0.2 rB1.3<1 B0.3 W2.3 W0.2 W0.3
-rank 1: rF0.0<0 F1.0 rF0.1<0 sF1.0>0 F1.1 sF1.1>0 rF2.0<0 F3.0 rF2.1<0 B3.0 rF0.2<0 sB3.0>0 F3.1 rB2.0<0 B3.1 sB3.1>0 F1.2 rF0.3<0 sF1.2>0 B1.0 sB1.0>0 rB2.1<0 W3.0 F1.3 sF1.3>0 rF2.2<0 B1.1 sB1.1>0 W3.1 F3.2 rF2.3<0 B3.2 sB3.2>0 W1.0 rB2.2<0 F3.3 B3.3 sB3.3>0 B1.2 sB1.2>0 rB2.3<0 B1.3 sB1.3>0 W1.1 W3.2 W3.3 W1.2 W1.3
+rank 0: F0.0 sF0.0>1 F0.1 sF0.1>1 rF1.0<1 F2.0 rF1.1<1 sF2.0>1 F2.1 sF2.1>1 rB3.0<1 B2.0 sB2.0>1 W2.0 rB3.1<1 F0.2 sF0.2>1 B2.1 rF1.2<1 sB2.1>1 W2.1 rB1.0<1 F0.3 sF0.3>1 B0.0 rF1.3<1 W0.0 rB1.1<1 F2.2 sF2.2>1 B0.1 W0.1 rB3.2<1 F2.3 sF2.3>1 B2.2 sB2.2>1 W2.2 rB3.3<1 B2.3 rB1.2<1 sB2.3>1 B0.2 rB1.3<1 B0.3 W2.3 W0.2 W0.3
+rank 1: rF0.0<0 F1.0 rF0.1<0 sF1.0>0 F1.1 sF1.1>0 rF2.0<0 F3.0 rF2.1<0 B3.0 sB3.0>0 F3.1 rB2.0<0 B3.1 sB3.1>0 W3.0 rF0.2<0 F1.2 sF1.2>0 rB2.1<0 B1.0 sB1.0>0 W3.1 rF0.3<0 F1.3 sF1.3>0 B1.1 sB1.1>0 W1.0 rF2.2<0 F3.2 B3.2 sB3.2>0 W1.1 rF2.3<0 F3.3 rB2.2<0 B3.3 sB3.3>0 B1.2 sB1.2>0 rB2.3<0 B1.3 sB1.3>0 W3.2 W3.3 W1.2 W1.3
 """,
     (2, 1, 2): """
 rank 0: F0.0 sF0.0>1 F0.1 sF0.1>1 rB1.0<1 B0.0 W0.0 rB1.1<1 B0.1 W0.1
@@ -66,31 +69,33 @@ def test_order_validates_and_bounds_memory(p):
         zb = interleaved_zb(p, v, m)
         validate(zb, p, v, m)
         base = interleaved_1f1b(p, v, m) if v > 1 else one_f_one_b(p, m)
-        assert _fb(zb) == _fb(base), (p, v, m)          # the F/B order is kept exactly
+        for kind in ("F", "B"):     # forwards and backwards each in the base order
+            assert [[a for a in acts if a.kind == kind] for acts in zb] == \
+                [[a for a in acts if a.kind == kind] for acts in base], (p, v, m, kind)
         for acts in zb:
             pos = {(a.kind, a.chunk, a.mb): n for n, a in enumerate(acts)}
             for (kind, c, i), n in pos.items():
                 if kind == "B":
                     assert pos[("W", c, i)] > n         # every B has its W, later
-        # ZB-H1's bound: no rank holds more un-W'ed micro-batches than rank 0 of the base
-        # order holds un-B'ed ones (the cost model's in-flight table says the same)
-        bound = max(peak_inflight(base))
-        assert max(peak_inflight(zb)) == bound
-        assert all(x <= bound for x in peak_inflight(zb))
-        assert [SCHEDULE_TRAITS["interleaved-zb"].inflight(p, v, m, r) for r in range(p)] == \
-            [bound] * p
+        # the bound of torch's ScheduleInterleavedZeroBubble, (v−1)·g₀ + p (= v·p when p | m),
+        # never more than the base order holds un-B'ed (the cost model's table says the same)
+        g0 = first_group_size(p, m)
+        bound = min((v - 1) * g0 + p, m * v)
+        assert max(peak_inflight(zb)) == bound <= max(peak_inflight(base))
+        assert [SCHEDULE_TRAITS["interleaved-zb"].inflight(p, v, m, r, g0)
+                for r in range(p)] == [bound] * p
 
 
 def test_peak_inflight_vs_interleaved_1f1b():
     assert peak_inflight(interleaved_1f1b(4, 2, 8)) == [11, 9, 7, 5]
-    assert peak_inflight(interleaved_zb(4, 2, 8)) == [11, 11, 11, 11]
+    assert peak_inflight(interleaved_zb(4, 2, 8)) == [8, 8, 8, 8]      # torch's v·p
     assert peak_inflight(one_f_one_b(4, 8)) == [4, 3, 2, 1]
     assert peak_inflight(interleaved_zb(4, 1, 8)) == [4, 4, 4, 4]
-    # a tighter bound per rank (1F1B's own) is allowed, and kept
-    tight = interleaved_zb(4, 2, 8, max_inflight=[11, 9, 7, 5])
+    # a tighter bound per rank (the zero-bubble F/B order's own) is allowed, and kept
+    tight = interleaved_zb(4, 2, 8, max_inflight=[8, 7, 6, 5])
     validate(tight, 4, 2, 8)
-    assert peak_inflight(tight) == [11, 9, 7, 5]
-    with pytest.raises(ValueError, match="below what the F/B order"):
+    assert peak_inflight(tight) == [8, 7, 6, 5]
+    with pytest.raises(ValueError, match="below what its F/B order"):
         interleaved_zb(4, 2, 8, max_inflight=4)
 
 
