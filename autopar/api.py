@@ -27,12 +27,6 @@ from autopar.passes.tp_cost import with_tp_corrections
 from autopar.plan import Plan
 
 
-# ZeRO levels compile() executes (zero=3: breadth-first only — cost/solver.py offers it with
-# no other schedule; the runtime's Zero3Chunks integration is tested in
-# tests/test_breadth_first_runtime.py).
-RUNTIME_ZERO_LEVELS = (0, 1, 3)
-
-
 class ParallelProgram:
     """A planned model: `.plan`, the generated per-chunk source, and `compile()` for torchrun."""
 
@@ -135,7 +129,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     plan = solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size, t=t, p=p, d=d,
                  v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                  recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                 microbatch_group=microbatch_group, zero_levels=RUNTIME_ZERO_LEVELS)
+                 microbatch_group=microbatch_group)
     plan = dataclasses.replace(plan, notes=tuple(_graph_notes(plan, captured)))
     return ParallelProgram(model=model, plan=plan, profile=profile,
                            example_inputs=example_inputs, loss_fn=loss_fn,

@@ -30,14 +30,14 @@ from autopar.build import BuiltProgram, build_program
 from autopar.codegen import chunk_file_name, load_chunk_module, render_chunk
 from autopar.passes import meta as K
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import Plan
+from autopar.plan import ZERO_LEVELS, Plan
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
 from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, describe_param
 from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
-from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, make_schedule
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, SPLIT_BACKWARD, make_schedule
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -57,15 +57,15 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"WORLD_SIZE={world} but the plan needs t·p·d = {plan.t}·{plan.p}·{plan.d} = "
             f"{plan.gpus} ranks; launch exactly {plan.gpus} processes "
             f"(torchrun --nproc_per_node={plan.gpus}) or re-plan with gpus={world}")
-    if plan.zero not in (0, 1, 3):
+    if plan.zero not in ZERO_LEVELS:
         raise ValueError(
             f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not supported by the runtime; "
-            f"use zero=0/1, or zero=3 with schedule='breadth-first'")
-    if plan.zero == 3 and plan.schedule != "breadth-first":
+            f"use one of {ZERO_LEVELS}")
+    if plan.zero in (2, 3) and plan.schedule in SPLIT_BACKWARD:
         raise ValueError(
-            f"plan.zero=3 with schedule={plan.schedule!r}: ZeRO-3 is not yet supported by the "
-            f"runtime; use zero=0/1 with this schedule, or schedule='breadth-first' (it "
-            f"gathers each chunk's weights once per pass, not once per micro-batch)")
+            f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
+            f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
+            f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
     if plan.p > 1 and plan.num_microbatches < plan.p \
             and plan.schedule not in FEWER_MICROBATCHES_THAN_RANKS:
         raise ValueError(
@@ -87,9 +87,10 @@ def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> N
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
                          f"(bf16 = bf16 compute with fp32 master weights)")
-    if plan.zero == 3 and precision != "fp32":
-        raise ValueError(f"precision={precision!r} with zero=3: the ZeRO-3 runtime runs fp32 "
-                         f"only for now; use precision='fp32', or zero=1 for bf16")
+    if plan.zero in (2, 3) and precision != "fp32":
+        raise ValueError(f"precision={precision!r} with zero={plan.zero}: the sharded-weight "
+                         f"runtime runs fp32 only for now; use precision='fp32', or zero=1 for "
+                         f"bf16")
 
 
 def compile_program(prog: Any, optimizer: Callable | None = None,

@@ -14,7 +14,7 @@ from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
 RECOMPUTE = ("none", "selective", "full")
-ZERO_LEVELS = (0, 1, 3)
+ZERO_LEVELS = (0, 1, 2, 3)
 
 GB = 1024 ** 3
 

@@ -178,13 +178,14 @@ def check_group(p: int, m: int, group: int | None, name: str = "interleaved-1f1b
             f"(N = p, Megatron's order)")
 
 
-def _gpipe_ops(p: int, m: int) -> list[list[Op]]:
-    return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)] for r in range(p)]
+def _gpipe_ops(p: int, m: int, ranks: Iterable[int] | None = None) -> list[list[Op]]:
+    return [[("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+            for r in (range(p) if ranks is None else ranks)]
 
 
-def _one_f_one_b_ops(p: int, m: int) -> list[list[Op]]:
+def _one_f_one_b_ops(p: int, m: int, ranks: Iterable[int] | None = None) -> list[list[Op]]:
     out = []
-    for r in range(p):
+    for r in (range(p) if ranks is None else ranks):
         warmup = min(p - r - 1, m)
         ops = [("F", r, i) for i in range(warmup)]
         for k in range(m - warmup):  # steady state: one forward, one backward
@@ -225,8 +226,8 @@ def first_group_size(p: int, m: int, group: int | None = None) -> int:
     return len(_microbatch_groups(p, m, group)[0])
 
 
-def _interleaved_ops(p: int, v: int, m: int, group: int | None = None,
-                     hop: int = 2) -> list[list[Op]]:
+def _interleaved_ops(p: int, v: int, m: int, group: int | None = None, hop: int = 2,
+                     ranks: Iterable[int] | None = None) -> list[list[Op]]:
     """Megatron-Core's interleaved order: forwards visit local chunks group by group, backwards
     in reverse; rank r warms up with hop·(p−r−1) + (v−1)·g₀ forwards (g₀: the first group's
     size), capped at m·v, then alternates forward and backward. hop = 2 for interleaved 1F1B;
@@ -237,7 +238,7 @@ def _interleaved_ops(p: int, v: int, m: int, group: int | None = None,
     bwd_table = [(v - 1 - k, i) for k, i in fwd_table]
     total = m * v
     out = []
-    for r in range(p):
+    for r in (range(p) if ranks is None else ranks):
         warmup = min((p - r - 1) * hop + (v - 1) * len(groups[0]), total)
         fwd = [("F", k * p + r, i) for k, i in fwd_table]
         bwd = [("B", k * p + r, i) for k, i in bwd_table]
@@ -305,9 +306,10 @@ def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
     return out
 
 
-def _breadth_first_ops(p: int, v: int, m: int) -> list[list[Op]]:
+def _breadth_first_ops(p: int, v: int, m: int,
+                       ranks: Iterable[int] | None = None) -> list[list[Op]]:
     out = []
-    for r in range(p):
+    for r in (range(p) if ranks is None else ranks):
         chunks = [k * p + r for k in range(v)]
         ops = [("F", c, i) for c in chunks for i in range(m)]
         ops += [("B", c, i) for c in reversed(chunks) for i in range(m)]
@@ -524,13 +526,7 @@ def breadth_first(p: int, v: int, m: int, *, reduce: bool = True,
     return _with_comms(_breadth_first_ops(p, v, m), p, v, reduce, times_fb)
 
 
-def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None,
-                  reduce: bool | None = None,
-                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
-    """Dispatch on a Plan schedule name. `group`: N micro-batches per chunk visit, for the
-    interleaved schedules only (None: p). `reduce=None` emits R{c} only for breadth-first.
-    `times_fb`: (forward, backward) time of a chunk, only used to order the messages (and,
-    for interleaved-zb, to place the W's: B and W each take half the backward)."""
+def _check_schedule(name: str, p: int, v: int, group: int | None) -> None:
     if name not in SCHEDULE_NAMES:
         raise ValueError(f"schedule {name!r}: must be one of {SCHEDULE_NAMES}")
     if name in ("gpipe", "1f1b") and v != 1:
@@ -541,6 +537,16 @@ def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None
         raise ValueError(f"schedule {name!r} with microbatch_group={group}: only the "
                          f"interleaved schedules {GROUPED} take a micro-batch group; set it "
                          f"to None")
+
+
+def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None,
+                  reduce: bool | None = None,
+                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+    """Dispatch on a Plan schedule name. `group`: N micro-batches per chunk visit, for the
+    interleaved schedules only (None: p). `reduce=None` emits R{c} only for breadth-first.
+    `times_fb`: (forward, backward) time of a chunk, only used to order the messages (and,
+    for interleaved-zb, to place the W's: B and W each take half the backward)."""
+    _check_schedule(name, p, v, group)
     red = (name == "breadth-first") if reduce is None else reduce
     if name == "gpipe":
         return gpipe(p, m, reduce=red, times_fb=times_fb)
@@ -552,6 +558,26 @@ def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None
         f, b = times_fb
         return interleaved_zb(p, v, m, group=group, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)
+
+
+def compute_order(name: str, p: int, v: int, m: int, *, group: int | None = None,
+                  ranks: Sequence[int] | None = None) -> list[list[Action]]:
+    """Each rank's computes in the order `make_schedule`'s lists run them, without the
+    messages (cheap: no dataflow placement), for analyses of what a rank computes when (the
+    weight-gather plan the cost model counts, autopar.weight_gathers). `ranks`: only these
+    pipeline ranks' lists, in that order (default: all)."""
+    _check_schedule(name, p, v, group)
+    _check_dims(p, v, m, name)
+    ranks = list(range(p) if ranks is None else ranks)
+    if name in SPLIT_BACKWARD:      # W placement needs the list-scheduling simulation
+        acts = make_schedule(name, p, v, m, group=group)
+        return [[a for a in acts[r] if a.kind in COMPUTE] for r in ranks]
+    check_group(p, m, group)
+    ops = {"gpipe": lambda: _gpipe_ops(p, m, ranks),
+           "1f1b": lambda: _one_f_one_b_ops(p, m, ranks),
+           "interleaved-1f1b": lambda: _interleaved_ops(p, v, m, group, ranks=ranks),
+           "breadth-first": lambda: _breadth_first_ops(p, v, m, ranks)}[name]()
+    return [[Action(*op) for op in rank_ops] for rank_ops in ops]
 
 
 # ----- checks -----------------------------------------------------------------------------

@@ -59,25 +59,29 @@ Mechanisms (one each, no per-configuration constants):
   at most DP_OVERLAP of the last micro-batch's backward can hide it. Then the optimizer step
   (Adam, memory bound).
 - Data parallel, breadth-first (chunk-major: each pass runs all m micro-batches of a chunk back
-  to back): chunk k's reduction R (ZeRO-0 all-reduce, ZeRO-1/3 reduce-scatter) starts when its
+  to back): chunk k's reduction R (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter) starts when its
   last backward ends, on a separate stream, and runs under the m backwards of the next chunk
   (W_b = m · backward of a chunk). Per rank with v equal chunks the stream exposes
       R/v (the last chunk's) + (v-1)/v · max(0, R - W_b)   (per-layer form, linear in y_r)
-  ZeRO-1 adds the all-gather of updated weights after the optimizer, exposed. ZeRO-3 (weights,
-  grads and optimizer sharded, 18/d B per parameter) gathers each chunk's weights once per pass
-  (2 all-gathers G per chunk per step), prefetched during the previous chunk:
-      exposed = (G + R)/v + (v-1)/v · (max(0, G - W_f) + max(0, G + R - W_b)),
-  the first chunk's gather, the last chunk's reduce-scatter and any excess of communication
-  over compute. 1F1B / interleaved would gather for every micro-batch (priced per micro-batch
-  in load_parts_s; the solver does not offer it).
+  ZeRO-1 adds the all-gather of updated weights after the optimizer, exposed.
+- Sharded weights (ZeRO-3: at most two chunks gathered at once; zero=2, FSDP without
+  resharding after forward: every chunk gathered once per step and kept until its last
+  backward), every schedule with an unsplit backward: the weight-gather plan of the schedule's
+  own lists (autopar.weight_gathers, what the runtime runs) gives the all-gathers G and
+  reduce-scatters R of a rank per step — breadth-first about 2 per chunk, interleaved orders one
+  per visit of a group of N micro-batches each way, 1F1B one — and how many computes each one
+  is issued ahead of (a prefetched gather) or runs under (a reduce-scatter before the next):
+      exposed = Σ_gathers max(0, G − lead·forward) + Σ_reduces max(0, R − lead·backward)
+  per chunk, i.e. per layer / v (`_sharded_dp_terms_s`).
 - Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
   recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
-  (SCHEDULE_TRAITS; breadth-first: all m micro-batches of all v chunks, v·m, as
-  autopar.schedules.peak_inflight counts on its action lists; interleaved-zb: every rank up to
-  rank 0's interleaved-1f1b peak, ZB-H1's bound: a micro-batch stays in flight until its W), embedding on the first and head
-  (+ tied embedding copy) on the last rank, and the cluster's reserve. ZeRO-3 under
-  breadth-first holds the gathered working set of two chunks (computing + prefetched weights,
-  fp32 gradient accumulator + 16-bit reduce-scatter buffer): 10/v B per parameter of the rank.
+  (SCHEDULE_TRAITS, equal to autopar.schedules.peak_inflight on the action lists:
+  breadth-first all m micro-batches of all v chunks, v·m; interleaved 2(p−r−1) + (v−1)·N + 1;
+  interleaved-zb torch's ZeroBubble bound (v−1)·N + p, a micro-batch in flight until its W),
+  embedding on the first and head (+ tied embedding copy) on the last rank, and the cluster's
+  reserve. Sharded weights add the plan's gathered working set: its most chunks gathered at once
+  (16-bit) and the fp32 gradient accumulators of its most chunks with unreduced gradients plus
+  one 16-bit reduce-scatter buffer.
 """
 from __future__ import annotations
 
@@ -89,7 +93,8 @@ from typing import Callable, TypeVar
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
 from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
-from autopar.schedules import GROUPED, check_group, first_group_size
+from autopar.schedules import GROUPED, check_group, compute_order, first_group_size
+from autopar.weight_gathers import GatherStats, gather_stats
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
 # gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
@@ -175,15 +180,15 @@ class ScheduleTraits:
     (g0: the first micro-batch group of the interleaved orders, Config.first_group).
     dp_overlap: fraction of the last micro-batch's backward that can hide the DP reduction
     (schedules that are not chunk-major).
-    zero_levels: the ZeRO levels the schedule supports (ZeRO-3 belongs with breadth-first,
-    which gathers each chunk's weights once per step, see issue 6).
+    zero_levels: the ZeRO levels the schedule supports (sharded weights, 2 and 3, need a
+    backward that is not split: the deferred weight gradients would need the weights again).
     bubble_div(recompute): the pipeline bubble is (Σ load − max load) / (v · bubble_div);
     1 except for zero-bubble schedules, whose deferred weight gradients fill part of it.
     """
     multi_chunk: bool
     inflight: Callable[[int, int, int, int, int], int]
     dp_overlap: float = DP_OVERLAP
-    zero_levels: tuple[int, ...] = (0, 1)
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
     # all micro-batches of a chunk run back to back in each pass: a chunk's gradients are final
     # once per step (its reduction overlaps later chunks' backward) and ZeRO-3 gathers its
     # weights once per pass instead of once per micro-batch
@@ -234,10 +239,10 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
     "1f1b": ScheduleTraits(multi_chunk=False, inflight=_inflight_1f1b),
     "interleaved-1f1b": ScheduleTraits(multi_chunk=True, inflight=_inflight_interleaved),
     "breadth-first": ScheduleTraits(multi_chunk=True, inflight=_inflight_breadth_first,
-                                    zero_levels=(0, 1, 3), chunk_major=True),
-    # no ZeRO-3: the runtime does not gather weights for the deferred W's
+                                    chunk_major=True),
+    # no sharded weights: the runtime does not gather them for the deferred W's
     "interleaved-zb": ScheduleTraits(multi_chunk=True, inflight=_inflight_zero_bubble,
-                                     bubble_div=_bubble_div_zero_bubble),
+                                     zero_levels=(0, 1), bubble_div=_bubble_div_zero_bubble),
 }
 
 
@@ -248,25 +253,31 @@ def bubble_div(cfg: Config) -> int:
 
 @dataclass(frozen=True)
 class ZeroTraits:
-    """Bytes per parameter (weights, grads, optimizer) as functions of d, and DP traffic.
-
-    per_microbatch_gather: weights are all-gathered for every forward and backward pass (of
-    every micro-batch under 1F1B-style schedules; of every chunk under chunk-major ones).
-    """
+    """Bytes per parameter at rest (weights, grads, optimizer) as functions of d, and whether
+    the weights are sharded: `keep(v)`, the chunks of a rank gathered at once (the weight-gather
+    plan of autopar.weight_gathers), None when every rank holds its weights whole."""
     weight_bytes: Callable[[int], float]
     grad_bytes: Callable[[int], float]
     optimizer_bytes: Callable[[int], float]
     sharded_optimizer: bool
-    per_microbatch_gather: bool = False
+    keep: Callable[[int], int] | None = None
+
+    @property
+    def sharded_weights(self) -> bool:
+        return self.keep is not None
 
 
 ZERO_TRAITS: dict[int, ZeroTraits] = {
     0: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0, sharded_optimizer=False),
     1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),
-    # ZeRO-3: 16-bit weights, fp32 grads and optimizer states all sharded; the gathered
-    # working set is added in _memory_coefficients (per schedule).
+    # ZeRO-2 in FSDP's terms (reshard_after_forward=False, torchtitan): 16-bit weights, fp32
+    # grads and optimizer states sharded at rest; each chunk gathered once per step and kept
+    # until its last backward. The gathered working set is added in _memory_coefficients.
+    2: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
+                  sharded_optimizer=True, keep=lambda v: v),
+    # ZeRO-3: the same shards, at most two chunks gathered at once (computing + prefetched)
     3: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
-                  sharded_optimizer=True, per_microbatch_gather=True),
+                  sharded_optimizer=True, keep=lambda v: min(2, v)),
 }
 assert set(SCHEDULE_TRAITS) <= set(SCHEDULES) and set(ZERO_TRAITS) <= set(ZERO_LEVELS)
 
@@ -569,16 +580,6 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
     emb_s, head_s = memo[key]
-    zt = ZERO_TRAITS[cfg.zero]
-    if zt.per_microbatch_gather and d > 1 and not SCHEDULE_TRAITS[cfg.schedule].chunk_major:
-        # 1F1B-style schedules: every micro-batch's pass gathers the layer's 16-bit weights and reduce-scatters its gradients;
-        # prefetching hides it behind the layer's compute, the excess is exposed
-        dp_inter = group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus)
-        block_p = shard_params_elems(profile, t, sp)[0]
-        passes = 3 if cfg.recompute == "full" else 2
-        gather_s = (passes * allgather_s(cluster, 2 * block_p, d, dp_inter)
-                    + allgather_s(cluster, GRAD_REDUCE_BYTES * block_p, d, dp_inter))
-        comp_s += max(0.0, gather_s - comp_s)
     # pipeline p2p: the activation (b·s·h) leaves each chunk forward and its gradient comes
     # back; scatter/gather: each tensor rank sends 1/t and the receiver all-gathers in-node
     p2p_total = 0.0
@@ -638,7 +639,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
 
     mem_layer, mem_fixed, parts, fparts = _memory_coefficients(
-        profile, cluster, cfg, sp, block_p, emb_p, head_p)
+        profile, cluster, cfg, sp, block_p, emb_p, head_p, memo)
 
     flops_fwd_seq, rec_seq = _flops_per_seq(profile, t, cfg.recompute, memo)
     B = cfg.global_batch_size
@@ -674,8 +675,7 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
     if profile.tied_embeddings and p > 1:  # first and last stage sum the shared embedding grad
         tied_sync = allreduce_s(cluster, GRAD_REDUCE_BYTES * _tied_table_elems(
             profile, t, cfg.sequence_parallel and t > 1), 2, pp_inter)
-    zero3 = zt.per_microbatch_gather
-    if d <= 1 or (zero3 and not sched.chunk_major):  # ZeRO-3 under 1F1B: in the load
+    if d <= 1:
         return 0.0, 0.0, tied_sync, tied_sync
     lat = _link(cluster, dp_inter)[1]
     gather = lambda n: allgather_s(cluster, 2 * n, d, dp_inter)  # noqa: E731 16-bit weights
@@ -683,35 +683,71 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
         reduce = lambda n: allgather_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
     else:
         reduce = lambda n: allreduce_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
-    if zero3:    # 2 gathers + 1 reduce-scatter of the edge weights, not hidden
-        edge = lambda n: 2 * gather(n) + reduce(n) - 2 * lat  # noqa: E731
-    elif zt.sharded_optimizer:  # reduce-scatter grads + all-gather 16-bit weights
+    G, R = gather(block_p) - lat, reduce(block_p) - lat
+    comp, tp, fwd = _block_times_memo(profile, cluster, cfg, memo if memo is not None else {})
+    if zt.sharded_weights:
+        return _sharded_dp_terms_s(cfg, memo, G, R, fwd, comp + tp - fwd, lat,
+                                   gather, reduce, emb_p, head_p, tied_sync)
+    if zt.sharded_optimizer:  # reduce-scatter grads + all-gather 16-bit weights
         edge = lambda n: reduce(n) + gather(n) - lat  # noqa: E731
     else:
         edge = reduce
     dp_first = edge(emb_p) + tied_sync
     dp_last = edge(head_p) + tied_sync + (lat if p > 1 else 0.0)
-    G, R = gather(block_p) - lat, reduce(block_p) - lat
     if not sched.chunk_major:
         dp_layer = R + (G if zt.sharded_optimizer else 0.0)
         return dp_layer, sched.dp_overlap * comp_s * (2.0 / 3.0), dp_first, dp_last
-    # chunk-major: a chunk's m forwards (W_f) / m backwards (W_b) hide the next chunk's traffic
-    key = ("layer", t, cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel and t > 1,
-           group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus))
-    if memo is None or key not in memo:
-        times = _block_times_s(profile, cluster, t, cfg.micro_batch_size, cfg.recompute,
-                               *key[4:])
-        if memo is not None:
-            memo[key] = times
-    comp, tp, fwd = memo[key] if memo is not None else times
-    w_f, w_b = m * fwd, m * (comp + tp - fwd)
-    if zero3:
-        dp_layer = 2 * G + R
-        exposed = (G + R) / v + (v - 1) / v * (max(0.0, G - w_f) + max(0.0, G + R - w_b))
-    else:
-        after_step = G if zt.sharded_optimizer else 0.0  # ZeRO-1 weight gather, exposed
-        dp_layer = R + after_step
-        exposed = R / v + (v - 1) / v * max(0.0, R - w_b) + after_step
+    # chunk-major: a chunk's m backwards (W_b) hide the next chunk's reduction
+    w_b = m * (comp + tp - fwd)
+    after_step = G if zt.sharded_optimizer else 0.0  # ZeRO-1 weight gather, exposed
+    dp_layer = R + after_step
+    exposed = R / v + (v - 1) / v * max(0.0, R - w_b) + after_step
+    return dp_layer, dp_layer - exposed, dp_first, dp_last
+
+
+def weight_gather_stats(cfg: Config, memo: dict | None = None) -> GatherStats:
+    """The weight-gather plan of a sharded-weight configuration (zero 2 / 3) on its busiest
+    rank: autopar.weight_gathers on the schedule's compute order, elementwise the most of
+    pipeline ranks 0 and p − 1 (the longest and shortest warm-up)."""
+    key = ("gathers", cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches, cfg.microbatch_group,
+           ZERO_TRAITS[cfg.zero].keep(cfg.v))
+    if memo is not None and key in memo:
+        return memo[key]
+    orders = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                           group=cfg.microbatch_group, ranks=sorted({0, cfg.p - 1}))
+    stats = [gather_stats(o, keep=key[-1]) for o in orders]
+    worst = max(stats, key=lambda st: (st.gathers + st.reduce_scatters, st.peak_pending))
+    out = GatherStats(gather_leads=worst.gather_leads, reduce_leads=worst.reduce_leads,
+                      peak_gathered=max(st.peak_gathered for st in stats),
+                      peak_pending=max(st.peak_pending for st in stats))
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _sharded_dp_terms_s(cfg: Config, memo: dict | None, G: float, R: float, fwd: float,
+                        bwd: float, lat: float, gather: Callable, reduce: Callable,
+                        emb_p: float, head_p: float, tied_sync: float
+                        ) -> tuple[float, float, float, float]:
+    """Data-parallel seconds of sharded weights (zero 2 / 3), per layer of the rank and for
+    the edge ranks, from the schedule's own weight-gather plan (weight_gather_stats).
+
+    A rank gathers its chunks n_g times and reduce-scatters them n_r times per step; a chunk
+    holds 1/v of its layers, so per layer the traffic is (n_g·G + n_r·R)/v. Each gather is
+    prefetched `lead` computes before its chunk is needed, and hides under them: exposed
+    max(0, G − lead·forward) per layer (0 computes: exposed whole); each reduce-scatter runs
+    under the computes before the next one starts: max(0, R − lead·backward), the step's last
+    one exposed whole. The embedding and the head are gathered and reduced with the first /
+    last chunk, not hidden (as ZeRO-1's edge traffic)."""
+    st = weight_gather_stats(cfg, memo)
+    v, p = cfg.v, cfg.p
+    dp_layer = (st.gathers * G + st.reduce_scatters * R) / v
+    exposed = (sum(max(0.0, G - lead * fwd) for lead in st.gather_leads)
+               + sum(max(0.0, R - lead * bwd) for lead in st.reduce_leads)) / v
+    edge = lambda n: (st.gathers * (gather(n) - lat) + st.reduce_scatters * (reduce(n) - lat)  # noqa
+                      ) / v + lat
+    dp_first = edge(emb_p) + tied_sync
+    dp_last = edge(head_p) + tied_sync + (lat if p > 1 else 0.0)
     return dp_layer, dp_layer - exposed, dp_first, dp_last
 
 
@@ -751,26 +787,27 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     return act * least / cfg.v * profile.num_layers / cfg.p
 
 
-def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p):
+def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo=None):
     """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown."""
-    t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
-    zt, sched = ZERO_TRAITS[cfg.zero], SCHEDULE_TRAITS[cfg.schedule]
+    t, p, d, v, b = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size
+    zt = ZERO_TRAITS[cfg.zero]
     wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
     act_layer = layer_activation_bytes(profile, t, b, cfg.recompute, sp)
     full_layer = layer_activation_bytes(profile, t, b, "none", sp)
     # working memory while one layer runs its backward: its full activations when recomputed
-    # (full) or its attention tensors (selective); ZeRO-3 also holds 2 gathered layers
+    # (full) or its attention tensors (selective)
     work = {"full": full_layer, "selective": _attention_bytes(
         profile.block, t, _fallback(profile, "block", t, sp), b), "none": 0.0}[cfg.recompute]
-    # ZeRO-3 working set. Chunk-major: two chunks of the rank (computing + prefetched) in
-    # 16-bit, the fp32 accumulator of the chunk in backward and the 16-bit buffer of the one
-    # being reduce-scattered, per layer 4/v + 6/v B per parameter; the embedding / head are
-    # gathered whole (2 B weights + 4 B grads). 1F1B-style: two gathered layers.
+    # Sharded weights (zero 2 / 3): the gathered working set of the weight-gather plan, per
+    # layer of the rank: its most chunks gathered at once in 16-bit (2·gathered/v B per
+    # parameter), and the fp32 gradient accumulators of the chunks holding unreduced gradients
+    # plus one 16-bit reduce-scatter buffer ((4·pending + 2)/v); the embedding / head are
+    # gathered whole (2 B weights + 4 B grads).
     chunk_w = chunk_g = edge_w = edge_g = 0.0
-    if zt.per_microbatch_gather and d > 1 and sched.chunk_major:
-        chunk_w, chunk_g, edge_w, edge_g = 4.0 / v, 6.0 / v, 2.0, 4.0
-    elif zt.per_microbatch_gather:
-        work += 2 * 2 * block_p
+    if zt.sharded_weights and d > 1:
+        st = weight_gather_stats(cfg, memo)
+        chunk_w, chunk_g = 2.0 * st.peak_gathered / v, (4.0 * st.peak_pending + 2.0) / v
+        edge_w, edge_g = 2.0, 4.0
     efix, hfix = _fallback(profile, "embedding", t, sp), _fallback(profile, "head", t, sp)
     emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t
                    + profile.embedding.act_replicated_bytes / (t if sp else 1)

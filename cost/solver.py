@@ -58,7 +58,7 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
                                 step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
-from autopar.plan import RECOMPUTE, Alternative, Plan, Prediction, Stage
+from autopar.plan import RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
@@ -87,7 +87,7 @@ class Pins:
     microbatch_group: int | None = None
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
-    zero_levels: tuple[int, ...] = (0, 1, 3)
+    zero_levels: tuple[int, ...] = ZERO_LEVELS
     # schedules the solver may choose (None: AUTO_SCHEDULES); a pinned schedule is always
     # allowed
     schedules: tuple[str, ...] | None = None
@@ -176,13 +176,11 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected) -> Iterator[C
             continue
         m = per_replica // b
         for schedule, v, group in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
-            if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels \
-                    and schedule != "gpipe":  # (gpipe with ZeRO-3 is breadth-first, v = 1)
+            if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
                 rejected.append(Rejection(
                     {"t": t, "p": p, "d": d, "schedule": schedule, "zero": 3},
-                    f"zero=3 not offered with {schedule}: it would all-gather every layer's "
-                    f"weights in each of the m={m} micro-batches' forward and backward "
-                    f"(breadth-first gathers once per chunk per pass)"))
+                    f"zero=2/3 not offered with {schedule}: its split backward's weight-gradient "
+                    f"halves would need the sharded weights gathered again"))
             for recompute in RECOMPUTE:
                 if not pins.allows("recompute", recompute):
                     continue
@@ -245,8 +243,9 @@ def _breadth_first_vs(p: int, l: int, pins: Pins) -> list[int]:
 def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int, int | None]]:
     """(schedule, v, micro-batch group N) of every schedule the rules allow for (p, m)."""
     d = key[2]
-    if p == 1:  # one stage: plain gradient accumulation, whatever the schedule is called
-        sched = pins.schedule if pins.schedule in ("gpipe", "1f1b") else "1f1b"
+    if p == 1:  # one stage: plain gradient accumulation (a pinned schedule keeps its name and
+        # its rules, e.g. interleaved-zb's split backward and the ZeRO levels that go with it)
+        sched = pins.schedule if pins.schedule not in (None, "breadth-first") else "1f1b"
         if pins.v in (None, 1) and pins.schedule != "breadth-first":
             yield sched, 1, None
         if d > 1 and pins.allows("schedule", "breadth-first"):  # layered accumulation
@@ -571,7 +570,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           v: int | None = None, micro_batch_size: int | None = None,
           schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
           sequence_parallel: bool | None = None, microbatch_group: int | None = None,
-          max_alternatives: int = 50, zero_levels: tuple[int, ...] = (0, 1, 3),
+          max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
           schedules: tuple[str, ...] | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
@@ -639,9 +638,7 @@ def _evaluate(profile, cluster, configs):
     quick = []
     for cfg in configs:
         key = (cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group,
-               ZERO_TRAITS[cfg.zero].per_microbatch_gather
-               and not SCHEDULE_TRAITS[cfg.schedule].chunk_major)
+               cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group)
         if key not in qmemo:
             qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, cfg, memo)
                                ) / cfg.v / 1e9

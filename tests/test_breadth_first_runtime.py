@@ -2,10 +2,11 @@
 one device with d = 2 under ZeRO-1 and ZeRO-3 (3 AdamW steps, losses and full_state_dict at
 rtol 1e-4 / atol 1e-5), and the data-parallel collectives per step counted at the
 torch.distributed calls: one reduction per chunk (not per chunk × micro-batch), one weight
-all-gather per chunk per pass under ZeRO-3.
+all-gather per chunk per pass under ZeRO-3 (what autopar.weight_gathers plans).
 
 Models: the examples' GPT (tied wte / lm_head on the first and last chunk: under ZeRO-3 the
-tied weight stays replicated, see Runner._build_zero3) and `transformers` LlamaForCausalLM.
+tied weight stays replicated, see autopar.runtime.regimes.zero3) and `transformers`
+LlamaForCausalLM.
 Each numerics case is p·d = 4 gloo processes."""
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from autopar.plan import Plan
+from autopar.schedules import compute_order
 from autopar.testing import spawn
+from autopar.weight_gathers import gather_stats
 from test_runtime_numerics import (check_against_reference, make_data, make_plan,
                                    make_program)
 
@@ -100,13 +103,15 @@ def count_rank(rank: int, world: int, name: str, plan: Plan):
     return counts, len(runner.chunks), runner.pg.pp_rank
 
 
-@pytest.mark.parametrize("zero", [0, 1, 3])
-def test_one_reduction_per_chunk_per_step(zero):
-    """gpt-untied (no tied-embedding all-reduce to discount), p=2 d=2 v=2, m=4 micro-batches:
+@pytest.mark.parametrize("zero,v", [(0, 2), (1, 2), (3, 2), (3, 4)])
+def test_one_reduction_per_chunk_per_step(zero, v):
+    """gpt-untied (no tied-embedding all-reduce to discount), p=2 d=2, m=4 micro-batches:
     ZeRO-0 one all-reduce per chunk (each chunk is one bucket at this size), ZeRO-1 one
     reduce-scatter per chunk, ZeRO-3 one reduce-scatter per chunk and one all-gather per chunk
-    per pass (forward and backward: 2 per chunk) — none of them scales with m."""
-    plan = bf_plan(v=2, zero=zero, m=4)
+    per pass, except the chunks the two slots keep across the forward→backward turn (v = 2:
+    both, so one per chunk; v = 4: 2v − 2) — none of them scales with m, and the runtime issues
+    exactly the weight-gather plan the cost model counts."""
+    plan = bf_plan(v=v, zero=zero, m=4)
     results = spawn(count_rank, plan.gpus, "gpt-untied", plan, timeout_s=300)
     for counts, chunks, pp in results:
         assert chunks == plan.v
@@ -116,17 +121,21 @@ def test_one_reduction_per_chunk_per_step(zero):
             # reduce-scatter per chunk; the updated shards all-gathered per chunk after the step
             assert counts == {"reduce_scatter": chunks, "all_gather": chunks}, (pp, counts)
         else:
-            assert counts == {"reduce_scatter": chunks, "all_gather": 2 * chunks}, (pp, counts)
+            st = gather_stats(compute_order("breadth-first", plan.p, v, 4, ranks=[pp])[0])
+            assert counts == {"reduce_scatter": st.reduce_scatters,
+                              "all_gather": st.gathers}, (pp, counts)
+            assert (st.reduce_scatters, st.gathers) == (chunks, 2 * chunks - 2 if v > 2
+                                                        else chunks)
 
 
 # ---- clear errors -------------------------------------------------------------------------
-def test_zero3_needs_breadth_first_and_fp32(monkeypatch):
+def test_sharded_weights_need_an_unsplit_backward_and_fp32(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    plan = Plan.from_dict({**make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-1f1b",
+    plan = Plan.from_dict({**make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-zb",
                                        layers=4).to_dict(), "zero": 3})
     prog, _ = make_program("gpt", plan)
-    with pytest.raises(ValueError, match=r"zero=3 with schedule='interleaved-1f1b'.*"
-                                         r"schedule='breadth-first'"):
+    with pytest.raises(ValueError, match=r"zero=3 with schedule='interleaved-zb'.*"
+                                         r"weight-gradient halves"):
         prog.compile()
     prog, _ = make_program("gpt", bf_plan(v=2, zero=3))
     with pytest.raises(ValueError, match=r"precision='bf16' with zero=3.*precision='fp32'"):

@@ -51,7 +51,7 @@ def test_plan_is_frozen():
     (dict(global_batch_size=10), ["global_batch_size=10", "split exactly"]),
     (dict(schedule="zigzag"), ["schedule='zigzag'", "one of"]),
     (dict(recompute="some"), ["recompute='some'"]),
-    (dict(zero=2), ["zero=2"]),
+    (dict(zero=4), ["zero=4"]),   # the levels are 0-3
     (dict(v=2, schedule="1f1b"), ["v=2", "interleaved-1f1b"]),
     (dict(t=0), ["Plan.t=0", "positive"]),
     (dict(stages=_stages(2, 1, 8)), ["2 chunks", "p·v"]),

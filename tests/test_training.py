@@ -144,10 +144,12 @@ def test_bf16_t2_sequence_parallel_overlapped_column_parallel():
           precision="bf16", max_norm=0.05)
 
 
-def test_zero3_and_bad_precision_are_clear_errors(monkeypatch):
+def test_zero3_with_a_split_backward_and_bad_precision_are_clear_errors(monkeypatch):
+    """(zero=3 runs under 1f1b, interleaved and breadth-first: tests/test_sharded_dp.py)"""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    prog, _ = make_program("gpt", with_zero(make_plan(d=2, m=2, layers=2), 3))
-    with pytest.raises(ValueError, match=r"zero=3.*not yet supported by the runtime; use "
+    prog, _ = make_program("gpt", with_zero(make_plan(d=2, m=2, layers=2,
+                                                      schedule="interleaved-zb"), 3))
+    with pytest.raises(ValueError, match=r"zero=3 with schedule='interleaved-zb'.*use "
                                          r"zero=0/1"):
         prog.compile()
     prog, _ = make_program("gpt", make_plan(d=2, m=2, layers=2))

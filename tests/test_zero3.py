@@ -1,102 +1,111 @@
-"""ZeRO-3 for breadth-first (issue 6): the gather/release/reduce-scatter plan on schedule lists
-(pure), then gloo numerics (d=2, d=4) of a 4-chunk stack driven by that plan against one process
-running AdamW on the full batch, with the collectives counted and the resident bytes measured."""
+"""Sharded weights (ZeRO-3 / FSDP): the gather/release/reduce-scatter plan on schedule lists
+(pure: breadth-first, interleaved with micro-batch groups, 1F1B), then gloo numerics (d=2, d=4)
+of a 4-chunk stack driven by that plan against one process running AdamW on the full batch,
+with the collectives counted and the resident bytes measured."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.zero3 import (GATHER, REDUCE_SCATTER, RELEASE, Zero3Chunks,
-                                   format_with_gathers, max_gathered, plan_gathers)
-from autopar.schedules import breadth_first, interleaved_1f1b
+from autopar.runtime.zero3 import Zero3Chunks
+from autopar.schedules import breadth_first, interleaved_1f1b, one_f_one_b
+from autopar.weight_gathers import (GATHER, REDUCE_SCATTER, RELEASE, format_with_gathers,
+                                    gather_stats, plan_gathers)
 from autopar.testing import spawn
 
 DIMS = [(1, 4, 3), (2, 2, 2), (2, 2, 5), (2, 4, 3), (4, 2, 4)]
 
 
-# ---- pure: the plan ----------------------------------------------------------------------
+# ---- pure: the plan (autopar.weight_gathers) -----------------------------------------------
 def test_golden_one_rank():
+    # two chunks fit the two slots: each gathered once, the second prefetched under the first
     assert format_with_gathers(breadth_first(1, 2, 2)[0]) == (
-        "AG0 F0.0 AG1 F0.1 FREE0 F1.0 F1.1 FREE1 AG1 B1.0 AG0 B1.1 RS1 FREE1 R1 "
-        "B0.0 B0.1 RS0 FREE0 R0")
-    assert format_with_gathers(breadth_first(1, 2, 2)[0], keep_turn=True) == (
-        "AG0 F0.0 AG1 F0.1 FREE0 F1.0 F1.1 B1.0 AG0 B1.1 RS1 FREE1 R1 B0.0 B0.1 RS0 FREE0 R0")
+        "AG0 AG1 F0.0 F0.1 F1.0 F1.1 B1.0 B1.1 RS1 FREE1 R1 B0.0 B0.1 RS0 FREE0 R0")
+    # one slot: chunk 0 is released after its forward pass and gathered again for its backward
+    assert format_with_gathers(breadth_first(1, 2, 2)[0], keep=1) == (
+        "AG0 F0.0 F0.1 FREE0 AG1 F1.0 F1.1 B1.0 B1.1 RS1 FREE1 R1 AG0 B0.0 B0.1 RS0 FREE0 R0")
 
 
 def test_golden_two_ranks():
     sched = breadth_first(2, 2, 2)
     assert format_with_gathers(sched[1]) == (
-        "AG1 rF0.0<0 F1.0 rF0.1<0 sF1.0>0 AG3 F1.1 FREE1 sF1.1>0 rF2.0<0 F3.0 rF2.1<0 F3.1 "
-        "FREE3 AG3 B3.0 sB3.0>0 AG1 B3.1 RS3 FREE3 R3 rB2.0<0 sB3.1>0 B1.0 sB1.0>0 rB2.1<0 "
-        "B1.1 RS1 FREE1 R1 sB1.1>0")
+        "rF0.0<0 AG1 AG3 F1.0 rF0.1<0 sF1.0>0 F1.1 sF1.1>0 rF2.0<0 F3.0 rF2.1<0 F3.1 B3.0 "
+        "sB3.0>0 B3.1 RS3 FREE3 R3 rB2.0<0 sB3.1>0 B1.0 sB1.0>0 rB2.1<0 B1.1 RS1 FREE1 R1 "
+        "sB1.1>0")
 
 
-def _simulate(actions, plan):
-    """Walk the merged program: every compute finds its chunk gathered, no double gathers,
-    reduce-scatters only after the chunk's last backward. Returns per-chunk op counts."""
+def _simulate(actions, plan, keep):
+    """Walk the merged program: every compute finds its chunk gathered, no double gathers, at
+    most `keep` gathered at once, a chunk released after backward computes is reduced first,
+    every backward's gradients are reduced by the end. Returns per-chunk op counts."""
     at: dict[int, list] = {}
     for i, op, c in plan:
         at.setdefault(i, []).append((op, c))
-    live, counts, done_b = set(), {}, {}
-    last_b = {a.chunk: n for n, a in enumerate(actions) if a.kind == "B"}
+    live, counts, pending = set(), {}, set()
     for n in range(len(actions) + 1):
         for op, c in at.get(n, []):
             counts[(op, c)] = counts.get((op, c), 0) + 1
             if op == GATHER:
                 assert c not in live, f"double gather of {c} before #{n}"
                 live.add(c)
+                assert len(live) <= keep, f"{sorted(live)} gathered at once before #{n}"
             elif op == RELEASE:
                 assert c in live, f"release of ungathered {c} before #{n}"
+                assert c not in pending, f"FREE{c} before #{n} drops unreduced gradients"
                 live.discard(c)
             else:
-                assert done_b.get(c) == last_b[c], f"RS{c} before its last backward"
+                assert c in pending, f"RS{c} before #{n} with no new gradients"
+                pending.discard(c)
         if n < len(actions) and actions[n].kind in ("F", "B"):
             assert actions[n].chunk in live, f"{actions[n]} runs on released weights"
             if actions[n].kind == "B":
-                done_b[actions[n].chunk] = n
+                pending.add(actions[n].chunk)
     assert not live, f"chunks {live} still gathered at the end of the step"
+    assert not pending, f"chunks {pending} end the step with unreduced gradients"
     return counts
 
 
 @pytest.mark.parametrize("p,v,m", DIMS)
-@pytest.mark.parametrize("keep_turn", [False, True])
-def test_plan_counts(p, v, m, keep_turn):
+@pytest.mark.parametrize("keep", [1, 2, 4])
+def test_breadth_first_plan_counts(p, v, m, keep):
+    """Breadth-first: each chunk once per pass, except what the slots keep across the
+    forward→backward turn (keep 2: the two top chunks, 2v − 2 gathers for v >= 2; keep >= v:
+    every chunk once); one reduce-scatter per chunk; the same plan for any m."""
     for r, acts in enumerate(breadth_first(p, v, m)):
-        plan = plan_gathers(acts, keep_turn=keep_turn)
-        counts = _simulate(acts, plan)
+        plan = plan_gathers(acts, keep=keep)
+        counts = _simulate(acts, plan, keep)
         chunks = [k * p + r for k in range(v)]
-        top = chunks[-1]
-        for c in chunks:   # one gather per pass (the turn chunk's kept with keep_turn)
-            want = 1 if keep_turn and c == top else 2
-            assert counts[(GATHER, c)] == want and counts[(RELEASE, c)] == want
-            assert counts[(REDUCE_SCATTER, c)] == 1
-        assert sum(counts.values()) == (5 * v - 2 * keep_turn)
-        assert max_gathered(acts, plan) <= 2
-        # independent of m: the same plan ops for twice the micro-batches
-        ops2 = [(op, c) for _, op, c in plan_gathers(breadth_first(p, v, 2 * m)[r],
-                                                      keep_turn=keep_turn)]
+        gathers = sum(counts.get((GATHER, c), 0) for c in chunks)
+        assert gathers == (v if keep >= v else 2 * v - min(keep, v))
+        assert all(counts[(REDUCE_SCATTER, c)] == 1 for c in chunks)
+        ops2 = [(op, c) for _, op, c in plan_gathers(breadth_first(p, v, 2 * m)[r], keep=keep)]
         assert ops2 == [(op, c) for _, op, c in plan]
 
 
-def test_prefetch_overlaps_one_compute():
-    acts = breadth_first(1, 3, 4)[0]
-    for i, op, c in plan_gathers(acts):
-        if op != GATHER or i == 0:
-            continue
-        nxt = next(a for a in acts[i:] if a.kind in ("F", "B"))
-        # a prefetch is issued before the previous pass's last compute (or, at the top
-        # chunk's turn, right at its own pass start)
-        assert nxt.chunk != c or acts[i - 1].kind == "F" and acts[i - 1].chunk == c
+def test_prefetch_overlaps_the_previous_pass():
+    """A breadth-first chunk's gather is issued a whole pass (m computes) before its first
+    compute, except the step's first one (and none for the chunks the turn keeps)."""
+    st = gather_stats(breadth_first(1, 4, 6)[0])
+    assert st.gather_leads == (0, 6, 6, 6, 6, 6)
+    assert st.reduce_leads == (6, 6, 6, 0)    # each under the next chunk's pass, last exposed
+    assert (st.peak_gathered, st.peak_pending) == (2, 1)
 
 
-def test_depth_first_gathers_per_visit():
-    """The same plan on an interleaved list gathers a chunk once per micro-batch group visit:
-    why ZeRO-3 goes with breadth-first (2106.02679 §4.2)."""
-    p, v, m = 2, 2, 8
-    bf = plan_gathers(breadth_first(p, v, m)[0])
-    il = plan_gathers(interleaved_1f1b(p, v, m)[0])
-    gathers = lambda plan: sum(op == GATHER for _, op, _ in plan)  # noqa: E731
-    assert gathers(bf) == 2 * v
-    assert gathers(il) > 2 * gathers(bf)
+@pytest.mark.parametrize("p,v,m", [(2, 2, 8), (4, 2, 16), (2, 3, 6), (2, 4, 16)])
+def test_interleaved_gathers_per_group_visit(p, v, m):
+    """Interleaved orders (ZeRO-3 under 1F1B-style schedules): a chunk is gathered once per
+    visit of a group of N micro-batches, so a wider group gathers less; the plan stays valid
+    (the walk above) at two slots; with every chunk kept (zero=2) one gather per chunk."""
+    counts = []
+    for group in [None] + [n for n in (2 * p, m) if m % n == 0 and n > p]:
+        for r, acts in enumerate(interleaved_1f1b(p, v, m, group=group)):
+            _simulate(acts, plan_gathers(acts), 2)
+            keep_all = plan_gathers(acts, keep=v)
+            c = _simulate(acts, keep_all, v)
+            assert all(c[(GATHER, k * p + r)] == 1 for k in range(v))
+        counts.append(gather_stats(interleaved_1f1b(p, v, m, group=group)[0]).gathers)
+        assert counts[-1] <= 2 * v * m // (group or p) + v
+    assert counts == sorted(counts, reverse=True)
+    assert gather_stats(one_f_one_b(4, 8)[0]).gathers == 1      # one chunk: kept all step
 
 
 # ---- numerics ----------------------------------------------------------------------------
@@ -131,7 +140,7 @@ def _reference(steps):
 
 
 def _train_step(chunks, z, acts, plan, xs, ys, live_trace):
-    """Run one rank's breadth-first list (p=1) with the plan's ops merged in, async."""
+    """Run one rank's list (p=1: every chunk local) with the plan's ops merged in, async."""
     at: dict[int, list] = {}
     for i, op, c in plan:
         at.setdefault(i, []).append((op, c))
@@ -164,7 +173,12 @@ def _counted(fn, counts, key):
     return wrapper
 
 
-def _worker(rank, d, ms, steps):
+def _acts(schedule, C, m):
+    return (breadth_first(1, C, m) if schedule == "breadth-first"
+            else interleaved_1f1b(1, C, m))[0]
+
+
+def _worker(rank, d, ms, steps, schedule="breadth-first"):
     counts = {"ag": 0, "rs": 0}
     for key, names in (("ag", ("all_gather_single", "all_gather_into_tensor")),
                        ("rs", ("reduce_scatter_single", "reduce_scatter_tensor"))):
@@ -176,7 +190,7 @@ def _worker(rank, d, ms, steps):
         chunks = _chunks()
         full_bytes = sum(p.numel() * p.element_size() for ch in chunks for p in ch.parameters())
         z = Zero3Chunks([list(ch.parameters()) for ch in chunks], dist.group.WORLD, _adamw)
-        acts = breadth_first(1, len(chunks), m)[0]
+        acts = _acts(schedule, len(chunks), m)
         plan = plan_gathers(acts)
         per_step, trace = [], []
         for step in range(steps):
@@ -197,18 +211,28 @@ def _worker(rank, d, ms, steps):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("d,ms", [(2, (3, 6)), (4, (3,))])
-def test_zero3_breadth_first_numerics(d, ms):
+@pytest.mark.parametrize("schedule,d,ms", [("breadth-first", 2, (3, 6)),
+                                           ("breadth-first", 4, (3,)),
+                                           ("interleaved-1f1b", 2, (3,))])
+def test_zero3_numerics(schedule, d, ms):
+    """The plan run for real: the weights equal one process's AdamW, the collectives are the
+    plan's (breadth-first: 2C − 2 gathers, the two top chunks kept across the turn, and one
+    reduce-scatter per chunk, whatever m is; interleaved: a chunk gathered and reduced once per
+    visit, its reduce-scatters adding up in the shard)."""
     steps, C = 3, len(SIZES)
     ref = _reference(steps)
-    out = spawn(_worker, d, ms, steps, timeout_s=180)
+    out = spawn(_worker, d, ms, steps, schedule, timeout_s=180)
     for rank, res in enumerate(out):
         for m in ms:
             r = res[m]
             for got, want in zip(r["weights"], ref):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            # collectives per step: 2 gathers and 1 reduce-scatter per chunk, whatever m is
-            assert r["per_step"] == [(2 * C, C)] * steps, (rank, m, r["per_step"])
+            st = gather_stats(_acts(schedule, C, m))
+            assert r["per_step"] == [(st.gathers, st.reduce_scatters)] * steps, (rank, m)
+            if schedule == "breadth-first":
+                assert r["per_step"][0] == (2 * C - 2, C)
+            else:
+                assert st.reduce_scatters > C      # several visits: partial reductions add up
             assert r["max_live"] <= 2
             # between steps: no full weights, 1/d of them as the fp32 shard (+ padding)
             assert r["resident"] == 0
@@ -225,7 +249,7 @@ def test_single_rank_matches_and_errors():
     chunks = _chunks()
     z = Zero3Chunks({c: list(ch.parameters()) for c, ch in enumerate(chunks)}, None, _adamw)
     acts = breadth_first(1, len(chunks), 3)[0]
-    plan = plan_gathers(acts, keep_turn=True)
+    plan = plan_gathers(acts)
     for step in range(steps):
         x, y = _data(step)
         _train_step(chunks, z, acts, plan, x.chunk(3), y.chunk(3), [])

@@ -226,7 +226,7 @@ def test_solver_picks_zero_bubble_where_faster_never_with_zero3():
     assert free.predicted.step_time_s < il.predicted.step_time_s
     assert free.predicted.bubble_fraction < il.predicted.bubble_fraction
     reasons = [a.reason for a in free.alternatives]
-    assert any("zero=3 not offered with interleaved-zb" in r for r in reasons)
+    assert any("zero=2/3 not offered with interleaved-zb" in r for r in reasons)
     assert not any(a.feasible and a.config.get("schedule") == "interleaved-zb"
                    and a.config.get("zero") == 3 and a.config.get("d", 1) > 1
                    for a in free.alternatives)

@@ -433,7 +433,6 @@ def save_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
                             groups: Any, step: int, plan_json: str) -> None:
     """Save the program's weights, optimizer state and step (module docstring). `regime`: the
     program's optimizer regime (autopar.runtime.regimes). Collective: every rank calls it."""
-    regime.check_checkpointable("save_checkpoint")
     weights = regime.fp32_weights()
     ostate = regime.optimizer_state()
     tensors: Tensors = {}
@@ -455,7 +454,6 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     """Load a checkpoint saved under this or any other plan into the program; return its step.
     Keys and full shapes must match the model's: otherwise the same ValueError on every rank,
     naming them. Collective: every rank calls it."""
-    regime.check_checkpointable("load_checkpoint")
     layout = read_layout(path)
     _check_program_keys(path, layout, params)
     targets: Tensors = {}

@@ -1,26 +1,29 @@
-"""ZeRO-3-style weight sharding per chunk, for the breadth-first schedule (issue 6).
+"""Weights, gradients and optimizer states sharded per chunk over the data group (ZeRO-3 /
+FSDP), under any schedule whose backward is not split (all but interleaved-zb).
 
 Math (Rajbhandari et al. 1910.02054 §5, stage P_os+g+p; Lamy-Poirier 2106.02679 §4,
 2211.05953 §3): chunk c's N_c parameter elements are laid end to end in one flat buffer padded
 to N'_c = d·S_c, S_c = ceil(N_c / d); data-parallel rank r owns [r·S_c, (r+1)·S_c) as fp32
 master weights (and, through the user's optimizer, 1/d of Adam's m and v). A step is
 
-    for each pass over chunk c (forward, then backward):
+    whenever chunk c is about to compute and is not gathered:
         W_c = all_gather(shard_c)            # (N'_c,) into the chunk's flat buffer
-        ... all micro-batches of the pass ...
-        free W_c                             # storage resized to 0 bytes
-    after chunk c's last backward:
-        g_c = reduce_scatter(flat grads_c) / d   # (S_c,) my shard's averaged gradient
+    when chunk c is released (capacity, or its last compute of the step):
+        g_c += reduce_scatter(flat grads_c) / d   # (S_c,) if it ran backwards since
+        free W_c and the full gradients      # storage resized to 0 bytes
     optimizer.step() on the shards           # elementwise ⇒ exactly the unsharded AdamW
 
-Under breadth-first each chunk is gathered once per pass — 2 all-gathers and 1 reduce-scatter
-per chunk per step whatever the number of micro-batches m — where a depth-first schedule
-(1F1B / interleaved) would gather once per micro-batch visit (2106.02679 §4.2).
+`autopar.weight_gathers.plan_gathers(actions, keep=K)` says where on a rank's action list: at most K chunks gathered
+at once (the computing one and the one prefetched for the next compute), the one whose next
+use is furthest released first. K = 2 is ZeRO-3: breadth-first gathers a chunk once per pass
+(2v − 2 per step: the two top chunks stay gathered across the forward→backward turn), the
+interleaved orders once per visit of a group of N micro-batches, 1F1B once per step. K = v is
+the FSDP variant without resharding after forward (Plan.zero = 2, "ZeRO-2" in torchtitan's
+words): each chunk gathered once, kept until its last backward, reduced once.
 
-Memory kept per rank (what `plan_gathers` guarantees on a breadth-first list): the fp32 shard of
-every chunk (4·N/d bytes + the optimizer's state on it), at most TWO gathered chunks at a time
-(the one computing and the next one being prefetched), the full gradients of the chunk whose
-backward pass is running, and the send buffer of reduce-scatters still in flight.
+Memory kept per rank: the fp32 shard of every chunk (4·N/d bytes + the optimizer's state on
+it), at most K gathered chunks at a time, the full gradients of the gathered chunks that ran
+backwards since their last reduce-scatter, and the send buffers of reduce-scatters in flight.
 
 How a chunk's weights are freed without breaking autograd (FSDP's trick): at construction
 every parameter is re-pointed (`p.data = flat[off:off+n].view(shape)`) into its chunk's flat
@@ -30,10 +33,11 @@ the forward pass (views of the same storage) are valid again once the backward p
 has run. Released weights have 0-byte storage: reading them crashes, so the runtime calls
 `wait(c)` before each compute of c, which raises ValueError on a released chunk.
 
-Runtime calls (see `plan_gathers`): GATHER → `gather(c, async_op=True)`; before every compute
-of chunk c → `wait(c)` (no-op unless a prefetch is in flight); RELEASE → `release(c)`;
-REDUCE_SCATTER (the schedule's R{c} position) → `reduce_scatter_grads(c, async_op=True)`;
-after the schedule → `step()` (waits for the reduce-scatters, steps the shards), `zero_grad()`.
+Runtime calls (autopar.runtime.regimes.zero3 runs the plan from the executor's hooks):
+GATHER → `gather(c, async_op=True)`; before every compute of chunk c → `wait(c)` (no-op unless
+a prefetch is in flight); REDUCE_SCATTER → `reduce_scatter_grads(c, async_op=True)`; RELEASE →
+`release(c)`; after the schedule → `finish_reduces()`, `step()` (steps the shards),
+`zero_grad()`.
 """
 from __future__ import annotations
 
@@ -43,130 +47,35 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import group_rank, group_size
+from autopar.runtime.collectives import group_rank, group_size, start_reduce_scatter
 from autopar.runtime.dist import peer_guard
-
-GATHER, RELEASE, REDUCE_SCATTER = "GATHER", "RELEASE", "REDUCE_SCATTER"
-_TOKEN = {GATHER: "AG", RELEASE: "FREE", REDUCE_SCATTER: "RS"}
-
-
-# ---- the plan: pure, on action lists -----------------------------------------------------
-def _passes(actions: Sequence[Any]) -> list[tuple[str, int, int, int]]:
-    """Maximal runs of computes of one (kind, chunk): (kind, chunk, first pos, last pos)."""
-    out: list[list] = []
-    for n, a in enumerate(actions):
-        if a.kind not in ("F", "B"):
-            continue
-        if out and out[-1][0] == a.kind and out[-1][1] == a.chunk:
-            out[-1][3] = n
-        else:
-            out.append([a.kind, a.chunk, n, n])
-    return [tuple(x) for x in out]
-
-
-def plan_gathers(actions: Sequence[Any], *, keep_turn: bool = False
-                 ) -> list[tuple[int, str, int]]:
-    """Where a rank's weight gathers, releases and gradient reduce-scatters go.
-
-    Returns (index, op, chunk) sorted by index: run `op` on `chunk` just before `actions[index]`
-    (index == len(actions): after the last action). Ops at one index run in the listed order.
-
-    A *pass* is a maximal run of the rank's computes of one kind on one chunk (breadth-first:
-    one forward and one backward pass per chunk). Each pass gets one GATHER, issued (async) one
-    compute before its first compute so it overlaps that compute (at index 0 for the rank's
-    first pass; right at the pass start after a RELEASE of the same chunk, whose buffer cannot
-    hold two copies), and one RELEASE right after its last compute. After a chunk's last
-    backward: REDUCE_SCATTER, then the RELEASE. `keep_turn=True` keeps a chunk gathered
-    between two back-to-back passes over it (the forward→backward turn of the top chunk),
-    saving one all-gather per step. On a breadth-first list at most two chunks are gathered at
-    once; other schedules get one gather per pass (many per step: use ZeRO-1 there).
-
-        >>> from autopar.schedules import breadth_first
-        >>> print(format_with_gathers(breadth_first(1, 2, 2)[0]))
-        AG0 F0.0 AG1 F0.1 FREE0 F1.0 F1.1 FREE1 AG1 B1.0 AG0 B1.1 RS1 FREE1 R1 B0.0 B0.1 RS0 FREE0 R0
-    """
-    passes = _passes(actions)
-    last_b = {c: last for kind, c, _, last in passes if kind == "B"}
-    ops: list[tuple[int, int, int, str, int]] = []   # (index, phase, seq, op, chunk)
-    for k, (kind, c, first, last) in enumerate(passes):
-        prev = passes[k - 1] if k else None
-        turn = prev is not None and prev[1] == c
-        if not (turn and keep_turn):
-            if prev is None:
-                at = 0
-            elif turn:
-                at = first              # after the same chunk's RELEASE at this index
-            else:
-                at = prev[3]            # prefetch: before the previous pass's last compute
-            ops.append((at, 2, k, GATHER, c))
-        nxt = passes[k + 1] if k + 1 < len(passes) else None
-        keep = keep_turn and nxt is not None and nxt[1] == c
-        if kind == "B" and last_b[c] == last:
-            ops.append((last + 1, 0, k, REDUCE_SCATTER, c))
-        if not keep:
-            ops.append((last + 1, 1, k, RELEASE, c))
-    ops.sort()
-    return [(i, op, c) for i, _, _, op, c in ops]
-
-
-def format_with_gathers(actions: Sequence[Any], plan: Sequence[tuple[int, str, int]] | None
-                        = None, *, keep_turn: bool = False) -> str:
-    """One rank's actions with the plan's ops merged in: AG{c} gather, FREE{c} release,
-    RS{c} reduce-scatter (default plan: `plan_gathers(actions, keep_turn=keep_turn)`)."""
-    plan = plan_gathers(actions, keep_turn=keep_turn) if plan is None else plan
-    at: dict[int, list[str]] = {}
-    for i, op, c in plan:
-        at.setdefault(i, []).append(f"{_TOKEN[op]}{c}")
-    out: list[str] = []
-    for n in range(len(actions) + 1):
-        out += at.get(n, [])
-        if n < len(actions):
-            out.append(str(actions[n]))
-    return " ".join(out)
-
-
-def max_gathered(actions: Sequence[Any], plan: Sequence[tuple[int, str, int]]) -> int:
-    """Most chunks gathered at once (in flight or in use) when `plan` runs on `actions`."""
-    live: set[int] = set()
-    most = 0
-    for _, op, c in plan:
-        if op == GATHER:
-            live.add(c)
-            most = max(most, len(live))
-        elif op == RELEASE:
-            live.discard(c)
-    return most
-
+from autopar.runtime.flat_shard import (FlatLayout, OptimState, Segment, gathered_state,
+                                         load_state)
+from autopar.weight_gathers import GATHER, REDUCE_SCATTER, RELEASE
 
 # ---- the runtime object ------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Segment:
-    param: int          # index in the chunk's parameter list
-    lo: int             # [lo, hi) of that parameter's flattened elements
-    hi: int
-    shard_lo: int       # where it sits in my shard
-
-
 @dataclass(eq=False)
 class _Chunk:
     params: list[torch.nn.Parameter]
     names: list[str]
-    offsets: list[int]
+    layout: FlatLayout
     flat: torch.Tensor              # (d·S,) gathered weights; storage 0 bytes when released
-    shard_numel: int                # S
-    segments: list[_Segment]
     master: list[torch.nn.Parameter]  # fp32 pieces of my shard, one per segment
     gathered: bool = False
     pending: Any = None             # (work, send buffer) of an in-flight gather
-    rs: Any = None                  # (work, output, send buffer) of an in-flight reduce-scatter
-    reduced: bool = False           # this step's gradient shard is final (finish_reduces ran)
+    rs: Any = None                  # (wait, which parameters had gradients) of a reduce-scatter
+    reduced: bool = False           # reduce-scattered at least once this step
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.layout.segments
 
 
-def _collective(op: str) -> Callable:
-    """dist.{op}_single where torch has it (2.13 deprecates the *_tensor names), else
-    dist.{op}_into_tensor / dist.{op}_tensor; looked up per call."""
-    old = "all_gather_into_tensor" if op == "all_gather" else "reduce_scatter_tensor"
-    return getattr(dist, f"{op}_single", None) or getattr(dist, old)
+def _all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """All-gather `mine` into the existing buffer `out` (dist.all_gather_single where torch
+    has it: 2.13 deprecates all_gather_into_tensor)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=async_op)
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
@@ -228,28 +137,18 @@ class Zero3Chunks:
             raise ValueError(f"Zero3Chunks: chunk {c} mixes dtypes {sorted(map(str, dtypes))} / "
                              f"devices {sorted(map(str, devices))}; one flat buffer needs one of "
                              f"each — cast / move the model first")
-        offsets, n = [], 0
-        for p in params:
-            offsets.append(n)
-            n += p.numel()
-        S = -(-n // self.d)
-        flat = torch.zeros(S * self.d, dtype=params[0].dtype, device=params[0].device)
+        layout = FlatLayout([p.numel() for p in params], self.d, self.rank)
+        flat = torch.zeros(layout.shard_numel * self.d, dtype=params[0].dtype,
+                           device=params[0].device)                          # (d·S,)
         with torch.no_grad():
-            for p, off in zip(params, offsets):
-                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                p.data = flat[off:off + p.numel()].view(p.shape)    # re-point into the flat
-        lo_shard, hi_shard = self.rank * S, (self.rank + 1) * S
-        segs = []
-        for i, (p, off) in enumerate(zip(params, offsets)):
-            lo, hi = max(off, lo_shard), min(off + p.numel(), hi_shard)
-            if lo < hi:
-                segs.append(_Segment(i, lo - off, hi - off, lo - lo_shard))
-        master = [torch.nn.Parameter(flat[lo_shard + s.shard_lo:lo_shard + s.shard_lo + s.hi
-                                          - s.lo].to(self.master_dtype).clone())
-                  for s in segs]
+            for p, view in zip(params, layout.split(flat)):
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view(p.shape)                # re-point into the flat buffer
+        master = [torch.nn.Parameter(piece.to(self.master_dtype).clone())
+                  for piece in layout.pieces(params)]
         names = names if len(names) == len(params) else [f"chunk{c}.param{i}"
                                                          for i in range(len(params))]
-        ch = _Chunk(params, names, offsets, flat, S, segs, master)
+        ch = _Chunk(params, names, layout, flat, master)
         self._free(ch)
         return ch
 
@@ -268,17 +167,14 @@ class Zero3Chunks:
         if ch.gathered:
             raise ValueError(f"Zero3Chunks.gather({c}): chunk {c} is already gathered; release "
                              f"it first (each pass gathers once — see plan_gathers)")
-        mine = torch.zeros(ch.shard_numel, dtype=ch.flat.dtype, device=ch.flat.device)  # (S,)
-        for s, m in zip(ch.segments, ch.master):
-            mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(m)
+        mine = ch.layout.shard(ch.master, ch.flat.dtype, ch.flat.device)             # (S,)
         ch.flat.untyped_storage().resize_(ch.flat.numel() * ch.flat.element_size())
         ch.gathered = True
         if self.d == 1:
             ch.flat.copy_(mine)
             return None
         with peer_guard("ZeRO-3 weight all-gather with", self.group):
-            work = _collective("all_gather")(ch.flat, mine, group=self.group,
-                                             async_op=async_op)
+            work = _all_gather_into(ch.flat, mine, self.group, async_op)
         self.num_gathers += 1
         if not async_op:
             return None
@@ -325,59 +221,53 @@ class Zero3Chunks:
             raise ValueError(f"Zero3Chunks.run: op={op!r} must be one of "
                              f"{(GATHER, RELEASE, REDUCE_SCATTER)}")
 
-    def reduce_scatter_grads(self, c: int, async_op: bool = False) -> Any:
-        """Reduce-scatter chunk c's accumulated gradients (its last backward has run) into my
-        shard's gradient, averaged over d, and free the full gradients."""
+    def reduce_scatter_grads(self, c: int, async_op: bool = False) -> None:
+        """Reduce-scatter chunk c's gradients accumulated since its last reduce-scatter into
+        my shard's gradient — averaged over d, added to what this step's earlier
+        reduce-scatters of c gave (a chunk released between visits is reduced once per
+        visit) — and free the full gradients. async_op: finish_reduces waits for it."""
         ch = self._get(c)
-        if ch.rs is not None or ch.reduced:
-            raise ValueError(f"Zero3Chunks.reduce_scatter_grads({c}): already issued this step")
-        S, d = ch.shard_numel, self.d
-        flat = torch.zeros(S * d, dtype=self.reduce_dtype, device=ch.flat.device)   # (d·S,)
-        has = []
-        for p, off in zip(ch.params, ch.offsets):
-            g = _grad_of(p)
-            has.append(g is not None)
-            if g is not None:
-                flat[off:off + p.numel()].copy_(g.reshape(-1))
+        if ch.rs is not None:
+            self._finish_reduce(ch)                         # one in flight per chunk
+        grads = [_grad_of(p) for p in ch.params]
+        has = [g is not None for g in grads]
+        flat = ch.layout.flatten(grads, self.reduce_dtype, ch.flat.device)          # (d·S,)
+        for p in ch.params:
             if hasattr(p, "main_grad"):
                 p.main_grad.zero_()
             p.grad = None                                   # the full gradient is freed
-        if d == 1:
-            ch.rs = (None, flat, None, has)
-            return None
-        out = flat.new_empty(S)                                                     # (S,)
-        with peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
-            work = _collective("reduce_scatter")(out, flat, group=self.group,
-                                                 async_op=async_op)
-        self.num_reduce_scatters += 1
-        ch.rs = (work if async_op else None, out, flat, has)
-        return work if async_op else None
+        if self.d == 1:
+            wait: Callable[[], torch.Tensor] = lambda: flat                      # noqa: E731
+        else:
+            wait = start_reduce_scatter(flat, 0, self.group)                    # (S,)
+            self.num_reduce_scatters += 1
+        ch.rs = (wait, has)
+        if not async_op:
+            self._finish_reduce(ch)
 
     def _finish_reduce(self, ch: _Chunk) -> None:
-        work, out, _, has = ch.rs
-        if work is not None:
-            with peer_guard("ZeRO-3 gradient reduce-scatter with", self.group):
-                work.wait()
+        wait, has = ch.rs
+        out = wait()
         if self.d > 1:
             out.div_(self.d)
         for s, m in zip(ch.segments, ch.master):
-            m.grad = out[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype) if has[s.param] \
-                else None
+            if has[s.param]:
+                piece = out[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype)
+                m.grad = piece if m.grad is None else m.grad.add_(piece)
         ch.rs = None
         ch.reduced = True
 
     def finish_reduces(self) -> None:
-        """Wait for every in-flight reduce-scatter; the shard pieces' .grad are then set.
-        A chunk never reduced this step is reduced now (e.g. a schedule without R{c}).
+        """Wait for every in-flight reduce-scatter; the shard pieces' .grad are then final.
+        A chunk never reduced this step is reduced now (a plan without its reduce-scatter).
         Idempotent within a step: chunks already finished are left alone, so a caller may
         finish the reduces, clip the shard gradients, then call step()."""
         for c in sorted(self.chunks):
             ch = self.chunks[c]
-            if ch.reduced:
-                continue
-            if ch.rs is None:
+            if ch.rs is None and not ch.reduced:
                 self.reduce_scatter_grads(c)
-            self._finish_reduce(ch)
+            if ch.rs is not None:
+                self._finish_reduce(ch)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -409,6 +299,28 @@ class Zero3Chunks:
     def gathered_bytes(self) -> int:
         """Bytes of full weights held right now (0 between steps)."""
         return sum(_nbytes(ch.flat) for ch in self.chunks.values())
+
+    def gathered_state(self) -> OptimState:
+        """{name: {state name: tensor shaped like the parameter, or a scalar}} of every chunk's
+        parameters: the unsharded optimizer state (all-gathers over dp; collective)."""
+        out: OptimState = {}
+        for _, ch in sorted(self.chunks.items()):
+            out.update(gathered_state(ch.layout, ch.master, self.optimizer,
+                                      [p.shape for p in ch.params], ch.names, self.group,
+                                      ch.flat.device))
+        return out
+
+    def load(self, weights: Mapping[str, torch.Tensor], state: OptimState) -> None:
+        """Set every chunk's shard from full fp32 weights by parameter name, and (if given)
+        its optimizer state from the unsharded state (no communication; inverse of
+        full_parameters / gathered_state). Chunks must be released."""
+        with torch.no_grad():
+            for ch in self.chunks.values():
+                for m, piece in zip(ch.master, ch.layout.pieces(
+                        [weights[n].reshape(-1) for n in ch.names])):
+                    m.copy_(piece)
+                if state:
+                    load_state(ch.layout, ch.master, self.optimizer, ch.names, state)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 weight} of every chunk (gathers; collective; for checks and

@@ -3,7 +3,10 @@
     zero=0  Replicated  every replica holds the optimizer; bucketed all-reduce over d
     zero=1  Zero1       optimizer states + fp32 masters sharded over d (per chunk under
                         breadth-first)
-    zero=3  Zero3       weights, gradients and optimizer states sharded per chunk
+    zero=2  Zero3       the same, each chunk gathered once per step and kept until its last
+                        backward (FSDP without resharding after forward)
+    zero=3  Zero3       weights, gradients and optimizer states sharded per chunk, at most two
+                        chunks gathered at once
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ def make_regime(plan: Any, params: LocalParams, groups: Any, actions: Sequence[A
     make = optimizer or default_optimizer
     low = compute_dtype if compute_dtype != torch.float32 else None
     if plan.zero == 3:
-        return Zero3(params, groups, make, actions)
+        return Zero3(params, groups, make, actions, keep=2)
+    if plan.zero == 2:
+        return Zero3(params, groups, make, actions, keep=max(1, len(params.first_chunk)))
     if plan.zero == 1:
         return Zero1(params, groups, make, actions,
                      breadth_first=plan.schedule == "breadth-first", precision_dtype=low)

@@ -78,9 +78,6 @@ class Regime(ABC):
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         """Install fp32 weights (by graph name, local shapes) and optimizer state (by key)."""
 
-    def check_checkpointable(self, what: str) -> None:
-        """ValueError (on every rank, before anything collective) if `what` cannot run."""
-
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer-state tensors (Adam's m, v, ...)."""
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()

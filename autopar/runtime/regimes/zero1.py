@@ -61,7 +61,7 @@ class ChunkedZero:
     def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:
         self.reduce_grads()
         masters = [m for part in self.parts for m in part.master]
-        infos = [part.param_infos[s.index] for part in self.parts for s in part.segments]
+        infos = [part.param_infos[s.param] for part in self.parts for s in part.segments]
         return clip_grad_norm_(masters, infos, max_norm, groups, dp_sharded=True,
                                real_parts=False)
 

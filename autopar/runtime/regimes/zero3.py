@@ -1,10 +1,13 @@
-"""zero=3: weights, gradients and optimizer states sharded over the data group, per chunk.
+"""zero=3 and zero=2: weights, gradients and optimizer states sharded over the data group,
+per chunk (ZeRO-3 / FSDP), under every schedule but interleaved-zb.
 
-The mechanism is autopar.runtime.zero3 (Zero3Chunks: each chunk's flat buffer, gathered for
-a pass and released after it; `plan_gathers`: where on the action list the gathers, releases
-and gradient reduce-scatters go). This regime runs those ops from the executor's hooks (the
-ones planned before actions[n] in before_action, the rest in after_run), waits for a chunk's
-weights before each of its computes, and steps the shards after the schedule.
+The mechanism is autopar.runtime.zero3 (Zero3Chunks: each chunk's flat buffer, gathered and
+released) and autopar.weight_gathers (`plan_gathers`: where on the action list the gathers, releases and gradient
+reduce-scatters go, with at most `keep` chunks gathered at once: 2 for zero=3, every local
+chunk for zero=2, the FSDP variant that keeps a chunk from its first forward to its last
+backward). This regime runs those ops from the executor's hooks (the ones planned before
+actions[n] in before_action, the rest in after_run), waits for a chunk's weights before each of
+its computes, and steps the shards after the schedule.
 
 Parameters that two chunks use — the tied input/output embedding, on the first and the last
 chunk (two pipeline ranks, or one rank's first and last chunk when p = 1) — stay out of the
@@ -12,7 +15,9 @@ chunk shards: Zero3Chunks needs each parameter in one flat buffer, and a tied we
 whole on both stages for its gradient sum (Megatron's embedding all-reduce). They are kept
 replicated: their gradients are averaged over d with one all-reduce after the schedule,
 summed over the embedding group, and the same optimizer steps them (full copies, not shards:
-vocab × hidden per stage, like ZeRO-1's weights). fp32 only for now.
+vocab × hidden per stage, like ZeRO-1's weights). fp32 only for now. Checkpoints store the
+gathered weights and the unsharded optimizer state, as every other regime does, so they load
+under any other plan.
 """
 from __future__ import annotations
 
@@ -22,20 +27,22 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_key
 from autopar.runtime.clip import local_sq_sum
 from autopar.runtime.collectives import all_reduce_
 from autopar.runtime.params import LocalParams
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime, average_grads,
                                           sum_tied_grads)
-from autopar.runtime.zero3 import Zero3Chunks, plan_gathers
+from autopar.runtime.zero3 import Zero3Chunks
+from autopar.weight_gathers import plan_gathers
 from autopar.schedules import Action
 
 
 class Zero3(Regime):
-    """zero=3 on this rank (module doc)."""
+    """zero=3 (keep=2) or zero=2 (keep = the rank's chunk count) on this rank (module doc)."""
 
     def __init__(self, params: LocalParams, groups: Any, make: OptimizerFactory,
-                 actions: Sequence[Action]):
+                 actions: Sequence[Action], *, keep: int = 2):
         self.params, self.groups = params, groups
         shared = set(params.shared)
         self.replicated = [q for q in params.tensors
@@ -53,7 +60,7 @@ class Zero3(Regime):
                        for c, ch in self.chunks.chunks.items()
                        for s, m in zip(ch.segments, ch.master)]
         self.ops: dict[int, list[tuple[str, int]]] = {}   # action index -> ops before it
-        for n, op, c in plan_gathers(list(actions)):
+        for n, op, c in plan_gathers(list(actions), keep=keep):
             if c in self.chunks.chunks:        # not a chunk whose weights are all replicated
                 self.ops.setdefault(n, []).append((op, c))
         self.after = len(actions)              # plan_gathers' index of "after the schedule"
@@ -115,14 +122,26 @@ class Zero3(Regime):
         return OrderedDict((q, full[q] if q in full else p.detach())
                            for q, p in self.params.tensors.items())
 
-    def check_checkpointable(self, what: str) -> None:
-        raise ValueError(f"{what}: checkpoints under zero=3 are not supported yet (the "
-                         f"optimizer state is sharded per chunk); train with zero=1 to "
-                         f"checkpoint, or use full_state_dict() for the weights")
-
     def optimizer_state(self) -> OptimState:
-        self.check_checkpointable("optimizer_state")
-        return {}
+        """The unsharded state by user key: the chunks' gathered over dp (collective), the
+        replicated (tied) parameters' as they are."""
+        infos = self.params.infos
+        out = {infos[q].key: st for q, st in self.chunks.gathered_state().items()}
+        out.update(optimizer_state_by_key(self.optimizer, self._replicated_by_key()))
+        return out
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
-        self.check_checkpointable("load")
+        """Each chunk's shard and its optimizer state from the full (local-shape) values;
+        the replicated parameters whole."""
+        infos, reps = self.params.infos, set(self.replicated)
+        with torch.no_grad():
+            for q in self.replicated:
+                self.params.tensors[q].copy_(weights[q])
+        by_name = ({q: optimizer_state[infos[q].key] for q in self.params.tensors
+                    if q not in reps and infos[q].key in optimizer_state}
+                   if optimizer_state else {})
+        self.chunks.load({q: w for q, w in weights.items() if q not in reps}, by_name)
+        load_optimizer_state(self.optimizer, self._replicated_by_key(), optimizer_state)
+
+    def _replicated_by_key(self) -> dict[str, torch.Tensor]:
+        return {self.params.infos[q].key: self.params.tensors[q] for q in self.replicated}
