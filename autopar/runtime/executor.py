@@ -7,12 +7,15 @@ Per step the executor runs, in order, the actions of this rank:
   B c.i      torch.autograd.backward of chunk c's outputs with the gradients chunk c+1 sent
              (the last chunk backpropagates loss / num_microbatches); the gradients of its
              received inputs are kept for SEND_B or handed to chunk c-1 locally.
-  SEND_F / SEND_B   dist.isend (the sender never blocks); all sends are completed at the end of
-             the step.
-  RECV_F / RECV_B   with `async_recv` (default) the receive is a dist.irecv into a buffer the
-             executor owns and reuses from step to step, posted `prefetch` actions before the
-             RECV action (None: every receive of the step is posted when the step starts), so
-             gloo moves the bytes while this rank computes; the wait happens where the message
+  SEND_F / SEND_B   dist.isend (the sender never blocks); a send is forgotten once complete, all
+             are waited for at the end of the step. After SEND_F the sent outputs' data is
+             freed (`release_data`, Megatron-LM's deallocate_output_tensor; not for split
+             backwards): their backward needs only their grad_fn (`backward_from`).
+  RECV_F / RECV_B   with `async_recv` (default) the receive is a dist.irecv into a fresh
+             buffer, posted `prefetch` actions before the RECV action (RECV_PREFETCH; None:
+             every receive of the step is posted when the step starts), so gloo moves the
+             bytes while this rank computes; the buffer is freed with its last use (the
+             consuming chunk's backward for an activation); the wait happens where the message
              is first needed, right before the F/B that consumes it, and is what the timeline
              records as the RECV event. With async_recv=False, RECV is a blocking recv at its
              place in the list. Never batch_isend_irecv: it hangs on gloo. Each message has its
@@ -78,6 +81,27 @@ class LoadedChunk:
 class _Stash:
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
+    released: bool = False   # the outputs' data freed once sent (release_data)
+
+
+def release_data(outputs: Sequence[torch.Tensor]) -> bool:
+    """Free the data of a chunk's sent outputs (Megatron-LM's deallocate_output_tensor, what
+    Llama 3 did): backward needs only their grad_fn, and the send holds its own reference until
+    it completes. Outputs that are views or leaves keep their data. True if any was freed."""
+    freed = False
+    for o in outputs:
+        if o.grad_fn is not None and o._base is None and o.numel() > 1:
+            o.data = torch.empty((1,), dtype=o.dtype, device=o.device)
+            freed = True
+    return freed
+
+
+def backward_from(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """torch.autograd.backward without its shape check of outputs against gradients, which
+    outputs freed by release_data fail (Megatron-LM's custom_backward: the engine directly)."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=tuple(outputs), grad_tensors=tuple(grads), keep_graph=False,
+        create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 @dataclass
@@ -87,6 +111,12 @@ class _Posted:
     works: list[Any]
     bufs: list[torch.Tensor]          # what arrives (1/t slices where scattered)
     full: list[torch.Tensor | None]   # all-gather target where scattered, else None
+
+
+# Actions ahead of its RECV at which a receive is posted: enough to overlap the transfer with
+# the computes before it (a rank's list alternates computes and messages), few enough that a
+# stage holds the buffers of the messages it is about to use, not of the whole step's.
+RECV_PREFETCH = 8
 
 
 def _message_tag(a: Action) -> int:
@@ -110,7 +140,7 @@ class PipelineExecutor:
     record: bool = False
     async_send: bool = True
     async_recv: bool = True
-    prefetch: int | None = None
+    prefetch: int | None = RECV_PREFETCH
     before_action: Callable[[int, Action], None] | None = None
     after_run: Callable[[], None] | None = None
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
@@ -127,8 +157,6 @@ class PipelineExecutor:
         self._pending: list[tuple[Any, torch.Tensor, int]] = []
         self._posted: dict[tuple[str, int, int], _Posted] = {}
         self._weights_due: dict[tuple[int, int], Any] = {}   # B done, W pending
-        if not hasattr(self, "_bufs"):
-            self._bufs: dict[tuple, torch.Tensor] = {}
         self.events = []
         handlers = {"F": self._forward, "B": self._backward, "W": self._weight,
                     "SEND_F": self._send_f,
@@ -149,6 +177,7 @@ class PipelineExecutor:
                 nxt += 1
             if action.kind in _NEEDS and self._posted:
                 self._ready(action)     # wait outside the compute's recorded interval
+            self._reap_sends()
             start = clock()
             handlers[action.kind](action)
             if record and not (self.async_recv and action.kind[:4] == "RECV"):
@@ -210,6 +239,8 @@ class PipelineExecutor:
         if (a.chunk, a.mb) in self._split:
             self._weights_due[(a.chunk, a.mb)] = backward_input(
                 outs, grads, st.inputs, list(ch.net.parameters()))
+        elif outs and st.released:
+            backward_from(outs, grads)
         elif outs:
             torch.autograd.backward(outs, grads)
         in_grads = [x.grad if x.grad is not None else torch.zeros_like(x)
@@ -254,6 +285,16 @@ class PipelineExecutor:
                 work.wait()
         self._pending = []
 
+    def _reap_sends(self) -> None:
+        """Forget the sends that completed, so their buffers (a freed output's only remaining
+        reference) go now rather than at the end of the step."""
+        if self._pending and any(w.is_completed() for w, _, _ in self._pending):
+            done = [(w, b, dst) for w, b, dst in self._pending if w.is_completed()]
+            for work, _buf, dst in done:
+                with peer_guard(f"send to rank {dst}", self.p2p_group, [dst]):
+                    work.wait()                 # completed: surfaces a failure, never blocks
+            self._pending = [x for x in self._pending if not x[0].is_completed()]
+
     def _scatter(self, spec: tuple, numel: int) -> bool:
         """Send 1/t per tensor rank? Only for values replicated over the tensor group."""
         replicated = spec[4] if len(spec) > 4 else True
@@ -283,15 +324,6 @@ class PipelineExecutor:
             return self.chunks[a.chunk + 1].recv
         return [s for s in self.chunks[a.chunk - 1].send if s[3]]
 
-    def _buffer(self, a: Action, k: int, shape: tuple, dt: torch.dtype) -> torch.Tensor:
-        """The receive buffer of tensor k of message `a`, reused from step to step (the last
-        step's use of it ended with that step's backward)."""
-        key = (a.kind, a.chunk, a.mb, k)
-        buf = self._bufs.get(key)
-        if buf is None or tuple(buf.shape) != shape or buf.dtype != dt:
-            buf = self._bufs[key] = torch.empty(shape, dtype=dt)
-        return buf
-
     def _post(self, a: Action) -> None:
         """Post the irecvs of message `a` (a RECV action) into this executor's buffers."""
         src = self.pipeline_ranks[a.peer]
@@ -302,12 +334,15 @@ class PipelineExecutor:
             numel = 1
             for s in shape:
                 numel *= s
+            # a fresh buffer per message, freed with its last use (the consuming chunk's
+            # backward for an activation, the backward itself for a gradient), not kept for
+            # the next step: what the cost model assumes a stage holds
             if self._scatter(spec, numel):
-                full.append(self._buffer(a, k, shape, dt))
-                buf = self._buffer(a, -1 - k, (numel // self.t,), dt)
+                full.append(torch.empty(shape, dtype=dt))
+                buf = torch.empty((numel // self.t,), dtype=dt)
             else:
                 full.append(None)
-                buf = self._buffer(a, k, shape, dt)
+                buf = torch.empty(shape, dtype=dt)
             with peer_guard("receive from", self.p2p_group, [src]):
                 works.append(dist.irecv(buf, src=src, group=self.p2p_group, tag=tag))
             bufs.append(buf)
@@ -336,7 +371,10 @@ class PipelineExecutor:
         return self._wait_recv(self._posted.pop(a.message()), record=False)
 
     def _send_f(self, a: Action) -> None:
-        self._send(a, self._stash[(a.chunk, a.mb)].outputs, self.chunks[a.chunk].send)
+        st = self._stash[(a.chunk, a.mb)]
+        self._send(a, st.outputs, self.chunks[a.chunk].send)
+        if not self._split:    # (a split backward's B goes through autograd.grad: keep them)
+            st.released = release_data(st.outputs)
 
     def _recv_f(self, a: Action) -> None:
         if not self.async_recv:
