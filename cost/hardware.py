@@ -16,14 +16,28 @@ e_max is the fraction of the datasheet peak that cuBLAS sustains on large 16-bit
 gemm_half_dim is the GEMM dimension at which that dimension alone halves efficiency (tile
 quantisation and too few waves/too little reuse on small dimensions). The roofline term makes
 skinny GEMMs memory bound.
+
+The attention kernel is part of the hardware model (`attention`): "flash" (every GPU stack since
+2022: FlashAttention-2/3, cuDNN, PyTorch SDPA on CUDA) runs each scaled-dot-product-attention
+call as one fused kernel, saves O(s) per head (q, k, v, output, logsumexp) and never writes the
+s×s scores; "materialized" (the unfused kernels of 2104.04473 / 2205.05198) saves the scores,
+softmax and dropout mask and streams them through HBM. Under "flash" (`cost.model`):
+    forward  = fwd_flops · active / (peak · flash_fwd_efficiency · L/(L + flash_half_len))
+    backward = 2.5 · fwd_flops · active / (peak · flash_bwd_efficiency · L/(L + flash_half_len))
+fwd_flops = 4·heads·q_len·kv_len·head_dim, `active` the tiles a causal or block mask leaves
+(FlashAttention's skip), 2.5 the backward's five GEMMs (the scores recomputed) against the
+forward's two, L the key length (short sequences leave the per-block softmax and epilogue
+work exposed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from autopar.cost.calibrate import load_local_calibration
+from autopar.cost.profile import ATTENTION_KINDS
 
 GB = 1e9
+GIB = 1024 ** 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +57,12 @@ class Cluster:
     kernel_launch_s: float = 5e-6     # per GEMM / fused-kernel group launch overhead
     elementwise_efficiency: float = 0.8  # achieved / datasheet HBM bandwidth on streaming ops
     reserved_bytes: float = 0.0       # CUDA context, cuBLAS/NCCL workspaces, fragmentation
+    # the attention kernel ("flash" | "materialized") and, for "flash", its achieved / peak
+    # FLOP rate on long sequences forward and backward, and the key length that halves it
+    attention: str = "flash"
+    flash_fwd_efficiency: float = 0.74
+    flash_bwd_efficiency: float = 0.64
+    flash_half_len: float = 224.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -53,6 +73,17 @@ class Cluster:
         if not 0 < self.gemm_max_efficiency <= 1:
             raise ValueError(f"Cluster.gemm_max_efficiency={self.gemm_max_efficiency}: must be "
                              f"in (0, 1], a fraction of peak_flops")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(
+                f"Cluster.attention={self.attention!r}: must be one of {ATTENTION_KINDS}: "
+                f"'flash' for fused attention kernels that never write the s×s scores "
+                f"(FlashAttention-2/3, cuDNN, PyTorch SDPA on CUDA), 'materialized' for "
+                f"attention that saves them (the unfused kernels of 2021-22); e.g. "
+                f"dataclasses.replace(cluster, attention='materialized')")
+        for name in ("flash_fwd_efficiency", "flash_bwd_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be in (0, 1], "
+                                 f"the fused attention kernel's fraction of peak_flops")
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -65,7 +96,7 @@ class Cluster:
 # (DGX A100: ~230 GB/s of 300 GB/s), and ~0.9 of the IB line rate.
 _NCCL_NVLINK_EFF = 0.77
 _NCCL_IB_EFF = 0.9
-_GEMM_EMAX = 0.80      # fitted; cuBLAS large bf16 GEMMs reach 80-90% of A100 peak
+_GEMM_EMAX = 0.72      # fitted (see _COMMON_SOURCES)
 _GEMM_HALF_DIM = 48.0  # fitted; a 128-wide dimension runs at ~73%, 2048-wide at ~98%
 # CUDA context (~0.5 GB) + cuBLAS workspace + NCCL channel buffers + caching-allocator
 # fragmentation; Megatron runs leave ~2-3 GB unused on 80 GB parts.
@@ -111,7 +142,7 @@ _PRESETS: dict[str, Cluster] = {
         peak_flops=125e12, memory_bytes=32 * GB, hbm_bandwidth_Bps=900 * GB,
         intra_node_bandwidth_Bps=150 * GB * _NCCL_NVLINK_EFF, intra_node_latency_s=10e-6,
         inter_node_bandwidth_Bps=100 * GB / 16 * _NCCL_IB_EFF, inter_node_latency_s=20e-6,
-        gemm_max_efficiency=0.45, gemm_half_dim=_GEMM_HALF_DIM,
+        gemm_max_efficiency=0.41, gemm_half_dim=_GEMM_HALF_DIM,
         reserved_bytes=1.5 * GB,
         sources=("V100 SXM3 32GB datasheet: 125 TFLOP/s tensor core, 32 GB, 900 GB/s HBM2",
                  "DGX-2H: NVSwitch 300 GB/s bidirectional = 150 GB/s per direction per GPU",
