@@ -946,11 +946,8 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     yc = y[crit]
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))
-    mem_r = max(range(cfg.p), key=lambda r: rank_memory_bytes(cc, r, y[r]))
-    lp, fp = cc.mem_parts[mem_r], cc.mem_fixed_parts[mem_r]
-    mem = Memory(weights_bytes=lp[0] * y[mem_r] + fp[0], gradients_bytes=lp[1] * y[mem_r] + fp[1],
-                 optimizer_bytes=lp[2] * y[mem_r] + fp[2],
-                 activations_bytes=lp[3] * y[mem_r] + fp[3], other_bytes=fp[4])
+    ranks = tuple(rank_memory_parts(cc, r, y[r]) for r in range(cfg.p))
+    mem = max(ranks, key=lambda m: m.total_bytes)
     step_s = step_ns / NS
     return Prediction(
         step_time_s=step_s,
@@ -960,4 +957,13 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
         memory_bytes_per_gpu=mem.total_bytes,
         compute_s=compute_ns / NS, tp_comm_s=m * cc.layer_tp_ns * yc / NS,
         pp_comm_s=m * cc.p2p_ns / NS, dp_comm_s=(tail_ns - opt_ns) / NS,
-        bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem)
+        bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem, rank_memory=ranks,
+        attention=cluster.attention)
+
+
+def rank_memory_parts(cc: ConfigCosts, r: int, y_r: int) -> Memory:
+    """Pipeline rank r's predicted memory, by part, holding y_r layers."""
+    lp, fp = cc.mem_parts[r], cc.mem_fixed_parts[r]
+    return Memory(weights_bytes=lp[0] * y_r + fp[0], gradients_bytes=lp[1] * y_r + fp[1],
+                  optimizer_bytes=lp[2] * y_r + fp[2], activations_bytes=lp[3] * y_r + fp[3],
+                  other_bytes=fp[4])
