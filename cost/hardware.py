@@ -142,6 +142,20 @@ _H100_SOURCES = (
     "reserved_bytes 3 GB: as on A100 80GB (not fitted)",
 )
 
+_DGX_H100 = Cluster(
+    name="dgx-h100-80gb", gpus_per_node=8,
+    peak_flops=989e12, memory_bytes=80 * GB, hbm_bandwidth_Bps=3.35e12,
+    intra_node_bandwidth_Bps=450 * GB * _NCCL_NVLINK_EFF, intra_node_latency_s=8e-6,
+    inter_node_bandwidth_Bps=50 * GB * _NCCL_IB_EFF, inter_node_latency_s=15e-6,
+    gemm_max_efficiency=_GEMM_EMAX_H100, gemm_half_dim=64.0,
+    reserved_bytes=_RESERVE_80GB, attention="flash", **_FLASH_H100,
+    sources=("H100 SXM5 datasheet: 989 TFLOP/s dense bf16, 80 GB, 3.35 TB/s HBM3",
+             "H100 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
+             "DGX H100 user guide: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU "
+             "(Llama 3's RoCE fabric: 400 Gb/s per GPU too)",
+             "latencies: guesses (NCCL ~8 us intra-node, ~15 us per inter-node step)")
+    + _H100_SOURCES + _COMMON_SOURCES)
+
 _PRESETS: dict[str, Cluster] = {
     "dgx-a100-80gb": Cluster(
         name="dgx-a100-80gb", gpus_per_node=8,
@@ -155,35 +169,18 @@ _PRESETS: dict[str, Cluster] = {
                  "DGX A100 user guide: 8x ConnectX-6 HDR 200 Gb/s = 25 GB/s per GPU",
                  "latencies: NCCL ~10 us intra-node, ~20 us IB per collective step")
         + _A100_SOURCES + _COMMON_SOURCES),
-    "dgx-h100-80gb": Cluster(
-        name="dgx-h100-80gb", gpus_per_node=8,
-        peak_flops=989e12, memory_bytes=80 * GB, hbm_bandwidth_Bps=3.35e12,
-        intra_node_bandwidth_Bps=450 * GB * _NCCL_NVLINK_EFF, intra_node_latency_s=8e-6,
-        inter_node_bandwidth_Bps=50 * GB * _NCCL_IB_EFF, inter_node_latency_s=15e-6,
-        gemm_max_efficiency=_GEMM_EMAX_H100, gemm_half_dim=64.0,
-        reserved_bytes=_RESERVE_80GB, attention="flash", **_FLASH_H100,
-        sources=("H100 SXM5 datasheet: 989 TFLOP/s dense bf16, 80 GB, 3.35 TB/s HBM3",
-                 "H100 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
-                 "DGX H100 user guide: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU "
-                 "(Llama 3's RoCE fabric: 400 Gb/s per GPU too)",
-                 "latencies: guesses (NCCL ~8 us intra-node, ~15 us per inter-node step)")
-        + _H100_SOURCES + _COMMON_SOURCES),
+    "dgx-h100-80gb": _DGX_H100,
     # The H100's compute die with 141 GB of HBM3e: compute, links and the fitted efficiencies
     # are the H100's (not calibrated against an H200 run); memory and its bandwidth from the
     # datasheet.
-    "dgx-h200-141gb": Cluster(
-        name="dgx-h200-141gb", gpus_per_node=8,
-        peak_flops=989e12, memory_bytes=141 * GB, hbm_bandwidth_Bps=4.8e12,
-        intra_node_bandwidth_Bps=450 * GB * _NCCL_NVLINK_EFF, intra_node_latency_s=8e-6,
-        inter_node_bandwidth_Bps=50 * GB * _NCCL_IB_EFF, inter_node_latency_s=15e-6,
-        gemm_max_efficiency=_GEMM_EMAX_H100, gemm_half_dim=64.0,
-        reserved_bytes=_RESERVE_80GB, attention="flash", **_FLASH_H100,
+    "dgx-h200-141gb": replace(
+        _DGX_H100, name="dgx-h200-141gb", memory_bytes=141 * GB, hbm_bandwidth_Bps=4.8e12,
         sources=("H200 SXM datasheet: 989 TFLOP/s dense bf16 (the H100's), 141 GB HBM3e, "
                  "4.8 TB/s",
                  "H200 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
                  "DGX H200 user guide: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU",
-                 "compute, link and attention efficiencies, reserve: the H100's (same die and "
-                 "links; not calibrated against an H200 run)")
+                 "compute, link and attention efficiencies, latencies, reserve: the H100's "
+                 "(same die and links; not calibrated against an H200 run)")
         + _H100_SOURCES + _COMMON_SOURCES),
     "dgx2h-v100-32gb": Cluster(
         name="dgx2h-v100-32gb", gpus_per_node=16,
