@@ -22,9 +22,13 @@ Guarantees: one `RegionProfile` per region (embedding, block 0 standing for ever
     output width is the vocabulary) is "n"; anything else is replicated (None);
   - parameters counted once (tied weights deduplicated by identity in the user's model), split or
     replicated following the GEMM they feed; the vocabulary embedding is split;
+  - non-GEMM bytes as a GPU stack moves them (`_other_bytes`): elementwise chains fused into
+    one kernel each (`_Fusion`), views / casts / p=0 dropout free, lookups reading rows, the
+    loss in fp32;
   - activations measured, not guessed: the graph runs on the meta device under
     saved_tensors_hooks, each saved tensor is charged to the region of the node that saved it
-    (deduplicated by storage), at 2 bytes per floating element, 1 for bool/uint8.
+    (deduplicated by storage), at 2 bytes per floating element, 1 for bool/uint8, 4 for the
+    loss's log-probabilities; a fused elementwise kernel's intermediates are not kept.
     Twice: with sdpa on its math path, which saves the s×s softmax (materialized attention,
     the accounting of 2104.04473 / 2205.05198: the region fields), and with sdpa as the fused
     kernel of a GPU (FlashAttention-2/3, cuDNN): it saves q, k and v as it reads them (grouped
@@ -33,7 +37,9 @@ Guarantees: one `RegionProfile` per region (embedding, block 0 standing for ever
     (`RegionProfile.fused`, with one `AttentionCall` per sdpa: its shapes and the fraction of
     score tiles its mask leaves — is_causal, or a mask that does not depend on the inputs,
     read on the CPU; a mask that does, or one of more than MASK_READ_LIMIT entries, counts as
-    dense and is named in the profile's notes).
+    dense and is named in the profile's notes). The fused run also leaves out pointwise
+    outputs a fused kernel's backward recomputes from values kept anyway (a norm's output,
+    SwiGLU's product), as torch.compile's min-cut partitioner does on today's stacks.
 """
 from __future__ import annotations
 
