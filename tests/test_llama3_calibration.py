@@ -96,3 +96,16 @@ def test_llama3_attention_is_flash_and_materialized_would_not_fit():
     mat = dataclasses.replace(get_cluster("dgx-h100-80gb"), attention="materialized")
     cfg = Config.of_plan(prog.plan)
     assert predict(prog.profile, mat, cfg).memory_bytes_per_gpu > 2 * 80e9
+
+
+def test_llama3_with_recompute_free_the_planner_finds_metas_configuration():
+    """Meta's degrees pinned (t = 8, p = 16, d = 64, micro-batch 1), the rest free: the planner
+    keeps every activation (no checkpointing, as Meta trained), interleaves 8 chunks per rank
+    with the embedding alone in the first and the head + loss alone in the last, and predicts
+    the published step time (before: full recompute, ZeRO-3, breadth-first, 18.2 s)."""
+    plan = planned(t=8, p=16, d=64, micro_batch_size=1).plan
+    assert (plan.recompute, plan.schedule, plan.v) == ("none", "interleaved-1f1b", 8)
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.num_layers == 0 and first.embedding and last.num_layers == 0 and last.head
+    assert abs(plan.predicted.step_time_s / PUBLISHED_STEP_S - 1) < 0.10
+    assert plan.predicted.memory_bytes_per_gpu <= 80e9
