@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -17,10 +18,13 @@ def _plan_from_args(args: argparse.Namespace):
             if getattr(args, k) is not None}
     if args.micro_batch is not None:
         pins["micro_batch_size"] = args.micro_batch
+    cluster = args.cluster
+    if args.attention is not None:  # the cluster's attention kernel, overridden
+        cluster = dataclasses.replace(autopar.get_cluster(cluster), attention=args.attention)
     start = time.perf_counter()
     prog = autopar.parallelize(model, gpus=args.gpus, example_inputs=inputs,
                                loss_fn=autopar.cross_entropy, global_batch_size=batch,
-                               cluster=args.cluster, name=name, **pins)
+                               cluster=cluster, name=name, **pins)
     return prog, time.perf_counter() - start
 
 
@@ -57,10 +61,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _add_plan_args(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("model", help="preset name (gpt3-175b, megatron-1t, …) or file.py:factory")
+    sp.add_argument("model", help="preset name (gpt3-175b, megatron-1t, llama3-405b, …) or "
+                                   "file.py:factory")
     sp.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
     sp.add_argument("--cluster", default="dgx-a100-80gb",
-                    help="dgx-a100-80gb | dgx-h100-80gb | dgx2h-v100-32gb | local-cpu")
+                    help="dgx-a100-80gb | dgx-h100-80gb | dgx-h200-141gb | dgx2h-v100-32gb | "
+                         "local-cpu")
+    sp.add_argument("--attention", help="the attention kernel priced: flash (fused, the GPU "
+                                        "presets' default) | materialized (scores written out)")
     sp.add_argument("--batch", type=int, help="global batch size (sequences per step)")
     sp.add_argument("--seq", type=int, help="sequence length")
     for knob in ("t", "p", "d", "v", "zero"):

@@ -51,7 +51,7 @@ class Stage:
 
 @dataclass(frozen=True, kw_only=True)
 class Memory:
-    """Predicted bytes per GPU on the most loaded rank, by part."""
+    """Predicted bytes per GPU of one pipeline rank (by default the most loaded), by part."""
     weights_bytes: float
     gradients_bytes: float
     optimizer_bytes: float
@@ -84,6 +84,10 @@ class Prediction:
     bubble_s: float
     optimizer_s: float = 0.0
     memory: Memory | None = None
+    # per pipeline rank, by part (`memory` is the heaviest of them); and the attention kernel
+    # the prediction priced ("flash" | "materialized", cost/hardware.py Cluster.attention)
+    rank_memory: tuple[Memory, ...] = ()
+    attention: str = ""
 
     def terms(self) -> dict[str, float]:
         return {"compute": self.compute_s, "tensor-parallel comm": self.tp_comm_s,
@@ -189,6 +193,7 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
     d = dict(d)
     if d.get("memory") is not None:
         d["memory"] = Memory(**d["memory"])
+    d["rank_memory"] = tuple(Memory(**m) for m in d.get("rank_memory", ()))
     return Prediction(**d)
 
 

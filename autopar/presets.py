@@ -1,8 +1,8 @@
-"""Model presets for the command line: the GPT family of the Megatron-LM papers, built on meta.
-
-A preset is the examples' GPT (`autopar.examples.gpt`) with the published dimensions, created on
-the meta device so a 1T-parameter model plans on a laptop. `file.py:factory` loads any user
-model instead: the factory returns a module, or a (module, example_inputs) pair.
+"""Model presets for the command line, built on the meta device so a 1T-parameter model plans on
+a laptop: the GPT family of the Megatron-LM papers (the examples' GPT, `autopar.examples.gpt`,
+with the published dimensions) and Llama 3 405B (the unmodified `transformers`
+LlamaForCausalLM with the published configuration). `file.py:factory` loads any user model
+instead: the factory returns a module, or a (module, example_inputs) pair.
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class PresetDefaults:
-    """Published training setup of a preset: global batch and GPU count (2104.04473 Table 1)."""
+    """Published training setup of a preset: global batch and GPU count (2104.04473 Table 1),
+    and the sequence length when it is not the model's context (Llama 3: 8K pre-training)."""
     global_batch_size: int
     gpus: int
+    seq_len: int | None = None
 
 
 # Global batch and GPUs of 2104.04473 Table 1 (and 1909.08053 for the V100 model).
@@ -34,7 +36,24 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     "gpt-530b": PresetDefaults(global_batch_size=2520, gpus=2520),
     "megatron-1t": PresetDefaults(global_batch_size=3072, gpus=3072),
     "gpt-1.2b-v100": PresetDefaults(global_batch_size=512, gpus=64),
+    # 2407.21783 §3.3 / Table 4: 16M tokens per step = 2,048 sequences of 8,192 on 16,384 H100
+    "llama3-405b": PresetDefaults(global_batch_size=2048, gpus=16384, seq_len=8192),
 }
+
+# Llama 3 405B (2407.21783 Table 3): 126 layers, model dimension 16,384, FFN 53,248, 128
+# attention heads, 8 key/value heads, vocabulary 128,256, RoPE base 500,000, untied head.
+LLAMA3_405B = dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                   num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                   rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def llama3_405b(*, seq_len: int = 8192, device: str = "meta") -> torch.nn.Module:
+    """Llama 3 405B as the unmodified transformers LlamaForCausalLM (on meta by default)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(max_position_embeddings=max(seq_len, 8192), use_cache=False,
+                      **LLAMA3_405B)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg)
 
 
 def preset_names() -> list[str]:
@@ -47,6 +66,11 @@ def load_model(spec: str, *, seq_len: int | None = None,
 
     Returns (model, example_inputs, display name, preset defaults or None).
     """
+    if spec == "llama3-405b":
+        defaults = PRESET_DEFAULTS[spec]
+        seq = seq_len or defaults.seq_len
+        model = llama3_405b(seq_len=seq, device=device)
+        return model, (torch.zeros(1, seq, dtype=torch.long, device=device),), spec, defaults
     if spec in PRESET_DEFAULTS:
         from autopar.examples.gpt import GPT, gpt_preset
         cfg = gpt_preset(spec)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autopar.plan import Alternative, Plan, Prediction
+    from autopar.plan import Alternative, Memory, Plan, Prediction
 
 GIB = 1024 ** 3
 
@@ -56,7 +56,8 @@ def format_plan(plan: "Plan") -> str:
         f"  batch          global {plan.global_batch_size} = micro-batch {plan.micro_batch_size}"
         f" × {plan.num_microbatches} micro-batches × d {plan.d}; sequence {plan.seq_len}",
         f"  schedule       {plan.schedule}{_group(plan)}   recompute {plan.recompute}   "
-        f"sequence-parallel {'yes' if plan.sequence_parallel else 'no'}   zero {plan.zero}",
+        f"sequence-parallel {'yes' if plan.sequence_parallel else 'no'}   zero {plan.zero}"
+        + (f"   attention {pr.attention}" if pr.attention else ""),
         f"  rank layout    {_rank_layout(plan)}",
         "  stages",
     ]
@@ -93,14 +94,36 @@ def _stage_lines(plan: "Plan") -> list[str]:
     return out
 
 
-def _memory_parts(pr: "Prediction") -> str:
-    m = pr.memory
+def _memory_parts(pr: "Prediction | Memory") -> str:
+    m = pr.memory if hasattr(pr, "memory") else pr
     if m is None:
         return ""
     return (f" = weights {_fmt_bytes(m.weights_bytes)} + grads {_fmt_bytes(m.gradients_bytes)}"
             f" + optimizer {_fmt_bytes(m.optimizer_bytes)} + activations "
             f"{_fmt_bytes(m.activations_bytes)}"
             + (f" + other {_fmt_bytes(m.other_bytes)}" if m.other_bytes else ""))
+
+
+def _memory_by_rank(plan: "Plan") -> list[str]:
+    """One line per pipeline rank (runs of equal ranks folded): predicted memory by part; the
+    first rank usually carries the most (the embedding and the most micro-batches in flight)."""
+    ranks = plan.predicted.rank_memory
+    if not ranks:
+        return []
+    heaviest = max(range(len(ranks)), key=lambda r: ranks[r].total_bytes)
+    lines = ["", f"Predicted memory per GPU by pipeline rank (heaviest: rank {heaviest}, "
+                 f"{_fmt_bytes(ranks[heaviest].total_bytes)}):"]
+    r = 0
+    while r < len(ranks):
+        j = r
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[r] and j + 1 != heaviest \
+                and r != heaviest:
+            j += 1
+        label = f"rank {r}" if j == r else f"ranks {r}-{j}"
+        lines.append(f"  {label:<12} {_fmt_bytes(ranks[r].total_bytes):>10}"
+                     + _memory_parts(ranks[r]).replace(" = ", "  = ", 1))
+        r = j + 1
+    return lines
 
 
 def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
@@ -129,6 +152,7 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
     lines += [_alt_row(i + 1, a, best) for i, a in enumerate(feasible[:top])]
     if len(feasible) > top:
         lines.append(f"  … {len(feasible) - top} more feasible configurations, all slower")
+    lines += _memory_by_rank(plan)
     if plan.notes:
         lines += ["", "What the graph passes decided for this plan:"]
         lines += [f"  {n}" if not n.startswith(" ") else n for n in plan.notes]

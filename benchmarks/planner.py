@@ -1,9 +1,13 @@
-"""Planning speed: GPT-3 175B on 1536 GPUs and a 1T model on 3072 GPUs, from meta-device models.
+"""Planning speed: GPT-3 175B on 1536 GPUs, a 1T model on 3072 GPUs (A100), and Llama 3 405B
+(the unmodified transformers LlamaForCausalLM, sequence 8,192, global batch 2,048) on 16,384
+H100, from meta-device models.
 
-Prints, for each case, the time to build the meta model, the end-to-end `parallelize` time
-(capture + layers + profile + CP-SAT) and the solve alone, against the goals (end to end < 10 s,
-solve < 1 s). Each case runs in a fresh process so its first-call costs (lazy torch imports
-done by torch.export) are counted, the way a user meets them.
+Prints, for each case, the time to build the meta model (for Llama: importing transformers and
+building it), the end-to-end `parallelize` time (capture + layers + profile + CP-SAT) and the
+solve alone, against the goals (end to end < 10 s; solve < 1 s, Llama 3 at 16K GPUs < 2 s:
+its search grows with the divisors of 16,384). Each case runs in a fresh process so its
+first-call costs (lazy torch imports done by torch.export) are counted, the way a user meets
+them.
 
     python benchmarks/planner.py
 """
@@ -13,7 +17,10 @@ import json
 import subprocess
 import sys
 
-CASES = [("gpt3-175b", 1536, 1536), ("megatron-1t", 3072, 3072)]
+# (preset, GPUs, global batch, cluster, solve goal in s)
+CASES = [("gpt3-175b", 1536, 1536, "dgx-a100-80gb", 1.0),
+         ("megatron-1t", 3072, 3072, "dgx-a100-80gb", 1.0),
+         ("llama3-405b", 16384, 2048, "dgx-h100-80gb", 2.0)]
 
 CHILD = r"""
 import json, sys, time
@@ -22,11 +29,11 @@ import torch, autopar
 from autopar.presets import load_model
 from autopar.cost.solver import solve
 t1 = time.perf_counter()
-name, gpus, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+name, gpus, batch, cluster = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 model, inputs, label, _ = load_model(name)
 t2 = time.perf_counter()
 prog = autopar.parallelize(model, gpus=gpus, example_inputs=inputs, loss_fn=autopar.cross_entropy,
-                           global_batch_size=batch, cluster="dgx-a100-80gb", name=label)
+                           global_batch_size=batch, cluster=cluster, name=label)
 t3 = time.perf_counter()
 solve(prog.profile, prog.cluster, gpus=gpus, global_batch_size=batch)
 t4 = time.perf_counter()
@@ -41,17 +48,18 @@ print(json.dumps(dict(imports=t1 - t0, build=t2 - t1, parallelize=t3 - t2, solve
 
 def main() -> int:
     print(f"{'model':<12} {'GPUs':>5} {'params':>8} {'imports':>8} {'build':>7} "
-          f"{'parallelize':>11} {'solve':>7}  goal: build + parallelize < 10 s, solve < 1 s")
+          f"{'parallelize':>11} {'solve':>7}  goal: build + parallelize < 10 s, solve < 1 s "
+          f"(Llama 3 at 16K GPUs: < 2 s)")
     ok = True
-    for name, gpus, batch in CASES:
-        out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus), str(batch)],
+    for name, gpus, batch, cluster, solve_goal in CASES:
+        out = subprocess.run([sys.executable, "-c", CHILD, name, str(gpus), str(batch), cluster],
                              capture_output=True, text=True, timeout=600)
         if out.returncode:
             print(out.stderr)
             return 1
         r = json.loads(out.stdout.strip().splitlines()[-1])
         # End to end = building the meta model + capture + layers + profile + solve.
-        ok &= r["build"] + r["parallelize"] < 10 and r["solve"] < 1
+        ok &= r["build"] + r["parallelize"] < 10 and r["solve"] < solve_goal
         print(f"{name:<12} {gpus:>5} {r['params_b']:>7.0f}B {r['imports']:>7.2f}s "
               f"{r['build']:>6.2f}s {r['parallelize']:>10.2f}s {r['solve']:>6.2f}s  "
               f"-> {r['plan']}, {r['step_s']:.2f} s/step, {r['tflops']:.0f} TFLOP/s/GPU")

@@ -14,15 +14,21 @@ from typing import Iterator
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.model import Config, config_costs, fits, rank_layers, step_time_scaled
 from autopar.cost.profile import ModelProfile
-from autopar.cost.solver import Pins, enumerate_configs
+from autopar.cost.solver import Pins, chunk_minimums, enumerate_configs
 from autopar.plan import Plan
 
 
 def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every way to write `total` as an ordered sum of `parts` positive integers."""
-    for cuts in combinations(range(1, total), parts - 1):
-        bounds = (0,) + cuts + (total,)
-        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+    """Every way to write `total` as an ordered sum of `parts` positive integers; with more
+    parts than `total` (the solver's chunk_minimums), the first and the last may be 0."""
+    lo = chunk_minimums(1, parts, total) if parts > 1 else [1]
+    extra = [i for i in range(parts) if lo[i] == 0]
+    for cuts in combinations(range(1, total + len(extra)), parts - 1):
+        bounds = (0,) + cuts + (total + len(extra),)
+        x = [bounds[i + 1] - bounds[i] for i in range(parts)]
+        for i in extra:  # shift: a part of 1 here stands for 0 layers
+            x[i] -= 1
+        yield tuple(x)
 
 
 def brute_force(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int,

@@ -39,9 +39,11 @@ from autopar.schedules import Action, make_schedule
 # of twice its work (GEMMs: dX and dW, each of the forward's size; elementwise: 2x the
 # traffic), so a third of each is forward.
 EDGE_FORWARD_SHARE = 1 / 3
-# Simulated compute actions one call may spend (p·v·m·2 per simulation): ~50 simulations of
-# p=8, v=4, m=32 (~2 s); larger plans get fewer moves tried.
-MAX_SIMULATED_ACTIONS = 100_000
+# Simulated compute actions one call may spend (p·v·m·2 per simulation; each costs ~25-50 us
+# here with its messages): ~5 simulations of p=8, v=4, m=32; smaller plans get more moves
+# tried, and a plan whose lists cost more than a fifth of it keeps the near-even split (the
+# planning-time goals of benchmarks/planner.py: solve < 1 s for GPT-3 175B and 1T).
+MAX_SIMULATED_ACTIONS = 16_000
 
 
 def chunk_times_s(cc: ConfigCosts, x: Sequence[int]) -> tuple[list[float], list[float], float]:
@@ -95,17 +97,20 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
     least simulated step time of the plan's schedule (first-improvement hill climbing from `x`
     over single-layer moves within a rank; a move must shorten the simulated step to be taken,
     so with equal-cost chunks `x` comes back unchanged). At most `max_actions` simulated
-    compute actions are spent. One chunk per rank (v = 1) leaves nothing to choose."""
+    compute actions are spent, building the action lists counted as two simulations. One chunk
+    per rank (v = 1) leaves nothing to choose."""
     cfg = cc.cfg
     x = list(x)
-    if cfg.v == 1 or cfg.p == 1:
+    cost = 2 * cfg.p * cfg.v * cfg.num_microbatches
+    # building and checking the action lists and the first simulation cost about two
+    # simulations: a plan too large for one candidate besides them keeps the near-even split
+    budget = max_actions // cost - 3
+    if cfg.v == 1 or cfg.p == 1 or budget < 1:
         return x
     fwd, bwd, _ = chunk_times_s(cc, x)
     c0 = max(range(len(x)), key=lambda c: fwd[c])
     per_rank = make_schedule(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
                              group=cfg.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
-    cost = 2 * cfg.p * cfg.v * cfg.num_microbatches
-    budget = max_actions // cost - 1
     best = simulated_step_s(cc, x, per_rank)
     improved = True
     while improved and budget > 0:

@@ -11,8 +11,17 @@ Mechanisms (one each, no per-configuration constants):
 - GEMM time: `gemm_time_s`, the shape-dependent efficiency + roofline of cost/hardware.py.
   Backward = 2 GEMMs of the forward's size (dX and dW / both attention operands).
   Recompute adds forward work: full = the whole block forward (GEMMs, elementwise, and its
-  tensor-parallel collectives); selective = the attention core (activation-activation GEMMs)
-  plus re-materialising the dropped attention tensors.
+  tensor-parallel collectives); selective = the attention core (activation-activation GEMMs,
+  or the fused kernel's forward) plus re-materialising the dropped attention tensors (under
+  flash only the logsumexp: selective recompute then costs a kernel forward and saves little).
+- Attention: the cluster's kernel (`Cluster.attention`; the profile is priced with
+  `ModelProfile.with_attention`). "materialized": the scores and context GEMMs at GEMM
+  efficiency, the softmax over the scores at HBM bandwidth, the s² tensors saved. "flash": each
+  scaled-dot-product-attention call is one fused kernel (`fused_attention_time_s`): the FLOPs of
+  the tiles its mask leaves at the cluster's fused-attention efficiency, a backward of 2.5x the
+  forward FLOPs, no score traffic, q/k/v/output/logsumexp saved. FLOP counts (TFLOP/s, MFU)
+  keep the papers' convention: attention counted in full, whatever the kernel skips. Attention
+  written out with matmuls in the model's code is materialized under either kind.
 - Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
 - Tensor-parallel fallbacks (`ModelProfile.tp_fallbacks`, from the graph path's analysis of the
   tensor-parallel pass at each t, autopar/passes/tp_cost.py): the GEMMs the pass keeps replicated
@@ -91,7 +100,8 @@ from fractions import Fraction
 from typing import Callable, TypeVar
 
 from autopar.cost.hardware import Cluster
-from autopar.cost.profile import NO_FALLBACK, Gemm, ModelProfile, RegionProfile, TPRegionFallback
+from autopar.cost.profile import (NO_FALLBACK, AttentionCall, Gemm, ModelProfile, RegionProfile,
+                                  TPRegionFallback)
 from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
 from autopar.schedules import GROUPED, check_group, compute_order, first_group_size
 from autopar.weight_gathers import GatherStats, gather_stats
@@ -299,6 +309,49 @@ def gemm_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float,
     return max(compute_s, traffic_s) + cluster.kernel_launch_s
 
 
+# Backward of a fused attention kernel per forward FLOP: five GEMMs (the scores recomputed, dV,
+# dP, dQ, dK) against the forward's two (FlashAttention-2 §3.2; its benchmark convention).
+FLASH_BWD_FLOPS_FACTOR = 2.5
+
+
+def fused_attention_time_s(cluster: Cluster, call: AttentionCall, b: float,
+                           t: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one attention call run as a fused kernel on b sequences,
+    its heads split over t ranks: the FLOPs of the tiles its mask leaves at the cluster's
+    fused-attention efficiency (lower for short keys), or its q/k/v/output traffic at HBM
+    bandwidth if that is longer, + a launch each."""
+    flops = call.fwd_flops * b / t
+    length = call.kv_len / (call.kv_len + cluster.flash_half_len)
+    io_s = call.io_bytes * b / t / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
+    fwd = flops / (cluster.peak_flops * cluster.flash_fwd_efficiency * length)
+    bwd = FLASH_BWD_FLOPS_FACTOR * flops / (
+        cluster.peak_flops * cluster.flash_bwd_efficiency * length)
+    # backward reads q, k, v, output, its gradient and the logsumexp, writes dq, dk, dv: ~2x
+    return (max(fwd, io_s) + cluster.kernel_launch_s,
+            max(bwd, 2 * io_s) + cluster.kernel_launch_s)
+
+
+def fused_calls(profile: ModelProfile, region: RegionProfile) -> tuple[AttentionCall, ...]:
+    """The region's attention calls priced as fused kernels: those of a profile priced with
+    flash attention (`ModelProfile.with_attention`); none otherwise."""
+    if profile.attention != "flash" or region.fused is None:
+        return ()
+    return region.fused.calls
+
+
+def _fused_times_s(cluster: Cluster, calls: tuple[AttentionCall, ...], fix: TPRegionFallback,
+                   t: int, b: int) -> tuple[float, float, frozenset[int]]:
+    """(forward, backward) seconds of a region's fused attention calls per micro-batch (a call
+    the tensor-parallel pass keeps whole runs all heads on every rank), and the indices of the
+    GEMMs they replace."""
+    fwd = bwd = 0.0
+    for c in calls:
+        whole = set(c.gemms) <= set(fix.replicated_gemms)
+        f, bw = fused_attention_time_s(cluster, c, b, 1 if whole else t)
+        fwd, bwd = fwd + f, bwd + bw
+    return fwd, bwd, frozenset(i for c in calls for i in c.gemms)
+
+
 def _fallback(profile: ModelProfile, kind: str, t: int, sp: bool) -> TPRegionFallback:
     """What the tensor-parallel pass keeps whole in region `kind` at (t, sp) (see cost/profile.py
     TPRegionFallback); nothing when the profile has no analysis for t."""
@@ -443,17 +496,20 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
     forward + backward + recompute; forward_pass_s the forward with its TP collectives."""
     blk, e = profile.block, profile.activation_bytes_per_elem
     fix = _fallback(profile, "block", t, sp)
-    gemm = [_local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e)
+    k_fwd, k_bwd, fused = _fused_times_s(cluster, fused_calls(profile, blk), fix, t, b)
+    gemm = [0.0 if i in fused else
+            _local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e)
             for i, g in enumerate(blk.gemms)]
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)
     fwd_other = elementwise_time_s(cluster, _other_bytes(blk, t, b, sp, fix))
-    fwd = fwd_gemm + fwd_other
-    bwd = 2 * fwd_gemm + BWD_ELEMENTWISE_FACTOR * fwd_other
+    fwd = fwd_gemm + k_fwd + fwd_other
+    bwd = 2 * fwd_gemm + k_bwd + BWD_ELEMENTWISE_FACTOR * fwd_other
     if recompute == "full":
         rec = fwd
-    elif recompute == "selective":
-        rec = attn_gemm + elementwise_time_s(cluster, _attention_bytes(blk, t, fix, 2 * b))
+    elif recompute == "selective":  # the attention core again: GEMMs or the fused kernel
+        rec = attn_gemm + k_fwd + elementwise_time_s(
+            cluster, _attention_bytes(blk, t, fix, 2 * b))
     else:
         rec = 0.0
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
@@ -488,8 +544,11 @@ def _edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: b
     emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
     emb_s += (allgather_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
     emb_s += sum(_extra_collectives_s(cluster, efix, t, b, e, tp_inter))
-    head_s = 0.0
+    k_fwd, k_bwd, fused = _fused_times_s(cluster, fused_calls(profile, head), hfix, t, b)
+    head_s = k_fwd + k_bwd
     for i, g in enumerate(head.gemms):
+        if i in fused:
+            continue
         if i in hfix.replicated_gemms:  # kept whole by the tensor-parallel pass: no padding
             head_s += 3 * _local_gemm_time_s(cluster, g, 1, b, e)
             continue
@@ -570,6 +629,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     `memo` (optional, any dict) caches the parts shared by many configurations within one
     solve; the result does not depend on it.
     """
+    profile = profile.with_attention(cluster.attention)
     t, p, d, v, b = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size
     sp = cfg.sequence_parallel and t > 1
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
@@ -622,6 +682,7 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                  memo: dict | None = None) -> ConfigCosts:
+    profile = profile.with_attention(cluster.attention)
     t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
@@ -939,6 +1000,7 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
             layers_per_chunk: tuple[int, ...] | list[int] | None = None,
             costs: ConfigCosts | None = None) -> Prediction:
     """Predicted step of `cfg` with the given layers per chunk (default: as even as possible)."""
+    profile = profile.with_attention(cluster.attention)
     cc = costs or config_costs(profile, cluster, cfg)
     nchunks = cfg.p * cfg.v
     if layers_per_chunk is None:
@@ -959,11 +1021,8 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     yc = y[crit]
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))
-    mem_r = max(range(cfg.p), key=lambda r: rank_memory_bytes(cc, r, y[r]))
-    lp, fp = cc.mem_parts[mem_r], cc.mem_fixed_parts[mem_r]
-    mem = Memory(weights_bytes=lp[0] * y[mem_r] + fp[0], gradients_bytes=lp[1] * y[mem_r] + fp[1],
-                 optimizer_bytes=lp[2] * y[mem_r] + fp[2],
-                 activations_bytes=lp[3] * y[mem_r] + fp[3], other_bytes=fp[4])
+    ranks = tuple(rank_memory_parts(cc, r, y[r]) for r in range(cfg.p))
+    mem = max(ranks, key=lambda m: m.total_bytes)
     step_s = step_ns / NS
     return Prediction(
         step_time_s=step_s,
@@ -973,4 +1032,13 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
         memory_bytes_per_gpu=mem.total_bytes,
         compute_s=compute_ns / NS, tp_comm_s=m * cc.layer_tp_ns * yc / NS,
         pp_comm_s=m * cc.p2p_ns / NS, dp_comm_s=(tail_ns - opt_ns) / NS,
-        bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem)
+        bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem, rank_memory=ranks,
+        attention=cluster.attention)
+
+
+def rank_memory_parts(cc: ConfigCosts, r: int, y_r: int) -> Memory:
+    """Pipeline rank r's predicted memory, by part, holding y_r layers."""
+    lp, fp = cc.mem_parts[r], cc.mem_fixed_parts[r]
+    return Memory(weights_bytes=lp[0] * y_r + fp[0], gradients_bytes=lp[1] * y_r + fp[1],
+                  optimizer_bytes=lp[2] * y_r + fp[2], activations_bytes=lp[3] * y_r + fp[3],
+                  other_bytes=fp[4])

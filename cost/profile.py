@@ -10,10 +10,20 @@ Everything is stated for ONE sequence (micro-batch size 1) at the profiled seque
 each quantity says which part is divided by t (`split`) and which is replicated.
 
 Units are in the names: `_flops`, `_bytes`, `_elems`.
+
+Attention is measured both ways, and the hardware picks (`Cluster.attention`, cost/hardware.py):
+the region fields describe attention written out ("materialized": the s×s scores and
+probabilities are saved and streamed through HBM, the accounting of 2104.04473 / 2205.05198),
+and `RegionProfile.fused` what changes when the region's scaled-dot-product-attention calls run
+as one fused kernel ("flash": FlashAttention-2/3, cuDNN, PyTorch SDPA on CUDA: the kernel saves
+q, k, v, its output and the row logsumexp, never writes the scores, and skips fully masked
+tiles). `ModelProfile.with_attention(kind)` returns the profile priced one way; attention
+written out with matmuls (BLOOM's ALiBi, GPT-2 eager) has no `fused` part and is materialized
+under either kind, as the model's own code runs it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 # Which dimension of a GEMM is divided by the tensor-parallel degree t:
@@ -47,6 +57,84 @@ class Gemm:
         return 2 * self.batch * self.m * self.n * self.k
 
 
+ATTENTION_KINDS = ("flash", "materialized")
+# The score tile a fused kernel skips when fully masked: FlashAttention-2/3 run 128-row query
+# blocks against 64-176-column key blocks for head dim 128 (flash-attention's kernel traits);
+# 128 × 128 is the granularity at which a causal mask skips work.
+FLASH_TILE = 128
+
+
+def causal_tile_fraction(q_len: int, kv_len: int, tile: int = FLASH_TILE) -> float:
+    """Fraction of the tile × tile blocks of a q_len × kv_len causal mask that hold an unmasked
+    entry (query i sees keys <= i + kv_len - q_len, FlashAttention's bottom-right alignment):
+    (n + 1) / (2n) for n × n tiles, 1/2 for long sequences."""
+    rows, cols = -(-q_len // tile), -(-kv_len // tile)
+    active = 0
+    for i in range(rows):
+        last_key = min(kv_len - 1, (i + 1) * tile - 1 + kv_len - q_len)
+        active += 0 if last_key < 0 else min(cols, last_key // tile + 1)
+    return active / (rows * cols)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+    """One scaled-dot-product-attention call of a region, per sequence, as a fused kernel runs it.
+
+    heads / kv_heads: query and key/value heads (the kernel reads k and v un-repeated: grouped
+    query attention is native to FlashAttention-2/3); q_len / kv_len, head_dim / v_head_dim.
+    active_fraction: the fraction of the kernel's tiles (FLASH_TILE × FLASH_TILE blocks of the
+    q_len × kv_len score matrix) that are not fully masked; a fused kernel skips the others
+    (causal: (n+1)/(2n) of n×n tiles). 1.0 for a dense mask or a mask that could not be read.
+    gemms: indices of its scores and context GEMMs in the region's `gemms` (the materialized
+    pricing, and the FLOP count of the papers' convention, which counts attention in full).
+    materialized_bytes: non-GEMM traffic only attention written out moves, included in the
+    region's other_bytes / other_split_bytes: the softmax over the scores, and the copy that
+    lays the (B, H, L, E) context out as (B, L, H, E) for the projection (a fused kernel writes
+    its output in that layout); a fused kernel moves neither.
+    """
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    active_fraction: float
+    gemms: tuple[int, ...]
+    materialized_bytes: int
+
+    @property
+    def fwd_flops(self) -> float:
+        """FLOPs the fused forward kernel runs: q·kᵀ and p·v over the tiles it does not skip."""
+        return (2.0 * self.heads * self.q_len * self.kv_len * (self.head_dim + self.v_head_dim)
+                * self.active_fraction)
+
+    @property
+    def io_bytes(self) -> int:
+        """16-bit bytes the forward kernel reads and writes: q, k, v, output (+ fp32 logsumexp)."""
+        return 2 * (self.heads * self.q_len * (self.head_dim + self.v_head_dim)
+                    + self.kv_heads * self.kv_len * (self.head_dim + self.v_head_dim)
+                    ) + 4 * self.heads * self.q_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class FusedAttention:
+    """A region with its attention calls run as fused kernels: the calls, and the region's saved
+    activations measured that way (the same meaning as RegionProfile's act_* fields; the
+    attention part is what selective recompute of the kernel still drops: the logsumexp)."""
+    calls: tuple[AttentionCall, ...]
+    act_split_bytes: int
+    act_replicated_bytes: int
+    act_attention_bytes: int
+
+    @property
+    def materialized_bytes(self) -> int:
+        return sum(c.materialized_bytes for c in self.calls)
+
+    @property
+    def gemm_indices(self) -> frozenset[int]:
+        return frozenset(i for c in self.calls for i in c.gemms)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RegionProfile:
     """One region of the model (embedding, one transformer block, or head+loss), per sequence.
@@ -61,6 +149,8 @@ class RegionProfile:
     sequence, priced at memory bandwidth; other_split_bytes is the part divided by t.
     tp_allreduce_elems: elements all-reduced across the tensor group in the forward pass for
     one sequence (Megatron block: 2 · s · h); backward moves the same amount.
+    fused: the region's attention calls as fused kernels (None: no scaled-dot-product
+    attention in the region); `ModelProfile.with_attention` applies it.
     """
     kind: RegionKind
     name: str
@@ -74,6 +164,7 @@ class RegionProfile:
     other_bytes: int = 0
     other_split_bytes: int = 0
     tp_allreduce_elems: int = 0
+    fused: FusedAttention | None = None
 
     @property
     def fwd_flops(self) -> int:
@@ -173,6 +264,37 @@ class ModelProfile:
     activation_bytes_per_elem: int = 2
     notes: tuple[str, ...] = field(default=())
     tp_fallbacks: tuple[TPCorrection, ...] = field(default=())
+    # None: as measured, both accountings at hand (the region fields are the materialized one,
+    # `fused` the flash one); "flash" / "materialized": priced one way (`with_attention`)
+    attention: str | None = None
+
+    def with_attention(self, kind: str) -> "ModelProfile":
+        """This profile with its attention priced as `kind` (one of ATTENTION_KINDS).
+
+        "flash": every region with fused attention calls takes the activations measured with
+        the fused kernel (RegionProfile.fused) and drops the softmax traffic over the scores;
+        the calls stay in `fused` for the cost model to price as kernels. What the
+        tensor-parallel pass keeps whole follows: a replicated call's score traffic goes, and
+        its replicated attention activations shrink as the region's do (s² tensors → logsumexp).
+        "materialized": the region fields as they are. Idempotent for the same kind.
+        """
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention={kind!r}: must be one of {ATTENTION_KINDS} ('flash': "
+                             f"fused kernels that never write the s×s scores; 'materialized': "
+                             f"scores saved and streamed through memory); pick one of them")
+        if self.attention == kind:
+            return self
+        if self.attention is not None:
+            raise ValueError(f"profile {self.name!r} is already priced with {self.attention!r} "
+                             f"attention and cannot be re-priced as {kind!r}; price the profile "
+                             f"as measured (attention=None) on a cluster with attention={kind!r}")
+        if kind == "materialized":
+            return replace(self, attention=kind)
+        regions = {k: _fused_region(getattr(self, k)) for k in ("embedding", "block", "head")}
+        fallbacks = tuple(replace(c, **{k: _fused_fallback(getattr(self, k), c.region(k))
+                                        for k in ("embedding", "block", "head")})
+                          for c in self.tp_fallbacks)
+        return replace(self, **regions, tp_fallbacks=fallbacks, attention=kind)
 
     def tp_correction(self, t: int, sequence_parallel: bool = False) -> TPCorrection | None:
         """The pass's corrections at (t, sequence_parallel); the other mode's at t when only
@@ -202,6 +324,33 @@ class ModelProfile:
                 + self.head.fwd_flops)
 
 
+def _fused_region(r: RegionProfile) -> RegionProfile:
+    """The region with its attention calls as fused kernels (see ModelProfile.with_attention)."""
+    f = r.fused
+    if f is None:
+        return r
+    return replace(r, act_split_bytes=f.act_split_bytes,
+                   act_replicated_bytes=f.act_replicated_bytes,
+                   act_attention_bytes=f.act_attention_bytes,
+                   other_bytes=r.other_bytes - f.materialized_bytes,
+                   other_split_bytes=r.other_split_bytes - f.materialized_bytes)
+
+
+def _fused_fallback(r: RegionProfile, fix: TPRegionFallback) -> TPRegionFallback:
+    """A fallback measured with materialized attention, restated for fused kernels: the score
+    traffic of the calls it keeps whole goes, and its attention activations scale as the
+    region's (the pass keeps the same fraction of them whole)."""
+    f = r.fused
+    if f is None or fix.empty:
+        return fix
+    whole = [c for c in f.calls if set(c.gemms) <= set(fix.replicated_gemms)]
+    scores = sum(c.materialized_bytes for c in whole)
+    attn = (round(fix.act_attention_bytes * f.act_attention_bytes / r.act_attention_bytes)
+            if r.act_attention_bytes else 0)
+    return replace(fix, other_split_bytes=max(0, fix.other_split_bytes - scores),
+                   act_attention_bytes=attn)
+
+
 def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, heads: int,
                         seq_len: int, vocab: int, ffn: int | None = None,
                         kv_heads: int | None = None, gated_mlp: bool = False,
@@ -210,10 +359,29 @@ def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, head
     """Textbook GPT/Llama profile from dimensions (2104.04473 §3, 2205.05198 §4).
 
     Per layer and sequence, forward: qkv s·h·(h+2·h_kv), scores + context 2·a·s²·(h/a),
-    proj s·h², MLP 2·s·h·f (3·s·h·f gated). Activations (16-bit, no flash attention), following
-    2205.05198 Eq. 2 generalised to ffn size f: attention 11·s·h + 5·a·s², MLP 3·s·h + 4·s·f
-    (= 19·s·h for f = 4h), two norms 4·s·h; of these 2·s·h (qkv input... layer norm inputs) and
-    the dropout masks of the residual stay replicated under tensor parallelism: 10·s·h.
+    proj s·h², MLP 2·s·h·f (3·s·h·f gated). Activations (16-bit), following 2205.05198 Eq. 2
+    generalised to ffn size f: attention 11·s·h + 5·a·s², MLP 3·s·h + 4·s·f (= 19·s·h for
+    f = 4h), two norms 4·s·h; of these 2·s·h (qkv input... layer norm inputs) and the dropout
+    masks of the residual stay replicated under tensor parallelism: 10·s·h. With the attention
+    as one causal fused kernel (`fused`), the 5·a·s² of scores, softmax and its dropout mask
+    become the kernel's fp32 logsumexp, 4·a·s bytes (q, k, v and the output, which the
+    projection saves, are already among the 11·s·h), and its 3·a·s² of score traffic and the
+    2·s·h relayout of its output go.
+    A gated MLP (SwiGLU) saves gate, up and their product: 6·s·f bytes for the 4·s·f.
+    Today's stacks (`fused`) also recompute pointwise outputs from values they keep anyway
+    (torch.compile's min-cut partitioner): the activation's output (s·f·e: GeLU of its input,
+    SwiGLU's product of gate and up) and the two norms' outputs (2·s·h·e, from their inputs
+    and statistics) are not kept.
+
+    Non-GEMM traffic as a GPU stack with fused elementwise kernels moves it (the accounting
+    `profile_from_graph` measures; 16-bit elements, 1-byte dropout masks), per block forward:
+    two norms (read + write s·h each), the attention output's relayout to (s, h) (2·s·h,
+    split), two bias-dropout-adds (read the branch and the residual, write the sum: 3·s·h,
+    + s·h mask bytes), the activation (GeLU: read + write s·f; SwiGLU: read gate and up,
+    write the product: 3·s·f; split), the materialized softmax over the scores (3·a·s², split).
+    Embedding: token and position rows read and written, their sum, its dropout (7·s·h + s·h
+    mask bytes). Head: the final norm (2·s·h), the loss in fp32 (reads 16-bit logits, writes
+    fp32 log-probabilities, which it saves: s·V·(e + 4), split).
     """
     f = ffn if ffn is not None else 4 * hidden
     kvh = kv_heads if kv_heads is not None else heads
@@ -234,25 +402,34 @@ def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, head
     e = bytes_per_elem
     # 2205.05198: total s·h·(34 + 5·a·s/h) with 2-byte elements and 1-byte dropout masks;
     # replicated under TP: 10·s·h (norm inputs 4, dropout masks 2, residual inputs 4).
-    act_total_linear = (11 * s * h + 3 * s * h + 4 * s * f + 4 * s * h) * e // 2
+    act_total_linear = (11 * s * h + 3 * s * h + (6 if gated_mlp else 4) * s * f
+                        + 4 * s * h) * e // 2
     act_repl = 10 * s * h * e // 2
     act_attn = 5 * a * s * s * e // 2
     block_params_split = h * (h + 2 * kv_dim) + (h + 2 * kv_dim) + h * h + h * mlp_in + mlp_in + f * h
     block_params_repl = 4 * h + h + h  # two norms (weight+bias), proj bias, fc_out bias
+    act_mlp = 3 if gated_mlp else 2  # elements the MLP activation's fused kernel moves per s·f
     block = RegionProfile(
         kind="block", name="block", gemms=gemms,
         params_split_elems=block_params_split, params_replicated_elems=block_params_repl,
         act_split_bytes=act_total_linear - act_repl, act_replicated_bytes=act_repl,
         act_attention_bytes=act_attn, input_bytes=s * h * e,
-        other_bytes=(20 * s * h + 4 * s * f) * e + 3 * a * s * s * e,
-        other_split_bytes=(4 * s * f) * e + 3 * a * s * s * e,
+        other_bytes=(12 * s * h + act_mlp * s * f) * e + 2 * s * h + 3 * a * s * s * e,
+        other_split_bytes=(2 * s * h + act_mlp * s * f) * e + 3 * a * s * s * e,
         tp_allreduce_elems=2 * s * h,
+        fused=FusedAttention(
+            calls=(AttentionCall(heads=a, kv_heads=kvh, q_len=s, kv_len=s, head_dim=hd,
+                                 v_head_dim=hd, active_fraction=causal_tile_fraction(s, s),
+                                 gemms=(1, 2),
+                                 materialized_bytes=(3 * a * s * s + 2 * s * h) * e),),
+            act_split_bytes=act_total_linear - act_repl - s * f * e,
+            act_replicated_bytes=act_repl - 2 * s * h * e, act_attention_bytes=4 * a * s),
     )
     embedding = RegionProfile(
         kind="embedding", name="embedding", gemms=(),
         params_split_elems=vocab * h, params_replicated_elems=s * h,
         act_split_bytes=0, act_replicated_bytes=s * h * 1, act_attention_bytes=0,
-        input_bytes=s * 8, other_bytes=3 * s * h * e, tp_allreduce_elems=s * h,
+        input_bytes=s * 8, other_bytes=7 * s * h * e + s * h, tp_allreduce_elems=s * h,
     )
     head = RegionProfile(
         kind="head", name="head",
@@ -260,7 +437,8 @@ def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, head
         params_split_elems=0 if tied_embeddings else vocab * h, params_replicated_elems=2 * h,
         act_split_bytes=s * vocab * 4, act_replicated_bytes=2 * s * h * e,
         act_attention_bytes=0, input_bytes=s * h * e,
-        other_bytes=3 * s * vocab * 4, other_split_bytes=3 * s * vocab * 4,
+        other_bytes=2 * s * h * e + s * vocab * (e + 4),
+        other_split_bytes=s * vocab * (e + 4),
         tp_allreduce_elems=0,
     )
     return ModelProfile(

@@ -274,7 +274,8 @@ def _schedules(p, m, l, pins, rejected, key) -> Iterator[tuple[str, int, int | N
             continue
         if schedule == "interleaved-zb" and pins.allows("v", 1):
             yield schedule, 1, None  # ZB-H1: 1F1B's order, any m >= p
-        vmax = l // p if pins.v else min(l // p, MAX_CHUNKS_PER_RANK)
+        # up to l + 2 chunk slots: the first and the last may hold only the embedding / head
+        vmax = (l + 2) // p if pins.v else min((l + 2) // p, MAX_CHUNKS_PER_RANK)
         for v in range(2, vmax + 1):
             if not pins.allows("v", v):
                 continue
@@ -299,22 +300,41 @@ def _groups(p: int, m: int, pins: Pins) -> list[int | None]:
 
 
 # ----- bounds and a heuristic partition -----------------------------------------------------
-def balance(fixed: list[int], slope: int, num_layers: int, v: int, caps: list[int],
+def chunk_minimums(p: int, v: int, num_layers: int) -> list[int]:
+    """Least layers of each chunk: one, except that with more chunk slots than layers
+    (p·v = l + 1 or l + 2) the first and the last chunk may hold none: they still hold the
+    embedding and the head + loss (Llama 3's layout, 2407.21783 §3.3.2: 126 layers in 16 × 8
+    chunks, the first only the embedding, the last only the output projection and loss)."""
+    mins = [1] * (p * v)
+    if p * v > num_layers:
+        mins[0] = mins[-1] = 0
+    return mins
+
+
+def rank_minimums(p: int, v: int, num_layers: int) -> list[int]:
+    """Least layers of each pipeline rank (the sum of its chunks' `chunk_minimums`)."""
+    return rank_layers(chunk_minimums(p, v, num_layers), p)
+
+
+def balance(fixed: list[int], slope: int, num_layers: int, v: "int | list[int]",
+            caps: list[int],
             tie: "Callable[[int, int], int] | None" = None) -> list[int] | None:
-    """Integer y_r in [v, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None.
+    """Integer y_r in [lo_r, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None
+    (lo_r = v, or v[r] when v is a list of per-rank minimums).
 
     Start every rank at or below the continuous water level (which no integer solution beats),
     then hand out the remaining layers one by one to the rank whose level grows least (ties:
     smallest `tie(r, y_r + 1)`); this greedy is exact for a max of increasing linear loads.
     """
     p = len(fixed)
-    if min(caps) < v or sum(caps) < num_layers:
+    lo = list(v) if isinstance(v, list) else [v] * p
+    if any(caps[r] < lo[r] for r in range(p)) or sum(caps) < num_layers:
         return None
     s = max(slope, 1)
     level = (s * num_layers + sum(fixed)) / p
-    y = [max(v, min(caps[r], int((level - fixed[r]) // s))) for r in range(p)]
+    y = [max(lo[r], min(caps[r], int((level - fixed[r]) // s))) for r in range(p)]
     if sum(y) > num_layers:
-        y = [v] * p
+        y = list(lo)
     tie = tie or (lambda r, n: 0)
     heap = [(fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r) for r in range(p) if y[r] < caps[r]]
     heapq.heapify(heap)
@@ -331,12 +351,13 @@ def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int | Fraction:
     and the least max tail, each minimised on its own over integer rank layer counts (every
     rank holds at least v layers, one per chunk)."""
     p, v = cc.cfg.p, cc.cfg.v
+    lo = rank_minimums(p, v, num_layers)
     fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
-    y = balance(fixed, cc.layer_ns, num_layers, v, [num_layers] * p)
+    y = balance(fixed, cc.layer_ns, num_layers, lo, [num_layers] * p)
     max_load = max(rank_load_ns(cc, r, y[r]) for r in range(p))
     # the exposed tails sum to the same for every split: their max is at least their mean
     tail = max(-(-total_tail_ns(cc, num_layers) // p),
-               max(rank_tail_ns(cc, r, v) for r in range(p)))
+               max(rank_tail_ns(cc, r, lo[r]) for r in range(p)))
     return v_step_ns(cc.cfg, max_load, total_load_ns(cc, num_layers), tail)
 
 
@@ -348,7 +369,8 @@ def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
     """
     p, v = cc.cfg.p, cc.cfg.v
     a, c = cc.mem_layer_bytes, cc.mem_fixed_bytes
-    floor = max(c[r] + a[r] * v for r in range(p))
+    lo = rank_minimums(p, v, num_layers)
+    floor = max(c[r] + a[r] * lo[r] for r in range(p))
     if not all(a):
         return float(floor)
     level = (num_layers + sum(c[r] / a[r] for r in range(p))) / sum(1 / a[r] for r in range(p))
@@ -360,7 +382,7 @@ def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
     None when the greedy finds no split that fits. An upper bound for pruning, and the split
     shown for alternatives; CP-SAT decides the chosen plan's split."""
     p, v = cc.cfg.p, cc.cfg.v
-    if p * v > num_layers:
+    if sum(chunk_minimums(p, v, num_layers)) > num_layers:
         return None
     caps = []
     for r in range(p):
@@ -368,17 +390,23 @@ def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
         caps.append(num_layers if cc.mem_layer_bytes[r] == 0 else
                     max(0, min(num_layers, room // cc.mem_layer_bytes[r])))
     fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
-    return balance(fixed, cc.layer_ns, num_layers, v, caps,
+    return balance(fixed, cc.layer_ns, num_layers, rank_minimums(p, v, num_layers), caps,
                    tie=lambda r, n: rank_tail_ns(cc, r, n))
 
 
 def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
-    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank."""
-    x = [0] * (p * v)
+    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank,
+    the earlier chunks taking the remainder; a rank with fewer layers than chunks leaves the
+    first / last chunk of the pipeline (embedding / head) empty first."""
+    C = p * v
+    x = [0] * C
     for r in range(p):
         q, rem = divmod(y[r], v)
-        for j in range(v):
-            x[j * p + r] = q + (1 if j < rem else 0)
+        order = list(range(v))
+        if q == 0:  # middle chunks first: only an edge chunk may be empty
+            order.sort(key=lambda j: j * p + r in (0, C - 1))
+        for k, j in enumerate(order):
+            x[j * p + r] = q + (1 if k < rem else 0)
     return x
 
 
@@ -414,8 +442,9 @@ class _PlanModel:
             if key in self.x:
                 continue
             p, v = key
-            xs = [self.model.NewIntVar(1, self.l - p * v + 1, f"x{p}_{v}_{c}")
-                  for c in range(p * v)]
+            mins = chunk_minimums(p, v, self.l)
+            xs = [self.model.NewIntVar(lo, self.l - sum(mins) + lo, f"x{p}_{v}_{c}")
+                  for c, lo in enumerate(mins)]
             self.model.Add(sum(xs) == self.l)
             self.x[key] = xs
             self.y[key] = [sum(xs[j * p + r] for j in range(v)) for r in range(p)]
@@ -577,6 +606,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m)."""
     cluster = get_cluster(cluster)
+    profile = profile.with_attention(cluster.attention)  # the cluster's attention kernel
     pins = Pins(t=t, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
                 microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
@@ -621,8 +651,9 @@ def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Confi
     first and the last rank's are the largest: they add the embedding and the head)."""
     lc = load_costs(profile, cluster, cfg, memo)
     total = total_load_ns(lc, profile.num_layers)
-    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, cfg.v),
-                   rank_load_ns(lc, cfg.p - 1, cfg.v))
+    lo = rank_minimums(cfg.p, cfg.v, profile.num_layers)
+    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, lo[0]),
+                   rank_load_ns(lc, cfg.p - 1, lo[-1]))
     return v_step_ns(cfg, max_load, total, 0)
 
 

@@ -22,22 +22,37 @@ Guarantees: one `RegionProfile` per region (embedding, block 0 standing for ever
     output width is the vocabulary) is "n"; anything else is replicated (None);
   - parameters counted once (tied weights deduplicated by identity in the user's model), split or
     replicated following the GEMM they feed; the vocabulary embedding is split;
+  - non-GEMM bytes as a GPU stack moves them (`_other_bytes`): elementwise chains fused into
+    one kernel each (`_Fusion`), views / casts / p=0 dropout free, lookups reading rows, the
+    loss in fp32;
   - activations measured, not guessed: the graph runs on the meta device under
     saved_tensors_hooks, each saved tensor is charged to the region of the node that saved it
-    (deduplicated by storage), at 2 bytes per floating element, 1 for bool/uint8.
-    On meta, sdpa runs its math path, which saves the s×s softmax (as without flash attention,
-    the accounting of 2104.04473 / 2205.05198).
+    (deduplicated by storage), at 2 bytes per floating element, 1 for bool/uint8, 4 for the
+    loss's log-probabilities; a fused elementwise kernel's intermediates are not kept.
+    Twice: with sdpa on its math path, which saves the s×s softmax (materialized attention,
+    the accounting of 2104.04473 / 2205.05198: the region fields), and with sdpa as the fused
+    kernel of a GPU (FlashAttention-2/3, cuDNN): it saves q, k and v as it reads them (grouped
+    query attention un-repeated), its output (laid out (B, L, H, E), so the projection after
+    it saves the same storage) and an fp32 logsumexp per query row, and nothing s×s
+    (`RegionProfile.fused`, with one `AttentionCall` per sdpa: its shapes and the fraction of
+    score tiles its mask leaves — is_causal, or a mask that does not depend on the inputs,
+    read on the CPU; a mask that does, or one of more than MASK_READ_LIMIT entries, counts as
+    dense and is named in the profile's notes). The fused run also leaves out pointwise
+    outputs a fused kernel's backward recomputes from values kept anyway (a norm's output,
+    SwiGLU's product), as torch.compile's min-cut partitioner does on today's stacks.
 """
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
-from autopar.cost.profile import Gemm, ModelProfile, RegionProfile
+from autopar.cost.profile import (FLASH_TILE, AttentionCall, FusedAttention, Gemm, ModelProfile,
+                                  RegionProfile, causal_tile_fraction)
 from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
@@ -56,6 +71,14 @@ VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape
                       aten.chunk.default, aten.unflatten.int, aten._assert_tensor_metadata.default,
                       aten.to.dtype, aten.to.dtype_layout, aten.unbind.int})
 TRAIN_BYTES_PER_ELEM = 2  # 16-bit training precision for floating activations
+# Largest attention mask (entries) read on the CPU to find the tiles a fused kernel skips:
+# 16K × 16K booleans, a few hundred MB while it is evaluated.
+MASK_READ_LIMIT = 1 << 28
+# Ops that repeat key/value heads for grouped-query attention (transformers' repeat_kv:
+# unsqueeze → expand → reshape); a GQA-native fused kernel reads the tensor before them.
+_REPEAT_OPS = frozenset({aten.expand.default, aten.unsqueeze.default, aten.slice.Tensor,
+                         aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                         aten.clone.default, aten.repeat_interleave.self_int})
 
 
 @dataclass
@@ -69,6 +92,8 @@ class _Region:
     other: float = 0.0
     other_split: float = 0.0
     allreduce: int = 0
+    calls: list[AttentionCall] = field(default_factory=list)
+    fused_act: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
 
 def profile_from_graph(captured: Captured, structure: LayerStructure, *,
@@ -91,6 +116,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
         _gemms_and_params(g, kind, [nodes[x] for x in names], regions[kind])
         _other_bytes(g, [nodes[x] for x in names], regions[kind])
     _measure_activations(captured, g, regions)
+    _measure_activations(captured, g, regions, fused=True)
     dims = g.dims()
     s, h = seq_len, dims["hidden"]
     regions["block"].allreduce = g.row_gemms * s * h
@@ -99,7 +125,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
     gm.meta[K.PARAMS] = {k: dict(r.params) for k, r in regions.items()}
     notes = [f"graph profile: {structure.num_layers} × {structure.block_class}"
              + (f" ({structure.num_blocks} captured)" if structure.num_blocks != structure.num_layers
-                else "")]
+                else "")] + g.mask_notes
     return ModelProfile(name=name, num_layers=structure.num_layers, seq_len=s, hidden=h,
                         heads=dims["heads"], kv_heads=dims["kv_heads"], vocab=dims["vocab"],
                         ffn=dims["ffn"], embedding=out["embedding"], block=out["block"],
@@ -110,7 +136,12 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
 def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
     split = sum(e for e, sp in r.params.values() if sp)
     repl = sum(e for e, sp in r.params.values() if not sp)
-    return RegionProfile(
+    fused = None
+    if r.calls:
+        fused = FusedAttention(calls=tuple(r.calls), act_split_bytes=round(r.fused_act[0]),
+                               act_replicated_bytes=round(r.fused_act[1]),
+                               act_attention_bytes=round(r.fused_act[2]))
+    return RegionProfile(fused=fused,
         kind=kind, name=kind, gemms=tuple(r.gemms), params_split_elems=split,
         params_replicated_elems=repl, act_split_bytes=round(r.act_split),
         act_replicated_bytes=round(r.act_repl), act_attention_bytes=round(r.act_attn),
@@ -153,6 +184,8 @@ class _GraphFacts:
         self.embedding_param_ids = {params[nodes[x].target][0] for x in structure.embedding_nodes
                                     if nodes[x].op == "get_attr" and nodes[x].target in params}
         self.hidden = self._hidden()
+        self.fusion = _Fusion(gm)
+        self.mask_notes: list[str] = []
         self._classify_block()
 
     # -- dims ---------------------------------------------------------------------------------
@@ -375,6 +408,7 @@ def _gemms_and_params(g: _GraphFacts, kind: str, region: list, r: _Region) -> No
             n.meta[K.GEMM_IDX] = (len(r.gemms), len(r.gemms) + 1)
             r.gemms.extend(_sdpa_gemms(n, g.batch, _label(n, base)))
             n.meta[K.GEMM_SPLIT] = "batch"
+            r.calls.append(_attention_call(g, n, n.meta[K.GEMM_IDX]))
         elif n.target in _WEIGHT_GEMMS:
             split = g.split_of(n, kind)
             gemm = _gemm(n, g.batch, _label(n, base), split)
@@ -436,34 +470,329 @@ def _sdpa_gemms(n: torch.fx.Node, batch: int, name: str) -> list[Gemm]:
             Gemm(name=f"{name}.context", m=L, n=Ev, k=S, **common)]
 
 
+def _attention_call(g: _GraphFacts, n: torch.fx.Node, gemms: tuple[int, ...]) -> AttentionCall:
+    """The fused-kernel view of one sdpa node (cost/profile.py AttentionCall), per sequence."""
+    q, k, v = (_val(x) for x in n.args[:3])  # (B, H, L, E), (B, Hk, S, E), (B, Hk, S, Ev)
+    heads = _numel(q.shape[:-2]) // g.batch
+    L, E, S, Ev = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2]), int(v.shape[-1])
+    kv = _numel(_val(unrepeated(n.args[1])).shape[:-2]) // g.batch
+    call = _sdpa_kwargs(n)
+    if call["is_causal"]:
+        active = causal_tile_fraction(L, S)
+    elif isinstance(call["attn_mask"], torch.fx.Node):
+        active = _mask_active_fraction(g.gm, call["attn_mask"], L, S)
+        if active is None:
+            g.mask_notes.append(f"attention mask {call['attn_mask'].name} of {n.name} cannot be "
+                                f"read at planning time (it depends on the inputs, or has more "
+                                f"than {MASK_READ_LIMIT} entries): the fused kernel is priced "
+                                f"dense")
+            active = 1.0
+    else:
+        active = 1.0
+    return AttentionCall(heads=heads, kv_heads=kv, q_len=L, kv_len=S, head_dim=E, v_head_dim=Ev,
+                         active_fraction=active, gemms=tuple(gemms),
+                         materialized_bytes=round(_score_bytes(n, g.batch)
+                                                  + _relayout_bytes(n, g.batch)))
+
+
+def _sdpa_kwargs(n: torch.fx.Node) -> dict[str, Any]:
+    """attn_mask, dropout_p and is_causal of an sdpa node, positional or keyword."""
+    names = ("attn_mask", "dropout_p", "is_causal")
+    out = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False}
+    out.update(zip(names, n.args[3:6]))
+    out.update({k: v for k, v in n.kwargs.items() if k in out})
+    return out
+
+
+def unrepeated(n: Any) -> Any:
+    """k or v as a GQA-native fused kernel reads it: the tensor a repeat_kv-style chain
+    (unsqueeze → expand → reshape) repeats, or n itself when no expand repeats it."""
+    x = n
+    while isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _REPEAT_OPS:
+        if x.target is aten.repeat_interleave.self_int:
+            return x.args[0]
+        if x.target is aten.expand.default:
+            src = x.args[0]
+            while (isinstance(src, torch.fx.Node) and src.op == "call_function"
+                   and src.target in (aten.unsqueeze.default, aten.slice.Tensor)):
+                src = src.args[0]
+            return src
+        x = x.args[0]
+    return n
+
+
+def _mask_active_fraction(gm: torch.fx.GraphModule, mask: torch.fx.Node, L: int,
+                          S: int) -> float | None:
+    """Fraction of the FLASH_TILE² tiles of an (…, L, S) attention mask that hold an attended
+    entry, evaluated on the CPU; None when the mask depends on the inputs, on a parameter or
+    buffer (meta, no values), or is larger than MASK_READ_LIMIT."""
+    if L * S > MASK_READ_LIMIT:
+        return None
+    needed, todo = set(), [mask]
+    while todo:
+        x = todo.pop()
+        if x in needed:
+            continue
+        needed.add(x)
+        if x.op == "placeholder":
+            return None
+        todo.extend(x.all_input_nodes)
+    env: dict = {}
+    cpu = torch.device("cpu")
+    try:
+        with torch.no_grad():
+            for x in gm.graph.nodes:
+                if x not in needed:
+                    continue
+                if x.op == "get_attr":
+                    value = getattr(gm, x.target) if hasattr(gm, x.target) else None
+                    if not torch.is_tensor(value) or value.is_meta:
+                        return None
+                    env[x] = value
+                    continue
+                if x.op != "call_function":
+                    return None
+                args = torch.fx.node.map_arg(x.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(x.kwargs, env.__getitem__)
+                args = tuple(cpu if isinstance(a, torch.device) else a for a in args)
+                if "device" in kwargs:
+                    kwargs = {**kwargs, "device": cpu}
+                target = aten.reshape.default if x.target is aten.view.default else x.target
+                env[x] = target(*args, **kwargs)
+    except Exception:  # an op that cannot run on the CPU here: price the mask dense
+        return None
+    m = env[mask]
+    if not torch.is_tensor(m):
+        return None
+    # boolean: True attends; additive float: -inf (or transformers' dtype minimum) masks
+    keep = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    keep = keep.expand(*keep.shape[:-2], L, S)
+    if keep.dim() > 2:  # a tile runs if any head / sequence attends in it
+        keep = keep.reshape(-1, L, S).any(dim=0) if keep[..., 0, 0].numel() > 1 \
+            else keep.reshape(L, S)
+    T = FLASH_TILE
+    if L % T or S % T:
+        pad = torch.zeros(-(-L // T) * T, -(-S // T) * T, dtype=torch.bool)
+        pad[:L, :S] = keep
+        keep = pad
+    tiles = keep.contiguous().view(torch.uint8).reshape(
+        keep.shape[0] // T, T, keep.shape[1] // T, T).amax(dim=(1, 3))
+    return float(tiles.float().mean())
+
+
+def _relayout_bytes(n: torch.fx.Node, batch: int) -> float:
+    """Per sequence: the copy (read + write) that makes sdpa's (B, H, L, E) output contiguous
+    as (B, L, H, E) (`.transpose(1, 2).contiguous()`); 0 when the graph has none."""
+    todo, total = list(n.users), 0.0
+    while todo:
+        u = todo.pop()
+        if u.op != "call_function":
+            continue
+        if u.target in (aten.contiguous.default, aten.clone.default):
+            total += 2 * _numel(_val(u).shape) * TRAIN_BYTES_PER_ELEM / batch
+        elif u.target in VIEW_OPS:
+            todo.extend(u.users)
+    return total
+
+
+def _score_bytes(n: torch.fx.Node, batch: int) -> float:
+    """Per sequence: the materialized softmax's scale/mask pass, softmax read and write over the
+    scores, 3 · heads · L · S 16-bit elements (the unfused kernels of 2104.04473)."""
+    q, k = _val(n.args[0]), _val(n.args[1])
+    return 3 * _numel(q.shape[:-1]) * int(k.shape[-2]) * TRAIN_BYTES_PER_ELEM / batch
+
+
 # ----- memory traffic of non-GEMM ops ----------------------------------------------------------------
 
 def _other_bytes(g: _GraphFacts, region: list, r: _Region) -> None:
     """Bytes read + written by non-GEMM ops (elementwise, norms, softmax), 16-bit floats.
 
+    A chain of elementwise ops runs as one fused kernel (`_Fusion`): it reads each outside
+    input once and writes only the values used outside it. An index lookup (embedding) reads
+    the rows it gathers, not its table. Views and dropout with p = 0 (which returns its input)
+    move nothing; dropout with p > 0 also writes its 1-byte mask.
     sdpa's own non-GEMM traffic is the softmax over the s×s scores: scale/mask pass, softmax
     read and write = 3 · heads · L · S elements (as in the unfused kernels of 2104.04473).
     """
+    fusion = g.fusion
     for n in region:
-        if n.op != "call_function" or n.target in VIEW_OPS or n.target in _WEIGHT_GEMMS:
+        if n.op != "call_function" or fusion.is_view(n) or n.target in _WEIGHT_GEMMS:
             continue
-        out = _val(n)
-        if not isinstance(out, torch.Tensor):
+        outs = [t for t in _flat(_val(n)) if isinstance(t, torch.Tensor)]
+        if not outs:
             continue
         if n.target in _SDPA:
-            q, k = _val(n.args[0]), _val(n.args[1])
-            b = 3 * _numel(q.shape[:-1]) * int(k.shape[-2]) * TRAIN_BYTES_PER_ELEM / g.batch
+            b = _score_bytes(n, g.batch)
             r.other += b
             r.other_split += b
             n.meta[K.OTHER] = (b, True)
             continue
-        tensors = [_val(a) for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        b = sum(_train_bytes(t) for t in tensors + [out]) / g.batch
+        if n in fusion.group:
+            reads = [a for a in n.all_input_nodes if fusion.reads_from_outside(n, a)]
+            writes = outs if fusion.escapes(n) else []
+        else:
+            reads, writes = list(n.all_input_nodes), outs
+        # parameters (norm weights, O(h)) are read once per micro-batch, not per sequence
+        reads = [a for a in reads if fusion.source(a).op != "get_attr"]
+        if n.target in _INDEX_OPS:  # the rows gathered, not the whole table
+            reads = [a for a in reads if a is not n.args[0]]
+        tensors = [_val(a) for a in reads if isinstance(_val(a), torch.Tensor)]
+        if n.target in _INDEX_OPS:
+            tensors.append(outs[0])
+        b = sum(_train_bytes(t) for t in tensors + writes) / g.batch
+        if n.target in _FP32_LOSS_OPS and tensors:  # + the fp32 log-probabilities written
+            b += tensors[0].numel() * LOSS_BYTES_PER_ELEM / g.batch
+        if n.target in _DROPOUT:  # the mask (native_dropout on GPUs: 1 byte per element)
+            b += outs[0].numel() / g.batch
         r.other += b
-        split = bool(out.dim() and int(out.shape[-1]) != g.hidden)
+        # split under tensor parallelism unless its largest operand runs along the hidden dim
+        big = max(tensors + outs, key=lambda x: x.numel())
+        split = bool(big.dim() and int(big.shape[-1]) != g.hidden)
         if split:
             r.other_split += b
         n.meta[K.OTHER] = (b, split)
+
+
+def _flat(v: Any) -> list:
+    return list(v) if isinstance(v, (tuple, list)) else [v]
+
+
+_INDEX_OPS = frozenset({aten.embedding.default, aten.index_select.default,
+                        aten.gather.default})
+# The loss runs in fp32 under mixed precision (torch.autocast's float32 ops include log_softmax
+# and nll_loss, the decomposition of cross_entropy; Megatron-LM's vocab-parallel cross-entropy
+# converts the logits to float): it reads the 16-bit logits, writes and saves fp32 log-probs.
+_FP32_LOSS_OPS = frozenset({aten.cross_entropy_loss.default, aten._log_softmax.default,
+                            aten.log_softmax.int})
+LOSS_BYTES_PER_ELEM = 4
+_DROPOUT = frozenset({aten.dropout.default, aten.native_dropout.default})
+_CASTS = frozenset({aten.type_as.default, aten._to_copy.default})
+# Normalisations: one kernel each (Apex / Transformer Engine), outputs a pointwise function of
+# the input and the statistics the kernel saves
+_NORMS = frozenset({aten.layer_norm.default, aten.native_layer_norm.default,
+                    aten.rms_norm.default})
+
+
+def _dropout_is_identity(n: torch.fx.Node) -> bool:
+    """aten.dropout with p = 0 or train = False returns its input (no kernel, no mask)."""
+    if n.target is not aten.dropout.default:
+        return False
+    p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+    train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+    return p == 0 or not train
+
+
+class _Fusion:
+    """The elementwise chains a GPU stack runs as single kernels, as a fusing compiler (torch
+    Inductor) or hand-fused kernels (Megatron-LM's bias-GeLU, bias-SwiGLU, bias-dropout-add;
+    Apex / Transformer Engine norms) do: pointwise ops, reductions and dropout joined through
+    their edges, unless a non-fusable op (a GEMM, softmax, attention, a norm kernel, a copy)
+    lies between them on some path (`stage`: the non-fusable ops on the longest path before a
+    node). Views are transparent. A fused kernel reads each outside input once, writes the
+    values used outside it (`escapes`), and keeps its intermediates in registers: in backward
+    it recomputes them from its inputs, so autograd's saves of intermediates cost no memory
+    (`internal`)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        parent: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def find(x: torch.fx.Node) -> torch.fx.Node:
+            while parent[x] is not x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        stage: dict[torch.fx.Node, int] = {}
+        for n in gm.graph.nodes:
+            if self.is_view(n):
+                continue
+            ins = [self.source(a) for a in n.all_input_nodes]
+            stage[n] = max((stage.get(a, 0) + (0 if a in parent else 1) for a in ins), default=0)
+            if self._fusable(n):
+                parent[n] = n
+                for a in ins:
+                    if a in parent and stage.get(a) == stage[n]:
+                        parent[find(a)] = find(n)
+        self.group = {n: find(n) for n in parent}
+        self.members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for n, root in self.group.items():  # in graph order
+            self.members.setdefault(root, []).append(n)
+        self._users = {n: self._real_users(n) for n in self.group}
+
+    @staticmethod
+    def is_view(n: torch.fx.Node) -> bool:
+        """Moves no bytes: a view, a tuple item, a cast (16-bit in training: the profile counts
+        every float at 2 bytes), dropout that returns its input."""
+        return n.op == "call_function" and (n.target in VIEW_OPS or n.target in _CASTS
+                                            or n.target is operator.getitem
+                                            or _dropout_is_identity(n))
+
+    @staticmethod
+    def _fusable(n: torch.fx.Node) -> bool:
+        if n.op != "call_function":
+            return False
+        if n.target in _DROPOUT or n.target is aten.cat.default:  # cat: indexing, pointwise
+            return True
+        tags = getattr(n.target, "tags", ())
+        return torch.Tag.pointwise in tags or torch.Tag.reduction in tags
+
+    def source(self, n: Any) -> Any:
+        while isinstance(n, torch.fx.Node) and self.is_view(n) and n.all_input_nodes:
+            n = n.args[0]
+        return n
+
+    def _real_users(self, n: torch.fx.Node) -> list:
+        out, todo = [], list(n.users)
+        while todo:
+            u = todo.pop()
+            if self.is_view(u):
+                todo.extend(u.users)
+            else:
+                out.append(u)
+        return out
+
+    def same(self, a: Any, b: Any) -> bool:
+        return a in self.group and b in self.group and self.group[a] is self.group[b]
+
+    def escapes(self, n: torch.fx.Node) -> bool:
+        """n's value leaves its fused kernel (read by an op outside it, or the output)."""
+        return any(not self.same(n, u) for u in self._users[n])
+
+    def internal(self, n: Any) -> bool:
+        """n is an intermediate of a fused kernel: computed and consumed inside it."""
+        return n in self.group and not self.escapes(n)
+
+    def recomputable(self, n: Any, kept: set, per_batch: set) -> bool:
+        """Whether n, a fused kernel's value, can be recomputed in backward from values kept
+        anyway: n and the kernel's values it is computed from read, from outside the kernel,
+        only kept values, parameters and constants (no dependence on the batch)."""
+        if n.op == "call_function" and n.target in _NORMS:  # from its input and statistics
+            src = self.source(n.args[0])
+            return src in kept or src.op == "get_attr" or src not in per_batch
+        if n not in self.group:
+            return False
+        rec: dict[torch.fx.Node, bool] = {}  # available in backward without n's own save
+        for m in self.members[self.group[n]]:  # graph order: inputs before their users
+            rec[m] = (m is not n and m in kept) or all(
+                rec.get(src, False) if self.same(m, src) else
+                (src.op == "get_attr" or src not in per_batch or src in kept)
+                for src in (self.source(a) for a in m.all_input_nodes))
+            if m is n:
+                return rec[m]
+        return False
+
+    def reads_from_outside(self, n: torch.fx.Node, a: torch.fx.Node) -> bool:
+        """Whether the fused kernel of n reads input a at n: a comes from outside the kernel
+        and no earlier member of it reads the same value (read once per kernel)."""
+        src = self.source(a)
+        if self.same(n, src):
+            return False
+        for m in self.members[self.group[n]]:
+            if m is n:
+                return True
+            if any(self.source(x) is src for x in m.all_input_nodes):
+                return False
+        return True
 
 
 def _train_bytes(t: torch.Tensor) -> float:
@@ -474,42 +803,76 @@ def _train_bytes(t: torch.Tensor) -> float:
 
 # ----- activations ----------------------------------------------------------------------------------
 
-def _measure_activations(captured: Captured, g: _GraphFacts, regions: dict) -> None:
-    """Run the graph on meta tensors; charge each saved-for-backward storage to its region."""
+def _measure_activations(captured: Captured, g: _GraphFacts, regions: dict,
+                         fused: bool = False) -> None:
+    """Run the graph on meta tensors; charge each saved-for-backward storage to its region.
+
+    fused=False: sdpa on its math path (the region's act_* fields, and node meta[K.SAVED] for
+    passes/tp_cost.py); fused=True: sdpa as a fused kernel saves (`_FusedAttention`), into
+    the region's `fused_act` only."""
     gm = g.gm
     seq = g.structure_seq()
-    for n in gm.graph.nodes:
-        n.meta.pop(K.SAVED, None)  # a second profile of the same graph starts afresh
-    run = _SavedTensorMeter(gm, g, seq)
+    if not fused:
+        for n in gm.graph.nodes:
+            n.meta.pop(K.SAVED, None)  # a second profile of the same graph starts afresh
+    run = _SavedTensorMeter(gm, g, seq, fused=fused)
     args = [torch.empty_like(a, device="meta") if torch.is_tensor(a) else a
             for a in captured.example_inputs]
     if captured.has_loss:
         args.append(torch.empty_like(captured.targets, device="meta"))
     with torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
         run.run(*args)
-    for (kind, idx), (split, repl, attn) in run.totals.items():
+    for (kind, idx), (split, repl, attn) in run.totals().items():
         if kind == "block" and idx != 0:
             continue
         r = regions[kind]
-        r.act_split += split
-        r.act_repl += repl
-        r.act_attn += attn
+        if fused:
+            r.fused_act = [a + b for a, b in zip(r.fused_act, (split, repl, attn))]
+        else:
+            r.act_split += split
+            r.act_repl += repl
+            r.act_attn += attn
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel saves for backward (FlashAttention-2/3's forward: q, k, v,
+    the output and the fp32 logsumexp), on meta tensors. The output is laid out (B, L, H, E) as
+    the kernel writes it, so `out.transpose(1, 2).contiguous()` is the same storage."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lse):  # type: ignore[override]
+        shape = q.shape[:-1] + (v.shape[-1],)
+        if q.dim() >= 3:
+            out = torch.empty(shape[:-3] + (shape[-2], shape[-3], shape[-1]), dtype=q.dtype,
+                              device=q.device).transpose(-3, -2)
+        else:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]  (never run: meta measurement only)
+        raise NotImplementedError
 
 
 class _SavedTensorMeter(torch.fx.Interpreter):
     """Interpreter on meta tensors that records the storages autograd saves, per region.
 
-    attention: saved tensors ending in (s, s) (not counted in split / replicated).
-    replicated: a saved tensor (≥2-D) whose last dim is the hidden size, unless a row-parallel
-    GEMM saves it (its input is split by the GEMM). split: every other saved tensor.
+    attention: saved tensors ending in (s, s), or a fused kernel's logsumexp (not counted in
+    split / replicated). replicated: a saved tensor (≥2-D) whose last dim is the hidden size,
+    unless a row-parallel GEMM saves it (its input is split by the GEMM). split: every other
+    saved tensor. fused=True runs sdpa as `_FusedAttention` and records no node meta.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, g: _GraphFacts, seq: int):
-        super().__init__(gm)
-        self.g, self.seq = g, seq
+    def __init__(self, gm: torch.fx.GraphModule, g: _GraphFacts, seq: int, fused: bool = False):
+        # values stay in env: a fused kernel reads k / v from before their repeat
+        super().__init__(gm, garbage_collect_values=False)
+        self.g, self.seq, self.fused = g, seq, fused
         self.node: torch.fx.Node | None = None
         self.seen: set[int] = set()
-        self.totals: dict[tuple, list[float]] = {}
+        self.lse: set[int] = set()  # storages of fused kernels' logsumexp
+        self.pending: list[tuple[torch.Tensor, int]] = []  # saved by the node running
+        self.records: list[tuple] = []  # (region, producer, bytes, class, floating)
         self.producer: dict[int, torch.fx.Node] = {}  # storage -> node that made it
         # Storage addresses identify tensors only while they live: keep every value alive
         # (meta tensors cost no memory) so that no address is reused during the run.
@@ -532,12 +895,26 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         self.node = n
         if n.op == "call_module":  # the export's input guards: nothing to save
             return None
-        out = super().run_node(n)
+        self.pending = []
+        if self.fused and n.op == "call_function" and n.target in _SDPA:
+            out = self._fused_attention(n)
+        else:
+            out = super().run_node(n)
         self.keep.append(out)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor):
                 self.producer.setdefault(t.untyped_storage()._cdata, n)
+        for t, key in self.pending:  # saved while n ran: n's own outputs are known now
+            self._charge(t, key)
         return out
+
+    def _fused_attention(self, n: torch.fx.Node) -> torch.Tensor:
+        q = self.env[n.args[0]]
+        k, v = (self.env[unrepeated(x)] for x in n.args[1:3])
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device="meta")
+        self.lse.add(lse.untyped_storage()._cdata)
+        self.keep.append(lse)
+        return _FusedAttention.apply(q, k, v, lse)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         target, args, kwargs = _meta_call(target, args, kwargs)
@@ -548,27 +925,56 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         if key in self.seen or self.node is None:
             return t
         self.seen.add(key)
-        nbytes = t.untyped_storage().nbytes() / t.element_size() * (
-            TRAIN_BYTES_PER_ELEM if t.dtype.is_floating_point else t.element_size())
+        self.pending.append((t, key))
+        return t
+
+    def _charge(self, t: torch.Tensor, key: int) -> None:
+        """Charge a saved storage to the region of the node that saved it (self.node)."""
+        if key in self.lse or not t.dtype.is_floating_point:
+            width = t.element_size()
+        elif self.node.op == "call_function" and self.node.target in _FP32_LOSS_OPS:
+            width = LOSS_BYTES_PER_ELEM
+        else:
+            width = TRAIN_BYTES_PER_ELEM
+        nbytes = t.untyped_storage().nbytes() / t.element_size() * width
         made_by = self.producer.get(key)
-        if made_by is None or made_by in self.per_batch:
+        if made_by is not None and t.dtype.is_floating_point and self.g.fusion.internal(made_by):
+            return  # an intermediate of a fused kernel: recomputed in its backward, not kept
+        made_by_batch = made_by is None or made_by in self.per_batch
+        if made_by_batch:
             nbytes /= self.g.batch  # per sequence; batch-independent tensors (positions) stay
         region = self.node.meta.get(K.REGION, ("embedding", None))
-        acc = self.totals.setdefault(region, [0.0, 0.0, 0.0])
-        if t.dim() >= 2 and int(t.shape[-1]) == self.seq and int(t.shape[-2]) == self.seq:
-            acc[2] += nbytes
-            cls = "attn"
+        if key in self.lse or (t.dim() >= 2 and int(t.shape[-1]) == self.seq
+                               and int(t.shape[-2]) == self.seq):
+            cls = 2  # attention
         elif (t.dim() >= 2 and int(t.shape[-1]) == self.g.hidden
               and self.node.meta.get(K.GEMM_SPLIT) != "k"
               and self.g.tp.get(self.node.name) != "k"):
-            acc[1] += nbytes
-            cls = "repl"
+            cls = 1  # replicated
         else:
-            acc[0] += nbytes
-            cls = "split"
-        self.node.meta.setdefault(K.SAVED, []).append(
-            (made_by.name if made_by is not None else None, nbytes, cls))
-        return t
+            cls = 0  # split
+        self.records.append((region, made_by, nbytes, cls, t.dtype.is_floating_point))
+        if not self.fused:
+            self.node.meta.setdefault(K.SAVED, []).append(
+                (made_by.name if made_by is not None else None, nbytes, _CLASSES[cls]))
+
+    def totals(self) -> dict[tuple, list[float]]:
+        """(split, replicated, attention) bytes per region. With fused kernels (today's
+        stacks), a fused elementwise kernel's outputs are not kept either when every value its
+        backward would recompute them from is kept anyway (or is a parameter / constant):
+        torch.compile's min-cut partitioner recomputes such pointwise chains (a norm's output
+        from its input and statistic, SwiGLU's product from gate and up)."""
+        kept = {m for _, m, _, _, _ in self.records if m is not None}
+        out: dict[tuple, list[float]] = {}
+        for region, made_by, nbytes, cls, floating in self.records:
+            if (self.fused and floating and made_by is not None
+                    and self.g.fusion.recomputable(made_by, kept, self.per_batch)):
+                continue
+            out.setdefault(region, [0.0, 0.0, 0.0])[cls] += nbytes
+        return out
+
+
+_CLASSES = ("split", "repl", "attn")
 
 
 def batch_dependent(gm: torch.fx.GraphModule) -> set:

@@ -1,6 +1,7 @@
 """autopar.parallelize end to end (capture → layers → profile → CP-SAT) and the command line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -59,7 +60,9 @@ def test_graph_path_reproduces_published_throughput():
     prog = autopar.parallelize(model, gpus=32, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=512,
                                t=1, p=1, micro_batch_size=16, recompute="full",
-                               schedule="1f1b", zero=0, cluster="dgx-a100-80gb")
+                               schedule="1f1b", zero=0,
+                               cluster=dataclasses.replace(autopar.get_cluster("dgx-a100-80gb"),
+                                                           attention="materialized"))
     B, s, l, h, V = 512, 2048, cfg.n_layer, cfg.n_embd, cfg.vocab_size
     flops = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
     tflops = flops / (32 * prog.plan.predicted.step_time_s) / 1e12

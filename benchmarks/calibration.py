@@ -1,0 +1,51 @@
+"""Published vs predicted: the calibration rows planned from captured models (the product path).
+
+The 2021-22 Megatron-LM rows (2104.04473 Table 1, 2205.05198 Table 5, 1909.08053; A100 / V100,
+attention materialized) and Llama 3 405B on 8,192 H100 (2407.21783 Table 4, flash attention),
+each from its meta-device model (the examples' GPT, transformers GPT-2 / Llama) with every knob
+pinned as published. The rows, their sources and what is pinned live in
+tests/test_calibration.py and tests/test_llama3_calibration.py (which assert ±10%); this
+prints them side by side.
+
+    python benchmarks/calibration.py
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import test_calibration as early  # noqa: E402
+import test_llama3_calibration as llama  # noqa: E402
+
+
+def main() -> int:
+    start = time.perf_counter()
+    print(f"{'published run':<28}{'cluster':<17}{'attention':<14}{'published':>10}"
+          f"{'predicted':>10}{'error':>8}{'mem GB':>8}   (TFLOP/s per GPU, the papers' FLOPs)")
+    worst = 0.0
+    for row in early.ROWS:
+        plan = early.plan_row(row)
+        tflops = early._tflops(row, plan)
+        err = tflops / row.published_tflops - 1
+        worst = max(worst, abs(err))
+        print(f"{row.name:<28}{row.cluster:<17}{'materialized':<14}{row.published_tflops:>10.1f}"
+              f"{tflops:>10.1f}{err * 100:>7.1f}%"
+              f"{plan.predicted.memory_bytes_per_gpu / 1e9:>8.1f}")
+    pred = llama.planned(**llama.PINS).plan.predicted
+    tflops = llama.llama_convention_flops(llama.BATCH, llama.SEQ) / (
+        llama.GPUS * pred.step_time_s) / 1e12
+    err = pred.step_time_s / llama.PUBLISHED_STEP_S - 1
+    worst = max(worst, abs(err))
+    print(f"{'2407.21783 Llama 3 405B':<28}{'dgx-h100-80gb':<17}{'flash':<14}"
+          f"{llama.PUBLISHED_TFLOPS:>10.1f}{tflops:>10.1f}{-err / (1 + err) * 100:>7.1f}%"
+          f"{pred.memory_bytes_per_gpu / 1e9:>8.1f}   (step {pred.step_time_s:.2f} s vs "
+          f"{llama.PUBLISHED_STEP_S:.2f} s published, no recompute)")
+    print(f"worst |error| {worst * 100:.1f}% (goal 10%); {time.perf_counter() - start:.0f} s")
+    return 0 if worst <= 0.10 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
