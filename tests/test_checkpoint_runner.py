@@ -58,13 +58,13 @@ def run_rank(rank, world, plan, path, *, load, start, stop, save, die_in_save=Fa
     state = runner.full_state_dict()
     if die_in_save:
         import autopar.runtime.checkpoint as ck
-        original = ck._write_json
+        original = os.replace
 
-        def die_before_commit(file, obj):
-            if file.name == ck.LAYOUT_FILE:
+        def die_before_commit(src, dst):
+            if Path(dst).name == ck.LAYOUT_FILE:
                 os._exit(5)          # the data files are written, the layout and link are not
-            original(file, obj)
-        ck._write_json = die_before_commit
+            original(src, dst)
+        os.replace = die_before_commit
         try:
             runner.save_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - the surviving rank reports what it saw

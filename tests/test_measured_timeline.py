@@ -121,12 +121,12 @@ def test_irecv_semantics_by_hand():
 def test_irecv_without_transfer_costs_reaches_the_dataflow_bound(name, v):
     """Nothing waits on a receive's position: with free transfers every compute starts when
     its rank is free and its input exists, so the makespan is the dataflow one."""
-    from autopar.schedules import _dataflow_times
+    from autopar.schedules import dataflow_times
     per_rank = make_schedule(name, 2, v, 5)
     f, b = [1.0] * (2 * v), [2.0] * (2 * v)
     res = simulate(per_rank, f, b, comm="irecv")
     ops = [[(a.kind, a.chunk, a.mb) for a in acts if a.kind in ("F", "B")] for acts in per_rank]
-    bound = max(e for _, e in _dataflow_times(ops, 2 * v, (1.0, 2.0)).values())
+    bound = max(e for _, e in dataflow_times(ops, 2 * v, (1.0, 2.0)).values())
     assert res.makespan_s == pytest.approx(bound)
     assert res.makespan_s <= simulate(per_rank, f, b, blocking=False).makespan_s + 1e-9
     assert len(res.events) == sum(len(r) for r in per_rank)   # every action appears once

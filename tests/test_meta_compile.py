@@ -18,7 +18,7 @@ STEPS, BATCH = 3, 4
 
 
 def _init(module: torch.nn.Module) -> None:
-    GPT._init_weights(module)
+    GPT.init_weights(module)
 
 
 def _batches():

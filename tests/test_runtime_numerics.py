@@ -296,12 +296,15 @@ def _dying_rank(rank, world, plan):
     runner, x, y = _after_one_step(plan, timeout_s=20)
     if rank == 1:  # die in the middle of step 2: after the first forward
         ex = runner.executor
-        original = ex._forward
+        regime_hook, done = ex.before_action, []
 
-        def forward_then_die(action):
-            original(action)
-            os._exit(3)
-        ex._forward = forward_then_die
+        def die_after_first_forward(n, action):   # the executor's public per-action hook
+            if "F" in done:
+                os._exit(3)
+            done.append(action.kind)
+            if regime_hook is not None:
+                regime_hook(n, action)
+        ex.before_action = die_after_first_forward
     t0 = time.monotonic()
     try:
         runner.train_step(x, y)

@@ -348,7 +348,7 @@ def test_param_split_round_trip():
 def test_meta_model_materialises_only_local_shards():
     def build(rank):
         gm, model = _gpt_gm(n_layer=1, device="meta", with_model=True)
-        return apply_tensor_parallel(gm, 2, rank, None, model=model, init=GPT._init_weights,
+        return apply_tensor_parallel(gm, 2, rank, None, model=model, init=GPT.init_weights,
                                      seed=7)
     gm = build(1)
     w = gm.get_parameter("model.transformer.h.0.mlp.c_fc.weight")

@@ -45,7 +45,7 @@ def _llama():
                                  ffn_hidden=64, block_size=16))
 
 
-MODELS = {"gpt": (_gpt, GPT._init_weights), "llama_style": (_llama, _llama_init)}
+MODELS = {"gpt": (_gpt, GPT.init_weights), "llama_style": (_llama, _llama_init)}
 
 
 def _meta_worker(rank: int, world: int, name: str) -> dict:
