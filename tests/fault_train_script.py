@@ -13,16 +13,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_runtime_numerics import STEPS, make_data, make_plan, make_program  # noqa: E402
-
-from autopar.plan import Plan  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # the tests' helper modules
+from programs import STEPS, make_data, make_plan, make_program, with_zero  # noqa: E402
 
 
 def main() -> None:
     ckpt, out, kill_step = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
-    plan = Plan.from_dict({**make_plan(d=2, m=2, layers=2).to_dict(), "zero": 1})
+    plan = with_zero(make_plan(d=2, m=2, layers=2), 1)
     prog, vocab = make_program("gpt", plan)
     runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), timeout_s=30)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

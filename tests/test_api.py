@@ -11,13 +11,13 @@ import torch
 import autopar
 from autopar.cli import main as cli_main
 
-from conftest import make_tiny, tiny_batch
+from models import pass_batch, pass_model
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama-style", "hf-gpt2", "hf-llama", "hf-bert"])
+@pytest.mark.parametrize("name", ["gpt", "llama_style", "hf_gpt2", "hf_llama", "hf_bert"])
 def test_parallelize_plans_every_tiny_model(name):
-    model = make_tiny(name)
-    ids, _ = tiny_batch(batch=2)
+    model = pass_model(name)
+    ids, _ = pass_batch(batch=2)
     prog = autopar.parallelize(model, gpus=4, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=8,
                                cluster="local-cpu", p=2)
@@ -68,8 +68,8 @@ def test_graph_path_reproduces_published_throughput():
 
 
 def test_small_model_gets_pure_data_parallelism():
-    model = make_tiny("gpt")
-    ids, _ = tiny_batch(batch=1)
+    model = pass_model("gpt")
+    ids, _ = pass_batch(batch=1)
     plan = autopar.parallelize(model, gpus=8, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=64,
                                cluster="dgx-a100-80gb").plan
@@ -79,8 +79,8 @@ def test_small_model_gets_pure_data_parallelism():
 # ----- bad input: ValueError naming value, rule and fix --------------------------------------
 
 def _tiny_prog(**kw):
-    model = make_tiny("gpt")  # 4 heads, hidden 48, 3 layers
-    ids, _ = tiny_batch(batch=1)
+    model = pass_model("gpt")  # 4 heads, hidden 48, 3 layers
+    ids, _ = pass_batch(batch=1)
     args = dict(gpus=4, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
                 global_batch_size=8, cluster="local-cpu")
     args.update(kw)

@@ -14,16 +14,15 @@ import torch
 
 from autopar.plan import Plan
 from autopar.testing import spawn
-from test_runtime_numerics import (check_against_reference, make_data, make_plan,
-                                   make_program)
+from programs import check_against_reference, make_data, make_plan, make_program, with_zero
 
 pytestmark = pytest.mark.distributed
 
 
 def bf_plan(*, v: int, zero: int, m: int = 2, p: int = 2, d: int = 2) -> Plan:
     """Breadth-first p=2 × d=2, one layer per chunk (layers = p·v)."""
-    plan = make_plan(p=p, d=d, v=v, m=m, schedule="breadth-first", layers=p * v)
-    return Plan.from_dict({**plan.to_dict(), "zero": zero})
+    return with_zero(make_plan(p=p, d=d, v=v, m=m, schedule="breadth-first", layers=p * v),
+                     zero)
 
 
 # ---- numerics -----------------------------------------------------------------------------
@@ -37,8 +36,7 @@ def test_gpt_breadth_first_edge_chunks_without_layers_zero3():
     + loss alone (cost/layout.py): under ZeRO-3 their (tied) weight is all they gather."""
     plan = make_plan(p=2, d=2, v=2, m=2, schedule="breadth-first", layers=4,
                      split=[0, 2, 2, 0])
-    check_against_reference("gpt", Plan.from_dict({**plan.to_dict(), "zero": 3}),
-                            timeout_s=400)
+    check_against_reference("gpt", with_zero(plan, 3), timeout_s=400)
 
 
 @pytest.mark.slow
@@ -51,14 +49,14 @@ def test_gpt_breadth_first_v4_one_layer_per_chunk_d2(zero):
 @pytest.mark.parametrize("zero", [1, 3])
 def test_hf_llama_breadth_first_v2_d2(zero):
     pytest.importorskip("transformers")
-    check_against_reference("hf-llama", bf_plan(v=2, zero=zero), timeout_s=500)
+    check_against_reference("hf_llama", bf_plan(v=2, zero=zero), timeout_s=500)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
 def test_hf_llama_breadth_first_v4_one_layer_per_chunk_d2(zero):
     pytest.importorskip("transformers")
-    check_against_reference("hf-llama", bf_plan(v=4, zero=zero), timeout_s=500)
+    check_against_reference("hf_llama", bf_plan(v=4, zero=zero), timeout_s=500)
 
 
 # ---- collectives per step -----------------------------------------------------------------
@@ -107,7 +105,7 @@ def test_one_reduction_per_chunk_per_step(zero):
     reduce-scatter per chunk, ZeRO-3 one reduce-scatter per chunk and one all-gather per chunk
     per pass (forward and backward: 2 per chunk) — none of them scales with m."""
     plan = bf_plan(v=2, zero=zero, m=4)
-    results = spawn(count_rank, plan.gpus, "gpt-untied", plan, timeout_s=300)
+    results = spawn(count_rank, plan.gpus, "gpt_untied", plan, timeout_s=300)
     for counts, chunks, pp in results:
         assert chunks == plan.v
         if zero == 0:
@@ -122,8 +120,7 @@ def test_one_reduction_per_chunk_per_step(zero):
 # ---- clear errors -------------------------------------------------------------------------
 def test_zero3_needs_breadth_first_and_fp32(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    plan = Plan.from_dict({**make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-1f1b",
-                                       layers=4).to_dict(), "zero": 3})
+    plan = with_zero(make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-1f1b", layers=4), 3)
     prog, _ = make_program("gpt", plan)
     with pytest.raises(ValueError, match=r"zero=3 with schedule='interleaved-1f1b'.*"
                                          r"schedule='breadth-first'"):

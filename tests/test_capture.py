@@ -5,16 +5,17 @@ import inspect
 
 import pytest
 import torch
-from conftest import captured_tiny, make_tiny, tiny_batch
 
 from autopar.examples.gpt import GPT, GPTConfig, gpt_preset, lm_cross_entropy
 from autopar.passes import meta as K
 from autopar.passes.capture import CaptureError, capture, find_repeated_containers
 
+from models import captured, pass_batch, pass_model
+
 
 def test_capture_loss_matches_model(tiny_name):
-    model, cap = captured_tiny(tiny_name)
-    ids, tgt = tiny_batch()
+    model, cap = captured(tiny_name)
+    ids, tgt = pass_batch()
     expected = lm_cross_entropy(model(ids), tgt)
     got = cap.gm(ids, tgt)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
@@ -23,27 +24,27 @@ def test_capture_loss_matches_model(tiny_name):
     assert all(s is not None for s in stacks)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama-style"])
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
 def test_capture_without_loss_returns_logits(name):
-    model = make_tiny(name)
-    ids, _ = tiny_batch()
+    model = pass_model(name)
+    ids, _ = pass_batch()
     cap = capture(model, (ids,))
     torch.testing.assert_close(cap.gm(ids), model(ids))
     assert not cap.has_loss
 
 
 def test_same_tensor_as_input_and_target_stays_two_inputs():
-    model = make_tiny("gpt")
-    ids, _ = tiny_batch()
+    model = pass_model("gpt")
+    ids, _ = pass_batch()
     cap = capture(model, (ids,), lm_cross_entropy, ids)
     other = torch.randint(0, 128, ids.shape)
     torch.testing.assert_close(cap.gm(ids, other), lm_cross_entropy(model(ids), other))
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama-style"])
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
 def test_meta_capture(name):
     with torch.device("meta"):
-        model = make_tiny(name)
+        model = pass_model(name)
     ids = torch.empty(2, 16, dtype=torch.long, device="meta")
     cap = capture(model, (ids,), lm_cross_entropy)  # targets made from the ids' shape
     loss = [n for n in cap.gm.graph.nodes if n.op == "output"][0].args[0][0]
@@ -51,26 +52,26 @@ def test_meta_capture(name):
 
 
 def test_gpt_with_dropout_exports_dropout_ops():
-    model = make_tiny("gpt", dropout=0.1)
-    ids, tgt = tiny_batch()
+    model = pass_model("gpt", dropout=0.1)
+    ids, tgt = pass_batch()
     cap = capture(model, (ids,), lm_cross_entropy, tgt)
     targets = {str(n.target) for n in cap.gm.graph.nodes}
     assert "aten.dropout.default" in targets
 
 
 def test_repeated_containers_are_found_structurally():
-    model = make_tiny("gpt", n_layer=4)
+    model = pass_model("gpt", layers=4)
     assert find_repeated_containers(model) == {"transformer.h": 4}
-    hf = make_tiny("hf-llama", n_layer=3)
+    hf = pass_model("hf_llama", layers=3)
     assert find_repeated_containers(hf) == {"model.layers": 3}
 
 
-@pytest.mark.parametrize("name,path", [("gpt", "transformer.h"), ("hf-llama", "model.layers"),
-                                       ("hf-gpt2", "transformer.h"),
-                                       ("hf-bert", "bert.encoder.layer")])
+@pytest.mark.parametrize("name,path", [("gpt", "transformer.h"), ("hf_llama", "model.layers"),
+                                       ("hf_gpt2", "transformer.h"),
+                                       ("hf_bert", "bert.encoder.layer")])
 def test_repeat_limit_truncates_and_restores(name, path):
-    model = make_tiny(name, n_layer=4)
-    ids, tgt = tiny_batch()
+    model = pass_model(name, layers=4)
+    ids, tgt = pass_batch()
     cap = capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=2)
     assert cap.repeats == {path: 4}
     assert len(model.get_submodule(path)) == 4  # restored
@@ -83,7 +84,7 @@ def test_repeat_limit_truncates_and_restores(name, path):
 
 
 def test_repeat_limit_restores_on_error():
-    model = make_tiny("gpt", n_layer=4)
+    model = pass_model("gpt", layers=4)
     with pytest.raises(CaptureError):
         capture(model, (torch.zeros(2, 16),), repeat_limit=2)  # float ids: embedding fails
     assert len(model.transformer.h) == 4
@@ -113,7 +114,7 @@ def test_data_dependent_control_flow_names_user_line():
 
 def test_meta_model_with_cpu_inputs_is_captured_on_meta():
     with torch.device("meta"):
-        model = make_tiny("gpt")
+        model = pass_model("gpt")
     cap = capture(model, (torch.zeros(2, 16, dtype=torch.long),), lm_cross_entropy,
                   torch.zeros(2, 16, dtype=torch.long))
     assert all(n.meta[K.VAL].is_meta for n in cap.gm.graph.nodes
@@ -121,8 +122,8 @@ def test_meta_model_with_cpu_inputs_is_captured_on_meta():
 
 
 def test_bad_arguments():
-    model = make_tiny("gpt")
-    ids, tgt = tiny_batch()
+    model = pass_model("gpt")
+    ids, tgt = pass_batch()
     with pytest.raises(ValueError, match="repeat_limit"):
         capture(model, (ids,), repeat_limit=1)
     with pytest.raises(ValueError, match="without loss_fn"):

@@ -13,7 +13,10 @@ import torch
 
 from autopar.plan import Plan
 from autopar.testing import spawn
-from test_runtime_numerics import loss_fn, make_data, make_model, make_plan, make_program
+
+import models
+from programs import (loss_fn, make_data, make_plan, make_program, train_single_device,
+                      train_steps, with_zero)
 
 pytestmark = pytest.mark.distributed
 
@@ -24,23 +27,10 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
-def _zero1(plan: Plan) -> Plan:
-    return Plan.from_dict({**plan.to_dict(), "zero": 1})
-
-
-def reference(plan: Plan, name: str = "gpt") -> tuple[list[float], list[dict]]:
+def reference(plan: Plan) -> tuple[list[float], list[dict]]:
     """Single-device losses and the state dict after each step (uninterrupted run)."""
-    model, vocab = make_model(name, plan.num_layers)
-    opt = _adamw(model.parameters())
-    losses, states = [], []
-    for x, y in make_data(plan, vocab):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    return losses, states
+    ref = train_single_device("gpt", plan, _adamw, keep_states=True)
+    return ref.losses, ref.states
 
 
 def run_rank(rank, world, plan, path, *, load, start, stop, save, die_in_save=False):
@@ -48,11 +38,7 @@ def run_rank(rank, world, plan, path, *, load, start, stop, save, die_in_save=Fa
     prog, vocab = make_program("gpt", plan)
     runner = prog.compile(optimizer=_adamw, timeout_s=20)
     loaded = runner.load_checkpoint(path) if load else None
-    share = plan.global_batch_size // plan.d
-    losses = []
-    for x, y in make_data(plan, vocab)[start:stop]:
-        lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
-        losses.append(runner.train_step(x[lo:hi], y[lo:hi]))
+    losses = train_steps(runner, plan, make_data(plan, vocab)[start:stop])
     if save:
         runner.save_checkpoint(path)
     state = runner.full_state_dict()
@@ -85,14 +71,14 @@ def test_save_t2_p2_load_p4_and_d4_zero1_continues_like_uninterrupted(tmp_path):
 
     # full_state_dict() in the original model class reproduces the parallel model: its loss
     # on the next batch is the loss the resumed parallel runs report for that step
-    model, vocab = make_model("gpt", 4)
+    model, vocab = models.runtime_model("gpt", 4), models.RUNTIME_VOCAB
     model.load_state_dict(res[0][2])
     x, y = make_data(saver, vocab)[1]
     with torch.no_grad():
         single = loss_fn(model(x), y).item()
 
     for plan in (make_plan(p=4, b=1, m=4, layers=4),
-                 _zero1(make_plan(d=4, b=1, m=1, layers=4))):
+                 with_zero(make_plan(d=4, b=1, m=1, layers=4), 1)):
         assert plan.global_batch_size == saver.global_batch_size
         out = spawn(run_rank, 4, plan, path, load=True, start=1, stop=STEPS, save=False,
                     timeout_s=400)
@@ -111,7 +97,7 @@ def test_save_t2_p2_load_p4_and_d4_zero1_continues_like_uninterrupted(tmp_path):
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
     path = str(tmp_path / "ckpt")
-    plan = _zero1(make_plan(p=2, d=1, b=1, m=2, layers=2))
+    plan = with_zero(make_plan(p=2, d=1, b=1, m=2, layers=2), 1)
     res = spawn(run_rank, 2, plan, path, load=False, start=0, stop=1, save=True,
                 die_in_save=True, timeout_s=200, pg_timeout_s=15, allow_exit=[0])
     assert res[0] is None                         # rank 0 died while committing the save
@@ -131,7 +117,6 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
 
 def _refusals_rank(rank, world, path):
     import autopar
-    from autopar.examples.gpt import GPT, GPTConfig
     plan = make_plan(layers=2)
     prog, vocab = make_program("gpt", plan)
     runner = prog.compile(optimizer=_adamw, timeout_s=20)
@@ -141,8 +126,8 @@ def _refusals_rank(rank, world, path):
     messages = {}
     ex = torch.zeros(plan.micro_batch_size, 8, dtype=torch.long)
     others = {
-        "wider": GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=48)),
-        "llama": make_model("llama", 2)[0],
+        "wider": models.gpt(heads=2, hidden=48),
+        "llama": models.runtime_model("llama_style", 2),
     }
     for label, model in others.items():
         other = autopar.api.ParallelProgram(model=model, plan=plan, profile=None,

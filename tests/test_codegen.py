@@ -11,7 +11,7 @@ from autopar.codegen import load_chunk_module
 from autopar.plan import Plan
 from autopar.testing import spawn
 
-from test_runtime_numerics import SEQ, make_data, make_plan, make_program
+from programs import SEQ, make_data, make_plan, make_program
 
 
 def test_chunk_source_is_valid_python_with_a_header():
@@ -30,7 +30,7 @@ def test_chunk_source_is_valid_python_with_a_header():
 
 def test_generated_module_runs_like_the_graph():
     plan = make_plan(p=1, m=1, layers=2)
-    prog, vocab = make_program("llama", plan)
+    prog, vocab = make_program("llama_style", plan)
     mod = load_chunk_module(prog.source(chunk=0))
     net = mod.CHUNK_CLASS()
     sd = prog.model.state_dict()

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from autopar.runtime.data_parallel import GradSync
 from autopar.testing import spawn
 
+from reference import train
+
 pytestmark = pytest.mark.distributed
 
 
@@ -199,13 +201,9 @@ def test_bf16_single_device_matches_plain_reference():
     assert all(torch.equal(p, r) for p, r in zip(params, ref16))
     assert all(torch.equal(w, r) for w, r in zip(masters, ref32))
     # and bf16 training stays near fp32 training (3 steps at lr 1e-2: within 2e-2)
-    fp32 = _model()
-    opt = torch.optim.AdamW(fp32.parameters(), lr=1e-2)
-    for step in range(3):
-        x, y = _data(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(fp32(x), y).backward()
-        opt.step()
+    fp32 = train(_model(), [_data(step) for step in range(3)],
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                 loss_fn=torch.nn.functional.mse_loss).model
     assert all(torch.allclose(w, r.detach(), atol=2e-2) for w, r in zip(masters, fp32.parameters()))
 
 

@@ -8,7 +8,7 @@ import torch
 
 from autopar.testing import spawn
 
-from test_runtime_numerics import make_data, make_plan, make_program
+from programs import make_data, make_plan, make_program
 
 pytestmark = pytest.mark.distributed
 

@@ -14,17 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.plan import Plan
 from autopar.testing import spawn
-from test_runtime_numerics import loss_fn, make_data, make_model, make_plan, make_program
+
+from programs import make_data, make_plan, make_program, train_single_device, with_zero
 
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).resolve().parent
-
-
-def _zero1(plan: Plan) -> Plan:
-    return Plan.from_dict({**plan.to_dict(), "zero": 1})
 
 
 def _dies_in_sync(rank, world, plan):
@@ -47,7 +43,7 @@ def _dies_in_sync(rank, world, plan):
 @pytest.mark.parametrize("zero", [0, 1])
 def test_dead_rank_in_gradient_sync_raises_peer_error_naming_it(zero):
     plan = make_plan(d=2, m=2, layers=2)
-    plan = _zero1(plan) if zero else plan
+    plan = with_zero(plan, 1) if zero else plan
     results = spawn(_dies_in_sync, 2, plan, timeout_s=150, pg_timeout_s=15, allow_exit=[1])
     assert results[1] is None
     kind, message, elapsed_s = results[0]
@@ -57,17 +53,9 @@ def test_dead_rank_in_gradient_sync_raises_peer_error_naming_it(zero):
 
 
 def _reference_state():
-    plan = make_plan(d=2, m=2, layers=2)
-    model, vocab = make_model("gpt", plan.num_layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for x, y in make_data(plan, vocab):
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
+    ref = train_single_device("gpt", make_plan(d=2, m=2, layers=2),
+                              lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    return ref.losses, ref.state
 
 
 @pytest.mark.slow

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LAYERS, captured_tiny
 
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LayerError, block_signature, find_layers
 
+from models import LAYERS, captured
+
 
 def test_blocks_and_regions(tiny_name):
-    _, cap = captured_tiny(tiny_name)
+    _, cap = captured(tiny_name)
     s = find_layers(cap)
     assert s.num_blocks == s.num_layers == LAYERS
     assert all(block_signature(s, i) == block_signature(s, 0) for i in range(LAYERS))
@@ -34,7 +35,7 @@ def test_blocks_and_regions(tiny_name):
 
 
 def test_rotary_tables_shared_by_all_blocks_are_embedding():
-    _, cap = captured_tiny("hf-llama")
+    _, cap = captured("hf_llama")
     s = find_layers(cap)
     shared = set(s.block_inputs[0])
     for i in range(1, LAYERS):
@@ -48,10 +49,10 @@ def test_rotary_tables_shared_by_all_blocks_are_embedding():
 
 
 def test_truncated_capture_reports_true_layer_count():
-    _, cap = captured_tiny("gpt", 2)
+    _, cap = captured("gpt", 2)
     s = find_layers(cap)
     assert (s.num_blocks, s.num_layers) == (2, LAYERS)
-    _, full = captured_tiny("gpt")
+    _, full = captured("gpt")
     assert block_signature(find_layers(full), 0) == block_signature(s, 0)
 
 

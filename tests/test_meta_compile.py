@@ -7,35 +7,35 @@ import pytest
 import torch
 
 import autopar
-from autopar.examples.gpt import GPT, GPTConfig
+from autopar.examples.gpt import GPT
 from autopar.runtime.shard import init_full_like_meta
 from autopar.testing import spawn
 
+import models
+from reference import train
+
 pytestmark = pytest.mark.distributed
 
-CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
+VOCAB, SEQ = 64, 8
 STEPS, BATCH = 3, 4
 
 
-def _init(module: torch.nn.Module) -> None:
-    GPT.init_weights(module)
+def _gpt(layers: int = 2) -> torch.nn.Module:
+    return models.gpt(vocab=VOCAB, seq=SEQ, layers=layers, heads=2, hidden=16)
 
 
 def _batches():
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
-             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g))
-            for _ in range(STEPS)]
+    return models.token_batches(VOCAB, (BATCH, SEQ), STEPS, seed=3)
 
 
 def _rank(rank: int, world: int):
     with autopar.meta_init():
-        model = GPT(CFG)
-    ids = torch.zeros(1, CFG.block_size, dtype=torch.long)
+        model = _gpt()
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
     prog = autopar.parallelize(model, gpus=world, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=BATCH,
                                cluster="local-cpu", p=2, micro_batch_size=1, schedule="1f1b",
-                               init=_init)
+                               init=GPT.init_weights)
     runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     assert not any(p.is_meta for p in runner.parameters())
     losses = [runner.train_step(x, y) for x, y in _batches()]
@@ -44,15 +44,9 @@ def _rank(rank: int, world: int):
 
 def test_meta_model_compiles_and_matches_its_real_twin():
     results = spawn(_rank, 2, timeout_s=300)
-    model = init_full_like_meta(GPT(CFG), _init, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref = []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = autopar.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    model = init_full_like_meta(_gpt(), GPT.init_weights, seed=0)
+    ref = train(model, _batches(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                loss_fn=autopar.cross_entropy).losses
     losses, state = results[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
     for k, v in model.state_dict().items():
@@ -64,14 +58,13 @@ def test_a_pipeline_rank_materialises_only_its_own_chunks(t):
     """Local shards only (issue 3): the build for pipeline rank r makes real tensors for the
     weights of r's chunks (c ≡ r mod p) only; the other chunks' weights stay meta shapes."""
     from autopar.build import build_program
-    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=16)
     with autopar.meta_init():
-        model = GPT(cfg)
-    ids = torch.zeros(1, cfg.block_size, dtype=torch.long)
+        model = _gpt(layers=4)
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
     prog = autopar.parallelize(model, gpus=2 * t, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=4,
                                cluster="local-cpu", t=t, p=2, v=2, micro_batch_size=1,
-                               schedule="interleaved-1f1b", init=_init)
+                               schedule="interleaved-1f1b", init=GPT.init_weights)
     built = build_program(prog)
     total = sum(x.numel() for x in built.gm.parameters())
     for r in range(2):

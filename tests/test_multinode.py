@@ -15,7 +15,9 @@ import torch
 from autopar.api import ParallelProgram
 from autopar.codegen import synthetic_batch
 from autopar.testing import free_port
-from test_runtime_numerics import make_plan
+
+from programs import make_plan
+from reference import train
 
 pytestmark = pytest.mark.distributed
 
@@ -48,16 +50,10 @@ def _program(tmp_path, plan):
 
 def _reference(factory, plan, steps):
     model, inputs, loss_fn = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    losses = []
-    for step in range(steps):
-        x, y = synthetic_batch(step, plan.global_batch_size, inputs[0].shape[1], 64)
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    batches = (synthetic_batch(step, plan.global_batch_size, inputs[0].shape[1], 64)
+               for step in range(steps))
+    return train(model, batches, lambda ps: torch.optim.AdamW(ps, lr=3e-4),
+                 loss_fn=loss_fn).losses
 
 
 def test_save_writes_multinode_and_slurm_launchers(tmp_path):

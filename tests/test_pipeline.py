@@ -9,7 +9,7 @@ from autopar.build import build_program
 from autopar.passes import meta as K
 from autopar.passes.pipeline import split_chunks
 
-from test_runtime_numerics import make_plan, make_program, SEQ
+from programs import SEQ, make_plan, make_program
 
 
 def _run_chunks(chunks, x, y):
@@ -27,7 +27,7 @@ def _run_chunks(chunks, x, y):
     ("gpt", 2, 2, 1, None),
     ("gpt", 3, 2, 1, [2, 1]),          # uneven
     ("gpt", 5, 2, 2, [2, 1, 1, 1]),    # interleaved, layer count not divisible by p·v
-    ("llama", 4, 4, 1, None),
+    ("llama_style", 4, 4, 1, None),
 ])
 def test_chunks_compose_to_the_full_model(name, layers, p, v, split):
     plan = make_plan(p=p, v=v, m=max(p, 2), layers=layers, split=split,
@@ -71,7 +71,7 @@ def test_parameters_live_where_used_and_tied_embedding_is_in_both_ends():
 
 def test_rotary_tables_are_recomputed_not_sent():
     plan = make_plan(p=2, m=2, layers=2)
-    prog, _ = make_program("llama", plan)
+    prog, _ = make_program("llama_style", plan)
     chunks = build_program(prog).chunks(0)
     recv = chunks[1].meta[K.CHUNK].recv
     assert len(recv) == 1 and recv[0].shape == (2, SEQ, 32) and recv[0].requires_grad

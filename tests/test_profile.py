@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 import torch
-from conftest import HEADS, HIDDEN, LAYERS, SEQ, VOCAB, captured_tiny
 
 from autopar.cost.profile import transformer_profile
 from autopar.examples.gpt import GPT, gpt_preset, lm_cross_entropy
@@ -22,11 +21,14 @@ from autopar.passes.capture import capture
 from autopar.passes.layers import find_layers
 from autopar.passes.profile import profile_from_graph
 
+from models import (HEADS, HIDDEN, LAYERS, SEQ, VOCAB, captured, hf_bloom, hf_gpt2, pass_batch,
+                    pass_model)
+
 S, H, A = SEQ, HIDDEN, HEADS
 
 
 def _profile(name, repeat_limit=None):
-    _, cap = captured_tiny(name, repeat_limit)
+    _, cap = captured(name, repeat_limit)
     return profile_from_graph(cap, find_layers(cap), name=name)
 
 
@@ -76,15 +78,14 @@ def test_gpt_matches_textbook():
 
 
 def test_hf_gpt2_matches_textbook():
-    p, t = _profile("hf-gpt2"), _textbook()
+    p, t = _profile("hf_gpt2"), _textbook()
     _check_flops_and_params(p, t)
     _check_activations(p, t, extra_split_block=3 * S * 4 * H * 2)
 
 
 def test_gpt_with_dropout_matches_textbook_masks():
-    from conftest import make_tiny, tiny_batch
-    model = make_tiny("gpt", dropout=0.1)
-    ids, tgt = tiny_batch()
+    model = pass_model("gpt", dropout=0.1)
+    ids, tgt = pass_batch()
     cap = capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=2)
     p, t = profile_from_graph(cap, find_layers(cap)), _textbook()
     assert p.block.act_replicated_bytes == t.block.act_replicated_bytes  # 1-byte masks
@@ -94,7 +95,7 @@ def test_gpt_with_dropout_matches_textbook_masks():
 
 
 def test_llama_style_dims_and_flops():
-    p = _profile("llama-style")
+    p = _profile("llama_style")
     t = _textbook(kv_heads=2, ffn=80, gated_mlp=True, tied_embeddings=False)
     assert (p.kv_heads, p.ffn, p.heads, p.hidden, p.tied_embeddings) == (2, 80, A, H, False)
     assert p.fwd_flops_per_seq() == t.fwd_flops_per_seq()
@@ -106,9 +107,9 @@ def test_llama_style_dims_and_flops():
 
 
 def test_hf_llama_and_bert_profiles():
-    llama = _profile("hf-llama")
+    llama = _profile("hf_llama")
     assert (llama.kv_heads, llama.ffn, llama.num_layers) == (2, 80, LAYERS)
-    bert = _profile("hf-bert")
+    bert = _profile("hf_bert")
     assert (bert.heads, bert.ffn, bert.hidden) == (A, 4 * H, H)
     # BERT's MLM head has a dense transform (replicated) before the vocab projection
     assert [g.tp_split for g in bert.head.gemms] == [None, "n"]
@@ -148,11 +149,8 @@ def test_heads_of_attention_written_out_with_matmuls():
     (ALiBi through baddbmm on (B·heads, T, d), fused qkv) and GPT-2 with eager attention
     ((B, heads, T, d) matmuls). Before, such models profiled as 1 head and the solver refused
     every t > 1."""
-    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
-    bloom = _hf_profile(BloomForCausalLM(BloomConfig(
-        n_layer=2, hidden_size=32, n_head=4, vocab_size=64, use_cache=False)))
+    bloom = _hf_profile(hf_bloom())
     assert (bloom.heads, bloom.kv_heads, bloom.hidden, bloom.ffn) == (4, 4, 32, 128)
-    gpt2 = _hf_profile(GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=32, n_head=8, vocab_size=64, n_positions=16, use_cache=False,
-        attn_implementation="eager")))
+    gpt2 = _hf_profile(hf_gpt2(heads=8, dropout=0.1, attn_dropout=0.1,
+                               attn_implementation="eager"))
     assert (gpt2.heads, gpt2.kv_heads, gpt2.ffn) == (8, 8, 128)

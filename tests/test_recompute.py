@@ -13,10 +13,10 @@ from autopar.build import build_program
 from autopar.codegen import load_chunk_module, render_chunk
 from autopar.passes import meta as K
 from autopar.passes.recompute import apply_recompute
-
-from conftest import make_tiny
 from autopar.testing import spawn
-from test_runtime_numerics import check_against_reference, loss_fn, make_data, make_plan
+
+import models
+from programs import check_against_reference, loss_fn, make_data, make_plan
 
 SEQ_LEN = 8
 B = 2
@@ -26,7 +26,7 @@ def _program(name: str, mode: str, *, p: int = 2, layers: int = 2, split=None,
              dropout: float = 0.0, eager: bool = False) -> ParallelProgram:
     plan = dataclasses.replace(make_plan(p=p, m=p, b=B, layers=layers, split=split),
                                recompute=mode)
-    model = make_tiny(name, n_layer=layers, dropout=dropout)
+    model = models.pass_model(name, layers=layers, dropout=dropout)
     if eager:  # transformers' unfused attention: matmul → softmax → dropout → matmul
         model.config._attn_implementation = "eager"
     model.train()
@@ -61,8 +61,8 @@ def _data(vocab: int = 128):
 
 @pytest.mark.parametrize("name,dropout,eager", [
     ("gpt", 0.1, False),            # fused sdpa with attention dropout, residual dropout
-    ("llama-style", 0.0, False),    # rotary, GQA, SwiGLU, RMSNorm
-    ("hf-gpt2", 0.1, True),         # unfused attention core, Conv1D
+    ("llama_style", 0.0, False),    # rotary, GQA, SwiGLU, RMSNorm
+    ("hf_gpt2", 0.1, True),         # unfused attention core, Conv1D
 ])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_numerics_equal_to_no_recompute(name, dropout, eager, mode):
@@ -102,7 +102,7 @@ def _saved_bytes(gm: torch.fx.GraphModule, args) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama-style"])
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
 def test_memory_full_below_selective_below_none(name):
     # p=3 over 6 layers: chunk 1 is blocks 2-3 only, its input is the residual stream (B, T, C)
     sizes = {}
@@ -152,7 +152,7 @@ def test_two_ranks_full_recompute_equals_single_device():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name,mode", [("gpt", "full"), ("llama", "selective")])
+@pytest.mark.parametrize("name,mode", [("gpt", "full"), ("llama_style", "selective")])
 def test_tensor_parallel_sequence_parallel_recompute_equals_single_device(name, mode):
     """t=2 with sequence parallelism: the checkpointed regions hold the fused column-parallel
     calls (passes/overlap.py) and tensor-parallel dropout, whose checkpoint call goes through
@@ -166,11 +166,8 @@ def test_tensor_parallel_sequence_parallel_recompute_equals_single_device(name, 
 def _tp_dropout_rank(rank: int, world: int, mode: str) -> dict:
     """t=2 GPT with attention and residual dropout: one SGD step's loss and weights, whether
     its attention runs on per-rank dropout streams, and how many regions were checkpointed."""
-    from autopar.examples.gpt import GPT, GPTConfig
     plan = dataclasses.replace(make_plan(t=2, p=1, m=2, layers=2), recompute=mode)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
-                          dropout=0.1))
+    model = models.build("gpt", seed=0, heads=2, dropout=0.1)
     x, y = make_data(plan, 64)[0]
     ex = torch.zeros(plan.micro_batch_size, x.shape[1], dtype=torch.long)
     prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),

@@ -6,15 +6,13 @@ import copy
 import pytest
 import torch
 
-from autopar.examples.gpt import GPT, GPTConfig
 from autopar.runtime.split_backward import backward_input, backward_weight
 
-CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+import models
 
 
 def _blocks():
-    torch.manual_seed(0)
-    return GPT(CFG).transformer.h
+    return models.build("gpt", seed=0, vocab=32, seq=8, heads=2, hidden=16).transformer.h
 
 
 def _grads(net):

@@ -10,8 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
-from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.examples.gpt import GPT, lm_cross_entropy
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.sharding import Partial, Replicate, Shard, unflattened_sizes, map_reshape
@@ -19,22 +18,22 @@ from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_shar
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
 
+import models
+
 B, T = 2, 8
 
 
 def _gpt_gm(n_layer: int = 2, n_head: int = 4, n_embd: int = 32, vocab: int = 64,
             device: str = "cpu", with_model: bool = False):
     with torch.device(device):
-        model = GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=n_layer, n_head=n_head,
-                              n_embd=n_embd))
+        model = models.gpt(vocab=vocab, layers=n_layer, heads=n_head, hidden=n_embd)
     ids = torch.randint(0, vocab, (B, T), device=device)
     gm = capture(model, (ids,), lm_cross_entropy, ids).gm
     return (gm, model) if with_model else gm
 
 
 def _llama_gm(kv: int = 2, n_layer: int = 2):
-    model = LlamaStyle(llama_tiny(vocab_size=64, n_embd=32, n_head=4, n_kv_head=kv,
-                                  ffn_hidden=64, n_layer=n_layer))
+    model = models.llama_style(kv_heads=kv, layers=n_layer)
     ids = torch.randint(0, 64, (B, T))
     return capture(model, (ids,), lm_cross_entropy, ids).gm
 
@@ -100,16 +99,15 @@ def test_parallel_attention_and_mlp_branches_reduce_once(sp, name):
     Megatron
     reduces its parallel residual once too), not two; the cost model's correction drops the
     merged all-reduce."""
-    import hf_zoo
     from autopar.passes.layers import find_layers
     from autopar.passes.profile import profile_from_graph
     from autopar.passes.tp_cost import tp_corrections
     ids = torch.randint(0, 64, (2, 8))
     layers = 3 if name == "hf_falcon" else 2
-    make = {"hf_falcon": lambda: hf_zoo.hf_falcon(layers=layers),
+    make = {"hf_falcon": lambda: models.hf_falcon(layers=layers),
             # dropout 0.3 on each biased branch: bias·noise added after the one reduction
-            "hf_neox_dropout": lambda: hf_zoo.hf_neox(hidden_dropout=0.3)}.get(
-                name, getattr(hf_zoo, name, None))
+            "hf_neox_dropout": lambda: models.hf_neox(dropout=0.3)}.get(
+                name, getattr(models, name, None))
     gm = apply_tensor_parallel(capture(make(), (ids,), lm_cross_entropy, ids).gm, 2, 0, None,
                                sequence_parallel=sp)
     reduce = C.reduce_scatter_to_sp if sp else C.reduce_from_tp
@@ -168,12 +166,9 @@ def test_overlap_under_sequence_parallel_keeps_the_gather_dim():
 def test_overlap_reads_conv1d_addmm_and_x_matmul_w_t():
     """GPT-2's Conv1D is addmm(b, x, W) with W (in, out); Falcon's x @ w.T a matmul: both
     are projections ("mm" layout), biases ride along."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from hf_zoo import hf_falcon
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
-                                       n_positions=16, use_cache=False))
+    model = models.hf_gpt2(layers=1, dropout=0.1, attn_dropout=0.1)
     ids = torch.randint(0, 64, (B, T))
-    for m, biased in ((model, True), (hf_falcon(layers=1), False)):
+    for m, biased in ((model, True), (models.hf_falcon(layers=1), False)):
         gm = _overlapped(apply_tensor_parallel(
             capture(m, (ids,), lm_cross_entropy, ids).gm, 2, 0, None))
         fused = _calls(gm, C.column_parallel)
@@ -186,9 +181,9 @@ def test_overlap_reads_conv1d_addmm_and_x_matmul_w_t():
 def test_overlap_leaves_an_entry_with_a_non_projection_user():
     """OLMo-2's q/k norm statistic enters the split region through f into a mul, not a
     projection: that f stays a plain copy_to_tp; the others are fused."""
-    from hf_zoo import hf_olmo2
     ids = torch.randint(0, 64, (B, T))
-    gm = apply_tensor_parallel(capture(hf_olmo2(), (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
+    gm = apply_tensor_parallel(capture(models.hf_olmo2(), (ids,), lm_cross_entropy, ids).gm, 2,
+                               0, None)
     entries = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
     gm = _overlapped(gm)
     left = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
@@ -220,9 +215,7 @@ def test_local_shapes_and_meta_vals():
 
 
 def test_transformers_gpt2_conv1d_split_on_stored_dims():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64,
-                                       n_positions=16, use_cache=False))
+    model = models.hf_gpt2(layers=1, dropout=0.1, attn_dropout=0.1)
     ids = torch.randint(0, 64, (B, T))
     gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2)
     params = gm.meta[K.TP_INFO].params
@@ -248,7 +241,6 @@ def test_gqa_fewer_kv_heads_than_t_replicates_kv_and_reports_it():
     assert len(reported) == 4                      # k and v of both layers
     assert all("llama.py" in f.where for f in info.fallbacks)
     assert "replicated" in info.summary()
-
 
 
 def test_sequence_parallel_replicated_kv_reads_the_gathered_sequence():
@@ -284,9 +276,8 @@ def test_heads_not_divisible_by_pinned_t_is_a_clear_error():
 def test_kv_groups_not_divisible_by_pinned_t_names_the_groups():
     # Falcon's fused qkv is grouped per kv head: (…, 64) -> (…, 2 groups, 4, 8); at t=4 the
     # split would cut inside a group (Megatron-Core requires t | query groups as well)
-    import hf_zoo
     ids = torch.randint(0, 64, (B, T))
-    gm = capture(hf_zoo.hf_falcon(layers=1), (ids,), lm_cross_entropy, ids).gm
+    gm = capture(models.hf_falcon(layers=1), (ids,), lm_cross_entropy, ids).gm
     with pytest.raises(ValueError) as err:
         propagate_sharding(gm, 4)
     msg = str(err.value)
@@ -300,7 +291,7 @@ def test_kv_groups_not_divisible_by_pinned_t_names_the_groups():
 def test_bad_t_and_sequence_length():
     with pytest.raises(ValueError, match="positive integer"):
         propagate_sharding(_gpt_gm(n_layer=1), 0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32))
+    model = models.gpt(layers=1)
     ids = torch.randint(0, 64, (B, 9))
     gm = capture(model, (ids,), lm_cross_entropy, ids).gm
     with pytest.raises(ValueError, match="sequence length 9"):
@@ -376,8 +367,7 @@ def _smoothed(out, y):
 
 
 def _gm_with(loss_fn, n_embd: int = 32, vocab: int = 64, dropout: float = 0.0):
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=1, n_head=4, n_embd=n_embd,
-                          dropout=dropout))
+    model = models.gpt(vocab=vocab, layers=1, hidden=n_embd, dropout=dropout)
     model.train()
     ids = torch.randint(0, vocab, (B, T))
     return capture(model, (ids,), loss_fn, ids).gm if loss_fn else capture(model, (ids,)).gm
@@ -453,9 +443,7 @@ _MORE = {"hf_neox": -1, "hf_falcon": -1, "hf_gptj": -1, "hf_bloom": 0, "hf_olmo2
 
 @pytest.mark.parametrize("name", sorted(_MORE))
 def test_more_transformers_architectures_split_like_megatron(name):
-    import hf_zoo
-    torch.manual_seed(0)
-    model = getattr(hf_zoo, name)()
+    model = models.build(name, seed=0)
     ids = torch.randint(0, 64, (B, T))
     gm = apply_tensor_parallel(capture(model, (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
     info = gm.meta[K.TP_INFO]
@@ -475,8 +463,7 @@ def test_multi_query_fused_qkv_keeps_attention_replicated_and_says_why():
     # GPT-BigCode multi-query: one k/v head inside the fused c_attn cannot be split by heads
     # (Megatron-Core requires the query groups to divide by t as well): attention stays
     # replicated, reported; the MLP and the vocabulary are still split
-    import hf_zoo
-    model = hf_zoo.hf_bigcode()
+    model = models.hf_bigcode()
     ids = torch.randint(0, 64, (B, T))
     info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2).meta[K.TP_INFO]
     assert any("attention split along a non-head dim" in f.reason for f in info.fallbacks)

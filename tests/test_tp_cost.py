@@ -18,11 +18,12 @@ from autopar.cost.hardware import get_cluster, with_overrides
 from autopar.cost.profile import transformer_profile
 from autopar.cost.solver import solve, tensor_degrees
 from autopar.examples.gpt import lm_cross_entropy
-from autopar.examples.llama import LlamaStyle, llama_tiny
 from autopar.passes.capture import capture
 from autopar.passes.layers import find_layers
 from autopar.passes.profile import profile_from_graph
 from autopar.passes.tp_cost import tp_corrections, with_tp_corrections
+
+import models
 
 A100 = get_cluster("dgx-a100-80gb")
 # GEMM time = FLOPs / (peak · e_max) exactly: no shape efficiency, launch or HBM term
@@ -31,15 +32,15 @@ FLOP_BOUND = with_overrides(A100, name="flop-bound", gemm_half_dim=1e-9, kernel_
 S, H, HEADS, FFN, LAYERS = 16, 64, 4, 96, 2
 
 
-def _config(kv: int):
-    return llama_tiny(vocab_size=128, block_size=S, n_layer=LAYERS, n_embd=H, n_head=HEADS,
-                      n_kv_head=kv, ffn_hidden=FFN)
+def _llama(kv: int):
+    return models.llama_style(vocab=128, seq=S, layers=LAYERS, hidden=H, heads=HEADS,
+                              kv_heads=kv, ffn=FFN)
 
 
 @functools.lru_cache(maxsize=None)
 def _captured(kv: int):
     torch.manual_seed(0)
-    model = LlamaStyle(_config(kv))
+    model = _llama(kv)
     ids = torch.randint(0, 128, (2, S))
     cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
     structure = find_layers(cap)
@@ -183,7 +184,7 @@ def test_solver_avoids_a_t_whose_fallbacks_cost_more():
 def test_parallelize_prices_the_fallbacks():
     import autopar
     torch.manual_seed(0)
-    model = LlamaStyle(_config(kv=2))
+    model = _llama(kv=2)
     ids = torch.randint(0, 128, (2, S))
     prog = autopar.parallelize(model, gpus=4, example_inputs=(ids,),
                                loss_fn=autopar.cross_entropy, global_batch_size=2)
@@ -201,9 +202,7 @@ def test_mean_over_the_split_dim_priced_as_a_small_all_reduce_each_way():
     # OLMo-2 RMS-normalises q and k over all heads (the split dim): per block, each norm's
     # (T, 1) statistic is all-reduced forward, and the gradient of the rsqrt computed from it
     # (which scales the split q / k) is all-reduced backward; nothing falls back
-    import hf_zoo
-    torch.manual_seed(0)
-    model = hf_zoo.hf_olmo2()
+    model = models.build("hf_olmo2", seed=0)
     ids = torch.randint(0, 64, (2, 8))
     cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
     structure = find_layers(cap)

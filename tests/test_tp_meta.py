@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
-from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.examples.gpt import GPT, lm_cross_entropy
 from autopar.passes.capture import capture
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
 from autopar.runtime import shard as shard_rt
 from autopar.testing import spawn
-from tests.test_tp_numerics import _batches, _compare, _train
+
+import models
+from reference import state_mismatches, tp_batches, tp_train
 
 pytestmark = pytest.mark.distributed
 
@@ -36,16 +37,11 @@ def _llama_init(module: nn.Module) -> None:
         nn.init.normal_(module.weight, std=0.02)   # Linear keeps reset_parameters (kaiming)
 
 
-def _gpt():
-    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
-
-
 def _llama():
-    return LlamaStyle(llama_tiny(vocab_size=64, n_embd=32, n_head=4, n_kv_head=2,
-                                 ffn_hidden=64, block_size=16))
+    return models.llama_style(seq=16)
 
 
-MODELS = {"gpt": (_gpt, GPT.init_weights), "llama_style": (_llama, _llama_init)}
+MODELS = {"gpt": (models.gpt, GPT.init_weights), "llama_style": (_llama, _llama_init)}
 
 
 def _meta_worker(rank: int, world: int, name: str) -> dict:
@@ -55,24 +51,23 @@ def _meta_worker(rank: int, world: int, name: str) -> dict:
     with shard_rt.meta_init():
         model = build()
     assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
-    ids, tgt = _batches(64)[0]
+    ids, tgt = tp_batches()[0]
     gm = capture(model, (ids.to("meta"),), lm_cross_entropy, tgt.to("meta")).gm
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD, model=model, init=init,
                                seed=SEED)
     assert not any(t.is_meta for t in list(gm.parameters()) + list(gm.buffers()))
     initial = gather_full_state_dict(gm)
-    losses = _train(gm, list(gm.parameters()))
+    losses = tp_train(gm)
     final = gather_full_state_dict(gm)
     out = {"losses": losses}
     if rank == 0:
         ref = shard_rt.init_full_like_meta(build(), init, SEED)   # real, full-size twin
-        out["initial_mismatch"] = _compare(initial, ref.state_dict(), exact=True)
+        out["initial_mismatch"] = state_mismatches(initial, ref.state_dict(), exact=True)
         out["buffers_equal"] = all(torch.equal(b, initial[k]) for k, b in ref.named_buffers()
                                    if k in initial)
         out["buffer_keys"] = [k for k, _ in ref.named_buffers()]
-        out["ref_losses"] = _train(lambda i, y: lm_cross_entropy(ref(i), y),
-                                   list(ref.parameters()))
-        out["final_mismatch"] = _compare(final, ref.state_dict())
+        out["ref_losses"] = tp_train(ref, loss_fn=lm_cross_entropy)
+        out["final_mismatch"] = state_mismatches(final, ref.state_dict())
     return out
 
 

@@ -14,90 +14,23 @@ import copy
 import pytest
 import torch
 
-from autopar.examples.gpt import GPT, GPTConfig, lm_cross_entropy
-from autopar.examples.llama import LlamaStyle, llama_tiny
+from autopar.examples.gpt import lm_cross_entropy
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.overlap import overlap_tp_backward
 from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_state_dict
 from autopar.testing import spawn
-from hf_zoo import hf_bloom, hf_falcon, hf_gptj, hf_neox, hf_olmo2, hf_phi, torch_encoder
+
+import models
+from reference import state_mismatches, tp_batches, tp_train
 
 pytestmark = pytest.mark.distributed
 
-STEPS, BATCH, SEQ = 3, 2, 8
-
-
-# ----- models (module level: the spawned ranks import them) -------------------------------------
-
-def gpt(vocab: int = 64, heads: int = 4) -> torch.nn.Module:
-    return GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=heads, n_embd=32))
-
-
-def llama_style(kv: int = 2) -> torch.nn.Module:
-    return LlamaStyle(llama_tiny(vocab_size=64, n_embd=32, n_head=4, n_kv_head=kv,
-                                 ffn_hidden=64))
-
-
-def hf_gpt2(hidden_dropout: float = 0.0) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64,
-                                      n_positions=16, use_cache=False,
-                                      resid_pdrop=hidden_dropout, embd_pdrop=hidden_dropout,
-                                      attn_pdrop=0.0))
-
-
-def hf_llama(kv: int = 2) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=kv,
-        intermediate_size=64, vocab_size=64, max_position_embeddings=16, use_cache=False))
-
-
-def hf_bert() -> torch.nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
-    return BertForMaskedLM(BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-        vocab_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0))
-
-
-MODELS = {"gpt": gpt, "llama_style": llama_style, "hf_gpt2": hf_gpt2, "hf_llama": hf_llama,
-          "hf_bert": hf_bert, "hf_neox": hf_neox, "hf_falcon": hf_falcon, "hf_gptj": hf_gptj,
-          "hf_bloom": hf_bloom, "hf_olmo2": hf_olmo2, "hf_phi": hf_phi,
-          "torch_encoder": torch_encoder}
-
 
 def _build(name: str, kwargs: dict) -> torch.nn.Module:
-    torch.manual_seed(1234)
-    model = MODELS[name](**kwargs)
+    model = models.build(name, seed=1234, **kwargs)
     model.train()
     return model
-
-
-def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(99)
-    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=gen),
-             torch.randint(0, vocab, (BATCH, SEQ), generator=gen)) for _ in range(STEPS)]
-
-
-def _train(step_fn, params, vocab: int = 64) -> list[float]:
-    # lr 1e-3: a wrong gradient still moves a weight by ~1e-3, 100x the tolerance, while Adam
-    # cannot amplify fp32 reduction-order noise past atol. eps=1e-6: the key bias of attention has an analytically zero gradient (softmax is
-    # shift-invariant), so with the default eps Adam's update of it is normalised rounding noise
-    # (±lr, sign-random) in both runs alike; 1e-6 keeps noise-level gradients from moving it.
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
-    # both runs start the default RNG stream alike: dropout in replicated regions (and on
-    # partial sums) then draws the single device's masks
-    torch.manual_seed(4321)
-    losses = []
-    for ids, tgt in _batches(vocab):
-        opt.zero_grad()
-        loss = step_fn(ids, tgt)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
 
 
 def nll_ignore(output, targets):
@@ -128,41 +61,22 @@ def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool,
     ref = copy.deepcopy(model)
     vocab = kwargs.get("vocab", 64)
     loss_fn, inside, fix = LOSSES[loss]
-    ids, tgt = _batches(vocab)[0]
-    gm = capture(model, (ids,), loss_fn, fix(tgt)).gm if inside else capture(model, (ids,)).gm
+    batches = [(ids, fix(tgt)) for ids, tgt in tp_batches(vocab)]
+    ids, tgt = batches[0]
+    gm = capture(model, (ids,), loss_fn, tgt).gm if inside else capture(model, (ids,)).gm
     if cluster is not None:
         propagate_sharding(gm, world, sequence_parallel=sp, cluster=cluster)
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD, sequence_parallel=sp)
     fused = overlap_tp_backward(gm).meta[K.OVERLAP] if overlap else 0
     local_elems = sum(p.numel() for p in gm.parameters())
-    step = (lambda i, y: gm(i, fix(y))) if inside else (lambda i, y: loss_fn(gm(i), y))
-    losses = _train(step, list(gm.parameters()), vocab)
+    losses = tp_train(gm, batches, loss_fn=None if inside else loss_fn)
     full = gather_full_state_dict(gm)
     out = {"losses": losses, "local_elems": local_elems, "info": gm.meta[K.TP_INFO], "fused": fused}
     if rank == 0:
-        ref_losses = _train(lambda i, y: loss_fn(ref(i), fix(y)), list(ref.parameters()),
-                            vocab)
-        ref_sd = ref.state_dict()
-        out["ref_losses"] = ref_losses
-        out["mismatch"] = _compare(full, ref_sd)
+        out["ref_losses"] = tp_train(ref, batches, loss_fn=loss_fn)
+        out["mismatch"] = state_mismatches(full, ref.state_dict())
         out["ref_elems"] = sum(p.numel() for p in ref.parameters())
     return out
-
-
-def _compare(full: dict, ref: dict, exact: bool = False) -> list[str]:
-    bad = []
-    for key, want in ref.items():
-        if key not in full:
-            bad.append(f"missing {key}")
-            continue
-        got = full[key]
-        if got.shape != want.shape:
-            bad.append(f"{key}: shape {tuple(got.shape)} != {tuple(want.shape)}")
-        elif exact and not torch.equal(got, want):
-            bad.append(f"{key}: not equal, max diff {(got - want).abs().max().item():.3g}")
-        elif not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            bad.append(f"{key}: max diff {(got - want).abs().max().item():.3g}")
-    return bad
 
 
 def run_tp(name: str, t: int, sp: bool = False, loss: str = "ce", cluster=None,
@@ -210,7 +124,7 @@ def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     before the sum: the summands take the noise and each bias is added after the one
     reduction as bias·noise (with SP: each rank's sequence slice of it); GPT-2's residual
     dropouts after its biased projections take the same path."""
-    results = run_tp(name, 2, sp=sp, hidden_dropout=0.3)
+    results = run_tp(name, 2, sp=sp, dropout=0.3)
     assert not results[0]["info"].fallbacks
 
 
@@ -226,8 +140,8 @@ def test_tp2_sequence_parallel_matches_single_device(name, t, kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv": 4}),
-                                         ("hf_gpt2", {}), ("hf_llama", {"kv": 2}),
+@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv_heads": 4}),
+                                         ("hf_gpt2", {}), ("hf_llama", {"kv_heads": 2}),
                                          ("hf_bert", {})],
                          ids=["gpt", "llama_style_mha", "hf_gpt2", "hf_llama_gqa_kv2", "hf_bert"])
 def test_tp4_matches_single_device(name, kwargs):
@@ -235,8 +149,8 @@ def test_tp4_matches_single_device(name, kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv": 2}),
-                                         ("hf_llama", {"kv": 2})],
+@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv_heads": 2}),
+                                         ("hf_llama", {"kv_heads": 2})],
                          ids=["gpt", "llama_style_gqa_kv2", "hf_llama_gqa_kv2"])
 def test_tp4_sequence_parallel_matches_single_device(name, kwargs):
     run_tp(name, 4, sp=True, overlap=False, **kwargs)
@@ -244,7 +158,7 @@ def test_tp4_sequence_parallel_matches_single_device(name, kwargs):
 
 def test_gqa_kv_heads_fewer_than_t_replicates_kv():
     """t=4 > kv_heads=2: k/v projections stay replicated, attention split by query heads."""
-    run_tp("llama_style", 4, kv=2, overlap=False)
+    run_tp("llama_style", 4, kv_heads=2, overlap=False)
 
 
 def test_padded_vocab_is_invisible():
@@ -258,7 +172,7 @@ def test_parameter_elements_per_rank():
     """Each rank holds replicated + split/t parameter elements (GPT, t=2)."""
     results = run_tp("gpt", 2)
     model = _build("gpt", {})
-    ids, tgt = _batches(64)[0]
+    ids, tgt = tp_batches()[0]
     from autopar.passes.tensor_parallel import propagate_sharding
     gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, tgt).gm, 2)
     split = {id(gm.get_parameter(target)) for target in gm.meta[K.TP_INFO].params}
@@ -273,15 +187,12 @@ def test_parameter_elements_per_rank():
 def _dropout_worker(rank: int, world: int, dropout: float = 0.2) -> dict:
     import torch.distributed as dist
     torch.set_num_threads(1)
-    torch.manual_seed(1234)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                          dropout=dropout))
-    model.train()
-    ids, tgt = _batches(64)[0]
+    model = _build("gpt", {"dropout": dropout})
+    ids, tgt = tp_batches()[0]
     gm = capture(model, (ids,), lm_cross_entropy, tgt).gm
     gm = apply_tensor_parallel(gm, world, rank, dist.group.WORLD)
     torch.manual_seed(5)  # the same default stream on every tensor rank
-    losses = _train(gm, list(gm.parameters()))
+    losses = tp_train(gm)
     split = {id(gm.get_parameter(target)) for target in gm.meta[K.TP_INFO].params}
     replicated = {n: p.detach().clone() for n, p in gm.named_parameters() if id(p) not in split}
     return {"losses": losses, "replicated": replicated}

@@ -11,7 +11,10 @@ import torch
 
 from autopar.plan import Plan
 from autopar.testing import spawn
-from test_runtime_numerics import loss_fn, make_data, make_model, make_plan, make_program
+
+from models import runtime_model
+from programs import make_plan, make_program, train_rank, train_single_device, with_zero
+from reference import optimizer_state_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -25,82 +28,34 @@ BF16_LOSS_RTOL = 2.0 ** -7
 BF16_WEIGHT_ATOL = 3e-3
 
 
-def with_zero(plan: Plan, zero: int) -> Plan:
-    return Plan.from_dict({**plan.to_dict(), "zero": zero})
-
-
 def _adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def reference(name: str, plan: Plan, *, max_norm: float | None = None,
-              precision: str = "fp32") -> tuple[list[float], dict, list[float], int]:
-    """(losses, state dict, unclipped grad norms, optimizer-state bytes) on one device."""
-    from autopar.runtime.precision import MixedPrecision
-    model, vocab = make_model(name, plan.num_layers)
-    mp = MixedPrecision(list(model.parameters())) if precision == "bf16" else None
-    opt = _adamw(mp.master_params if mp else model.parameters())
-    stepped = mp.master_params if mp else list(model.parameters())
-    losses, norms = [], []
-    for x, y in make_data(plan, vocab):
-        if not mp:   # (mp.step zeroes main_grad; opt.zero_grad would unlink the masters' grads)
-            opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if max_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(stepped, max_norm)))
-        if mp:
-            mp.step(opt)
-        else:
-            opt.step()
-        losses.append(loss.item())
-    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-    if mp:  # the fp32 masters are the weights (full_state_dict returns them too)
-        by_id = {id(p): m for p, m in zip(mp.params, mp.master_params)}
-        for k, v in model.state_dict(keep_vars=True).items():
-            if id(v) in by_id:
-                state[k] = by_id[id(v)].detach().clone()
-    nbytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor))
-    return losses, state, norms, nbytes
-
-
-def train_rank(rank, world, name, plan, max_norm, precision):
-    prog, vocab = make_program(name, plan)
-    runner = prog.compile(optimizer=_adamw, max_grad_norm=max_norm, precision=precision,
-                          timeout_s=60)
-    share = plan.global_batch_size // plan.d
-    losses = []
-    for x, y in make_data(plan, vocab):
-        lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
-        losses.append(runner.train_step(x[lo:hi], y[lo:hi]))
-    return losses, runner.full_state_dict(), runner.optimizer_state_bytes()
-
-
 def check(name: str, plan: Plan, *, max_norm: float | None = None, precision: str = "fp32",
           timeout_s: float = 300.0):
-    results = spawn(train_rank, plan.gpus, name, plan, max_norm, precision, timeout_s=timeout_s)
-    ref_losses, ref_state, norms, ref_bytes = reference(name, plan, max_norm=max_norm,
-                                                        precision=precision)
+    results = spawn(train_rank, plan.gpus, name, plan, _adamw, max_norm, precision,
+                    timeout_s=timeout_s)
+    ref = train_single_device(name, plan, _adamw, max_grad_norm=max_norm, precision=precision)
     if max_norm is not None:  # the check can fail: clipping really changed the gradients
-        assert min(norms) > 2 * max_norm, norms
+        assert min(ref.grad_norms) > 2 * max_norm, ref.grad_norms
     tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=BF16_LOSS_RTOL,
                                                                        atol=0.0)
     for r, (losses, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **tol,
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), **tol,
                                    msg=lambda m: f"rank {r} losses: {m}")
     state = results[0][1]
-    assert list(state) == list(ref_state)
+    assert list(state) == list(ref.state)
     wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0,
                                                                         atol=BF16_WEIGHT_ATOL)
-    init, _ = make_model(name, plan.num_layers)
+    init = runtime_model(name, plan.num_layers)
     moved = 0
-    for key, ref in ref_state.items():
-        torch.testing.assert_close(state[key].float(), ref, **wtol,
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key].float(), want.float(), **wtol,
                                    msg=lambda m, k=key: f"{k}: {m}")
         moved += int(not torch.equal(init.state_dict()[key].float(), state[key].float()))
     assert moved > 0
-    return results, ref_bytes
+    return results, optimizer_state_bytes(ref.optimizer)
 
 
 def test_d2():

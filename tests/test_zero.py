@@ -8,6 +8,8 @@ from autopar.runtime.params import ParamInfo
 from autopar.runtime.zero import ZeroOptimizer
 from autopar.testing import refuse_reduce_scatter, spawn
 
+from reference import optimizer_state_bytes, train
+
 pytestmark = pytest.mark.distributed
 
 
@@ -30,20 +32,10 @@ def _infos(model):
 
 
 def _reference(steps):
-    model = _model()
-    opt = _adamw(model.parameters())
-    for step in range(steps):
-        x, y = _data(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    state = {k: opt.state[p] for k, p in model.named_parameters()}
-    return [p.detach() for p in model.parameters()], state, opt
-
-
-def _state_bytes(opt):
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
-
+    ref = train(_model(), [_data(step) for step in range(steps)], _adamw,
+                loss_fn=torch.nn.functional.mse_loss)
+    state = {k: ref.optimizer.state[p] for k, p in ref.model.named_parameters()}
+    return [p.detach() for p in ref.model.parameters()], state, ref.optimizer
 
 
 def _worker(rank, d, fallback):
@@ -71,7 +63,7 @@ def _worker(rank, d, fallback):
     zero2 = ZeroOptimizer(list(model2.parameters()), _infos(model2), _adamw, dist.group.WORLD)
     zero2.load_gathered_state(gathered)
     return {"weights": weights_ok, "state": state_ok, "refused": len(refused),
-            "bytes": zero.state_bytes(), "ref_bytes": _state_bytes(ref_opt),
+            "bytes": zero.state_bytes(), "ref_bytes": optimizer_state_bytes(ref_opt),
             "segments": len(zero.segments), "n_params": sum(p.numel() for p in model.parameters()),
             "resume": all(torch.equal(zero2.optimizer.state[m2]["exp_avg"],
                                       zero.optimizer.state[m]["exp_avg"])

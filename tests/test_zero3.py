@@ -10,6 +10,8 @@ from autopar.runtime.zero3 import (GATHER, REDUCE_SCATTER, RELEASE, Zero3Chunks,
 from autopar.schedules import breadth_first, interleaved_1f1b
 from autopar.testing import spawn
 
+from reference import train
+
 DIMS = [(1, 4, 3), (2, 2, 2), (2, 2, 5), (2, 4, 3), (4, 2, 4)]
 
 
@@ -120,14 +122,9 @@ def _data(step):
 
 
 def _reference(steps):
-    model = torch.nn.Sequential(*_chunks())
-    opt = _adamw(model.parameters())
-    for step in range(steps):
-        x, y = _data(step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    ref = train(torch.nn.Sequential(*_chunks()), [_data(step) for step in range(steps)], _adamw,
+                loss_fn=torch.nn.functional.mse_loss)
+    return [p.detach().clone() for p in ref.model.parameters()]
 
 
 def _train_step(chunks, z, acts, plan, xs, ys, live_trace):
