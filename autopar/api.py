@@ -29,7 +29,7 @@ from autopar.plan import Plan
 
 # ZeRO levels compile() executes (zero=3: breadth-first only — cost/solver.py offers it with
 # no other schedule; the runtime's Zero3Chunks integration is tested in
-# tests/test_breadth_first_runtime.py).
+# tests/numerics/test_breadth_first_runtime.py).
 RUNTIME_ZERO_LEVELS = (0, 1, 3)
 
 
@@ -95,8 +95,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 init: Callable | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
-    `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each module's own
-    reset_parameters(), when a meta-device model's local shards are materialised by compile().
+    `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each module's
+    own reset_parameters(), when a meta-device model's local shards are materialised by compile().
     `plan=` reuses a plan made earlier (e.g. read from plan.json on every torchrun rank) instead
     of solving again; it must be for the same GPU count.
     """

@@ -2,7 +2,7 @@
 
 A `Cluster` is the hardware half of the cost model (the model half is `ModelProfile`). Every
 constant carries a source in `Cluster.sources`: a datasheet, a paper, or "fitted" with the
-calibration set it was fitted to (`tests/test_calibration.py`, published-results.md).
+calibration set it was fitted to (`tests/unit/test_calibration.py`, published-results.md).
 
 Bandwidths are per GPU and per direction (what one GPU can push while it also receives), in
 bytes per second. Intra-node: NVLink/NVSwitch. Inter-node: the GPU's share of the node's
@@ -73,7 +73,8 @@ _RESERVE_80GB = 3.0 * GB
 
 _COMMON_SOURCES = (
     "gemm_max_efficiency, gemm_half_dim: fitted to 2104.04473 Table 1 and 2205.05198 Table 5 "
-    "(tests/test_calibration.py); e_max within cuBLAS's reported 80-90% of peak on large GEMMs",
+    "(tests/unit/test_calibration.py); e_max within cuBLAS's reported 80-90% of peak on large "
+    "GEMMs",
     "link efficiencies: nccl-tests busbw on DGX A100 (~230 GB/s all-reduce of 300 GB/s NVLink), "
     "~90% of InfiniBand line rate",
     "elementwise_efficiency 0.8: STREAM-like kernels reach ~80% of datasheet HBM bandwidth",

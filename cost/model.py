@@ -42,7 +42,7 @@ Mechanisms (one each, no per-configuration constants):
   state and the others' loads fill the ramp-up/down. bubble_fraction = bubble / (m * max tau).
   Breadth-first (2211.05953) has the same bubble: with equal chunks and asynchronous sends its
   event simulation (cost/simulate.py, blocking=False) idles exactly (p-1)·tau/v per rank, like
-  interleaved 1F1B (tests/test_breadth_first_planner.py checks all four schedules).
+  interleaved 1F1B (tests/unit/test_breadth_first_planner.py checks all four schedules).
   Zero-bubble interleaved 1F1B ("interleaved-zb", 2401.10241's B/W split on the interleaved or,
   for v = 1, the 1F1B order) fills the ramp-down with the deferred weight-gradient halves W of
   the backwards: with F : B : W = 1 : 1 : 1 each rank idles (p-1)·(F + B - W) per chunk instead

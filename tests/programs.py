@@ -4,6 +4,7 @@ that run against the same model trained on one device (reference.train): losses 
 full_state_dict at rtol 1e-4 / atol 1e-5. Module level: spawned ranks import it by name."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -72,6 +73,17 @@ def train_steps(runner, plan: Plan, batches) -> list[float]:
     share = plan.global_batch_size // plan.d
     lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
     return [runner.train_step(x[lo:hi], y[lo:hi]) for x, y in batches]
+
+
+def failed_step(runner, x, y) -> tuple[str, str, float] | None:
+    """(exception type, message, seconds until raised) of runner.train_step(x, y); None if
+    the step succeeds (the tests of a peer dying mid-step)."""
+    t0 = time.monotonic()
+    try:
+        runner.train_step(x, y)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks its kind
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
 
 
 def train_rank(rank: int, world: int, name: str, plan: Plan, optimizer: Callable = adamw,

@@ -11,7 +11,8 @@ import pytest
 from autopar.plan import Plan
 from autopar.testing import spawn
 
-from programs import check_against_reference, make_data, make_plan, make_program
+from programs import (check_against_reference, failed_step, make_data, make_plan,
+                      make_program)
 
 pytestmark = pytest.mark.distributed
 
@@ -172,12 +173,7 @@ def _dying_rank(rank, world, plan):
             if regime_hook is not None:
                 regime_hook(n, action)
         ex.before_action = die_after_first_forward
-    t0 = time.monotonic()
-    try:
-        runner.train_step(x, y)
-    except Exception as exc:  # noqa: BLE001
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    return None
+    return failed_step(runner, x, y)
 
 
 def test_dead_peer_raises_peer_error_naming_it():

@@ -16,7 +16,7 @@ from autopar.passes.overlap import OVERLAP_PASS, overlap_tp_backward
 from autopar.runtime import collectives as C
 
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]   # the repository (tests/passes/this file)
 
 
 def _relu_graph() -> fx.GraphModule:

@@ -2,7 +2,7 @@
 screen), and the README must show the main command."""
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]   # the repository (tests/unit/this file)
 
 
 def _bash_blocks(text: str) -> list[str]:

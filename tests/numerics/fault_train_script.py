@@ -1,10 +1,10 @@
-"""Run under torchrun (2 ranks) by tests/test_fault.py: train STEPS steps of a d=2 ZeRO-1 plan,
-checkpointing after every step and resuming from the checkpoint at start. On the first attempt
+"""Run under torchrun (2 ranks) by tests/numerics/test_fault.py: train STEPS steps of a d=2
+ZeRO-1 plan, checkpointing after every step and resuming from the checkpoint at start. On the first attempt
 (TORCHELASTIC_RESTART_COUNT=0) rank 1 dies after the training of step KILL_STEP, before that
 step's checkpoint; torchrun --max-restarts=1 restarts both ranks, which resume.
 
     python -m torch.distributed.run --standalone --nproc-per-node=2 --max-restarts=1 \
-        tests/fault_train_script.py CKPT OUT_DIR KILL_STEP
+        tests/numerics/fault_train_script.py CKPT OUT_DIR KILL_STEP
 """
 import json
 import os
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # the tests' helper modules
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: programs.py
 from programs import STEPS, make_data, make_plan, make_program, with_zero  # noqa: E402
 
 

@@ -67,6 +67,24 @@ def test_graph_path_reproduces_published_throughput():
     assert abs(tflops / 137 - 1) <= 0.10
 
 
+@pytest.mark.slow
+def test_bloom_176b_unmodified_transformers_model_plans_like_bigscience():
+    """BLOOM-176B (arXiv 2211.05100, §3.4: 384 A100 80GB, global batch 2048 × 2048 tokens,
+    tensor 4 × pipeline 12 × data 8 with ZeRO-1), planned from the unmodified `transformers`
+    model on the meta device. Its attention is written out (ALiBi through baddbmm), so the
+    heads come from the scores GEMM; the planner, free in t, p, d, finds BigScience's degrees."""
+    from transformers import BloomConfig, BloomForCausalLM
+    cfg = BloomConfig(n_layer=70, hidden_size=14336, n_head=112, vocab_size=250880,
+                      use_cache=False)
+    with torch.device("meta"):
+        model = BloomForCausalLM(cfg)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    plan = autopar.parallelize(model, gpus=384, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=2048,
+                               cluster="dgx-a100-80gb").plan
+    assert (plan.t, plan.p, plan.d, plan.zero) == (4, 12, 8, 1), plan
+
+
 def test_small_model_gets_pure_data_parallelism():
     model = pass_model("gpt")
     ids, _ = pass_batch(batch=1)
