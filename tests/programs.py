@@ -12,6 +12,7 @@ import torch
 from autopar.api import ParallelProgram
 from autopar.plan import Plan, Prediction, Stage
 from autopar.testing import spawn
+
 from models import RUNTIME_VOCAB, runtime_model, token_batches
 from reference import Trained, train
 
