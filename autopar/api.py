@@ -89,8 +89,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 plan: Plan | None = None, init: Callable | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
-    `init=` (e.g. the model's `_init_weights`) is applied, with each module's own
-    reset_parameters(), when a meta-device model's local shards are materialised by compile().
+    `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
+    module's own reset_parameters(), when a meta-device model's local shards are materialised
+    by compile().
     `plan=` reuses a plan made earlier (e.g. read from plan.json on every torchrun rank) instead
     of solving again; it must be for the same GPU count. `microbatch_group` pins N, the
     consecutive micro-batches per chunk visit of the interleaved schedules (p <= N <= m, N | m).

@@ -335,10 +335,12 @@ def _durations(times: Sequence[float]) -> dict[str, float]:
     return dict(zip("FBW", times))
 
 
-def _dataflow_times(ops: list[list[Op]], C: int,
-                    times_fb: Sequence[float] = (_ORDER_F, _ORDER_B)) -> dict[Op, tuple]:
-    """Start/end of every compute (durations `times_fb`: (F, B) or (F, B, W)), ranks in
-    order, waiting only for data."""
+def dataflow_times(ops: list[list[Op]], C: int,
+                   times_fb: Sequence[float] = (_ORDER_F, _ORDER_B)) -> dict[Op, tuple]:
+    """{op: (start, end)} of every compute when each rank runs its `ops` (per rank, the
+    compute order as (kind, chunk, micro-batch) tuples) in order, waiting only for its data
+    (no message costs); durations `times_fb`: (F, B) or (F, B, W). C is the chunk count p·v.
+    The largest end is the dataflow bound of that compute order."""
     dur = _durations(times_fb)
     times: dict[Op, tuple[int, int]] = {}
     pos, clock = [0] * len(ops), [0] * len(ops)
@@ -390,7 +392,7 @@ def _with_comms(ops: list[list[Op]], p: int, v: int, reduce: bool,
     if len(_durations(times_fb)) != (3 if has_w else 2):
         raise ValueError(f"times_fb={tuple(times_fb)!r}: expected (forward, backward) durations"
                          f"{', and the weight-gradient one for W actions' if has_w else ''}")
-    times = _dataflow_times(ops, C, tuple(times_fb))
+    times = dataflow_times(ops, C, tuple(times_fb))
     busy = [_Busy(times[op] for op in rank_ops) for rank_ops in ops]
     keyed: list[list[tuple]] = [[] for _ in range(p)]
     for r, rank_ops in enumerate(ops):

@@ -4,7 +4,7 @@ The 2021-22 Megatron-LM rows (2104.04473 Table 1, 2205.05198 Table 5, 1909.08053
 attention materialized) and Llama 3 405B on 8,192 H100 (2407.21783 Table 4, flash attention),
 each from its meta-device model (the examples' GPT, transformers GPT-2 / Llama) with every knob
 pinned as published. The rows, their sources and what is pinned live in
-tests/test_calibration.py and tests/test_llama3_calibration.py (which assert ±10%); this
+tests/passes/test_calibration.py and tests/passes/test_llama3_calibration.py (which assert ±10%); this
 prints them side by side.
 
     python benchmarks/calibration.py
@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "passes"), str(ROOT / "tests")]
 
 import test_calibration as early  # noqa: E402
 import test_llama3_calibration as llama  # noqa: E402

@@ -2,7 +2,7 @@
 
 A `Cluster` is the hardware half of the cost model (the model half is `ModelProfile`). Every
 constant carries a source in `Cluster.sources`: a datasheet, a paper, or "fitted" with the
-calibration set it was fitted to (`tests/test_calibration.py`, published-results.md).
+calibration set it was fitted to (`tests/passes/test_calibration.py`, published-results.md).
 
 Bandwidths are per GPU and per direction (what one GPU can push while it also receives), in
 bytes per second. Intra-node: NVLink/NVSwitch. Inter-node: the GPU's share of the node's
@@ -92,8 +92,8 @@ class Cluster:
 
 # What is calibrated and what is a datasheet guess (README "The cost model against published
 # measurements"): e_max is fitted per GPU generation through the product path (captured models
-# planned at the published configuration, tests/test_calibration.py and
-# tests/test_llama3_calibration.py); the link efficiencies are nccl-tests fractions, reused for
+# planned at the published configuration, tests/passes/test_calibration.py and
+# tests/passes/test_llama3_calibration.py); the link efficiencies are nccl-tests fractions, reused for
 # every GPU; the fused-attention efficiencies come from the FlashAttention-2/3 papers; the rest
 # is datasheet. NCCL ring all-reduce reaches ~0.75-0.8 of the NVLink rate in nccl-tests
 # "busbw" (DGX A100: ~230 GB/s of 300 GB/s), and ~0.9 of the IB / RoCE line rate.
@@ -131,12 +131,12 @@ _COMMON_SOURCES = (
 )
 _A100_SOURCES = (
     "gemm_max_efficiency 0.72, gemm_half_dim 48: fitted to 2104.04473 Table 1 and 2205.05198 "
-    "Table 5 through captured models (tests/test_calibration.py)",
+    "Table 5 through captured models (tests/passes/test_calibration.py)",
     "flash efficiencies: FlashAttention-2 on A100 80GB (2307.08691 §4.1)",
 )
 _H100_SOURCES = (
     "gemm_max_efficiency 0.60: fitted to Llama 3 405B on 8,192 H100 (2407.21783 Table 4; "
-    "tests/test_llama3_calibration.py); gemm_half_dim 64: guess (wgmma's larger tiles), "
+    "tests/passes/test_llama3_calibration.py); gemm_half_dim 64: guess (wgmma's larger tiles), "
     "not fitted",
     "flash efficiencies: FlashAttention-3 on H100 SXM5 (2407.08608 Fig. 5-6)",
     "reserved_bytes 3 GB: as on A100 80GB (not fitted)",

@@ -55,7 +55,7 @@ Mechanisms (one each, no per-configuration constants):
   state and the others' loads fill the ramp-up/down. bubble_fraction = bubble / (m * max tau).
   Breadth-first (2211.05953) has the same bubble: with equal chunks and asynchronous sends its
   event simulation (cost/simulate.py, blocking=False) idles exactly (p-1)·tau/v per rank, like
-  interleaved 1F1B (tests/test_breadth_first_planner.py checks all four schedules).
+  interleaved 1F1B (tests/unit/test_breadth_first_planner.py checks all four schedules).
   Zero-bubble interleaved 1F1B ("interleaved-zb", 2401.10241's B/W split on the interleaved or,
   for v = 1, the 1F1B order) fills the ramp-down with the deferred weight-gradient halves W of
   the backwards: with F : B : W = 1 : 1 : 1 each rank idles (p-1)·(F + B - W) per chunk instead
@@ -683,7 +683,7 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                  memo: dict | None = None) -> ConfigCosts:
     profile = profile.with_attention(cluster.attention)
-    t, p, d, v, b, m = cfg.t, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.num_microbatches
+    t, d = cfg.t, cfg.d
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
     memo = {} if memo is None else memo

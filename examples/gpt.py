@@ -99,14 +99,16 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         if not any(p.is_meta for p in self.parameters()):
-            self.apply(self._init_weights)
+            self.apply(self.init_weights)
             # GPT-2 paper: residual projections scaled by 1/sqrt(2·n_layer).
             for name, p in self.named_parameters():
                 if name.endswith("c_proj.weight"):
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
+        """nanoGPT's per-module init (for `apply`, and compile()'s `init=` of a meta model):
+        linear and embedding weights N(0, 0.02), linear biases 0."""
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:

@@ -272,7 +272,7 @@ def tensor_parallel_pass(plan_or_t: Any, tp_rank: int, group: Any,
       or, for parameters on the meta device, sliced from the global-shape init of their
       owning module of the user's `model` (graph names minus `prefix`) under the seed
       (seed, module path): its reset_parameters(), then `init(module)` (e.g. the model's
-      _init_weights) — one module's parameters in memory at a time; meta buffers are restored
+      init_weights) — one module's parameters in memory at a time; meta buffers are restored
       from meta_init's record). With `materialize` (a set of get_attr targets, e.g. the
       weights of this pipeline rank's chunks from passes.pipeline.chunk_attr_targets), only
       those become real tensors; every other tensor attribute becomes a meta tensor of its
@@ -394,7 +394,7 @@ class _MetaSource:
         if self.model is None:
             raise ValueError(f"apply_tensor_parallel: {target} is on the meta device; pass "
                              f"model=<the user's model> (and init=<its per-module init, e.g. "
-                             f"GPT._init_weights>) so local shards are initialised by the "
+                             f"GPT.init_weights>) so local shards are initialised by the "
                              f"model's own code")
         user_owner, name = _get_owner(self.model, target[len(self.prefix):]
                                       if target.startswith(self.prefix) else target)

@@ -1,0 +1,301 @@
+"""The tests' tiny models, in one place and under one naming scheme: the hand-written examples
+(`gpt`, `llama_style`), unmodified `transformers` models built from configs (`hf_<arch>`; no
+downloads) and a language model on PyTorch's own nn.TransformerEncoder (`torch_encoder`).
+
+Every builder takes its sizes as keyword arguments, with the same names throughout — vocab,
+seq (positions), layers, heads, kv_heads, hidden, ffn, dropout — and extra config fields as
+**config. Defaults are the tensor-parallel tests' sizes: 2 layers, hidden 32, 4 heads (2 kv
+heads), ffn 64, vocab 64, 16 positions (llama_style: 32, llama_tiny's block size), dropout 0,
+no KV cache. Builders do not seed: `build(name, seed=..)` does, and so do the presets below,
+which fix the sizes and seed that a family of tests shares (a changed size or seed is a
+changed test):
+
+    pass_model(name)        capture / layers / profile / planner tests: vocab 128, hidden 48,
+                            4 heads, 3 layers, seed 0 (with pass_batch and captured)
+    runtime_model(name, n)  the Runner against one device: vocab 64, hidden 32, GPT with
+                            2 heads, seed 0
+
+Module level: spawned ranks import it by name (the tests/ root is on their sys.path).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+Model = torch.nn.Module
+
+
+# ---- hand-written examples ----------------------------------------------------------------
+
+def gpt(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4, hidden: int = 32,
+        dropout: float = 0.0, **config: Any) -> Model:
+    """autopar.examples.gpt (nanoGPT); config: GPTConfig fields (tie_embeddings, bias)."""
+    from autopar.examples.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads,
+                         n_embd=hidden, dropout=dropout, **config))
+
+
+def llama_style(*, vocab: int = 64, seq: int = 32, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """autopar.examples.llama: rotary, grouped-query attention, SwiGLU, RMSNorm."""
+    from autopar.examples.llama import LlamaStyle, llama_tiny
+    return LlamaStyle(llama_tiny(vocab_size=vocab, block_size=seq, n_layer=layers,
+                                 n_head=heads, n_kv_head=kv_heads, n_embd=hidden,
+                                 ffn_hidden=ffn, **config))
+
+
+# ---- unmodified transformers models ------------------------------------------------------
+
+def _no_cache(config: dict) -> dict:
+    return {"use_cache": False, **config}
+
+
+def hf_gpt2(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, dropout: float = 0.0, attn_dropout: float = 0.0,
+            **config: Any) -> Model:
+    """GPT-2: Conv1D projections; dropout is the residual and embedding one."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=vocab, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=attn_dropout, **_no_cache(config)))
+
+
+def hf_llama(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
+        **_no_cache(config)))
+
+
+def hf_bert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, ffn: int = 64, dropout: float = 0.0, **config: Any) -> Model:
+    """BERT masked LM: a bidirectional encoder with a dense transform before its head."""
+    from transformers import BertConfig, BertForMaskedLM
+    return BertForMaskedLM(BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=ffn, max_position_embeddings=seq,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config))
+
+
+# Each of these writes attention another way: fused qkv interleaved per head (GPT-NeoX,
+# partial rotary), fused qkv grouped per kv head with `x @ w.T`, index-select and broadcast_to
+# (Falcon's new decoder), rotary through stack + flatten (GPT-J), ALiBi through baddbmm on
+# (B·heads, T, d) (BLOOM), an RMSNorm over all heads, i.e. over the split dim (OLMo-2's q/k
+# norm), multi-query attention inside a fused c_attn (GPT-BigCode).
+def hf_neox(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, ffn: int = 64, dropout: float = 0.0, **config: Any) -> Model:
+    """GPT-NeoX; dropout is the hidden (per-branch) one."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=seq,
+        hidden_dropout=dropout, attention_dropout=0.0, rotary_pct=0.5, **_no_cache(config)))
+
+
+def hf_falcon(*, vocab: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+              hidden: int = 32, dropout: float = 0.0, **config: Any) -> Model:
+    """Falcon's new decoder architecture; dropout is the hidden one (on the summed attention
+    and MLP outputs)."""
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_kv_heads=kv_heads, new_decoder_architecture=True, vocab_size=vocab,
+        hidden_dropout=dropout, attention_dropout=0.0, **_no_cache(config)))
+
+
+def hf_gptj(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, **config: Any) -> Model:
+    from transformers import GPTJConfig, GPTJForCausalLM
+    return GPTJForCausalLM(GPTJConfig(
+        n_layer=layers, n_embd=hidden, n_head=heads, rotary_dim=4, vocab_size=vocab,
+        n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        **_no_cache(config)))
+
+
+def hf_bloom(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+             **config: Any) -> Model:
+    """BLOOM: ALiBi (one bias tensor read by every layer), no position embeddings."""
+    from transformers import BloomConfig, BloomForCausalLM
+    return BloomForCausalLM(BloomConfig(
+        n_layer=layers, hidden_size=hidden, n_head=heads, vocab_size=vocab,
+        hidden_dropout=0.0, attention_dropout=0.0, **_no_cache(config)))
+
+
+def _llama_like(config_cls, vocab, seq, layers, heads, kv_heads, hidden, ffn, config):
+    return config_cls(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, intermediate_size=ffn, vocab_size=vocab,
+                      max_position_embeddings=seq, **_no_cache(config))
+
+
+def hf_olmo2(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    return Olmo2ForCausalLM(_llama_like(Olmo2Config, vocab, seq, layers, heads, kv_heads,
+                                        hidden, ffn, config))
+
+
+def hf_mistral(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(_llama_like(MistralConfig, vocab, seq, layers, heads, kv_heads,
+                                          hidden, ffn, config))
+
+
+def hf_qwen3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(_llama_like(Qwen3Config, vocab, seq, layers, heads, kv_heads,
+                                        hidden, ffn, {"head_dim": 8, **config}))
+
+
+def hf_gemma(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(_llama_like(GemmaConfig, vocab, seq, layers, heads, kv_heads,
+                                        hidden, ffn, {"head_dim": 8, **config}))
+
+
+def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+           hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Phi: parallel attention and MLP, partial rotary."""
+    from transformers import PhiConfig, PhiForCausalLM
+    return PhiForCausalLM(PhiConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=seq,
+        partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+        **_no_cache(config)))
+
+
+def hf_opt(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+           hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    from transformers import OPTConfig, OPTForCausalLM
+    return OPTForCausalLM(OPTConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
+        vocab_size=vocab, max_position_embeddings=seq, word_embed_proj_dim=hidden,
+        dropout=0.0, attention_dropout=0.0, **_no_cache(config)))
+
+
+def hf_bigcode(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               hidden: int = 32, **config: Any) -> Model:
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+    return GPTBigCodeForCausalLM(GPTBigCodeConfig(
+        n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab, n_positions=seq,
+        multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        **_no_cache(config)))
+
+
+# ---- PyTorch's own encoder -----------------------------------------------------------------
+
+class TorchEncoderLM(torch.nn.Module):
+    """A causal LM on nn.TransformerEncoder: MultiheadAttention's packed in_proj_weight (3E, E)
+    is unflattened to (3, E) before q, k, v are picked (F.multi_head_attention_forward)."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, seq: int, layers: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
+                                                 batch_first=True, norm_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(seq))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        return self.head(self.enc(self.emb(ids), mask=self.mask[:T, :T], is_causal=True))
+
+
+def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                  hidden: int = 32) -> Model:
+    return TorchEncoderLM(vocab=vocab, hidden=hidden, heads=heads, seq=seq, layers=layers)
+
+
+BUILDERS = {f.__name__: f for f in (
+    gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_gptj, hf_bloom,
+    hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, torch_encoder)}
+
+
+def build(name: str, *, seed: int, **sizes: Any) -> Model:
+    """BUILDERS[name](**sizes) after torch.manual_seed(seed)."""
+    if name not in BUILDERS:
+        raise ValueError(f"models.build: unknown model {name!r}; known: {sorted(BUILDERS)}")
+    torch.manual_seed(seed)
+    return BUILDERS[name](**sizes)
+
+
+def token_batches(vocab: int, shape: tuple[int, ...], steps: int, *,
+                  seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` (input_ids, targets) pairs of uniform random tokens of `shape`, drawn in that
+    order from one generator seeded `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, shape, generator=g),
+             torch.randint(0, vocab, shape, generator=g)) for _ in range(steps)]
+
+
+# ---- preset: the pass tests' sizes -----------------------------------------------------------
+
+VOCAB, SEQ, HIDDEN, HEADS, LAYERS = 128, 16, 48, 4, 3
+PASS_MODELS = ("gpt", "llama_style", "hf_gpt2", "hf_llama", "hf_bert")
+
+
+def pass_model(name: str, *, layers: int = LAYERS, dropout: float = 0.0) -> Model:
+    """One of PASS_MODELS at vocab 128, hidden 48, 4 heads, `layers` layers, seed 0; dropout
+    (GPT, GPT-2, BERT) 0 unless asked."""
+    sizes = dict(vocab=VOCAB, seq=SEQ, hidden=HIDDEN, heads=HEADS, layers=layers)
+    torch.manual_seed(0)
+    if name == "gpt":
+        return gpt(**sizes, dropout=dropout)
+    if name == "llama_style":
+        return llama_style(**sizes, kv_heads=2, ffn=80)
+    if name == "hf_gpt2":
+        return hf_gpt2(**sizes, dropout=dropout, attn_dropout=dropout, bos_token_id=0,
+                       eos_token_id=0)
+    if name == "hf_llama":
+        return hf_llama(**sizes, kv_heads=2, ffn=80)
+    if name == "hf_bert":
+        return hf_bert(**sizes, ffn=4 * HIDDEN, dropout=dropout)
+    raise ValueError(f"pass_model: unknown model {name!r}; known: {PASS_MODELS}")
+
+
+def pass_batch(batch: int = 2, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, targets) for pass_model, seeded."""
+    return token_batches(VOCAB, (batch, seq), 1, seed=1)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def captured(name: str, repeat_limit: int | None = None):
+    """(pass_model(name), its Captured graph with the loss), cached across tests (~1 s)."""
+    from autopar.examples.gpt import lm_cross_entropy
+    from autopar.passes.capture import capture
+    model = pass_model(name)
+    ids, tgt = pass_batch()
+    return model, capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=repeat_limit)
+
+
+# ---- preset: the runtime numerics' sizes ---------------------------------------------------
+
+RUNTIME_VOCAB = 64
+RUNTIME_MODELS = ("gpt", "gpt_untied", "llama_style", "hf_gpt2", "hf_llama", "hf_falcon",
+                  "hf_bloom")
+
+
+def runtime_model(name: str, layers: int) -> Model:
+    """One of RUNTIME_MODELS at vocab 64, hidden 32, 16 positions, seed 0: the same model in
+    every process (GPT: 2 heads; the transformers ones keep their default KV cache setting)."""
+    torch.manual_seed(0)
+    if name in ("gpt", "gpt_untied"):
+        return gpt(layers=layers, heads=2, tie_embeddings=name == "gpt")
+    if name == "llama_style":
+        return llama_style(layers=layers, seq=16, ffn=48)
+    if name == "hf_gpt2":
+        return hf_gpt2(layers=layers, heads=2, use_cache=True)
+    if name == "hf_llama":
+        return hf_llama(layers=layers, ffn=48, use_cache=True)
+    if name == "hf_falcon":    # fused qkv grouped per kv head (new decoder architecture)
+        return hf_falcon(layers=layers)
+    if name == "hf_bloom":     # ALiBi: one bias tensor read by every layer
+        return hf_bloom(layers=layers)
+    raise ValueError(f"runtime_model: unknown model {name!r}; known: {RUNTIME_MODELS}")

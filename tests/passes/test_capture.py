@@ -1,0 +1,162 @@
+"""Capture: numerics equal the model, meta models, repeat truncation, clear errors."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from autopar.examples.gpt import GPT, GPTConfig, gpt_preset, lm_cross_entropy
+from autopar.passes import meta as K
+from autopar.passes.capture import CaptureError, capture, find_repeated_containers
+
+from models import captured, pass_batch, pass_model
+
+
+def test_capture_loss_matches_model(tiny_name):
+    model, cap = captured(tiny_name)
+    ids, tgt = pass_batch()
+    expected = lm_cross_entropy(model(ids), tgt)
+    got = cap.gm(ids, tgt)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    stacks = [n.meta.get(K.NN_MODULE_STACK) for n in cap.gm.graph.nodes
+              if n.op == "call_function"]
+    assert all(s is not None for s in stacks)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_capture_without_loss_returns_logits(name):
+    model = pass_model(name)
+    ids, _ = pass_batch()
+    cap = capture(model, (ids,))
+    torch.testing.assert_close(cap.gm(ids), model(ids))
+    assert not cap.has_loss
+
+
+def test_same_tensor_as_input_and_target_stays_two_inputs():
+    model = pass_model("gpt")
+    ids, _ = pass_batch()
+    cap = capture(model, (ids,), lm_cross_entropy, ids)
+    other = torch.randint(0, 128, ids.shape)
+    torch.testing.assert_close(cap.gm(ids, other), lm_cross_entropy(model(ids), other))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_meta_capture(name):
+    with torch.device("meta"):
+        model = pass_model(name)
+    ids = torch.empty(2, 16, dtype=torch.long, device="meta")
+    cap = capture(model, (ids,), lm_cross_entropy)  # targets made from the ids' shape
+    loss = [n for n in cap.gm.graph.nodes if n.op == "output"][0].args[0][0]
+    assert loss.meta[K.VAL].shape == () and loss.meta[K.VAL].device.type == "meta"
+
+
+def test_gpt_with_dropout_exports_dropout_ops():
+    model = pass_model("gpt", dropout=0.1)
+    ids, tgt = pass_batch()
+    cap = capture(model, (ids,), lm_cross_entropy, tgt)
+    targets = {str(n.target) for n in cap.gm.graph.nodes}
+    assert "aten.dropout.default" in targets
+
+
+def test_repeated_containers_are_found_structurally():
+    model = pass_model("gpt", layers=4)
+    assert find_repeated_containers(model) == {"transformer.h": 4}
+    hf = pass_model("hf_llama", layers=3)
+    assert find_repeated_containers(hf) == {"model.layers": 3}
+
+
+@pytest.mark.parametrize("name,path", [("gpt", "transformer.h"), ("hf_llama", "model.layers"),
+                                       ("hf_gpt2", "transformer.h"),
+                                       ("hf_bert", "bert.encoder.layer")])
+def test_repeat_limit_truncates_and_restores(name, path):
+    model = pass_model(name, layers=4)
+    ids, tgt = pass_batch()
+    cap = capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=2)
+    assert cap.repeats == {path: 4}
+    assert len(model.get_submodule(path)) == 4  # restored
+    blocks = {v[0] for n in cap.gm.graph.nodes
+              for v in (n.meta.get(K.NN_MODULE_STACK) or {}).values()
+              if v[0].startswith("model." + path + ".") and v[0].count(".") == path.count(".") + 2}
+    assert blocks == {f"model.{path}.0", f"model.{path}.1"}
+    # the truncated graph still runs: embedding + 2 blocks + head
+    assert torch.isfinite(cap.gm(ids, tgt))
+
+
+def test_repeat_limit_restores_on_error():
+    model = pass_model("gpt", layers=4)
+    with pytest.raises(CaptureError):
+        capture(model, (torch.zeros(2, 16),), repeat_limit=2)  # float ids: embedding fails
+    assert len(model.transformer.h) == 4
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return self.lin(x)
+        return x
+
+
+def test_data_dependent_control_flow_names_user_line():
+    line = next(i for i, text in enumerate(inspect.getsourcelines(_DataDependent.forward)[0])
+                if "x.sum() > 0" in text) + inspect.getsourcelines(_DataDependent.forward)[1]
+    with pytest.raises(CaptureError) as info:
+        capture(_DataDependent(), (torch.randn(2, 4),))
+    msg = str(info.value)
+    assert f"{__file__}:{line}" in msg
+    assert "torch.cond" in msg or "torch.where" in msg
+    assert isinstance(info.value, ValueError)
+
+
+def test_meta_model_with_cpu_inputs_is_captured_on_meta():
+    with torch.device("meta"):
+        model = pass_model("gpt")
+    cap = capture(model, (torch.zeros(2, 16, dtype=torch.long),), lm_cross_entropy,
+                  torch.zeros(2, 16, dtype=torch.long))
+    assert all(n.meta[K.VAL].is_meta for n in cap.gm.graph.nodes
+               if isinstance(n.meta.get(K.VAL), torch.Tensor))
+
+
+def test_bad_arguments():
+    model = pass_model("gpt")
+    ids, tgt = pass_batch()
+    with pytest.raises(ValueError, match="repeat_limit"):
+        capture(model, (ids,), repeat_limit=1)
+    with pytest.raises(ValueError, match="without loss_fn"):
+        capture(model, (ids,), targets=tgt)
+    with pytest.raises(ValueError, match="nn.Module"):
+        capture(lambda x: x, (ids,))
+
+
+def test_lm_cross_entropy_accepts_model_outputs():
+    logits = torch.randn(2, 5, 7)
+    tgt = torch.randint(0, 7, (2, 5))
+
+    class Out:
+        pass
+
+    out = Out()
+    out.logits = logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(10, 7), tgt.reshape(10))
+    torch.testing.assert_close(lm_cross_entropy(out, tgt), ref)
+    torch.testing.assert_close(lm_cross_entropy((logits,), tgt), ref)
+
+
+def test_gpt_presets_follow_the_papers():
+    c = gpt_preset("gpt3-175b")
+    assert (c.n_layer, c.n_embd, c.n_head, c.block_size, c.vocab_size) == (96, 12288, 96, 2048, 51200)
+    assert gpt_preset("megatron-1t").n_head == 160
+    assert gpt_preset("gpt-1.2b-v100").block_size == 1024
+    with pytest.raises(ValueError, match="known presets"):
+        gpt_preset("gpt-9t")
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=3, n_embd=8)
+    # 12·L·h² + V·h ≈ 175 B
+    with torch.device("meta"):
+        small = GPT(gpt_preset("gpt3-175b", n_layer=1))
+    per_block = sum(p.numel() for p in small.transformer.h[0].parameters())
+    assert abs(per_block - 12 * 12288 ** 2) / (12 * 12288 ** 2) < 0.01

@@ -1,0 +1,81 @@
+"""Layers: repeated blocks, embedding and head regions, found from the module stack."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.passes import meta as K
+from autopar.passes.capture import capture
+from autopar.passes.layers import LayerError, block_signature, find_layers
+
+from models import LAYERS, captured
+
+
+def test_blocks_and_regions(tiny_name):
+    _, cap = captured(tiny_name)
+    s = find_layers(cap)
+    assert s.num_blocks == s.num_layers == LAYERS
+    assert all(block_signature(s, i) == block_signature(s, 0) for i in range(LAYERS))
+    nodes = list(cap.gm.graph.nodes)
+    assert all(K.REGION in n.meta for n in nodes)
+    region = {n.name: n.meta[K.REGION] for n in nodes}
+    targets = {n.name: str(n.target) for n in nodes}
+    emb = {targets[x] for x in s.embedding_nodes}
+    head = {targets[x] for x in s.head_nodes}
+    assert "aten.embedding.default" in emb
+    assert "aten.cross_entropy_loss.default" in head
+    assert not any("embedding" in targets[x] for x in s.head_nodes)
+    # every block reads the residual stream from the previous region and hands it on
+    for i in range(1, LAYERS):
+        assert set(s.block_outputs[i - 1]) & set(s.block_inputs[i])
+        assert all(region[x] != ("block", i) for x in s.block_inputs[i])
+    by_name = {n.name: n for n in nodes}
+    head_reads = {a.name for x in s.head_nodes for a in by_name[x].all_input_nodes}
+    assert set(s.block_outputs[-1]) & head_reads
+
+
+def test_rotary_tables_shared_by_all_blocks_are_embedding():
+    _, cap = captured("hf_llama")
+    s = find_layers(cap)
+    shared = set(s.block_inputs[0])
+    for i in range(1, LAYERS):
+        shared &= set(s.block_inputs[i])
+    assert shared, "the rotary cos/sin (and mask) feed every block"
+    region = {n.name: n.meta[K.REGION] for n in cap.gm.graph.nodes}
+    assert all(region[x] == ("embedding", None) for x in shared)
+    rotary = [n for n in cap.gm.graph.nodes if n.op == "call_function"
+              and any("rotary" in v[0] for v in (n.meta.get(K.NN_MODULE_STACK) or {}).values())]
+    assert rotary and all(n.meta[K.REGION] == ("embedding", None) for n in rotary)
+
+
+def test_truncated_capture_reports_true_layer_count():
+    _, cap = captured("gpt", 2)
+    s = find_layers(cap)
+    assert (s.num_blocks, s.num_layers) == (2, LAYERS)
+    _, full = captured("gpt")
+    assert block_signature(find_layers(full), 0) == block_signature(s, 0)
+
+
+class _Uneven(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                           torch.nn.Linear(8, 8)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i != 1 else layer(x).relu()
+        return x
+
+
+def test_differing_blocks_are_reported():
+    cap = capture(_Uneven(), (torch.randn(2, 8),))
+    with pytest.raises(LayerError, match=r"block 1 \(model.layers.1\) differs from block 0"):
+        find_layers(cap)
+    assert find_layers(cap, check_identical=False).num_blocks == 3
+
+
+def test_no_repeats_is_a_clear_error():
+    cap = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
+    with pytest.raises(LayerError, match="no repeated blocks"):
+        find_layers(cap)

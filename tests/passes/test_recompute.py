@@ -1,0 +1,145 @@
+"""Activation recomputation (passes/recompute.py) on one process: the same losses and gradients
+as without it (dropout replayed identically), fewer bytes kept for backward (full < selective <
+none), the checkpoint calls visible in the generated source. Runs on gloo ranks through the
+runtime: tests/numerics/test_recompute_numerics.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.api import ParallelProgram
+from autopar.build import build_program
+from autopar.codegen import load_chunk_module, render_chunk
+from autopar.passes import meta as K
+from autopar.passes.recompute import apply_recompute
+
+import models
+from programs import loss_fn, make_plan
+
+SEQ_LEN = 8
+B = 2
+
+
+def _program(name: str, mode: str, *, p: int = 2, layers: int = 2, split=None,
+             dropout: float = 0.0, eager: bool = False) -> ParallelProgram:
+    plan = dataclasses.replace(make_plan(p=p, m=p, b=B, layers=layers, split=split),
+                               recompute=mode)
+    model = models.pass_model(name, layers=layers, dropout=dropout)
+    if eager:  # transformers' unfused attention: matmul → softmax → dropout → matmul
+        model.config._attn_implementation = "eager"
+    model.train()
+    ex = torch.zeros(B, SEQ_LEN, dtype=torch.long)
+    return ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),
+                           loss_fn=loss_fn, example_targets=ex.clone(), cluster=None)
+
+
+def _loss_and_grads(chunks, x, y, seed: int = 7):
+    """Compose the chunks on one process (the pipeline's dataflow), backprop, collect grads by
+    the user's parameter names."""
+    torch.manual_seed(seed)
+    carried: tuple = ()
+    for gm in chunks:
+        spec = gm.meta[K.CHUNK]
+        out = gm(*carried, *((x, y)[k] for k in spec.model_inputs))
+        carried = out if not spec.returns_loss else ()
+    out.backward()
+    grads = {}
+    for gm in chunks:
+        for attr, qual in gm.meta[K.CHUNK].params.items():
+            g = getattr(gm, attr).grad
+            grads[qual] = grads.get(qual, 0) + g
+    return out.detach(), grads
+
+
+def _data(vocab: int = 128):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, vocab, (B, SEQ_LEN), generator=g),
+            torch.randint(0, vocab, (B, SEQ_LEN), generator=g))
+
+
+@pytest.mark.parametrize("name,dropout,eager", [
+    ("gpt", 0.1, False),            # fused sdpa with attention dropout, residual dropout
+    ("llama_style", 0.0, False),    # rotary, GQA, SwiGLU, RMSNorm
+    ("hf_gpt2", 0.1, True),         # unfused attention core, Conv1D
+])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_numerics_equal_to_no_recompute(name, dropout, eager, mode):
+    x, y = _data()
+    ref_loss, ref_grads = _loss_and_grads(
+        build_program(_program(name, "none", dropout=dropout, eager=eager)).chunks(0), x, y)
+    chunks = build_program(_program(name, mode, dropout=dropout, eager=eager)).chunks(0)
+    regions = [r for gm in chunks for r in gm.meta[K.RECOMPUTE]["regions"]]
+    assert len(regions) == 2, regions          # one per block (full) / attention core (selective)
+    loss, grads = _loss_and_grads(chunks, x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-6, atol=1e-7, msg=k)
+    if dropout:  # the check above would be vacuous if dropout did nothing
+        x2_loss, _ = _loss_and_grads(chunks, x, y, seed=8)
+        assert x2_loss != loss
+
+
+def _saved_bytes(gm: torch.fx.GraphModule, args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward across one forward of `gm`
+    (parameters and buffers excluded: the module keeps them anyway). Non-reentrant checkpoint saves its inputs
+    through the same hooks, so its kept block inputs are counted."""
+    params = {p.untyped_storage().data_ptr()
+              for p in [*gm.parameters(), *gm.buffers()]}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gm(*args)
+    del out
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_memory_full_below_selective_below_none(name):
+    # p=3 over 6 layers: chunk 1 is blocks 2-3 only, its input is the residual stream (B, T, C)
+    sizes = {}
+    for mode in ("none", "selective", "full"):
+        prog = _program(name, mode, p=3, layers=6)
+        chunk = build_program(prog).chunks(0)[1]
+        spec = chunk.meta[K.CHUNK]
+        assert (spec.first_layer, spec.last_layer) == (2, 4)
+        args = [torch.randn(b.shape, requires_grad=b.requires_grad) for b in spec.recv]
+        sizes[mode] = _saved_bytes(chunk, args)
+    hidden = spec.recv[0].shape
+    block_input = torch.Size(hidden).numel() * 4
+    assert sizes["full"] < sizes["selective"] < sizes["none"], sizes
+    # full keeps the two block inputs (the residual stream entering blocks 2 and 3) only
+    assert sizes["full"] == 2 * block_input, (sizes, block_input)
+
+
+def test_generated_source_shows_checkpoint_and_runs():
+    prog = _program("gpt", "full")
+    gm = build_program(prog).chunks(0)[0]
+    src = render_chunk(gm, prog.plan)
+    assert "torch.utils.checkpoint.checkpoint(recompute_block_0" in src
+    assert "use_reentrant = False" in src and "class Chunk00_recompute_block_0" in src
+    mod = load_chunk_module(src)
+    net = mod.CHUNK_CLASS()
+    for attr in mod.PARAMETERS:
+        setattr(net, attr, getattr(gm, attr))
+    for attr in mod.BUFFERS:
+        setattr(net, attr, getattr(gm, attr))
+    x, _ = _data()
+    torch.testing.assert_close(net(x), gm(x))
+
+
+def test_none_is_identity_and_bad_mode_is_rejected():
+    prog = _program("gpt", "none")
+    gm = build_program(prog).chunks(0)[0]
+    before = gm.code
+    assert apply_recompute(gm, "none").code == before
+    with pytest.raises(ValueError, match="mode='everything'.*'full'"):
+        apply_recompute(gm, "everything")

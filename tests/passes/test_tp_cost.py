@@ -1,0 +1,238 @@
+"""The tensor-parallel pass's replicated fallbacks and inserted collectives are priced per t.
+
+A Llama-style block with grouped-query attention keeps its k/v projections replicated when t
+exceeds the key/value heads (passes/tensor_parallel.py); passes/tp_cost.py states that as a
+correction of the structural profile and cost/model.py prices it: the k/v GEMMs whole, their
+weights whole, the gradients of the sliced k/v all-gathered. Without fallbacks nothing changes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from autopar.cost import model as M
+from autopar.cost.hardware import get_cluster, with_overrides
+from autopar.cost.profile import transformer_profile
+from autopar.cost.solver import solve, tensor_degrees
+from autopar.examples.gpt import lm_cross_entropy
+from autopar.passes.capture import capture
+from autopar.passes.layers import find_layers
+from autopar.passes.profile import profile_from_graph
+from autopar.passes.tp_cost import tp_corrections, with_tp_corrections
+
+import models
+
+A100 = get_cluster("dgx-a100-80gb")
+# GEMM time = FLOPs / (peak · e_max) exactly: no shape efficiency, launch or HBM term
+FLOP_BOUND = with_overrides(A100, name="flop-bound", gemm_half_dim=1e-9, kernel_launch_s=0.0,
+                            hbm_bandwidth_Bps=1e30)
+S, H, HEADS, FFN, LAYERS = 16, 64, 4, 96, 2
+
+
+def _llama(kv: int):
+    return models.llama_style(vocab=128, seq=S, layers=LAYERS, hidden=H, heads=HEADS,
+                              kv_heads=kv, ffn=FFN)
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(kv: int):
+    torch.manual_seed(0)
+    model = _llama(kv)
+    ids = torch.randint(0, 128, (2, S))
+    cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    structure = find_layers(cap)
+    return cap, structure, profile_from_graph(cap, structure)
+
+
+@functools.lru_cache(maxsize=None)
+def _profiles(kv: int):
+    """(structural profile, the same with the pass's corrections at t = 2, 4)."""
+    cap, structure, prof = _captured(kv)
+    return prof, with_tp_corrections(prof, cap, structure, [2, 4])
+
+
+def _gemm_names(prof, idx):
+    return [prof.block.gemms[i].name for i in idx]
+
+
+# ----- (a) grouped-query attention, t > kv heads --------------------------------------------------
+
+def test_kv_projections_replicated_when_t_exceeds_kv_heads():
+    prof, fixed = _profiles(kv=2)
+    assert prof.kv_heads == 2 and prof.tp_fallbacks == ()
+    assert {(c.t, c.sequence_parallel) for c in fixed.tp_fallbacks} == {
+        (2, False), (2, True), (4, False), (4, True)}
+    assert fixed.tp_correction(2) is None and fixed.tp_correction(2, True) is None
+    c = fixed.tp_correction(4)
+    assert _gemm_names(prof, c.block.replicated_gemms) == ["attn.k_proj", "attn.v_proj"]
+    kv_dim = H // HEADS * 2
+    assert c.block.params_elems == 2 * H * kv_dim          # k_proj and v_proj weights
+    assert c.embedding.empty and c.head.empty
+    assert len(c.fallbacks) == 2 * LAYERS and all("cannot keep dim" in f for f in c.fallbacks)
+    # the replicated k / v reach attention sliced by heads: their gradient is all-gathered
+    assert [(x.kind, x.elems, x.backward) for x in c.block.collectives] == \
+        [("all-gather", S * H, True)] * 2
+    # attention saves k / v only after the slice: no activation stays whole
+    assert c.block.act_split_bytes == 0 and c.block.act_attention_bytes == 0
+    assert c.block.allreduce_elems_removed == 0 and c.block.other_split_bytes > 0
+    # sequence parallelism: the replicated k / v also read an all-gather of the sequence
+    csp = fixed.tp_correction(4, True)
+    assert csp.block.replicated_gemms == c.block.replicated_gemms
+    assert [(x.kind, x.elems, x.backward) for x in csp.block.collectives] == \
+        [("all-gather", S * H, False)] + [("all-gather", S * H, True)] * 2
+
+
+def test_fallback_compute_priced_from_the_gemm_shapes():
+    prof, fixed = _profiles(kv=2)
+    t, cl = 4, FLOP_BOUND
+    cfg = M.Config(t=t, p=1, d=1)
+    comp0, tp0, *edges0 = M.load_parts_s(prof, cl, cfg)
+    comp1, tp1, *edges1 = M.load_parts_s(fixed, cl, cfg)
+    kv = [g for g in prof.block.gemms if g.name in ("attn.k_proj", "attn.v_proj")]
+    assert [(g.m, g.n, g.k, g.tp_split) for g in kv] == [(S, H // 2, H, "n")] * 2
+    # forward + 2 backward GEMMs of each, now whole instead of 1/t
+    extra_flops = 3 * sum(2 * g.m * g.n * g.k for g in kv) * (1 - 1 / t)
+    assert comp1 - comp0 == pytest.approx(extra_flops / (cl.peak_flops * cl.gemm_max_efficiency),
+                                          rel=1e-6)
+    assert comp1 > comp0
+    e = prof.activation_bytes_per_elem
+    assert tp1 - tp0 == pytest.approx(2 * M.allgather_s(cl, S * H * e, t, False), rel=1e-9)
+    assert edges1 == edges0
+    # on the real cluster too: a slower step, more tensor-parallel communication
+    a, b = M.predict(prof, A100, cfg), M.predict(fixed, A100, cfg)
+    assert b.step_time_s > a.step_time_s and b.tp_comm_s > a.tp_comm_s
+    assert b.compute_s >= a.compute_s
+
+
+def test_fallback_memory_counts_kv_weights_whole():
+    prof, fixed = _profiles(kv=2)
+    t = 4
+    c = fixed.tp_correction(t)
+    per_layer = c.block.params_elems * (1 - 1 / t)
+    assert (M.shard_params_elems(fixed, t)[0] - M.shard_params_elems(prof, t)[0]
+            == pytest.approx(per_layer))
+    assert M.shard_params_elems(fixed, t)[1:] == M.shard_params_elems(prof, t)[1:]
+    cfg = M.Config(t=t, p=1, d=1, zero=0)
+    a, b = M.predict(prof, A100, cfg), M.predict(fixed, A100, cfg)
+    # 2 + 4 + 12 bytes (16-bit weights, fp32 grads, Adam) per parameter, every layer
+    assert b.memory_bytes_per_gpu - a.memory_bytes_per_gpu == pytest.approx(
+        18 * per_layer * LAYERS)
+    assert b.memory.activations_bytes == a.memory.activations_bytes
+    # t = 2 splits everything: nothing changes
+    cfg2 = M.Config(t=2, p=1, d=1)
+    assert M.predict(prof, A100, cfg2) == M.predict(fixed, A100, cfg2)
+
+
+def test_analysis_can_be_rerun_for_any_t():
+    """The pass writes only meta: analysing t = 4, 2, 4 in any order gives the same answers."""
+    cap, structure, prof = _captured(kv=2)
+    once = tp_corrections(cap, structure, prof, [4, 2])
+    again = tp_corrections(cap, structure, prof, [2], sequence_parallel=(True,)) + \
+        tp_corrections(cap, structure, prof, [4])
+    key = {(c.t, c.sequence_parallel): c for c in once}
+    assert all(key[(c.t, c.sequence_parallel)] == c for c in again)
+
+
+# ----- (b) no fallbacks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [
+    M.Config(t=2, p=1, d=1), M.Config(t=4, p=1, d=1, sequence_parallel=True),
+    M.Config(t=4, p=2, d=1, num_microbatches=4, recompute="selective"),
+    M.Config(t=2, p=2, d=2, v=1, num_microbatches=2, recompute="full", zero=1,
+             sequence_parallel=True),
+])
+def test_no_fallbacks_no_change(cfg):
+    prof, fixed = _profiles(kv=HEADS)
+    assert len(fixed.tp_fallbacks) == 4 and all(c.empty for c in fixed.tp_fallbacks)
+    assert fixed.tp_correction(cfg.t, cfg.sequence_parallel) is None
+    assert fixed.notes == prof.notes
+    assert M.predict(fixed, A100, cfg) == M.predict(prof, A100, cfg)
+    assert M.config_costs(fixed, A100, cfg) == M.config_costs(prof, A100, cfg)
+
+
+def test_textbook_profile_has_no_corrections():
+    prof = transformer_profile(num_layers=2, hidden=128, heads=8, kv_heads=2, seq_len=64,
+                               vocab=256)
+    assert prof.tp_fallbacks == () and prof.tp_correction(8) is None
+
+
+# ----- (c) the solver ------------------------------------------------------------------------------
+
+def test_solver_avoids_a_t_whose_fallbacks_cost_more():
+    """4 GPUs, 2 sequences per step: the structural profile prices t = 4 as the fastest; with
+    the k/v projections replicated and their gradients gathered, t = 2 × d = 2 wins."""
+    prof, fixed = _profiles(kv=2)
+    assert tensor_degrees(prof, A100, 4) == [2, 4]
+    plain = solve(prof, A100, gpus=4, global_batch_size=2)
+    priced = solve(fixed, A100, gpus=4, global_batch_size=2)
+    assert plain.t == 4 and priced.t < plain.t
+    pinned_plain = solve(prof, A100, gpus=4, global_batch_size=2, t=4)
+    pinned = solve(fixed, A100, gpus=4, global_batch_size=2, t=4)
+    assert pinned.predicted.step_time_s > pinned_plain.predicted.step_time_s
+    assert priced.predicted.step_time_s < pinned.predicted.step_time_s
+    # the solver's number is the cost model's (one source of truth)
+    assert pinned.predicted == M.predict(fixed, A100, M.Config(
+        t=4, p=pinned.p, d=pinned.d, v=pinned.v, micro_batch_size=pinned.micro_batch_size,
+        num_microbatches=pinned.num_microbatches, schedule=pinned.schedule,
+        recompute=pinned.recompute, sequence_parallel=pinned.sequence_parallel,
+        zero=pinned.zero), [s.last_layer - s.first_layer for s in pinned.stages])
+
+
+def test_parallelize_prices_the_fallbacks():
+    import autopar
+    torch.manual_seed(0)
+    model = _llama(kv=2)
+    ids = torch.randint(0, 128, (2, S))
+    prog = autopar.parallelize(model, gpus=4, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=2)
+    prof = prog.profile
+    assert {c.t for c in prof.tp_fallbacks} == {2, 4}
+    assert prof.tp_correction(4) is not None and prof.tp_correction(2) is None
+    assert any("t=4" in n and "fallback" in n for n in prof.notes)
+    assert prog.plan.t == 2
+    structural = dataclasses.replace(prof, tp_fallbacks=())
+    cfg = M.Config(t=4, p=1, d=1)
+    assert M.predict(prof, A100, cfg).step_time_s > M.predict(structural, A100, cfg).step_time_s
+
+
+def test_mean_over_the_split_dim_priced_as_a_small_all_reduce_each_way():
+    # OLMo-2 RMS-normalises q and k over all heads (the split dim): per block, each norm's
+    # (T, 1) statistic is all-reduced forward, and the gradient of the rsqrt computed from it
+    # (which scales the split q / k) is all-reduced backward; nothing falls back
+    model = models.build("hf_olmo2", seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    structure = find_layers(cap)
+    prof = profile_from_graph(cap, structure)
+    for corr in tp_corrections(cap, structure, prof, [2]):
+        assert not corr.fallbacks and not corr.block.replicated_gemms
+        got = sorted((c.kind, c.elems, c.backward) for c in corr.block.collectives)
+        assert got == [("all-reduce", 8, False)] * 2 + [("all-reduce", 8, True)] * 2, \
+            (corr.sequence_parallel, corr.block.collectives)
+
+
+def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):
+    """A model the sharding rules cannot settle (PropagationError) is planned on, that t priced
+    structurally and noted; any other error in the analysis is a bug and propagates."""
+    from autopar.passes import tp_cost
+    from autopar.passes.tensor_parallel import PropagationError
+    cap, structure, prof = _captured(kv=2)
+
+    def unsettled(gm, t, **kw):
+        raise PropagationError(f"tensor_parallel: propagation loops at x (t={t})")
+
+    monkeypatch.setattr(tp_cost, "propagate_sharding", unsettled)
+    fixed = with_tp_corrections(prof, cap, structure, [2])
+    assert fixed.tp_fallbacks == ()
+    assert any("t=2: pass analysis failed (PropagationError: tensor_parallel: propagation "
+               "loops at x (t=2)); priced structurally" in n for n in fixed.notes)
+
+    def bug(gm, t, **kw):
+        raise KeyError("a propagation bug")
+
+    monkeypatch.setattr(tp_cost, "propagate_sharding", bug)
+    with pytest.raises(KeyError, match="a propagation bug"):
+        with_tp_corrections(prof, cap, structure, [2])

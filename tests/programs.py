@@ -1,0 +1,126 @@
+"""Tiny parallel programs for the runtime tests: a hand-made Plan, the ParallelProgram of a
+models.runtime_model under it, its data, the Runner trained on gloo ranks, and the check of
+that run against the same model trained on one device (reference.train): losses and
+full_state_dict at rtol 1e-4 / atol 1e-5. Module level: spawned ranks import it by name."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from autopar.api import ParallelProgram
+from autopar.plan import Plan, Prediction, Stage
+from autopar.testing import spawn
+
+from models import RUNTIME_VOCAB, runtime_model, token_batches
+from reference import Trained, train
+
+STEPS = 3
+SEQ = 8
+LR = 3e-4  # AdamW default of compile(); 3 steps move weights by ~1e-3 ≫ atol
+MAX_NORM = 1.0
+
+
+def loss_fn(output, targets):
+    from autopar.losses import cross_entropy
+    return cross_entropy(output, targets)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def make_plan(*, t=1, p=1, d=1, v=1, b=2, m=2, schedule="1f1b", layers=2,
+              split: list[int] | None = None) -> Plan:
+    """A hand-made plan; `split` gives the layer count of each of the p·v chunks."""
+    chunks = p * v
+    if split is None:
+        base, extra = divmod(layers, chunks)
+        split = [base + (c < extra) for c in range(chunks)]
+    stages, first = [], 0
+    for c, n in enumerate(split):
+        stages.append(Stage(chunk=c, rank=c % p, first_layer=first, last_layer=first + n,
+                            embedding=c == 0, head=c == chunks - 1))
+        first += n
+    pred = Prediction(step_time_s=1.0, tflops_per_gpu=0.0, mfu=0.0, bubble_fraction=0.0,
+                      memory_bytes_per_gpu=0.0, compute_s=1.0, tp_comm_s=0.0, pp_comm_s=0.0,
+                      dp_comm_s=0.0, bubble_s=0.0)
+    return Plan(t=t, p=p, d=d, v=v, micro_batch_size=b, num_microbatches=m, schedule=schedule,
+                recompute="none", sequence_parallel=False, zero=0, stages=tuple(stages),
+                predicted=pred, global_batch_size=b * m * d, seq_len=SEQ, cluster="local-cpu",
+                num_layers=layers)
+
+
+def with_zero(plan: Plan, zero: int) -> Plan:
+    return Plan.from_dict({**plan.to_dict(), "zero": zero})
+
+
+def make_data(plan: Plan, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS global batches of random tokens (seed 1234)."""
+    return token_batches(vocab, (plan.global_batch_size, SEQ), STEPS, seed=1234)
+
+
+def make_program(name: str, plan: Plan) -> tuple[ParallelProgram, int]:
+    """(program, vocab) of models.runtime_model(name) under `plan`."""
+    model = runtime_model(name, plan.num_layers)
+    ex = torch.zeros(plan.micro_batch_size, SEQ, dtype=torch.long)
+    return ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),
+                           loss_fn=loss_fn, example_targets=ex, cluster=None), RUNTIME_VOCAB
+
+
+def train_steps(runner, plan: Plan, batches) -> list[float]:
+    """runner.train_step on this data-parallel rank's share of each global batch."""
+    share = plan.global_batch_size // plan.d
+    lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
+    return [runner.train_step(x[lo:hi], y[lo:hi]) for x, y in batches]
+
+
+def failed_step(runner, x, y) -> tuple[str, str, float] | None:
+    """(exception type, message, seconds until raised) of runner.train_step(x, y); None if
+    the step succeeds (the tests of a peer dying mid-step)."""
+    t0 = time.monotonic()
+    try:
+        runner.train_step(x, y)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks its kind
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+def train_rank(rank: int, world: int, name: str, plan: Plan, optimizer: Callable = adamw,
+               max_grad_norm: float | None = MAX_NORM, precision: str = "fp32"):
+    """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps."""
+    prog, vocab = make_program(name, plan)
+    runner = prog.compile(optimizer=optimizer, max_grad_norm=max_grad_norm,
+                          precision=precision, timeout_s=60)
+    losses = train_steps(runner, plan, make_data(plan, vocab))
+    return losses, runner.full_state_dict(), runner.optimizer_state_bytes()
+
+
+def train_single_device(name: str, plan: Plan, optimizer: Callable = adamw,
+                        **kwargs) -> Trained:
+    """reference.train of the model make_program(name, plan) holds, on make_data(plan);
+    kwargs: train's (max_grad_norm, precision, keep_states)."""
+    return train(runtime_model(name, plan.num_layers), make_data(plan, RUNTIME_VOCAB),
+                 optimizer, loss_fn=loss_fn, **kwargs)
+
+
+def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0) -> None:
+    """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device."""
+    results = spawn(train_rank, plan.gpus, name, plan, timeout_s=timeout_s)
+    ref = train_single_device(name, plan, max_grad_norm=MAX_NORM)
+    for r, (losses, _, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
+    state = results[0][1]
+    assert list(state) == list(ref.state), "full_state_dict keys differ from the model's"
+    moved = 0
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+    # the check can fail: training moved the weights away from their initial values
+    init = runtime_model(name, plan.num_layers)
+    for key, value in init.state_dict().items():
+        moved += int(not torch.equal(value, state[key]))
+    assert moved > 0
+    assert all(r[1] == {} for r in results[1:])

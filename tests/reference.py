@@ -1,0 +1,139 @@
+"""The single-device reference every numerics test compares with: one training loop, and the
+comparison of a parallel run's weights with its result.
+
+    ref = train(model, batches, optimizer, loss_fn=cross_entropy, max_grad_norm=1.0)
+    ref.losses, ref.state            # per-step losses, the weights after the last step
+
+Per (inputs, targets) batch, one textbook step: zero_grad (set to None), forward, loss,
+backward, optional global-norm clipping, optimizer step. Tests whose reference is not a
+training loop (gradients of one backward, a clipped gradient, a hand-written bf16 loop) keep
+their own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from models import token_batches
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Trained:
+    """What `train` leaves: the trained model and optimizer, the loss of every step, the state
+    dict after the last step (and after every step with keep_states), and the gradient norms
+    before clipping (with max_grad_norm). States are detached copies; under bf16 the
+    parameters in them are the fp32 masters."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    losses: list[float]
+    state: State
+    states: list[State] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def train(model: torch.nn.Module, batches: Iterable[Batch],
+          optimizer: Callable[[list], torch.optim.Optimizer], *,
+          loss_fn: Callable | None = None, max_grad_norm: float | None = None,
+          precision: str = "fp32", seed: int | None = None,
+          keep_states: bool = False) -> Trained:
+    """Train `model` on one process, one optimizer step per batch.
+
+    optimizer: a factory params -> Optimizer (the one the parallel run uses). loss_fn(output,
+    targets); None: the model computes its loss, model(inputs, targets) (a captured graph
+    with its loss). max_grad_norm: clip_grad_norm_ over the stepped parameters after each
+    backward. precision "bf16": bf16 compute on fp32 masters through the runtime's
+    MixedPrecision, as the Runner does. seed: torch.manual_seed right before the first step
+    (the RNG stream dropout draws from).
+    """
+    mp = None
+    if precision == "bf16":
+        from autopar.runtime.precision import MixedPrecision
+        mp = MixedPrecision(list(model.parameters()))
+    elif precision != "fp32":
+        raise ValueError(f"train: precision={precision!r}; use 'fp32' or 'bf16'")
+    stepped = mp.master_params if mp else list(model.parameters())
+    opt = optimizer(stepped)
+    if seed is not None:
+        torch.manual_seed(seed)
+    losses, states, norms = [], [], []
+    for x, y in batches:
+        if mp is None:  # (mp.step zeroes main_grad; opt.zero_grad would unlink the masters' grads)
+            opt.zero_grad(set_to_none=True)
+        loss = model(x, y) if loss_fn is None else loss_fn(model(x), y)
+        loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm)))
+        if mp:
+            mp.step(opt)
+        else:
+            opt.step()
+        losses.append(loss.item())
+        if keep_states:
+            states.append(_state(model, mp))
+    return Trained(model, opt, losses, _state(model, mp), states, norms)
+
+
+def _state(model: torch.nn.Module, mp) -> State:
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if mp:  # the fp32 masters are the weights (the Runner's full_state_dict returns them too)
+        by_id = {id(p): m for p, m in zip(mp.params, mp.master_params)}
+        for k, v in model.state_dict(keep_vars=True).items():
+            if id(v) in by_id:
+                state[k] = by_id[id(v)].detach().clone()
+    return state
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (Adam's m, v and step)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
+
+
+def state_mismatches(got: State, want: State, *, exact: bool = False) -> list[str]:
+    """What differs between a gathered state dict and the reference's: missing keys, shapes,
+    values beyond rtol 1e-4 / atol 1e-5 (exact: any difference). Empty when they agree."""
+    bad = []
+    for key, ref in want.items():
+        if key not in got:
+            bad.append(f"missing {key}")
+            continue
+        value = got[key]
+        if value.shape != ref.shape:
+            bad.append(f"{key}: shape {tuple(value.shape)} != {tuple(ref.shape)}")
+        elif exact and not torch.equal(value, ref):
+            bad.append(f"{key}: not equal, max diff {(value - ref).abs().max().item():.3g}")
+        elif not torch.allclose(value, ref, rtol=1e-4, atol=1e-5):
+            bad.append(f"{key}: max diff {(value - ref).abs().max().item():.3g}")
+    return bad
+
+
+# ---- the tensor-parallel tests' training (test_tp_numerics, test_tp_meta) -----------------
+TP_STEPS, TP_BATCH, TP_SEQ = 3, 2, 8
+
+
+def tp_batches(vocab: int = 64) -> list[Batch]:
+    """TP_STEPS batches of TP_BATCH × TP_SEQ random tokens (seed 99)."""
+    return token_batches(vocab, (TP_BATCH, TP_SEQ), TP_STEPS, seed=99)
+
+
+def tp_adamw(params: list) -> torch.optim.Optimizer:
+    # lr 1e-3: a wrong gradient still moves a weight by ~1e-3, 100x the tolerance, while Adam
+    # cannot amplify fp32 reduction-order noise past atol. eps=1e-6: the key bias of attention
+    # has an analytically zero gradient (softmax is shift-invariant), so with the default eps
+    # Adam's update of it is normalised rounding noise (±lr, sign-random) in both runs alike;
+    # 1e-6 keeps noise-level gradients from moving it.
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+
+
+def tp_train(model: torch.nn.Module, batches: list[Batch] | None = None,
+             loss_fn: Callable | None = None) -> list[float]:
+    """The losses of `train` with tp_adamw on `batches` (default tp_batches()); both runs
+    start the default RNG stream alike (seed 4321): dropout in replicated regions (and on
+    partial sums) then draws the single device's masks."""
+    return train(model, tp_batches() if batches is None else batches, tp_adamw,
+                 loss_fn=loss_fn, seed=4321).losses

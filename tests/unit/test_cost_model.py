@@ -1,0 +1,166 @@
+"""Pure tests of cost/model.py and cost/hardware.py: formulas, limits, units, sources."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost import model as M
+from autopar.cost.hardware import CLUSTER_NAMES, get_cluster, with_overrides
+from autopar.cost.profile import transformer_profile
+
+A100 = get_cluster("dgx-a100-80gb")
+
+
+def _gpt(**kw):
+    args = dict(num_layers=8, hidden=1024, heads=16, seq_len=1024, vocab=51200)
+    args.update(kw)
+    return transformer_profile(**args)
+
+
+def test_presets_are_sourced_and_unknown_name_lists_known():
+    for name in CLUSTER_NAMES:
+        cl = get_cluster(name)
+        assert cl.name == name and cl.sources and cl.peak_flops > 0
+    assert get_cluster(A100) is A100
+    with pytest.raises(ValueError, match="dgx-a100-80gb"):
+        get_cluster("dgx-z100")
+
+
+def test_local_cpu_falls_back_without_calibration():
+    cl = get_cluster("local-cpu")
+    assert cl.peak_flops > 0 and cl.memory_bytes > 0 and cl.gpus_per_node >= 1
+
+
+def test_gemm_efficiency_grows_with_shape_and_saturates():
+    small = M.gemm_efficiency(A100, 128, 128, 128)
+    big = M.gemm_efficiency(A100, 8192, 8192, 8192)
+    assert small < 0.8 * big and big <= A100.gemm_max_efficiency
+    # per-FLOP time falls with size: a micro-batch of 1 is slower per FLOP than of 8
+    t1 = M.gemm_time_s(A100, 1, 256, 1024, 1024) / 256
+    t8 = M.gemm_time_s(A100, 1, 2048, 1024, 1024) / 2048
+    assert t8 < t1
+    # skinny GEMMs are memory bound: traffic / HBM bandwidth dominates
+    skinny = M.gemm_time_s(A100, 1, 1, 8192, 8192)
+    assert skinny >= 8192 * 8192 * 2 / A100.hbm_bandwidth_Bps
+
+
+def test_collective_formulas():
+    nb = 1e9
+    bw = A100.intra_node_bandwidth_Bps
+    lat = A100.intra_node_latency_s
+    assert M.allreduce_s(A100, nb, 8, False) == pytest.approx(lat + 2 * 7 / 8 * nb / bw)
+    assert M.allgather_s(A100, nb, 8, False) == pytest.approx(lat + 7 / 8 * nb / bw)
+    assert M.allreduce_s(A100, nb, 1, False) == 0.0
+    assert M.p2p_s(A100, nb, True) == pytest.approx(
+        A100.inter_node_latency_s + nb / A100.inter_node_bandwidth_Bps)
+
+
+@pytest.mark.parametrize("stride,size,gpus,expected", [
+    (1, 8, 64, False),   # t=8 tensor group: one node
+    (1, 16, 64, True),   # t=16 spans two 8-GPU nodes
+    (8, 4, 64, True),    # data group of t=8, d=4: ranks 0, 8, 16, 24
+    (2, 4, 64, False),   # t=2, d=4: ranks 0, 2, 4, 6 in one node
+    (1, 3, 64, True),    # t=3 groups straddle node boundaries
+    (4, 2, 8, False),    # everything inside one node
+])
+def test_group_spans_nodes_golden(stride, size, gpus, expected):
+    assert M.group_spans_nodes(A100, stride=stride, size=size, gpus=gpus) is expected
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="v=2"):
+        M.Config(t=1, p=2, d=1, v=2, schedule="1f1b")
+    with pytest.raises(ValueError, match="recompute"):
+        M.Config(t=1, p=1, d=1, recompute="some")
+    with pytest.raises(ValueError, match="t=0"):
+        M.Config(t=0, p=1, d=1)
+
+
+def _equal_chunk_costs(p, v, m, layer_ns=1000):
+    cfg = M.Config(t=1, p=p, d=1, v=v, num_microbatches=m,
+                   schedule="interleaved-1f1b" if v > 1 else "1f1b")
+    z = dict(embed_ns=0, head_ns=0, p2p_ns=0, dp_layer_ns=0, dp_first_ns=0, dp_last_ns=0,
+             window_layer_ns=0, opt_layer_ns=0, opt_first_ns=0, opt_last_ns=0)
+    return M.ConfigCosts(cfg=cfg, layer_compute_ns=layer_ns, layer_tp_ns=0, **z,
+                         mem_layer_bytes=(0,) * p, mem_fixed_bytes=(0,) * p, capacity_bytes=1,
+                         flops_per_step=1.0, model_flops_per_step=1.0,
+                         mem_parts=(), mem_fixed_parts=(), layer_fwd_ns=layer_ns // 3)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 1, 8), (8, 1, 64), (4, 2, 8), (8, 3, 64), (2, 4, 4)])
+def test_pipeline_closed_form_is_exact_for_equal_chunks(p, v, m):
+    cc = _equal_chunk_costs(p, v, m)
+    y = [v * 2] * p                 # 2 layers per chunk on every rank
+    ideal = m * 2 * v * 1000        # m micro-batches of the rank's work
+    assert M.step_time_ns(cc, y) == pytest.approx(ideal * (1 + (p - 1) / (v * m)))
+
+
+def test_pipeline_uneven_chunks_max_loaded_rank():
+    cc = _equal_chunk_costs(3, 1, 10)
+    y = [1, 3, 2]                   # loads 1000, 3000, 2000
+    assert M.step_time_ns(cc, y) == (10 - 1) * 3000 + 6000
+
+
+def test_activation_memory_matches_2205_05198():
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    prof = _gpt(num_layers=2, hidden=h, heads=a, seq_len=s)
+    none = M.layer_activation_bytes(prof, t, b, "none", False)
+    assert none == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-6)
+    sp = M.layer_activation_bytes(prof, t, b, "none", True)
+    assert sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / t, rel=1e-6)
+    sel_sp = M.layer_activation_bytes(prof, t, b, "selective", True)
+    assert sel_sp == pytest.approx(s * b * h * 34 / t, rel=1e-6)
+    assert M.layer_activation_bytes(prof, t, b, "full", False) == 2 * s * b * h
+
+
+def test_memory_per_zero_level_and_inflight():
+    prof = _gpt()
+    kw = dict(t=1, p=4, d=4, v=1, micro_batch_size=1, num_microbatches=8, schedule="1f1b")
+    c0 = M.config_costs(prof, A100, M.Config(zero=0, **kw))
+    c1 = M.config_costs(prof, A100, M.Config(zero=1, **kw))
+    w, g, o, act = c0.mem_parts[1]
+    assert (w + g + o) / M.shard_params_elems(prof, 1)[0] == pytest.approx(18)
+    w1, g1, o1, _ = c1.mem_parts[1]
+    assert (w1 + g1 + o1) / M.shard_params_elems(prof, 1)[0] == pytest.approx(6 + 12 / 4)
+    # 1F1B: rank r holds p - r micro-batches
+    acts = [c0.mem_parts[r][3] for r in range(4)]
+    assert acts[0] == pytest.approx(4 * acts[3]) and acts[1] == pytest.approx(3 * acts[3])
+    gp = M.config_costs(prof, A100, M.Config(zero=0, **{**kw, "schedule": "gpipe"}))
+    assert gp.mem_parts[3][3] == pytest.approx(8 * acts[3])
+    il = M.config_costs(prof, A100, M.Config(zero=0, **{**kw, "schedule": "interleaved-1f1b",
+                                                          "v": 2}))
+    # interleaved first stage: p·(1 + (p-1)/(p·v)) micro-batches' worth of l/p layers
+    assert il.mem_parts[0][3] == pytest.approx(acts[3] * (1 + 3 / (4 * 2)) * 4 / 1, rel=0.2)
+
+
+def test_prediction_terms_add_up_and_flops_definitions():
+    prof = _gpt(num_layers=12)
+    cfg = M.Config(t=2, p=2, d=2, v=2, micro_batch_size=2, num_microbatches=8,
+                   schedule="interleaved-1f1b", recompute="full", sequence_parallel=True)
+    pr = M.predict(prof, A100, cfg, [3, 3, 3, 3])
+    assert sum(pr.terms().values()) == pytest.approx(pr.step_time_s, rel=1e-9)
+    assert pr.memory.total_bytes == pytest.approx(pr.memory_bytes_per_gpu)
+    # tflops counts recompute (4 passes of the blocks), mfu does not (3 passes)
+    assert pr.tflops_per_gpu * 1e12 / A100.peak_flops > pr.mfu
+    assert 0 < pr.bubble_fraction < 1
+    with pytest.raises(ValueError, match="layers_per_chunk"):
+        M.predict(prof, A100, cfg, [3, 3, 3])
+
+
+def test_recompute_and_sequence_parallel_tradeoffs():
+    prof = _gpt(num_layers=8, hidden=4096, heads=32, seq_len=2048)
+    base = dict(t=8, p=1, d=1, micro_batch_size=2, num_microbatches=4)
+    pr = {rc: M.predict(prof, A100, M.Config(recompute=rc, **base)) for rc in M.RECOMPUTE}
+    assert pr["none"].step_time_s < pr["selective"].step_time_s < pr["full"].step_time_s
+    assert (pr["full"].memory.activations_bytes < pr["selective"].memory.activations_bytes
+            < pr["none"].memory.activations_bytes)
+    sp = M.predict(prof, A100, M.Config(recompute="selective", sequence_parallel=True, **base))
+    assert sp.memory.activations_bytes < pr["selective"].memory.activations_bytes
+
+
+def test_dp_comm_uses_inter_node_link_when_group_spans_nodes():
+    prof = _gpt()
+    inside = M.config_costs(prof, A100, M.Config(t=1, p=1, d=8, num_microbatches=1))
+    across = M.config_costs(prof, with_overrides(A100, gpus_per_node=4),
+                            M.Config(t=1, p=1, d=8, num_microbatches=1))
+    assert across.dp_layer_ns > 5 * inside.dp_layer_ns
+
