@@ -6,7 +6,8 @@ all-reduce (sum) adds the ranks' partial sums:
 
 - tensor-split parameters (ParamInfo.split_dim set, or replicated_over_tp=False): every tensor
   rank holds a different slice, all count (padding rows excluded via ParamInfo.real_part);
-- tensor-replicated parameters: the same values on all t ranks, only tp_rank 0 counts;
+- tensor-replicated parameters: the same values on all t ranks, only tp_rank 0 counts; so
+  do the whole rows of a partly split parameter (ParamInfo.tp_whole: multi-query k/v);
 - tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage;
 - data-parallel replicas hold identical averaged gradients: they are not summed over dp
   (the all-reduce spans the model-parallel group, t·p ranks), unless `dp_sharded=True`
@@ -39,16 +40,31 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
 
 
 def local_sq_sum(grads: Sequence[torch.Tensor | None], param_infos: Sequence[ParamInfo],
-                 groups: Any, *, real_parts: bool = True) -> torch.Tensor:
-    """This rank's share of ‖g‖² in fp32 (a 0-d tensor)."""
+                 groups: Any, *, real_parts: bool = True,
+                 spans: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """This rank's share of ‖g‖² in fp32 (a 0-d tensor). spans[i]: grads[i] is the flat
+    [lo, hi) piece of its parameter (ZeRO segments); None: whole tensors."""
     total = torch.zeros((), dtype=torch.float32)
-    for g, info in zip(grads, param_infos):
+    for i, (g, info) in enumerate(zip(grads, param_infos)):
         if g is None or not counts_here(info, groups):
             continue
         if real_parts and info.split_dim is not None:
             g = info.real_part(g)
-        total += g.detach().float().pow(2).sum().to(total.device)
+        sq = g.detach().float().pow(2).reshape(-1)
+        if info.tp_whole and groups is not None and groups.tp_rank != 0:
+            sq = _without(sq, info.tp_whole, spans[i][0] if spans is not None else 0)
+        total += sq.sum().to(total.device)
     return total
+
+
+def _without(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], lo: int) -> torch.Tensor:
+    """`flat` (the parameter's elements from `lo` on) with the elements in `ranges` dropped."""
+    keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+    for a, b in ranges:
+        a, b = max(a - lo, 0), min(b - lo, flat.numel())
+        if a < b:
+            keep[a:b] = False
+    return flat[keep]
 
 
 def _norm_group(groups: Any, dp_sharded: bool) -> Any:
@@ -59,12 +75,14 @@ def _norm_group(groups: Any, dp_sharded: bool) -> Any:
 
 def clip_grad_norm_(params: Sequence[torch.Tensor], param_infos: Sequence[ParamInfo],
                     max_norm: float, groups: Any, *, dp_sharded: bool = False,
-                    real_parts: bool = True) -> torch.Tensor:
+                    real_parts: bool = True,
+                    spans: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """Clip the gradients of `params` to the global L2 norm `max_norm`; return the norm.
 
     params[i] is the local tensor described by param_infos[i] (its .grad is read; for ZeRO
     pass the shard segments with their owner's ParamInfo, dp_sharded=True, real_parts=False
-    since a segment is a flat piece, not rows). groups: a ProcessGroups (None = one process).
+    since a segment is a flat piece, not rows, and `spans`: each segment's flat [lo, hi) in its
+    parameter). groups: a ProcessGroups (None = one process).
     Collective over groups.model_parallel (or groups.world when dp_sharded): all ranks call.
     """
     params = list(params)
@@ -75,7 +93,7 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], param_infos: Sequence[ParamI
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r}: must be > 0")
     grads = [p.grad for p in params]
-    total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts)
+    total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, spans=spans)
     group = _norm_group(groups, dp_sharded)
     if group_size(group) > 1:
         dist.all_reduce(total_sq, group=group)

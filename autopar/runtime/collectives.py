@@ -6,6 +6,8 @@ one rank: a program compiled for t=1 runs without any process group):
 
     forward                      backward
     copy_to_tp  (f)   identity           all-reduce
+    copy_to_tp_parts  identity           all-reduce of some rows (f on a mixed weight's
+                                         replicated part)
     reduce_from_tp (g) all-reduce        identity
     scatter_to_sp     split along dim    all-gather along dim
     gather_from_sp    all-gather         split
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from autopar.runtime.dist import PeerError, peer_guard
 
 __all__ = [
-    "copy_to_tp", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
+    "copy_to_tp", "copy_to_tp_parts", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
     "all_gather_sp", "column_parallel", "f", "g", "send_tensor", "recv_tensor", "group_size",
     "group_rank", "PeerError", "all_reduce", "all_reduce_", "all_gather", "reduce_scatter",
     "start_all_reduce", "start_all_gather", "start_reduce_scatter",
@@ -181,6 +183,27 @@ class _CopyToTP(torch.autograd.Function):
         return all_reduce(grad, ctx.group), None
 
 
+class _CopyToTPParts(torch.autograd.Function):
+    """f on some rows: identity forward, all-reduce of the gradient's `parts` (start, length)
+    along `dim` backward, the other rows untouched (the replicated part of a mixed weight)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, parts):
+        ctx.group, ctx.dim, ctx.parts = group, dim, parts
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pieces = [grad.narrow(ctx.dim, s, n) for s, n in ctx.parts]
+        summed = all_reduce(torch.cat(pieces, ctx.dim), ctx.group)    # one collective
+        out = grad.clone()
+        offset = 0
+        for s, n in ctx.parts:
+            out.narrow(ctx.dim, s, n).copy_(summed.narrow(ctx.dim, offset, n))
+            offset += n
+        return out, None, None, None
+
+
 class _ReduceFromTP(torch.autograd.Function):
     """g: all-reduce forward, identity backward (leaves a row-parallel region)."""
 
@@ -315,6 +338,16 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: s
 def copy_to_tp(x: torch.Tensor, group: Any) -> torch.Tensor:
     """f: identity forward, all-reduce backward over `group`."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def copy_to_tp_parts(x: torch.Tensor, group: Any, dim: int,
+                     parts: list[tuple[int, int]]) -> torch.Tensor:
+    """f restricted to the rows `parts` ((start, length) along `dim`): identity forward; the
+    gradient of those rows all-reduced over `group` backward (each rank held a summand: the
+    replicated k/v rows of a multi-query projection, read by this rank's query heads only)."""
+    if group_size(group) == 1 or not parts:
+        return x
+    return _CopyToTPParts.apply(x, group, dim, [tuple(p) for p in parts])
 
 
 def reduce_from_tp(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -31,6 +31,9 @@ class ParamInfo:
     stop: int = 0
     replicated_over_tp: bool = True   # same values on every tensor rank (count once in norms)
     shared_with: str | None = None    # "embedding": also held by another pipeline stage
+    # [lo, hi) ranges of the local tensor's flattened elements that every tensor rank holds
+    # alike inside a split parameter (the whole k/v rows of a mixed q/k/v projection)
+    tp_whole: tuple[tuple[int, int], ...] = ()
 
     def real_part(self, local: torch.Tensor) -> torch.Tensor:
         """The rows of `local` that are real (drops vocabulary padding)."""
@@ -82,9 +85,26 @@ def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int
         start, stop = tp_rank * (full // t), (tp_rank + 1) * (full // t)
     else:  # a slice of every block: not one range (ParamInfo.blocked)
         return ParamInfo(key=key, aliases=aliases, global_shape=global_shape,
-                         replicated_over_tp=False, shared_with=shared_with)
+                         replicated_over_tp=False, shared_with=shared_with,
+                         tp_whole=_flat_ranges(local_shape, ps.dim, ps.whole_ranges(t)))
     return ParamInfo(key=key, aliases=aliases, global_shape=global_shape, split_dim=ps.dim,
                      start=start, stop=stop, replicated_over_tp=False, shared_with=shared_with)
+
+
+def _flat_ranges(shape: tuple[int, ...], dim: int, rows: list[tuple[int, int]]
+                 ) -> tuple[tuple[int, int], ...]:
+    """The [lo, hi) ranges of a tensor of `shape`'s flattened elements that hold the rows
+    `rows` ((start, length) along `dim`). E.g. (48, 32), dim 0, rows [(16, 8)] ->
+    ((512, 768),); (4, 6), dim 1, rows [(2, 1)] -> ((2, 3), (8, 9), (14, 15), (20, 21))."""
+    inner = 1
+    for n in shape[dim + 1:]:
+        inner *= n
+    outer = 1
+    for n in shape[:dim]:
+        outer *= n
+    step = shape[dim] * inner
+    return tuple((o * step + s * inner, o * step + (s + n) * inner)
+                 for o in range(outer) for s, n in rows)
 
 
 @dataclass(frozen=True, kw_only=True)

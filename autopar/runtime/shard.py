@@ -7,6 +7,13 @@ projection are three blocks), and rank r holds the r-th 1/t of every block, conc
     W (3C, C), blocks (C, C, C), t = 2:   rank r holds rows [rC/2, (r+1)C/2) of each of q, k, v
                                            → local (3C/2, C)
 
+`whole` (one flag per block, empty = none): a block every rank holds whole instead of 1/t of
+it — the replicated part of a mixed projection (multi-query attention: q split by heads, the
+one k/v head replicated):
+
+    W (C+2d, C), blocks (C, d, d), whole (F, T, T), t = 2:  rank r holds rows [rC/2, (r+1)C/2)
+                                           of q and all of k and v → local (C/2+2d, C)
+
 `padded` > 0 (vocab dims only): the dim is zero-padded to `padded` rows first; rank r holds rows
 [r·padded/t, (r+1)·padded/t). Padding is invisible outside: `unshard` drops it, the
 vocab-parallel cross-entropy masks padded logits to -inf.
@@ -44,9 +51,15 @@ class ParamSplit:
     dim: int
     blocks: tuple[int, ...]
     padded: int = 0
+    whole: tuple[bool, ...] = ()   # per block: held whole by every rank (replicated part)
+
+    def is_whole(self, i: int) -> bool:
+        return bool(self.whole) and self.whole[i]
 
     def local_size(self, t: int) -> int:
-        return self.padded // t if self.padded else sum(b // t for b in self.blocks)
+        if self.padded:
+            return self.padded // t
+        return sum(b if self.is_whole(i) else b // t for i, b in enumerate(self.blocks))
 
     def ranges(self, rank: int, t: int) -> list[tuple[int, int]]:
         """(start, length) of this rank's pieces in global coordinates (may pass the end of an
@@ -55,9 +68,19 @@ class ParamSplit:
             n = self.padded // t
             return [(rank * n, n)]
         out, offset = [], 0
-        for b in self.blocks:
-            out.append((offset + rank * (b // t), b // t))
+        for i, b in enumerate(self.blocks):
+            out.append((offset, b) if self.is_whole(i) else (offset + rank * (b // t), b // t))
             offset += b
+        return out
+
+    def whole_ranges(self, t: int) -> list[tuple[int, int]]:
+        """(start, length) of the whole blocks in LOCAL coordinates (the same on every rank):
+        the rows whose gradient each rank holds a summand of, all-reduced over the group."""
+        out, offset = [], 0
+        for i, b in enumerate(self.blocks):
+            if self.is_whole(i):
+                out.append((offset, b))
+            offset += b if self.is_whole(i) else b // t
         return out
 
 
@@ -73,7 +96,11 @@ def unshard(pieces: list[torch.Tensor], split: ParamSplit, full_size: int) -> to
         return torch.cat(pieces, dim=split.dim).narrow(split.dim, 0, full_size)
     out = []
     offset = 0
-    for b in split.blocks:
+    for i, b in enumerate(split.blocks):
+        if split.is_whole(i):      # the same on every rank: rank 0's copy
+            out.append(pieces[0].narrow(split.dim, offset, b))
+            offset += b
+            continue
         n = b // t
         out += [p.narrow(split.dim, offset, n) for p in pieces]
         offset += n
@@ -238,11 +265,13 @@ def _stable_seed(seed: int, name: str, rank: int) -> int:
 # ----- layout helpers used by the rewritten graph ----------------------------------------------
 
 def local_blocks(x: torch.Tensor, group: Any, dim: int, blocks: list[int],
-                 padded: int = 0) -> torch.Tensor:
+                 padded: int = 0, whole: tuple[bool, ...] = ()) -> torch.Tensor:
     """This rank's pieces of a replicated `x` under Shard(dim, blocks); no communication (the
-    caller puts copy_to_tp before it when gradients must be summed)."""
+    caller puts copy_to_tp before it when gradients must be summed). Its backward puts the
+    gradient in this rank's rows and zeros elsewhere: a summand, as a value held whole in a
+    split region (sharding.Whole) keeps its gradient."""
     t, rank = group_size(group), group_rank(group)
-    split = ParamSplit(dim % x.dim(), tuple(blocks), padded)
+    split = ParamSplit(dim % x.dim(), tuple(blocks), padded, tuple(whole))
     return _pieces(x, split, rank, t)
 
 

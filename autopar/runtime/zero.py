@@ -112,7 +112,7 @@ class ZeroOptimizer:
             self.reduce_grads()
         infos = [self.param_infos[s.param] for s in self.segments]
         return clip_grad_norm_(self.master, infos, max_norm, groups, dp_sharded=True,
-                               real_parts=False)
+                               real_parts=False, spans=[(s.lo, s.hi) for s in self.segments])
 
     @torch.no_grad()
     def step(self) -> None:

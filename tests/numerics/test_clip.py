@@ -143,3 +143,36 @@ def test_single_process_matches_torch():
     assert ok
     with pytest.raises(ValueError, match="ParamInfo"):
         clip_grad_norm_(params, infos[:-1], 1.0, None)
+
+
+def _mixed_worker(rank, world, flat_pieces):
+    """A partly split parameter (q rows split, the k/v rows whole on every tensor rank, as
+    multi-query c_attn): its whole rows count once; also as ZeRO's flat pieces (spans)."""
+    from autopar.runtime.params import describe_param
+    from autopar.runtime.shard import ParamSplit, local_shard
+    groups = ProcessGroups.create(world, 1, 1, timeout_s=30)
+    full = torch.randn(8, 3, generator=torch.Generator().manual_seed(3))
+    ref = torch.zeros(8, 3, requires_grad=True)
+    ref.grad = full.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_([ref], 0.5)
+    split = ParamSplit(0, (4, 2, 2), whole=(False, True, True))
+    local = local_shard(full, split, groups.tp_rank, world)                 # (6, 3)
+    info = describe_param(key="qkv", aliases=(), local_shape=tuple(local.shape),
+                          global_shape=(8, 3), split=(split, 8), tp_rank=groups.tp_rank,
+                          t=world, shared=False)
+    flat = local.reshape(-1)
+    cuts = [(0, 5), (5, flat.numel())] if flat_pieces else None   # cut inside the q rows
+    grads = [flat[a:b] for a, b in cuts] if flat_pieces else [local]
+    params = [torch.zeros_like(g, requires_grad=True) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = clip_grad_norm_(params, [info] * len(params), 0.5, groups,
+                           real_parts=not flat_pieces, spans=cuts)
+    return float(norm), float(ref_norm), info.tp_whole
+
+
+@pytest.mark.parametrize("flat_pieces", [False, True])
+def test_partly_split_parameter_counts_its_whole_rows_once(flat_pieces):
+    for norm, ref, whole in spawn(_mixed_worker, 2, flat_pieces, timeout_s=120):
+        assert whole == ((6, 12), (12, 18))   # k, v: local rows 2..4, 4..6 of 3 columns
+        assert norm == pytest.approx(ref, rel=1e-6)

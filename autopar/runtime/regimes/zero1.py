@@ -62,8 +62,9 @@ class ChunkedZero:
         self.reduce_grads()
         masters = [m for part in self.parts for m in part.master]
         infos = [part.param_infos[s.param] for part in self.parts for s in part.segments]
+        spans = [(s.lo, s.hi) for part in self.parts for s in part.segments]
         return clip_grad_norm_(masters, infos, max_norm, groups, dp_sharded=True,
-                               real_parts=False)
+                               real_parts=False, spans=spans)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -55,8 +55,8 @@ class Zero3(Regime):
             {c: [params.tensors[q] for q in qs] for c, qs in names.items()}, groups.data,
             lambda masters: make(list(masters) + replicated), names=names)
         self.optimizer = self.chunks.optimizer
-        # (master piece, ParamInfo of the parameter it is cut from), for clipping
-        self.pieces = [(m, params.infos[names[c][s.param]])
+        # (master piece, ParamInfo of the parameter it is cut from, its flat span), for clipping
+        self.pieces = [(m, params.infos[names[c][s.param]], (s.lo, s.hi))
                        for c, ch in self.chunks.chunks.items()
                        for s, m in zip(ch.segments, ch.master)]
         self.ops: dict[int, list[tuple[str, int]]] = {}   # action index -> ops before it
@@ -95,9 +95,9 @@ class Zero3(Regime):
         """Global-norm clipping: shard pieces count on every rank (each dp rank holds
         different elements), replicated parameters on dp rank 0 only; one all-reduce over the
         world, then torch's clip_grad_norm_ coefficient."""
-        masters = [m for m, _ in self.pieces]
-        total = local_sq_sum([m.grad for m in masters], [i for _, i in self.pieces],
-                             self.groups, real_parts=False)
+        masters = [m for m, _, _ in self.pieces]
+        total = local_sq_sum([m.grad for m in masters], [i for _, i, _ in self.pieces],
+                             self.groups, real_parts=False, spans=[s for _, _, s in self.pieces])
         reps = [self.params.tensors[q] for q in self.replicated]
         if self.groups.dp_rank == 0 and reps:
             total = total + local_sq_sum([p.grad for p in reps],
