@@ -10,6 +10,15 @@ A layout says how the tensor-parallel ranks 0..t-1 hold a value of the single-de
                               are each split by heads. `padded` > 0: the dim is padded to that
                               global size first (vocab padding), rank r holds rows
                               [r·padded/t, (r+1)·padded/t).
+                              `whole` (a flag per block): blocks every rank holds whole (a
+                              mixed projection: q split by heads, the one k/v head of
+                              multi-query attention replicated); rank r holds the r-th 1/t of
+                              each other block and all of these, in block order.
+  Whole()                     every rank holds the whole value, computed inside a split region
+                              (a mixed projection's replicated part, and what is computed from
+                              it): its gradient on each rank is a summand — only this rank's
+                              heads read it — summed where it leaves the region (the
+                              projection's f and copy_to_tp_parts on its weight rows).
   Partial(biases, masked)     every rank holds a summand; the value is the sum over ranks
                               (a row-parallel product). `biases` names the bias nodes still
                               to be added once, after the reduction; two Partials summed stay
@@ -26,7 +35,10 @@ dims, until a matmul contracts over the split dim (row-parallel → Partial). A 
 have to be gathered back raises `Conflict(origins)`: the driver turns those candidates off and
 runs again (replicated fallback), so only regions that close cheaply stay split. A split that
 cuts a fused output at non-block boundaries raises `Refine(origin, blocks)` and the driver
-re-seeds that candidate with finer blocks.
+re-seeds that candidate with finer blocks. A block whose piece cannot be split the way its
+consumer needs (one k/v head where attention splits heads) raises a tentative
+`Refine(origin, blocks, whole=...)`: that block is held whole (Whole) while the rest stays
+split; if that conflicts later, the driver undoes it and the candidate falls back.
 """
 from __future__ import annotations
 
@@ -58,12 +70,18 @@ class Shard:
     padded: int = 0
     origins: frozenset = field(default=frozenset(), compare=False)
     seq: bool = field(default=False, compare=False)  # a sequence-parallel shard
+    whole: tuple[bool, ...] = ()     # per block: held whole by every rank (empty: none)
+    # which blocks of the one origin's seed these blocks are (None: not traceable)
+    src: tuple[int, ...] | None = field(default=None, compare=False)
+
+    def flags(self) -> tuple[bool, ...]:
+        return self.whole or (False,) * len(self.blocks)
 
     def local(self, t: int) -> int:
         """Local size of the split dim on each rank."""
         if self.padded:
             return self.padded // t
-        return sum(b // t for b in self.blocks)
+        return sum(b if w else b // t for b, w in zip(self.blocks, self.flags()))
 
     def size(self) -> int:
         return sum(self.blocks)
@@ -71,7 +89,16 @@ class Shard:
     def __repr__(self) -> str:
         extra = f", padded={self.padded}" if self.padded else ""
         extra += ", seq" if self.seq else ""
+        extra += f", whole={self.whole}" if self.whole else ""
         return f"Shard({self.dim}, {self.blocks}{extra})"
+
+
+@dataclass(frozen=True)
+class Whole:
+    origins: frozenset = field(default=frozenset(), compare=False)
+
+    def __repr__(self) -> str:
+        return "Whole()"
 
 
 @dataclass(frozen=True)
@@ -92,7 +119,7 @@ class Partial:
         return f"Partial({', '.join(parts)})"
 
 
-Layout = Replicate | Shard | Partial
+Layout = Replicate | Shard | Partial | Whole
 R = Replicate()
 
 
@@ -109,9 +136,10 @@ class Refine(Exception):
     `fallback`: a tentative refinement — the Conflict to report instead if the refined split
     later conflicts (the driver then undoes it and turns `origin` off)."""
 
-    def __init__(self, origin: str, blocks: tuple[int, ...], fallback: Conflict | None = None):
-        super().__init__(f"refine {origin} to {blocks}")
-        self.origin, self.blocks, self.fallback = origin, blocks, fallback
+    def __init__(self, origin: str, blocks: tuple[int, ...], fallback: Conflict | None = None,
+                 whole: tuple[bool, ...] = ()):
+        super().__init__(f"refine {origin} to {blocks}" + (f", whole {whole}" if whole else ""))
+        self.origin, self.blocks, self.fallback, self.whole = origin, blocks, fallback, whole
 
 
 # ----- op families ------------------------------------------------------------------------------
@@ -149,10 +177,11 @@ def is_tensor(node: Any) -> bool:
 
 
 def is_split(lay: Any) -> bool:
-    """A layout (or tuple of them, for a multi-output node) that no rank holds whole."""
+    """A layout (or tuple of them, for a multi-output node) of a split region: no rank holds it
+    whole, or (Whole) its gradient is a per-rank summand."""
     if isinstance(lay, tuple):
         return any(is_split(x) for x in lay)
-    return isinstance(lay, (Shard, Partial))
+    return isinstance(lay, (Shard, Partial, Whole))
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -218,13 +247,19 @@ def map_reshape(src: tuple[int, ...], dst: tuple[int, ...], lay: Shard, t: int) 
     if lay.padded:
         return replace(lay, dim=go[0]) if len(gi) == 1 and len(go) == 1 else None
     flat = tuple(b * inner for b in lay.blocks) * outer
+    whole = lay.flags() * outer
+    src = lay.src * outer if lay.src is not None else None
     for k, e in enumerate(go):
         p_e = _prod(dst[j] for j in go[k + 1:])
         q_e = _prod(dst[j] for j in go[:k])
-        if q_e == 1 and all(b % (t * p_e) == 0 for b in flat):
-            return replace(lay, dim=e, blocks=tuple(b // p_e for b in flat))
+        # a whole block need not divide by t, only into rows of e
+        if q_e == 1 and all(b % (p_e if w else t * p_e) == 0 for b, w in zip(flat, whole)):
+            return replace(lay, dim=e, blocks=tuple(b // p_e for b in flat),
+                           whole=whole if lay.whole else (), src=src)
+        if lay.whole:
+            continue
         if len(flat) == q_e and all(b == dst[e] * p_e for b in flat) and dst[e] % t == 0:
-            return replace(lay, dim=e, blocks=(dst[e],))
+            return replace(lay, dim=e, blocks=(dst[e],), src=None)
     return None
 
 
@@ -254,8 +289,9 @@ class Propagator:
 
     def __init__(self, gm: fx.GraphModule, t: int, *, off: set[str], refine: dict,
                  sequence_parallel: bool, seq_len: int | None, vocab_multiple: int,
-                 flop_per_byte: float = float("inf")):
+                 flop_per_byte: float = float("inf"), whole: dict | None = None):
         self.gm, self.t, self.off, self.refine = gm, t, off, refine
+        self.whole = whole if whole is not None else {}   # origin -> its seed's whole flags
         self.sp, self.seq_len, self.vocab_multiple = sequence_parallel, seq_len, vocab_multiple
         self.flop_per_byte = flop_per_byte  # machine balance: FLOP one byte of comm costs
         self.by_name = {n.name: n for n in gm.graph.nodes}
@@ -316,14 +352,41 @@ class Propagator:
         have = self.convert.get(consumer, {}).get(arg, cur)
         if have == want and type(have) is type(want):
             return
+        if isinstance(cur, Whole) and not (isinstance(want, Shard) and not want.seq):
+            # a summand gradient cannot meet a consumer whose gradient is whole on every rank
+            raise Conflict(cur.origins, consumer,
+                           f"{consumer.name} ({packet(consumer)}) needs {arg.name} as {want} "
+                           f"but it is held whole inside a split region")
         if isinstance(cur, Shard) and not cur.seq and not (
-                isinstance(want, Shard) and want.dim == cur.dim and want.blocks == cur.blocks):
+                isinstance(want, Shard) and want.dim == cur.dim and want.blocks == cur.blocks
+                and want.flags() == cur.flags()):
             if cur.origins:
-                raise Conflict(cur.origins, consumer,
-                               f"{consumer.name} ({packet(consumer)}) needs {arg.name} as {want} "
-                               f"but it is {cur}")
+                conflict = Conflict(cur.origins, consumer,
+                                    f"{consumer.name} ({packet(consumer)}) needs {arg.name} as "
+                                    f"{want} but it is {cur}")
+                if isinstance(want, Shard) and not want.seq:
+                    self.hold_whole(cur, conflict)
+                raise conflict
             self.notes.append(f"all-gather of {arg.name} {cur} for {consumer.name}")
         self.convert.setdefault(consumer, {})[arg] = want
+
+    def hold_whole(self, lay: Shard, conflict: Conflict) -> None:
+        """`lay`, a piece of one fused column-parallel output, cannot be split the way its
+        consumer needs (the one k/v head of multi-query attention where attention splits
+        heads): raise a tentative Refine holding the seed blocks it comes from whole on every
+        rank, the other blocks still split. Nothing when the piece cannot be traced to its
+        seed's blocks, or when every block would be whole (no split left)."""
+        origin = next(iter(lay.origins)) if len(lay.origins) == 1 else None
+        seed = self.refine.get(origin) if origin else None
+        if seed is None or len(seed) < 2 or lay.src is None or lay.seq or lay.padded:
+            return
+        flags = list(self.whole.get(origin) or (False,) * len(seed))
+        if all(flags[i] for i in lay.src):
+            return
+        for i in lay.src:
+            flags[i] = True
+        if not all(flags):
+            raise Refine(origin, seed, fallback=conflict, whole=tuple(flags))
 
     def eff(self, consumer: fx.Node, arg: Any) -> Any:
         """The layout `consumer` sees for `arg` (after any conversion already decided)."""
@@ -364,8 +427,11 @@ class Propagator:
         if not self._keeps_partial(node):
             for arg in args:
                 self._resolve_partial(node, arg, allow_seq=True)
+        self._check_mixed(node, args)
         try:
-            out = self._rule(node)
+            out = self._whole_only(node, args)
+            if out is None:
+                out = self._rule(node)
         except Conflict as c:
             if c.origins:
                 raise      # the driver turns those candidates off and runs again
@@ -378,6 +444,28 @@ class Propagator:
             if self.get(arg) is None:
                 self._assign(arg, R)
         self.layout[node] = out
+
+    def _check_mixed(self, node: fx.Node, args: list[fx.Node]) -> None:
+        """A mixed projection's output (split and whole blocks side by side) is only viewed
+        and cut into its parts (q / k / v): any other op on it conflicts."""
+        op = packet(node)
+        for a in args:
+            lay = self.eff(node, a)
+            if isinstance(lay, Shard) and lay.whole and op not in _RESHAPES \
+                    and op not in SPLIT_OPS and not (op in _TRANSPARENT and len(args) == 1):
+                raise Conflict(lay.origins, node, f"{node.name} ({op}) reads {a.name}, split "
+                               f"blocks next to whole ones ({lay})")
+
+    def _whole_only(self, node: fx.Node, args: list[fx.Node]) -> Any:
+        """An op reading a Whole value and nothing split: computed whole on every rank, and
+        Whole itself (its backward is linear in the output's gradient, so a summand in gives a
+        summand out; a replicated input that needs a gradient gets an f). None otherwise."""
+        lays = [self.eff(node, a) for a in args]
+        wholes = [l for l in lays if isinstance(l, Whole)]
+        if not wholes or any(isinstance(l, (Shard, Partial)) for l in lays):
+            return None
+        out = Whole(origins=frozenset().union(*(l.origins for l in wholes)))
+        return _like(node, out)
 
     def _gather_inputs(self, node: fx.Node, why: Conflict) -> Any:
         """`node` computed replicated from gathered inputs; a decision already taken for it
@@ -402,7 +490,7 @@ class Propagator:
         input gradient, 2·K·b·(t-1)/t bytes. Split iff 6·K·V / ((V + 2K)·b) >= flop_per_byte.
         """
         lay = self.get(arg)
-        if not isinstance(lay, Shard) or lay.seq or not lay.origins:
+        if not isinstance(lay, Shard) or lay.seq or not lay.origins or lay.whole:
             return False
         return self.gather_split_input(out, arg, "returned without a loss: column-parallel, "
                                                  "all-gathered at the output")
@@ -619,7 +707,8 @@ def _pointwise(p: Propagator, node: fx.Node) -> Layout:
             continue
         i = od - (nd - len(shape(a)))
         if i < 0 or shape(a)[i] == 1:
-            p.demand(node, a, R)  # broadcast along the split dim: nothing to do
+            if not isinstance(p.eff(node, a), Whole):   # Whole broadcast: a summand gradient
+                p.demand(node, a, R)  # broadcast along the split dim: nothing to do
         else:
             p.demand(node, a, replace(target, dim=i))
     return target
@@ -724,9 +813,16 @@ def _split(p: Propagator, node: fx.Node) -> Any:
                        f"{lay.blocks} of the split dim")
     pieces, start = [], 0
     offsets = [0] + _cumsum(list(lay.blocks))
+    flags = lay.flags()
     for size in sizes:
-        mine = tuple(b for b, o in zip(lay.blocks, offsets) if start <= o < start + size)
-        pieces.append(replace(lay, blocks=mine))
+        idx = [i for i, o in enumerate(offsets[:-1]) if start <= o < start + size]
+        whole = tuple(flags[i] for i in idx)
+        src = tuple(lay.src[i] for i in idx) if lay.src is not None else None
+        if all(whole):       # the replicated part of a mixed projection (k, v)
+            pieces.append(Whole(origins=lay.origins))
+        else:
+            pieces.append(replace(lay, blocks=tuple(lay.blocks[i] for i in idx),
+                                  whole=whole if any(whole) else (), src=src))
         start += size
     return tuple(pieces)
 
@@ -938,14 +1034,17 @@ def _matmul(p: Propagator, node: fx.Node) -> Layout:
             and not is_router(node) and not narrow:
         n_size = shape(w)[w_n]
         blocks = p.refine.get(node.name, (n_size,))
+        whole = p.whole.get(node.name, ())
         padded = 0
         if len(blocks) == 1 and n_size % p.t:
             padded = _round_up(n_size, p.vocab_multiple * p.t)
-        elif any(b % p.t for b in blocks):
+        elif any(b % p.t for b, held in zip(blocks, whole or (False,) * len(blocks))
+                 if not held):
             raise Conflict(frozenset({node.name}), node,
                            f"{node.name}: output blocks {blocks} do not divide by t={p.t}",
                            indivisible=True)
-        lay = Shard(w_n, blocks, padded, origins=frozenset({node.name}))
+        lay = Shard(w_n, blocks, padded, origins=frozenset({node.name}), whole=whole,
+                    src=tuple(range(len(blocks))))
         p.demand(node, x, R)
         p.demand(node, w, lay)
         if bias is not None:
@@ -1202,8 +1301,17 @@ def _sdpa(p: Propagator, node: fx.Node) -> Layout:
     hd = len(shape(q)) - 3
     origins = _union(shards)
     if any(l.dim != hd or l.seq for l in shards):
-        raise Conflict(origins, node, f"{node.name}: attention split along a non-head dim")
+        conflict = Conflict(origins, node, f"{node.name}: attention split along a non-head dim")
+        for l in shards:
+            if l.dim != hd and not l.seq:   # k/v of fewer heads than t: held whole instead
+                p.hold_whole(l, conflict)
+        raise conflict
+    gqa = bool(node.kwargs.get("enable_gqa", False))
+    q_local = shape(q)[hd] // p.t if isinstance(lays[0], Shard) else None
     for arg in (q, k, v):
+        if isinstance(p.eff(node, arg), Whole) and gqa and q_local \
+                and q_local % shape(arg)[hd] == 0:
+            continue    # whole k/v heads shared by the local query heads (grouped attention)
         if not isinstance(p.eff(node, arg), Shard):
             heads = shape(arg)[hd]
             if heads % p.t:

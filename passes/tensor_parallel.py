@@ -19,6 +19,8 @@ Two passes over the captured ATen graph:
         Partial  ───▶ Shard(seq)        reduce_scatter_to_sp            (sequence parallel)
         Shard(seq) ─▶ Replicate         all_gather_sp (bwd reduce-scatter) or gather_from_sp
         Replicate ──▶ Shard             scatter_to_sp (local slice, bwd all-gather)
+        Whole ─────▶ Shard              local_blocks (a slice; its gradient stays a summand)
+        a mixed weight's whole rows     copy_to_tp_parts (bwd all-reduce of those rows)
 
     The collectives are `call_function` nodes on importable functions whose group argument is
     the GraphModule attribute `tp_group` (a get_attr node), never a global; the rank-dependent
@@ -47,7 +49,7 @@ from autopar.cost.hardware import get_cluster
 from autopar.passes import meta as K
 from autopar.passes import sharding as S
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.sharding import (Partial, Replicate, Shard, is_split, packet, shape,
+from autopar.passes.sharding import (Partial, Replicate, Shard, Whole, is_split, packet, shape,
                                      source_line)
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
@@ -124,24 +126,28 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
     balance = _flop_per_byte(cluster)
     off: set[str] = set()
     refine: dict[str, tuple[int, ...]] = {}
+    whole: dict[str, tuple[bool, ...]] = {}  # mixed projections: the seed blocks held whole
     fallbacks: dict[str, Fallback] = {}
     tentative: dict[str, S.Conflict] = {}   # refined origins and the conflict they replaced
     for _ in range(_MAX_ROUNDS):
         prop = S.Propagator(gm, t, off=off, refine=refine, sequence_parallel=sequence_parallel,
                             seq_len=seq_len, vocab_multiple=vocab_multiple,
-                            flop_per_byte=balance)
+                            flop_per_byte=balance, whole=whole)
         try:
             prop.run()
             break
         except S.Refine as r:
             refine[r.origin] = r.blocks
-            if r.fallback is not None:
-                tentative[r.origin] = r.fallback
+            if r.whole:
+                whole[r.origin] = r.whole
+            if r.fallback is not None and not (r.whole and r.origin in tentative):
+                tentative[r.origin] = r.fallback   # (a second block held whole: the first's)
         except S.Conflict as c:
             undo = [o for o in c.origins if o in tentative]
             for o in undo:  # the tentative refinement did not hold: report the original
                 first = tentative.pop(o)
                 del refine[o]
+                whole.pop(o, None)
                 fallbacks[o] = Fallback(node=o, reason=first.reason,
                                         where=source_line(first.node),
                                         indivisible=first.indivisible)
@@ -210,7 +216,8 @@ def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
                 listed.append(node.name)
         lay = node.meta[K.TP_LAYOUT]
         if node.op == "get_attr" and isinstance(lay, Shard):
-            split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded)
+            split = shard_rt.ParamSplit(dim=lay.dim, blocks=lay.blocks, padded=lay.padded,
+                                        whole=lay.whole)
             node.meta[K.TP_PARAM] = split
             info.params[node.target] = split
     return info
@@ -497,8 +504,23 @@ class _Rewriter:
         for arg in list(node.all_input_nodes):
             if arg in converted or arg is self.group or arg not in self.grad:
                 continue
-            if isinstance(arg.meta.get(K.TP_LAYOUT), Replicate) and S.is_tensor(arg):
+            lay = arg.meta.get(K.TP_LAYOUT)
+            if isinstance(lay, Replicate) and S.is_tensor(arg):
                 node.replace_input_with(arg, self._f(arg, node))
+            elif isinstance(lay, Shard) and lay.whole and arg.op == "get_attr":
+                node.replace_input_with(arg, self._f_parts(arg, lay, node))
+
+    def _f_parts(self, arg: fx.Node, lay: Shard, before: fx.Node) -> fx.Node:
+        """A mixed weight (or bias): the rows of its whole blocks read the same on every rank
+        but each rank's gradient of them is a summand (only its query heads read k/v), so
+        they are all-reduced in backward; the split rows are this rank's own."""
+        key = ("f_parts", arg)
+        if key not in self.cache:
+            split = shard_rt.ParamSplit(lay.dim, lay.blocks, lay.padded, lay.whole)
+            self.cache[key] = self._call(C.copy_to_tp_parts,
+                                         (arg, self.group, lay.dim, split.whole_ranges(self.t)),
+                                         lay, before, True, arg)
+        return self.cache[key]
 
     def _f(self, arg: fx.Node, before: fx.Node) -> fx.Node:
         key = ("f", arg)
@@ -522,6 +544,10 @@ class _Rewriter:
                 x = self._f(x, before)
         elif isinstance(have, Replicate):
             x = self._slice(arg, want, before, grad)
+        elif isinstance(have, Whole):   # a plain slice: the gradient stays this rank's summand
+            x = self._call(shard_rt.local_blocks, (arg, g, want.dim, list(want.blocks),
+                                                   want.padded, want.whole),
+                           want, before, grad, arg)
         else:  # a Shard gathered back (sequence parallel, or a reported fallback)
             simple = len(have.blocks) == 1 and not have.padded
             fn = C.all_gather_sp if (out_split and grad) else C.gather_from_sp
@@ -618,8 +644,8 @@ class _Rewriter:
                 dim = S.norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
-        elif op is aten.scaled_dot_product_attention and is_split(node.meta.get(K.TP_LAYOUT)) \
-                and _sdpa_dropout(node):
+        elif op is aten.scaled_dot_product_attention \
+                and isinstance(node.meta.get(K.TP_LAYOUT), (Shard, Partial)) and _sdpa_dropout(node):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self._streams(), self.seed, *rest)
@@ -694,7 +720,8 @@ class _Rewriter:
         if dim != lay.dim:
             return
         pieces = node.meta[K.TP_LAYOUT]
-        sizes = [p.local(self.t) for p in pieces]
+        sizes = [p.local(self.t) if isinstance(p, Shard) else int(v.shape[dim])
+                 for p, v in zip(pieces, node.meta[K.VAL])]   # Whole pieces keep their size
         node.target = aten.split_with_sizes.default
         node.args, node.kwargs = (src, sizes, dim), {}
 
@@ -722,8 +749,8 @@ def _per_rank_dropout(n: fx.Node) -> bool:
     lay = n.meta.get(K.TP_LAYOUT)
     if packet(n) is aten.dropout:
         return not S.dropout_is_identity(n) and isinstance(lay, Shard)
-    return (packet(n) is aten.scaled_dot_product_attention and is_split(lay)
-            and _sdpa_dropout(n))
+    return (packet(n) is aten.scaled_dot_product_attention
+            and isinstance(lay, (Shard, Partial)) and _sdpa_dropout(n))
 
 
 def _local_shape(global_shape: tuple[int, ...], lay: Any, t: int) -> tuple[int, ...]:

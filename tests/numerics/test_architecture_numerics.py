@@ -1,9 +1,12 @@
 """Whole programs (compile() and the Runner on gloo ranks) of architectures beyond the dense
 decoder-only LMs (issue 17): mixture-of-experts (transformers' Mixtral and OLMoE, experts as
-3-D parameters) and a vision model without a vocabulary (ViT: pixels in, class labels out),
-at t = 2 and at p = 2, against the same model trained on one device (3 AdamW steps, losses
+3-D parameters), a vision model without a vocabulary (ViT: pixels in, class labels out) and
+multi-query attention inside a fused projection (GPT-BigCode: q split by heads, the one k/v
+head replicated), at t = 2 and at p = 2, against the same model trained on one device (3 AdamW steps, losses
 and full_state_dict at rtol 1e-4 / atol 1e-5)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -66,15 +69,25 @@ def _check(name: str, plan) -> list:
     return results
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_vit"])
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_vit", "hf_bigcode"])
 def test_tp2_program_splits_and_matches_single_device(name):
-    """t = 2: rank 0 holds at most 75% of the weights (the experts split, not replicated)."""
+    """t = 2: rank 0 holds at most 75% of the weights (the experts split, not replicated;
+    GPT-BigCode's c_attn split but for its k/v rows)."""
     results = _check(name, make_plan(t=2))
     total = sum(p.numel() for p in _model(name).parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_vit"])
+def test_multi_query_tp2_sequence_parallel_matches_single_device():
+    """GPT-BigCode at t = 2 with sequence parallelism: the replicated k/v part reads the
+    all-gathered sequence as q does; its weight rows' gradients still summed over t."""
+    plan = dataclasses.replace(make_plan(t=2), sequence_parallel=True)
+    results = _check("hf_bigcode", plan)
+    total = sum(p.numel() for p in _model("hf_bigcode").parameters())
+    assert results[0][2] <= 0.75 * total, (results[0][2], total)
+
+
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_vit", "hf_bigcode"])
 def test_pp2_program_matches_single_device(name):
     """p = 2: routing inside each stage; pixels flow into the first stage only."""
     _check(name, make_plan(p=2))

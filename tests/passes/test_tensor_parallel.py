@@ -459,15 +459,44 @@ def test_more_transformers_architectures_split_like_megatron(name):
     gm.graph.lint()
 
 
-def test_multi_query_fused_qkv_keeps_attention_replicated_and_says_why():
-    # GPT-BigCode multi-query: one k/v head inside the fused c_attn cannot be split by heads
-    # (Megatron-Core requires the query groups to divide by t as well): attention stays
-    # replicated, reported; the MLP and the vocabulary are still split
-    model = models.hf_bigcode()
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_multi_query_fused_qkv_splits_q_and_holds_kv_whole(attn):
+    """GPT-BigCode multi-query: c_attn's output is [q (H·d) | k (d) | v (d)]; one k/v head
+    cannot be split by heads, so q is split and k/v are held whole on every rank (found from
+    the split of the output and attention's use of it, written as sdpa or as matmuls): the
+    weight and bias keep all k/v rows, their gradients summed over t (copy_to_tp_parts),
+    attention is split by query heads and nothing falls back."""
+    model = models.hf_bigcode(attn_implementation=attn)
     ids = torch.randint(0, 64, (B, T))
-    info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2).meta[K.TP_INFO]
-    assert any("attention split along a non-head dim" in f.reason for f in info.fallbacks)
-    assert len(info.row) == 2 and info.vocab
+    gm = apply_tensor_parallel(capture(model, (ids,), lm_cross_entropy, ids).gm, 2, 0, None)
+    info = gm.meta[K.TP_INFO]
+    assert not info.fallbacks, info.summary()
+    assert len(info.row) == 2 * 2 and info.vocab
+    hidden, d = 32, 8
+    split = info.params["model.transformer.h.0.attn.c_attn.weight"]
+    assert split == shard_rt.ParamSplit(0, (hidden, d, d), whole=(False, True, True))
+    c_attn = gm.get_submodule("model.transformer.h.0.attn.c_attn")
+    assert tuple(c_attn.weight.shape) == (hidden // 2 + 2 * d, hidden)
+    parts = _calls(gm, C.copy_to_tp_parts)
+    assert len(parts) == 2 * 2 and all(n.args[3] == [(16, 8), (24, 8)] for n in parts)
+    splits = [n for n in gm.graph.nodes if n.target is torch.ops.aten.split_with_sizes.default]
+    assert [n.args[1] for n in splits] == [[hidden // 2, d, d]] * 2
+    local = sum(p.numel() for p in gm.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    assert local <= 0.75 * full, (local, full)
+    assert "replicated:" not in "\n".join(tp_report(2, gm))
+    gm.graph.lint()
+
+
+def test_mixed_param_split_round_trips():
+    """ParamSplit with whole blocks: each rank's rows of the split block and all of the whole
+    ones; unshard takes the whole blocks once."""
+    full = torch.arange(8 * 3.0).reshape(8, 3)
+    split = shard_rt.ParamSplit(0, (4, 2, 2), whole=(False, True, True))
+    pieces = [shard_rt.local_shard(full, split, r, 2) for r in range(2)]
+    assert torch.equal(pieces[1], torch.cat([full[2:4], full[4:8]]))
+    assert split.local_size(2) == 6 and split.whole_ranges(2) == [(2, 2), (4, 2)]
+    assert torch.equal(shard_rt.unshard(pieces, split, 8), full)
 
 
 # ----- mixture of experts (issue 17) -----------------------------------------------------------
