@@ -11,11 +11,13 @@ sequence-parallel mode) on the planning graph and states the difference per regi
 
   - replicated GEMMs: the region GEMMs the profile splits (n / k / batch) whose node the pass
     leaves unsplit (layout neither Shard nor Partial);
-  - parameters: the region's parameters the profile counts as split and the pass does not split;
+  - parameters: the region's parameters the profile counts as split and the pass does not split,
+    and the whole blocks of those it splits in part (multi-query k/v rows of a fused projection);
   - activations / non-GEMM bytes: saved tensors and elementwise traffic the profile counts as
     split, on the values downstream of a replicated GEMM that stay replicated ("affected" below:
     the forward closure of the replicated GEMMs through non-GEMM ops with unsplit layouts, inside
-    the region);
+    the region), and the values held whole in a split region (layout Whole: k/v of multi-query
+    attention, computed on every rank);
   - all-reduces removed: a row-parallel GEMM kept replicated does not all-reduce its output (nor
     its column partner's input gradient); two partial sums added before their reduction
     (parallel attention + MLP branches) are reduced once; a vocabulary embedding that is not
@@ -58,7 +60,7 @@ from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
 from autopar.passes.profile import VIEW_OPS, batch_dependent, param_identity
-from autopar.passes.sharding import (Partial, Replicate, Shard, is_grouped_mm, is_split,
+from autopar.passes.sharding import (Partial, Replicate, Shard, Whole, is_grouped_mm, is_split,
                                      is_tensor)
 from autopar.passes.tensor_parallel import (PropagationError, nodes_requiring_grad,
                                             propagate_sharding, sequence_parallel_fits)
@@ -160,7 +162,8 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
             continue
         seeds.append(n)
         gemm_idx.extend(i for i in idx if prof.gemms[i].tp_split is not None)
-    affected = _closure(seeds, inside)
+    affected = _closure(seeds, inside) | {n for n in nodes
+                                          if isinstance(n.meta.get(K.TP_LAYOUT), Whole)}
     # all-reduces of the structural count that the pass does not do
     removed = sum(prof.gemms[i].batch * prof.gemms[i].m * prof.gemms[i].n
                   for i in gemm_idx if prof.gemms[i].tp_split == "k")
@@ -238,8 +241,15 @@ def _closure(seeds: list[fx.Node], inside: set) -> set:
 def _params_kept_whole(facts: _Facts, kind: str, info: Any) -> int:
     """Elements of the region's parameters the profile splits and the pass leaves whole."""
     table = facts.gm.meta[K.PARAMS].get(kind, {})
-    return sum(elems for pid, (elems, split) in table.items()
-               if split and not any(t in info.params for t in facts.targets.get(pid, ())))
+    out = 0
+    for pid, (elems, split) in table.items():
+        splits = [info.params[t] for t in facts.targets.get(pid, ()) if t in info.params]
+        if split and not splits:
+            out += elems
+        elif split and splits[0].whole:     # split in part: its whole blocks stay replicated
+            ps = splits[0]
+            out += elems * sum(b for b, w in zip(ps.blocks, ps.whole) if w) // sum(ps.blocks)
+    return out
 
 
 def _view_chain(n: Any) -> list[str]:

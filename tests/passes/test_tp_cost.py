@@ -237,3 +237,20 @@ def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):
     monkeypatch.setattr(tp_cost, "propagate_sharding", bug)
     with pytest.raises(KeyError, match="a propagation bug"):
         with_tp_corrections(prof, cap, structure, [2])
+
+
+def test_multi_query_whole_kv_rows_priced_as_replicated_parameters():
+    """GPT-BigCode's c_attn split in part (q by heads, the one k/v head whole on every rank):
+    no GEMM falls back, and its k/v rows (weight and bias) are the parameters kept whole, at
+    every t (the same rows whatever t)."""
+    model = models.hf_bigcode(seq=S)
+    ids = torch.randint(0, 64, (2, S))
+    cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
+    structure = find_layers(cap)
+    fixed = with_tp_corrections(profile_from_graph(cap, structure), cap, structure, [2, 4])
+    hidden, d = 32, 8
+    for t in (2, 4):
+        c = fixed.tp_correction(t)
+        assert c is not None and not c.fallbacks
+        assert c.block.replicated_gemms == ()
+        assert c.block.params_elems == 2 * d * hidden + 2 * d
