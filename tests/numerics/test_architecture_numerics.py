@@ -87,6 +87,11 @@ def test_multi_query_tp2_sequence_parallel_matches_single_device():
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
 
+def test_multi_query_tp2_pp2_matches_single_device():
+    """GPT-BigCode at t = 2 and p = 2 (4 ranks): each stage's c_attn split in part."""
+    _check("hf_bigcode", make_plan(t=2, p=2))
+
+
 @pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_vit", "hf_bigcode"])
 def test_pp2_program_matches_single_device(name):
     """p = 2: routing inside each stage; pixels flow into the first stage only."""
