@@ -161,6 +161,7 @@ MATMUL_OPS = frozenset({aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm}
 _NO_VALUE = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size}
 SPLIT_OPS = frozenset({aten.split, aten.split_with_sizes, aten.chunk, aten.unbind,
                        aten.tensor_split})
+_SELECT = frozenset({aten.slice, aten.narrow, aten.index})   # rows of a dim (selected_range)
 
 
 def packet(node: fx.Node) -> Any:
@@ -370,7 +371,8 @@ class Propagator:
             self.notes.append(f"all-gather of {arg.name} {cur} for {consumer.name}")
         self.convert.setdefault(consumer, {})[arg] = want
 
-    def hold_whole(self, lay: Shard, conflict: Conflict) -> None:
+    def hold_whole(self, lay: Shard, conflict: Conflict, which: list[int] | None = None
+                   ) -> None:
         """`lay`, a piece of one fused column-parallel output, cannot be split the way its
         consumer needs (the one k/v head of multi-query attention where attention splits
         heads): raise a tentative Refine holding the seed blocks it comes from whole on every
@@ -380,13 +382,33 @@ class Propagator:
         seed = self.refine.get(origin) if origin else None
         if seed is None or len(seed) < 2 or lay.src is None or lay.seq or lay.padded:
             return
+        held = [lay.src[i] for i in which] if which is not None else list(lay.src)
         flags = list(self.whole.get(origin) or (False,) * len(seed))
-        if all(flags[i] for i in lay.src):
+        if all(flags[i] for i in held):
             return
-        for i in lay.src:
+        for i in held:
             flags[i] = True
         if not all(flags):
             raise Refine(origin, seed, fallback=conflict, whole=tuple(flags))
+
+    def refine_at(self, lay: Shard, cuts: set[int]) -> None:
+        """Raise Refine cutting the one origin's seed at `cuts` (rows of `lay`'s split dim, a
+        view of the whole seed: each row `scale` of the seed's columns, e.g. (B, T, (H+2)·d)
+        viewed as (B, T, H+2, d)); nothing when `lay` is not such a view."""
+        origin = next(iter(lay.origins)) if len(lay.origins) == 1 else None
+        node = self.by_name.get(origin) if origin else None
+        if node is None or lay.padded or lay.whole or lay.src is None:
+            return
+        seed = self.refine.get(origin, (shape(node)[-1],))
+        if lay.src != tuple(range(len(seed))) or seed[0] % lay.blocks[0]:
+            return
+        scale = seed[0] // lay.blocks[0]
+        if any(s != b * scale for s, b in zip(seed, lay.blocks)):
+            return
+        merged = sorted((set(_cumsum(list(lay.blocks))) | cuts) - {0})
+        blocks = tuple((y - x) * scale for x, y in zip([0] + merged, merged))
+        if blocks != seed:
+            raise Refine(origin, blocks)
 
     def eff(self, consumer: fx.Node, arg: Any) -> Any:
         """The layout `consumer` sees for `arg` (after any conversion already decided)."""
@@ -452,7 +474,8 @@ class Propagator:
         for a in args:
             lay = self.eff(node, a)
             if isinstance(lay, Shard) and lay.whole and op not in _RESHAPES \
-                    and op not in SPLIT_OPS and not (op in _TRANSPARENT and len(args) == 1):
+                    and op not in SPLIT_OPS and op not in _SELECT \
+                    and not (op in _TRANSPARENT and len(args) == 1):
                 raise Conflict(lay.origins, node, f"{node.name} ({op}) reads {a.name}, split "
                                f"blocks next to whole ones ({lay})")
 
@@ -729,9 +752,25 @@ def _reshape(p: Propagator, node: fx.Node) -> Layout:
                             f"{node.name}: reshape {list(shape(src))} -> {list(shape(node))} "
                             f"cannot keep dim {lay.dim} split in {p.t} (blocks {lay.blocks}): "
                             f"sizes do not divide by t={p.t}{why}", indivisible=True)
+        _hold_whole_for_reshape(p, node, lay, conflict)
         _refine_for_reshape(p, node, lay, conflict)
         raise conflict
     return mapped
+
+
+def _hold_whole_for_reshape(p: Propagator, node: fx.Node, lay: Shard,
+                            conflict: Conflict) -> None:
+    """A fused output viewed into heads whose small blocks cannot be split by t (Falcon-7B's
+    multi-query (B, T, (H+2)·d) -> (B, T, H+2, d): the one k and v head): hold those blocks
+    whole (tentatively, Propagator.hold_whole) when that makes the view expressible."""
+    src, dst = shape(node.args[0]), shape(node)
+    for j in range(len(dst)):
+        unit = _prod(dst[j + 1:])
+        flags = tuple(w or b % (p.t * unit) != 0 for b, w in zip(lay.blocks, lay.flags()))
+        if all(flags) or flags == lay.flags():
+            continue
+        if map_reshape(src, dst, replace(lay, whole=flags), p.t) is not None:
+            p.hold_whole(lay, conflict, [i for i, f in enumerate(flags) if f])
 
 
 def unflattened_sizes(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> list[int] | None:
@@ -870,10 +909,71 @@ def _slice(p: Propagator, node: fx.Node) -> Layout:
     if dim == lay.dim:
         if shape(node) == shape(node.args[0]):
             return lay  # a no-op slice (x[:, :T] with T the full size)
-        raise Conflict(lay.origins, node, f"{node.name}: slices the split dim {dim}")
+        conflict = Conflict(lay.origins, node, f"{node.name}: slices the split dim {dim}")
+        sel = selected_range(p.gm, node)
+        if sel is None:
+            raise conflict
+        return _select_blocks(p, lay, sel, conflict)
     if packet(node) is aten.select:
         return replace(lay, dim=lay.dim - (lay.dim > dim))
     return lay
+
+
+def selected_range(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int] | None:
+    """[start, end) of the rows a slice / narrow (step 1) or an index by one constant tensor
+    of consecutive values picks along its dim (global coordinates); None otherwise."""
+    op, src = packet(node), shape(node.args[0])
+    if op is aten.index:
+        indices = list(node.args[1])
+        dims = [i for i, ix in enumerate(indices) if ix is not None]
+        value = _constant(gm, indices[dims[0]]) if len(dims) == 1 else None
+        if value is None or value.dim() != 1 or not value.numel():
+            return None
+        size = src[dims[0]]
+        rows = sorted(int(v) % size for v in value.tolist())
+        ok = rows == list(range(rows[0], rows[0] + len(rows)))
+        return (rows[0], rows[-1] + 1) if ok else None
+    size = src[norm_dim(node.args[1], len(src))]
+    if op is aten.narrow:
+        start = node.args[2] % size
+        return start, start + node.args[3]
+    if op is not aten.slice or (len(node.args) > 4 and node.args[4] != 1):
+        return None
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    return min(start, size), min(end, size)
+
+
+def _constant(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """The value of a constant tensor (a get_attr, possibly through lift_fresh_copy / copies)."""
+    while isinstance(node, fx.Node) and node.op == "call_function" \
+            and packet(node) in _TRANSPARENT:
+        node = node.args[0]
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+def _select_blocks(p: Propagator, lay: Shard, sel: tuple[int, int], conflict: Conflict) -> Any:
+    """The rows [a, b) of the split dim: whole blocks are kept (Whole when all are held whole);
+    a selection that cuts blocks refines the seed at its bounds (as split does) and runs
+    again."""
+    a, b = sel
+    bounds = [0] + _cumsum(list(lay.blocks))
+    if a in bounds and b in bounds and a < b:
+        idx = [i for i in range(len(lay.blocks)) if a <= bounds[i] and bounds[i + 1] <= b]
+        whole = tuple(lay.flags()[i] for i in idx)
+        if all(whole):
+            return Whole(origins=lay.origins)
+        return replace(lay, blocks=tuple(lay.blocks[i] for i in idx),
+                       whole=whole if any(whole) else (),
+                       src=tuple(lay.src[i] for i in idx) if lay.src is not None else None)
+    p.refine_at(lay, {a, b})
+    raise conflict
 
 
 def _repeat_interleave(p: Propagator, node: fx.Node) -> Layout:
@@ -1249,9 +1349,15 @@ def _index(p: Propagator, node: fx.Node) -> Layout:
     if not isinstance(lay, Shard):
         return _replicated(p, node)
     d = tensors[0] if len(tensors) == 1 else None
+    conflict = Conflict(lay.origins, node, f"{node.name}: indexes the split dim {lay.dim} "
+                        f"(or several dims at once)")
+    if d is not None and d == lay.dim and not lay.padded:
+        sel = selected_range(p.gm, node)   # a constant run of rows: whole blocks of a fused
+        if sel is not None:                # output (Falcon's multi-query k: [..., [-2], :])
+            p.demand(node, indices[d], R)
+            return _select_blocks(p, lay, sel, conflict)
     if d is None or d == lay.dim or lay.padded:
-        raise Conflict(lay.origins, node, f"{node.name}: indexes the split dim {lay.dim} "
-                       f"(or several dims at once)")
+        raise conflict
     p.demand(node, indices[d], R)
     extra = len(shape(indices[d])) - 1
     return replace(lay, dim=lay.dim + (extra if lay.dim > d else 0))
@@ -1309,9 +1415,9 @@ def _sdpa(p: Propagator, node: fx.Node) -> Layout:
     gqa = bool(node.kwargs.get("enable_gqa", False))
     q_local = shape(q)[hd] // p.t if isinstance(lays[0], Shard) else None
     for arg in (q, k, v):
-        if isinstance(p.eff(node, arg), Whole) and gqa and q_local \
-                and q_local % shape(arg)[hd] == 0:
-            continue    # whole k/v heads shared by the local query heads (grouped attention)
+        if isinstance(p.eff(node, arg), Whole) and q_local and (
+                shape(arg)[hd] == 1 or (gqa and q_local % shape(arg)[hd] == 0)):
+            continue    # whole k/v heads shared by the local query heads (broadcast / GQA)
         if not isinstance(p.eff(node, arg), Shard):
             heads = shape(arg)[hd]
             if heads % p.t:

@@ -36,6 +36,7 @@ Typical use (one process per tensor rank, torch.distributed initialised):
 """
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -637,6 +638,8 @@ class _Rewriter:
             self._local_sizes(node)
         elif op in S.SPLIT_OPS:
             self._local_split(node)
+        elif op in (aten.slice, aten.narrow, aten.index):
+            self._local_select(node)
         elif op is aten.unflatten:
             lay = node.meta[K.TP_LAYOUT]
             if isinstance(lay, Shard):
@@ -709,6 +712,31 @@ class _Rewriter:
         sizes = node.args[1]
         new = [s if (isinstance(s, int) and s == -1) else local[i] for i, s in enumerate(sizes)]
         node.args = (node.args[0], new) + tuple(node.args[2:])
+
+    def _local_select(self, node: fx.Node) -> None:
+        """A slice / index picking whole blocks of the split dim (sharding._select_blocks)
+        becomes a narrow at this rank's local offsets."""
+        src = node.args[0]
+        lay = src.meta.get(K.TP_LAYOUT)
+        if not isinstance(lay, Shard) or lay.padded or shape(node) == shape(src):
+            return
+        op = packet(node)
+        if op is aten.index:
+            dims = [i for i, ix in enumerate(node.args[1]) if ix is not None]
+            dim = dims[0] if len(dims) == 1 else None
+        else:
+            dim = S.norm_dim(node.args[1], len(shape(src)))
+        sel = S.selected_range(self.gm, node) if dim == lay.dim else None
+        if sel is None:
+            return
+        local = [b if w else b // self.t for b, w in zip(lay.blocks, lay.flags())]
+        bounds = list(itertools.accumulate(lay.blocks, initial=0))
+        first, last = bounds.index(sel[0]), bounds.index(sel[1])
+        index = node.args[1][dim] if op is aten.index else None
+        node.target = aten.narrow.default
+        node.args, node.kwargs = (src, dim, sum(local[:first]), sum(local[first:last])), {}
+        if index is not None and not index.users:
+            self.graph.erase_node(index)
 
     def _local_split(self, node: fx.Node) -> None:
         src = node.args[0]

@@ -107,6 +107,17 @@ def hf_falcon(*, vocab: int = 64, layers: int = 2, heads: int = 4, kv_heads: int
         hidden_dropout=dropout, attention_dropout=0.0, **_no_cache(config)))
 
 
+def hf_falcon_mq(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+                 **config: Any) -> Model:
+    """Falcon-7B's architecture: multi-query attention in the fused projection viewed as
+    (B, T, heads + 2, d) and cut by slicing and indexing (the one k and v head last)."""
+    from transformers import FalconConfig, FalconForCausalLM
+    return FalconForCausalLM(FalconConfig(
+        num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        new_decoder_architecture=False, multi_query=True, vocab_size=vocab,
+        hidden_dropout=0.0, attention_dropout=0.0, **_no_cache(config)))
+
+
 def hf_gptj(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
             hidden: int = 32, **config: Any) -> Model:
     from transformers import GPTJConfig, GPTJForCausalLM
@@ -265,7 +276,8 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 
 
 BUILDERS = {f.__name__: f for f in (
-    gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_gptj, hf_bloom,
+    gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
+    hf_bloom,
     hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
     hf_qwen2_moe, hf_vit, torch_encoder)}
 

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.distributed
 SEQ, LABELS = 8, 10
 
 
-def _model(name: str) -> torch.nn.Module:
-    return models.build(name, seed=0)
+def _model(name: str, **config) -> torch.nn.Module:
+    return models.build(name, seed=0, **config)
 
 
 def _data(name: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,9 +40,9 @@ def _loss(name: str):
     return models.classification_loss if name == "hf_vit" else loss_fn
 
 
-def _rank(rank: int, world: int, name: str, plan) -> tuple:
+def _rank(rank: int, world: int, name: str, plan, config: dict) -> tuple:
     torch.set_num_threads(1)
-    model = _model(name)
+    model = _model(name, **config)
     x, y = _data(name, plan.micro_batch_size)[0]
     prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(x,),
                            loss_fn=_loss(name), example_targets=y, cluster=None)
@@ -52,16 +52,16 @@ def _rank(rank: int, world: int, name: str, plan) -> tuple:
     return losses, runner.full_state_dict(), local
 
 
-def _check(name: str, plan) -> list:
-    results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)
-    ref = train(_model(name), _data(name, plan.global_batch_size), adamw, loss_fn=_loss(name),
+def _check(name: str, plan, **config) -> list:
+    results = spawn(_rank, plan.gpus, name, plan, config, timeout_s=300)
+    ref = train(_model(name, **config), _data(name, plan.global_batch_size), adamw, loss_fn=_loss(name),
                 max_grad_norm=MAX_NORM)
     for r, (losses, _, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
     state = results[0][1]
     assert list(state) == list(ref.state)
-    init = _model(name).state_dict()
+    init = _model(name, **config).state_dict()
     assert any(not torch.equal(init[k], state[k]) for k in init)   # training moved weights
     for key, want in ref.state.items():
         torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
@@ -75,6 +75,18 @@ def test_tp2_program_splits_and_matches_single_device(name):
     GPT-BigCode's c_attn split but for its k/v rows)."""
     results = _check(name, make_plan(t=2))
     total = sum(p.numel() for p in _model(name).parameters())
+    assert results[0][2] <= 0.75 * total, (results[0][2], total)
+
+
+@pytest.mark.parametrize("name,config", [("hf_falcon_mq", {}),
+                                         ("hf_falcon", {"kv_heads": 1})],
+                         ids=["old-architecture", "new-architecture"])
+def test_falcon_multi_query_tp2_matches_single_device(name, config):
+    """Falcon's multi-query layouts: the fused output viewed into heads, then cut by slicing
+    (q) and indexing (k, v: [..., [-2], :]), or grouped per kv head with k/v broadcast: the
+    q rows split, the k/v rows whole (rank 0 holds at most 75% of the weights)."""
+    results = _check(name, make_plan(t=2), **config)
+    total = sum(p.numel() for p in _model(name, **config).parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
 

@@ -488,6 +488,26 @@ def test_multi_query_fused_qkv_splits_q_and_holds_kv_whole(attn):
     gm.graph.lint()
 
 
+def test_multi_query_viewed_then_sliced_and_indexed_splits_q_only():
+    """Falcon-7B's multi-query: the fused output viewed as (B, T, H+2, d), q sliced
+    [..., :-2, :], k and v indexed [..., [-2], :] / [..., [-1], :]: the slice and the index
+    refine the seed at their rows (scaled back through the view), the view holds the one-head
+    blocks whole, and each becomes a narrow at this rank's local rows."""
+    model = models.build("hf_falcon_mq", seed=0)
+    ids = torch.randint(0, 64, (B, T))
+    gm = apply_tensor_parallel(capture(model, (ids,), lm_cross_entropy, ids).gm, 2, 1, None)
+    info = gm.meta[K.TP_INFO]
+    assert not info.fallbacks, info.summary()
+    split = info.params["model.transformer.h.0.self_attention.query_key_value.weight"]
+    assert split == shard_rt.ParamSplit(0, (32, 8, 8), whole=(False, True, True))
+    narrows = [n.args[1:] for n in gm.graph.nodes
+               if n.target is torch.ops.aten.narrow.default]
+    assert narrows == [(2, 0, 2), (2, 2, 1), (2, 3, 1)] * 2     # q: 2 of 4 heads; k; v
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.index.Tensor
+                and n.args[0].target is torch.ops.aten.view.default]
+    gm.graph.lint()
+
+
 def test_mixed_param_split_round_trips():
     """ParamSplit with whole blocks: each rank's rows of the split block and all of the whole
     ones; unshard takes the whole blocks once."""
