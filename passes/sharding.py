@@ -1091,9 +1091,17 @@ def _reduce(p: Propagator, node: fx.Node) -> Any:
     if lay.dim in dims:
         if packet(node) is aten.sum and not lay.padded:
             return Partial()
-        if packet(node) is aten.mean and not lay.padded and not lay.seq:
+        # only of a column-parallel output (OLMo-2's q/k RMSNorm over all heads): a mean of a
+        # residual stream a projection left split (a dense MLP whose up projection fell back
+        # making its down projection a column candidate) conflicts, as a norm does there
+        if packet(node) is aten.mean and not lay.padded and not lay.seq \
+                and _fed_by_column(p, node.args[0]):
             p.role[node] = "partial_mean"  # mean(x_local)/t per rank; summed = the global mean
             return Partial()
+        if packet(node) is aten.mean and not lay.padded and not lay.seq:
+            raise Conflict(lay.origins, node, f"{node.name}: a mean over the split dim of a "
+                           f"value no column-parallel projection produced (a residual stream "
+                           f"would stay split)")
         raise Conflict(lay.origins, node, f"{node.name}: reduces over the split dim")
     new_dim = lay.dim if keep else lay.dim - sum(d < lay.dim for d in dims)
     return _like(node, replace(lay, dim=new_dim))

@@ -519,6 +519,26 @@ def test_mixed_param_split_round_trips():
     assert torch.equal(shard_rt.unshard(pieces, split, 8), full)
 
 
+def test_dense_down_projection_after_a_fallen_back_up_projection_keeps_the_stream_whole():
+    """FFN 66 at t = 4: gate/up cannot be split and stay replicated, so the down projection
+    reads a replicated input and is a column candidate; its split used to reach the residual
+    stream through the RMSNorm's mean (partial_mean) and make the next layer's q/k/v
+    row-parallel. A mean over the split dim now needs a column-parallel producer (as a norm
+    does): the down projection falls back, the stream stays replicated."""
+    model = models.build("llama_style", seed=0, ffn=66)
+    ids = torch.randint(0, 64, (B, T))
+    gm = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 4, strict=False)
+    info = gm.meta[K.TP_INFO]
+    roles = [n.meta.get(K.TP_ROLE) for n in gm.graph.nodes]
+    assert "partial_mean" not in roles
+    assert len(info.row) == 2                            # the o_proj of each layer only
+    downs = [f for f in info.fallbacks if "a mean over the split dim" in f.reason]
+    assert downs and all(f.node not in info.column for f in downs)
+    norms = [n for n in gm.graph.nodes if n.meta.get(K.TP_ROLE) is None
+             and n.target is torch.ops.aten.mean.dim]
+    assert norms and all(isinstance(n.meta[K.TP_LAYOUT], Replicate) for n in norms)
+
+
 # ----- mixture of experts (issue 17) -----------------------------------------------------------
 
 def _moe_gm(name: str = "hf_mixtral", **sizes):
