@@ -408,14 +408,16 @@ def _extra_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int
     return fwd, bwd
 
 
-def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int) -> float:
+def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int,
+                       whole_n: int = 0) -> float:
+    """One rank's GEMM time; `whole_n` of a column-split GEMM's n columns computed whole."""
     batch = g.batch * (b if g.batch_scales else 1)
     m = g.m * (1 if g.batch_scales else b)
     n, k = g.n, g.k
     if g.tp_split == "batch":
         batch = batch / t
     elif g.tp_split == "n":
-        n = n / t
+        n = (n - whole_n) / t + whole_n
     elif g.tp_split == "k":
         k = k / t
     return gemm_time_s(cluster, batch, m, n, k, e)
@@ -545,7 +547,8 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
     fix = _fallback(profile, "block", t, sp)
     k_fwd, k_bwd, fused = _fused_times_s(cluster, fused_calls(profile, blk), fix, t, b)
     gemm = [0.0 if i in fused else
-            _local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e)
+            _local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e,
+                               dict(fix.whole_columns).get(i, 0))
             for i, g in enumerate(blk.gemms)]
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)

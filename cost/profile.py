@@ -224,6 +224,8 @@ class TPRegionFallback:
     structural split (the `tp_split` of its GEMMs and its split / replicated counts).
 
     replicated_gemms: indices into RegionProfile.gemms the pass computes whole on every rank.
+    whole_columns: (GEMM index, output columns every rank computes whole) of the GEMMs the pass
+      splits in part (the k/v columns of a multi-query fused projection).
     params_elems: parameter elements the profile counts as split that stay replicated.
     act_split_bytes / act_attention_bytes: saved activations (per sequence) the profile divides
       by t that stay whole on every rank (also under sequence parallelism).
@@ -234,6 +236,7 @@ class TPRegionFallback:
     collectives: the extra collectives the pass inserts around the replicated values.
     """
     replicated_gemms: tuple[int, ...] = ()
+    whole_columns: tuple[tuple[int, int], ...] = ()
     params_elems: int = 0
     act_split_bytes: int = 0
     act_attention_bytes: int = 0

@@ -11,6 +11,8 @@ sequence-parallel mode) on the planning graph and states the difference per regi
 
   - replicated GEMMs: the region GEMMs the profile splits (n / k / batch) whose node the pass
     leaves unsplit (layout neither Shard nor Partial);
+  - partly split GEMMs: the output columns of the whole blocks (`whole_columns`), computed on
+    every rank;
   - parameters: the region's parameters the profile counts as split and the pass does not split,
     and the whole blocks of those it splits in part (multi-query k/v rows of a fused projection);
   - activations / non-GEMM bytes: saved tensors and elementwise traffic the profile counts as
@@ -178,6 +180,7 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
         removed += prof.input_bytes // facts.profile.activation_bytes_per_elem
     return TPRegionFallback(
         replicated_gemms=tuple(sorted(set(gemm_idx))),
+        whole_columns=_whole_columns(nodes, prof),
         params_elems=_params_kept_whole(facts, kind, info),
         act_split_bytes=round(_saved_whole(facts, nodes, affected, "split")),
         act_attention_bytes=round(_saved_whole(facts, nodes, affected, "attn")),
@@ -185,6 +188,18 @@ def _region(facts: _Facts, kind: str, info: Any) -> TPRegionFallback:
                                     if n.meta.get(K.OTHER, (0, False))[1])),
         allreduce_elems_removed=removed,
         collectives=_collectives(facts, nodes, set(seeds), affected))
+
+
+def _whole_columns(nodes: list, prof: Any) -> tuple[tuple[int, int], ...]:
+    """(GEMM index, columns computed whole) of the column GEMMs split in part (Shard.whole)."""
+    out = []
+    for n in nodes:
+        lay = n.meta.get(K.TP_LAYOUT)
+        if n.meta.get(K.TP_ROLE) != "column" or not isinstance(lay, Shard) or not lay.whole:
+            continue
+        cols = sum(b for b, w in zip(lay.blocks, lay.whole) if w)
+        out += [(i, cols) for i in n.meta.get(K.GEMM_IDX, ()) if prof.gemms[i].tp_split == "n"]
+    return tuple(out)
 
 
 def _merged_reductions_elems(facts: _Facts, nodes: list) -> int:

@@ -241,16 +241,27 @@ def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):
 
 def test_multi_query_whole_kv_rows_priced_as_replicated_parameters():
     """GPT-BigCode's c_attn split in part (q by heads, the one k/v head whole on every rank):
-    no GEMM falls back, and its k/v rows (weight and bias) are the parameters kept whole, at
-    every t (the same rows whatever t)."""
+    no GEMM falls back, its k/v rows (weight and bias) are the parameters kept whole and its
+    k/v columns the GEMM columns computed whole, at every t (the same whatever t)."""
     model = models.hf_bigcode(seq=S)
     ids = torch.randint(0, 64, (2, S))
     cap = capture(model, (ids,), lm_cross_entropy, ids, repeat_limit=2)
     structure = find_layers(cap)
-    fixed = with_tp_corrections(profile_from_graph(cap, structure), cap, structure, [2, 4])
+    prof = profile_from_graph(cap, structure)
+    fixed = with_tp_corrections(prof, cap, structure, [2, 4])
     hidden, d = 32, 8
     for t in (2, 4):
         c = fixed.tp_correction(t)
         assert c is not None and not c.fallbacks
         assert c.block.replicated_gemms == ()
         assert c.block.params_elems == 2 * d * hidden + 2 * d
+        c_attn = [i for i, g in enumerate(fixed.block.gemms) if g.name == "attn.c_attn"]
+        assert c.block.whole_columns == ((c_attn[0], 2 * d),)
+    # the k/v columns run whole on every rank: forward + 2 backward GEMMs of them, not 1/t
+    t, cl = 4, FLOP_BOUND
+    cfg = M.Config(t=t, p=1, d=1)
+    g = fixed.block.gemms[c_attn[0]]
+    extra_flops = 3 * 2 * g.m * (2 * d) * g.k * (1 - 1 / t)
+    comp0, comp1 = M.load_parts_s(prof, cl, cfg)[0], M.load_parts_s(fixed, cl, cfg)[0]
+    assert comp1 - comp0 == pytest.approx(extra_flops / (cl.peak_flops * cl.gemm_max_efficiency),
+                                          rel=1e-6)
