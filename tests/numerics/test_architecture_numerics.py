@@ -79,15 +79,25 @@ def test_tp2_program_splits_and_matches_single_device(name):
 
 
 @pytest.mark.parametrize("name,config", [("hf_falcon_mq", {}),
-                                         ("hf_falcon", {"kv_heads": 1})],
-                         ids=["old-architecture", "new-architecture"])
-def test_falcon_multi_query_tp2_matches_single_device(name, config):
-    """Falcon's multi-query layouts: the fused output viewed into heads, then cut by slicing
-    (q) and indexing (k, v: [..., [-2], :]), or grouped per kv head with k/v broadcast: the
-    q rows split, the k/v rows whole (rank 0 holds at most 75% of the weights)."""
+                                         ("hf_falcon", {"kv_heads": 1}),
+                                         ("hf_bigcode", {"attn_implementation": "eager"})],
+                         ids=["falcon-old", "falcon-new", "bigcode-eager"])
+def test_multi_query_layouts_tp2_match_single_device(name, config):
+    """Other multi-query layouts: Falcon's fused output viewed into heads, then cut by slicing
+    (q) and indexing (k, v: [..., [-2], :]), or grouped per kv head with k/v broadcast; and
+    GPT-BigCode's attention written as matmuls (k/v sliced for the batched products): the q
+    rows split, the k/v rows whole (rank 0 holds at most 75% of the weights)."""
     results = _check(name, make_plan(t=2), **config)
     total = sum(p.numel() for p in _model(name, **config).parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
+
+
+@pytest.mark.parametrize("name", ["hf_bigcode", "hf_falcon_mq"])
+def test_multi_query_zero3_and_sequence_parallel_matches_single_device(name):
+    """t = 2, d = 2 with ZeRO-3 (each chunk's weights gathered over d, the partly split
+    c_attn among them) and sequence parallelism (k/v read the all-gathered sequence)."""
+    plan = dataclasses.replace(make_plan(t=2, d=2), zero=3, sequence_parallel=True)
+    _check(name, plan)
 
 
 def test_multi_query_tp2_sequence_parallel_matches_single_device():
