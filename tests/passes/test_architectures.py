@@ -125,3 +125,17 @@ def test_encoder_decoder_is_refused_in_one_line_naming_the_limit():
         autopar.parallelize(Seq2Seq(), 4, example_inputs=(ids, ids),
                             loss_fn=autopar.cross_entropy, example_targets=ids)
     assert "\n" not in str(e.value)
+
+
+def test_multi_query_plan_explains_no_replicated_attention():
+    """GPT-BigCode planned at t = 2: the explanation reports nothing kept replicated (its
+    multi-query c_attn split in part), and the plan prices its whole k/v rows."""
+    ids = torch.randint(0, 64, (2, 16))
+    prog = autopar.parallelize(models.build("hf_bigcode", seed=0), 2, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=4, t=2,
+                               cluster="local-cpu")
+    assert prog.plan.t == 2
+    report = prog.plan.explain()
+    assert "tensor parallel t=2" in report and "replicated:" not in report
+    c = prog.profile.tp_correction(2, prog.plan.sequence_parallel)
+    assert c is not None and c.block.params_elems > 0 and c.block.whole_columns
