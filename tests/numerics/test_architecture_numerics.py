@@ -100,10 +100,12 @@ def test_multi_query_zero3_and_sequence_parallel_matches_single_device(name):
     _check(name, plan)
 
 
-def test_multi_query_tp2_sequence_parallel_matches_single_device():
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_multi_query_tp2_sequence_parallel_matches_single_device(recompute):
     """GPT-BigCode at t = 2 with sequence parallelism: the replicated k/v part reads the
-    all-gathered sequence as q does; its weight rows' gradients still summed over t."""
-    plan = dataclasses.replace(make_plan(t=2), sequence_parallel=True)
+    all-gathered sequence as q does; its weight rows' gradients still summed over t (once,
+    also when the blocks' forward is recomputed)."""
+    plan = dataclasses.replace(make_plan(t=2), sequence_parallel=True, recompute=recompute)
     results = _check("hf_bigcode", plan)
     total = sum(p.numel() for p in _model("hf_bigcode").parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
