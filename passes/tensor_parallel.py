@@ -103,7 +103,7 @@ def propagate_sharding(gm: fx.GraphModule, t: int, *, sequence_parallel: bool = 
     """Decide the tensor-parallel layout of every value of `gm` for degree `t`.
 
     Requires: `gm` from `capture` (ATen training IR with node.meta[K.VAL]).
-    Guarantees: every node has meta[K.TP_LAYOUT] (Replicate | Shard | Partial, a tuple for
+    Guarantees: every node has meta[K.TP_LAYOUT] (Replicate | Shard | Partial | Whole, a tuple for
       multi-output nodes); split get_attr nodes have meta[K.TP_PARAM] (a ParamSplit); nodes the
       rewrite changes have meta[K.TP_ROLE] ('column' | 'row' | 'vocab_embedding' | 'vocab_ce' |
       'partial_mean': a mean over the split dim, each rank's summand | 'split_norm': a
