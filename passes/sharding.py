@@ -767,7 +767,7 @@ def _hold_whole_for_reshape(p: Propagator, node: fx.Node, lay: Shard,
     for j in range(len(dst)):
         unit = _prod(dst[j + 1:])
         flags = tuple(w or b % (p.t * unit) != 0 for b, w in zip(lay.blocks, lay.flags()))
-        if all(flags) or flags == lay.flags():
+        if flags == lay.flags():
             continue
         if map_reshape(src, dst, replace(lay, whole=flags), p.t) is not None:
             p.hold_whole(lay, conflict, [i for i, f in enumerate(flags) if f])

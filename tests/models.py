@@ -163,6 +163,14 @@ def hf_qwen3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
                                         hidden, ffn, {"head_dim": 8, **config}))
 
 
+def hf_phi3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Phi-3: q, k and v in one fused projection, grouped-query (cut by slicing)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    return Phi3ForCausalLM(_llama_like(Phi3Config, vocab, seq, layers, heads, kv_heads,
+                                       hidden, ffn, {"pad_token_id": 0, **config}))
+
+
 def hf_gemma(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
              kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     from transformers import GemmaConfig, GemmaForCausalLM
@@ -278,7 +286,7 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
     hf_bloom,
-    hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
+    hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
     hf_qwen2_moe, hf_vit, torch_encoder)}
 
 

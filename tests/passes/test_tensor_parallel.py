@@ -508,6 +508,20 @@ def test_multi_query_viewed_then_sliced_and_indexed_splits_q_only():
     gm.graph.lint()
 
 
+def test_fused_grouped_query_with_fewer_kv_heads_than_t_holds_kv_whole():
+    """Phi-3's fused qkv_proj [q (4 heads) | k (2) | v (2)] at t = 4: the k/v pieces, viewed
+    as (B, T, 2, d), cannot be split in 4, so they are held whole and q alone is split; at
+    t = 2 everything splits by heads as before."""
+    model = models.build("hf_phi3", seed=0)
+    ids = torch.randint(0, 64, (B, T))
+    gm = capture(model, (ids,), lm_cross_entropy, ids).gm
+    key = "model.model.layers.0.self_attn.qkv_proj.weight"
+    for t, whole in ((2, ()), (4, (False, True, True))):
+        info = propagate_sharding(gm, t).meta[K.TP_INFO]
+        assert not info.fallbacks, info.summary()
+        assert info.params[key] == shard_rt.ParamSplit(0, (32, 16, 16), whole=whole)
+
+
 def test_mixed_param_split_round_trips():
     """ParamSplit with whole blocks: each rank's rows of the split block and all of the whole
     ones; unshard takes the whole blocks once."""
