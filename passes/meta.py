@@ -109,7 +109,8 @@ KEYS: tuple[MetaKey, ...] = (
             meaning="the dim of the node's value that holds this context rank's tokens (absent: "
                     "the value is whole on every context rank)",
             writer="passes.context_parallel", readers=("passes.context_parallel",)),
-    MetaKey(name=TP_LAYOUT, scope="node", type="Replicate | Shard | Partial | Whole | tuple of them",
+    MetaKey(name=TP_LAYOUT, scope="node",
+            type="Replicate | Shard | Partial | Whole | tuple of them",
             meaning="how the tensor ranks hold the node's value",
             writer="passes.tensor_parallel",
             readers=("passes.tensor_parallel", "passes.tp_cost", "passes.pipeline")),

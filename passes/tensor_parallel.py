@@ -647,8 +647,8 @@ class _Rewriter:
                 dim = S.norm_dim(node.args[1], len(shape(node.args[0])))
                 node.args = (node.args[0], node.args[1],
                              sizes[dim:dim + len(node.args[2])])
-        elif op is aten.scaled_dot_product_attention \
-                and isinstance(node.meta.get(K.TP_LAYOUT), (Shard, Partial)) and _sdpa_dropout(node):
+        elif op is aten.scaled_dot_product_attention and _sdpa_dropout(node) \
+                and isinstance(node.meta.get(K.TP_LAYOUT), (Shard, Partial)):
             q, k, v, *rest = node.args
             node.target = shard_rt.tp_sdpa
             node.args = (q, k, v, self._streams(), self.seed, *rest)

@@ -36,9 +36,10 @@ import torch.distributed as dist
 from autopar.runtime.dist import PeerError, peer_guard
 
 __all__ = [
-    "copy_to_tp", "copy_to_tp_parts", "reduce_from_tp", "scatter_to_sp", "gather_from_sp", "reduce_scatter_to_sp",
-    "all_gather_sp", "column_parallel", "f", "g", "send_tensor", "recv_tensor", "group_size",
-    "group_rank", "PeerError", "all_reduce", "all_reduce_", "all_gather", "reduce_scatter",
+    "copy_to_tp", "copy_to_tp_parts", "reduce_from_tp", "scatter_to_sp", "gather_from_sp",
+    "reduce_scatter_to_sp", "all_gather_sp", "column_parallel", "f", "g", "send_tensor",
+    "recv_tensor", "group_size", "group_rank", "PeerError", "all_reduce", "all_reduce_",
+    "all_gather", "reduce_scatter",
     "start_all_reduce", "start_all_gather", "start_reduce_scatter",
 ]
 

@@ -1,9 +1,9 @@
 """Whole programs (compile() and the Runner on gloo ranks) of architectures beyond the dense
 decoder-only LMs (issue 17): mixture-of-experts (transformers' Mixtral and OLMoE, experts as
 3-D parameters), a vision model without a vocabulary (ViT: pixels in, class labels out) and
-multi-query attention inside a fused projection (GPT-BigCode: q split by heads, the one k/v
-head replicated), at t = 2 and at p = 2, against the same model trained on one device (3 AdamW steps, losses
-and full_state_dict at rtol 1e-4 / atol 1e-5)."""
+multi-query / grouped-query attention inside a fused projection (GPT-BigCode, Falcon, Phi-3:
+q split by heads, the k/v heads held whole), at t = 2 and at p = 2, against the same model
+trained on one device (3 AdamW steps, losses and full_state_dict at rtol 1e-4 / atol 1e-5)."""
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +54,8 @@ def _rank(rank: int, world: int, name: str, plan, config: dict) -> tuple:
 
 def _check(name: str, plan, **config) -> list:
     results = spawn(_rank, plan.gpus, name, plan, config, timeout_s=300)
-    ref = train(_model(name, **config), _data(name, plan.global_batch_size), adamw, loss_fn=_loss(name),
-                max_grad_norm=MAX_NORM)
+    ref = train(_model(name, **config), _data(name, plan.global_batch_size), adamw,
+                loss_fn=_loss(name), max_grad_norm=MAX_NORM)
     for r, (losses, _, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
