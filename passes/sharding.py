@@ -1415,7 +1415,12 @@ def _sdpa(p: Propagator, node: fx.Node) -> Layout:
     hd = len(shape(q)) - 3
     origins = _union(shards)
     if any(l.dim != hd or l.seq for l in shards):
-        conflict = Conflict(origins, node, f"{node.name}: attention split along a non-head dim")
+        # blame the inputs split wrongly (a separate k projection of fewer heads than t, split
+        # along the head dim), not the query split by heads beside them
+        wrong = _union([l for l in shards if l.dim != hd or l.seq])
+        conflict = Conflict(wrong if wrong and any(l.dim == hd and not l.seq for l in shards)
+                            else origins, node,
+                            f"{node.name}: attention split along a non-head dim")
         for l in shards:
             if l.dim != hd and not l.seq:   # k/v of fewer heads than t: held whole instead
                 p.hold_whole(l, conflict)

@@ -80,13 +80,15 @@ def test_tp2_program_splits_and_matches_single_device(name):
 
 @pytest.mark.parametrize("name,config", [("hf_falcon_mq", {}),
                                          ("hf_falcon", {"kv_heads": 1}),
-                                         ("hf_bigcode", {"attn_implementation": "eager"})],
-                         ids=["falcon-old", "falcon-new", "bigcode-eager"])
+                                         ("hf_bigcode", {"attn_implementation": "eager"}),
+                                         ("hf_llama", {"kv_heads": 1})],
+                         ids=["falcon-old", "falcon-new", "bigcode-eager", "llama-kv1"])
 def test_multi_query_layouts_tp2_match_single_device(name, config):
     """Other multi-query layouts: Falcon's fused output viewed into heads, then cut by slicing
     (q) and indexing (k, v: [..., [-2], :]), or grouped per kv head with k/v broadcast; and
     GPT-BigCode's attention written as matmuls (k/v sliced for the batched products): the q
-    rows split, the k/v rows whole (rank 0 holds at most 75% of the weights)."""
+    rows split, the k/v rows whole; Llama with one kv head in separate projections: k/v
+    projections replicated, q still split (rank 0 holds at most 75% of the weights)."""
     results = _check(name, make_plan(t=2), **config)
     total = sum(p.numel() for p in _model(name, **config).parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)

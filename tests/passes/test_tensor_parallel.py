@@ -522,6 +522,18 @@ def test_fused_grouped_query_with_fewer_kv_heads_than_t_holds_kv_whole():
         assert info.params[key] == shard_rt.ParamSplit(0, (32, 16, 16), whole=whole)
 
 
+def test_multi_query_in_separate_projections_keeps_only_k_v_replicated():
+    """Llama with one kv head at t = 2: k_proj / v_proj (one head each) cannot be split by
+    heads and fall back; attention's conflict blames them only, so q, o and the MLP stay
+    split (it used to turn the whole attention off)."""
+    model = models.build("hf_llama", seed=0, kv_heads=1)
+    ids = torch.randint(0, 64, (B, T))
+    info = propagate_sharding(capture(model, (ids,), lm_cross_entropy, ids).gm, 2,
+                              strict=False).meta[K.TP_INFO]
+    assert len(info.fallbacks) == 2 * 2, info.summary()          # k and v of each layer
+    assert len(info.row) == 2 * 2 and len(info.column) == 3 * 2 + 1
+
+
 def test_mixed_param_split_round_trips():
     """ParamSplit with whole blocks: each rank's rows of the split block and all of the whole
     ones; unshard takes the whole blocks once."""
