@@ -113,10 +113,12 @@ def test_multi_query_tp2_sequence_parallel_matches_single_device(recompute):
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
 
-def test_fused_grouped_query_with_fewer_kv_heads_than_t_matches_single_device():
-    """Phi-3 (q, k, v in one fused projection, 2 kv heads) at t = 4: the q rows split, the k/v
-    rows held whole on every rank (each rank's query heads read a kv head it holds)."""
-    results = _check("hf_phi3", make_plan(t=4))
+@pytest.mark.parametrize("sp", [False, True], ids=["tp4", "tp4-sp"])
+def test_fused_grouped_query_with_fewer_kv_heads_than_t_matches_single_device(sp):
+    """Phi-3 (q, k, v in one fused projection, 2 kv heads) at t = 4, with and without
+    sequence parallelism: the q rows split, the k/v rows held whole on every rank (each rank's
+    query heads read a kv head it holds)."""
+    results = _check("hf_phi3", dataclasses.replace(make_plan(t=4), sequence_parallel=sp))
     total = sum(p.numel() for p in _model("hf_phi3").parameters())
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
