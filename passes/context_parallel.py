@@ -11,7 +11,9 @@ tokens and VAL (local shapes) on them.
 How: a sequence-split layout propagates forward from the inputs, op by op, as the
 tensor-parallel pass's shards do (passes/sharding.py's op families): a value either holds the
 rank's tokens along one dim (CP_SEQ_DIM) or is whole. Token-wise ops (projections, norms, MLPs,
-embeddings, the loss) keep the split; shape constants that name the sequence length
+embeddings, the loss) keep the split, and so do sequence parallelism's conversions (the
+tensor-parallel pass's scatter / gather along the sequence: they cut the rank's tokens again
+between its tensor ranks, in local order); shape constants that name the sequence length
 (`view(B, T, H, D)`) are rewritten to T/c. Where a split value meets a whole one along the
 sequence — a rotary table, a position embedding or a mask the model builds from arange(T) —
 the whole one is cut at this rank's global positions (`context_select`): positions are found
@@ -39,6 +41,7 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
 from autopar.passes.sharding import _NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, SPLIT_OPS, packet
+from autopar.runtime import collectives as coll
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
                                      context_select)
@@ -51,6 +54,9 @@ _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.m
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SDPA = {aten.scaled_dot_product_attention}
+# the tensor-parallel pass's sequence-parallel conversions (x, group, dim): under c they cut /
+# regather the context rank's tokens between its tensor ranks, in local order
+_SP = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
 
 
 def _where(node: fx.Node) -> str:
@@ -167,6 +173,10 @@ class _Propagation:
             return self.matmul(n)
         if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
             return self.loss(n)
+        if op in _SP:
+            return self.mark(n, self.dim[n.args[0]])
+        if op is aten.type_as:   # its second operand gives a dtype only (whole under SP)
+            return self.mark(n, self.dim[n.args[0]]) if n.args[0] in self.dim else None
         x = n.args[0]
         d = self.dim.get(x) if isinstance(x, fx.Node) else None
         out = self.full.get(n)

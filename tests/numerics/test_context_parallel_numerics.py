@@ -85,3 +85,10 @@ def test_checkpoint_saved_under_c2_loads_under_d2_and_back(tmp_path):
         for step, losses in out:
             assert step == 1
             torch.testing.assert_close(losses, ref[1:], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_c2_t2_sequence_parallel_equals_one_device(name):
+    """Each context rank's tokens cut again between its tensor ranks (local order) between
+    the tensor-parallel regions; the K/V all-gather runs on the regathered local tokens."""
+    check_against_reference(name, with_c(make_plan(t=2), 2, sequence_parallel=True))
