@@ -7,55 +7,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
-from autopar.plan import Plan
-from autopar.testing import spawn
-
-from models import runtime_model
-from programs import make_plan, make_program, train_rank, train_single_device, with_zero
-from reference import optimizer_state_bytes
+from programs import check_training as check
+from programs import make_plan, make_program, with_zero
 
 pytestmark = pytest.mark.distributed
-
-LR = 1e-3
-# bf16 tolerance: the loss is itself a bf16 number (8 significant bits: for a loss in [4, 8)
-# one ulp is 2^-5 = 0.031), and the parallel run sums micro-batches and replicas in another
-# order than the single-device run, so losses agree to ~1 bf16 ulp: rtol 2^-7 (two ulps).
-# Weights are the fp32 masters; AdamW (lr 1e-3) moves them by <= ~1e-3 per step whatever the
-# gradient rounding, so the masters agree to atol 3e-3 after 3 steps.
-BF16_LOSS_RTOL = 2.0 ** -7
-BF16_WEIGHT_ATOL = 3e-3
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-def check(name: str, plan: Plan, *, max_norm: float | None = None, precision: str = "fp32",
-          timeout_s: float = 300.0):
-    results = spawn(train_rank, plan.gpus, name, plan, _adamw, max_norm, precision,
-                    timeout_s=timeout_s)
-    ref = train_single_device(name, plan, _adamw, max_grad_norm=max_norm, precision=precision)
-    if max_norm is not None:  # the check can fail: clipping really changed the gradients
-        assert min(ref.grad_norms) > 2 * max_norm, ref.grad_norms
-    tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=BF16_LOSS_RTOL,
-                                                                       atol=0.0)
-    for r, (losses, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), **tol,
-                                   msg=lambda m: f"rank {r} losses: {m}")
-    state = results[0][1]
-    assert list(state) == list(ref.state)
-    wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0,
-                                                                        atol=BF16_WEIGHT_ATOL)
-    init = runtime_model(name, plan.num_layers)
-    moved = 0
-    for key, want in ref.state.items():
-        torch.testing.assert_close(state[key].float(), want.float(), **wtol,
-                                   msg=lambda m, k=key: f"{k}: {m}")
-        moved += int(not torch.equal(init.state_dict()[key].float(), state[key].float()))
-    assert moved > 0
-    return results, optimizer_state_bytes(ref.optimizer)
 
 
 def test_d2():
