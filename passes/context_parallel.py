@@ -25,9 +25,11 @@ chunks against its key prefix, so the rank computes its share of the causal work
 attention (q·kᵀ, p·v) gathers the key / value operand the same way. Any other op on a split
 value raises ValueError naming the node and the user's source line.
 
-The loss is the mean over the rank's tokens; the runtime averages it, and the weight
-gradients, over the c·d ranks that hold the same weights (all context ranks hold equal token
-counts), which is the mean over every token of every context rank.
+A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
+ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
+and the weight gradients, over the c·d ranks that hold the same weights, which is the mean over
+every counted token of every context rank even when ignored targets (ignore_index) fall
+unevenly between the chunks.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from autopar.passes.sharding import _NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, 
 from autopar.runtime import collectives as coll
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
-                                     context_select)
+                                     context_loss_mean, context_select)
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -54,6 +56,10 @@ _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.m
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SDPA = {aten.scaled_dot_product_attention}
+# positional names of the loss ops' arguments past (input, target), by whether the op is the
+# vocab-parallel cross-entropy (logits, target, group, vocab_size, ignore_index, reduction)
+_LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
+            True: {4: "ignore_index", 5: "reduction"}}
 # the tensor-parallel pass's sequence-parallel conversions (x, group, dim): under c they cut /
 # regather the context rank's tokens between its tensor ranks, in local order
 _SP = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
@@ -377,13 +383,37 @@ class _Propagation:
         self.mark(n, self.dim[q])
 
     def loss(self, n: fx.Node) -> None:
+        """A token-mean loss becomes c · (the rank's token sum) / (tokens counted on every
+        context rank) (`context_loss_mean`): the runtime's average over the context ranks is
+        the mean over every counted token of the whole sequence, however unevenly ignored
+        targets (ignore_index) fall between the rank's chunks."""
         x, y = n.args[0], n.args[1]
         if self.dim.get(x) != 0 or self.dim.get(y) != 0:
             raise _refuse(n, "a loss over values not split along their token dim 0")
-        at = 5 if packet(n) is shard_rt.vocab_parallel_cross_entropy else 3
+        vocab = packet(n) is shard_rt.vocab_parallel_cross_entropy
+        at, ignore_at, weight_at = (5, 4, None) if vocab else (3, 4, 2)
         reduction = n.args[at] if len(n.args) > at else n.kwargs.get("reduction", 1)
         if reduction != 1:
             raise _refuse(n, "a loss not reduced by its mean")
+        weight = None if weight_at is None else (
+            n.args[weight_at] if len(n.args) > weight_at else n.kwargs.get("weight"))
+        if weight is not None:
+            raise _refuse(n, "a class-weighted loss (its mean divides by the targets' weights)")
+        ignore = n.args[ignore_at] if len(n.args) > ignore_at else n.kwargs.get("ignore_index",
+                                                                              -100)
+        args = list(n.args) + [None] * (at + 1 - len(n.args))
+        defaults = {2: None, 3: 1, 4: -100} if not vocab else {4: -100}
+        for k in range(len(n.args), at):
+            args[k] = n.kwargs.get(_LOSS_KW[vocab][k], defaults.get(k))
+        args[at] = 2                                  # sum: divided by the counted tokens
+        n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items()
+                                         if k not in _LOSS_KW[vocab].values()}
+        users = list(n.users)
+        with self.g.inserting_after(n):
+            mean = self.g.call_function(context_loss_mean, (n, y, self.cp_node(), ignore))
+        mean.meta = {k: v for k, v in n.meta.items() if k != K.CP_SEQ_DIM}
+        for u in users:
+            u.replace_input_with(n, mean)
 
 
 def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:

@@ -100,27 +100,31 @@ def failed_step(runner, x, y) -> tuple[str, str, float] | None:
 
 
 def train_rank(rank: int, world: int, name: str, plan: Plan, optimizer: Callable = adamw,
-               max_grad_norm: float | None = MAX_NORM, precision: str = "fp32"):
-    """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps."""
+               max_grad_norm: float | None = MAX_NORM, precision: str = "fp32",
+               batches: list | None = None):
+    """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps (on
+    make_data's batches, or the given global batches)."""
     prog, vocab = make_program(name, plan)
     runner = prog.compile(optimizer=optimizer, max_grad_norm=max_grad_norm,
                           precision=precision, timeout_s=60)
-    losses = train_steps(runner, plan, make_data(plan, vocab))
+    losses = train_steps(runner, plan, batches or make_data(plan, vocab))
     return losses, runner.full_state_dict(), runner.optimizer_state_bytes()
 
 
 def train_single_device(name: str, plan: Plan, optimizer: Callable = adamw,
-                        **kwargs) -> Trained:
-    """reference.train of the model make_program(name, plan) holds, on make_data(plan);
-    kwargs: train's (max_grad_norm, precision, keep_states)."""
-    return train(runtime_model(name, plan.num_layers), make_data(plan, RUNTIME_VOCAB),
-                 optimizer, loss_fn=loss_fn, **kwargs)
+                        batches: list | None = None, **kwargs) -> Trained:
+    """reference.train of the model make_program(name, plan) holds, on make_data(plan) (or
+    the given global batches); kwargs: train's (max_grad_norm, precision, keep_states)."""
+    return train(runtime_model(name, plan.num_layers),
+                 batches or make_data(plan, RUNTIME_VOCAB), optimizer, loss_fn=loss_fn, **kwargs)
 
 
-def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0) -> None:
-    """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device."""
-    results = spawn(train_rank, plan.gpus, name, plan, timeout_s=timeout_s)
-    ref = train_single_device(name, plan, max_grad_norm=MAX_NORM)
+def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
+                            batches: list | None = None) -> None:
+    """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device, on
+    make_data's batches or the given global batches."""
+    results = spawn(train_rank, plan.gpus, name, plan, batches=batches, timeout_s=timeout_s)
+    ref = train_single_device(name, plan, batches=batches, max_grad_norm=MAX_NORM)
     for r, (losses, _, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")

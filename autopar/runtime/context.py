@@ -18,6 +18,11 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
                                 gathered keys: chunk j only reads keys [0, (j+1)·T/2c), so the
                                 rank computes (2c+1)/(2c²) of the whole sequence's causal tiles
                                 (5/8 at c = 2) instead of a masked (T/c) × T block
+  context_loss_mean(sum, target, cp, ignore_index)
+                                c · the rank's summed token loss / the tokens counted on every
+                                context rank (a forward all-reduce of one count): averaged over
+                                the c ranks, the mean over every counted token of the sequence,
+                                however unevenly ignored targets fall between the chunks
   context_cut(x, cp, dim)       this rank's tokens of a whole input (Runner.train_step)
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime import groups as G
-from autopar.runtime.collectives import all_gather_sp
+from autopar.runtime.collectives import all_gather_sp, all_reduce_
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +91,17 @@ def context_cut(x: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor
                          f"sequence dim {dim} of length {cp.seq_len}; pass the replica's whole "
                          f"sequences (batch, {cp.seq_len}, ...) to train_step")
     return context_select(x, cp, dim)
+
+
+def context_loss_mean(loss_sum: torch.Tensor, target: torch.Tensor, cp: ContextShard,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """c · loss_sum / (targets other than ignore_index on all c context ranks): the runtime's
+    average over the context ranks is then the whole sequences' token mean (nan when no
+    token counts, as a mean over none)."""
+    counted = (target != ignore_index).sum().reshape(1)
+    if cp.c > 1:
+        all_reduce_(counted, cp.group)     # a count: no gradient flows through it
+    return loss_sum * (cp.c / counted.to(loss_sum.dtype)).reshape(())
 
 
 def _chunk_mask(cp: ContextShard, j: int, like: torch.Tensor) -> torch.Tensor | None:

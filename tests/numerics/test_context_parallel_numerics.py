@@ -109,3 +109,28 @@ def test_c2_bf16_equals_one_device_bf16():
     only: the Llama-style model's RMSNorm does not run under bf16 even at c = 1, see
     docs/known-gaps.md.)"""
     check_training("gpt", with_c(make_plan(), 2), precision="bf16", max_norm=0.05)
+
+
+def _ignored_unevenly(plan: Plan) -> list:
+    """make_data's batches with targets -100 (ignored, as transformers' labels) at positions
+    2, 3, 4 of every sequence and 6 of the odd ones: under c = 2 rank 0 (positions 0, 1, 6, 7)
+    counts 4 or 3 tokens of a sequence, rank 1 (2, 3, 4, 5) one; every micro-batch counts the
+    same total, so the single-device mean is the mean of the micro-batches' means."""
+    from programs import RUNTIME_VOCAB, make_data
+    out = []
+    for x, y in make_data(plan, RUNTIME_VOCAB):
+        y = y.clone()
+        y[:, 2:5] = -100
+        y[1::2, 6] = -100
+        out.append((x, y))
+    return out
+
+
+@pytest.mark.parametrize("name, t", [("gpt", 1), ("llama_style", 2)])
+def test_c2_ignored_targets_uneven_between_ranks_equal_one_device(name, t):
+    """The loss is the mean over the counted tokens of the whole sequence, not the mean of the
+    context ranks' means (which would weigh rank 1's one token per sequence like rank 0's
+    four); t = 2: the vocabulary-parallel cross-entropy."""
+    plan = with_c(make_plan(t=t), 2)
+    assert plan.micro_batch_size % 2 == 0
+    check_against_reference(name, plan, batches=_ignored_unevenly(plan))

@@ -11,7 +11,8 @@ import autopar
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context import context_causal_attention, context_gather, context_select
+from autopar.runtime.context import (context_causal_attention, context_gather, context_loss_mean,
+                                     context_select)
 from models import gpt, llama_style
 
 SEQ = 16
@@ -59,6 +60,9 @@ def test_keys_values_gathered_positions_selected_shapes_local(builder):
     assert targets.count(context_causal_attention) == layers    # is_causal: chunk by chunk
     # GPT: the position embedding of arange(T); Llama: the rotary cos/sin slices (q and k)
     assert targets.count(context_select) >= 1
+    # the token-mean loss: a sum over the rank's tokens over the count on every context rank
+    (mean,) = [n for n in gm.graph.nodes if n.target is context_loss_mean]
+    assert mean.args[0].args[3] == 2 and mean.args[3] == -100
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             assert tuple(n.meta[K.VAL].shape) == (2, SEQ // 2)
