@@ -19,7 +19,10 @@ sequence — a rotary table, a position embedding or a mask the model builds fro
 the whole one is cut at this rank's global positions (`context_select`): positions are found
 through propagation, never by name. Attention is the one op that needs the other ranks'
 tokens: its keys and values are all-gathered along the sequence in global order
-(`context_gather`, Llama 3's method), its queries stay local, its mask's query rows are this
+(`context_gather`, Llama 3's method) — under grouped-query attention before the head repeat
+that feeds it (repeat_kv's expand / reshape or repeat_interleave, found by walking back
+through token-wise data movements to the smallest value), which is re-applied to the
+gathered kv heads — its queries stay local, its mask's query rows are this
 rank's; is_causal attention becomes `context_causal_attention`: each of the rank's two query
 chunks against its key prefix, so the rank computes its share of the causal work. Written-out
 attention (q·kᵀ, p·v) gathers the key / value operand the same way. Any other op on a split
@@ -56,6 +59,11 @@ _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.m
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SDPA = {aten.scaled_dot_product_attention}
+# token-wise data movements a grouped-query head repeat is made of (`_repeat_chain`); the resized
+# ones take the whole sequence's sizes when re-applied after the K/V all-gather
+_RESIZES = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_MOVES = _RESIZES | {aten.repeat_interleave, aten.unsqueeze, aten.transpose, aten.permute,
+                     aten.clone, aten.contiguous, aten.alias, aten.slice}
 # positional names of the loss ops' arguments past (input, target), by whether the op is the
 # vocab-parallel cross-entropy (logits, target, group, vocab_size, ignore_index, reduction)
 _LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
@@ -128,11 +136,48 @@ class _Propagation:
                          self._meta(tuple(shape), x.meta.get(K.VAL)))
 
     def gather(self, x: fx.Node, user: fx.Node) -> fx.Node:
-        """x (the rank's tokens along its sequence dim) gathered whole, in global order."""
-        d = self.dim[x]
-        shape = list(self.full[x])
-        return self._new(user, context_gather, (x, self.cp_node(), d), user,
-                         self._meta(tuple(shape), x.meta.get(K.VAL)))
+        """x (the rank's tokens along its sequence dim) gathered whole, in global order.
+        When x is grouped-query attention's head repeat of smaller keys / values (repeat_kv's
+        unsqueeze → expand → reshape, or repeat_interleave: `_repeat_chain`), the smaller
+        tensor is gathered and the repeat re-applied to it: the exchange moves kv_heads,
+        not heads, as cost/context.py prices it."""
+        src, chain = self._repeat_chain(x)
+        g = self._new(user, context_gather, (src, self.cp_node(), self.dim[src]), user,
+                      self._meta(self.full[src], src.meta.get(K.VAL)))
+        for node in chain:              # the head repeat again, on whole sequences
+            args = (g,) + tuple(node.args[1:])
+            if packet(node) in _RESIZES:
+                args = (g, list(self.full[node])) + tuple(node.args[2:])
+            g = self._new(user, node.target, args, node,
+                          self._meta(self.full[node], node.meta.get(K.VAL)))
+            g.kwargs = dict(node.kwargs)
+        return g
+
+    def _repeat_chain(self, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        """(the smallest value x is a token-wise data movement of, the movements from it to x
+        in order): back through single-input ops that move or repeat elements within each
+        token (_MOVES: never along the sequence dim, which the forward walk refused); (x, [])
+        when nothing smaller feeds it."""
+        path, cur = [], x
+        while (cur.op == "call_function" and packet(cur) in _MOVES
+               and [a for a in cur.all_input_nodes] == [cur.args[0]]
+               and cur.args[0] in self.dim and self._whole_slice(cur)):
+            path.append(cur)
+            cur = cur.args[0]
+        nodes = path + [cur] if path else [x]
+        best = min(nodes, key=lambda n: math.prod(self.full[n]))   # the nearest of the smallest
+        return best, nodes[:nodes.index(best)][::-1]
+
+    def _whole_slice(self, n: fx.Node) -> bool:
+        """Not a slice, or a slice that keeps its whole dim (export's `x[:, :, None]`)."""
+        if packet(n) is not aten.slice:
+            return True
+        dim = n.args[1] if len(n.args) > 1 else 0
+        start = n.args[2] if len(n.args) > 2 else 0
+        end = n.args[3] if len(n.args) > 3 else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        return (start in (0, None) and step == 1
+                and (end is None or end >= self.full[n.args[0]][dim]))
 
     def mark(self, n: fx.Node, d: int) -> None:
         self.dim[n] = d

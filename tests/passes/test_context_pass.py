@@ -125,3 +125,23 @@ def test_bad_c_one_line_errors(kw, match):
                             example_inputs=(ids,), loss_fn=autopar.cross_entropy,
                             global_batch_size=2, cluster="local-cpu", **kw)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("builder", ["llama_style", "hf_llama"])
+def test_grouped_query_keys_values_gathered_before_the_head_repeat(builder):
+    """4 query heads, 2 key/value heads: the all-gather moves the 2 heads (repeat_interleave
+    in the example, transformers' repeat_kv unsqueeze → expand → reshape), and the repeat runs
+    on the gathered whole sequence, so attention still reads 4 heads of SEQ keys."""
+    import models
+    model = getattr(models, builder)(seq=SEQ, heads=4, kv_heads=2)
+    gm = apply_context_parallel(copy.deepcopy(_captured(model)), 2, SEQ)
+    gathers = [n for n in gm.graph.nodes if n.target is context_gather]
+    assert len(gathers) == 4
+    for g in gathers:
+        assert g.meta[K.VAL].numel() == 2 * SEQ * 2 * 8    # (B, 2 kv heads, T, 8) or (B, T, 16)
+        assert tuple(g.args[0].meta[K.VAL].shape)[g.args[2]] == SEQ // 2
+    attention = [n for n in gm.graph.nodes if n.target in (
+        context_causal_attention, torch.ops.aten.scaled_dot_product_attention.default)]
+    for n in attention:
+        for kv in n.args[1:3]:
+            assert tuple(kv.meta[K.VAL].shape) == (2, 4, SEQ, 8)
