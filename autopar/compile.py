@@ -157,7 +157,7 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
     users = built.user_tensors()
     owned: dict[str, torch.nn.Parameter] = {}   # one tensor per name (tied weights share it)
     names: dict[tuple[int, str], str] = {}
-    objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank),
+    objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank, pg.cp_rank),
                RANK_DEVICE: device,
                "cp": ContextShard(group=pg.context, c=pg.c, cp_rank=pg.cp_rank,
                                   seq_len=plan.seq_len)}

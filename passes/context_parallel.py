@@ -4,9 +4,11 @@ Requires: the full training graph (capture's, after the tensor-parallel pass; lo
 meta VAL on every value, static shapes; plan.c > 1 and plan.seq_len the graph's sequence length.
 Guarantees: a graph that, run on one context rank with this rank's tokens of every input
 (autopar/runtime/context.py `context_cut`; chunks i and 2c−1−i, local order), computes the
-rank's share of the single-device program: its tokens' activations and the mean loss over
-them. Reads meta VAL, STACK_TRACE; writes CP_SEQ_DIM on every value that holds the rank's
-tokens and VAL (local shapes) on them.
+rank's share of the single-device program: its tokens' activations and its share of the loss
+(c · its token sum / the tokens counted on every context rank, whose mean over the c ranks is
+the single device's). Reads meta VAL, STACK_TRACE; writes CP_SEQ_DIM on every value that holds
+the rank's tokens and VAL (local shapes) on them; sets the graph attributes `cp` (and `tp_rng`
+when a dropout needs it and the tensor-parallel pass made none), stand-ins the runtime rebinds.
 
 How: a sequence-split layout propagates forward from the inputs, op by op, as the
 tensor-parallel pass's shards do (passes/sharding.py's op families): a value either holds the
@@ -25,8 +27,12 @@ through token-wise data movements to the smallest value), which is re-applied to
 gathered kv heads — its queries stay local, its mask's query rows are this
 rank's; is_causal attention becomes `context_causal_attention`: each of the rank's two query
 chunks against its key prefix, so the rank computes its share of the causal work. Written-out
-attention (q·kᵀ, p·v) gathers the key / value operand the same way. Any other op on a split
-value raises ValueError naming the node and the user's source line.
+attention (q·kᵀ, p·v) gathers the key / value operand the same way. Dropout on the rank's
+tokens (attention's and aten.dropout's) draws from the program's DropoutStreams (`tp_rng`,
+bound with this rank's tensor and context ranks: another mask on each context rank, the same
+on the tensor ranks of a value they all hold, replayed by recompute), as tensor-parallel
+regions do: it cannot equal one device bit for bit. Any other op on a split value raises
+ValueError naming the node and the user's source line.
 
 A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
 ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
@@ -58,7 +64,10 @@ _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.m
            aten.logsumexp, aten.any, aten.all}
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
-_SDPA = {aten.scaled_dot_product_attention}
+_SDPA = {aten.scaled_dot_product_attention, shard_rt.tp_sdpa}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+STREAMS_ATTR = "tp_rng"   # the graph attribute of the program's shard.DropoutStreams
+_SEED = 0                 # the streams' seed (tensor_parallel_pass's default)
 # token-wise data movements a grouped-query head repeat is made of (`_repeat_chain`); the resized
 # ones take the whole sequence's sizes when re-applied after the K/V all-gather
 _RESIZES = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
@@ -217,6 +226,8 @@ class _Propagation:
             return
         if op in _SDPA:
             return self.attention(n)
+        if op is aten.dropout and n.args[0] in self.dim:
+            return self.dropout(n)
         if op in _RESHAPES and op not in (aten.squeeze, aten.unsqueeze, aten.flatten,
                                           aten.unflatten):
             return self.reshape(n)
@@ -389,13 +400,24 @@ class _Propagation:
         self.mark(n, out - (ra - da))
 
     def attention(self, n: fx.Node) -> None:
-        q, k, v = n.args[:3]
+        """Keys and values gathered, the mask's query rows selected, is_causal run chunk by
+        chunk; attention dropout drawn from this context rank's stream (`streams`)."""
+        heads_split = n.target is shard_rt.tp_sdpa     # the tensor-parallel pass's, per tp rank
+        names = (_SDPA_ARGS[:3] + ("streams", "seed") + _SDPA_ARGS[3:] if heads_split
+                 else _SDPA_ARGS)
+        a = {**dict(zip(names, n.args)), **n.kwargs}
+        q, k, v = a["query"], a["key"], a["value"]
         if any(x not in self.dim for x in (q, k, v)):
             raise _refuse(n, "attention whose queries, keys and values are not all split")
-        args = list(n.args)
-        kwargs = dict(n.kwargs)
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        causal = (args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+        mask, causal = a.get("attn_mask"), a.get("is_causal", False)
+        dropout = a.get("dropout_p", 0.0)
+        if not isinstance(dropout, (int, float)):
+            raise _refuse(n, "an attention dropout probability computed in the graph")
+        streams, seed = a.get("streams"), a.get("seed", _SEED)
+        if dropout and streams is None:
+            streams = self.streams_node()
+        kg, vg = self.gather(k, n), self.gather(v, n)
+        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if isinstance(mask, fx.Node):
             if mask in self.dim:
                 raise _refuse(n, "a mask that depends on the rank's tokens")
@@ -405,27 +427,39 @@ class _Propagation:
         elif causal:
             # each query chunk against its key prefix (runtime/context.py): the rank computes
             # its share of the causal tiles, not a masked (T/c) × T block
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            if dropout:
-                raise _refuse(n, "attention dropout (its random mask would differ from the "
-                                 "whole sequence's)")
-            scale = args[6] if len(args) > 6 else kwargs.get("scale")
-            gqa = args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)
-            kg, vg = self.gather(k, n), self.gather(v, n)
             n.target = context_causal_attention
-            n.args, n.kwargs = (q, kg, vg, self.cp_node(), scale, gqa), {}
+            n.args = (q, kg, vg, self.cp_node(), extra.get("scale"),
+                      extra.get("enable_gqa", False), dropout, streams, seed, heads_split)
+            n.kwargs = {}
             return self.mark(n, self.dim[q])
-        args[1], args[2] = self.gather(k, n), self.gather(v, n)
-        if len(args) > 3:
-            args[3] = mask
+        if dropout or heads_split:
+            n.target = shard_rt.tp_sdpa
+            n.args = (q, kg, vg, streams, seed, mask, dropout, causal)
+            n.kwargs = {**extra, "per_tensor_rank": heads_split}
         else:
-            kwargs["attn_mask"] = mask
-        if len(args) > 5:
-            args[5] = causal
-        elif "is_causal" in kwargs:
-            kwargs["is_causal"] = causal
-        n.args, n.kwargs = tuple(args), kwargs
+            n.args, n.kwargs = (q, kg, vg, mask, dropout, causal), extra
         self.mark(n, self.dim[q])
+
+    def streams_node(self) -> fx.Node:
+        """The get_attr of the program's DropoutStreams (`tp_rng`, bound by the runtime with
+        this rank's tensor and context ranks)."""
+        for node in self.g.nodes:
+            if node.op == "get_attr" and node.target == STREAMS_ATTR:
+                return node
+        if not hasattr(self.gm, STREAMS_ATTR):   # stands in for inspection, as `cp` does
+            setattr(self.gm, STREAMS_ATTR, shard_rt.DropoutStreams(0))
+        with self.g.inserting_after(self.cp_node()):
+            return self.g.get_attr(STREAMS_ATTR)
+
+    def dropout(self, n: fx.Node) -> None:
+        """aten.dropout on the rank's tokens (whole over the tensor group: split values already
+        draw from tp_dropout's per-tensor-rank streams): this context rank's own mask."""
+        x, p, train = (list(n.args) + [n.kwargs.get("p", 0.5), n.kwargs.get("train", True)])[:3]
+        if isinstance(p, (int, float)) and p and train:
+            n.target = shard_rt.tp_dropout
+            n.args, n.kwargs = (x, p, train, self.streams_node(), _SEED), {
+                "per_tensor_rank": False}
+        self.mark(n, self.dim[x])
 
     def loss(self, n: fx.Node) -> None:
         """A token-mean loss becomes c · (the rank's token sum) / (tokens counted on every

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from autopar.plan import Plan
-from programs import MAX_NORM, SEQ, adamw, check_against_reference, check_training, make_plan
+from programs import (MAX_NORM, SEQ, adamw, check_against_reference, check_training, make_plan,
+                      train_single_device)
 
 
 def with_c(plan: Plan, c: int, **over) -> Plan:
@@ -134,3 +135,40 @@ def test_c2_ignored_targets_uneven_between_ranks_equal_one_device(name, t):
     plan = with_c(make_plan(t=t), 2)
     assert plan.micro_batch_size % 2 == 0
     check_against_reference(name, plan, batches=_ignored_unevenly(plan))
+
+
+def _dropout_rank(rank, world, plan, dropout):
+    """GPT (runtime_model's sizes) with `dropout` everywhere (embedding, attention, residual)
+    under `plan` on this rank: (losses, full_state_dict) after 3 steps."""
+    import torch
+    from autopar.api import ParallelProgram
+    from models import gpt
+    from programs import RUNTIME_VOCAB, loss_fn, make_data, train_steps
+    torch.manual_seed(0)
+    model = gpt(layers=plan.num_layers, heads=2, dropout=dropout)
+    ex = torch.zeros(plan.micro_batch_size, SEQ, dtype=torch.long)
+    prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),
+                           loss_fn=loss_fn, example_targets=ex, cluster=None)
+    runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
+    return train_steps(runner, plan, make_data(plan, RUNTIME_VOCAB)), runner.full_state_dict()
+
+
+def test_c2_dropout_runs_on_rank_streams_and_recompute_replays_them():
+    """Dropout 0.1 under c = 2 (cannot equal one device bit for bit: each context rank draws
+    its own masks, as tensor-parallel regions do): it is active (the losses differ from the
+    dropout-0 run, which equals one device), and full recompute redraws exactly the masks of
+    the forward (the same losses and weights as without recompute)."""
+    import torch
+    from autopar.testing import spawn
+    plan = with_c(make_plan(), 2)
+    plain = spawn(_dropout_rank, 2, plan, 0.1, timeout_s=300)
+    replayed = spawn(_dropout_rank, 2, with_c(plan, 2, recompute="full"), 0.1, timeout_s=300)
+    off = spawn(_dropout_rank, 2, plan, 0.0, timeout_s=300)
+    ref = train_single_device("gpt", plan, max_grad_norm=MAX_NORM)
+    torch.testing.assert_close(torch.tensor(off[0][0]), torch.tensor(ref.losses),
+                               rtol=1e-4, atol=1e-5)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(plain[0][0], off[0][0]))
+    assert plain[0][0] == plain[1][0]           # the global mean, the same on both ranks
+    torch.testing.assert_close(replayed[0][0], plain[0][0], rtol=0, atol=0)
+    for key, value in plain[0][1].items():
+        torch.testing.assert_close(replayed[0][1][key], value, rtol=0, atol=0)

@@ -145,3 +145,47 @@ def test_grouped_query_keys_values_gathered_before_the_head_repeat(builder):
     for n in attention:
         for kv in n.args[1:3]:
             assert tuple(kv.meta[K.VAL].shape) == (2, 4, SEQ, 8)
+
+
+def test_dropout_draws_from_the_context_rank_streams():
+    """Attention dropout (is_causal, chunk by chunk) and the residual / embedding dropouts on
+    the rank's tokens draw from the program's DropoutStreams (`tp_rng`), the stream the rank's
+    tensor ranks share, not from the default generator every context rank advances alike."""
+    from autopar.runtime.shard import tp_dropout
+    gm = apply_context_parallel(copy.deepcopy(_captured(gpt(seq=SEQ, dropout=0.1))), 2, SEQ)
+    attention = [n for n in gm.graph.nodes if n.target is context_causal_attention]
+    assert len(attention) == 2
+    for n in attention:
+        assert n.args[6] == 0.1 and n.args[7].op == "get_attr" and n.args[9] is False
+    drops = [n for n in gm.graph.nodes if n.target is tp_dropout]
+    assert drops and all(n.kwargs == {"per_tensor_rank": False} for n in drops)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
+
+
+def test_context_attention_dropout_is_unbiased_and_per_rank():
+    """The rank's rows of causal attention with dropout 0.5, averaged over 4,000 draws, are the
+    rows without dropout (within 5 standard errors); the stream is the context rank's: shared
+    by its tensor ranks, another on the other context rank, replayable."""
+    from autopar.runtime.context import ContextShard
+    from autopar.runtime.shard import DropoutStreams
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))
+    cp = ContextShard(group=None, c=2, cp_rank=1, seq_len=8)
+    local_q = q.index_select(2, cp.positions)
+    want = context_causal_attention(local_q, k, v, cp)
+    streams = DropoutStreams(tp_rank=0, cp_rank=1)
+    draws = torch.stack([context_causal_attention(local_q, k, v, cp, dropout_p=0.5,
+                                                  streams=streams) for _ in range(4000)])
+    err = (draws.mean(0) - want).abs()
+    assert (err <= 5 * draws.std(0) / 4000 ** 0.5 + 1e-6).all(), err.max()
+    assert (draws.std(0) > 0).any()
+    same = [DropoutStreams(t, 1).generator(0, per_tensor_rank=False).initial_seed()
+            for t in (0, 1)]
+    other = DropoutStreams(0, 0).generator(0, per_tensor_rank=False).initial_seed()
+    assert same[0] == same[1] != other
+    # the per-tensor-rank streams of context rank 0 are the tensor-parallel ones of c = 1
+    assert DropoutStreams(1, 0).generator(0).initial_seed() == 2718 + 1_000_003
+    a, b = DropoutStreams(0, 1), DropoutStreams(0, 1)
+    torch.testing.assert_close(
+        context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=a),
+        context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=b))
