@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from programs import check_training as check
-from programs import make_plan, make_program, with_zero
+from programs import check_against_reference, make_plan, make_program, with_zero
 
 pytestmark = pytest.mark.distributed
 
@@ -74,3 +74,31 @@ def test_bf16_p2_interleaved_zero_bubble_clipping_active():
     the post-accumulate hooks, and clipping sees the whole gradient."""
     check("gpt", make_plan(p=2, v=2, m=2, schedule="interleaved-zb", layers=4),
           precision="bf16", max_norm=0.05)
+
+
+def _ignored_unevenly(plan):
+    """make_data's global batches (8 sequences of 8 tokens) with targets -100 (ignored) at
+    positions 1-5 of sequences 2-3, 0-4 of sequences 4-7 and 5-6 of sequence 6: the replicas
+    (rows 0-3, 4-7) and micro-batches (2 rows each) count 14 to 16 tokens, not 16 each."""
+    from programs import RUNTIME_VOCAB, make_data
+    out = []
+    for x, y in make_data(plan, RUNTIME_VOCAB):
+        y = y.clone()
+        y[2:4, 1:6] = -100
+        y[4:8, 0:5] = -100
+        y[6, 5:7] = -100
+        out.append((x, y))
+    return out
+
+
+@pytest.mark.parametrize("name, plan", [
+    ("gpt", make_plan(d=2, m=2, layers=2)),
+    ("llama_style", make_plan(p=2, d=2, m=2, layers=2)),
+    ("gpt", dataclasses.replace(make_plan(d=2, m=2, layers=2), c=2)),
+], ids=["d2", "p2-d2", "c2-d2"])
+def test_ignored_targets_uneven_between_replicas_and_microbatches(name, plan):
+    """The step's loss is the mean over every counted token of the global batch, as one device
+    computes it (not the mean of the micro-batches' and replicas' means): each micro-batch's
+    backward is weighed by the tokens it counts (Runner._loss_scales)."""
+    assert plan.global_batch_size == 8
+    check_against_reference(name, plan, batches=_ignored_unevenly(plan))
