@@ -98,12 +98,13 @@ def context_cut(x: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor
 def context_loss_mean(loss_sum: torch.Tensor, target: torch.Tensor, cp: ContextShard,
                       ignore_index: int = -100) -> torch.Tensor:
     """c · loss_sum / (targets other than ignore_index on all c context ranks): the runtime's
-    average over the context ranks is then the whole sequences' token mean (nan when no
-    token counts, as a mean over none)."""
+    average over the context ranks is then the whole sequences' token mean; 0 when no token
+    counts (the count taken as 1, as the vocabulary-parallel cross-entropy does: a 0/0 would
+    send NaN through the backward of every rank, which the runtime weighs 0)."""
     counted = (target != ignore_index).sum().reshape(1)
     if cp.c > 1:
         all_reduce_(counted, cp.group)     # a count: no gradient flows through it
-    return loss_sum * (cp.c / counted.to(loss_sum.dtype)).reshape(())
+    return loss_sum * (cp.c / counted.clamp(min=1).to(loss_sum.dtype)).reshape(())
 
 
 def _chunk_mask(cp: ContextShard, j: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ model (rotary tables sliced from buffers, grouped-query attention), each sequenc
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar.plan import Plan
 from programs import (MAX_NORM, SEQ, adamw, check_against_reference, check_training, make_plan,
@@ -45,7 +46,6 @@ def test_c2_unmodified_transformers_models_equal_one_device(name):
 
 def test_mistral_window_is_shorter_than_the_sequence():
     """The Mistral check above can fail: its window changes the output at this length."""
-    import torch
     from models import hf_mistral
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
@@ -72,7 +72,6 @@ def test_checkpoint_saved_under_c2_loads_under_d2_and_back(tmp_path):
     """Checkpoints work across c like across d: saved after step 1 under c=2, resumed under
     d=2 (and under c=2 again), the next steps' losses are the uninterrupted single-device
     ones (Adam's state restored too: otherwise step 3 would differ)."""
-    import torch
     from autopar.testing import spawn
     from programs import train_single_device
     path = str(tmp_path / "ckpt")
@@ -140,7 +139,6 @@ def test_c2_ignored_targets_uneven_between_ranks_equal_one_device(name, t):
 def _dropout_rank(rank, world, plan, dropout):
     """GPT (runtime_model's sizes) with `dropout` everywhere (embedding, attention, residual)
     under `plan` on this rank: (losses, full_state_dict) after 3 steps."""
-    import torch
     from autopar.api import ParallelProgram
     from models import gpt
     from programs import RUNTIME_VOCAB, loss_fn, make_data, train_steps
@@ -158,7 +156,6 @@ def test_c2_dropout_runs_on_rank_streams_and_recompute_replays_them():
     its own masks, as tensor-parallel regions do): it is active (the losses differ from the
     dropout-0 run, which equals one device), and full recompute redraws exactly the masks of
     the forward (the same losses and weights as without recompute)."""
-    import torch
     from autopar.testing import spawn
     plan = with_c(make_plan(), 2)
     plain = spawn(_dropout_rank, 2, plan, 0.1, timeout_s=300)
@@ -172,3 +169,14 @@ def test_c2_dropout_runs_on_rank_streams_and_recompute_replays_them():
     torch.testing.assert_close(replayed[0][0], plain[0][0], rtol=0, atol=0)
     for key, value in plain[0][1].items():
         torch.testing.assert_close(replayed[0][1][key], value, rtol=0, atol=0)
+
+
+def test_c2_t2_a_microbatch_with_every_target_ignored_adds_nothing():
+    """Micro-batch 1 ignores all its targets: the context ranks' token mean counts none (0,
+    not a 0/0 whose NaN the vocabulary-parallel backward would spread) and the runtime weighs
+    it 0, as one device's mean over the whole batch does."""
+    plan = with_c(make_plan(t=2), 2)
+    from programs import RUNTIME_VOCAB, make_data
+    batches = [(x, y.clone().index_fill_(0, torch.tensor([2, 3]), -100))
+               for x, y in make_data(plan, RUNTIME_VOCAB)]
+    check_against_reference("llama_style", plan, batches=batches)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from programs import check_training as check
 from programs import check_against_reference, make_plan, make_program, with_zero
@@ -102,3 +103,13 @@ def test_ignored_targets_uneven_between_replicas_and_microbatches(name, plan):
     backward is weighed by the tokens it counts (Runner._loss_scales)."""
     assert plan.global_batch_size == 8
     check_against_reference(name, plan, batches=_ignored_unevenly(plan))
+
+
+def test_a_microbatch_with_every_target_ignored_adds_nothing():
+    """Micro-batch 1 ignores all its targets: its mean is 0/0 and its weight 0, so the step is
+    the other micro-batch's mean, with finite gradients, as on one device."""
+    plan = make_plan(m=2, layers=2)
+    from programs import RUNTIME_VOCAB, make_data
+    batches = [(x, y.clone().index_fill_(0, torch.tensor([2, 3]), -100))
+               for x, y in make_data(plan, RUNTIME_VOCAB)]
+    check_against_reference("gpt", plan, batches=batches)
