@@ -27,9 +27,18 @@ def test_c2_d2_zero1_equals_one_device(name):
     check_against_reference(name, with_c(make_plan(d=2), 2, zero=1))
 
 
-def test_c2_p2_interleaved_equals_one_device():
-    plan = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4)
+@pytest.mark.parametrize("schedule, v", [("interleaved-1f1b", 2), ("gpipe", 1), ("1f1b", 1),
+                                         ("breadth-first", 2), ("interleaved-zb", 2)])
+def test_c2_p2_every_schedule_equals_one_device(schedule, v):
+    """Every pipeline schedule: the K/V all-gathers run inside each chunk's forward, their
+    reduce-scatters inside its backward (B, and W's weight gradients apart under zero-bubble)."""
+    plan = make_plan(p=2, v=v, m=2, schedule=schedule, layers=4)
     check_against_reference("llama_style", with_c(plan, 2))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_c2_recompute_equals_one_device(mode):
+    check_against_reference("llama_style", with_c(make_plan(), 2, recompute=mode))
 
 
 def test_c2_t2_equals_one_device():
