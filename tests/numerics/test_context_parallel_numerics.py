@@ -96,7 +96,7 @@ def test_checkpoint_saved_under_c2_loads_under_d2_and_back(tmp_path):
             torch.testing.assert_close(losses, ref[1:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+@pytest.mark.parametrize("name", ["gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox"])
 def test_c2_t2_sequence_parallel_equals_one_device(name):
     """Each context rank's tokens cut again between its tensor ranks (local order) between
     the tensor-parallel regions; the K/V all-gather runs on the regathered local tokens."""
