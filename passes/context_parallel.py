@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -117,7 +118,8 @@ class _Propagation:
     def cp_node(self) -> fx.Node:
         if self.cp is None:
             first = next(n for n in self.g.nodes if n.op != "placeholder")
-            with self.g.inserting_before(first):
+            with self.g.inserting_before(first), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # a plain attribute, as tp_group
                 self.cp = self.g.get_attr(CP_ATTR)
         return self.cp
 
@@ -448,7 +450,8 @@ class _Propagation:
                 return node
         if not hasattr(self.gm, STREAMS_ATTR):   # stands in for inspection, as `cp` does
             setattr(self.gm, STREAMS_ATTR, shard_rt.DropoutStreams(0))
-        with self.g.inserting_after(self.cp_node()):
+        with self.g.inserting_after(self.cp_node()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # a plain attribute, as tp_group
             return self.g.get_attr(STREAMS_ATTR)
 
     def dropout(self, n: fx.Node) -> None:

@@ -189,3 +189,15 @@ def test_context_attention_dropout_is_unbiased_and_per_rank():
     torch.testing.assert_close(
         context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=a),
         context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=b))
+
+
+def test_masked_attention_dropout_draws_from_the_context_rank_stream():
+    """transformers' Llama (a mask, not is_causal) with attention dropout: sdpa becomes tp_sdpa
+    on the stream the rank's tensor ranks share, its mask's query rows the rank's."""
+    from autopar.runtime.shard import tp_sdpa
+    from models import hf_llama
+    model = hf_llama(layers=1, seq=SEQ, attention_dropout=0.1)
+    gm = apply_context_parallel(copy.deepcopy(_captured(model)), 2, SEQ)
+    (n,) = [n for n in gm.graph.nodes if n.target is tp_sdpa]
+    assert n.args[3].op == "get_attr" and n.args[6] == 0.1
+    assert n.args[5].target is context_select and n.kwargs["per_tensor_rank"] is False
