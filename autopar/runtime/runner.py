@@ -89,7 +89,7 @@ class Runner:
             return None
         m = self.plan.num_microbatches
         counted = (targets.to(device).reshape(m, -1) != last[0].loss_ignore_index).sum(1)
-        total = counted.sum().reshape(1).to(torch.float64)
+        total = counted.sum().to(torch.float64)       # a scalar, like the loss's reduction
         if self.pg.d > 1:
             all_reduce_(total, self.pg.data)
         total = float(total) / self.pg.c
