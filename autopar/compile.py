@@ -72,11 +72,13 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
             f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
             f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
-    if plan.c > 1 and plan.sequence_parallel and plan.t > 1:
+    if plan.c > 1 and plan.sequence_parallel and plan.t > 1 \
+            and (plan.seq_len // plan.c) % plan.t:
         raise ValueError(
-            f"plan.c={plan.c} with sequence_parallel=True (t={plan.t}): the runtime does not "
-            f"yet split a context rank's tokens again between tensor ranks; use "
-            f"sequence_parallel=False with c > 1, or c=1")
+            f"plan.c={plan.c} with sequence_parallel=True (t={plan.t}): each context rank's "
+            f"{plan.seq_len}/{plan.c} = {plan.seq_len // plan.c} tokens are split again between "
+            f"the t tensor ranks, which needs them divisible by t; use a sequence length "
+            f"divisible by c·t = {plan.c * plan.t}, or sequence_parallel=False")
     if plan.p > 1 and plan.num_microbatches < plan.p \
             and plan.schedule not in FEWER_MICROBATCHES_THAN_RANKS:
         raise ValueError(
@@ -155,7 +157,7 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
     users = built.user_tensors()
     owned: dict[str, torch.nn.Parameter] = {}   # one tensor per name (tied weights share it)
     names: dict[tuple[int, str], str] = {}
-    objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank),
+    objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank, pg.cp_rank),
                RANK_DEVICE: device,
                "cp": ContextShard(group=pg.context, c=pg.c, cp_rank=pg.cp_rank,
                                   seq_len=plan.seq_len)}

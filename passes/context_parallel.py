@@ -4,33 +4,47 @@ Requires: the full training graph (capture's, after the tensor-parallel pass; lo
 meta VAL on every value, static shapes; plan.c > 1 and plan.seq_len the graph's sequence length.
 Guarantees: a graph that, run on one context rank with this rank's tokens of every input
 (autopar/runtime/context.py `context_cut`; chunks i and 2c−1−i, local order), computes the
-rank's share of the single-device program: its tokens' activations and the mean loss over
-them. Reads meta VAL, STACK_TRACE; writes CP_SEQ_DIM on every value that holds the rank's
-tokens and VAL (local shapes) on them.
+rank's share of the single-device program: its tokens' activations and its share of the loss
+(c · its token sum / the tokens counted on every context rank, whose mean over the c ranks is
+the single device's). Reads meta VAL, STACK_TRACE; writes CP_SEQ_DIM on every value that holds
+the rank's tokens and VAL (local shapes) on them; sets the graph attributes `cp` (and `tp_rng`
+when a dropout needs it and the tensor-parallel pass made none), stand-ins the runtime rebinds.
 
 How: a sequence-split layout propagates forward from the inputs, op by op, as the
 tensor-parallel pass's shards do (passes/sharding.py's op families): a value either holds the
 rank's tokens along one dim (CP_SEQ_DIM) or is whole. Token-wise ops (projections, norms, MLPs,
-embeddings, the loss) keep the split; shape constants that name the sequence length
+embeddings, the loss) keep the split, and so do sequence parallelism's conversions (the
+tensor-parallel pass's scatter / gather along the sequence: they cut the rank's tokens again
+between its tensor ranks, in local order); shape constants that name the sequence length
 (`view(B, T, H, D)`) are rewritten to T/c. Where a split value meets a whole one along the
 sequence — a rotary table, a position embedding or a mask the model builds from arange(T) —
 the whole one is cut at this rank's global positions (`context_select`): positions are found
 through propagation, never by name. Attention is the one op that needs the other ranks'
 tokens: its keys and values are all-gathered along the sequence in global order
-(`context_gather`, Llama 3's method), its queries stay local, its mask's query rows are this
+(`context_gather`, Llama 3's method) — under grouped-query attention before the head repeat
+that feeds it (repeat_kv's expand / reshape or repeat_interleave, found by walking back
+through token-wise data movements to the smallest value), which is re-applied to the
+gathered kv heads — its queries stay local, its mask's query rows are this
 rank's; is_causal attention becomes `context_causal_attention`: each of the rank's two query
 chunks against its key prefix, so the rank computes its share of the causal work. Written-out
-attention (q·kᵀ, p·v) gathers the key / value operand the same way. Any other op on a split
-value raises ValueError naming the node and the user's source line.
+attention (q·kᵀ, p·v) gathers the key / value operand the same way. Dropout on the rank's
+tokens (attention's and aten.dropout's) draws from the program's DropoutStreams (`tp_rng`,
+bound with this rank's tensor and context ranks: another mask on each context rank, the same
+on the tensor ranks of a value they all hold, replayed by recompute), as tensor-parallel
+regions do: it cannot equal one device bit for bit. Any other op on a split value raises
+ValueError naming the node and the user's source line.
 
-The loss is the mean over the rank's tokens; the runtime averages it, and the weight
-gradients, over the c·d ranks that hold the same weights (all context ranks hold equal token
-counts), which is the mean over every token of every context rank.
+A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
+ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
+and the weight gradients, over the c·d ranks that hold the same weights, which is the mean over
+every counted token of every context rank even when ignored targets (ignore_index) fall
+unevenly between the chunks.
 """
 from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Any
 
 import torch
@@ -39,9 +53,10 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
 from autopar.passes.sharding import _NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, SPLIT_OPS, packet
+from autopar.runtime import collectives as coll
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
-                                     context_select)
+                                     context_loss_mean, context_select)
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -50,7 +65,22 @@ _REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.m
            aten.logsumexp, aten.any, aten.all}
 _NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
-_SDPA = {aten.scaled_dot_product_attention}
+_SDPA = {aten.scaled_dot_product_attention, shard_rt.tp_sdpa}
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+STREAMS_ATTR = "tp_rng"   # the graph attribute of the program's shard.DropoutStreams
+_SEED = 0                 # the streams' seed (tensor_parallel_pass's default)
+# token-wise data movements a grouped-query head repeat is made of (`_repeat_chain`); the resized
+# ones take the whole sequence's sizes when re-applied after the K/V all-gather
+_RESIZES = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_MOVES = _RESIZES | {aten.repeat_interleave, aten.unsqueeze, aten.transpose, aten.permute,
+                     aten.clone, aten.contiguous, aten.alias, aten.slice}
+# positional names of the loss ops' arguments past (input, target), by whether the op is the
+# vocab-parallel cross-entropy (logits, target, group, vocab_size, ignore_index, reduction)
+_LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
+            True: {4: "ignore_index", 5: "reduction"}}
+# the tensor-parallel pass's sequence-parallel conversions (x, group, dim): under c they cut /
+# regather the context rank's tokens between its tensor ranks, in local order
+_SP = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
 
 
 def _where(node: fx.Node) -> str:
@@ -88,7 +118,8 @@ class _Propagation:
     def cp_node(self) -> fx.Node:
         if self.cp is None:
             first = next(n for n in self.g.nodes if n.op != "placeholder")
-            with self.g.inserting_before(first):
+            with self.g.inserting_before(first), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # a plain attribute, as tp_group
                 self.cp = self.g.get_attr(CP_ATTR)
         return self.cp
 
@@ -116,11 +147,48 @@ class _Propagation:
                          self._meta(tuple(shape), x.meta.get(K.VAL)))
 
     def gather(self, x: fx.Node, user: fx.Node) -> fx.Node:
-        """x (the rank's tokens along its sequence dim) gathered whole, in global order."""
-        d = self.dim[x]
-        shape = list(self.full[x])
-        return self._new(user, context_gather, (x, self.cp_node(), d), user,
-                         self._meta(tuple(shape), x.meta.get(K.VAL)))
+        """x (the rank's tokens along its sequence dim) gathered whole, in global order.
+        When x is grouped-query attention's head repeat of smaller keys / values (repeat_kv's
+        unsqueeze → expand → reshape, or repeat_interleave: `_repeat_chain`), the smaller
+        tensor is gathered and the repeat re-applied to it: the exchange moves kv_heads,
+        not heads, as cost/context.py prices it."""
+        src, chain = self._repeat_chain(x)
+        g = self._new(user, context_gather, (src, self.cp_node(), self.dim[src]), user,
+                      self._meta(self.full[src], src.meta.get(K.VAL)))
+        for node in chain:              # the head repeat again, on whole sequences
+            args = (g,) + tuple(node.args[1:])
+            if packet(node) in _RESIZES:
+                args = (g, list(self.full[node])) + tuple(node.args[2:])
+            g = self._new(user, node.target, args, node,
+                          self._meta(self.full[node], node.meta.get(K.VAL)))
+            g.kwargs = dict(node.kwargs)
+        return g
+
+    def _repeat_chain(self, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+        """(the smallest value x is a token-wise data movement of, the movements from it to x
+        in order): back through single-input ops that move or repeat elements within each
+        token (_MOVES: never along the sequence dim, which the forward walk refused); (x, [])
+        when nothing smaller feeds it."""
+        path, cur = [], x
+        while (cur.op == "call_function" and packet(cur) in _MOVES
+               and [a for a in cur.all_input_nodes] == [cur.args[0]]
+               and cur.args[0] in self.dim and self._whole_slice(cur)):
+            path.append(cur)
+            cur = cur.args[0]
+        nodes = path + [cur] if path else [x]
+        best = min(nodes, key=lambda n: math.prod(self.full[n]))   # the nearest of the smallest
+        return best, nodes[:nodes.index(best)][::-1]
+
+    def _whole_slice(self, n: fx.Node) -> bool:
+        """Not a slice, or a slice that keeps its whole dim (export's `x[:, :, None]`)."""
+        if packet(n) is not aten.slice:
+            return True
+        dim = n.args[1] if len(n.args) > 1 else 0
+        start = n.args[2] if len(n.args) > 2 else 0
+        end = n.args[3] if len(n.args) > 3 else None
+        step = n.args[4] if len(n.args) > 4 else 1
+        return (start in (0, None) and step == 1
+                and (end is None or end >= self.full[n.args[0]][dim]))
 
     def mark(self, n: fx.Node, d: int) -> None:
         self.dim[n] = d
@@ -160,6 +228,8 @@ class _Propagation:
             return
         if op in _SDPA:
             return self.attention(n)
+        if op is aten.dropout and n.args[0] in self.dim:
+            return self.dropout(n)
         if op in _RESHAPES and op not in (aten.squeeze, aten.unsqueeze, aten.flatten,
                                           aten.unflatten):
             return self.reshape(n)
@@ -167,6 +237,10 @@ class _Propagation:
             return self.matmul(n)
         if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
             return self.loss(n)
+        if op in _SP:
+            return self.mark(n, self.dim[n.args[0]])
+        if op is aten.type_as:   # its second operand gives a dtype only (whole under SP)
+            return self.mark(n, self.dim[n.args[0]]) if n.args[0] in self.dim else None
         x = n.args[0]
         d = self.dim.get(x) if isinstance(x, fx.Node) else None
         out = self.full.get(n)
@@ -328,13 +402,24 @@ class _Propagation:
         self.mark(n, out - (ra - da))
 
     def attention(self, n: fx.Node) -> None:
-        q, k, v = n.args[:3]
+        """Keys and values gathered, the mask's query rows selected, is_causal run chunk by
+        chunk; attention dropout drawn from this context rank's stream (`streams`)."""
+        heads_split = n.target is shard_rt.tp_sdpa     # the tensor-parallel pass's, per tp rank
+        names = (_SDPA_ARGS[:3] + ("streams", "seed") + _SDPA_ARGS[3:] if heads_split
+                 else _SDPA_ARGS)
+        a = {**dict(zip(names, n.args)), **n.kwargs}
+        q, k, v = a["query"], a["key"], a["value"]
         if any(x not in self.dim for x in (q, k, v)):
             raise _refuse(n, "attention whose queries, keys and values are not all split")
-        args = list(n.args)
-        kwargs = dict(n.kwargs)
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        causal = (args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+        mask, causal = a.get("attn_mask"), a.get("is_causal", False)
+        dropout = a.get("dropout_p", 0.0)
+        if not isinstance(dropout, (int, float)):
+            raise _refuse(n, "an attention dropout probability computed in the graph")
+        streams, seed = a.get("streams"), a.get("seed", _SEED)
+        if dropout and streams is None:
+            streams = self.streams_node()
+        kg, vg = self.gather(k, n), self.gather(v, n)
+        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if isinstance(mask, fx.Node):
             if mask in self.dim:
                 raise _refuse(n, "a mask that depends on the rank's tokens")
@@ -344,36 +429,73 @@ class _Propagation:
         elif causal:
             # each query chunk against its key prefix (runtime/context.py): the rank computes
             # its share of the causal tiles, not a masked (T/c) × T block
-            dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-            if dropout:
-                raise _refuse(n, "attention dropout (its random mask would differ from the "
-                                 "whole sequence's)")
-            scale = args[6] if len(args) > 6 else kwargs.get("scale")
-            gqa = args[7] if len(args) > 7 else kwargs.get("enable_gqa", False)
-            kg, vg = self.gather(k, n), self.gather(v, n)
             n.target = context_causal_attention
-            n.args, n.kwargs = (q, kg, vg, self.cp_node(), scale, gqa), {}
+            n.args = (q, kg, vg, self.cp_node(), extra.get("scale"),
+                      extra.get("enable_gqa", False), dropout, streams, seed, heads_split)
+            n.kwargs = {}
             return self.mark(n, self.dim[q])
-        args[1], args[2] = self.gather(k, n), self.gather(v, n)
-        if len(args) > 3:
-            args[3] = mask
+        if dropout or heads_split:
+            n.target = shard_rt.tp_sdpa
+            n.args = (q, kg, vg, streams, seed, mask, dropout, causal)
+            n.kwargs = {**extra, "per_tensor_rank": heads_split}
         else:
-            kwargs["attn_mask"] = mask
-        if len(args) > 5:
-            args[5] = causal
-        elif "is_causal" in kwargs:
-            kwargs["is_causal"] = causal
-        n.args, n.kwargs = tuple(args), kwargs
+            n.args, n.kwargs = (q, kg, vg, mask, dropout, causal), extra
         self.mark(n, self.dim[q])
 
+    def streams_node(self) -> fx.Node:
+        """The get_attr of the program's DropoutStreams (`tp_rng`, bound by the runtime with
+        this rank's tensor and context ranks)."""
+        for node in self.g.nodes:
+            if node.op == "get_attr" and node.target == STREAMS_ATTR:
+                return node
+        if not hasattr(self.gm, STREAMS_ATTR):   # stands in for inspection, as `cp` does
+            setattr(self.gm, STREAMS_ATTR, shard_rt.DropoutStreams(0))
+        with self.g.inserting_after(self.cp_node()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")       # a plain attribute, as tp_group
+            return self.g.get_attr(STREAMS_ATTR)
+
+    def dropout(self, n: fx.Node) -> None:
+        """aten.dropout on the rank's tokens (whole over the tensor group: split values already
+        draw from tp_dropout's per-tensor-rank streams): this context rank's own mask."""
+        x, p, train = (list(n.args) + [n.kwargs.get("p", 0.5), n.kwargs.get("train", True)])[:3]
+        if isinstance(p, (int, float)) and p and train:
+            n.target = shard_rt.tp_dropout
+            n.args, n.kwargs = (x, p, train, self.streams_node(), _SEED), {
+                "per_tensor_rank": False}
+        self.mark(n, self.dim[x])
+
     def loss(self, n: fx.Node) -> None:
+        """A token-mean loss becomes c · (the rank's token sum) / (tokens counted on every
+        context rank) (`context_loss_mean`): the runtime's average over the context ranks is
+        the mean over every counted token of the whole sequence, however unevenly ignored
+        targets (ignore_index) fall between the rank's chunks."""
         x, y = n.args[0], n.args[1]
         if self.dim.get(x) != 0 or self.dim.get(y) != 0:
             raise _refuse(n, "a loss over values not split along their token dim 0")
-        at = 5 if packet(n) is shard_rt.vocab_parallel_cross_entropy else 3
+        vocab = packet(n) is shard_rt.vocab_parallel_cross_entropy
+        at, ignore_at, weight_at = (5, 4, None) if vocab else (3, 4, 2)
         reduction = n.args[at] if len(n.args) > at else n.kwargs.get("reduction", 1)
         if reduction != 1:
             raise _refuse(n, "a loss not reduced by its mean")
+        weight = None if weight_at is None else (
+            n.args[weight_at] if len(n.args) > weight_at else n.kwargs.get("weight"))
+        if weight is not None:
+            raise _refuse(n, "a class-weighted loss (its mean divides by the targets' weights)")
+        ignore = n.args[ignore_at] if len(n.args) > ignore_at else n.kwargs.get("ignore_index",
+                                                                              -100)
+        args = list(n.args) + [None] * (at + 1 - len(n.args))
+        defaults = {2: None, 3: 1, 4: -100} if not vocab else {4: -100}
+        for k in range(len(n.args), at):
+            args[k] = n.kwargs.get(_LOSS_KW[vocab][k], defaults.get(k))
+        args[at] = 2                                  # sum: divided by the counted tokens
+        n.args, n.kwargs = tuple(args), {k: v for k, v in n.kwargs.items()
+                                         if k not in _LOSS_KW[vocab].values()}
+        users = list(n.users)
+        with self.g.inserting_after(n):
+            mean = self.g.call_function(context_loss_mean, (n, y, self.cp_node(), ignore))
+        mean.meta = {k: v for k, v in n.meta.items() if k != K.CP_SEQ_DIM}
+        for u in users:
+            u.replace_input_with(n, mean)
 
 
 def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:

@@ -32,6 +32,8 @@ import torch.fx
 
 from autopar.passes import meta as K
 from autopar.plan import Plan, layer_range
+from autopar.runtime.context import context_loss_mean
+from autopar.runtime.shard import vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class ChunkSpec:
     objects: dict[str, str] = field(default_factory=dict)  # non-tensor attributes the runtime
     #                                                        binds (tp_group: the tensor group)
     returns_loss: bool = False
+    # the last chunk's loss is a token mean of the targets skipping this index (cross-entropy's
+    # ignore_index; `token_mean_ignore_index`): the runtime weighs each micro-batch by the
+    # tokens it counts; None: another loss, the micro-batches' losses averaged as they are
+    loss_ignore_index: int | None = None
 
     def describe(self) -> str:
         parts = []
@@ -222,6 +228,44 @@ def _boundary(n: torch.fx.Node, analysis: _Analysis) -> Boundary:
                     grad, replicated)
 
 
+# token-wise views between the targets input and the loss (flattening (B, T) to (B·T,))
+_TARGET_VIEWS = {torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view,
+                 torch.ops.aten.flatten, torch.ops.aten.clone, torch.ops.aten.alias,
+                 torch.ops.aten.contiguous, torch.ops.aten.to, torch.ops.aten._to_copy}
+
+
+def token_mean_ignore_index(loss: Any, targets: torch.fx.Node) -> int | None:
+    """The ignore_index of `loss` when it is the mean over the counted tokens of `targets`
+    (the graph's targets input, through views): cross-entropy / nll with reduction mean and no
+    class weights, the vocabulary-parallel cross-entropy, or the context-parallel token mean
+    (their positions: aten (input, target, weight, reduction, ignore_index); vocab-parallel
+    (logits, target, group, vocab, ignore_index, reduction); context (sum, target, cp,
+    ignore_index)); None for any other loss."""
+    if not isinstance(loss, torch.fx.Node) or loss.op != "call_function":
+        return None
+    op = getattr(loss.target, "overloadpacket", loss.target)
+    args = dict(enumerate(loss.args))
+    kw = loss.kwargs
+    if op is context_loss_mean:
+        index = args.get(3, kw.get("ignore_index", -100))
+    elif op is vocab_parallel_cross_entropy:
+        if args.get(5, kw.get("reduction", 1)) != 1:
+            return None
+        index = args.get(4, kw.get("ignore_index", -100))
+    elif op in (torch.ops.aten.cross_entropy_loss, torch.ops.aten.nll_loss,
+                torch.ops.aten.nll_loss_nd, torch.ops.aten.nll_loss2d):
+        if args.get(3, kw.get("reduction", 1)) != 1 or args.get(2, kw.get("weight")) is not None:
+            return None
+        index = args.get(4, kw.get("ignore_index", -100))
+    else:
+        return None
+    target = args.get(1)
+    while (isinstance(target, torch.fx.Node) and target.op == "call_function"
+           and getattr(target.target, "overloadpacket", target.target) in _TARGET_VIEWS):
+        target = target.args[0]
+    return int(index) if target is targets else None
+
+
 def attr_name(qualified: str) -> str:
     """Flat attribute name for a dotted parameter/buffer name: 'h.0.ln.weight' -> 'h_0_ln_weight'."""
     return qualified.replace(".", "_")
@@ -279,13 +323,16 @@ def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModu
 
     for n in mine:
         env[n] = graph.node_copy(n, lookup)
+    loss_ignore_index = None
     if last:
-        out_vals = [lookup(x) for x in torch.utils._pytree.tree_leaves(analysis.output.args[0])
-                    if isinstance(x, torch.fx.Node)]
+        outs = [x for x in torch.utils._pytree.tree_leaves(analysis.output.args[0])
+                if isinstance(x, torch.fx.Node)]
+        out_vals = [lookup(x) for x in outs]
         if len(out_vals) != 1:
             raise ValueError(f"pipeline: the graph returns {len(out_vals)} values; the last chunk "
                              f"must return the scalar loss — capture with loss_fn")
         graph.output(out_vals[0])
+        loss_ignore_index = token_mean_ignore_index(outs[0], analysis.placeholders[-1])
     else:
         graph.output(tuple(lookup(n) for n in send))
     graph.eliminate_dead_code()
@@ -297,7 +344,7 @@ def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModu
         recv=tuple(_boundary(n, analysis) for n in recv),
         send=tuple(_boundary(n, analysis) for n in send),
         model_inputs=tuple(used_inputs), params=params, buffers=buffers, objects=objects,
-        returns_loss=last)
+        returns_loss=last, loss_ignore_index=loss_ignore_index)
     chunk = torch.fx.GraphModule(root, graph, class_name=f"Chunk{c}")
     chunk.meta[K.CHUNK] = spec
     type(chunk).__doc__ = (f"Pipeline chunk {c} of {spec.num_chunks}: {spec.describe()}; "

@@ -48,6 +48,7 @@ import torch.utils.checkpoint
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
+from autopar.runtime.context import context_causal_attention
 from autopar.runtime.shard import DropoutStreams, tp_dropout, tp_sdpa
 
 MODES = ("none", "selective", "full")
@@ -275,16 +276,18 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
 
 def _dropout_streams(nodes: Iterable[torch.fx.Node]) -> torch.fx.Node | None:
     """The DropoutStreams argument (the `tp_rng` get_attr) of the region's first
-    tensor-parallel dropout (tp_dropout or tp_sdpa), or None when it has none."""
+    stream-drawn dropout (tp_dropout, tp_sdpa, context_causal_attention's), or None."""
     for n in nodes:
-        if n.target in _TP_DROPOUT:
-            return n.args[_TP_DROPOUT[n.target]]
+        at = _TP_DROPOUT.get(n.target)
+        if at is not None and len(n.args) > at and n.args[at] is not None:
+            return n.args[at]
     return None
 
 
 # ---- tensor-parallel RNG replay ------------------------------------------------------------
 _CHECKPOINT_KWARGS = {"use_reentrant": False, "preserve_rng_state": True}
-_TP_DROPOUT = {tp_dropout: 3, tp_sdpa: 3}   # target -> position of its DropoutStreams argument
+# target -> position of its DropoutStreams argument (None: attention without dropout)
+_TP_DROPOUT = {tp_dropout: 3, tp_sdpa: 3, context_causal_attention: 7}
 
 
 def checkpoint_tp_rng(streams: DropoutStreams, fn: Any, *args: Any) -> Any:

@@ -14,12 +14,20 @@ from autopar.plan import Plan, Prediction, Stage
 from autopar.testing import spawn
 
 from models import RUNTIME_VOCAB, runtime_model, token_batches
-from reference import Trained, train
+from reference import Trained, optimizer_state_bytes, train
 
 STEPS = 3
 SEQ = 8
 LR = 3e-4  # AdamW default of compile(); 3 steps move weights by ~1e-3 ≫ atol
 MAX_NORM = 1.0
+TRAINING_LR = 1e-3   # check_training's AdamW (with weight decay 0.1)
+# bf16 tolerance: the loss is itself a bf16 number (8 significant bits: for a loss in [4, 8)
+# one ulp is 2^-5 = 0.031), and the parallel run sums micro-batches and replicas in another
+# order than the single-device run, so losses agree to ~1 bf16 ulp: rtol 2^-7 (two ulps).
+# Weights are the fp32 masters; AdamW (lr 1e-3) moves them by <= ~1e-3 per step whatever the
+# gradient rounding, so the masters agree to atol 3e-3 after 3 steps.
+BF16_LOSS_RTOL = 2.0 ** -7
+BF16_WEIGHT_ATOL = 3e-3
 
 
 def loss_fn(output, targets):
@@ -50,6 +58,10 @@ def make_plan(*, t=1, p=1, d=1, v=1, b=2, m=2, schedule="1f1b", layers=2,
                 recompute="none", sequence_parallel=False, zero=0, stages=tuple(stages),
                 predicted=pred, global_batch_size=b * m * d, seq_len=SEQ, cluster="local-cpu",
                 num_layers=layers)
+
+
+def adamw_decayed(params):
+    return torch.optim.AdamW(params, lr=TRAINING_LR, weight_decay=0.1)
 
 
 def with_zero(plan: Plan, zero: int) -> Plan:
@@ -88,27 +100,31 @@ def failed_step(runner, x, y) -> tuple[str, str, float] | None:
 
 
 def train_rank(rank: int, world: int, name: str, plan: Plan, optimizer: Callable = adamw,
-               max_grad_norm: float | None = MAX_NORM, precision: str = "fp32"):
-    """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps."""
+               max_grad_norm: float | None = MAX_NORM, precision: str = "fp32",
+               batches: list | None = None):
+    """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps (on
+    make_data's batches, or the given global batches)."""
     prog, vocab = make_program(name, plan)
     runner = prog.compile(optimizer=optimizer, max_grad_norm=max_grad_norm,
                           precision=precision, timeout_s=60)
-    losses = train_steps(runner, plan, make_data(plan, vocab))
+    losses = train_steps(runner, plan, batches or make_data(plan, vocab))
     return losses, runner.full_state_dict(), runner.optimizer_state_bytes()
 
 
 def train_single_device(name: str, plan: Plan, optimizer: Callable = adamw,
-                        **kwargs) -> Trained:
-    """reference.train of the model make_program(name, plan) holds, on make_data(plan);
-    kwargs: train's (max_grad_norm, precision, keep_states)."""
-    return train(runtime_model(name, plan.num_layers), make_data(plan, RUNTIME_VOCAB),
-                 optimizer, loss_fn=loss_fn, **kwargs)
+                        batches: list | None = None, **kwargs) -> Trained:
+    """reference.train of the model make_program(name, plan) holds, on make_data(plan) (or
+    the given global batches); kwargs: train's (max_grad_norm, precision, keep_states)."""
+    return train(runtime_model(name, plan.num_layers),
+                 batches or make_data(plan, RUNTIME_VOCAB), optimizer, loss_fn=loss_fn, **kwargs)
 
 
-def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0) -> None:
-    """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device."""
-    results = spawn(train_rank, plan.gpus, name, plan, timeout_s=timeout_s)
-    ref = train_single_device(name, plan, max_grad_norm=MAX_NORM)
+def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
+                            batches: list | None = None) -> None:
+    """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device, on
+    make_data's batches or the given global batches."""
+    results = spawn(train_rank, plan.gpus, name, plan, batches=batches, timeout_s=timeout_s)
+    ref = train_single_device(name, plan, batches=batches, max_grad_norm=MAX_NORM)
     for r, (losses, _, _) in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
@@ -124,3 +140,34 @@ def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0) -> 
         moved += int(not torch.equal(value, state[key]))
     assert moved > 0
     assert all(r[1] == {} for r in results[1:])
+
+
+def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
+                   precision: str = "fp32", timeout_s: float = 300.0):
+    """The Runner under `plan` (AdamW lr TRAINING_LR, weight decay 0.1, clipping at max_norm
+    if given, `precision`) equals one device trained the same way: fp32 at rtol 1e-4 / atol
+    1e-5, bf16 against a single-device bf16 run at BF16_LOSS_RTOL / BF16_WEIGHT_ATOL;
+    (per-rank results, the reference's optimizer-state bytes)."""
+    results = spawn(train_rank, plan.gpus, name, plan, adamw_decayed, max_norm, precision,
+                    timeout_s=timeout_s)
+    ref = train_single_device(name, plan, adamw_decayed, max_grad_norm=max_norm,
+                              precision=precision)
+    if max_norm is not None:  # the check can fail: clipping really changed the gradients
+        assert min(ref.grad_norms) > 2 * max_norm, ref.grad_norms
+    tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=BF16_LOSS_RTOL,
+                                                                       atol=0.0)
+    for r, (losses, _, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), **tol,
+                                   msg=lambda m: f"rank {r} losses: {m}")
+    state = results[0][1]
+    assert list(state) == list(ref.state)
+    wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0,
+                                                                        atol=BF16_WEIGHT_ATOL)
+    init = runtime_model(name, plan.num_layers)
+    moved = 0
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key].float(), want.float(), **wtol,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+        moved += int(not torch.equal(init.state_dict()[key].float(), state[key].float()))
+    assert moved > 0
+    return results, optimizer_state_bytes(ref.optimizer)

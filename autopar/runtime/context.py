@@ -17,7 +17,13 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
                                 is_causal attention of the rank's two query chunks against the
                                 gathered keys: chunk j only reads keys [0, (j+1)·T/2c), so the
                                 rank computes (2c+1)/(2c²) of the whole sequence's causal tiles
-                                (5/8 at c = 2) instead of a masked (T/c) × T block
+                                (5/8 at c = 2) instead of a masked (T/c) × T block; attention
+                                dropout from this context rank's stream (shard.DropoutStreams)
+  context_loss_mean(sum, target, cp, ignore_index)
+                                c · the rank's summed token loss / the tokens counted on every
+                                context rank (a forward all-reduce of one count): averaged over
+                                the c ranks, the mean over every counted token of the sequence,
+                                however unevenly ignored targets fall between the chunks
   context_cut(x, cp, dim)       this rank's tokens of a whole input (Runner.train_step)
 """
 from __future__ import annotations
@@ -29,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime import groups as G
-from autopar.runtime.collectives import all_gather_sp
+from autopar.runtime.collectives import all_gather_sp, all_reduce_
+from autopar.runtime.shard import as_default_stream
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +95,18 @@ def context_cut(x: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor
     return context_select(x, cp, dim)
 
 
+def context_loss_mean(loss_sum: torch.Tensor, target: torch.Tensor, cp: ContextShard,
+                      ignore_index: int = -100) -> torch.Tensor:
+    """c · loss_sum / (targets other than ignore_index on all c context ranks): the runtime's
+    average over the context ranks is then the whole sequences' token mean; 0 when no token
+    counts (the count taken as 1, as the vocabulary-parallel cross-entropy does: a 0/0 would
+    send NaN through the backward of every rank, which the runtime weighs 0)."""
+    counted = (target != ignore_index).sum().reshape(1)
+    if cp.c > 1:
+        all_reduce_(counted, cp.group)     # a count: no gradient flows through it
+    return loss_sum * (cp.c / counted.clamp(min=1).to(loss_sum.dtype)).reshape(())
+
+
 def _chunk_mask(cp: ContextShard, j: int, like: torch.Tensor) -> torch.Tensor | None:
     """Additive mask of global chunk j's queries against keys [0, (j+1)·n): None for j = 0
     (a square causal block: is_causal), cached on `cp` (shared by every layer)."""
@@ -106,12 +125,24 @@ def _chunk_mask(cp: ContextShard, j: int, like: torch.Tensor) -> torch.Tensor | 
 
 def context_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cp: ContextShard, scale: float | None = None,
-                             enable_gqa: bool = False) -> torch.Tensor:
+                             enable_gqa: bool = False, dropout_p: float = 0.0,
+                             streams: Any = None, seed: int = 0,
+                             per_tensor_rank: bool = False) -> torch.Tensor:
     """Causal scaled-dot-product attention of this rank's queries (local order: chunk i, then
-    chunk 2c−1−i, along dim −2) against the whole sequence's keys and values (global order)."""
+    chunk 2c−1−i, along dim −2) against the whole sequence's keys and values (global order).
+    Attention dropout draws from this rank's stream of `streams` (a shard.DropoutStreams:
+    the context rank's, or with per_tensor_rank the tensor rank's too under split heads)."""
+    if dropout_p:
+        with as_default_stream(streams.generator(seed, q.device, per_tensor_rank), q.device):
+            return _causal(q, k, v, cp, scale, enable_gqa, dropout_p)
+    return _causal(q, k, v, cp, scale, enable_gqa, 0.0)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard,
+            scale: float | None, enable_gqa: bool, dropout_p: float) -> torch.Tensor:
     if cp.c == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, enable_gqa=enable_gqa)
     n = cp.seq_len // (2 * cp.c)
     outs = []
     for part, j in enumerate(G.sequence_chunks(cp.cp_rank, cp.c)):
@@ -119,7 +150,8 @@ def context_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = _chunk_mask(cp, j, q)
         outs.append(F.scaled_dot_product_attention(
             q.narrow(-2, part * n, n), k.narrow(-2, 0, end), v.narrow(-2, 0, end),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa))
+            attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale,
+            enable_gqa=enable_gqa))
     out = torch.cat(outs, dim=-2)
     if out.dim() == 4:   # the fused kernels' layout, (B, L, H, E) in memory: callers view it
         out = out.transpose(1, 2).contiguous().transpose(1, 2)   # after transpose(1, 2)

@@ -5,7 +5,8 @@ Per step the executor runs, in order, the actions of this rank:
              or handed over locally when chunk c-1 is on this rank) followed by the model
              inputs / targets the chunk reads; outputs and inputs are kept for backward.
   B c.i      torch.autograd.backward of chunk c's outputs with the gradients chunk c+1 sent
-             (the last chunk backpropagates loss / num_microbatches); the gradients of its
+             (the last chunk backpropagates loss × its micro-batch's scale, 1/num_microbatches
+             unless the Runner weighs micro-batches by their counted tokens); the gradients of its
              received inputs are kept for SEND_B or handed to chunk c-1 locally.
   SEND_F / SEND_B   dist.isend (the sender never blocks); a send is forgotten once complete, all
              are waited for at the end of the step. After SEND_F the sent outputs' data is
@@ -69,12 +70,14 @@ class LoadedChunk:
     send: list[tuple]
     model_inputs: list[int]
     returns_loss: bool
+    loss_ignore_index: int | None = None   # a token-mean loss's ignored target (module's)
 
     @classmethod
     def from_module(cls, index: int, module: Any, net: torch.nn.Module) -> "LoadedChunk":
         return cls(index=index, module=module, net=net, recv=list(module.RECV),
                    send=list(module.SEND), model_inputs=list(module.MODEL_INPUTS),
-                   returns_loss=bool(module.RETURNS_LOSS))
+                   returns_loss=bool(module.RETURNS_LOSS),
+                   loss_ignore_index=getattr(module, "LOSS_IGNORE_INDEX", None))
 
 
 @dataclass
@@ -145,10 +148,15 @@ class PipelineExecutor:
     after_run: Callable[[], None] | None = None
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
 
-    def run(self, microbatches: Sequence[tuple]) -> list[torch.Tensor]:
+    def run(self, microbatches: Sequence[tuple],
+            loss_scales: Sequence[float] | None = None) -> list[torch.Tensor]:
         """Execute the action list on `microbatches` (each (*inputs, targets)); return the
-        detached per-micro-batch losses (empty unless this rank holds the last chunk)."""
+        detached per-micro-batch losses (empty unless this rank holds the last chunk).
+        loss_scales: what each micro-batch's loss is multiplied by before its backward
+        (default 1/num_microbatches each)."""
         self._mbs = microbatches
+        self._scales = (list(loss_scales) if loss_scales is not None
+                        else [1.0 / self.num_microbatches] * len(microbatches))
         self._stash: dict[tuple[int, int], _Stash] = {}
         self._fwd_in: dict[tuple[int, int], list[torch.Tensor]] = {}   # keyed by producer
         self._bwd_in: dict[tuple[int, int], list[torch.Tensor]] = {}   # keyed by producer
@@ -230,7 +238,7 @@ class PipelineExecutor:
         ch = self.chunks[a.chunk]
         st = self._stash.pop((a.chunk, a.mb))
         if ch.returns_loss:
-            outs, grads = [st.outputs[0] / self.num_microbatches], [None]
+            outs, grads = [st.outputs[0] * self._scales[a.mb]], [None]
         else:
             got = self._take(self._bwd_in, ("B", a.chunk + 1, a.mb))
             pairs = [(o, g) for o, g in zip((o for o, s in zip(st.outputs, ch.send) if s[3]),

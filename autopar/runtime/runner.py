@@ -66,14 +66,35 @@ class Runner:
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One optimizer step on this replica's share; the global mean loss (same everywhere)."""
         mbs = self._microbatches(inputs, targets)
+        scales = self._loss_scales(mbs[0][-1].device, targets)
         self.regime.zero_grad()
-        losses = self.executor.run(mbs)
+        losses = self.executor.run(mbs, scales)
         self.regime.finish()
         if self.max_grad_norm is not None:
             self.regime.clip(self.max_grad_norm)
         self.regime.step()
         self.steps += 1
-        return self._global_loss(losses)
+        return self._global_loss(losses, scales)
+
+    def _loss_scales(self, device: torch.device, targets: torch.Tensor) -> list[float] | None:
+        """Each micro-batch's backward scale when the loss is a token mean (the last chunk's
+        LOSS_IGNORE_INDEX): d·M_i/N, M_i the targets micro-batch i counts (its whole
+        sequences: under c each context rank's loss is already their token mean), N the global
+        batch's count (all-reduced over the c·d ranks, each replica counted by its c context
+        ranks). Averaged over the c·d ranks the step's loss is then the single device's mean
+        over every counted token, however unevenly ignored targets fall between micro-batches
+        and replicas (1/m each when they count alike). None: another loss (1/m each)."""
+        last = [ch for ch in self.chunks.values() if ch.returns_loss]
+        if not last or last[0].loss_ignore_index is None:
+            return None
+        m = self.plan.num_microbatches
+        counted = (targets.to(device).reshape(m, -1) != last[0].loss_ignore_index).sum(1)
+        total = counted.sum().to(torch.float64)       # a scalar, like the loss's reduction
+        if self.pg.d > 1:
+            all_reduce_(total, self.pg.data)
+        total = float(total) / self.pg.c
+        return [self.pg.replicas * float(k) / total if total else float("nan")
+                for k in counted.tolist()]
 
     def _microbatches(self, inputs: Any, targets: torch.Tensor) -> list[tuple]:
         plan = self.plan
@@ -99,10 +120,12 @@ class Runner:
         return [tuple(x[i * b:(i + 1) * b] for x in xs) + (targets[i * b:(i + 1) * b],)
                 for i in range(plan.num_microbatches)]
 
-    def _global_loss(self, losses: list[torch.Tensor]) -> float:
+    def _global_loss(self, losses: list[torch.Tensor], scales: list[float] | None) -> float:
         value = torch.zeros((), dtype=torch.float64)
         if losses:
-            value += torch.stack([x.double().cpu() for x in losses]).mean()
+            scales = scales or [1.0 / len(losses)] * len(losses)
+            # a micro-batch that counts no token (scale 0) adds nothing, not its 0/0 mean
+            value += sum(x.double().cpu() * w for x, w in zip(losses, scales) if w != 0)
         if self.pg.p > 1:
             all_reduce_(value, self.pg.pipeline)  # only the last stage contributes
         if self.pg.d > 1:

@@ -433,22 +433,34 @@ class DropoutStreams:
     `tp_rng` next to `tp_group` (the tensor-parallel pass makes one, the runtime binds its
     own when it loads the generated chunks): a freshly compiled program draws the same masks
     as the last one did. A recomputed region replays the streams (`recompute_context`).
-    """
 
-    def __init__(self, tp_rank: int):
-        self.tp_rank = tp_rank
-        self._gens: dict[tuple[int, str], torch.Generator] = {}
+    Under context parallelism (cp_rank of c) each context rank holds other tokens, so it
+    draws other masks: the per-tensor-rank streams add CONTEXT_STRIDE·cp_rank to their seed,
+    and values whole over the tensor group but split along the sequence draw from a stream
+    shared by the rank's tensor ranks (`generator(..., per_tensor_rank=False)`: seed + 2718 +
+    REPLICATED_OFFSET + CONTEXT_STRIDE·cp_rank), not from the default generator, which every
+    context rank advances alike.
+    """
+    REPLICATED_OFFSET = 500_009
+    CONTEXT_STRIDE = 7_919_999
+
+    def __init__(self, tp_rank: int, cp_rank: int = 0):
+        self.tp_rank, self.cp_rank = tp_rank, cp_rank
+        self._gens: dict[tuple[int, str, bool], torch.Generator] = {}
 
     def __repr__(self) -> str:
-        return f"DropoutStreams(tp_rank={self.tp_rank}, streams={len(self._gens)})"
+        return (f"DropoutStreams(tp_rank={self.tp_rank}, cp_rank={self.cp_rank}, "
+                f"streams={len(self._gens)})")
 
-    def generator(self, seed: int, device: Any = "cpu") -> torch.Generator:
+    def generator(self, seed: int, device: Any = "cpu",
+                  per_tensor_rank: bool = True) -> torch.Generator:
         """This rank's stream for `seed` on `device`, created at its seed on first use."""
         device = torch.device(device)
-        key = (seed, str(device))
+        key = (seed, str(device), per_tensor_rank)
         if key not in self._gens:
             gen = torch.Generator(device=device)
-            gen.manual_seed(2718 + seed + 1_000_003 * self.tp_rank)
+            rank = (1_000_003 * self.tp_rank if per_tensor_rank else self.REPLICATED_OFFSET)
+            gen.manual_seed(2718 + seed + rank + self.CONTEXT_STRIDE * self.cp_rank)
             self._gens[key] = gen
         return self._gens[key]
 
@@ -479,31 +491,35 @@ class DropoutStreams:
 
 
 def tp_dropout(x: torch.Tensor, p: float, train: bool, streams: DropoutStreams,
-               seed: int) -> torch.Tensor:
-    """Dropout on a split value, its mask drawn from this tensor rank's own stream."""
+               seed: int, per_tensor_rank: bool = True) -> torch.Tensor:
+    """Dropout on a split value, its mask drawn from this tensor rank's own stream (or, with
+    per_tensor_rank False, the stream its tensor ranks share: a context rank's tokens)."""
     if not train or p == 0.0:
         return x
-    gen = streams.generator(seed, x.device)
+    gen = streams.generator(seed, x.device, per_tensor_rank)
     keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
 
 
 def tp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, streams: DropoutStreams,
             seed: int, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-            is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+            is_causal: bool = False, *, per_tensor_rank: bool = True,
+            **kwargs: Any) -> torch.Tensor:
     """scaled_dot_product_attention on this rank's heads whose attention-dropout mask comes
-    from this tensor rank's stream: the default generator is swapped for the stream's state
-    around the call (sdpa takes no generator argument) and restored after."""
+    from this tensor rank's stream (per_tensor_rank False: its tensor ranks' shared one): the
+    default generator is swapped for the stream's state around the call (sdpa takes no
+    generator argument) and restored after."""
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, **kwargs)
-    gen = streams.generator(seed, q.device)
-    with _default_stream(gen, q.device):
+    gen = streams.generator(seed, q.device, per_tensor_rank)
+    with as_default_stream(gen, q.device):
         return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
                                               **kwargs)
 
 
 @contextlib.contextmanager
-def _default_stream(gen: torch.Generator, device: torch.device) -> Iterator[None]:
+def as_default_stream(gen: torch.Generator, device: torch.device) -> Iterator[None]:
+    """Draws from the default generator of `device` inside come from `gen` (advanced)."""
     default = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
         else torch.default_generator
     saved = default.get_state()

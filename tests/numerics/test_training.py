@@ -9,53 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from autopar.plan import Plan
-from autopar.testing import spawn
-
-from models import runtime_model
-from programs import make_plan, make_program, train_rank, train_single_device, with_zero
-from reference import optimizer_state_bytes
+from programs import check_training as check
+from programs import check_against_reference, make_plan, make_program, with_zero
 
 pytestmark = pytest.mark.distributed
-
-LR = 1e-3
-# bf16 tolerance: the loss is itself a bf16 number (8 significant bits: for a loss in [4, 8)
-# one ulp is 2^-5 = 0.031), and the parallel run sums micro-batches and replicas in another
-# order than the single-device run, so losses agree to ~1 bf16 ulp: rtol 2^-7 (two ulps).
-# Weights are the fp32 masters; AdamW (lr 1e-3) moves them by <= ~1e-3 per step whatever the
-# gradient rounding, so the masters agree to atol 3e-3 after 3 steps.
-BF16_LOSS_RTOL = 2.0 ** -7
-BF16_WEIGHT_ATOL = 3e-3
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-def check(name: str, plan: Plan, *, max_norm: float | None = None, precision: str = "fp32",
-          timeout_s: float = 300.0):
-    results = spawn(train_rank, plan.gpus, name, plan, _adamw, max_norm, precision,
-                    timeout_s=timeout_s)
-    ref = train_single_device(name, plan, _adamw, max_grad_norm=max_norm, precision=precision)
-    if max_norm is not None:  # the check can fail: clipping really changed the gradients
-        assert min(ref.grad_norms) > 2 * max_norm, ref.grad_norms
-    tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=BF16_LOSS_RTOL,
-                                                                       atol=0.0)
-    for r, (losses, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), **tol,
-                                   msg=lambda m: f"rank {r} losses: {m}")
-    state = results[0][1]
-    assert list(state) == list(ref.state)
-    wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0,
-                                                                        atol=BF16_WEIGHT_ATOL)
-    init = runtime_model(name, plan.num_layers)
-    moved = 0
-    for key, want in ref.state.items():
-        torch.testing.assert_close(state[key].float(), want.float(), **wtol,
-                                   msg=lambda m, k=key: f"{k}: {m}")
-        moved += int(not torch.equal(init.state_dict()[key].float(), state[key].float()))
-    assert moved > 0
-    return results, optimizer_state_bytes(ref.optimizer)
 
 
 def test_d2():
@@ -118,3 +75,41 @@ def test_bf16_p2_interleaved_zero_bubble_clipping_active():
     the post-accumulate hooks, and clipping sees the whole gradient."""
     check("gpt", make_plan(p=2, v=2, m=2, schedule="interleaved-zb", layers=4),
           precision="bf16", max_norm=0.05)
+
+
+def _ignored_unevenly(plan):
+    """make_data's global batches (8 sequences of 8 tokens) with targets -100 (ignored) at
+    positions 1-5 of sequences 2-3, 0-4 of sequences 4-7 and 5-6 of sequence 6: the replicas
+    (rows 0-3, 4-7) and micro-batches (2 rows each) count 14 to 16 tokens, not 16 each."""
+    from programs import RUNTIME_VOCAB, make_data
+    out = []
+    for x, y in make_data(plan, RUNTIME_VOCAB):
+        y = y.clone()
+        y[2:4, 1:6] = -100
+        y[4:8, 0:5] = -100
+        y[6, 5:7] = -100
+        out.append((x, y))
+    return out
+
+
+@pytest.mark.parametrize("name, plan", [
+    ("gpt", make_plan(d=2, m=2, layers=2)),
+    ("llama_style", make_plan(p=2, d=2, m=2, layers=2)),
+    ("gpt", dataclasses.replace(make_plan(d=2, m=2, layers=2), c=2)),
+], ids=["d2", "p2-d2", "c2-d2"])
+def test_ignored_targets_uneven_between_replicas_and_microbatches(name, plan):
+    """The step's loss is the mean over every counted token of the global batch, as one device
+    computes it (not the mean of the micro-batches' and replicas' means): each micro-batch's
+    backward is weighed by the tokens it counts (Runner._loss_scales)."""
+    assert plan.global_batch_size == 8
+    check_against_reference(name, plan, batches=_ignored_unevenly(plan))
+
+
+def test_a_microbatch_with_every_target_ignored_adds_nothing():
+    """Micro-batch 1 ignores all its targets: its mean is 0/0 and its weight 0, so the step is
+    the other micro-batch's mean, with finite gradients, as on one device."""
+    plan = make_plan(m=2, layers=2)
+    from programs import RUNTIME_VOCAB, make_data
+    batches = [(x, y.clone().index_fill_(0, torch.tensor([2, 3]), -100))
+               for x, y in make_data(plan, RUNTIME_VOCAB)]
+    check_against_reference("gpt", plan, batches=batches)

@@ -11,7 +11,8 @@ import autopar
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context import context_causal_attention, context_gather, context_select
+from autopar.runtime.context import (context_causal_attention, context_gather, context_loss_mean,
+                                     context_select)
 from models import gpt, llama_style
 
 SEQ = 16
@@ -59,6 +60,9 @@ def test_keys_values_gathered_positions_selected_shapes_local(builder):
     assert targets.count(context_causal_attention) == layers    # is_causal: chunk by chunk
     # GPT: the position embedding of arange(T); Llama: the rotary cos/sin slices (q and k)
     assert targets.count(context_select) >= 1
+    # the token-mean loss: a sum over the rank's tokens over the count on every context rank
+    (mean,) = [n for n in gm.graph.nodes if n.target is context_loss_mean]
+    assert mean.args[0].args[3] == 2 and mean.args[3] == -100
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             assert tuple(n.meta[K.VAL].shape) == (2, SEQ // 2)
@@ -121,3 +125,79 @@ def test_bad_c_one_line_errors(kw, match):
                             example_inputs=(ids,), loss_fn=autopar.cross_entropy,
                             global_batch_size=2, cluster="local-cpu", **kw)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("builder", ["llama_style", "hf_llama"])
+def test_grouped_query_keys_values_gathered_before_the_head_repeat(builder):
+    """4 query heads, 2 key/value heads: the all-gather moves the 2 heads (repeat_interleave
+    in the example, transformers' repeat_kv unsqueeze → expand → reshape), and the repeat runs
+    on the gathered whole sequence, so attention still reads 4 heads of SEQ keys."""
+    import models
+    model = getattr(models, builder)(seq=SEQ, heads=4, kv_heads=2)
+    gm = apply_context_parallel(copy.deepcopy(_captured(model)), 2, SEQ)
+    gathers = [n for n in gm.graph.nodes if n.target is context_gather]
+    assert len(gathers) == 4
+    for g in gathers:
+        assert g.meta[K.VAL].numel() == 2 * SEQ * 2 * 8    # (B, 2 kv heads, T, 8) or (B, T, 16)
+        assert tuple(g.args[0].meta[K.VAL].shape)[g.args[2]] == SEQ // 2
+    attention = [n for n in gm.graph.nodes if n.target in (
+        context_causal_attention, torch.ops.aten.scaled_dot_product_attention.default)]
+    for n in attention:
+        for kv in n.args[1:3]:
+            assert tuple(kv.meta[K.VAL].shape) == (2, 4, SEQ, 8)
+
+
+def test_dropout_draws_from_the_context_rank_streams():
+    """Attention dropout (is_causal, chunk by chunk) and the residual / embedding dropouts on
+    the rank's tokens draw from the program's DropoutStreams (`tp_rng`), the stream the rank's
+    tensor ranks share, not from the default generator every context rank advances alike."""
+    from autopar.runtime.shard import tp_dropout
+    gm = apply_context_parallel(copy.deepcopy(_captured(gpt(seq=SEQ, dropout=0.1))), 2, SEQ)
+    attention = [n for n in gm.graph.nodes if n.target is context_causal_attention]
+    assert len(attention) == 2
+    for n in attention:
+        assert n.args[6] == 0.1 and n.args[7].op == "get_attr" and n.args[9] is False
+    drops = [n for n in gm.graph.nodes if n.target is tp_dropout]
+    assert drops and all(n.kwargs == {"per_tensor_rank": False} for n in drops)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.dropout.default]
+
+
+def test_context_attention_dropout_is_unbiased_and_per_rank():
+    """The rank's rows of causal attention with dropout 0.5, averaged over 4,000 draws, are the
+    rows without dropout (within 5 standard errors); the stream is the context rank's: shared
+    by its tensor ranks, another on the other context rank, replayable."""
+    from autopar.runtime.context import ContextShard
+    from autopar.runtime.shard import DropoutStreams
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))
+    cp = ContextShard(group=None, c=2, cp_rank=1, seq_len=8)
+    local_q = q.index_select(2, cp.positions)
+    want = context_causal_attention(local_q, k, v, cp)
+    streams = DropoutStreams(tp_rank=0, cp_rank=1)
+    draws = torch.stack([context_causal_attention(local_q, k, v, cp, dropout_p=0.5,
+                                                  streams=streams) for _ in range(4000)])
+    err = (draws.mean(0) - want).abs()
+    assert (err <= 5 * draws.std(0) / 4000 ** 0.5 + 1e-6).all(), err.max()
+    assert (draws.std(0) > 0).any()
+    same = [DropoutStreams(t, 1).generator(0, per_tensor_rank=False).initial_seed()
+            for t in (0, 1)]
+    other = DropoutStreams(0, 0).generator(0, per_tensor_rank=False).initial_seed()
+    assert same[0] == same[1] != other
+    # the per-tensor-rank streams of context rank 0 are the tensor-parallel ones of c = 1
+    assert DropoutStreams(1, 0).generator(0).initial_seed() == 2718 + 1_000_003
+    a, b = DropoutStreams(0, 1), DropoutStreams(0, 1)
+    torch.testing.assert_close(
+        context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=a),
+        context_causal_attention(local_q, k, v, cp, dropout_p=0.5, streams=b))
+
+
+def test_masked_attention_dropout_draws_from_the_context_rank_stream():
+    """transformers' Llama (a mask, not is_causal) with attention dropout: sdpa becomes tp_sdpa
+    on the stream the rank's tensor ranks share, its mask's query rows the rank's."""
+    from autopar.runtime.shard import tp_sdpa
+    from models import hf_llama
+    model = hf_llama(layers=1, seq=SEQ, attention_dropout=0.1)
+    gm = apply_context_parallel(copy.deepcopy(_captured(model)), 2, SEQ)
+    (n,) = [n for n in gm.graph.nodes if n.target is tp_sdpa]
+    assert n.args[3].op == "get_attr" and n.args[6] == 0.1
+    assert n.args[5].target is context_select and n.kwargs["per_tensor_rank"] is False

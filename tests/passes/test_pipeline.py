@@ -111,3 +111,23 @@ def test_stages_not_covering_the_model_are_rejected():
     bad = make_plan(p=2, m=2, layers=3)
     with pytest.raises(ValueError, match=r"cover layers \[0, 3\) but the graph has 2 layers"):
         split_chunks(built.gm, bad)
+
+
+@pytest.mark.parametrize("ignore_index, reduction, want", [
+    (-100, "mean", -100), (0, "mean", 0), (-100, "sum", None)])
+def test_last_chunk_names_a_token_mean_loss_ignore_index(ignore_index, reduction, want):
+    """The runtime weighs micro-batches by their counted tokens only for a token-mean loss of
+    the targets (found in the graph: cross-entropy with reduction mean), with its ignore_index;
+    a summed loss keeps the plain average (None)."""
+    from autopar.api import ParallelProgram
+    from models import runtime_model
+
+    def loss(out, y):
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1),
+                                                 ignore_index=ignore_index, reduction=reduction)
+    plan = make_plan(p=2, m=2, layers=2)
+    ex = torch.zeros(2, SEQ, dtype=torch.long)
+    prog = ParallelProgram(model=runtime_model("gpt", 2), plan=plan, profile=None,
+                           example_inputs=(ex,), loss_fn=loss, example_targets=ex, cluster=None)
+    first, last = (gm.meta[K.CHUNK] for gm in build_program(prog).chunks(0))
+    assert first.loss_ignore_index is None and last.loss_ignore_index == want

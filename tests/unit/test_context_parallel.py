@@ -112,6 +112,15 @@ def test_plan_c_validation():
         _plan(c=0)
 
 
+def test_sequence_parallel_needs_the_context_rank_tokens_divisible_by_t():
+    from autopar.compile import check_program
+    check_program(_plan(c=2, t=2, sequence_parallel=True))        # 8/2 = 4 tokens, t = 2
+    with pytest.raises(ValueError, match=r"plan.c=2 with sequence_parallel=True \(t=4\): .*"
+                                         r"12/2 = 6 tokens.*divisible by c·t = 8") as err:
+        check_program(_plan(c=2, t=4, seq_len=12, sequence_parallel=True))
+    assert "\n" not in str(err.value)
+
+
 # ----- cost model ----------------------------------------------------------------------------
 def _llama(seq: int = 32768, layers: int = 4):
     return transformer_profile(name="llama", num_layers=layers, hidden=4096, heads=32,
