@@ -233,6 +233,45 @@ def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
         **config))
 
 
+# Encoder-decoder: two stacks of different blocks (the decoder's cross-attend to the encoder's
+# output); inputs (input_ids, attention_mask, decoder_input_ids), the models' own positional
+# order, and the targets are the decoder's next tokens.
+def hf_t5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
+          **config: Any) -> Model:
+    """T5: relative position bias computed by the first block of each stack and handed on,
+    RMSNorm, no biases, tied embeddings (scaled before the LM head)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers,
+        num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        relative_attention_num_buckets=8, **_no_cache(config)))
+
+
+def hf_bart(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """BART: learned positions, post-norm blocks with biases, tied embeddings."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, **_no_cache(config)))
+
+
+def seq2seq_batches(vocab: int, shape: tuple[int, int], steps: int, *, seed: int) -> list:
+    """`steps` ((input_ids, attention_mask, decoder_input_ids), targets) of random tokens drawn
+    from one generator seeded `seed`; the mask hides a random tail of each source sequence."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(1, vocab, shape, generator=g)
+        keep = torch.randint(shape[1] // 2, shape[1] + 1, (shape[0], 1), generator=g)
+        mask = (torch.arange(shape[1]) < keep).long()
+        dec = torch.randint(1, vocab, shape, generator=g)
+        out.append(((ids, mask, dec), torch.randint(1, vocab, shape, generator=g)))
+    return out
+
+
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a classification head's logits (B, labels) against labels (B,)."""
     logits = output.logits if hasattr(output, "logits") else output
@@ -267,7 +306,7 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_gptj, hf_bloom,
     hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
-    hf_qwen2_moe, hf_vit, torch_encoder)}
+    hf_qwen2_moe, hf_vit, hf_t5, hf_bart, torch_encoder)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

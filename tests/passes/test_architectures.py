@@ -103,25 +103,3 @@ def test_vit_h_like_plans_from_the_meta_device():
                                example_targets=labels, global_batch_size=4096, t=2)
     assert prog.profile.seq_len == 257 and prog.profile.vocab == 0
     assert "replicated:" not in prog.plan.explain()
-
-
-def test_encoder_decoder_is_refused_in_one_line_naming_the_limit():
-    """T5: encoder and decoder stacks are two kinds of block, not supported yet (issue 17
-    item 2); the error says so instead of suggesting an argument parallelize() lacks."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    class Seq2Seq(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.t5 = T5ForConditionalGeneration(T5Config(
-                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0))
-
-        def forward(self, ids, dec):
-            return self.t5(input_ids=ids, decoder_input_ids=dec).logits
-
-    ids = torch.randint(1, 64, (2, 8))
-    with pytest.raises(ValueError, match="encoder-decoder models") as e:
-        autopar.parallelize(Seq2Seq(), 4, example_inputs=(ids, ids),
-                            loss_fn=autopar.cross_entropy, example_targets=ids)
-    assert "\n" not in str(e.value)
