@@ -75,3 +75,16 @@ def test_pp2_interleaved_matches_single_device(name):
 def test_tp2_pp2_t5_matches_single_device():
     """t = 2 and p = 2 together (4 ranks), the cut inside the encoder."""
     _check("hf_t5", make_plan(t=2, p=2, layers=4, split=[1, 3]), layers=2)
+
+
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
+def test_planned_pp2_program_matches_single_device(name):
+    """The planner's own plan (p = 2 pinned on local-cpu): the solver's split of repeat units
+    mapped to the model's four layers compiles and trains as one device does."""
+    import autopar
+    x, y = _data(2)[0]
+    plan = autopar.parallelize(_model(name, 2), 2, example_inputs=x, loss_fn=loss_fn,
+                               example_targets=y, global_batch_size=4, micro_batch_size=2,
+                               p=2, cluster="local-cpu").plan
+    assert plan.p == 2 and plan.num_layers == 4 and plan.stages[-1].last_layer == 4
+    _check(name, plan, layers=2)
