@@ -168,8 +168,9 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
         module = load_chunk_module(*_chunk_source(gm, plan, c, pg.tp_rank, program_dir))
         net = module.CHUNK_CLASS()
         for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
-            if qual not in owned:
-                owned[qual] = torch.nn.Parameter(own(getattr(gm, attr)), requires_grad=True)
+            if qual not in owned:   # a frozen weight (Whisper's sinusoidal positions) stays so
+                src = getattr(gm, attr)
+                owned[qual] = torch.nn.Parameter(own(src), requires_grad=src.requires_grad)
             net.register_parameter(attr, owned[qual])
             names[(c, attr)] = qual
         for attr, (qual, _shape, _dtype) in module.BUFFERS.items():

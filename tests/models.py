@@ -247,26 +247,70 @@ def hf_t5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
         relative_attention_num_buckets=8, **_no_cache(config)))
 
 
+def _bart_like(config_cls, vocab, seq, layers, heads, hidden, ffn, config):
+    return config_cls(
+        vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, **_no_cache(config))
+
+
 def hf_bart(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
             hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     """BART: learned positions, post-norm blocks with biases, tied embeddings."""
     from transformers import BartConfig, BartForConditionalGeneration
-    return BartForConditionalGeneration(BartConfig(
+    return BartForConditionalGeneration(_bart_like(BartConfig, vocab, seq, layers, heads,
+                                                   hidden, ffn, config))
+
+
+def hf_mbart(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """mBART: BART with pre-norm blocks and a final norm after each stack."""
+    from transformers import MBartConfig, MBartForConditionalGeneration
+    return MBartForConditionalGeneration(_bart_like(MBartConfig, vocab, seq, layers, heads,
+                                                    hidden, ffn, config))
+
+
+def hf_umt5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+            ffn: int = 64, **config: Any) -> Model:
+    """UMT5: T5 with a relative position bias in every block (no bias handed on)."""
+    from transformers import UMT5Config, UMT5ForConditionalGeneration
+    return UMT5ForConditionalGeneration(UMT5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers,
+        num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        relative_attention_num_buckets=8, **_no_cache(config)))
+
+
+def hf_whisper(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+               ffn: int = 64, mels: int = 8, frames: int = 16, **config: Any) -> Model:
+    """Whisper: log-mel features (B, mels, frames) through two convolutions (stride 2) into
+    the encoder, token ids into the decoder."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    return WhisperForConditionalGeneration(WhisperConfig(
         vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
         encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
-        decoder_ffn_dim=ffn, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, **_no_cache(config)))
+        decoder_ffn_dim=ffn, num_mel_bins=mels, max_source_positions=frames // 2,
+        max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, decoder_start_token_id=0, bos_token_id=0, eos_token_id=0,
+        suppress_tokens=[], begin_suppress_tokens=[], **_no_cache(config)))
 
 
-def seq2seq_batches(vocab: int, shape: tuple[int, int], steps: int, *, seed: int) -> list:
+def seq2seq_batches(vocab: int, shape: tuple[int, int], steps: int, *, seed: int,
+                    features: tuple[int, int] | None = None) -> list:
     """`steps` ((input_ids, attention_mask, decoder_input_ids), targets) of random tokens drawn
-    from one generator seeded `seed`; the mask hides a random tail of each source sequence."""
+    from one generator seeded `seed`; the mask hides a random tail of each source sequence.
+    features=(mels, frames): the source is log-mel features (B, mels, frames) instead (Whisper),
+    its mask (B, frames) all ones."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        ids = torch.randint(1, vocab, shape, generator=g)
-        keep = torch.randint(shape[1] // 2, shape[1] + 1, (shape[0], 1), generator=g)
-        mask = (torch.arange(shape[1]) < keep).long()
+        if features is None:
+            ids = torch.randint(1, vocab, shape, generator=g)
+            keep = torch.randint(shape[1] // 2, shape[1] + 1, (shape[0], 1), generator=g)
+            mask = (torch.arange(shape[1]) < keep).long()
+        else:
+            ids = torch.randn(shape[0], *features, generator=g)
+            mask = torch.ones(shape[0], features[1], dtype=torch.long)
         dec = torch.randint(1, vocab, shape, generator=g)
         out.append(((ids, mask, dec), torch.randint(1, vocab, shape, generator=g)))
     return out
@@ -306,7 +350,7 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_gptj, hf_bloom,
     hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
-    hf_qwen2_moe, hf_vit, hf_t5, hf_bart, torch_encoder)}
+    hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper, torch_encoder)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

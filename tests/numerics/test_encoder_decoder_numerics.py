@@ -25,31 +25,33 @@ def _model(name: str, layers: int) -> torch.nn.Module:
     return models.build(name, seed=0, vocab=VOCAB, layers=layers)
 
 
-def _data(batch: int) -> list:
-    return models.seq2seq_batches(VOCAB, (batch, SEQ), STEPS, seed=1234)
+def _data(batch: int, name: str = "hf_t5") -> list:
+    """Token sources, or log-mel features (8 mels × 16 frames) for Whisper."""
+    return models.seq2seq_batches(VOCAB, (batch, SEQ), STEPS, seed=1234,
+                                  features=(8, 16) if name == "hf_whisper" else None)
 
 
 def _rank(rank: int, world: int, name: str, plan, layers: int) -> tuple:
     torch.set_num_threads(1)
     model = _model(name, layers)
-    x, y = _data(plan.micro_batch_size)[0]
+    x, y = _data(plan.micro_batch_size, name)[0]
     prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=x,
                            loss_fn=loss_fn, example_targets=y, cluster=None)
     runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
     local = sum(p.numel() for p in runner.parameters())
-    losses = [runner.train_step(x, y) for x, y in _data(plan.global_batch_size)]
+    losses = [runner.train_step(x, y) for x, y in _data(plan.global_batch_size, name)]
     return losses, runner.full_state_dict(), local
 
 
 def _check(name: str, plan, layers: int) -> list:
     results = spawn(_rank, plan.gpus, name, plan, layers, timeout_s=300)
-    ref = train(_model(name, layers), _data(plan.global_batch_size), adamw, loss_fn=loss_fn,
+    ref = train(_model(name, layers), _data(plan.global_batch_size, name), adamw, loss_fn=loss_fn,
                 max_grad_norm=MAX_NORM)
     check_trained(results, ref, _model(name, layers).state_dict())
     return results
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_mbart", "hf_umt5", "hf_whisper"])
 def test_tp2_splits_both_stacks_and_matches_single_device(name):
     """t = 2: rank 0 holds at most 75% of the weights (both stacks' attention and MLPs split)."""
     results = _check(name, make_plan(t=2, layers=4), layers=2)
@@ -57,7 +59,9 @@ def test_tp2_splits_both_stacks_and_matches_single_device(name):
     assert results[0][2] <= 0.75 * total, (results[0][2], total)
 
 
-@pytest.mark.parametrize("name,split", [("hf_t5", [1, 3]), ("hf_bart", [3, 1])])
+@pytest.mark.parametrize("name,split", [("hf_t5", [1, 3]), ("hf_bart", [3, 1]),
+                                        ("hf_mbart", [1, 3]), ("hf_umt5", [3, 1]),
+                                        ("hf_whisper", [1, 3])])
 def test_pp2_cut_inside_a_stack_matches_single_device(name, split):
     """p = 2 cut inside the encoder (T5: the position bias block 0 computed crosses the cut)
     or inside the decoder (BART: the encoder's output and the source mask travel with the
