@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.plan import Plan
 from autopar.testing import spawn
 
 import models
@@ -92,3 +93,11 @@ def test_planned_pp2_program_matches_single_device(name):
                                p=2, cluster="local-cpu").plan
     assert plan.p == 2 and plan.num_layers == 4 and plan.stages[-1].last_layer == 4
     _check(name, plan, layers=2)
+
+
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
+def test_tp2_sequence_parallel_matches_single_device(name):
+    """t = 2 with sequence parallelism (the planner's usual choice at scale): both stacks'
+    residual streams split by tokens, the encoder's output gathered for cross-attention."""
+    plan = make_plan(t=2, layers=4)
+    _check(name, Plan.from_dict({**plan.to_dict(), "sequence_parallel": True}), layers=2)
