@@ -146,14 +146,6 @@ class LayerStructure:
     def unit_outputs(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(x for i in self.unit_blocks for x in self.block_outputs[i]))
 
-    def block_path_of(self, path: str) -> str | None:
-        """The unit block module path that `path` lies in, or None."""
-        for i in self.unit_blocks:
-            b = self.block_paths[i]
-            if path == b or path.startswith(b + "."):
-                return b
-        return None
-
     def kind_of(self, i: int) -> int:
         """The kind of the graph's block i."""
         return max(k for k, kind in enumerate(self.kinds) if kind.first <= i)
@@ -274,6 +266,14 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
         if 2 * min(count[m] for m in run) >= block_size:
             chosen += open_up(parent, run)
     chosen.sort(key=lambda r: first_seen[r[1][0]])
+    for (_, a), (_, b) in zip(chosen, chosen[1:]):
+        if last_seen[a[-1]] > first_seen[b[0]]:
+            raise LayerError(
+                f"find_layers: the blocks of {a[0].rpartition('.')[0]} and of "
+                f"{b[0].rpartition('.')[0]} interleave in execution ({b[0]} starts before "
+                f"{a[-1]} ends); autopar cuts pipeline stages in execution order, so each stack "
+                f"of blocks must run whole before the next. Fix: run the stacks one after the "
+                f"other, or make the alternating blocks one module class")
     return tuple(BlockKind(container=parent, block_class=cls_of[run[0]], block_paths=run)
                  for parent, run in chosen)
 

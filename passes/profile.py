@@ -145,7 +145,11 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
         _measure_activations(captured, g, regions, run)
     dims = g.dims()
     s, h = seq_len, dims["hidden"]
-    regions["block"].allreduce = g.row_gemms * s * h
+    # each row-parallel GEMM's output is all-reduced: s·h per GEMM; with several kinds (an
+    # encoder-decoder) at its own kind's tokens (sources and targets may differ in length)
+    regions["block"].allreduce = g.row_gemms * s * h if len(structure.kinds) == 1 else sum(
+        h * g.tokens_of(k) * sum(n.name in set(structure.block_nodes[k.first])
+                                 for n in g.row_nodes) for k in structure.kinds)
     regions["embedding"].allreduce = s * h if g.vocab_embedding is not None else 0
     out = {k: _finish(k, r, g.input_bytes(k)) for k, r in regions.items()}
     gm.meta[K.PARAMS] = {k: dict(r.params) for k, r in regions.items()}
@@ -233,6 +237,7 @@ class _GraphFacts:
         self.block0 = set(structure.unit_nodes)
         self.tp: dict[str, Any] = {}
         self.row_gemms = 0
+        self.row_nodes: list[torch.fx.Node] = []
         self.tied = False
         self.sdpa: list[torch.fx.Node] = []
         self.batched: list[torch.fx.Node] = []  # activation × activation GEMMs (unfused attention)
@@ -352,6 +357,8 @@ class _GraphFacts:
                 row = fed_by_grouped_mm(n)
                 self.tp[n.name] = "k" if row else "n"
                 self.row_gemms += row
+                if row:
+                    self.row_nodes.append(n)
                 continue
             if _weight_of(n) is None:
                 self.tp[n.name] = "batch"
@@ -365,6 +372,7 @@ class _GraphFacts:
                 self.col_widths.append((n, int(_val(n).shape[-1])))
             elif self.tp[n.name] == "k":
                 self.row_gemms += 1
+                self.row_nodes.append(n)
         if not self.sdpa and (attn := self._attention()) is not None:
             self._attn_gemms.update(self._feeding_gemm(a) for a in attn)
         self.attn_inputs = {a for s in self.sdpa for a in s.args[:3]}
@@ -387,6 +395,15 @@ class _GraphFacts:
         # decoder's embedded input, then the decoder's stream and the encoder's output)
         return (self.structure_seq() * self.hidden * TRAIN_BYTES_PER_ELEM
                 * len(self.structure.kinds))
+
+    def tokens_of(self, kind: Any) -> int:
+        """Tokens per sequence a kind's blocks see: dim 1 of its first block's first
+        (B, T, H) floating input (the residual stream)."""
+        for x in self.structure.block_inputs[kind.first]:
+            v = _val(self.nodes[x])
+            if isinstance(v, torch.Tensor) and v.dim() == 3 and v.dtype.is_floating_point:
+                return int(v.shape[1])
+        return self.structure_seq()
 
     def structure_seq(self) -> int:
         x = next(self.nodes[x] for x in self.structure.unit_inputs

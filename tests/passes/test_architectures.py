@@ -166,3 +166,20 @@ def test_encoder_decoder_of_unequal_depths_is_refused_in_one_line():
         autopar.parallelize(model, 2, example_inputs=(ids, mask, dec),
                             loss_fn=autopar.cross_entropy, example_targets=tgt)
     assert "\n" not in str(e.value) and "plan=" in str(e.value)
+
+
+def test_encoder_decoder_profile_prices_each_stack_at_its_own_length():
+    """Whisper: 8 encoder frames (16 features through a stride-2 convolution), 12 decoder
+    tokens. The unit's tensor-parallel all-reduces are each row-parallel GEMM's output at its
+    stack's length: the encoder's attention output and fc2 at 8 tokens, the decoder's self-
+    and cross-attention outputs and fc2 at 12; the kinds' FLOPs put the decoder heavier."""
+    from autopar.passes.capture import capture
+    from autopar.passes.layers import find_layers
+    from autopar.passes.profile import profile_from_graph
+    (x, mask, dec), y = models.seq2seq_batches(64, (2, 12), 1, seed=0, features=(8, 16))[0]
+    cap = capture(models.build("hf_whisper", seed=0), (x, mask, dec), autopar.cross_entropy,
+                  y, repeat_limit=2)
+    prof = profile_from_graph(cap, find_layers(cap))
+    assert prof.num_layers == 2 and [k.num_layers for k in prof.layer_kinds] == [2, 2]
+    assert prof.block.tp_allreduce_elems == 32 * (2 * 8 + 3 * 12)
+    assert prof.layer_kinds[1].fwd_flops > prof.layer_kinds[0].fwd_flops

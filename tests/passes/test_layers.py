@@ -114,3 +114,24 @@ def test_truncated_encoder_decoder_counts_each_stack(name):
     s = find_layers(cap)
     assert s.num_blocks == 4 and [k.num_layers for k in s.kinds] == [3, 3]
     assert [k.first_layer for k in s.kinds] == [0, 3] and s.num_layers == 6
+
+
+class _Alternating(torch.nn.Module):
+    """Two lists of blocks whose blocks run in turn: a[0], b[0], a[1], b[1]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.b = torch.nn.ModuleList([torch.nn.Bilinear(8, 8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        for a, b in zip(self.a, self.b):
+            x = b(a(x), x)
+        return x
+
+
+def test_interleaved_stacks_are_refused():
+    cap = capture(_Alternating(), (torch.randn(2, 8),))
+    with pytest.raises(LayerError, match="interleave in execution") as e:
+        find_layers(cap)
+    assert "\n" not in str(e.value)
