@@ -14,10 +14,12 @@ How blocks are found (structure, never attribute names): for every module path i
 its siblings (same parent path) are listed in order of first appearance; a run of ≥2
 consecutive siblings of the same class whose nodes appear one after the other is a candidate.
 The candidate covering the most graph nodes is a block list (so q/k/v projections, which also
-repeat, lose to the blocks that contain them); while more than half of each of its members is a
-run of its own, the members are stacks and their runs are the block lists (T5's encoder and
-decoder T5Stacks hold its T5Blocks). Every further run outside those whose blocks are at least
-half as large is another kind (BART's decoder layers beside its encoder layers). The kinds are
+repeat, lose to the blocks that contain them); while its members differ and more than half of
+each is a run of its own, the members are stacks and their runs are the block lists (T5's
+encoder and decoder T5Stacks hold its T5Blocks; a BERT decoder layer's two attentions, alike
+layers, do not open it). Every further run outside those whose blocks are at least
+a quarter as large is another kind (BART's decoder layers beside its encoder layers; a BERT
+decoder layer, with cross-attention, is 2.3 encoder layers). The kinds are
 ordered by execution and the blocks numbered over all of them: ("block", i) is global.
 Nodes outside every block are:
   - embedding if they do not depend on any block output (token/position embeddings, masks,
@@ -212,8 +214,8 @@ def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
 def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, ...]:
     """The kinds of repeated block, in execution order, without their counts filled in: the
     best run of repeated siblings (most nodes), opened up while its members are stacks of
-    blocks themselves, and every further run outside it whose blocks are at least half as
-    large (a second stack: the decoder of an encoder-decoder model)."""
+    blocks themselves, and every further run outside it whose blocks are at least a quarter
+    as large (a second stack: the encoder of an encoder-decoder model)."""
     first_seen: dict[str, int] = {}
     last_seen: dict[str, int] = {}
     count: dict[str, int] = defaultdict(int)
@@ -246,8 +248,18 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
         # most nodes, then the shallowest (q/k/v projections lose to the blocks holding them)
         return max(cands, key=lambda r: (covered(r[1]), -r[0].count(".")))
 
+    def alike(run: tuple[str, ...]) -> bool:
+        # blocks of one kind: the same ops, the first possibly with more (T5's position bias)
+        sigs = [_signature([n for n in nodes if any(p == m for p, _ in stacks[n])])
+                for m in run]
+        return len(set(sigs[1:])) == 1 and _is_subsequence(sigs[1], sigs[0])
+
     def open_up(parent: str, run: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
-        # a member more than half of which is one run of its own is a stack, not a block
+        # members that differ (T5's encoder and decoder T5Stacks), more than half of each of
+        # which is one run of its own, are stacks, not blocks; alike members stay blocks even
+        # when a run fills most of each (a BERT decoder layer's self- and cross-attention)
+        if alike(run):
+            return [(parent, run)]
         inner = []
         for member in run:
             cands = [r for r in runs if r[0] != parent and inside(r[0], member)]
@@ -263,7 +275,7 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
         taken = [m for _, r in chosen for m in r]
         if any(inside(m, t) or inside(t, m) for m in run for t in taken):
             continue
-        if 2 * min(count[m] for m in run) >= block_size:
+        if 4 * min(count[m] for m in run) >= block_size:
             chosen += open_up(parent, run)
     chosen.sort(key=lambda r: first_seen[r[1][0]])
     for (_, a), (_, b) in zip(chosen, chosen[1:]):

@@ -71,14 +71,19 @@ def hf_llama(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
         **_no_cache(config)))
 
 
+def _bert_config(vocab, seq, layers, heads, hidden, ffn, dropout, config):
+    from transformers import BertConfig
+    return BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=ffn, max_position_embeddings=seq,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config)
+
+
 def hf_bert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
             hidden: int = 32, ffn: int = 64, dropout: float = 0.0, **config: Any) -> Model:
     """BERT masked LM: a bidirectional encoder with a dense transform before its head."""
-    from transformers import BertConfig, BertForMaskedLM
-    return BertForMaskedLM(BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=ffn, max_position_embeddings=seq,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config))
+    from transformers import BertForMaskedLM
+    return BertForMaskedLM(_bert_config(vocab, seq, layers, heads, hidden, ffn, dropout, config))
 
 
 # Each of these writes attention another way: fused qkv interleaved per head (GPT-NeoX,
@@ -295,6 +300,19 @@ def hf_whisper(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int 
         suppress_tokens=[], begin_suppress_tokens=[], **_no_cache(config)))
 
 
+def hf_bert2bert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                 hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """transformers' EncoderDecoderModel of two BERTs: the decoder's layers are the encoder's
+    class (BertLayer) with cross-attention added; its own embeddings and LM head."""
+    from transformers import EncoderDecoderConfig, EncoderDecoderModel
+    enc = _bert_config(vocab, seq, layers, heads, hidden, ffn, 0.0, config)
+    dec = _bert_config(vocab, seq, layers, heads, hidden, ffn, 0.0,
+                       {"is_decoder": True, "add_cross_attention": True, **config})
+    model = EncoderDecoderModel(config=EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec))
+    model.config.decoder_start_token_id = model.config.pad_token_id = 0
+    return model
+
+
 def seq2seq_batches(vocab: int, shape: tuple[int, int], steps: int, *, seed: int,
                     features: tuple[int, int] | None = None) -> list:
     """`steps` ((input_ids, attention_mask, decoder_input_ids), targets) of random tokens drawn
@@ -350,7 +368,8 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_gptj, hf_bloom,
     hf_olmo2, hf_mistral, hf_qwen3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral, hf_olmoe,
-    hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper, torch_encoder)}
+    hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper, hf_bert2bert,
+    torch_encoder)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -52,7 +52,8 @@ def _check(name: str, plan, layers: int) -> list:
     return results
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_mbart", "hf_umt5", "hf_whisper"])
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_mbart", "hf_umt5", "hf_whisper",
+                                  "hf_bert2bert"])
 def test_tp2_splits_both_stacks_and_matches_single_device(name):
     """t = 2: rank 0 holds at most 75% of the weights (both stacks' attention and MLPs split)."""
     results = _check(name, make_plan(t=2, layers=4), layers=2)
@@ -62,7 +63,7 @@ def test_tp2_splits_both_stacks_and_matches_single_device(name):
 
 @pytest.mark.parametrize("name,split", [("hf_t5", [1, 3]), ("hf_bart", [3, 1]),
                                         ("hf_mbart", [1, 3]), ("hf_umt5", [3, 1]),
-                                        ("hf_whisper", [1, 3])])
+                                        ("hf_whisper", [1, 3]), ("hf_bert2bert", [3, 1])])
 def test_pp2_cut_inside_a_stack_matches_single_device(name, split):
     """p = 2 cut inside the encoder (T5: the position bias block 0 computed crosses the cut)
     or inside the decoder (BART: the encoder's output and the source mask travel with the

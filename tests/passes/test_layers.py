@@ -89,12 +89,13 @@ def _seq2seq(name: str, repeat_limit: int | None = None):
     return capture(model, (ids, mask, dec), lm_cross_entropy, tgt, repeat_limit=repeat_limit)
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_bert2bert"])
 def test_encoder_and_decoder_stacks_are_two_kinds(name):
     """The encoder's and the decoder's blocks are two kinds, found from the module stack (T5:
-    inside two T5Stacks of one class; BART: two lists of different classes), numbered over
-    both in execution order; the encoder's output (read by every decoder block's
-    cross-attention) leaves the last encoder block."""
+    inside two T5Stacks of one class; BART: two lists of different classes; BERT2BERT: one
+    class, the decoder's layers with a self- and a cross-attention, which are not mistaken
+    for blocks), numbered over both in execution order; the encoder's output (read by every
+    decoder block's cross-attention) leaves the last encoder block."""
     s = find_layers(_seq2seq(name))
     assert [k.num_layers for k in s.kinds] == [3, 3] and s.num_layers == s.num_blocks == 6
     assert [k.first for k in s.kinds] == [0, 3]
