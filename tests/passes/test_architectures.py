@@ -183,3 +183,19 @@ def test_encoder_decoder_profile_prices_each_stack_at_its_own_length():
     assert prof.num_layers == 2 and [k.num_layers for k in prof.layer_kinds] == [2, 2]
     assert prof.block.tp_allreduce_elems == 32 * (2 * 8 + 3 * 12)
     assert prof.layer_kinds[1].fwd_flops > prof.layer_kinds[0].fwd_flops
+
+
+def test_t5_position_bias_table_splits_by_heads():
+    """T5's relative position bias is an embedding of bucket ids computed from positions whose
+    columns are the heads, added to the attention mask: at t = 2 its table splits by columns
+    (each rank looks up its own heads, no reduction), not by rows as a vocabulary would, and
+    nothing stays replicated."""
+    from autopar.passes import meta as K
+    from autopar.passes.capture import capture
+    from autopar.passes.tensor_parallel import param_splits, propagate_sharding
+    (ids, mask, dec), y = models.seq2seq_batches(64, (2, 8), 1, seed=0)[0]
+    cap = capture(models.build("hf_t5", seed=0), (ids, mask, dec), autopar.cross_entropy, y)
+    gm = propagate_sharding(cap.gm, 2, strict=False)
+    bias = {k: split for k, (split, _) in param_splits(gm).items() if "relative_attention" in k}
+    assert len(bias) == 2 and all(s.dim == 1 for s in bias.values()), bias
+    assert not gm.meta[K.TP_INFO].fallbacks
