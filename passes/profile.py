@@ -61,7 +61,7 @@ from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
 from autopar.passes.loss_precision import LOSS_OPS
-from autopar.passes.sharding import fed_by_grouped_mm, is_grouped_mm
+from autopar.passes.sharding import ancestors, fed_by_grouped_mm, is_grouped_mm
 
 aten = torch.ops.aten
 _WEIGHT_GEMMS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.matmul.default,
@@ -621,15 +621,9 @@ def _mask_active_fraction(gm: torch.fx.GraphModule, mask: torch.fx.Node, L: int,
     buffer (meta, no values), or is larger than MASK_READ_LIMIT."""
     if L * S > MASK_READ_LIMIT:
         return None
-    needed, todo = set(), [mask]
-    while todo:
-        x = todo.pop()
-        if x in needed:
-            continue
-        needed.add(x)
-        if x.op == "placeholder":
-            return None
-        todo.extend(x.all_input_nodes)
+    needed = ancestors(mask)
+    if any(x.op == "placeholder" for x in needed):
+        return None
     env: dict = {}
     cpu = torch.device("cpu")
     try:

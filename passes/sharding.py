@@ -1201,18 +1201,20 @@ def _embedding(p: Propagator, node: fx.Node) -> Layout:
     return Partial()
 
 
-def _reads_inputs(node: fx.Node) -> bool:
-    """Whether `node` depends on a graph input (token ids do; positions from arange do not)."""
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it reads, transitively."""
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether `node` depends on a graph input (token ids do; positions from arange do not)."""
+    return any(n.op == "placeholder" for n in ancestors(node))
 
 
 _MASK_HOPS = 16   # ops between a bias lookup and the attention it masks (T5: permute, add, ...)
