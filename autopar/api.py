@@ -20,6 +20,7 @@ from autopar.cost.critical_batch import (check_training_inputs,
                                          critical_batch_tokens_from_params,
                                          loss_nats_from_params)
 from autopar.cost.hardware import get_cluster
+from autopar.cost.layout import layers_over_kinds
 from autopar.cost.solver import solve, tensor_degrees
 from autopar.cost.time_to_train import plan_for_tokens
 from autopar.passes import meta as K
@@ -30,7 +31,7 @@ from autopar.passes.profile import profile_from_graph
 from autopar.passes.tensor_parallel import tp_report
 from autopar.passes.tp_cost import with_tp_corrections
 from autopar.losses import cross_entropy
-from autopar.plan import Plan, parameter_signature
+from autopar.plan import Plan, layer_range, parameter_signature
 
 
 class ParallelProgram:
@@ -181,10 +182,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                          f"pin p <= {profile.num_layers} (or leave p to the solver)")
 
     def solve_at(batch_size: int, max_alternatives: int = 50) -> Plan:
-        return solve(profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d,
-                     v=v, micro_batch_size=micro_batch_size, schedule=schedule,
-                     recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                     microbatch_group=microbatch_group, max_alternatives=max_alternatives, c=c)
+        return over_kinds(solve(
+            profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
+            micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
+            zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
+            max_alternatives=max_alternatives, c=c), profile)
 
     if tokens is None:
         plan = solve_at(global_batch_size)
@@ -198,7 +200,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                pinned_batch=global_batch_size if batch_pinned else None,
                                multiple=(d or 1) * (micro_batch_size or 1))
         plan = dataclasses.replace(solve_at(plan.global_batch_size), training=plan.training)
-    notes = list(_graph_notes(plan, captured))
+    notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
     if cp_refused is not None and seq_len > 1:
         notes.append(f"context parallelism not offered (c=1): {cp_refused}")
     plan = dataclasses.replace(plan, notes=tuple(notes), parameters=parameter_signature(model))
@@ -228,6 +230,36 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
         profile, captured, structure, degrees,
         sequence_parallel=(False, True) if sequence_parallel is None else (sequence_parallel,))
     return captured, profile
+
+
+def over_kinds(plan: Plan, profile: Any) -> Plan:
+    """`plan` with its stages in the model's layers: a profile of several kinds of block
+    counts repeat units (one layer of each), and the stages are cut over the kinds' layers in
+    order (cost.layout.layers_over_kinds); a profile of one kind: `plan` unchanged."""
+    if not profile.layer_kinds:
+        return plan
+    counts = layers_over_kinds([st.num_layers for st in plan.stages], profile.layer_kinds)
+    stages, first = [], 0
+    for st, n in zip(plan.stages, counts):
+        stages.append(dataclasses.replace(st, first_layer=first, last_layer=first + n))
+        first += n
+    return dataclasses.replace(plan, stages=tuple(stages), num_layers=first)
+
+
+def _kind_notes(profile: Any) -> list[str]:
+    """Which layers are which stack's, and how the stacks were priced (several kinds only)."""
+    if not profile.layer_kinds:
+        return []
+    out, first = [], 0
+    for k in profile.layer_kinds:
+        out.append(f"{layer_range(first, first + k.num_layers)}: {k.name} "
+                   f"({k.fwd_flops / 1e9:.3g} GFLOP forward per sequence each)")
+        first += k.num_layers
+    out.append(f"the stacks are priced as {profile.num_layers} units of one layer of each; "
+               f"stages are cut where the layers' forward FLOPs match the solver's split of "
+               f"units; the encoder's output and shared values (masks, position bias) cross "
+               f"every later cut")
+    return out
 
 
 def critical_batch(profile: Any, critical_batch_tokens: float | None) -> tuple[float, str]:

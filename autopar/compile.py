@@ -170,8 +170,9 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
         module = load_chunk_module(*_chunk_source(gm, plan, c, pg.tp_rank, program_dir))
         net = module.CHUNK_CLASS()
         for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
-            if qual not in owned:
-                owned[qual] = torch.nn.Parameter(own(getattr(gm, attr)), requires_grad=True)
+            if qual not in owned:   # a frozen weight (Whisper's sinusoidal positions) stays so
+                src = getattr(gm, attr)
+                owned[qual] = torch.nn.Parameter(own(src), requires_grad=src.requires_grad)
             net.register_parameter(attr, owned[qual])
             names[(c, attr)] = qual
         for attr, (qual, _shape, _dtype) in module.BUFFERS.items():
@@ -268,12 +269,14 @@ def _pipeline_holders(graphs: list[torch.fx.GraphModule]) -> dict[str, set[int]]
 
 def _tp_splits(graphs: list[torch.fx.GraphModule], chunks: dict[int, LoadedChunk]
                ) -> dict[str, tuple[ParamSplit, int]]:
-    """Graph name -> (ParamSplit, full size along its dim) of this rank's split parameters,
-    from the tensor-parallel pass's metadata on the chunk graphs."""
+    """Graph name -> (ParamSplit, full size along its dim) of this rank's split parameters
+    and buffers (BART's final_logits_bias follows the vocabulary split; full_state_dict
+    gathers it), from the tensor-parallel pass's metadata on the chunk graphs."""
     splits: dict[str, tuple[ParamSplit, int]] = {}
     for c in chunks:
         spec = graphs[c].meta[K.CHUNK]
         for target, split in param_splits(graphs[c]).items():
-            if target in spec.params:
-                splits[spec.params[target]] = split
+            qual = spec.params.get(target, spec.buffers.get(target))
+            if qual is not None:
+                splits[qual] = split
     return splits

@@ -1,7 +1,8 @@
 """Model presets for the command line, built on the meta device so a 1T-parameter model plans on
 a laptop: the GPT family of the Megatron-LM papers (the examples' GPT, `autopar.examples.gpt`,
-with the published dimensions) and Llama 3 405B (the unmodified `transformers`
-LlamaForCausalLM with the published configuration). `file.py:factory` loads any user model
+with the published dimensions), Llama 3 405B (the unmodified `transformers`
+LlamaForCausalLM with the published configuration) and the encoder-decoder T5-11B (the
+unmodified T5ForConditionalGeneration). `file.py:factory` loads any user model
 instead (the contract of autopar.factory: the model, or a dict with the model and optionally
 example_inputs, loss_fn and example_targets).
 """
@@ -38,7 +39,23 @@ PRESET_DEFAULTS: dict[str, PresetDefaults] = {
     "gpt-1.2b-v100": PresetDefaults(global_batch_size=512, gpus=64),
     # 2407.21783 §3.3 / Table 4: 16M tokens per step = 2,048 sequences of 8,192 on 16,384 H100
     "llama3-405b": PresetDefaults(global_batch_size=2048, gpus=16384, seq_len=8192),
+    # 1910.10683 §3.7: the final models pre-train on batches of 2^11 sequences of 512 tokens
+    # (they ran on TPU v3 slices; 64 GPUs is this project's planning case, issue 17)
+    "t5-11b": PresetDefaults(global_batch_size=2048, gpus=64, seq_len=512),
 }
+
+# T5-11B (1910.10683 Table 14): d_model 1,024, d_ff 65,536, 128 heads of d_kv 128, 24 encoder
+# and 24 decoder blocks, vocabulary 32,128 (the released checkpoint's), ReLU MLP.
+T5_11B = dict(vocab_size=32128, d_model=1024, d_ff=65536, d_kv=128, num_heads=128,
+              num_layers=24, num_decoder_layers=24)
+
+
+def t5_11b(*, device: str = "meta") -> torch.nn.Module:
+    """T5-11B as the unmodified transformers T5ForConditionalGeneration (on meta by default)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    with torch.device(device):
+        return T5ForConditionalGeneration(T5Config(use_cache=False, decoder_start_token_id=0,
+                                                   pad_token_id=0, **T5_11B))
 
 # Llama 3 405B (2407.21783 Table 3): 126 layers, model dimension 16,384, FFN 53,248, 128
 # attention heads, 8 key/value heads, vocabulary 128,256, RoPE base 500,000, untied head.
@@ -85,6 +102,11 @@ def load_model(spec: str, *, seq_len: int | None = None,
         model = llama3_405b(seq_len=seq, device=device)
         ids = torch.zeros(1, seq, dtype=torch.long, device=device)
         return UserModel(model=model, example_inputs=(ids,), name=spec), defaults
+    if spec == "t5-11b":   # encoder-decoder: source ids, its mask, decoder ids
+        defaults = PRESET_DEFAULTS[spec]
+        ids = torch.zeros(1, seq_len or defaults.seq_len, dtype=torch.long, device=device)
+        return UserModel(model=t5_11b(device=device), name=spec,
+                         example_inputs=(ids, torch.ones_like(ids), ids)), defaults
     if spec in PRESET_DEFAULTS:
         from autopar.examples.gpt import GPT, gpt_preset
         cfg = gpt_preset(spec)

@@ -1,6 +1,7 @@
-"""Planning speed: GPT-3 175B on 1536 GPUs, a 1T model on 3072 GPUs (A100), and Llama 3 405B
+"""Planning speed: GPT-3 175B on 1536 GPUs, a 1T model on 3072 GPUs (A100), Llama 3 405B
 (the unmodified transformers LlamaForCausalLM, sequence 8,192, global batch 2,048) on 16,384
-H100, from meta-device models.
+H100, and the encoder-decoder T5-11B (transformers T5ForConditionalGeneration, 512 tokens) on
+64 A100, from meta-device models.
 
 Prints, for each case, the time to build the meta model (for Llama: importing transformers and
 building it), the end-to-end `parallelize` time (capture + layers + profile + CP-SAT) and the
@@ -20,7 +21,8 @@ import sys
 # (preset, GPUs, global batch, cluster, solve goal in s)
 CASES = [("gpt3-175b", 1536, 1536, "dgx-a100-80gb", 1.0),
          ("megatron-1t", 3072, 3072, "dgx-a100-80gb", 1.0),
-         ("llama3-405b", 16384, 2048, "dgx-h100-80gb", 2.0)]
+         ("llama3-405b", 16384, 2048, "dgx-h100-80gb", 2.0),
+         ("t5-11b", 64, 2048, "dgx-a100-80gb", 1.0)]
 
 CHILD = r"""
 import json, sys, time

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from autopar.cost.model import NS, ConfigCosts
+from autopar.cost.profile import LayerKind
 from autopar.cost.simulate import simulate
 from autopar.schedules import Action, make_schedule
 
@@ -124,3 +125,38 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
                 x, best, improved = cand, t, True
                 break
     return x
+
+
+def layers_over_kinds(units: Sequence[int], kinds: Sequence[LayerKind]) -> list[int]:
+    """The model's layers in each chunk when the solver's split `units` counts repeat units of
+    one layer of each kind (an encoder-decoder: one encoder and one decoder layer) and the
+    chunks run the kinds' layers in order (all encoder layers, then all decoder layers).
+
+    A chunk's units are work: U = (Σ layers' forward FLOPs) / units each. Cut c falls at the
+    layer boundary whose cumulative forward FLOPs are nearest the chunks' cumulative units · U,
+    so a stage of the lighter kind holds more layers than one of the heavier. A chunk with
+    units keeps at least one layer; one without (an embedding- or head-only chunk) none.
+    Worked example: T5's 2 + 2 layers (encoder 2 FLOPs, decoder 3), units [1, 1] → the cut
+    nearest 5 of 10: after 2 encoder layers (4) or after one decoder layer (7)? 4 → [2, 2].
+    """
+    flops = [k.fwd_flops for k in kinds for _ in range(k.num_layers)]
+    prefix = [0]
+    for f in flops:
+        prefix.append(prefix[-1] + f)
+    total_units = sum(units)
+    if any(k.num_layers != total_units for k in kinds):
+        raise ValueError(f"layers_over_kinds: units {list(units)} sum to {total_units}, but "
+                         f"the kinds hold {[k.num_layers for k in kinds]} layers (one unit "
+                         f"per layer of each kind); split the profile's num_layers units")
+    mins = [1 if u else 0 for u in units]
+    out, prev, done = [], 0, 0
+    for c, u in enumerate(units[:-1]):
+        done += u
+        lo = prev + mins[c]
+        hi = len(flops) - sum(mins[c + 1:])
+        target = prefix[-1] * done / total_units
+        cut = prev if not u else min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - target))
+        out.append(cut - prev)
+        prev = cut
+    out.append(len(flops) - prev)
+    return out

@@ -272,10 +272,21 @@ class TPCorrection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayerKind:
+    """One of several kinds of repeated block (an encoder-decoder's two stacks): where it sits
+    in the model, its layers, and the forward GEMM FLOPs of one of its layers for one sequence
+    (what a stage cut inside the repeat unit balances)."""
+    name: str
+    num_layers: int
+    fwd_flops: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelProfile:
     """A transformer as the planner sees it: embedding, `num_layers` identical blocks, head.
 
-    `block` is analysed once and stands for every repeated layer. Dimensions are read from the
+    `block` is analysed once and stands for every repeated layer (for an encoder-decoder, for
+    every unit of one encoder and one decoder layer: `layer_kinds`). Dimensions are read from the
     graph (hidden, heads, kv_heads, vocab, ffn) and are used for divisibility rules.
     `activation_bytes_per_elem` is the training precision the act_* numbers assume (2: 16-bit).
     `tp_fallbacks`: for each tensor-parallel degree t (and sequence_parallel) the graph path
@@ -307,6 +318,9 @@ class ModelProfile:
     # 1: the whole sequence; c: restated for one of c context ranks (cost/context.py), with
     # seq_len the rank's s/c tokens
     context: int = 1
+    # several kinds of block (encoder-decoder): `block` is the repeat unit, one layer of each
+    # kind, and num_layers counts units; the kinds in execution order. Empty: one kind.
+    layer_kinds: tuple[LayerKind, ...] = field(default=())
 
     def for_cluster(self, cluster) -> "ModelProfile":
         """This profile priced for `cluster`'s elementwise execution and attention kernel

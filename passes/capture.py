@@ -13,7 +13,8 @@ Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes c
   parameters and buffers are get_attr nodes with the user's fully qualified names (plus the
   prefix), so a state dict maps 1:1.
   With `repeat_limit=r`, every repeated block container (found structurally: a ModuleList /
-  Sequential whose children all have the same class and parameter shapes) is cut to its first r
+  Sequential whose children have one class and, after the first, the same parameter shapes;
+  an encoder-decoder model has one per stack) is cut to its first r
   children for the export and restored afterwards; `Captured.repeats` records the true lengths
   and gm.meta[REPEATS] the same by graph path (with the prefix), for passes/layers.py.
   Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
@@ -115,8 +116,10 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
 # ----- repeated containers ---------------------------------------------------------------------
 
 def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
-    """{path: len} of the outermost ModuleList/Sequential containers whose ≥2 children share
-    class, parameter names and shapes. Structural: attribute names are never consulted."""
+    """{path: len} of the outermost ModuleList/Sequential containers of ≥2 children of one
+    class whose children after the first share parameter names and shapes (the first may own
+    more: T5's first block holds the relative position bias it hands to the others).
+    Structural: attribute names are never consulted."""
     found: dict[str, int] = {}
     for path, module in model.named_modules():
         if any(path == p or path.startswith(p + ".") for p in found):
@@ -124,14 +127,17 @@ def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) >= 2 and len({_signature(c) for c in children}) == 1:
+        if len(children) < 2 or len({type(c) for c in children}) > 1:
+            continue
+        rest = {_signature(c) for c in children[1:]}
+        if len(rest) == 1 and set(next(iter(rest))) <= set(_signature(children[0])):
             found[path] = len(children)
     return found
 
 
 def _signature(module: torch.nn.Module) -> tuple:
-    params = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-    return (type(module), params)
+    """(name, shape, dtype) of each parameter of `module`."""
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
 
 
 @contextlib.contextmanager

@@ -13,13 +13,21 @@ Reads (keys of passes/meta.py): node NN_MODULE_STACK, VAL; gm REPEATS (the true 
 How blocks are found (structure, never attribute names): for every module path in the stacks,
 its siblings (same parent path) are listed in order of first appearance; a run of ≥2
 consecutive siblings of the same class whose nodes appear one after the other is a candidate.
-The candidate covering the most graph nodes is the block list (so q/k/v projections, which also
-repeat, lose to the blocks that contain them). Nodes outside every block are:
+The candidate covering the most graph nodes is a block list (so q/k/v projections, which also
+repeat, lose to the blocks that contain them); while its members differ and more than half of
+each is a run of its own, the members are stacks and their runs are the block lists (T5's
+encoder and decoder T5Stacks hold its T5Blocks; a BERT decoder layer's two attentions, alike
+layers, do not open it). Every further run outside those whose blocks are at least
+a quarter as large is another kind (BART's decoder layers beside its encoder layers; a BERT
+decoder layer, with cross-attention, is 2.3 encoder layers). The kinds are
+ordered by execution and the blocks numbered over all of them: ("block", i) is global.
+Nodes outside every block are:
   - embedding if they do not depend on any block output (token/position embeddings, masks,
     rotary tables computed once and fed to every block) and either feed a block or come first;
   - head if they depend on the last block (final norm, LM head, loss) or only feed the head
     (flattened targets);
-  - glue between blocks (rare: depends on block i, feeds block i+1) is counted in block i.
+  - glue between blocks (depends on block i, feeds block i+1: the encoder's final norm) is
+    counted in block i.
 Placeholders and get_attr nodes take the region of their first user.
 """
 from __future__ import annotations
@@ -44,19 +52,43 @@ class LayerError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayerStructure:
-    """The layer view of a captured graph. Node lists hold node names in graph order.
+class BlockKind:
+    """One kind of repeated block: a stack of blocks of one class under one container.
 
     container: module path (as in nn_module_stack) of the block list, e.g. "model.transformer.h".
-    block_paths: the block module paths present in the graph, in execution order.
-    num_layers: the model's true block count (> len(block_paths) when capture truncated it).
-    block_inputs[i]: non-parameter values from outside block i that block i reads (the residual
-      stream and anything shared such as masks or rotary tables).
-    block_outputs[i]: values of block i read outside it (the residual stream handed on).
-    signatures[i]: (op, output shapes, dtypes) per node of block i; see `block_signature`.
+    block_paths: its block module paths present in the graph, in execution order.
+    first: the global index (in `LayerStructure.block_paths`) of its first block in the graph.
+    num_layers: its true block count (> len(block_paths) when capture truncated it).
+    first_layer: the model-wide index of its first layer (the kinds' true counts in order).
     """
     container: str
     block_class: str
+    block_paths: tuple[str, ...]
+    first: int = 0
+    num_layers: int = 0
+    first_layer: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_paths)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerStructure:
+    """The layer view of a captured graph. Node lists hold node names in graph order.
+
+    kinds: the kinds of repeated block in execution order (one for a decoder-only LM; the
+      encoder's and the decoder's blocks of an encoder-decoder model); every kind's blocks run
+      one after the other, and a block's global index i counts over all kinds in that order.
+    block_paths: the block module paths present in the graph, in execution order (all kinds).
+    num_layers: the model's true block count over all kinds (> len(block_paths) when capture
+      truncated it).
+    block_inputs[i]: non-parameter values from outside block i that block i reads (the residual
+      stream and anything shared such as masks, rotary tables or the encoder's output).
+    block_outputs[i]: values of block i read outside it (the residual stream handed on).
+    signatures[i]: (op, output shapes, dtypes) per node of block i; see `block_signature`.
+    """
+    kinds: tuple[BlockKind, ...]
     block_paths: tuple[str, ...]
     num_layers: int
     embedding_nodes: tuple[str, ...]
@@ -67,14 +99,65 @@ class LayerStructure:
     signatures: tuple[tuple, ...]
 
     @property
+    def container(self) -> str:
+        """The first kind's block list (the only one of a single-kind model)."""
+        return self.kinds[0].container
+
+    @property
+    def block_class(self) -> str:
+        return self.kinds[0].block_class
+
+    @property
     def num_blocks(self) -> int:
         """Blocks present in the graph (≤ num_layers)."""
         return len(self.block_paths)
 
+    # The repeat unit: what the cost model analyses once and repeats. One block for a single
+    # kind; one block of every kind (the first of each in the graph) for several kinds, which
+    # then must have the same depth: the model is `num_units` such units.
+    @property
+    def unit_blocks(self) -> tuple[int, ...]:
+        return tuple(k.first for k in self.kinds)
+
+    @property
+    def num_units(self) -> int:
+        depths = {k.num_layers for k in self.kinds}
+        if len(depths) > 1:
+            raise LayerError(
+                f"find_layers: the stacks have different depths ("
+                f"{', '.join(f'{k.num_layers} × {k.block_class}' for k in self.kinds)}); the "
+                f"planner prices a unit of one block of each kind, so the depths must be "
+                f"equal. Fix: give parallelize a hand-made plan= (any stage split compiles), "
+                f"or make the stacks equally deep")
+        return depths.pop()
+
+    @property
+    def unit_nodes(self) -> tuple[str, ...]:
+        """The unit's nodes in graph order."""
+        return tuple(x for i in self.unit_blocks for x in self.block_nodes[i])
+
+    @property
+    def unit_inputs(self) -> tuple[str, ...]:
+        """Values from outside the unit that it reads (residual streams first, as each
+        block lists them)."""
+        own = set(self.unit_nodes)
+        return tuple(dict.fromkeys(x for i in self.unit_blocks for x in self.block_inputs[i]
+                                   if x not in own))
+
+    @property
+    def unit_outputs(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(x for i in self.unit_blocks for x in self.block_outputs[i]))
+
+    def kind_of(self, i: int) -> int:
+        """The kind of the graph's block i."""
+        return max(k for k, kind in enumerate(self.kinds) if kind.first <= i)
+
     def describe(self) -> str:
-        return (f"{self.num_layers} × {self.block_class} at {self.container} "
-                f"({self.num_blocks} in graph); embedding {len(self.embedding_nodes)} nodes, "
-                f"block {len(self.block_nodes[0])} nodes, head {len(self.head_nodes)} nodes")
+        stacks = " then ".join(f"{k.num_layers} × {k.block_class} at {k.container}"
+                               for k in self.kinds)
+        return (f"{stacks} ({self.num_blocks} in graph); embedding {len(self.embedding_nodes)} "
+                f"nodes, block {len(self.block_nodes[0])} nodes, head {len(self.head_nodes)} "
+                f"nodes")
 
 
 def block_signature(structure: LayerStructure, i: int) -> tuple:
@@ -89,13 +172,13 @@ def tag_layers(gm: torch.fx.GraphModule, *, check_identical: bool = True
     the blocks differ."""
     nodes = list(gm.graph.nodes)
     stacks = {n: _stack_paths(n) for n in nodes}
-    container, block_paths, block_class = _find_blocks(nodes, stacks)
+    kinds = _find_blocks(nodes, stacks)
+    block_paths = tuple(p for k in kinds for p in k.block_paths)
     block_of = _block_index(nodes, stacks, block_paths)
     regions = _assign_regions(nodes, block_of, len(block_paths))
     for n in nodes:
         n.meta[K.REGION] = regions[n]
-    structure = _describe(nodes, regions, container, block_class, block_paths,
-                          gm.meta.get(K.REPEATS, {}))
+    structure = _describe(nodes, regions, kinds, block_of, gm.meta.get(K.REPEATS, {}))
     if check_identical:
         _check_identical(structure)
     gm.meta[K.LAYERS] = structure
@@ -128,8 +211,11 @@ def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[str, tuple[str, ...], str]:
-    """(container path, block paths, block class) of the best run of repeated siblings."""
+def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, ...]:
+    """The kinds of repeated block, in execution order, without their counts filled in: the
+    best run of repeated siblings (most nodes), opened up while its members are stacks of
+    blocks themselves, and every further run outside it whose blocks are at least a quarter
+    as large (a second stack: the encoder of an encoder-decoder model)."""
     first_seen: dict[str, int] = {}
     last_seen: dict[str, int] = {}
     count: dict[str, int] = defaultdict(int)
@@ -144,20 +230,64 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[str, tuple[s
     for path in sorted(first_seen, key=first_seen.__getitem__):
         if path:
             children[path.rpartition(".")[0]].append(path)
-    best: tuple[int, int, str, tuple[str, ...]] | None = None
-    for parent, kids in children.items():
-        for run in _same_class_runs(kids, cls_of, first_seen, last_seen):
-            covered = sum(count[k] for k in run)
-            key = (covered, -parent.count("."))  # most nodes, then the shallowest
-            if best is None or key > best[:2]:
-                best = (covered, -parent.count("."), parent, run)
-    if best is None:
+    runs = [(parent, run) for parent, kids in children.items()
+            for run in _same_class_runs(kids, cls_of, first_seen, last_seen)]
+    if not runs:
         raise LayerError("find_layers: no repeated blocks found: no module has ≥2 consecutive "
                          "child modules of the same class in the graph's nn_module_stack; "
                          "autopar needs a transformer whose layers are separate modules (e.g. "
                          "an nn.ModuleList of blocks)")
-    _, _, parent, run = best
-    return parent, run, cls_of[run[0]]
+
+    def covered(run: tuple[str, ...]) -> int:
+        return sum(count[k] for k in run)
+
+    def inside(path: str, outer: str) -> bool:
+        return path == outer or path.startswith(outer + ".")
+
+    def best_of(cands: list) -> tuple[str, tuple[str, ...]]:
+        # most nodes, then the shallowest (q/k/v projections lose to the blocks holding them)
+        return max(cands, key=lambda r: (covered(r[1]), -r[0].count(".")))
+
+    def alike(run: tuple[str, ...]) -> bool:
+        # blocks of one kind: the same ops, the first possibly with more (T5's position bias)
+        sigs = [_signature([n for n in nodes if any(p == m for p, _ in stacks[n])])
+                for m in run]
+        return len(set(sigs[1:])) == 1 and _is_subsequence(sigs[1], sigs[0])
+
+    def open_up(parent: str, run: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+        # members that differ (T5's encoder and decoder T5Stacks), more than half of each of
+        # which is one run of its own, are stacks, not blocks; alike members stay blocks even
+        # when a run fills most of each (a BERT decoder layer's self- and cross-attention)
+        if alike(run):
+            return [(parent, run)]
+        inner = []
+        for member in run:
+            cands = [r for r in runs if r[0] != parent and inside(r[0], member)]
+            best = best_of(cands) if cands else None
+            if best is None or 2 * covered(best[1]) <= count[member]:
+                return [(parent, run)]
+            inner.append(best)
+        return [k for r in inner for k in open_up(*r)]
+
+    chosen = open_up(*best_of(runs))
+    block_size = min(count[m] for _, run in chosen for m in run)
+    for parent, run in sorted(runs, key=lambda r: -covered(r[1])):
+        taken = [m for _, r in chosen for m in r]
+        if any(inside(m, t) or inside(t, m) for m in run for t in taken):
+            continue
+        if 4 * min(count[m] for m in run) >= block_size:
+            chosen += open_up(parent, run)
+    chosen.sort(key=lambda r: first_seen[r[1][0]])
+    for (_, a), (_, b) in zip(chosen, chosen[1:]):
+        if last_seen[a[-1]] > first_seen[b[0]]:
+            raise LayerError(
+                f"find_layers: the blocks of {a[0].rpartition('.')[0]} and of "
+                f"{b[0].rpartition('.')[0]} interleave in execution ({b[0]} starts before "
+                f"{a[-1]} ends); autopar cuts pipeline stages in execution order, so each stack "
+                f"of blocks must run whole before the next. Fix: run the stacks one after the "
+                f"other, or make the alternating blocks one module class")
+    return tuple(BlockKind(container=parent, block_class=cls_of[run[0]], block_paths=run)
+                 for parent, run in chosen)
 
 
 def _same_class_runs(kids: list[str], cls_of: dict, first_seen: dict,
@@ -221,8 +351,9 @@ def _assign_regions(nodes: list, block_of: dict, num_blocks: int) -> dict:
     return regions
 
 
-def _describe(nodes: list, regions: dict, container: str, block_class: str,
-              block_paths: tuple[str, ...], repeats: dict[str, int]) -> LayerStructure:
+def _describe(nodes: list, regions: dict, kinds: tuple[BlockKind, ...], block_of: dict,
+              repeats: dict[str, int]) -> LayerStructure:
+    block_paths = tuple(p for k in kinds for p in k.block_paths)
     nb = len(block_paths)
     per_block: list[list[str]] = [[] for _ in range(nb)]
     inputs: list[dict[str, None]] = [{} for _ in range(nb)]
@@ -247,12 +378,29 @@ def _describe(nodes: list, regions: dict, container: str, block_class: str,
             for a in n.all_input_nodes:
                 if regions[a][0] == "block":
                     outputs[regions[a][1]][a.name] = None
+    # glue after the last block of a stack (the encoder's final norm) is counted in that block
+    # but is no part of the repeated unit: the last block's signature is its own module's nodes
     by_name = {n.name: n for n in nodes}
-    signatures = tuple(_signature([by_name[x] for x in blk]) for blk in per_block)
-    num_layers = repeats.get(container, nb)
+    lasts, end = set(), 0
+    for k in kinds:
+        end += k.num_blocks
+        lasts.add(end - 1)
+    own = [[by_name[x] for x in blk] for blk in per_block]
+    for i in lasts:
+        own[i] = [n for n in own[i] if block_of.get(n) == i or (
+            n.op == "get_attr" and any(block_of.get(u) == i for u in n.users))]
+    signatures = tuple(_signature(blk) for blk in own)
+    counted, first, first_layer = [], 0, 0
+    for k in kinds:
+        true = repeats.get(k.container, k.num_blocks)
+        counted.append(BlockKind(container=k.container, block_class=k.block_class,
+                                 block_paths=k.block_paths, first=first, num_layers=true,
+                                 first_layer=first_layer))
+        first += k.num_blocks
+        first_layer += true
     return LayerStructure(
-        container=container, block_class=block_class, block_paths=block_paths,
-        num_layers=num_layers, embedding_nodes=tuple(emb),
+        kinds=tuple(counted), block_paths=block_paths, num_layers=first_layer,
+        embedding_nodes=tuple(emb),
         block_nodes=tuple(tuple(b) for b in per_block), head_nodes=tuple(head),
         block_inputs=tuple(tuple(x) for x in inputs),
         block_outputs=tuple(tuple(x) for x in outputs), signatures=signatures)
@@ -276,19 +424,33 @@ def _shapes(val: Any) -> Any:
     return None
 
 
+def _is_subsequence(short: tuple, long: tuple) -> bool:
+    rest = iter(long)
+    return all(any(op == x for x in rest) for op in short)
+
+
 def _check_identical(structure: LayerStructure) -> None:
-    ref = structure.signatures[0]
-    for i, sig in enumerate(structure.signatures[1:], start=1):
-        if sig == ref:
-            continue
-        where = next((k for k, (a, b) in enumerate(zip(ref, sig)) if a != b), min(len(ref), len(sig)))
-        a = ref[where] if where < len(ref) else "(end of block)"
-        b = sig[where] if where < len(sig) else "(end of block)"
-        raise LayerError(
-            f"find_layers: block {i} ({structure.block_paths[i]}) differs from block 0 "
-            f"({structure.block_paths[0]}) at op #{where}: {b} vs {a} "
-            f"({len(sig)} vs {len(ref)} ops); autopar analyses one block and repeats it, so all "
-            f"blocks must do the same ops on the same shapes (one kind of repeated block: "
-            f"encoder-decoder models such as T5 or BART, two stacks of different blocks, are "
-            f"not supported yet). Fix: make the blocks identical; find_layers alone (not "
-            f"parallelize) accepts check_identical=False as an approximation")
+    """Within each kind, blocks 1, 2, ... do the same ops on the same shapes, and block 0 does
+    those too, possibly with more in between: the first block may compute a value it hands
+    to the others (T5's relative position bias, computed by the first block of each stack)."""
+    for kind in structure.kinds:
+        ids = range(kind.first, kind.first + kind.num_blocks)
+        ref = kind.first + 1 if kind.num_blocks > 1 else kind.first
+        for i in ids:
+            sig, want = structure.signatures[i], structure.signatures[ref]
+            ok = _is_subsequence(want, sig) if i == kind.first else sig == want
+            if ok:
+                continue
+            later, earlier = (ref, i) if i == kind.first else (i, ref)
+            a, b = structure.signatures[earlier], structure.signatures[later]
+            where = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            x = a[where] if where < len(a) else "(end of block)"
+            y = b[where] if where < len(b) else "(end of block)"
+            raise LayerError(
+                f"find_layers: block {later} ({structure.block_paths[later]}) differs from "
+                f"block {earlier} ({structure.block_paths[earlier]}) at op #{where}: {y} vs {x} "
+                f"({len(b)} vs {len(a)} ops); autopar analyses one block of each kind and "
+                f"repeats it, so the blocks of one stack must do the same ops on the same "
+                f"shapes (the first may only add ops, e.g. a position bias it hands on). Fix: "
+                f"make the blocks identical; find_layers alone (not parallelize) accepts "
+                f"check_identical=False as an approximation")

@@ -94,7 +94,7 @@ KEYS: tuple[MetaKey, ...] = (
             writer="passes.profile", readers=("passes.profile", "passes.tp_cost")),
     MetaKey(name=GEMM_IDX, scope="node", type="tuple[int, ...]",
             meaning="indices of the node's GEMMs in its region's RegionProfile.gemms",
-            writer="passes.profile", readers=("passes.tp_cost",)),
+            writer="passes.profile", readers=("passes.tp_cost", "passes.profile")),
     MetaKey(name=OTHER, scope="node", type="tuple[float, bool]",
             meaning="non-GEMM bytes moved per sequence, and whether counted as split",
             writer="passes.profile", readers=("passes.tp_cost",)),

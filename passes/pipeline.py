@@ -337,6 +337,11 @@ def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModu
         graph.output(tuple(lookup(n) for n in send))
     graph.eliminate_dead_code()
     graph.lint()
+    # weights only dead code read (an encoder's unused pooler) are no part of the chunk:
+    # full_state_dict gives them the model's own values, as training leaves them
+    alive = {n.target for n in graph.nodes if n.op == "get_attr"}
+    params = {a: q for a, q in params.items() if a in alive}
+    buffers = {a: q for a, q in buffers.items() if a in alive}
 
     spec = ChunkSpec(
         chunk=c, rank=st.rank, num_chunks=len(plan.stages), first_layer=st.first_layer,

@@ -11,7 +11,11 @@ Requires: a `Captured` and the `LayerStructure` of `find_layers` (nodes tagged w
   "attn")]) on nodes that save tensors for backward, and gm.meta[K.PARAMS]
   ({region: {parameter identity: (elements, split)}}).
 Guarantees: one `RegionProfile` per region (embedding, block 0 standing for every block, head +
-  loss), per sequence (the example batch is divided out), with:
+  loss), per sequence (the example batch is divided out); with several kinds of block (an
+  encoder-decoder) the block region is the repeat unit, the first graph block of each kind,
+  `ModelProfile.num_layers` counts units (the stacks must be equally deep) and
+  `ModelProfile.layer_kinds` gives each kind's layers and forward FLOPs (read back through
+  meta[K.GEMM_IDX]); with:
   - GEMMs from aten mm / addmm / bmm / baddbmm / matmul / linear and scaled_dot_product_attention
     (expanded into its two batched GEMMs, scores and context, batch = heads);
   - tp_split from graph structure (Megatron's rule): the residual stream of a block is the set of
@@ -52,12 +56,12 @@ import torch
 import torch.fx
 
 from autopar.cost.profile import (FLASH_TILE, AttentionCall, EagerOps, FusedAttention, Gemm,
-                                  ModelProfile, RegionProfile, causal_tile_fraction)
+                                  LayerKind, ModelProfile, RegionProfile, causal_tile_fraction)
 from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
 from autopar.passes.loss_precision import LOSS_OPS
-from autopar.passes.sharding import fed_by_grouped_mm, is_grouped_mm
+from autopar.passes.sharding import ancestors, fed_by_grouped_mm, is_grouped_mm
 
 aten = torch.ops.aten
 _WEIGHT_GEMMS = {aten.mm.default, aten.addmm.default, aten.linear.default, aten.matmul.default,
@@ -111,7 +115,7 @@ def sequence_length(captured: Captured, structure: LayerStructure) -> int:
     if not first.is_floating_point():
         return int(first.shape[1]) if first.dim() > 1 else int(first.shape[0])
     nodes = {n.name: n for n in captured.gm.graph.nodes}
-    for name in structure.block_nodes[0]:
+    for name in structure.unit_nodes:
         v = _val(nodes[name])
         if isinstance(v, torch.Tensor) and v.dim() == 3 and int(v.shape[0]) == \
                 captured.batch_size:
@@ -134,25 +138,53 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
     g = _GraphFacts(gm, structure, nodes, params, batch)
     regions = {"embedding": _Region(), "block": _Region(), "head": _Region()}
     for kind, names in (("embedding", structure.embedding_nodes),
-                        ("block", structure.block_nodes[0]), ("head", structure.head_nodes)):
+                        ("block", structure.unit_nodes), ("head", structure.head_nodes)):
         _gemms_and_params(g, kind, [nodes[x] for x in names], regions[kind])
         _other_bytes(g, [nodes[x] for x in names], regions[kind])
     for run in _RUNS if any(r.calls for r in regions.values()) else ("materialized",):
         _measure_activations(captured, g, regions, run)
     dims = g.dims()
     s, h = seq_len, dims["hidden"]
-    regions["block"].allreduce = g.row_gemms * s * h
+    # each row-parallel GEMM's output is all-reduced: s·h per GEMM; with several kinds (an
+    # encoder-decoder) at its own kind's tokens (sources and targets may differ in length)
+    regions["block"].allreduce = g.row_gemms * s * h if len(structure.kinds) == 1 else sum(
+        h * g.tokens_of(k) * sum(n.name in set(structure.block_nodes[k.first])
+                                 for n in g.row_nodes) for k in structure.kinds)
     regions["embedding"].allreduce = s * h if g.vocab_embedding is not None else 0
     out = {k: _finish(k, r, g.input_bytes(k)) for k, r in regions.items()}
     gm.meta[K.PARAMS] = {k: dict(r.params) for k, r in regions.items()}
-    notes = [f"graph profile: {structure.num_layers} × {structure.block_class}"
-             + (f" ({structure.num_blocks} captured)" if structure.num_blocks != structure.num_layers
-                else "")] + g.mask_notes
-    return ModelProfile(name=name, num_layers=structure.num_layers, seq_len=s, hidden=h,
+    units = structure.num_units
+    kinds = _layer_kinds(structure, nodes, out["block"]) if len(structure.kinds) > 1 else ()
+    unit = " + ".join(f"{k.block_class.rpartition('.')[2]} ({k.container.removeprefix('model.')})"
+                      for k in structure.kinds)
+    notes = [f"graph profile: {units} × {f'[{unit}]' if kinds else structure.block_class}"
+             + (f" ({structure.num_blocks} blocks captured)"
+                if structure.num_blocks != structure.num_layers else "")] + g.mask_notes
+    if kinds:
+        notes.append(f"{len(kinds)} stacks ({', '.join(k.name for k in kinds)}) priced as "
+                     f"{units} units of one layer of each: a stage of one stack's layers is "
+                     f"priced at the unit's mean; stages are cut where the forward FLOPs of "
+                     f"the layers match the solver's split")
+    return ModelProfile(name=name, num_layers=units, seq_len=s, hidden=h,
                         heads=dims["heads"], kv_heads=dims["kv_heads"], vocab=dims["vocab"],
                         ffn=dims["ffn"], embedding=out["embedding"], block=out["block"],
                         head=out["head"], tied_embeddings=g.tied,
-                        activation_bytes_per_elem=TRAIN_BYTES_PER_ELEM, notes=tuple(notes))
+                        activation_bytes_per_elem=TRAIN_BYTES_PER_ELEM, notes=tuple(notes),
+                        layer_kinds=kinds)
+
+
+def _layer_kinds(structure: LayerStructure, nodes: dict, block: RegionProfile
+                 ) -> tuple[LayerKind, ...]:
+    """Each kind's layers and the forward GEMM FLOPs of one of its layers (its unit block's
+    GEMMs, by the GEMM_IDX the profile wrote), in execution order."""
+    out = []
+    for kind in structure.kinds:
+        idx = {i for x in structure.block_nodes[kind.first]
+               for i in nodes[x].meta.get(K.GEMM_IDX, ())}
+        out.append(LayerKind(name=kind.container.removeprefix("model."),
+                             num_layers=kind.num_layers,
+                             fwd_flops=sum(block.gemms[i].fwd_flops for i in idx)))
+    return tuple(out)
 
 
 def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
@@ -202,9 +234,10 @@ class _GraphFacts:
     def __init__(self, gm, structure, nodes, params, batch):
         self.gm, self.structure, self.nodes, self.params, self.batch = (
             gm, structure, nodes, params, batch)
-        self.block0 = set(structure.block_nodes[0])
+        self.block0 = set(structure.unit_nodes)
         self.tp: dict[str, Any] = {}
         self.row_gemms = 0
+        self.row_nodes: list[torch.fx.Node] = []
         self.tied = False
         self.sdpa: list[torch.fx.Node] = []
         self.batched: list[torch.fx.Node] = []  # activation × activation GEMMs (unfused attention)
@@ -226,7 +259,7 @@ class _GraphFacts:
         return max(by_input or embs, key=lambda e: _val(e.args[0]).shape[0], default=None)
 
     def _hidden(self) -> int:
-        for x in self.structure.block_inputs[0]:
+        for x in self.structure.unit_inputs:
             v = _val(self.nodes[x])
             if isinstance(v, torch.Tensor) and v.dim() == 3 and v.dtype.is_floating_point:
                 return int(v.shape[-1])
@@ -291,10 +324,10 @@ class _GraphFacts:
 
     # -- block classification -------------------------------------------------------------------
     def _classify_block(self) -> None:
-        block = [self.nodes[x] for x in self.structure.block_nodes[0]]
+        block = [self.nodes[x] for x in self.structure.unit_nodes]
         gemms = {n for n in block if _is_gemm(n)}
-        ins = {self.nodes[x] for x in self.structure.block_inputs[0]}
-        outs = {self.nodes[x] for x in self.structure.block_outputs[0]}
+        ins = {self.nodes[x] for x in self.structure.unit_inputs}
+        outs = {self.nodes[x] for x in self.structure.unit_outputs}
         # The residual stream: nodes on a GEMM-free path from a block input to a block output.
         reach = set(ins)
         for n in block:
@@ -324,6 +357,8 @@ class _GraphFacts:
                 row = fed_by_grouped_mm(n)
                 self.tp[n.name] = "k" if row else "n"
                 self.row_gemms += row
+                if row:
+                    self.row_nodes.append(n)
                 continue
             if _weight_of(n) is None:
                 self.tp[n.name] = "batch"
@@ -337,6 +372,7 @@ class _GraphFacts:
                 self.col_widths.append((n, int(_val(n).shape[-1])))
             elif self.tp[n.name] == "k":
                 self.row_gemms += 1
+                self.row_nodes.append(n)
         if not self.sdpa and (attn := self._attention()) is not None:
             self._attn_gemms.update(self._feeding_gemm(a) for a in attn)
         self.attn_inputs = {a for s in self.sdpa for a in s.args[:3]}
@@ -355,10 +391,22 @@ class _GraphFacts:
             ph = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
             v = _val(ph[0])
             return _numel(v.shape) * v.element_size() // self.batch
-        return self.structure_seq() * self.hidden * TRAIN_BYTES_PER_ELEM
+        # several kinds: two (B, T, H) streams cross every cut (the encoder's stream and the
+        # decoder's embedded input, then the decoder's stream and the encoder's output)
+        return (self.structure_seq() * self.hidden * TRAIN_BYTES_PER_ELEM
+                * len(self.structure.kinds))
+
+    def tokens_of(self, kind: Any) -> int:
+        """Tokens per sequence a kind's blocks see: dim 1 of its first block's first
+        (B, T, H) floating input (the residual stream)."""
+        for x in self.structure.block_inputs[kind.first]:
+            v = _val(self.nodes[x])
+            if isinstance(v, torch.Tensor) and v.dim() == 3 and v.dtype.is_floating_point:
+                return int(v.shape[1])
+        return self.structure_seq()
 
     def structure_seq(self) -> int:
-        x = next(self.nodes[x] for x in self.structure.block_inputs[0]
+        x = next(self.nodes[x] for x in self.structure.unit_inputs
                  if isinstance(_val(self.nodes[x]), torch.Tensor)
                  and _val(self.nodes[x]).dim() == 3)
         return int(_val(x).shape[1])
@@ -426,7 +474,10 @@ def _reaches(n: torch.fx.Node, stream: set, gemms: set) -> bool:
 # ----- GEMMs and parameters ------------------------------------------------------------------------
 
 def _gemms_and_params(g: _GraphFacts, kind: str, region: list, r: _Region) -> None:
-    base = g.structure.block_paths[0] + "." if kind == "block" else ""
+    # a block's GEMMs are named within it ("attn.c_attn"); a unit of several kinds' within
+    # the model ("encoder.block.0.layer.0.SelfAttention.q")
+    one_kind = len(g.structure.kinds) == 1
+    base = g.structure.block_paths[0] + "." if kind == "block" and one_kind else ""
     table = _root(g.vocab_embedding.args[0]) if g.vocab_embedding is not None else None
     table_id = g.params.get(getattr(table, "target", None), (None,))[0]
     shared = g.embedding_param_ids if kind == "head" else set()
@@ -570,15 +621,9 @@ def _mask_active_fraction(gm: torch.fx.GraphModule, mask: torch.fx.Node, L: int,
     buffer (meta, no values), or is larger than MASK_READ_LIMIT."""
     if L * S > MASK_READ_LIMIT:
         return None
-    needed, todo = set(), [mask]
-    while todo:
-        x = todo.pop()
-        if x in needed:
-            continue
-        needed.add(x)
-        if x.op == "placeholder":
-            return None
-        todo.extend(x.all_input_nodes)
+    needed = ancestors(mask)
+    if any(x.op == "placeholder" for x in needed):
+        return None
     env: dict = {}
     cpu = torch.device("cpu")
     try:

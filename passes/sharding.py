@@ -153,7 +153,7 @@ SIZE_ARG_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.expan
 _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.alias,
                              aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.zeros_like,
                              aten.ones_like, aten.empty_like, aten.full_like,
-                             aten.native_dropout}
+                             aten.native_dropout, aten.where}   # where(c, x, scalar): untagged
 _REDUCE_DIM = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.max,
                aten.min, aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all}
 _SOFTMAX = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum}
@@ -1386,12 +1386,23 @@ def _stack(p: Propagator, node: fx.Node) -> Layout:
 
 def _embedding(p: Propagator, node: fx.Node) -> Layout:
     """Vocab-parallel embedding: rank r holds rows [r·V/t, (r+1)·V/t), looks up the ids it owns
-    (others → 0) and the partial results are summed (Partial)."""
+    (others → 0) and the partial results are summed (Partial).
+
+    A table of per-head attention biases (T5's relative position bias: ids computed from
+    positions, not read from the inputs, and the lookup feeds an attention mask) splits by
+    columns instead: rank r holds its heads' columns and looks up all ids, Shard(last dim),
+    with no reduction; the attention takes the bias split by heads."""
     w, ids = node.args[0], node.args[1]
     if node.name in p.off or not _param_root(w):
         p.demand(node, w, R)
         lay = p.eff(node, ids)
         return lay if isinstance(lay, Shard) else R
+    cols = shape(w)[1]
+    if cols % p.t == 0 and not _reads_inputs(ids) and _feeds_attention_mask(node):
+        origin = frozenset({node.name})
+        p.demand(node, ids, R)
+        p.demand(node, w, Shard(1, (cols,), origins=origin))
+        return Shard(len(shape(node)) - 1, (cols,), origins=origin)
     vocab = shape(w)[0]
     if vocab % p.t and vocab < p.vocab_multiple:
         p.demand(node, w, R)  # a small table (e.g. token types): padding would cost more
@@ -1401,6 +1412,44 @@ def _embedding(p: Propagator, node: fx.Node) -> Layout:
     p.demand(node, w, Shard(0, (vocab,), padded, origins=frozenset({node.name})))
     p.role[node] = "vocab_embedding"
     return Partial()
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it reads, transitively."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _reads_inputs(node: fx.Node) -> bool:
+    """Whether `node` depends on a graph input (token ids do; positions from arange do not)."""
+    return any(n.op == "placeholder" for n in ancestors(node))
+
+
+_MASK_HOPS = 16   # ops between a bias lookup and the attention it masks (T5: permute, add, ...)
+
+
+def _feeds_attention_mask(node: fx.Node) -> bool:
+    """Whether `node`'s value reaches the attn_mask of a scaled-dot-product attention within
+    _MASK_HOPS ops (through views and additions: a bias added to the scores)."""
+    frontier, seen = [node], {node}
+    for _ in range(_MASK_HOPS):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u.target is aten.scaled_dot_product_attention.default:
+                    mask = u.args[3] if len(u.args) > 3 else u.kwargs.get("attn_mask")
+                    if mask is n:
+                        return True
+                elif u not in seen:
+                    seen.add(u)
+                    nxt.append(u)
+        frontier = nxt
+    return False
 
 
 def _sdpa(p: Propagator, node: fx.Node) -> Layout:

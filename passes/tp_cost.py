@@ -124,7 +124,7 @@ class _Facts:
         self.gm, self.profile, self.batch = gm, profile, captured.batch_size
         self.nodes = {n.name: n for n in gm.graph.nodes}
         self.region = {"embedding": [self.nodes[x] for x in structure.embedding_nodes],
-                       "block": [self.nodes[x] for x in structure.block_nodes[0]],
+                       "block": [self.nodes[x] for x in structure.unit_nodes],
                        "head": [self.nodes[x] for x in structure.head_nodes]}
         self.region["head"] += [n for n in gm.graph.nodes  # output gathers (logits, no loss)
                                 if n.op == "output" and n not in self.region["head"]]

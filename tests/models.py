@@ -71,14 +71,19 @@ def hf_llama(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
         **_no_cache(config)))
 
 
+def _bert_config(vocab, seq, layers, heads, hidden, ffn, dropout, config):
+    from transformers import BertConfig
+    return BertConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=ffn, max_position_embeddings=seq,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config)
+
+
 def hf_bert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
             hidden: int = 32, ffn: int = 64, dropout: float = 0.0, **config: Any) -> Model:
     """BERT masked LM: a bidirectional encoder with a dense transform before its head."""
-    from transformers import BertConfig, BertForMaskedLM
-    return BertForMaskedLM(BertConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=ffn, max_position_embeddings=seq,
-        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config))
+    from transformers import BertForMaskedLM
+    return BertForMaskedLM(_bert_config(vocab, seq, layers, heads, hidden, ffn, dropout, config))
 
 
 # Each of these writes attention another way: fused qkv interleaved per head (GPT-NeoX,
@@ -252,6 +257,102 @@ def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
         **config))
 
 
+# Encoder-decoder: two stacks of different blocks (the decoder's cross-attend to the encoder's
+# output); inputs (input_ids, attention_mask, decoder_input_ids), the models' own positional
+# order, and the targets are the decoder's next tokens.
+def hf_t5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
+          **config: Any) -> Model:
+    """T5: relative position bias computed by the first block of each stack and handed on,
+    RMSNorm, no biases, tied embeddings (scaled before the LM head)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers,
+        num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        relative_attention_num_buckets=8, **_no_cache(config)))
+
+
+def _bart_like(config_cls, vocab, seq, layers, heads, hidden, ffn, config):
+    return config_cls(
+        vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, **_no_cache(config))
+
+
+def hf_bart(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """BART: learned positions, post-norm blocks with biases, tied embeddings."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    return BartForConditionalGeneration(_bart_like(BartConfig, vocab, seq, layers, heads,
+                                                   hidden, ffn, config))
+
+
+def hf_mbart(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+             hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """mBART: BART with pre-norm blocks and a final norm after each stack."""
+    from transformers import MBartConfig, MBartForConditionalGeneration
+    return MBartForConditionalGeneration(_bart_like(MBartConfig, vocab, seq, layers, heads,
+                                                    hidden, ffn, config))
+
+
+def hf_umt5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+            ffn: int = 64, **config: Any) -> Model:
+    """UMT5: T5 with a relative position bias in every block (no bias handed on)."""
+    from transformers import UMT5Config, UMT5ForConditionalGeneration
+    return UMT5ForConditionalGeneration(UMT5Config(
+        vocab_size=vocab, d_model=hidden, d_kv=hidden // heads, d_ff=ffn, num_layers=layers,
+        num_heads=heads, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        relative_attention_num_buckets=8, **_no_cache(config)))
+
+
+def hf_whisper(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32,
+               ffn: int = 64, mels: int = 8, frames: int = 16, **config: Any) -> Model:
+    """Whisper: log-mel features (B, mels, frames) through two convolutions (stride 2) into
+    the encoder, token ids into the decoder."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=vocab, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn, num_mel_bins=mels, max_source_positions=frames // 2,
+        max_target_positions=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        pad_token_id=0, decoder_start_token_id=0, bos_token_id=0, eos_token_id=0,
+        suppress_tokens=[], begin_suppress_tokens=[], **_no_cache(config)))
+
+
+def hf_bert2bert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                 hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """transformers' EncoderDecoderModel of two BERTs: the decoder's layers are the encoder's
+    class (BertLayer) with cross-attention added; its own embeddings and LM head."""
+    from transformers import EncoderDecoderConfig, EncoderDecoderModel
+    enc = _bert_config(vocab, seq, layers, heads, hidden, ffn, 0.0, config)
+    dec = _bert_config(vocab, seq, layers, heads, hidden, ffn, 0.0,
+                       {"is_decoder": True, "add_cross_attention": True, **config})
+    model = EncoderDecoderModel(config=EncoderDecoderConfig.from_encoder_decoder_configs(enc, dec))
+    model.config.decoder_start_token_id = model.config.pad_token_id = 0
+    return model
+
+
+def seq2seq_batches(vocab: int, shape: tuple[int, int], steps: int, *, seed: int,
+                    features: tuple[int, int] | None = None) -> list:
+    """`steps` ((input_ids, attention_mask, decoder_input_ids), targets) of random tokens drawn
+    from one generator seeded `seed`; the mask hides a random tail of each source sequence.
+    features=(mels, frames): the source is log-mel features (B, mels, frames) instead (Whisper),
+    its mask (B, frames) all ones."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        if features is None:
+            ids = torch.randint(1, vocab, shape, generator=g)
+            keep = torch.randint(shape[1] // 2, shape[1] + 1, (shape[0], 1), generator=g)
+            mask = (torch.arange(shape[1]) < keep).long()
+        else:
+            ids = torch.randn(shape[0], *features, generator=g)
+            mask = torch.ones(shape[0], features[1], dtype=torch.long)
+        dec = torch.randint(1, vocab, shape, generator=g)
+        out.append(((ids, mask, dec), torch.randint(1, vocab, shape, generator=g)))
+    return out
+
+
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a classification head's logits (B, labels) against labels (B,)."""
     logits = output.logits if hasattr(output, "logits") else output
@@ -285,10 +386,9 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
-    hf_bloom,
-    hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode, hf_mixtral,
-    hf_olmoe,
-    hf_qwen2_moe, hf_vit, torch_encoder)}
+    hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
+    hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
+    hf_bert2bert, torch_encoder)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -119,6 +119,21 @@ def train_single_device(name: str, plan: Plan, optimizer: Callable = adamw,
                  batches or make_data(plan, RUNTIME_VOCAB), optimizer, loss_fn=loss_fn, **kwargs)
 
 
+def check_trained(results: list, ref: Trained, init: dict[str, torch.Tensor]) -> None:
+    """Every rank's losses (results[r][0]) and rank 0's full_state_dict (results[0][1])
+    equal the single-device `ref` (rtol 1e-4 / atol 1e-5), and training moved some weight
+    away from `init` (so the comparison can fail)."""
+    for r, (losses, *_) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
+    state = results[0][1]
+    assert list(state) == list(ref.state)
+    assert any(not torch.equal(init[k], state[k]) for k in init)   # training moved weights
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
 def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
                             batches: list | None = None) -> None:
     """The Runner under `plan` (AdamW lr LR, clipping at MAX_NORM) equals one device, on

@@ -67,7 +67,7 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
         if loss_fn is None:
             loss = model(x, y)
         else:  # under bf16 the loss reads fp32 logits, as the Runner's (passes/loss_precision.py)
-            out = model(x)
+            out = model(*x) if isinstance(x, tuple) else model(x)   # several inputs: a tuple
             loss = loss_fn(out.float() if mp and out.is_floating_point() else out, y)
         loss.backward()
         if max_grad_norm is not None:

@@ -15,7 +15,7 @@ from autopar.api import ParallelProgram
 from autopar.testing import spawn
 
 import models
-from programs import MAX_NORM, STEPS, adamw, loss_fn, make_plan, train_steps
+from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan, train_steps
 from reference import train
 
 pytestmark = pytest.mark.distributed
@@ -56,16 +56,7 @@ def _check(name: str, plan, **config) -> list:
     results = spawn(_rank, plan.gpus, name, plan, config, timeout_s=300)
     ref = train(_model(name, **config), _data(name, plan.global_batch_size), adamw,
                 loss_fn=_loss(name), max_grad_norm=MAX_NORM)
-    for r, (losses, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
-    state = results[0][1]
-    assert list(state) == list(ref.state)
-    init = _model(name, **config).state_dict()
-    assert any(not torch.equal(init[k], state[k]) for k in init)   # training moved weights
-    for key, want in ref.state.items():
-        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+    check_trained(results, ref, _model(name, **config).state_dict())
     return results
 
 

@@ -1,5 +1,6 @@
 """Planning unmodified `transformers` architectures beyond decoder-only LMs (issue 17): models
-without a vocabulary (ViT), mixture-of-experts; single process, nothing spawned."""
+without a vocabulary (ViT), mixture-of-experts, encoder-decoder (T5); single process, nothing
+spawned."""
 from __future__ import annotations
 
 import pytest
@@ -105,26 +106,99 @@ def test_vit_h_like_plans_from_the_meta_device():
     assert "replicated:" not in prog.plan.explain()
 
 
-def test_encoder_decoder_is_refused_in_one_line_naming_the_limit():
-    """T5: encoder and decoder stacks are two kinds of block, not supported yet (issue 17
-    item 2); the error says so instead of suggesting an argument parallelize() lacks."""
+def _t5_11b_like():
+    """T5-11B's shapes (d_model 1024, d_ff 65536, 128 heads of 128, 24 + 24 layers, vocab
+    32128) on the meta device, with 512-token sources and targets."""
     from transformers import T5Config, T5ForConditionalGeneration
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config(
+            vocab_size=32128, d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128,
+            use_cache=False, decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.zeros(1, 512, dtype=torch.long, device="meta")
+    return model, (ids, torch.ones_like(ids), ids)
 
-    class Seq2Seq(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.t5 = T5ForConditionalGeneration(T5Config(
-                vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0))
 
-        def forward(self, ids, dec):
-            return self.t5(input_ids=ids, decoder_input_ids=dec).logits
+def _check_layers_placed(plan, encoder: int, decoder: int) -> None:
+    """The stages cover the encoder's then the decoder's layers, each exactly once."""
+    assert plan.num_layers == encoder + decoder
+    assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == encoder + decoder
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert a.last_layer == b.first_layer
 
-    ids = torch.randint(1, 64, (2, 8))
-    with pytest.raises(ValueError, match="encoder-decoder models") as e:
-        autopar.parallelize(Seq2Seq(), 4, example_inputs=(ids, ids),
-                            loss_fn=autopar.cross_entropy, example_targets=ids)
-    assert "\n" not in str(e.value)
+
+def test_t5_11b_like_plans_from_the_meta_device_with_both_stacks_placed():
+    """64 A100-80GB: a feasible plan whose stages hold all 48 layers; explain() says which
+    layers are the encoder's and which the decoder's, and how they were priced."""
+    model, inputs = _t5_11b_like()
+    prog = autopar.parallelize(model, 64, example_inputs=inputs, loss_fn=autopar.cross_entropy,
+                               global_batch_size=512, cluster="dgx-a100-80gb")
+    plan = prog.plan
+    assert plan.predicted.memory_bytes_per_gpu <= 80e9 and plan.predicted.step_time_s > 0
+    _check_layers_placed(plan, 24, 24)
+    assert [k.num_layers for k in prog.profile.layer_kinds] == [24, 24]
+    enc, dec = prog.profile.layer_kinds
+    assert dec.fwd_flops > enc.fwd_flops    # the decoder's cross-attention
+    report = plan.explain()
+    assert "layers [0, 24): encoder.block" in report and "layers [24, 48): decoder.block" in report
+    assert "tensor parallel" in report or plan.t == 1
+
+
+def test_t5_11b_like_pipeline_cuts_balance_the_heavier_decoder_layers():
+    """p = 4 pinned: the cuts fall inside the stacks, and a stage of encoder layers holds
+    more of them than a stage of the heavier decoder layers."""
+    model, inputs = _t5_11b_like()
+    prog = autopar.parallelize(model, 64, example_inputs=inputs, loss_fn=autopar.cross_entropy,
+                               global_batch_size=512, cluster="dgx-a100-80gb", p=4, v=1)
+    plan = prog.plan
+    _check_layers_placed(plan, 24, 24)
+    counts = [st.num_layers for st in plan.stages]
+    assert len(counts) == 4 and all(counts), counts
+    assert any(0 < st.first_layer < 24 or 24 < st.first_layer < 48 for st in plan.stages[1:])
+    assert counts[1] > counts[2], counts   # stage 1: encoder layers; stage 2: decoder layers
+
+
+def test_encoder_decoder_of_unequal_depths_is_refused_in_one_line():
+    """The planner prices units of one layer of each stack: stacks of different depths are
+    refused, naming both and the fix (a hand-made plan compiles)."""
+    model = models.build("hf_t5", seed=0, num_decoder_layers=3)
+    (ids, mask, dec), tgt = models.seq2seq_batches(64, (2, 8), 1, seed=0)[0]
+    with pytest.raises(ValueError, match="different depths") as e:
+        autopar.parallelize(model, 2, example_inputs=(ids, mask, dec),
+                            loss_fn=autopar.cross_entropy, example_targets=tgt)
+    assert "\n" not in str(e.value) and "plan=" in str(e.value)
+
+
+def test_encoder_decoder_profile_prices_each_stack_at_its_own_length():
+    """Whisper: 8 encoder frames (16 features through a stride-2 convolution), 12 decoder
+    tokens. The unit's tensor-parallel all-reduces are each row-parallel GEMM's output at its
+    stack's length: the encoder's attention output and fc2 at 8 tokens, the decoder's self-
+    and cross-attention outputs and fc2 at 12; the kinds' FLOPs put the decoder heavier."""
+    from autopar.passes.capture import capture
+    from autopar.passes.layers import find_layers
+    from autopar.passes.profile import profile_from_graph
+    (x, mask, dec), y = models.seq2seq_batches(64, (2, 12), 1, seed=0, features=(8, 16))[0]
+    cap = capture(models.build("hf_whisper", seed=0), (x, mask, dec), autopar.cross_entropy,
+                  y, repeat_limit=2)
+    prof = profile_from_graph(cap, find_layers(cap))
+    assert prof.num_layers == 2 and [k.num_layers for k in prof.layer_kinds] == [2, 2]
+    assert prof.block.tp_allreduce_elems == 32 * (2 * 8 + 3 * 12)
+    assert prof.layer_kinds[1].fwd_flops > prof.layer_kinds[0].fwd_flops
+
+
+def test_t5_position_bias_table_splits_by_heads():
+    """T5's relative position bias is an embedding of bucket ids computed from positions whose
+    columns are the heads, added to the attention mask: at t = 2 its table splits by columns
+    (each rank looks up its own heads, no reduction), not by rows as a vocabulary would, and
+    nothing stays replicated."""
+    from autopar.passes import meta as K
+    from autopar.passes.capture import capture
+    from autopar.passes.tensor_parallel import param_splits, propagate_sharding
+    (ids, mask, dec), y = models.seq2seq_batches(64, (2, 8), 1, seed=0)[0]
+    cap = capture(models.build("hf_t5", seed=0), (ids, mask, dec), autopar.cross_entropy, y)
+    gm = propagate_sharding(cap.gm, 2, strict=False)
+    bias = {k: split for k, (split, _) in param_splits(gm).items() if "relative_attention" in k}
+    assert len(bias) == 2 and all(s.dim == 1 for s in bias.values()), bias
+    assert not gm.meta[K.TP_INFO].fallbacks
 
 
 def test_multi_query_plan_explains_no_replicated_attention():

@@ -79,3 +79,60 @@ def test_no_repeats_is_a_clear_error():
     cap = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
     with pytest.raises(LayerError, match="no repeated blocks"):
         find_layers(cap)
+
+
+def _seq2seq(name: str, repeat_limit: int | None = None):
+    from autopar.examples.gpt import lm_cross_entropy
+    from models import build, seq2seq_batches
+    model = build(name, seed=0, layers=3)
+    (ids, mask, dec), tgt = seq2seq_batches(64, (2, 8), 1, seed=1)[0]
+    return capture(model, (ids, mask, dec), lm_cross_entropy, tgt, repeat_limit=repeat_limit)
+
+
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_bert2bert"])
+def test_encoder_and_decoder_stacks_are_two_kinds(name):
+    """The encoder's and the decoder's blocks are two kinds, found from the module stack (T5:
+    inside two T5Stacks of one class; BART: two lists of different classes; BERT2BERT: one
+    class, the decoder's layers with a self- and a cross-attention, which are not mistaken
+    for blocks), numbered over both in execution order; the encoder's output (read by every
+    decoder block's cross-attention) leaves the last encoder block."""
+    s = find_layers(_seq2seq(name))
+    assert [k.num_layers for k in s.kinds] == [3, 3] and s.num_layers == s.num_blocks == 6
+    assert [k.first for k in s.kinds] == [0, 3]
+    enc, dec = s.kinds
+    assert all(p.startswith(enc.container + ".") for p in s.block_paths[:3])
+    assert all(p.startswith(dec.container + ".") for p in s.block_paths[3:])
+    assert enc.container != dec.container
+    encoder_out = set(s.block_outputs[2])
+    for i in range(3, 6):   # every decoder block reads the encoder's output
+        assert encoder_out & set(s.block_inputs[i]), i
+    assert s.kind_of(2) == 0 and s.kind_of(3) == 1
+
+
+@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
+def test_truncated_encoder_decoder_counts_each_stack(name):
+    cap = _seq2seq(name, repeat_limit=2)
+    s = find_layers(cap)
+    assert s.num_blocks == 4 and [k.num_layers for k in s.kinds] == [3, 3]
+    assert [k.first_layer for k in s.kinds] == [0, 3] and s.num_layers == 6
+
+
+class _Alternating(torch.nn.Module):
+    """Two lists of blocks whose blocks run in turn: a[0], b[0], a[1], b[1]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+        self.b = torch.nn.ModuleList([torch.nn.Bilinear(8, 8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        for a, b in zip(self.a, self.b):
+            x = b(a(x), x)
+        return x
+
+
+def test_interleaved_stacks_are_refused():
+    cap = capture(_Alternating(), (torch.randn(2, 8),))
+    with pytest.raises(LayerError, match="interleave in execution") as e:
+        find_layers(cap)
+    assert "\n" not in str(e.value)

@@ -122,3 +122,32 @@ def test_solver_spreads_the_chosen_plans_layers_by_simulation():
     cc = M.config_costs(prof, get_cluster("dgx-a100-80gb"), M.Config.of_plan(plan))
     assert _sim(cc, x) <= _sim(cc, even)
     assert x != even and x[0] < even[0]
+
+
+def _kinds(encoder_flops: int, decoder_flops: int, depth: int):
+    from autopar.cost.profile import LayerKind
+    return (LayerKind(name="encoder", num_layers=depth, fwd_flops=encoder_flops),
+            LayerKind(name="decoder", num_layers=depth, fwd_flops=decoder_flops))
+
+
+def test_layers_over_kinds_cuts_at_equal_forward_flops():
+    """Units of one encoder and one decoder layer: the docstring's worked example, then a
+    4-way split of 12 + 12 layers where a decoder layer weighs 2 encoder layers (36 in all, 9
+    a stage): 9 encoder layers; 3 encoder + 3 decoder (18); the cut at 27 ties between 26 and
+    28 and takes the earlier (4 decoder layers); the other 5."""
+    assert layout.layers_over_kinds([1, 1], _kinds(2, 3, 2)) == [2, 2]
+    assert layout.layers_over_kinds([3, 3, 3, 3], _kinds(1, 2, 12)) == [9, 6, 4, 5]
+    # equal kinds: a unit is two layers
+    assert layout.layers_over_kinds([2, 1, 1], _kinds(5, 5, 4)) == [4, 2, 2]
+
+
+def test_layers_over_kinds_keeps_empty_edge_chunks_and_one_layer_per_chunk():
+    """An embedding-only first chunk and a head-only last chunk stay empty; light encoder
+    layers and a heavy decoder layer share a stage (1 + 1 + 100 against 100)."""
+    assert layout.layers_over_kinds([0, 2, 2, 0], _kinds(1, 1, 4)) == [0, 4, 4, 0]
+    assert layout.layers_over_kinds([1, 1], _kinds(1, 100, 2)) == [3, 1]
+
+
+def test_layers_over_kinds_refuses_units_that_do_not_match_the_depths():
+    with pytest.raises(ValueError, match="units"):
+        layout.layers_over_kinds([1, 1], _kinds(1, 1, 3))
