@@ -132,7 +132,7 @@ class Alternative:
 
     def label(self) -> str:
         c = self.config
-        keys = ("t", "c", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
+        keys = ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
                 "sequence_parallel")
         short = {"micro_batch_size": "b", "sequence_parallel": "sp"}
         return " ".join(f"{short.get(k, k)}={c[k]}" for k in keys if k in c)
@@ -177,6 +177,11 @@ class Plan:
     # context parallelism: each sequence split over c ranks (2c chunks, rank i holding chunks
     # i and 2c-1-i); the world is t·c·p·d. Old plan.json files have no c: 1.
     c: int = 1
+    # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the
+    # same dense weights (each holds experts/ep of them; tokens reach their experts by
+    # all-to-all); expert gradients are reduced over the c·d/ep ranks holding the same experts
+    # (autopar/runtime/groups.py expert_groups). Old plan.json files have no ep: 1.
+    ep: int = 1
     v: int
     micro_batch_size: int
     num_microbatches: int
@@ -302,10 +307,15 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
 
 
 def _validate_plan(plan: Plan) -> None:
-    for name in ("t", "p", "d", "c", "v", "micro_batch_size", "num_microbatches"):
+    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches"):
         value = getattr(plan, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Plan.{name}={value!r}: must be a positive integer")
+    if (plan.c * plan.d) % plan.ep:
+        raise ValueError(f"Plan.ep={plan.ep} with c·d = {plan.c}·{plan.d} = {plan.c * plan.d}: "
+                         f"the expert-parallel ranks are drawn from the c·d ranks that hold "
+                         f"the same dense weights, so ep must divide {plan.c * plan.d}; pick an "
+                         f"ep that divides it (ep=1 for none)")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "
                          f"each sequence into 2c = {2 * plan.c} equal chunks; use a sequence "
