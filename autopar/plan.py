@@ -107,6 +107,9 @@ class Prediction:
     # the K/V all-gathers (and their reduce-scatters in backward) of context parallelism,
     # exposed on the critical rank; 0 for c = 1 (and in plans written before c existed)
     cp_comm_s: float = 0.0
+    # the experts' token all-to-alls (dispatch and combine, forward and backward) of expert
+    # parallelism on the critical rank; 0 for ep = 1 (and in plans written before ep existed)
+    ep_comm_s: float = 0.0
     memory: Memory | None = None
     # per pipeline rank, by part (`memory` is the heaviest of them); and the attention kernel
     # the prediction priced ("flash" | "materialized", cost/hardware.py Cluster.attention)
@@ -119,7 +122,8 @@ class Prediction:
         return {"compute": self.compute_s, "tensor-parallel comm": self.tp_comm_s,
                 "pipeline p2p": self.pp_comm_s, "data-parallel comm": self.dp_comm_s,
                 "bubble": self.bubble_s, "optimizer": self.optimizer_s,
-                "context-parallel comm": self.cp_comm_s}
+                "context-parallel comm": self.cp_comm_s,
+                "expert-parallel comm": self.ep_comm_s}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 expert-data groups, and the Plan field."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -100,3 +101,90 @@ def test_plan_ep_must_divide_c_times_d():
         _plan(ep=3)
     msg = str(e.value)
     assert "\n" not in msg and "Plan.ep=3" in msg and "must divide 2" in msg, msg
+
+
+# ----- the cost model and the solver ----------------------------------------------------------
+def _moe(experts: int = 8, top_k: int = 2, layers: int = 8, hidden: int = 1024, seq: int = 1024):
+    """A textbook profile whose block holds `experts` experts of FFN 4h (SwiGLU) each, top-k
+    routed: the expert weights part of the split parameters, the dispatch tokens·k·hidden."""
+    import dataclasses as dc
+    from autopar.cost.profile import transformer_profile
+    prof = transformer_profile(num_layers=layers, hidden=hidden, heads=16, seq_len=seq,
+                               vocab=32000, gated_mlp=True)
+    expert_elems = experts * 3 * hidden * 4 * hidden
+    blk = dc.replace(prof.block, params_split_elems=prof.block.params_split_elems + expert_elems,
+                     expert_params_elems=expert_elems, experts=experts,
+                     expert_dispatch_elems=seq * top_k * hidden)
+    return dc.replace(prof, block=blk)
+
+
+def test_ep_divides_the_expert_state_and_prices_four_all_to_alls_per_layer():
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import Config, alltoall_s, config_costs, expert_comm_s, predict
+    a100 = get_cluster("dgx-a100-80gb")
+    prof = _moe()
+    base = Config(t=1, p=1, d=8, micro_batch_size=2, num_microbatches=4)
+    one, two = config_costs(prof, a100, base), config_costs(prof, a100,
+                                                            dataclasses.replace(base, ep=2))
+    # weights + grads + Adam (2 + 4 + 12 bytes) of half the experts leave each rank
+    held = lambda cc: sum(cc.mem_parts[0][:3])  # noqa: E731
+    assert held(one) - held(two) == pytest.approx(18 * prof.block.expert_params_elems / 2)
+    assert one.layer_ep_ns == 0 and predict(prof, a100, base).ep_comm_s == 0.0
+    fwd, total = expert_comm_s(prof, a100, dataclasses.replace(base, ep=2))
+    a2a = alltoall_s(a100, 2 * prof.block.expert_dispatch_elems * 2, 2, False)
+    assert (fwd, total) == (pytest.approx(2 * a2a), pytest.approx(4 * a2a))
+    full = dataclasses.replace(base, ep=2, recompute="full")
+    assert expert_comm_s(prof, a100, full)[1] == pytest.approx(6 * a2a)
+    pred = predict(prof, a100, dataclasses.replace(base, ep=2))
+    assert pred.ep_comm_s > 0 and "expert-parallel comm" in pred.terms()
+    # the expert group leaves the node when t·ep spans more than its 8 GPUs
+    inside = expert_comm_s(prof, a100, Config(t=2, p=1, d=32, ep=4, micro_batch_size=2,
+                                              num_microbatches=1))[0]
+    across = expert_comm_s(prof, a100, Config(t=4, p=1, d=16, ep=4, micro_batch_size=2,
+                                              num_microbatches=1))[0]
+    assert across > inside > 0
+
+
+def test_ep_gradients_reduced_over_the_expert_data_group_only():
+    """With ep = c·d every rank holds its experts alone: their gradients are reduced nowhere,
+    so the data-parallel reduction moves only the dense weights."""
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import Config, config_costs
+    a100 = get_cluster("dgx-a100-80gb")
+    prof = _moe()
+    base = Config(t=1, p=1, d=8, micro_batch_size=2, num_microbatches=4)
+    dp = [config_costs(prof, a100, dataclasses.replace(base, ep=ep)).dp_layer_ns
+          for ep in (1, 2, 8)]
+    assert dp[0] > dp[1] > dp[2] > 0
+
+
+def test_solver_searches_ep_and_honours_a_pin():
+    from autopar.cost.solver import solve
+    prof = _moe(experts=8, layers=4, hidden=2048)
+    free = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64)
+    weighed = {a.config.get("ep") for a in free.alternatives if a.feasible}
+    assert len(weighed) > 1, weighed                 # more than one ep was priced
+    pinned = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64, ep=4)
+    assert pinned.ep == 4 and (pinned.c * pinned.d) % 4 == 0
+    assert "ep=4" in str(pinned) and "Expert parallelism ep=4" in pinned.explain()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(ep=3), ["ep=3", "8 experts", "must divide 8"]),
+    (dict(ep=0), ["ep=0", "positive integer"]),
+])
+def test_solver_ep_errors_are_one_line(kw, words):
+    from autopar.cost.solver import solve
+    with pytest.raises(ValueError) as e:
+        solve(_moe(layers=4), "dgx-a100-80gb", gpus=16, global_batch_size=64, **kw)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_ep_on_a_model_without_experts_is_refused_in_one_line():
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    prof = transformer_profile(num_layers=4, hidden=1024, heads=16, seq_len=1024, vocab=32000)
+    with pytest.raises(ValueError, match=r"^solve: ep=2: the model has no mixture of experts"):
+        solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64, ep=2)
+    assert solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64).ep == 1
