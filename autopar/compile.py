@@ -74,9 +74,10 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
     if plan.ep > 1:
         raise ValueError(
-            f"plan.ep={plan.ep}: expert parallelism is planned and priced but the runtime does "
-            f"not yet dispatch tokens to experts on other ranks (experts are split by t only); "
-            f"re-plan with ep=1 (parallelize(..., ep=1) / --ep 1) to run it")
+            f"plan.ep={plan.ep}: expert parallelism is planned and priced, but the runtime does "
+            f"not yet reduce expert gradients over the expert-data group nor gather the experts "
+            f"in full_state_dict / checkpoints; re-plan with ep=1 (parallelize(..., ep=1) / "
+            f"--ep 1) to run it")
     if plan.c > 1 and plan.sequence_parallel and plan.t > 1:
         raise ValueError(
             f"plan.c={plan.c} with sequence_parallel=True (t={plan.t}): the runtime does not "

@@ -78,6 +78,11 @@ def route(offs: torch.Tensor, group: Any) -> Route:
                  offs_local=torch.cumsum(got.sum(0), 0).to(torch.int32))
 
 
+def local_offsets(r: Route) -> torch.Tensor:
+    """The cumulative rows per local expert after dispatch (for the grouped matmuls)."""
+    return r.offs_local
+
+
 def _exchange(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any,
               what: str) -> torch.Tensor:
     out = x.new_empty((sum(out_rows),) + tuple(x.shape[1:]))

@@ -93,7 +93,8 @@ def test_mixtral_8x7b_like_plans_expert_parallelism_and_explains_it():
     """The same model, nothing pinned: the solver weighs ep (experts over the data-parallel
     ranks) with the other degrees and the plan fits with its experts split (over t, ep or
     both); pinning ep=8 gives a plan with 8 experts' ranks, priced (the all-to-alls in the
-    terms), printed and explained. The runtime refuses ep > 1 in one line (not built yet)."""
+    terms), printed and explained. compile refuses ep > 1 in one line (the training runtime
+    does not reduce expert gradients over the expert-data group yet)."""
     from transformers import MixtralConfig, MixtralForCausalLM
     from autopar.compile import check_program
     with torch.device("meta"):
