@@ -107,15 +107,14 @@ def test_plan_ep_must_divide_c_times_d():
 def _moe(experts: int = 8, top_k: int = 2, layers: int = 8, hidden: int = 1024, seq: int = 1024):
     """A textbook profile whose block holds `experts` experts of FFN 4h (SwiGLU) each, top-k
     routed: the expert weights part of the split parameters, the dispatch tokens·k·hidden."""
-    import dataclasses as dc
     from autopar.cost.profile import transformer_profile
     prof = transformer_profile(num_layers=layers, hidden=hidden, heads=16, seq_len=seq,
                                vocab=32000, gated_mlp=True)
     expert_elems = experts * 3 * hidden * 4 * hidden
-    blk = dc.replace(prof.block, params_split_elems=prof.block.params_split_elems + expert_elems,
+    blk = dataclasses.replace(prof.block, params_split_elems=prof.block.params_split_elems + expert_elems,
                      expert_params_elems=expert_elems, experts=experts,
                      expert_dispatch_elems=seq * top_k * hidden)
-    return dc.replace(prof, block=blk)
+    return dataclasses.replace(prof, block=blk)
 
 
 def test_ep_divides_the_expert_state_and_prices_four_all_to_alls_per_layer():
