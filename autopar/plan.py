@@ -268,6 +268,22 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
+def expert_parallel_refusal(ep: int, t: int, zero: int) -> str | None:
+    """Why the runtime cannot run expert parallelism `ep` with tensor degree t and ZeRO level
+    `zero` (None when it can): compile refuses it in one line and the solver does not choose
+    it for a free ep (cost/solver.py), so a free plan always runs."""
+    if ep == 1:
+        return None
+    if t > 1:
+        return (f"ep={ep} with t={t}: the runtime does not yet describe a parameter split over "
+                f"both the expert and the tensor group (experts are also tensor-split); use "
+                f"t=1 with ep > 1, or ep=1")
+    if zero > 0:
+        return (f"ep={ep} with zero={zero}: ZeRO does not yet shard expert parameters over the "
+                f"expert-data group; use zero=0 with ep > 1, or ep=1")
+    return None
+
+
 def parameter_signature(model: Any) -> tuple[str, ...]:
     """What Plan.parameters records of a model: "name (d0, d1, ...)" per parameter (tied
     weights once), in named_parameters() order; shapes only, so a meta model gives the same."""

@@ -14,21 +14,35 @@ Between the two products every op is row-wise (the gate), so the rewrite is
     y = combine(down, r, ep_group)                  # (my rows, sorted by expert, hidden)
 
 and the routing (top-k, sort, weights, the scatter back to tokens) stays as it was, on the
-rank's own tokens. Not yet wired into build/compile (compile refuses ep > 1): the parameter
-table, gradient reduction over the expert-data group and full_state_dict are still missing.
+rank's own tokens. autopar/build.py runs it on every rank's full graph after the tensor and
+context rewrites (`expert_parallel_pass`); each sliced parameter's get_attr nodes carry an
+ExpertSlice (meta "autopar_ep_param"), from which autopar.compile describes the parameter
+(autopar.runtime.params: split along dim 0 over the expert group).
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
+from autopar.passes.manager import Pass
 from autopar.passes.sharding import is_grouped_mm
 from autopar.runtime import experts as X
+from autopar.runtime.shard import UnboundGroup
 
 EP_GROUP_ATTR = "ep_group"
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """The experts [start, stop) of `experts` (dim 0) an expert parameter keeps on this rank."""
+    experts: int
+    start: int
+    stop: int
 
 
 def _offs(node: fx.Node) -> fx.Node:
@@ -55,8 +69,8 @@ def expert_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return [(mms[0], mms[-1]) for mms in by_offs.values()]
 
 
-def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> int:
-    """Keep this rank's E/ep experts of parameter `attr` (dim 0); returns E."""
+def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> ExpertSlice:
+    """Keep this rank's E/ep experts of parameter `attr` (dim 0)."""
     owner_path, _, name = attr.target.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
     full = getattr(owner, name)
@@ -72,7 +86,7 @@ def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> 
     if val is not None:
         attr.meta[K.VAL] = torch.empty((n,) + tuple(val.shape[1:]), dtype=val.dtype,
                                        device="meta")
-    return experts
+    return ExpertSlice(experts, ep_rank * n, (ep_rank + 1) * n)
 
 
 def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
@@ -86,7 +100,8 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
     the exchanges read the graph attribute `ep_group` (gm.ep_group = group). With ep = 1 the
     graph is returned unchanged. Meta keys: reads "val"; writes "val" of the sliced parameters
     (the rows between dispatch and combine are data-dependent: their "val" keeps the rank's
-    own row count). Raises ValueError (one line) when ep does not divide the experts.
+    own row count); writes EP_PARAM (an ExpertSlice) on every get_attr of a sliced parameter.
+    Raises ValueError (one line) when ep does not divide the experts.
     """
     if ep == 1:
         return gm
@@ -97,8 +112,8 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
     g = gm.graph
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # a plain attribute, as tp_group
-        gm.ep_group = group
-    sliced: set[str] = set()
+        gm.ep_group = group if group is not None else UnboundGroup(ep)
+    sliced: dict[str, ExpertSlice] = {}
     for first, last in chains:
         offs = _offs(first)
         with g.inserting_before(first):
@@ -116,8 +131,7 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
                 raise ValueError(f"expert parallelism: {mm.name}'s weight is not a parameter; "
                                  f"only experts held as 3-D parameters are spread: run ep=1")
             if attr.target not in sliced:
-                _slice_experts(gm, attr, ep, ep_rank)
-                sliced.add(attr.target)
+                sliced[attr.target] = _slice_experts(gm, attr, ep, ep_rank)
             for v in _views(attr, mm):
                 v.meta[K.VAL] = torch.empty(tuple(v.meta[K.VAL].shape[:0])
                                             + (attr.meta[K.VAL].shape[0],)
@@ -127,9 +141,20 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
             y = g.call_function(X.combine, (last, r, grp))
         y.meta[K.VAL] = last.meta.get(K.VAL)
         last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+    for n in g.nodes:
+        if n.op == "get_attr" and n.target in sliced:
+            n.meta[K.EP_PARAM] = sliced[n.target]
     g.lint()
     gm.recompile()
     return gm
+
+
+def expert_parallel_pass(ep: int, ep_rank: int, group: Any = None) -> Pass:
+    """The pass for the pass pipeline (autopar/build.py): group None leaves the graph attribute
+    `ep_group` for the runtime to bind to this rank's expert group."""
+    return Pass(name="expert_parallel",
+                run=lambda gm: apply_expert_parallel(gm, ep, ep_rank, group),
+                reads=(K.VAL,), writes=(K.VAL, K.EP_PARAM))
 
 
 def _views(attr: fx.Node, mm: fx.Node) -> list[fx.Node]:

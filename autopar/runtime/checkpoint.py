@@ -62,8 +62,9 @@ def _writes(info: ParamInfo, groups: Any) -> bool:
     """Whether this rank is the one that writes `info`'s piece (see module docstring)."""
     if groups is None:
         return True
-    split = info.split_dim is not None or not info.replicated_over_tp
-    return (groups.dp_rank == 0 and (split or groups.tp_rank == 0)
+    # experts: the first expert group's ranks (c·d ranks dp_rank < ep) each write their slice
+    first = groups.dp_rank < getattr(groups, "ep", 1) if info.expert else groups.dp_rank == 0
+    return (first and (info.tensor_split or groups.tp_rank == 0)
             and (info.shared_with is None or groups.pp_rank == 0))
 
 

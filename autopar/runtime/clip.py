@@ -10,7 +10,10 @@ all-reduce (sum) adds the ranks' partial sums:
 - tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage;
 - data-parallel replicas hold identical averaged gradients: they are not summed over dp
   (the all-reduce spans the model-parallel group, t·p ranks), unless `dp_sharded=True`
-  (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world.
+  (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world;
+- experts under expert parallelism (ParamInfo.expert): each rank of an expert group holds
+  different experts, the ranks of an expert-data group the same ones, so their squares are
+  first summed over the expert group (each expert once), then added to the rest.
 
 Then, exactly like torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped
 to 1, and every gradient is multiplied by it (also when it is 1, as torch does).
@@ -30,8 +33,7 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
     """Whether this rank adds `info`'s local gradient to the global sum of squares."""
     if groups is None:
         return True
-    split = info.split_dim is not None or not info.replicated_over_tp
-    if not split and groups.tp_rank != 0:
+    if not info.tensor_split and groups.tp_rank != 0:
         return False
     if info.shared_with is not None and groups.pp_rank != 0:
         return False
@@ -39,11 +41,13 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
 
 
 def local_sq_sum(grads: Sequence[torch.Tensor | None], param_infos: Sequence[ParamInfo],
-                 groups: Any, *, real_parts: bool = True) -> torch.Tensor:
-    """This rank's share of ‖g‖² in fp32 (a 0-d tensor)."""
+                 groups: Any, *, real_parts: bool = True,
+                 experts: bool | None = None) -> torch.Tensor:
+    """This rank's share of ‖g‖² in fp32 (a 0-d tensor); experts: only the expert parameters'
+    (True), only the others' (False), or all (None)."""
     total = torch.zeros((), dtype=torch.float32)
     for g, info in zip(grads, param_infos):
-        if g is None or not counts_here(info, groups):
+        if g is None or not counts_here(info, groups) or experts not in (None, info.expert):
             continue
         if real_parts and info.split_dim is not None:
             g = info.real_part(g)
@@ -75,7 +79,14 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], param_infos: Sequence[ParamI
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r}: must be > 0")
     grads = [p.grad for p in params]
-    total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts)
+    expert_group = getattr(groups, "expert", None)
+    if group_size(expert_group) > 1 and not dp_sharded:   # each expert once: over its group
+        total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, experts=False)
+        expert_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, experts=True)
+        dist.all_reduce(expert_sq, group=expert_group)
+        total_sq += expert_sq
+    else:
+        total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts)
     group = _norm_group(groups, dp_sharded)
     if group_size(group) > 1:
         dist.all_reduce(total_sq, group=group)
