@@ -60,7 +60,8 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
                                 step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
-from autopar.plan import RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage
+from autopar.plan import (RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage,
+                          expert_parallel_refusal)
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
@@ -251,6 +252,12 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                 {"t": t, "p": p, "d": d, "schedule": schedule, "zero": zero},
                                 f"zero={zero} is priced but not executed by this runtime yet "
                                 f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
+                            continue
+                        why = expert_parallel_refusal(ep, t, zero)
+                        if why and pins.ep is None:   # a free plan must run; pinned: refused
+                            rejected.append(Rejection(   # by compile in one line
+                                {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
+                                f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
                             continue
                         yield Config(t=t, p=p, d=d, c=c, ep=ep, v=v, micro_batch_size=b,
                                      num_microbatches=m, schedule=schedule,
