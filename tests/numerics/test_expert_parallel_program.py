@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.runtime.pretrained import SINGLE_FILE
 from autopar.testing import spawn
 
 import models
@@ -75,3 +76,72 @@ def test_ep2_d2_p2_program_matches_single_device():
     """With a pipeline (p = 2, 4 ranks): each stage's experts spread over its own expert
     group, the micro-batches' all-to-alls in the schedule's order on both ranks of it."""
     _check("hf_mixtral", dataclasses.replace(make_plan(d=2, p=2), ep=2))
+
+
+def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
+    """Under `plan`: either train the first STEPS - 1 steps and save, or load and train the
+    last step; (losses, full_state_dict) of the steps run."""
+    torch.set_num_threads(1)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=models.build("hf_mixtral", seed=0), plan=plan, profile=None,
+                           example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                           cluster=None)
+    runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
+    batches = _data(plan.global_batch_size)
+    if save:
+        losses = train_steps(runner, plan, batches[:-1])
+        runner.save_checkpoint(path)
+    else:
+        assert runner.load_checkpoint(path) == STEPS - 1
+        losses = train_steps(runner, plan, batches[-1:])
+    return losses, runner.full_state_dict()
+
+
+@pytest.mark.parametrize("d, ep, m", [(2, 1, 2), (4, 4, 1)])
+def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, d, ep, m):
+    """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments), loaded at
+    d=2 ep=1 (every expert on every rank) or d=4 ep=4 (one expert per rank): the last step
+    equals the uninterrupted single-device run's."""
+    path = str(tmp_path / "ckpt")
+    spawn(_resume_rank, 2, dataclasses.replace(make_plan(d=2), ep=2), path, True,
+          timeout_s=300)
+    plan = dataclasses.replace(make_plan(d=d, m=m), ep=ep)
+    results = spawn(_resume_rank, plan.gpus, plan, path, False, timeout_s=300)
+    ref = train(models.build("hf_mixtral", seed=0), _data(plan.global_batch_size), adamw,
+                loss_fn=loss_fn, max_grad_norm=MAX_NORM)
+    for r, (losses, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[-1:]),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} loss: {m}")
+    state = results[0][1]
+    assert list(state) == list(ref.state)
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _pretrained_rank(rank: int, world: int, plan, directory: str) -> dict:
+    torch.set_num_threads(1)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=models.build("hf_mixtral", seed=0), plan=plan, profile=None,
+                           example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                           cluster=None)
+    runner = prog.compile(optimizer=adamw, timeout_s=60)
+    runner.load_pretrained(directory)
+    return runner.full_state_dict()
+
+
+def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path):
+    """A safetensors directory of other weights (seed 5) under the model's own keys, loaded at
+    d=2 ep=2, each rank reading its 2 experts' rows: full_state_dict() equals the saved model's
+    state dict. (transformers' save_pretrained of Mixtral writes the per-expert checkpoint
+    keys, which load_pretrained does not convert, at any ep: see docs/known-gaps.md.)"""
+    from safetensors.torch import save_file
+    saved = models.build("hf_mixtral", seed=5)
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()},
+              str(tmp_path / SINGLE_FILE))
+    plan = dataclasses.replace(make_plan(d=2), ep=2)
+    state = spawn(_pretrained_rank, 2, plan, str(tmp_path), timeout_s=300)[0]
+    want = saved.state_dict()
+    assert list(state) == list(want)
+    bad = [k for k, v in want.items() if not torch.equal(state[k], v)]
+    assert not bad, bad
