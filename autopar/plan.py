@@ -278,9 +278,9 @@ def expert_parallel_refusal(ep: int, t: int, zero: int) -> str | None:
         return (f"ep={ep} with t={t}: the runtime does not yet describe a parameter split over "
                 f"both the expert and the tensor group (experts are also tensor-split); use "
                 f"t=1 with ep > 1, or ep=1")
-    if zero > 0:
-        return (f"ep={ep} with zero={zero}: ZeRO does not yet shard expert parameters over the "
-                f"expert-data group; use zero=0 with ep > 1, or ep=1")
+    if zero > 1:
+        return (f"ep={ep} with zero={zero}: ZeRO-2/3 do not yet shard the expert weights over "
+                f"the expert-data group; use zero=0 or 1 with ep > 1, or ep=1")
     return None
 
 

@@ -78,6 +78,17 @@ def test_ep2_d2_p2_program_matches_single_device():
     _check("hf_mixtral", dataclasses.replace(make_plan(d=2, p=2), ep=2))
 
 
+@pytest.mark.parametrize("d, p, schedule", [(2, 1, "1f1b"), (4, 1, "1f1b"),
+                                             (2, 2, "breadth-first")])
+def test_zero1_with_ep2_matches_single_device(d, p, schedule):
+    """ZeRO-1: the dense optimizer state sharded over the c·d ranks, the experts' over their
+    expert-data group (1 rank at d=2, 2 at d=4); breadth-first: per chunk, each chunk's dense
+    and expert parts reduce-scattered at its REDUCE."""
+    plan = dataclasses.replace(make_plan(d=d, p=p, m=2 if d == 2 else 1, schedule=schedule),
+                               ep=2, zero=1)
+    _check("hf_mixtral", plan)
+
+
 def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
     """Under `plan`: either train the first STEPS - 1 steps and save, or load and train the
     last step; (losses, full_state_dict) of the steps run."""
@@ -97,15 +108,17 @@ def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
     return losses, runner.full_state_dict()
 
 
-@pytest.mark.parametrize("d, ep, m", [(2, 1, 2), (4, 4, 1)])
-def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, d, ep, m):
-    """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments), loaded at
-    d=2 ep=1 (every expert on every rank) or d=4 ep=4 (one expert per rank): the last step
-    equals the uninterrupted single-device run's."""
+@pytest.mark.parametrize("saved_zero, d, ep, m, zero", [(0, 2, 1, 2, 0), (0, 4, 4, 1, 0),
+                                                        (1, 2, 1, 2, 0), (0, 4, 2, 1, 1)])
+def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_zero, d, ep, m, zero):
+    """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments; under
+    ZeRO-1 gathered from the shards), loaded at d=2 ep=1 (every expert on every rank), d=4
+    ep=4 (one expert per rank) or d=4 ep=2 ZeRO-1: the last step equals the uninterrupted
+    single-device run's."""
     path = str(tmp_path / "ckpt")
-    spawn(_resume_rank, 2, dataclasses.replace(make_plan(d=2), ep=2), path, True,
-          timeout_s=300)
-    plan = dataclasses.replace(make_plan(d=d, m=m), ep=ep)
+    spawn(_resume_rank, 2, dataclasses.replace(make_plan(d=2), ep=2, zero=saved_zero), path,
+          True, timeout_s=300)
+    plan = dataclasses.replace(make_plan(d=d, m=m), ep=ep, zero=zero)
     results = spawn(_resume_rank, plan.gpus, plan, path, False, timeout_s=300)
     ref = train(models.build("hf_mixtral", seed=0), _data(plan.global_batch_size), adamw,
                 loss_fn=loss_fn, max_grad_norm=MAX_NORM)

@@ -169,7 +169,7 @@ def test_solver_searches_ep_and_honours_a_pin():
 
 
 def test_a_free_ep_plans_only_what_compile_runs():
-    """A free ep never gives a configuration compile refuses (ep > 1 with t > 1 or zero > 0,
+    """A free ep never gives a configuration compile refuses (ep > 1 with t > 1 or zero > 1,
     autopar.plan.expert_parallel_refusal): the plan and every alternative weighed run, the
     refused ones are rejected with the reason; a pinned ep may plan them, and compile then
     refuses in one line naming value, rule and fix."""
@@ -183,7 +183,7 @@ def test_a_free_ep_plans_only_what_compile_runs():
     assert {c.ep for c in configs} > {1}                           # ep > 1 still searched
     assert all(expert_parallel_refusal(c.ep, c.t, c.zero) is None for c in configs)
     refused = [r for r in rejected if "not run by this runtime yet: ep=" in r.reason]
-    assert {r.config["t"] > 1 for r in refused} == {True, False}   # t > 1, and zero > 0 at t=1
+    assert {r.config["t"] > 1 for r in refused} == {True, False}   # t > 1, and zero > 1 at t=1
     assert all(r.config["ep"] > 1 for r in refused)
     free = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64)
     check_program(free)
