@@ -2,9 +2,8 @@
 Mixtral and OLMoE captured, each rank keeping 2 of the 4 experts and exchanging its tokens by
 all-to-all, against the whole model on the same rank's batch — the loss, the gradients of the
 dense weights (the rank's own), and of its experts (summed over the ranks whose tokens reached
-them, as the backward all-to-all brings them). Not yet a training program: compile refuses
-ep > 1 until gradients are reduced over the expert-data group and full_state_dict gathers the
-experts."""
+them, as the backward all-to-all brings them). The whole training program (build / compile
+running this pass): tests/numerics/test_expert_parallel_program.py."""
 import pytest
 import torch
 import torch.distributed as dist
