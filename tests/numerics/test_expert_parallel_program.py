@@ -108,17 +108,20 @@ def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
     return losses, runner.full_state_dict()
 
 
-@pytest.mark.parametrize("saved_zero, d, ep, m, zero", [(0, 2, 1, 2, 0), (0, 4, 4, 1, 0),
-                                                        (1, 2, 1, 2, 0), (0, 4, 2, 1, 1)])
-def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_zero, d, ep, m, zero):
+@pytest.mark.parametrize("saved_zero, t, d, ep, m, zero", [
+    (0, 1, 2, 1, 2, 0), (0, 1, 4, 4, 1, 0), (1, 1, 2, 1, 2, 0), (0, 1, 4, 2, 1, 1),
+    (0, 2, 1, 1, 4, 0)])
+def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_zero, t, d, ep, m,
+                                                           zero):
     """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments; under
     ZeRO-1 gathered from the shards), loaded at d=2 ep=1 (every expert on every rank), d=4
-    ep=4 (one expert per rank) or d=4 ep=2 ZeRO-1: the last step equals the uninterrupted
-    single-device run's."""
+    ep=4 (one expert per rank), d=4 ep=2 ZeRO-1, or t=2 (every expert's FFN split over the
+    tensor ranks: each reads a box across the saved dim-0 pieces): the last step equals the
+    uninterrupted single-device run's."""
     path = str(tmp_path / "ckpt")
     spawn(_resume_rank, 2, dataclasses.replace(make_plan(d=2), ep=2, zero=saved_zero), path,
           True, timeout_s=300)
-    plan = dataclasses.replace(make_plan(d=d, m=m), ep=ep, zero=zero)
+    plan = dataclasses.replace(make_plan(t=t, d=d, m=m), ep=ep, zero=zero)
     results = spawn(_resume_rank, plan.gpus, plan, path, False, timeout_s=300)
     ref = train(models.build("hf_mixtral", seed=0), _data(plan.global_batch_size), adamw,
                 loss_fn=loss_fn, max_grad_norm=MAX_NORM)
