@@ -72,10 +72,14 @@ def test_ep2_d4_program_reduces_experts_over_the_expert_data_group():
     _check("hf_mixtral", dataclasses.replace(make_plan(d=4, m=1), ep=2))
 
 
-def test_ep2_d2_p2_program_matches_single_device():
+@pytest.mark.parametrize("schedule, v, split", [("1f1b", 1, None),
+                                               ("interleaved-zb", 2, [0, 1, 1, 0])])
+def test_ep2_d2_p2_program_matches_single_device(schedule, v, split):
     """With a pipeline (p = 2, 4 ranks): each stage's experts spread over its own expert
-    group, the micro-batches' all-to-alls in the schedule's order on both ranks of it."""
-    _check("hf_mixtral", dataclasses.replace(make_plan(d=2, p=2), ep=2))
+    group, the micro-batches' all-to-alls in the schedule's order on both ranks of it; the
+    zero-bubble schedule splits each backward into B (the all-to-alls' backward) and W."""
+    _check("hf_mixtral", dataclasses.replace(
+        make_plan(d=2, p=2, v=v, split=split, schedule=schedule), ep=2))
 
 
 @pytest.mark.parametrize("d, p, schedule", [(2, 1, "1f1b"), (4, 1, "1f1b"),
