@@ -131,7 +131,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
     spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
     number of experts; autopar/runtime/groups.py expert_groups); None lets the solver choose
-    among what compile() runs (ep > 1 with t = 1 and zero 0/1); a pinned ep may plan the rest,
+    among what compile() runs (ep > 1 with zero 0/1); a pinned ep may plan the rest,
     which compile() refuses in one line (autopar.plan.expert_parallel_refusal).
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:

@@ -73,7 +73,7 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
             f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
             f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
-    why = expert_parallel_refusal(plan.ep, plan.t, plan.zero)
+    why = expert_parallel_refusal(plan.ep, plan.zero)
     if why:
         raise ValueError(f"plan.{why} (parallelize(..., ep=1) / --ep 1)")
     if plan.c > 1 and plan.sequence_parallel and plan.t > 1:

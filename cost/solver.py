@@ -253,7 +253,7 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                 f"zero={zero} is priced but not executed by this runtime yet "
                                 f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
                             continue
-                        why = expert_parallel_refusal(ep, t, zero)
+                        why = expert_parallel_refusal(ep, zero)
                         if why and pins.ep is None:   # a free plan must run; pinned: refused
                             rejected.append(Rejection(   # by compile in one line
                                 {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},

@@ -13,11 +13,14 @@ tensor has 25216 rows of which the first stop - start = 25041 are real.
 An expert parameter under expert parallelism (passes/expert_parallel.py) is split the same
 way, along dim 0 (the experts), but over the expert group instead of the tensor group:
 `split_over="expert"`. Mixtral's w1 of 8 experts at ep = 2: expert rank 1 holds experts
-[4, 8), split_dim=0, start=4, stop=8; the tensor ranks all hold the same slice
-(replicated_over_tp), and the ranks of one expert-data group hold the same experts.
+[4, 8), split_dim=0, start=4, stop=8; the ranks of one expert-data group hold the same
+experts. With t > 1 each expert's FFN is also split over the tensor ranks (passes/sharding.py):
+replicated_over_tp=False, the tensor split in LocalParams.splits, and checkpoints gather it
+over the tensor group first (as a fused q/k/v), keeping the experts' slice.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -64,8 +67,8 @@ class ParamInfo:
 
     def whole(self) -> "ParamInfo":
         """The description of the tensor gathered whole over the tensor group."""
-        if self.expert:
-            return self
+        if self.expert:   # the experts' slice stays; whole over the tensor group
+            return dataclasses.replace(self, replicated_over_tp=True)
         return ParamInfo(key=self.key, aliases=self.aliases, global_shape=self.global_shape,
                          shared_with=self.shared_with)
 
@@ -88,18 +91,19 @@ def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int
     Worked example (the module docstring's wte): local (25216, 768), split (ParamSplit(0,
     (50257,), padded=50432), 50257), tp_rank 1 of 2 -> split_dim 0, [25216, 50257).
     experts: (E, start, stop) of an expert parameter spread over the expert group (dim 0);
-    it must not also be tensor-split (compile refuses ep > 1 with t > 1).
+    when it is also tensor-split (`split`), replicated_over_tp=False and the tensor split is
+    LocalParams.splits'.
     """
     shared_with = "embedding" if shared else None
     if experts is not None:
-        if split is not None:
-            raise ValueError(f"{key}: split over both the tensor group (dim {split[0].dim}) "
-                             f"and the expert group (dim 0); run expert parallelism with t=1")
         e, start, stop = experts
-        return ParamInfo(key=key, aliases=aliases,
-                         global_shape=global_shape or (e,) + tuple(local_shape[1:]),
+        if global_shape is None:
+            raise ValueError(f"describe_param({key!r}): experts={experts} without global_shape; "
+                             f"an expert slice needs the single-device shape: pass global_shape "
+                             f"(compile takes it from the captured graph)")
+        return ParamInfo(key=key, aliases=aliases, global_shape=global_shape,
                          split_dim=0, start=start, stop=stop, shared_with=shared_with,
-                         split_over="expert")
+                         split_over="expert", replicated_over_tp=split is None)
     if split is None:
         return ParamInfo(key=key, aliases=aliases, global_shape=global_shape or local_shape,
                          shared_with=shared_with)

@@ -66,6 +66,12 @@ def test_ep2_d2_program_matches_single_device(name):
     _check(name, dataclasses.replace(make_plan(d=2), ep=2))
 
 
+def test_t2_ep2_program_splits_experts_both_ways():
+    """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split
+    over the 2 tensor ranks (passes/sharding.py); full_state_dict gathers over both."""
+    _check("hf_mixtral", dataclasses.replace(make_plan(t=2, d=2), ep=2))
+
+
 def test_ep2_d4_program_reduces_experts_over_the_expert_data_group():
     """4 ranks: expert groups [0, 1] [2, 3], expert-data groups [0, 2] [1, 3] (the expert
     gradients summed over 2 ranks, divided by 4)."""
@@ -112,19 +118,20 @@ def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
     return losses, runner.full_state_dict()
 
 
-@pytest.mark.parametrize("saved_zero, t, d, ep, m, zero", [
-    (0, 1, 2, 1, 2, 0), (0, 1, 4, 4, 1, 0), (1, 1, 2, 1, 2, 0), (0, 1, 4, 2, 1, 1),
-    (0, 2, 1, 1, 4, 0)])
-def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_zero, t, d, ep, m,
-                                                           zero):
+@pytest.mark.parametrize("saved_t, saved_zero, t, d, ep, m, zero", [
+    (1, 0, 1, 2, 1, 2, 0), (1, 0, 1, 4, 4, 1, 0), (1, 1, 1, 2, 1, 2, 0), (1, 0, 1, 4, 2, 1, 1),
+    (1, 0, 2, 1, 1, 4, 0), (1, 0, 2, 2, 2, 2, 0), (2, 1, 1, 2, 1, 2, 0)])
+def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_t, saved_zero, t, d,
+                                                           ep, m, zero):
     """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments; under
     ZeRO-1 gathered from the shards), loaded at d=2 ep=1 (every expert on every rank), d=4
     ep=4 (one expert per rank), d=4 ep=2 ZeRO-1, or t=2 (every expert's FFN split over the
-    tensor ranks: each reads a box across the saved dim-0 pieces): the last step equals the
-    uninterrupted single-device run's."""
+    tensor ranks: each reads a box across the saved dim-0 pieces), or t=2 d=2 ep=2 (both
+    splits); and saved at t=2 d=2 ep=2 ZeRO-1 (the experts gathered over the tensor ranks
+    first), loaded at d=2 ep=1: the last step equals the uninterrupted single-device run's."""
     path = str(tmp_path / "ckpt")
-    spawn(_resume_rank, 2, dataclasses.replace(make_plan(d=2), ep=2, zero=saved_zero), path,
-          True, timeout_s=300)
+    saved = dataclasses.replace(make_plan(t=saved_t, d=2), ep=2, zero=saved_zero)
+    spawn(_resume_rank, saved.gpus, saved, path, True, timeout_s=300)
     plan = dataclasses.replace(make_plan(t=t, d=d, m=m), ep=ep, zero=zero)
     results = spawn(_resume_rank, plan.gpus, plan, path, False, timeout_s=300)
     ref = train(models.build("hf_mixtral", seed=0), _data(plan.global_batch_size), adamw,
@@ -150,17 +157,19 @@ def _pretrained_rank(rank: int, world: int, plan, directory: str) -> dict:
     return runner.full_state_dict()
 
 
-def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path):
+@pytest.mark.parametrize("t", [1, 2])
+def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path, t):
     """A safetensors directory of other weights (seed 5) under the model's own keys, loaded at
-    d=2 ep=2, each rank reading its 2 experts' rows: full_state_dict() equals the saved model's
+    d=2 ep=2 (and t=2), each rank reading its 2 experts' rows (and its tensor slice of them):
+    full_state_dict() equals the saved model's
     state dict. (transformers' save_pretrained of Mixtral writes the per-expert checkpoint
     keys, which load_pretrained does not convert, at any ep: see docs/known-gaps.md.)"""
     from safetensors.torch import save_file
     saved = models.build("hf_mixtral", seed=5)
     save_file({k: v.contiguous() for k, v in saved.state_dict().items()},
               str(tmp_path / SINGLE_FILE))
-    plan = dataclasses.replace(make_plan(d=2), ep=2)
-    state = spawn(_pretrained_rank, 2, plan, str(tmp_path), timeout_s=300)[0]
+    plan = dataclasses.replace(make_plan(t=t, d=2), ep=2)
+    state = spawn(_pretrained_rank, plan.gpus, plan, str(tmp_path), timeout_s=300)[0]
     want = saved.state_dict()
     assert list(state) == list(want)
     bad = [k for k, v in want.items() if not torch.equal(state[k], v)]

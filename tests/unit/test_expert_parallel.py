@@ -169,7 +169,7 @@ def test_solver_searches_ep_and_honours_a_pin():
 
 
 def test_a_free_ep_plans_only_what_compile_runs():
-    """A free ep never gives a configuration compile refuses (ep > 1 with t > 1 or zero > 1,
+    """A free ep never gives a configuration compile refuses (ep > 1 with zero 2/3,
     autopar.plan.expert_parallel_refusal): the plan and every alternative weighed run, the
     refused ones are rejected with the reason; a pinned ep may plan them, and compile then
     refuses in one line naming value, rule and fix."""
@@ -181,16 +181,16 @@ def test_a_free_ep_plans_only_what_compile_runs():
     a100 = get_cluster("dgx-a100-80gb")
     configs, rejected = enumerate_configs(prof, a100, 16, 64, Pins())
     assert {c.ep for c in configs} > {1}                           # ep > 1 still searched
-    assert all(expert_parallel_refusal(c.ep, c.t, c.zero) is None for c in configs)
+    assert all(expert_parallel_refusal(c.ep, c.zero) is None for c in configs)
     refused = [r for r in rejected if "not run by this runtime yet: ep=" in r.reason]
-    assert {r.config["t"] > 1 for r in refused} == {True, False}   # t > 1, and zero > 1 at t=1
-    assert all(r.config["ep"] > 1 for r in refused)
+    assert refused and all(r.config["ep"] > 1 and r.config["zero"] > 1 for r in refused)
+    assert any(c.t > 1 and c.ep > 1 for c in configs)              # experts over t and ep
     free = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64)
     check_program(free)
     pinned, _ = enumerate_configs(prof, a100, 16, 64, Pins(ep=4))
-    assert any(expert_parallel_refusal(c.ep, c.t, c.zero) for c in pinned)
-    plan = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64, ep=4, t=2)
-    with pytest.raises(ValueError, match=r"^plan.ep=4 with t=2: .*use t=1 with ep > 1, or ep=1"):
+    assert any(expert_parallel_refusal(c.ep, c.zero) for c in pinned)
+    plan = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64, ep=4, zero=3)
+    with pytest.raises(ValueError, match=r"^plan.ep=4 with zero=3: .*use zero=0 or 1 with ep > 1"):
         check_program(plan)
 
 
