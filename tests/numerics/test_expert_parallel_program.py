@@ -66,10 +66,13 @@ def test_ep2_d2_program_matches_single_device(name):
     _check(name, dataclasses.replace(make_plan(d=2), ep=2))
 
 
-def test_t2_ep2_program_splits_experts_both_ways():
+@pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True)])
+def test_t2_ep2_program_splits_experts_both_ways(name, sp):
     """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split
-    over the 2 tensor ranks (passes/sharding.py); full_state_dict gathers over both."""
-    _check("hf_mixtral", dataclasses.replace(make_plan(t=2, d=2), ep=2))
+    over the 2 tensor ranks (passes/sharding.py); full_state_dict gathers over both. With
+    sequence parallelism the tokens are gathered before the routing, so each tensor rank
+    dispatches all of its replica's rows to the expert group."""
+    _check(name, dataclasses.replace(make_plan(t=2, d=2), ep=2, sequence_parallel=sp))
 
 
 def test_ep2_d4_program_reduces_experts_over_the_expert_data_group():
