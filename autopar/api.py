@@ -53,7 +53,8 @@ class ParallelProgram:
 
     def __repr__(self) -> str:
         cp = f"c{self.plan.c}·" if self.plan.c > 1 else ""
-        return f"ParallelProgram(plan=t{self.plan.t}·{cp}p{self.plan.p}·d{self.plan.d}, " \
+        ep = f" ep{self.plan.ep}" if self.plan.ep > 1 else ""
+        return f"ParallelProgram(plan=t{self.plan.t}·{cp}p{self.plan.p}·d{self.plan.d}{ep}, " \
                f"v={self.plan.v}, schedule={self.plan.schedule!r})"
 
     def _build(self):
@@ -108,7 +109,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 plan: Plan | None = None, init: Callable | None = None,
                 tokens: float | None = None,
                 critical_batch_tokens: float | None = None,
-                c: int | None = None) -> ParallelProgram:
+                c: int | None = None, ep: int | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
     `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
@@ -127,6 +128,12 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
 
     `c` pins the context-parallel degree (each sequence split over c ranks in 2c chunks; the
     world is t·c·p·d); None lets the solver choose it with the others.
+
+    `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
+    spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
+    number of experts; autopar/runtime/groups.py expert_groups); None lets the solver choose
+    among what compile() runs (ep > 1 with zero 0/1); a pinned ep may plan the rest,
+    which compile() refuses in one line (autopar.plan.expert_parallel_refusal).
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
@@ -135,8 +142,14 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         raise ValueError("parallelize: example_inputs must be a non-empty tuple of model inputs, "
                          "e.g. example_inputs=(input_ids,)")
     example_inputs = tuple(example_inputs)
-    _check_pins(global_batch_size=global_batch_size, t=t, p=p, d=d, v=v,
+    _check_pins(global_batch_size=global_batch_size, t=t, p=p, d=d, v=v, ep=ep,
                 micro_batch_size=micro_batch_size, microbatch_group=microbatch_group)
+    if ep is not None and d is not None:
+        from autopar.runtime.groups import check_expert_degree
+        try:
+            check_expert_degree(ep, c=c or 1, d=d)
+        except ValueError as exc:
+            raise ValueError(f"parallelize: {exc}") from None
     _check_context(model, example_inputs)
     if loss_fn is cross_entropy:
         _check_language_model(model)
@@ -186,7 +199,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
             profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
             zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
-            max_alternatives=max_alternatives, c=c), profile)
+            max_alternatives=max_alternatives, c=c, ep=ep), profile)
 
     if tokens is None:
         plan = solve_at(global_batch_size)
@@ -204,7 +217,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     if cp_refused is not None and seq_len > 1:
         notes.append(f"context parallelism not offered (c=1): {cp_refused}")
     plan = dataclasses.replace(plan, notes=tuple(notes), parameters=parameter_signature(model))
-    pins = {"t": t, "c": c_pinned, "p": p, "d": d, "v": v, "micro_batch_size": micro_batch_size,
+    pins = {"t": t, "c": c_pinned, "ep": ep, "p": p, "d": d, "v": v, "micro_batch_size": micro_batch_size,
             "schedule": schedule, "recompute": recompute, "zero": zero,
             "sequence_parallel": sequence_parallel, "microbatch_group": microbatch_group}
     return ParallelProgram(model=model, plan=plan, profile=profile,

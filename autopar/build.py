@@ -10,7 +10,9 @@ per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after ea
                         then, when plan.t > 1 and the schedule does not split the backward
                         into B and W, passes.overlap's fusion of each column-parallel entry
                         with its projections (the input gradient's all-reduce overlaps the
-                        weight gradients)
+                        weight gradients), and the expert-parallel rewrite (plan.ep > 1,
+                        passes/expert_parallel.py: this expert rank's E/ep experts, tokens
+                        exchanged by all-to-all)
     split_chunks        the plan's p·v chunks
     chunk_passes        per chunk, the loss in fp32 (passes/loss_precision.py: a no-op under
                         fp32, fp32 logits under bf16), then recompute per plan.recompute (whole
@@ -31,6 +33,7 @@ import torch.fx
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.device import DEVICE_PASS
+from autopar.passes.expert_parallel import expert_parallel_pass
 from autopar.passes.context_parallel import context_parallel_pass
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.loss_precision import fp32_loss_pass
@@ -59,22 +62,26 @@ class BuiltProgram:
     _attrs: list[set[str]] | None = None
 
     def chunks(self, tp_rank: int = 0, pp_rank: int | None = None, *,
-               weights: bool = True) -> list[torch.fx.GraphModule]:
+               weights: bool = True, ep_rank: int = 0) -> list[torch.fx.GraphModule]:
         """The p·v chunk GraphModules as tensor rank `tp_rank` runs them.
 
         Which weights are real tensors (local shards only, issue 3): with `pp_rank`, only
         those of pipeline rank pp_rank's chunks (c ≡ pp_rank mod p) — the other chunks' are
         meta tensors of their local shape, so no rank ever holds the whole model; with
         weights=False none (code generation needs shapes only); with neither, all chunks'
-        (single-process inspection and tests). Cached per (tp_rank, pp_rank, weights).
+        (single-process inspection and tests). ep_rank: the expert rank whose E/ep experts
+        the chunks keep (plan.ep > 1). Cached per (tp_rank, pp_rank, weights, ep_rank).
         """
         if not 0 <= tp_rank < self.plan.t:
             raise ValueError(f"tp_rank={tp_rank}: must lie in [0, t={self.plan.t})")
         if pp_rank is not None and not 0 <= pp_rank < self.plan.p:
             raise ValueError(f"pp_rank={pp_rank}: must lie in [0, p={self.plan.p})")
-        key = (tp_rank, pp_rank if weights else None, weights)
+        if not 0 <= ep_rank < self.plan.ep:
+            raise ValueError(f"ep_rank={ep_rank}: must lie in [0, ep={self.plan.ep})")
+        key = (tp_rank, pp_rank if weights else None, weights, ep_rank)
         if key not in self._chunks:
-            self._chunks[key] = self._cut(tp_rank, self._materialize(pp_rank, weights))
+            self._chunks[key] = self._cut(tp_rank, self._materialize(pp_rank, weights),
+                                          ep_rank)
         return self._chunks[key]
 
     def user_tensors(self) -> dict[int, torch.Tensor]:
@@ -82,9 +89,9 @@ class BuiltProgram:
         build shares them, never writes them; whoever trains must copy them)."""
         return {id(x): x for x in list(self.gm.parameters()) + list(self.gm.buffers())}
 
-    def release(self, tp_rank: int, pp_rank: int | None = None) -> None:
+    def release(self, tp_rank: int, pp_rank: int | None = None, ep_rank: int = 0) -> None:
         """Forget cached chunks so their weights are freed once the runtime owns copies."""
-        self._chunks.pop((tp_rank, pp_rank, True), None)
+        self._chunks.pop((tp_rank, pp_rank, True, ep_rank), None)
 
     def _materialize(self, pp_rank: int | None, weights: bool) -> set[str] | None:
         if not weights:
@@ -96,19 +103,21 @@ class BuiltProgram:
         p, n = self.plan.p, len(self.plan.stages)
         return set().union(*(self._attrs[c] for c in range(pp_rank, n, p)))
 
-    def _cut(self, tp_rank: int, materialize: set[str] | None) -> list[torch.fx.GraphModule]:
+    def _cut(self, tp_rank: int, materialize: set[str] | None,
+             ep_rank: int = 0) -> list[torch.fx.GraphModule]:
         # the passes work in place: on a copy of the graph and module tree that shares the
         # tensors (they replace attributes, never write into a tensor), so a real model's
         # weights are not duplicated on every rank
         gm = run_passes(copy.deepcopy(self.gm, self.user_tensors()),
-                        self._full_graph_passes(tp_rank, materialize))
+                        self._full_graph_passes(tp_rank, materialize, ep_rank))
         if K.TP_INFO in gm.meta:
             self.tp_results[tp_rank] = gm.meta[K.TP_INFO]
         chunk_passes = [fp32_loss_pass(), recompute_pass(self.plan.recompute)]
         return [run_passes(c, chunk_passes)
                 for c in split_chunks(gm, self.plan, prefix=self.prefix)]
 
-    def _full_graph_passes(self, tp_rank: int, materialize: set[str] | None) -> list[Pass]:
+    def _full_graph_passes(self, tp_rank: int, materialize: set[str] | None,
+                           ep_rank: int = 0) -> list[Pass]:
         # group=None: the graph gets a placeholder tensor group (get_attr `tp_group`) that the
         # runtime binds to this rank's real group when it loads the generated chunk.
         # With t = 1 the rewrite only materialises meta parameters (global-shape init of their
@@ -122,6 +131,8 @@ class BuiltProgram:
             passes.append(context_parallel_pass(self.plan))
         if self.plan.t > 1 and self.plan.schedule not in SPLIT_BACKWARD:
             passes.append(OVERLAP_PASS)
+        if self.plan.ep > 1:   # group None: `ep_group`, bound by the runtime to its group
+            passes.append(expert_parallel_pass(self.plan.ep, ep_rank))
         return passes + [DEVICE_PASS]
 
 

@@ -27,8 +27,8 @@ def _plan_from_args(args: argparse.Namespace):
     else:
         batch = args.batch or (defaults.global_batch_size if defaults else inputs[0].shape[0])
         _note_defaults(args, batch, inputs)
-    pins = {k: getattr(args, k) for k in ("t", "c", "p", "d", "v", "schedule", "recompute",
-                                          "zero")
+    pins = {k: getattr(args, k) for k in ("t", "c", "ep", "p", "d", "v", "schedule",
+                                          "recompute", "zero")
             if getattr(args, k) is not None}
     if args.micro_batch is not None:
         pins["micro_batch_size"] = args.micro_batch
@@ -63,7 +63,7 @@ def _defaults_line(args: argparse.Namespace) -> str:
     return f"defaults you did not set: {', '.join(used)}" if used else ""
 
 
-_POSITIVE = ("gpus", "batch", "seq", "t", "c", "p", "d", "v", "micro_batch", "top")
+_POSITIVE = ("gpus", "batch", "seq", "t", "c", "ep", "p", "d", "v", "micro_batch", "top")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -174,6 +174,8 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--seq", type=int, help="sequence length")
     for knob in ("t", "c", "p", "d", "v", "zero"):
         sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
+    sp.add_argument("--ep", type=int, help="pin the expert-parallel degree (a mixture of "
+                                           "experts: experts over ep of the c·d ranks)")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
     sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
                                                "interleaved-zb"])

@@ -32,8 +32,9 @@ from autopar.build import BuiltProgram, build_program
 from autopar.codegen import chunk_file_name, load_chunk_module, render_chunk
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
+from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import ZERO_LEVELS, Plan, check_model
+from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
 from autopar.runtime.context import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
@@ -72,6 +73,9 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
             f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
             f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
+    why = expert_parallel_refusal(plan.ep, plan.zero)
+    if why:
+        raise ValueError(f"plan.{why} (parallelize(..., ep=1) / --ep 1)")
     if plan.c > 1 and plan.sequence_parallel and plan.t > 1 \
             and (plan.seq_len // plan.c) % plan.t:
         raise ValueError(
@@ -126,11 +130,12 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     built = build_program(prog)             # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
     device = init_distributed(plan.gpus, timeout_s=timeout_s)
-    pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, timeout_s=timeout_s)
-    graphs = built.chunks(pg.tp_rank, pg.pp_rank)    # only this rank's chunks hold weights
+    pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s)
+    # only this rank's chunks hold weights (and of the experts, this expert rank's)
+    graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
     chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
     params = _local_params(built, graphs, chunks, names, pg)
-    built.release(pg.tp_rank, pg.pp_rank)            # the runner owns its weights now
+    built.release(pg.tp_rank, pg.pp_rank, pg.ep_rank)   # the runner owns its weights now
     dtype = PRECISIONS[precision]
     if dtype != torch.float32:
         _retype_boundaries(chunks, dtype)
@@ -158,6 +163,7 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
     owned: dict[str, torch.nn.Parameter] = {}   # one tensor per name (tied weights share it)
     names: dict[tuple[int, str], str] = {}
     objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank, pg.cp_rank),
+               EP_GROUP_ATTR: pg.expert,
                RANK_DEVICE: device,
                "cp": ContextShard(group=pg.context, c=pg.c, cp_rank=pg.cp_rank,
                                   seq_len=plan.seq_len)}
@@ -233,6 +239,7 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
                              f"only weights shared by the first and last stage (tied "
                              f"embeddings) are supported")
     splits = _tp_splits(graphs, chunks) if pg.t > 1 else {}
+    experts = _expert_slices(graphs, chunks)
     keys = _user_keys(built)
     full_shapes = {k: tuple(v.shape) for k, v in   # tied weights under every name
                    built.gm.named_parameters(remove_duplicate=False)}
@@ -243,10 +250,25 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
         infos[q] = describe_param(
             key=key, aliases=tuple(k for k in own_keys if k != key),
             local_shape=tuple(p.shape), global_shape=full_shapes.get(built.prefix + q),
-            split=splits.get(q), tp_rank=pg.tp_rank, t=pg.t, shared=q in shared)
+            split=splits.get(q), tp_rank=pg.tp_rank, t=pg.t, shared=q in shared,
+            experts=experts.get(q))
     return LocalParams(tensors=tensors, infos=infos,
                        first_chunk={c: tuple(qs) for c, qs in first_chunk.items()},
                        used_by={q: frozenset(cs) for q, cs in used_by.items()}, splits=splits)
+
+
+def _expert_slices(graphs: list[torch.fx.GraphModule], chunks: dict[int, LoadedChunk]
+                   ) -> dict[str, tuple[int, int, int]]:
+    """Graph name -> (experts, start, stop) of this rank's expert parameters, from the
+    expert-parallel pass's metadata on the chunk graphs."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for c in chunks:
+        spec = graphs[c].meta[K.CHUNK]
+        for n in graphs[c].graph.nodes:
+            if n.op == "get_attr" and K.EP_PARAM in n.meta and n.target in spec.params:
+                s = n.meta[K.EP_PARAM]
+                out[spec.params[n.target]] = (s.experts, s.start, s.stop)
+    return out
 
 
 def _user_keys(built: BuiltProgram) -> dict[str, list[str]]:

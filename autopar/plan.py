@@ -107,6 +107,9 @@ class Prediction:
     # the K/V all-gathers (and their reduce-scatters in backward) of context parallelism,
     # exposed on the critical rank; 0 for c = 1 (and in plans written before c existed)
     cp_comm_s: float = 0.0
+    # the experts' token all-to-alls (dispatch and combine, forward and backward) of expert
+    # parallelism on the critical rank; 0 for ep = 1 (and in plans written before ep existed)
+    ep_comm_s: float = 0.0
     memory: Memory | None = None
     # per pipeline rank, by part (`memory` is the heaviest of them); and the attention kernel
     # the prediction priced ("flash" | "materialized", cost/hardware.py Cluster.attention)
@@ -119,7 +122,8 @@ class Prediction:
         return {"compute": self.compute_s, "tensor-parallel comm": self.tp_comm_s,
                 "pipeline p2p": self.pp_comm_s, "data-parallel comm": self.dp_comm_s,
                 "bubble": self.bubble_s, "optimizer": self.optimizer_s,
-                "context-parallel comm": self.cp_comm_s}
+                "context-parallel comm": self.cp_comm_s,
+                "expert-parallel comm": self.ep_comm_s}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +136,7 @@ class Alternative:
 
     def label(self) -> str:
         c = self.config
-        keys = ("t", "c", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
+        keys = ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
                 "sequence_parallel")
         short = {"micro_batch_size": "b", "sequence_parallel": "sp"}
         return " ".join(f"{short.get(k, k)}={c[k]}" for k in keys if k in c)
@@ -177,6 +181,11 @@ class Plan:
     # context parallelism: each sequence split over c ranks (2c chunks, rank i holding chunks
     # i and 2c-1-i); the world is t·c·p·d. Old plan.json files have no c: 1.
     c: int = 1
+    # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the
+    # same dense weights (each holds experts/ep of them; tokens reach their experts by
+    # all-to-all); expert gradients are reduced over the c·d/ep ranks holding the same experts
+    # (autopar/runtime/groups.py expert_groups). Old plan.json files have no ep: 1.
+    ep: int = 1
     v: int
     micro_batch_size: int
     num_microbatches: int
@@ -259,6 +268,16 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
+def expert_parallel_refusal(ep: int, zero: int) -> str | None:
+    """Why the runtime cannot run expert parallelism `ep` with ZeRO level `zero` (None when it
+    can): compile refuses it in one line and the solver does not choose it for a free ep
+    (cost/solver.py), so a free plan always runs."""
+    if ep > 1 and zero > 1:
+        return (f"ep={ep} with zero={zero}: ZeRO-2/3 do not yet shard the expert weights over "
+                f"the expert-data group; use zero=0 or 1 with ep > 1, or ep=1")
+    return None
+
+
 def parameter_signature(model: Any) -> tuple[str, ...]:
     """What Plan.parameters records of a model: "name (d0, d1, ...)" per parameter (tied
     weights once), in named_parameters() order; shapes only, so a meta model gives the same."""
@@ -302,10 +321,15 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
 
 
 def _validate_plan(plan: Plan) -> None:
-    for name in ("t", "p", "d", "c", "v", "micro_batch_size", "num_microbatches"):
+    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches"):
         value = getattr(plan, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"Plan.{name}={value!r}: must be a positive integer")
+    if (plan.c * plan.d) % plan.ep:
+        raise ValueError(f"Plan.ep={plan.ep} with c·d = {plan.c}·{plan.d} = {plan.c * plan.d}: "
+                         f"the expert-parallel ranks are drawn from the c·d ranks that hold "
+                         f"the same dense weights, so ep must divide {plan.c * plan.d}; pick an "
+                         f"ep that divides it (ep=1 for none)")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "
                          f"each sequence into 2c = {2 * plan.c} equal chunks; use a sequence "

@@ -72,7 +72,9 @@ def format_plan(plan: "Plan") -> str:
         f"  degrees        t={plan.t} (tensor)  "
         + (f"c={plan.c} (context: each sequence in {2 * plan.c} chunks of "
            f"{plan.seq_len // (2 * plan.c)} tokens)  " if plan.c > 1 else "")
-        + f"p={plan.p} (pipeline)  d={plan.d} (data)  v={plan.v} (chunks/rank)",
+        + f"p={plan.p} (pipeline)  d={plan.d} (data)  v={plan.v} (chunks/rank)"
+        + (f"  ep={plan.ep} (experts over {plan.ep} of the c·d ranks, tokens by all-to-all)"
+           if plan.ep > 1 else ""),
         f"  batch          global {plan.global_batch_size} = micro-batch {plan.micro_batch_size}"
         f" × {plan.num_microbatches} micro-batches × d {plan.d}; sequence {plan.seq_len}",
         f"  schedule       {plan.schedule}{_group(plan)}   recompute {plan.recompute}   "
@@ -194,12 +196,17 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
     feasible = [a for a in plan.alternatives if a.feasible and a.predicted is not None]
     feasible.sort(key=lambda a: a.predicted.step_time_s)
     rejected = [a for a in plan.alternatives if not a.feasible]
-    lines = [f"Why t={plan.t} c={plan.c} p={plan.p} d={plan.d} v={plan.v} "
+    lines = [f"Why t={plan.t} c={plan.c} ep={plan.ep} p={plan.p} d={plan.d} v={plan.v} "
              f"b={plan.micro_batch_size} "
              f"{plan.schedule} recompute={plan.recompute} zero={plan.zero}: "
              f"predicted {_fmt_s(best)} per step, {_bubble(plan.predicted.bubble_fraction)},"
              f" the fastest of {len(feasible)} feasible configurations weighed.",
-             _context_reason(plan, feasible, rejected), "",
+             _degree_reason(plan, feasible, rejected, "c", "Context parallelism", (
+                 "no plan with another c was weighed (c pinned, or no c > 1 divides the GPUs "
+                 "and the sequence into 2c chunks).")),
+             _degree_reason(plan, feasible, rejected, "ep", "Expert parallelism", (
+                 "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
+                 "ep > 1 divides both c·d and the experts per layer).")), "",
              "Ranked feasible alternatives (best per knob set):"]
     lines += [_alt_row(i + 1, a, best) for i, a in enumerate(feasible[:top])]
     if len(feasible) > top:
@@ -220,25 +227,26 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _context_reason(plan: "Plan", feasible: list, rejected: list) -> str:
-    """Why the plan's context-parallel degree c: the best weighed plan with another c (its
-    cost terms against the chosen one's), or why none with another c was feasible."""
-    others = [a for a in feasible if a.config.get("c", 1) != plan.c]
-    lost = [a for a in rejected if a.config.get("c", plan.c) != plan.c]
-    head = f"Context parallelism c={plan.c}: "
+def _degree_reason(plan: "Plan", feasible: list, rejected: list, knob: str, title: str,
+                   none: str) -> str:
+    """Why the plan's degree `knob` (c or ep): the best weighed plan with another value (its
+    cost terms against the chosen one's), or why none with another value was feasible."""
+    mine = getattr(plan, knob)
+    others = [a for a in feasible if a.config.get(knob, 1) != mine]
+    lost = [a for a in rejected if a.config.get(knob, mine) != mine]
+    head = f"{title} {knob}={mine}: "
     if others:
         a = others[0]
         diffs = sorted(((v - plan.predicted.terms()[k], k) for k, v in a.predicted.terms().items()),
                        reverse=True)
         worse = ", ".join(f"{k} {_fmt_s(dv)} larger" for dv, k in diffs[:2] if dv > 0)
-        return (head + f"the best plan with c={a.config.get('c', 1)} ({a.label()}) takes "
+        return (head + f"the best plan with {knob}={a.config.get(knob, 1)} ({a.label()}) takes "
                 f"{_fmt_s(a.predicted.step_time_s)} per step vs {_fmt_s(plan.predicted.step_time_s)}"
                 + (f" ({worse})" if worse else "") + ".")
     if lost:
-        return head + f"every weighed plan with another c was rejected, e.g. c=" \
-            f"{lost[0].config.get('c', 1)}: {lost[0].reason}."
-    return head + "no plan with another c was weighed (c pinned, or no c > 1 divides the GPUs " \
-        "and the sequence into 2c chunks)."
+        return head + f"every weighed plan with another {knob} was rejected, e.g. {knob}=" \
+            f"{lost[0].config.get(knob, 1)}: {lost[0].reason}."
+    return head + none
 
 
 def _group(plan: Plan) -> str:

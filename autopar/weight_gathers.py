@@ -59,6 +59,21 @@ def plan_gathers(actions: Sequence[Any], *, keep: int = 2,
     uses: dict[int, list[int]] = {}
     for k, (_, c, _) in enumerate(computes):
         uses.setdefault(c, []).append(k)
+    # run_end[k]: the first compute after k of another chunk; the prefetch scan below skips a
+    # run of one chunk at once (its computes are all gathered or none is), which keeps it
+    # linear in the runs rather than the computes (breadth-first runs m of one chunk in a row)
+    run_end = [len(computes)] * len(computes)
+    for k in range(len(computes) - 2, -1, -1):
+        run_end[k] = k + 1 if computes[k + 1][1] != computes[k][1] else run_end[k + 1]
+
+    def next_missing(k: int) -> int | None:
+        """The first compute within `lookahead` after k whose chunk is not gathered."""
+        j, stop = k + 1, min(k + 1 + lookahead, len(computes))
+        while j < stop:
+            if computes[j][1] not in live:
+                return j
+            j = run_end[j]
+        return None
 
     def next_use(c: int, k: int) -> float:
         i = bisect.bisect_right(uses[c], k)
@@ -89,8 +104,7 @@ def plan_gathers(actions: Sequence[Any], *, keep: int = 2,
     for k, (n, c, kind) in enumerate(computes):
         if c not in live:
             gather(c, n, k, {c}, k)
-        upcoming = next((j for j in range(k + 1, min(k + 1 + lookahead, len(computes)))
-                         if computes[j][1] not in live), None)
+        upcoming = next_missing(k)
         if upcoming is not None:                                     # prefetch
             gather(computes[upcoming][1], n, k, {c, computes[upcoming][1]}, upcoming)
         if kind == "B":

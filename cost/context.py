@@ -77,7 +77,8 @@ def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int) -> Regi
         act_attention_bytes=_div(r.act_attention_bytes, c),
         input_bytes=_div(r.input_bytes, c), other_bytes=_div(r.other_bytes, c),
         other_split_bytes=_div(r.other_split_bytes, c),
-        tp_allreduce_elems=_div(r.tp_allreduce_elems, c), fused=fused, cp_gather_elems=kv)
+        tp_allreduce_elems=_div(r.tp_allreduce_elems, c), fused=fused, cp_gather_elems=kv,
+        expert_dispatch_elems=_div(r.expert_dispatch_elems, c))
 
 
 def _fallback(f: TPRegionFallback, c: int) -> TPRegionFallback:

@@ -82,6 +82,16 @@ Mechanisms (one each, no per-configuration constants):
   is issued ahead of (a prefetched gather) or runs under (a reduce-scatter before the next):
       exposed = Σ_gathers max(0, G − lead·forward) + Σ_reduces max(0, R − lead·backward)
   per chunk, i.e. per layer / v (`_sharded_dp_terms_s`).
+- Expert parallelism (ep > 1, a mixture of experts): each of ep ranks of a gradient group
+  holds E/ep of every layer's experts (their weights, gradients and Adam states / ep; ZeRO
+  shards them over the c·d/ep ranks holding the same experts), and the expert gradients are
+  reduced over those c·d/ep ranks (`expert_data_groups`, stride t·ep), the rest over c·d.
+  Tokens reach their experts' rank by an all-to-all and come back by another, per MoE layer:
+  2 in forward, 2 in backward (the reverse exchanges of the gradients), 2 more forward under
+  full recompute, each of micro-batch · tokens · top-k · hidden elements per rank, (ep−1)/ep
+  of them leaving the rank (`alltoall_s`), exposed (Megatron-Core's dispatcher runs them on
+  the compute stream), on the link the expert group spans (stride t, ep ranks). Routing is
+  priced balanced: every rank computes tokens · k expert rows, as without ep.
 - Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
   recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
   (SCHEDULE_TRAITS, equal to autopar.schedules.peak_inflight on the action lists:
@@ -125,6 +135,9 @@ BWD_ELEMENTWISE_FACTOR = 2.0
 
 
 # ----- configuration ---------------------------------------------------------------------------
+_INT_ONLY = {int}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """One parallel configuration (everything but the stage boundaries)."""
@@ -132,6 +145,7 @@ class Config:
     p: int
     d: int
     c: int = 1                            # context parallelism (cost/context.py)
+    ep: int = 1                           # expert parallelism over the c·d ranks
     v: int = 1
     micro_batch_size: int = 1
     num_microbatches: int = 1
@@ -142,10 +156,18 @@ class Config:
     microbatch_group: int | None = None   # N of the interleaved schedules (None: p)
 
     def __post_init__(self) -> None:
-        for name in ("t", "p", "d", "c", "v", "micro_batch_size", "num_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Config.{name}={value!r}: must be a positive integer")
+        counts = (self.t, self.p, self.d, self.c, self.ep, self.v, self.micro_batch_size,
+                  self.num_microbatches)
+        # checked in C when all are plain ints (the solver builds ~10^5 configurations per
+        # solve); otherwise one by one, for the message
+        if set(map(type, counts)) != _INT_ONLY or min(counts) < 1:
+            for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"Config.{name}={value!r}: must be a positive integer")
+        if self.replicas % self.ep:
+            raise ValueError(f"Config.ep={self.ep}: must divide c·d = {self.replicas} (the "
+                             f"expert-parallel ranks are drawn from them)")
         if self.schedule not in SCHEDULE_TRAITS:
             raise ValueError(f"Config.schedule={self.schedule!r}: the cost model supports "
                              f"{sorted(SCHEDULE_TRAITS)}")
@@ -165,7 +187,7 @@ class Config:
     @classmethod
     def of_plan(cls, plan: "Plan") -> "Config":
         """The configuration of a Plan (everything but its stages)."""
-        return cls(t=plan.t, p=plan.p, d=plan.d, c=plan.c, v=plan.v,
+        return cls(t=plan.t, p=plan.p, d=plan.d, c=plan.c, ep=plan.ep, v=plan.v,
                    micro_batch_size=plan.micro_batch_size,
                    num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                    recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
@@ -471,6 +493,15 @@ def allgather_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
     return lat + (n - 1) / n * nbytes / bw
 
 
+def alltoall_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """All-to-all in which each of n ranks holds nbytes and keeps 1/n of them: (n-1)/n · bytes /
+    bandwidth + latency (every rank sends and receives at once, pairwise exchanges)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = _link(cluster, inter)
+    return lat + (n - 1) / n * nbytes / bw
+
+
 def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
     if nbytes <= 0:
         return 0.0
@@ -502,10 +533,11 @@ class LoadCosts:
     head_ns: int             # last chunk extra per micro-batch
     p2p_ns: int              # per rank per micro-batch (all its chunks' sends/receives)
     layer_cp_ns: int = 0     # per layer per micro-batch: context-parallel K/V exchange
+    layer_ep_ns: int = 0     # per layer per micro-batch: the experts' token all-to-alls
 
     @property
     def layer_ns(self) -> int:
-        return self.layer_compute_ns + self.layer_tp_ns + self.layer_cp_ns
+        return self.layer_compute_ns + self.layer_tp_ns + self.layer_cp_ns + self.layer_ep_ns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -635,6 +667,13 @@ def shard_params_elems(profile: ModelProfile, t: int,
     return block, embp, headp
 
 
+def expert_params_elems(profile: ModelProfile, t: int, ep: int = 1) -> float:
+    """Expert parameters of one block on one rank: the experts' weights split by t (expert
+    tensor parallelism) and spread over ep ranks, E/ep experts each (part of
+    `shard_params_elems`' block term, which counts them at ep = 1)."""
+    return profile.block.expert_params_elems / (t * ep)
+
+
 def _tied_table_elems(profile: ModelProfile, t: int, sp: bool) -> float:
     """Elements of the (tied) word embedding on one tensor rank, as the gradient sync sees it."""
     ef = _fallback(profile, "embedding", t, sp).params_elems
@@ -714,6 +753,26 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     return one, (3 if cfg.recompute == "full" else 2) * one
 
 
+def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
+    """(forward, forward + backward + recompute) seconds per layer per micro-batch of the
+    experts' token exchange under expert parallelism, on a profile restated for cfg.c.
+
+    Per MoE layer the dispatch all-to-all sends each token's hidden vector to the ranks of its
+    k experts and the combine brings the results back: 2 in forward, their reverses in
+    backward, 2 more under full recompute (Megatron-Core's alltoall token dispatcher, exposed).
+    Each rank exchanges micro-batch · its tokens · k · hidden elements
+    (`RegionProfile.expert_dispatch_elems`; every tensor rank of a replicated token stream
+    sends them for its expert shards), (ep−1)/ep of them leaving it, over the expert group:
+    ep ranks at stride t (groups.expert_groups), inside a node when t·ep <= GPUs per node."""
+    elems = profile.block.expert_dispatch_elems
+    if cfg.ep <= 1 or not elems:
+        return 0.0, 0.0
+    inter = group_spans_nodes(cluster, stride=cfg.t, size=cfg.ep, gpus=cfg.gpus)
+    one = alltoall_s(cluster, cfg.micro_batch_size * elems * profile.activation_bytes_per_elem,
+                     cfg.ep, inter)
+    return 2 * one, (6 if cfg.recompute == "full" else 4) * one
+
+
 def _block_times_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
                       memo: dict) -> tuple[float, float, float]:
     """`_block_times_s` of cfg's (t, b, recompute, sp, TP link, c), cached in `memo`;
@@ -728,9 +787,11 @@ def _block_times_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
 
 
 def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                 memo: dict | None = None) -> tuple[float, float, float, float, float, float]:
-    """(layer compute, layer TP comm, embedding, head, rank p2p, layer context-parallel comm)
-    seconds per micro-batch, on one context rank's share of the sequences.
+                 memo: dict | None = None
+                 ) -> tuple[float, float, float, float, float, float, float]:
+    """(layer compute, layer TP comm, embedding, head, rank p2p, layer context-parallel comm,
+    layer expert all-to-alls) seconds per micro-batch, on one context rank's share of the
+    sequences.
 
     `memo` (optional, any dict) caches the parts shared by many configurations within one
     solve; the result does not depend on it.
@@ -743,6 +804,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     pp_inter = group_spans_nodes(cluster, stride=t * cfg.c * d, size=p, gpus=cfg.gpus)
     comp_s, tp_s, _ = _block_times_memo(profile, cluster, cfg, memo)
     cp_s = context_comm_s(profile, cluster, cfg)[1]
+    ep_s = expert_comm_s(profile, cluster, cfg)[1]
     key = ("edge", t, b, sp, tp_inter, cfg.c)
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
@@ -758,8 +820,9 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
         p2p_total = 2 * v * one
         if cfg.microbatch_group is not None and cfg.microbatch_group > p:
             p2p_total = _grouped_p2p_s(one, p, v, cfg.microbatch_group,
-                                       (comp_s + tp_s + cp_s) * profile.num_layers / (p * v))
-    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s
+                                       (comp_s + tp_s + cp_s + ep_s) * profile.num_layers
+                                       / (p * v))
+    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
 
 
 def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float) -> float:
@@ -782,9 +845,10 @@ def _ns(seconds: float) -> int:
 def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                memo: dict | None = None) -> LoadCosts:
     """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
-    comp, tp, emb, head, p2p, cp = (_ns(x) for x in load_parts_s(profile, cluster, cfg, memo))
+    comp, tp, emb, head, p2p, cp, ep = (_ns(x) for x in load_parts_s(profile, cluster, cfg,
+                                                                       memo))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
-                     p2p_ns=p2p, layer_cp_ns=cp)
+                     p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
@@ -796,20 +860,26 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
     fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]
-                     + context_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
+                     + context_comm_s(profile, cluster, cfg)[0]
+                     + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
     comp_s = lc.layer_compute_ns / NS
     block_p, emb_p, head_p = shard_params_elems(profile, t, sp)
+    # expert parallelism: the rank holds E/ep of the experts (block_e), the dense rest whole
+    block_e = expert_params_elems(profile, t, cfg.ep) if cfg.ep > 1 else 0.0
+    if cfg.ep > 1:
+        block_p -= expert_params_elems(profile, t)
 
     dp_layer, window_layer, dp_first, dp_last = _dp_terms_s(
-        profile, cluster, cfg, memo, block_p, emb_p, head_p, comp_s)
+        profile, cluster, cfg, memo, block_p, emb_p, head_p, comp_s, block_e)
 
     own = 1.0 / d if zt.sharded_optimizer else 1.0
+    own_e = cfg.ep / d if zt.sharded_optimizer else 1.0   # experts sharded over c·d/ep
     adam = lambda params: params * own * ADAM_BYTES_PER_PARAM / (  # noqa: E731
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
 
     mem_layer, mem_fixed, parts, fparts, (act_layer, act_emb, act_head, pend_layer,
                                           pend_head) = \
-        _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo)
+        _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo, block_e)
 
     flops_fwd_seq, rec_seq = _flops_per_seq(profile, t, cfg.recompute, memo, cfg.c)
     # a rank's share of a sequence is 1/c of its FLOPs (the balanced split): the sequence's are c×
@@ -819,8 +889,10 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     return ConfigCosts(
         cfg=cfg, layer_compute_ns=lc.layer_compute_ns, layer_tp_ns=lc.layer_tp_ns,
         embed_ns=lc.embed_ns, head_ns=lc.head_ns, p2p_ns=lc.p2p_ns, layer_cp_ns=lc.layer_cp_ns,
+        layer_ep_ns=lc.layer_ep_ns,
         dp_layer_ns=ns(dp_layer), dp_first_ns=ns(dp_first), dp_last_ns=ns(dp_last),
-        window_layer_ns=ns(window_layer), opt_layer_ns=ns(adam(block_p)),
+        window_layer_ns=ns(window_layer),
+        opt_layer_ns=ns(adam(block_p) + adam(block_e * own_e / own)),
         opt_first_ns=ns(adam(emb_p)), opt_last_ns=ns(adam(head_p)),
         mem_layer_bytes=mem_layer, mem_fixed_bytes=mem_fixed,
         capacity_bytes=int(cluster.usable_memory_bytes),
@@ -832,13 +904,15 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
 
 
 def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict | None,
-                block_p: float, emb_p: float, head_p: float, comp_s: float
-                ) -> tuple[float, float, float, float]:
+                block_p: float, emb_p: float, head_p: float, comp_s: float,
+                block_e: float = 0.0) -> tuple[float, float, float, float]:
     """Data-parallel seconds per step: (per layer of the rank, hidden per layer, rank 0 extra,
     rank p-1 extra). Exposed per layer = first - second (see the module docstring).
 
     Per-layer terms are bandwidth only; each rank's collective latency is counted once in the
-    edge terms (bucketed, pipelined collectives).
+    edge terms (bucketed, pipelined collectives). block_e: expert parameters of a block on the
+    rank under expert parallelism (not in block_p), reduced / gathered over the c·d/ep ranks
+    holding the same experts (stride t·ep).
     """
     # the gradient group: the c·d ranks holding the same weights (context innermost of data,
     # autopar/runtime/groups.py gradient_groups: stride t, c·d ranks)
@@ -859,6 +933,13 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
     else:
         reduce = lambda n: allreduce_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
     G, R = gather(block_p) - lat, reduce(block_p) - lat
+    if block_e and d // cfg.ep > 1:
+        de, inter_e = d // cfg.ep, group_spans_nodes(cluster, stride=t * cfg.ep, size=d // cfg.ep,
+                                                     gpus=cfg.gpus)
+        lat_e = _link(cluster, inter_e)[1]
+        G += allgather_s(cluster, 2 * block_e, de, inter_e) - lat_e
+        R += (allgather_s if zt.sharded_optimizer else allreduce_s)(
+            cluster, GRAD_REDUCE_BYTES * block_e, de, inter_e) - lat_e
     comp, tp, fwd = _block_times_memo(profile, cluster, cfg, memo if memo is not None else {})
     if zt.sharded_weights:
         return _sharded_dp_terms_s(cfg, memo, G, R, fwd, comp + tp - fwd, lat,
@@ -947,10 +1028,15 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     """Weights + grads + optimizer bytes per GPU if the layers were spread perfectly evenly
     (embedding and head included): no partition of this configuration needs less."""
     zt = ZERO_TRAITS[cfg.zero]
+    per_param = lambda n: zt.weight_bytes(n) + zt.grad_bytes(n) + zt.optimizer_bytes(n)  # noqa
     n = cfg.replicas
-    per_param = zt.weight_bytes(n) + zt.grad_bytes(n) + zt.optimizer_bytes(n)
     block_p, emb_p, head_p = shard_params_elems(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
-    return per_param * (block_p * profile.num_layers + emb_p + head_p) / cfg.p
+    experts = 0.0
+    if cfg.ep > 1:   # the experts over ep ranks, their ZeRO shards over c·d/ep
+        block_p -= expert_params_elems(profile, cfg.t)
+        experts = per_param(n // cfg.ep) * expert_params_elems(profile, cfg.t, cfg.ep)
+    return (per_param(n) * (block_p * profile.num_layers + emb_p + head_p)
+            + experts * profile.num_layers) / cfg.p
 
 
 def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
@@ -965,11 +1051,16 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     return act * least / cfg.v * profile.num_layers / cfg.p
 
 
-def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo=None):
-    """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown."""
+def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo=None,
+                         block_e=0.0):
+    """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown;
+    block_e: the rank's expert parameters under expert parallelism (not in block_p), their
+    ZeRO shards over the c·d/ep ranks holding the same experts."""
     t, p, d, v, b = cfg.t, cfg.p, cfg.replicas, cfg.v, cfg.micro_batch_size
     zt = ZERO_TRAITS[cfg.zero]
     wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
+    de = d // cfg.ep
+    wbe, gbe, obe = zt.weight_bytes(de), zt.grad_bytes(de), zt.optimizer_bytes(de)
     act_layer = layer_activation_bytes(profile, t, b, cfg.recompute, sp)
     full_layer = layer_activation_bytes(profile, t, b, "none", sp)
     # working memory while one layer runs its backward: its full activations when recomputed
@@ -1004,7 +1095,9 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo
         held, pending = inflight(cfg, r), pending_weight_grads(cfg, r)
         mb = -(-held // v)  # micro-batches of the edge regions in flight
         a = (act_layer * held + pend_layer * pending) / v
-        parts.append(((wb + chunk_w) * block_p, (gb + chunk_g) * block_p, ob * block_p, a))
+        parts.append(((wb + chunk_w) * block_p + (wbe + chunk_w) * block_e,
+                      (gb + chunk_g) * block_p + (gbe + chunk_g) * block_e,
+                      ob * block_p + obe * block_e, a))
         params = (emb_p if r == 0 else 0.0) + (head_p if r == p - 1 else 0.0)
         acts = ((emb_act * mb if r == 0 else 0.0)
                 + ((head_act * mb + pend_head * -(-pending // v)) if r == p - 1 else 0.0))
@@ -1157,7 +1250,7 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
         bubble_fraction=bubble_ns / (m * loads[crit]) if loads[crit] else 0.0,
         memory_bytes_per_gpu=mem.total_bytes,
         compute_s=compute_ns / NS, tp_comm_s=m * cc.layer_tp_ns * yc / NS,
-        cp_comm_s=m * cc.layer_cp_ns * yc / NS,
+        cp_comm_s=m * cc.layer_cp_ns * yc / NS, ep_comm_s=m * cc.layer_ep_ns * yc / NS,
         pp_comm_s=m * cc.p2p_ns / NS, dp_comm_s=(tail_ns - opt_ns) / NS,
         bubble_s=bubble_ns / NS, optimizer_s=opt_ns / NS, memory=mem, rank_memory=ranks,
         attention=cluster.attention, elementwise=cluster.elementwise)

@@ -196,6 +196,12 @@ class RegionProfile:
     # heads, one sequence's attention gathers from the other context ranks; 0 until the
     # profile is restated for c > 1
     cp_gather_elems: int = 0
+    # a mixture of experts (passes/profile.py _charge_experts): the experts' weights (part of
+    # params_split_elems), the experts per layer, and the elements one token dispatch moves per
+    # sequence (tokens · top-k · hidden, summed over the region's expert chains); 0 without
+    expert_params_elems: int = 0
+    experts: int = 0
+    expert_dispatch_elems: int = 0
 
     @property
     def fwd_flops(self) -> int:

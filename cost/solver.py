@@ -1,7 +1,8 @@
-"""CP-SAT planner: the fastest (t, c, p, d, v, b, schedule, recompute, sp, zero, stages) that fits.
+"""CP-SAT planner: the fastest (t, c, ep, p, d, v, b, schedule, recompute, sp, zero, stages) that
+fits.
 
 Variables
-    sel[k]        Boolean, one per surviving knob combination k (t, c, p, d, v, micro-batch b,
+    sel[k]        Boolean, one per surviving knob combination k (t, c, ep, p, d, v, micro-batch b,
                   schedule, recompute, sequence_parallel, zero); exactly one is true.
     x[p,v][c]     integer layers of chunk c (1 <= x <= l), one vector per distinct (p, v) shared by
                   all combinations with that chunk layout; y_r = sum of x over chunks c = r mod p.
@@ -38,6 +39,7 @@ integer costs.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import os
@@ -58,7 +60,8 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
                                 step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
-from autopar.plan import RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage
+from autopar.plan import (RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage,
+                          expert_parallel_refusal)
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
@@ -77,6 +80,7 @@ GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
 class Pins:
     t: int | None = None
     c: int | None = None
+    ep: int | None = None
     p: int | None = None
     d: int | None = None
     v: int | None = None
@@ -148,6 +152,26 @@ def _context_rule(profile: ModelProfile, c: int) -> str | None:
     return None
 
 
+def _expert_degrees(profile: ModelProfile, replicas: int, pins: Pins,
+                    rejected: list[Rejection], where: dict[str, Any]) -> list[int]:
+    """The expert-parallel degrees of a (t, c, p, d): 1, and for a mixture of experts each ep
+    dividing both the c·d ranks holding the same weights and the experts per layer (each rank
+    holds E/ep whole experts), or the pinned ep."""
+    experts = profile.block.experts
+    if not experts:   # nothing to spread (a pinned ep > 1 is refused by _validate)
+        return [1] if pins.allows("ep", 1) else []
+    out = []
+    for ep in _divisors(replicas):
+        if not pins.allows("ep", ep):
+            continue
+        if experts % ep:
+            rejected.append(Rejection(dict(where, ep=ep), (
+                f"divisibility: ep={ep} does not divide the {experts} experts per layer")))
+            continue
+        out.append(ep)
+    return out
+
+
 def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
                       pins: Pins) -> tuple[list[Config], list[Rejection]]:
     """All knob combinations the rules allow, and the rejected ones with reasons."""
@@ -184,12 +208,15 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
                         {"t": t, "c": c, "p": p, "d": d},
                         f"global batch {global_batch} not divisible by d={d}"))
                     continue
-                configs.extend(_inner_configs(profile, t, p, d, global_batch, pins, rejected,
-                                              c))
+                where = {"t": t, "c": c, "p": p, "d": d}
+                for ep in _expert_degrees(profile, c * d, pins, rejected, where):
+                    configs.extend(_inner_configs(profile, t, p, d, global_batch, pins,
+                                                  rejected, c, ep))
     return configs, rejected
 
 
-def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1) -> Iterator[Config]:
+def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
+                   ep=1) -> Iterator[Config]:
     l = profile.num_layers
     per_replica = global_batch // d
     for b in _divisors(per_replica):
@@ -226,7 +253,13 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1) -> Itera
                                 f"zero={zero} is priced but not executed by this runtime yet "
                                 f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
                             continue
-                        yield Config(t=t, p=p, d=d, c=c, v=v, micro_batch_size=b,
+                        why = expert_parallel_refusal(ep, zero)
+                        if why and pins.ep is None:   # a free plan must run; pinned: refused
+                            rejected.append(Rejection(   # by compile in one line
+                                {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
+                                f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
+                            continue
+                        yield Config(t=t, p=p, d=d, c=c, ep=ep, v=v, micro_batch_size=b,
                                      num_microbatches=m, schedule=schedule,
                                      recompute=recompute, sequence_parallel=sp, zero=zero,
                                      microbatch_group=group)
@@ -549,7 +582,7 @@ class _Evaluated:
 
 
 def _config_dict(cfg: Config) -> dict[str, Any]:
-    return {"t": cfg.t, "c": cfg.c, "p": cfg.p, "d": cfg.d, "v": cfg.v,
+    return {"t": cfg.t, "c": cfg.c, "ep": cfg.ep, "p": cfg.p, "d": cfg.d, "v": cfg.v,
             "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
             "schedule": cfg.schedule, "recompute": cfg.recompute,
             "sequence_parallel": cfg.sequence_parallel, "zero": cfg.zero,
@@ -568,11 +601,21 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
         raise ValueError(f"solve: microbatch_group={pins.microbatch_group} with schedule="
                          f"{pins.schedule!r}: only the interleaved schedules {GROUPED} run "
                          f"micro-batches in groups; unpin one of them")
-    for name in ("t", "c", "p", "d", "v", "micro_batch_size", "microbatch_group"):
+    for name in ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "microbatch_group"):
         value = getattr(pins, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"solve: {name}={value!r} must be a positive integer or None")
+    if pins.ep is not None and pins.ep > 1:
+        experts = profile.block.experts
+        if not experts:
+            raise ValueError(f"solve: ep={pins.ep}: the model has no mixture of experts (no "
+                             f"grouped matmul over 3-D expert weights) to spread over ranks; "
+                             f"pass ep=1 or leave it None")
+        if experts % pins.ep:
+            raise ValueError(f"solve: ep={pins.ep} with {experts} experts per layer: each "
+                             f"expert-parallel rank holds experts/ep whole experts, so ep must "
+                             f"divide {experts}; pick an ep that divides {experts}")
     if pins.c is not None:
         why = _context_rule(profile, pins.c)
         if why:
@@ -632,7 +675,8 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           schedule: str | None = None, recompute: str | None = None, zero: int | None = None,
           sequence_parallel: bool | None = None, microbatch_group: int | None = None,
           max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
-          schedules: tuple[str, ...] | None = None, c: int | None = None) -> Plan:
+          schedules: tuple[str, ...] | None = None, c: int | None = None,
+          ep: int | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
@@ -641,7 +685,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
         c = 1   # t, p and d pinned: the layout the caller wrote (before c existed) is t·p·d
-    pins = Pins(t=t, c=c, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
+    pins = Pins(t=t, c=c, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
                 microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
                 schedules=None if schedules is None else tuple(schedules))
@@ -698,14 +742,17 @@ def _evaluate(profile, cluster, configs):
     evaluated, memory_fail, pruned = [], [], []
     memo: dict = {}
     # the quick bound depends on the loads only: shared by schedules and ZeRO levels (except
-    # ZeRO-3 under 1F1B-style schedules, whose gathers are in the load)
+    # ZeRO-3 under 1F1B-style schedules, whose gathers are in the load), and by the expert
+    # degrees: ep > 1 only adds its all-to-alls to every layer's load, so the bound of the
+    # ep = 1 twin bounds them too (the tighter bound of config_costs still prunes them)
     qmemo: dict = {}
     quick = []
     for cfg in configs:
         key = (cfg.t, cfg.c, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
                cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group)
         if key not in qmemo:
-            qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, cfg, memo)
+            twin = cfg if cfg.ep == 1 else dataclasses.replace(cfg, ep=1)
+            qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
                                ) / cfg.v / 1e9
         quick.append(qmemo[key])
     order = sorted(range(len(configs)), key=lambda i: quick[i])
@@ -714,7 +761,7 @@ def _evaluate(profile, cluster, configs):
     for i in order:
         cfg = configs[i]
         # (sequence parallelism can change what the tensor-parallel pass replicates)
-        skey = (cfg.t, cfg.c, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
+        skey = (cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
         if skey not in smemo:
             smemo[skey] = state_bytes_lower_bound(profile, cfg)
         state = smemo[skey]
@@ -770,7 +817,8 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
         first += n
     alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
                          max_alternatives, optimal, solve_s)
-    return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, v=cfg.v, micro_batch_size=cfg.micro_batch_size,
+    return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, ep=cfg.ep, v=cfg.v,
+                micro_batch_size=cfg.micro_batch_size,
                 num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
                 recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel, zero=cfg.zero,
                 microbatch_group=cfg.microbatch_group,
@@ -781,7 +829,7 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
 
 _TERMS = (("bubble", "bubble_s"), ("data-parallel comm exposed", "dp_comm_s"),
           ("pipeline p2p", "pp_comm_s"), ("tensor-parallel comm", "tp_comm_s"),
-          ("context-parallel comm", "cp_comm_s"),
+          ("context-parallel comm", "cp_comm_s"), ("expert-parallel comm", "ep_comm_s"),
           ("compute", "compute_s"), ("optimizer", "optimizer_s"))
 
 

@@ -51,6 +51,7 @@ TP_CONVERT = "autopar_tp_convert"
 TP_PARAM = "autopar_tp_param"
 TP_GLOBAL_VAL = "autopar_tp_global_val"
 TP_INFO = "autopar_tp_info"
+EP_PARAM = "autopar_ep_param"
 
 # ----- context parallelism ---------------------------------------------------------------------
 CP_SEQ_DIM = "autopar_cp_seq_dim"
@@ -129,6 +130,9 @@ KEYS: tuple[MetaKey, ...] = (
             meaning="the single-device value shape of a node whose VAL the rewrite made local",
             writer="passes.tensor_parallel",
             readers=("passes.tensor_parallel", "autopar.compile")),
+    MetaKey(name=EP_PARAM, scope="node", type="passes.expert_parallel.ExpertSlice",
+            meaning="the experts a get_attr expert parameter keeps on this expert rank (dim 0)",
+            writer="passes.expert_parallel", readers=("autopar.compile",)),
     MetaKey(name=TP_INFO, scope="graph", type="passes.tensor_parallel.TPInfo",
             meaning="the tensor-parallel decision for one t and sequence-parallel mode",
             writer="passes.tensor_parallel",

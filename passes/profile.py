@@ -105,6 +105,11 @@ class _Region:
     eager_fused_act: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     eager_other: float = 0.0
     eager_other_split: float = 0.0
+    # a mixture of experts: the experts' 3-D weights (ids), the experts per layer, and the
+    # elements one token dispatch moves per sequence (rows · hidden of each expert chain's input)
+    expert_params: set = field(default_factory=set)
+    experts: int = 0
+    dispatch: int = 0
 
 
 def sequence_length(captured: Captured, structure: LayerStructure) -> int:
@@ -207,7 +212,9 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         params_replicated_elems=repl, act_split_bytes=round(r.act_split),
         act_replicated_bytes=round(r.act_repl), act_attention_bytes=round(r.act_attn),
         input_bytes=input_bytes, other_bytes=round(r.other), other_split_bytes=round(r.other_split),
-        tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager)
+        tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager,
+        expert_params_elems=sum(r.params[pid][0] for pid in r.expert_params if pid in r.params),
+        experts=r.experts, expert_dispatch_elems=r.dispatch)
 
 
 def param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
@@ -503,6 +510,21 @@ def _gemms_and_params(g: _GraphFacts, kind: str, region: list, r: _Region) -> No
             r.gemms.append(gemm)
             n.meta[K.GEMM], n.meta[K.GEMM_SPLIT] = gemm, split
             _charge_params(g, n, split, r, shared)
+            if is_grouped_mm(n):
+                _charge_experts(g, n, gemm, r)
+
+
+def _charge_experts(g: _GraphFacts, n: torch.fx.Node, gemm: Gemm, r: _Region) -> None:
+    """An experts' grouped matmul: its weight (E, K, N) holds E experts, which expert
+    parallelism spreads over the ranks; the first of a chain (not fed by another grouped
+    matmul) reads the tokens sorted by expert, gemm.m = tokens · k rows of gemm.k elements per
+    sequence: what one all-to-all moves to the experts' ranks (and the combine moves back)."""
+    w = _weight_of(n)
+    if w is not None and w.target in g.params:
+        r.expert_params.add(g.params[w.target][0])
+        r.experts = max(r.experts, int(_val(w).shape[0]))
+    if not fed_by_grouped_mm(n):
+        r.dispatch += gemm.m * gemm.k
 
 
 def _charge_params(g: _GraphFacts, n: torch.fx.Node, split: Any, r: _Region,

@@ -1185,9 +1185,15 @@ def is_grouped_mm(node: fx.Node) -> bool:
     return node.op == "call_function" and callable(name) and name() in GROUPED_MM
 
 
+def _group_offs(node: fx.Node) -> Any:
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+
+
 def fed_by_grouped_mm(node: fx.Node) -> bool:
-    """Whether the nearest matmul upstream of grouped matmul `node`'s rows is a grouped one
-    (the experts' down projection, fed by their gate/up projection)."""
+    """Whether the nearest matmul upstream of grouped matmul `node`'s rows is a grouped one of
+    the same experts (grouping its rows by the same offs: the experts' down projection, fed by
+    their gate/up projection). The previous layer's experts, reached through the residual
+    stream, do not count: the next layer's gate/up projection reads fresh tokens."""
     seen, todo = set(), [node.args[0]]
     while todo:
         x = todo.pop()
@@ -1195,7 +1201,9 @@ def fed_by_grouped_mm(node: fx.Node) -> bool:
             continue
         seen.add(x)
         if is_grouped_mm(x):
-            return True
+            if _group_offs(x) is _group_offs(node):
+                return True
+            continue
         if packet(x) not in MATMUL_OPS:
             todo.extend(x.all_input_nodes)
     return False

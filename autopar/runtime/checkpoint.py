@@ -62,8 +62,9 @@ def _writes(info: ParamInfo, groups: Any) -> bool:
     """Whether this rank is the one that writes `info`'s piece (see module docstring)."""
     if groups is None:
         return True
-    split = info.split_dim is not None or not info.replicated_over_tp
-    return (groups.dp_rank == 0 and (split or groups.tp_rank == 0)
+    # experts: the first expert group's ranks (c·d ranks dp_rank < ep) each write their slice
+    first = groups.dp_rank < getattr(groups, "ep", 1) if info.expert else groups.dp_rank == 0
+    return (first and (info.tensor_split or groups.tp_rank == 0)
             and (info.shared_with is None or groups.pp_rank == 0))
 
 
@@ -462,7 +463,8 @@ def save_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     tensors: Tensors = {}
     for q, w in weights.items():
         info = params.infos[q]
-        if info.blocked:      # fused q/k/v: store the whole tensor (tp rank 0 writes)
+        if _gathered_over_tp(info, params, q):   # fused q/k/v, tensor-split experts: store
+            # the whole tensor over the tensor group (tp rank 0 writes)
             whole = _whole_over_tp(params, q, groups)
             w = whole(w)
             ostate[info.key] = {k: whole(v) for k, v in sorted(ostate.get(info.key, {}).items())}
@@ -484,9 +486,11 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     targets: Tensors = {}
     for q, p in params.tensors.items():
         info = params.infos[q]
-        shape = info.global_shape if info.blocked else p.shape
+        gathered = _gathered_over_tp(info, params, q)
+        shape = (p.shape if not gathered else info.global_shape if info.blocked
+                 else (info.stop - info.start,) + tuple(info.global_shape[1:]))
         targets[info.key] = (torch.zeros(shape, dtype=torch.float32),
-                             info.whole() if info.blocked else info)
+                             info.whole() if gathered else info)
     ostate: OptimState = {}
     step = load_checkpoint(path, targets, groups, optimizer_state=None if weights_only else ostate,
                            strict=False)
@@ -494,7 +498,7 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     for q in params.tensors:
         key = params.infos[q].key
         w = targets[key][0]
-        if params.infos[q].blocked:
+        if _gathered_over_tp(params.infos[q], params, q):
             split, _ = params.splits[q]
             mine = lambda v: local_shard(v, split, groups.tp_rank, groups.t)  # noqa: E731
             w = mine(w)
@@ -503,6 +507,12 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
         weights[q] = w
     regime.load(weights, ostate)
     return step
+
+
+def _gathered_over_tp(info: ParamInfo, params: LocalParams, q: str) -> bool:
+    """Whether q is stored whole over the tensor group: a fused q/k/v (a slice of every
+    block) or an expert parameter also split over the tensor ranks."""
+    return info.blocked or (info.expert and q in params.splits)
 
 
 def _whole_over_tp(params: LocalParams, q: str, groups: Any) -> Any:

@@ -11,7 +11,10 @@ all-reduce (sum) adds the ranks' partial sums:
 - tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage;
 - data-parallel replicas hold identical averaged gradients: they are not summed over dp
   (the all-reduce spans the model-parallel group, t·p ranks), unless `dp_sharded=True`
-  (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world.
+  (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world;
+- experts under expert parallelism (ParamInfo.expert): each rank of an expert group holds
+  different experts, the ranks of an expert-data group the same ones, so their squares are
+  first summed over the expert group (each expert once), then added to the rest.
 
 Then, exactly like torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped
 to 1, and every gradient is multiplied by it (also when it is 1, as torch does).
@@ -31,8 +34,7 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
     """Whether this rank adds `info`'s local gradient to the global sum of squares."""
     if groups is None:
         return True
-    split = info.split_dim is not None or not info.replicated_over_tp
-    if not split and groups.tp_rank != 0:
+    if not info.tensor_split and groups.tp_rank != 0:
         return False
     if info.shared_with is not None and groups.pp_rank != 0:
         return False
@@ -41,12 +43,14 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
 
 def local_sq_sum(grads: Sequence[torch.Tensor | None], param_infos: Sequence[ParamInfo],
                  groups: Any, *, real_parts: bool = True,
-                 spans: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+                 spans: Sequence[tuple[int, int]] | None = None,
+                 experts: bool | None = None) -> torch.Tensor:
     """This rank's share of ‖g‖² in fp32 (a 0-d tensor). spans[i]: grads[i] is the flat
-    [lo, hi) piece of its parameter (ZeRO segments); None: whole tensors."""
+    [lo, hi) piece of its parameter (ZeRO segments); None: whole tensors. experts: only the
+    expert parameters' (True), only the others' (False), or all (None)."""
     total = torch.zeros((), dtype=torch.float32)
     for i, (g, info) in enumerate(zip(grads, param_infos)):
-        if g is None or not counts_here(info, groups):
+        if g is None or not counts_here(info, groups) or experts not in (None, info.expert):
             continue
         if real_parts and info.split_dim is not None:
             g = info.real_part(g)
@@ -93,7 +97,16 @@ def clip_grad_norm_(params: Sequence[torch.Tensor], param_infos: Sequence[ParamI
     if not max_norm > 0:
         raise ValueError(f"max_norm={max_norm!r}: must be > 0")
     grads = [p.grad for p in params]
-    total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, spans=spans)
+    expert_group = getattr(groups, "expert", None)
+    if group_size(expert_group) > 1 and not dp_sharded:   # each expert once: over its group
+        total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, spans=spans,
+                                 experts=False)
+        expert_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, spans=spans,
+                                 experts=True)
+        dist.all_reduce(expert_sq, group=expert_group)
+        total_sq += expert_sq
+    else:
+        total_sq = local_sq_sum(grads, infos, groups, real_parts=real_parts, spans=spans)
     group = _norm_group(groups, dp_sharded)
     if group_size(group) > 1:
         dist.all_reduce(total_sq, group=group)

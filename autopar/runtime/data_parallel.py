@@ -30,6 +30,12 @@ Parameters that carry a `main_grad` attribute (fp32 accumulation, see precision.
 reduced from and into `main_grad` instead of `.grad`; create MixedPrecision before GradSync
 so its hook (which folds .grad into main_grad) runs first.
 
+Expert parameters (expert parallelism) are reduced over their expert-data group, the c·d/ep
+ranks holding the same experts, but divided by c·d (`divide_by`): each expert's gradient on a
+rank already sums the ranks of its expert group whose tokens reached it (the combine's
+backward all-to-all), so Σ over the expert-data group covers all c·d replicas' mean losses
+once. With a group of one (ep = c·d) only the division is left.
+
 A parameter that no micro-batch reached keeps .grad None (the same on every replica: AdamW
 skips it as on one device); its bucket slot is sent as zeros. Buckets that never became
 ready (no hook fired, e.g. unarmed) are launched by `finish()` from the then-final gradients.
@@ -77,19 +83,26 @@ class GradSync:
 
     def __init__(self, params: Sequence[torch.Tensor], group: Any, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, average: bool = True,
-                 chunks: Sequence[Sequence[torch.Tensor]] | None = None):
+                 chunks: Sequence[Sequence[torch.Tensor]] | None = None,
+                 divide_by: int | None = None):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes}: must be > 0; pass e.g. 25 * 2**20")
         self.params = [p for p in params if p.requires_grad]
+        self.ids = {id(p) for p in self.params}
         self.group, self.average = group, average
         self.size = group_size(group)
+        if divide_by is not None and (divide_by < self.size or divide_by % self.size):
+            raise ValueError(f"divide_by={divide_by} with a group of {self.size} ranks: the "
+                             f"divisor is a multiple of the group size (c·d over the c·d/ep "
+                             f"ranks of an expert-data group); pass None to average")
+        self.divisor = divide_by or self.size   # what the sum is divided by (when averaging)
         self.bucket_bytes = int(bucket_bytes)
         self.num_collectives = 0          # all-reduces launched since construction
         self._armed: set[int] = set()     # id(param) whose next accumulation is final
         self._where: dict[int, tuple[_Bucket, int]] = {}
         self.buckets: list[_Bucket] = []
         if self.size == 1:
-            return                        # identity fast path: nothing to average
+            return                        # no reduction (finish() divides by divide_by)
         self._build_buckets(self._chunk_lists(chunks))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -218,9 +231,9 @@ class GradSync:
             view.zero_()
         elif g.data_ptr() == view.data_ptr():
             if self.average:      # .grad already is the bucket view (set by the last finish)
-                view.div_(self.size)
+                view.div_(self.divisor)
         elif self.average:
-            torch.div(g, self.size, out=view)
+            torch.div(g, self.divisor, out=view)
         else:
             view.copy_(g)
 
@@ -237,6 +250,11 @@ class GradSync:
     def finish(self) -> None:
         """Launch what is left, wait for every bucket, write the averaged gradients back."""
         if self.size == 1:
+            if self.average and self.divisor > 1:   # a group of one: the division alone
+                for p in self.params:
+                    g = _grad_of(p)
+                    if g is not None:
+                        g.div_(self.divisor)
             return
         for b in self.buckets:
             if not b.launched:

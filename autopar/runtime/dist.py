@@ -213,6 +213,15 @@ class ProcessGroups:
     context_ranks: tuple[int, ...] = ()
     replica_rank: int = 0
     replicas: int = 1
+    # expert parallelism (groups.py): the experts spread over `ep` consecutive ranks of the
+    # c·d (`expert`, this rank holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep)); `expert_data`:
+    # the c·d/ep ranks holding the same experts (their gradients are reduced there)
+    ep: int = 1
+    ep_rank: int = 0
+    expert: Any = None
+    expert_data: Any = None
+    expert_ranks: tuple[int, ...] = ()
+    expert_data_ranks: tuple[int, ...] = ()
 
     @property
     def is_first_stage(self) -> bool:
@@ -223,7 +232,7 @@ class ProcessGroups:
         return self.pp_rank == self.p - 1
 
     @classmethod
-    def create(cls, t: int, p: int, d: int, *, c: int = 1,
+    def create(cls, t: int, p: int, d: int, *, c: int = 1, ep: int = 1,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks must call it, same args).
 
@@ -244,6 +253,9 @@ class ProcessGroups:
                     ("model_parallel", G.model_parallel_groups))
         if c > 1:
             families += (("context", G.context_groups),)
+        if ep > 1:
+            families += (("expert", lambda *a, c: G.expert_groups(*a, c=c, ep=ep)),
+                         ("expert_data", lambda *a, c: G.expert_data_groups(*a, c=c, ep=ep)))
         for name, family in families:
             for ranks in family(t, p, d, c=c):
                 group = dist.new_group(ranks, timeout=td)
@@ -251,6 +263,8 @@ class ProcessGroups:
                     mine[name] = (group, tuple(ranks))
         mine.setdefault("embedding", (None, ()))  # middle pipeline stages hold no embedding
         mine.setdefault("context", (None, (rank,)))
+        mine.setdefault("expert", (None, (rank,)))
+        mine.setdefault("expert_data", mine["data"])
         tp, cp, dp, pp = G.rank_coords4(rank, t, p, d, c=c)
         prev_rank, next_rank = G.pipeline_neighbours(rank, t, p, d, c=c)
         return cls(
@@ -263,7 +277,10 @@ class ProcessGroups:
             tensor_ranks=mine["tensor"][1], data_ranks=mine["data"][1],
             pipeline_ranks=mine["pipeline"][1], embedding_ranks=mine["embedding"][1],
             model_parallel_ranks=mine["model_parallel"][1],
-            prev_pp_rank=prev_rank, next_pp_rank=next_rank, timeout_s=float(timeout_s))
+            prev_pp_rank=prev_rank, next_pp_rank=next_rank, timeout_s=float(timeout_s),
+            ep=ep, ep_rank=G.expert_rank(rank, t, p, d, c=c, ep=ep), expert=mine["expert"][0],
+            expert_data=mine["expert_data"][0], expert_ranks=mine["expert"][1],
+            expert_data_ranks=mine["expert_data"][1])
 
     def __repr__(self) -> str:
         return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "

@@ -1,4 +1,4 @@
-"""Rank-group math: pure integer functions of the parallel degrees (t, p, d) and c.
+"""Rank-group math: pure integer functions of the parallel degrees (t, p, d), c and ep.
 
 The layout is Megatron-LM's (2104.04473 §3; Megatron-Core `parallel_state`): tensor-parallel
 ranks innermost, so a tensor group is a run of adjacent ranks and shares a node; then context
@@ -17,6 +17,9 @@ Worked example, 16 ranks with t=2, c=2, p=2, d=2::
     gradient groups [0,2,4,6] [1,3,5,7] [8,10,12,14] [9,11,13,15]   (c·d ranks: the
              context ranks hold the same weights, so weight gradients are reduced over c·d)
     pipeline groups [0,8] [1,9] ... [7,15]
+    with ep=2 (experts over the c·d ranks of each gradient group, consecutive in it):
+    expert      groups [0,2] [4,6] [1,3] [5,7] [8,10] ...   (tokens all-to-all here)
+    expert-data groups [0,4] [2,6] [1,5] [3,7] [8,12] ...   (expert gradients reduced here)
 
 Megatron's documented example, 16 GPUs with t=2, p=4 (so d=2)::
 
@@ -153,6 +156,63 @@ def gradient_groups(t: int, p: int, d: int, *, c: int = 1) -> Groups:
     validate_degrees(t, p, d, c=c)
     return [[coords_rank(tp, dp, pp, t, p, d, cp=cp, c=c) for dp in range(d) for cp in range(c)]
             for pp in range(p) for tp in range(t)]
+
+
+# ----- expert parallelism: experts over the data(-and-context)-parallel ranks ------------------
+def check_expert_degree(ep: int, *, c: int, d: int, experts: int | None = None) -> None:
+    """Raise ValueError naming the value, the rule and the fix unless ep is a positive int that
+    divides c·d (the expert-parallel ranks are drawn from the ranks that hold the same dense
+    weights, Megatron-Core's rule) and, when given, the number of experts."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"ep={ep!r}: the expert-parallel degree must be a positive int; pass "
+                         f"ep=1 for no expert parallelism")
+    if (c * d) % ep:
+        raise ValueError(f"ep={ep} with c·d = {c}·{d} = {c * d}: the expert-parallel ranks are "
+                         f"drawn from the c·d data-and-context-parallel ranks, so ep must divide "
+                         f"{c * d}; pick an ep that divides it (ep=1 for none)")
+    if experts is not None and experts % ep:
+        raise ValueError(f"ep={ep} with {experts} experts: each expert-parallel rank holds "
+                         f"experts/ep whole experts, so ep must divide {experts}; pick an ep "
+                         f"that divides {experts}")
+
+
+def expert_groups(t: int, p: int, d: int, *, c: int = 1, ep: int = 1) -> Groups:
+    """Expert-parallel groups: ep ranks of one gradient group (`gradient_groups`, in its
+    (dp, cp) order) that split the experts and exchange tokens by all-to-all — consecutive in
+    that order, so the closest ranks of the c·d (Megatron-Core's tp-cp-ep-dp-pp order, expert
+    tensor parallelism equal to t); ordered by (pp, tp, block).
+
+    Example: t=2, p=1, d=4, ep=2 -> [[0, 2], [4, 6], [1, 3], [5, 7]];
+    t=1, c=2, p=1, d=2, ep=2 -> [[0, 1], [2, 3]] (a context group); ep=1: every rank alone.
+    """
+    validate_degrees(t, p, d, c=c)
+    check_expert_degree(ep, c=c, d=d)
+    return [g[i:i + ep] for g in gradient_groups(t, p, d, c=c) for i in range(0, len(g), ep)]
+
+
+def expert_data_groups(t: int, p: int, d: int, *, c: int = 1, ep: int = 1) -> Groups:
+    """Expert-data-parallel groups: the c·d/ep ranks of one gradient group that hold the same
+    experts (the same position in their expert groups), over which the expert weights'
+    gradients are reduced (Megatron-Core's expert-data-parallel group); ordered by (pp, tp,
+    expert rank). With ep=1 these are `gradient_groups`.
+
+    Example: t=2, p=1, d=4, ep=2 -> [[0, 4], [2, 6], [1, 5], [3, 7]];
+    t=1, p=1, d=4, ep=4 -> [[0], [1], [2], [3]] (every expert on one rank: no reduction).
+    """
+    validate_degrees(t, p, d, c=c)
+    check_expert_degree(ep, c=c, d=d)
+    return [g[i::ep] for g in gradient_groups(t, p, d, c=c) for i in range(ep)]
+
+
+def expert_rank(rank: int, t: int, p: int, d: int, *, c: int = 1, ep: int = 1) -> int:
+    """This rank's position in its expert group: it holds experts [e·E/ep, (e+1)·E/ep).
+
+    Example: t=2, p=1, d=4, ep=2: expert_rank(4, 2, 1, 4, ep=2) == 0 (rank 4 is dp 2);
+    expert_rank(6, 2, 1, 4, ep=2) == 1.
+    """
+    check_expert_degree(ep, c=c, d=d)
+    _, cp, dp, _ = rank_coords4(rank, t, p, d, c=c)
+    return (dp * c + cp) % ep
 
 
 def pipeline_groups(t: int, p: int, d: int, *, c: int = 1) -> Groups:

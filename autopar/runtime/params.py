@@ -9,9 +9,18 @@ to 50432 (a multiple of 128·t): tensor rank 0 holds padded rows [0, 25216) = re
 [0, 25216); rank 1 holds padded rows [25216, 50432) = real rows [25216, 50257) followed by
 175 padding rows. So rank 1's ParamInfo is split_dim=0, start=25216, stop=50257, and its local
 tensor has 25216 rows of which the first stop - start = 25041 are real.
+
+An expert parameter under expert parallelism (passes/expert_parallel.py) is split the same
+way, along dim 0 (the experts), but over the expert group instead of the tensor group:
+`split_over="expert"`. Mixtral's w1 of 8 experts at ep = 2: expert rank 1 holds experts
+[4, 8), split_dim=0, start=4, stop=8; the ranks of one expert-data group hold the same
+experts. With t > 1 each expert's FFN is also split over the tensor ranks (passes/sharding.py):
+replicated_over_tp=False, the tensor split in LocalParams.splits, and checkpoints gather it
+over the tensor group first (as a fused q/k/v), keeping the experts' slice.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -34,6 +43,17 @@ class ParamInfo:
     # [lo, hi) ranges of the local tensor's flattened elements that every tensor rank holds
     # alike inside a split parameter (the whole k/v rows of a mixed q/k/v projection)
     tp_whole: tuple[tuple[int, int], ...] = ()
+    split_over: str = "tensor"        # the group split_dim is split over: "tensor" | "expert"
+
+    @property
+    def expert(self) -> bool:
+        """Experts split over the expert group (the slice differs between its ranks)."""
+        return self.split_over == "expert"
+
+    @property
+    def tensor_split(self) -> bool:
+        """Different values on the tensor ranks (each counts in norms and writes its piece)."""
+        return (self.split_dim is not None and not self.expert) or not self.replicated_over_tp
 
     def real_part(self, local: torch.Tensor) -> torch.Tensor:
         """The rows of `local` that are real (drops vocabulary padding)."""
@@ -50,6 +70,8 @@ class ParamInfo:
 
     def whole(self) -> "ParamInfo":
         """The description of the tensor gathered whole over the tensor group."""
+        if self.expert:   # the experts' slice stays; whole over the tensor group
+            return dataclasses.replace(self, replicated_over_tp=True)
         return ParamInfo(key=self.key, aliases=self.aliases, global_shape=self.global_shape,
                          shared_with=self.shared_with)
 
@@ -63,15 +85,28 @@ class ParamInfo:
 
 def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int, ...],
                    global_shape: tuple[int, ...] | None, split: tuple[ParamSplit, int] | None,
-                   tp_rank: int, t: int, shared: bool) -> ParamInfo:
+                   tp_rank: int, t: int, shared: bool,
+                   experts: tuple[int, int, int] | None = None) -> ParamInfo:
     """The ParamInfo of a local tensor of `local_shape` on tensor rank `tp_rank` of t.
 
     split: (ParamSplit, full size along its dim) when the tensor-parallel pass split it, else
     None. global_shape: the single-device shape when known (else derived from the local one).
     Worked example (the module docstring's wte): local (25216, 768), split (ParamSplit(0,
     (50257,), padded=50432), 50257), tp_rank 1 of 2 -> split_dim 0, [25216, 50257).
+    experts: (E, start, stop) of an expert parameter spread over the expert group (dim 0);
+    when it is also tensor-split (`split`), replicated_over_tp=False and the tensor split is
+    LocalParams.splits'.
     """
     shared_with = "embedding" if shared else None
+    if experts is not None:
+        e, start, stop = experts
+        if global_shape is None:
+            raise ValueError(f"describe_param({key!r}): experts={experts} without global_shape; "
+                             f"an expert slice needs the single-device shape: pass global_shape "
+                             f"(compile takes it from the captured graph)")
+        return ParamInfo(key=key, aliases=aliases, global_shape=global_shape,
+                         split_dim=0, start=start, stop=stop, shared_with=shared_with,
+                         split_over="expert", replicated_over_tp=split is None)
     if split is None:
         return ParamInfo(key=key, aliases=aliases, global_shape=global_shape or local_shape,
                          shared_with=shared_with)

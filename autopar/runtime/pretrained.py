@@ -142,7 +142,13 @@ def _local_value(f: Any, key: str, params: LocalParams, q: str, groups: Any) -> 
     info = params.infos[q]
     local_shape = tuple(params.tensors[q].shape)
     dim = split[0].dim if split is not None else None
-    value = _read(f, key, dim, _rows(info, split, groups.tp_rank, groups.t)).to(torch.float32)
+    rows = _rows(info, split, groups.tp_rank, groups.t)
+    if info.expert:   # this expert rank's experts along dim 0, then its tensor rows
+        value = _read(f, key, 0, [(info.start, info.stop)]).to(torch.float32)
+        if rows is not None:
+            value = torch.cat([value.narrow(dim, a, b - a) for a, b in rows], dim)
+        return value
+    value = _read(f, key, dim, rows).to(torch.float32)
     if tuple(value.shape) == local_shape:
         return value
     out = torch.zeros(local_shape, dtype=torch.float32)      # vocabulary padding rows

@@ -161,10 +161,15 @@ class Runner:
         dict. Collective: all ranks call it."""
         weights = self.regime.fp32_weights()
         local: dict[str, torch.Tensor] = {}
+        experts = sorted(q for q, info in self.params.infos.items() if info.expert)
+        if self.pg.dp_rank < self.pg.ep:   # the first expert group: every expert once
+            for q in experts:                 # the same order on every rank of the group
+                local[q] = _gather_experts(weights[q].detach().cpu(), self.pg.expert)
         if self.pg.dp_rank == 0:
             for ch in self.chunks.values():
                 for qual, *_ in ch.module.PARAMETERS.values():
-                    local[qual] = weights[qual].detach().cpu().clone()
+                    if qual not in local:
+                        local[qual] = weights[qual].detach().cpu().clone()
                 for attr, (qual, *_) in ch.module.BUFFERS.items():
                     local[qual] = getattr(ch.net, attr).detach().cpu().clone()
             for qual in sorted(local):   # the same order on every rank of the tensor group
@@ -221,3 +226,12 @@ class Runner:
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
         dist.destroy_process_group()
+
+
+def _gather_experts(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The experts of every rank of the expert `group`, concatenated along dim 0 in its rank
+    order (rank e holds experts [e·E/ep, (e+1)·E/ep)). Collective over `group`."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    with peer_guard("expert all-gather with", group):
+        dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, 0)

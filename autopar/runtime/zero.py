@@ -48,7 +48,7 @@ class ZeroOptimizer:
     def __init__(self, params: Sequence[torch.Tensor], param_infos: Sequence[ParamInfo],
                  optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  group: Any, *, reduce_dtype: torch.dtype = torch.float32,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32, divide_by: int | None = None):
         self.params = list(params)
         self.param_infos = list(param_infos)
         if len(self.params) != len(self.param_infos):
@@ -59,6 +59,9 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer: parameters have dtypes {sorted(map(str, dtypes))}; "
                              f"the flat buffer needs one dtype — cast the model first")
         self.group, self.d, self.rank = group, group_size(group), group_rank(group)
+        # the summed gradient's divisor: d, or c·d for experts reduced over the c·d/ep ranks
+        # of their expert-data group (see autopar.runtime.data_parallel)
+        self.divisor = divide_by or self.d
         self.reduce_dtype = reduce_dtype
         self.layout = FlatLayout([p.numel() for p in self.params], self.d, self.rank)
         self.segments = self.layout.segments
@@ -98,8 +101,8 @@ class ZeroOptimizer:
         self._set_shard_grad(wait())                                          # (S,)
 
     def _set_shard_grad(self, shard: torch.Tensor) -> None:
-        if self.d > 1:
-            shard.div_(self.d)
+        if self.divisor > 1:
+            shard.div_(self.divisor)
         self._shard_grad = shard
         for s, m in zip(self.segments, self.master):
             has = _grad_of(self.params[s.param]) is not None

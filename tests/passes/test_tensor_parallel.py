@@ -14,7 +14,8 @@ from autopar.examples.gpt import GPT, lm_cross_entropy
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.sharding import Partial, Replicate, Shard, unflattened_sizes, map_reshape
-from autopar.passes.tensor_parallel import apply_tensor_parallel, propagate_sharding, tp_report
+from autopar.passes.tensor_parallel import (apply_tensor_parallel, param_splits,
+                                            propagate_sharding, tp_report)
 from autopar.runtime import collectives as C
 from autopar.runtime import shard as shard_rt
 
@@ -594,3 +595,14 @@ def test_experts_not_divisible_by_pinned_t_is_a_one_line_error():
     msg = str(err.value)
     assert "\n" not in msg and "t=4" in msg and "fix:" in msg
     assert "expert output blocks (66, 66)" in msg and "moe.py" in msg
+
+
+def test_every_layers_experts_are_split_not_only_the_first():
+    """The gate/up product of layer 1 reads the residual stream, which the previous layer's
+    down product fed: it is still a column candidate (only the down product of its own
+    experts, grouped by the same offs, is fed by a grouped matmul). It used to be taken for a
+    down product, and layers >= 1 kept their experts whole under t = 2."""
+    gm = apply_tensor_parallel(_moe_gm(layers=3), 2, 0, None)
+    split = {k for k in param_splits(gm) if ".experts." in k}
+    assert split == {f"model.model.layers.{i}.mlp.experts.{w}" for i in range(3)
+                     for w in ("gate_up_proj", "down_proj")}, split

@@ -6,6 +6,9 @@ during the last backward of each chunk, so most of it overlaps the rest of the b
 Under bf16 (autopar.runtime.precision.MixedPrecision) the parameters compute in bf16 and the
 optimizer steps fp32 masters with the fp32 `main_grad` accumulation.
 
+Expert parallelism: the experts' gradients go to a second GradSync over the expert-data
+group (c·d/ep ranks), divided by c·d (see autopar.runtime.data_parallel); the rest as above.
+
 Per step: zero_grad → schedule (before each chunk's last backward, GradSync arms that chunk's
 parameters: its buckets launch as their gradients become final) → finish (wait for the
 buckets, sum the tied embedding over the embedding group) → clip (global norm over the
@@ -43,14 +46,21 @@ class Replicated(Regime):
         self.stepped = OrderedDict(zip(params.tensors, self.mp.master_params)) \
             if self.mp is not None else OrderedDict(params.tensors)
         self.optimizer = make(list(self.stepped.values()))
-        self.grad_sync = None
+        self.syncs: list[GradSync] = []
         self.arm_at: dict[tuple[int, int], list] = {}
         self.final_kind = weight_grad_kind(actions)
         if groups.d > 1:   # after MixedPrecision: its hook folds .grad into main_grad first
-            chunks = [[params.tensors[q] for q in qs]
-                      for _, qs in sorted(params.first_chunk.items()) if qs]
-            self.grad_sync = GradSync(tensors, groups.data, chunks=chunks,
-                                      bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+            for expert in (False, True):
+                names = {q for q, info in params.infos.items() if info.expert == expert}
+                if not names:
+                    continue
+                chunks = [[params.tensors[q] for q in qs if q in names]
+                          for _, qs in sorted(params.first_chunk.items())]
+                self.syncs.append(GradSync(
+                    [p for q, p in params.tensors.items() if q in names],
+                    groups.expert_data if expert else groups.data,
+                    chunks=[c for c in chunks if c], divide_by=groups.d if expert else None,
+                    bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES))
             self.arm_at = final_backwards(actions, params.in_chunks(), params.tensors)
         self._shared = [params.tensors[q] for q in params.shared]
 
@@ -58,7 +68,8 @@ class Replicated(Regime):
         params = self.arm_at.get((action.chunk, action.mb)) \
             if action.kind == self.final_kind else None
         if params:
-            self.grad_sync.begin_final_microbatch(params)
+            for sync in self.syncs:   # each arms only its own parameters' hooks
+                sync.begin_final_microbatch([p for p in params if id(p) in sync.ids])
 
     def zero_grad(self) -> None:
         if self.mp is not None:
@@ -68,8 +79,8 @@ class Replicated(Regime):
                 p.grad = None
 
     def finish(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        for sync in self.syncs:
+            sync.finish()
         sum_tied_grads(self._shared, self.groups.embedding)
 
     def clip(self, max_norm: float) -> torch.Tensor:

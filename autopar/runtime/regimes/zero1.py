@@ -12,6 +12,11 @@ into a step:
   (2106.02679 §4). Chunks holding a tied weight are reduced after the schedule instead: their
   full gradient must first be summed over the embedding group.
 
+Expert parallelism: the experts' flat shard is a part of its own, sharded and reduce-scattered
+over the expert-data group (c·d/ep ranks, the ones holding the same experts) and divided by
+c·d (see autopar.runtime.data_parallel); under breadth-first each chunk has up to two parts.
+One optimizer steps every part's masters.
+
 Under bf16 MixedPrecision keeps only the fp32 `main_grad` (no masters): the masters live in
 the shards.
 """
@@ -31,15 +36,16 @@ from autopar.schedules import Action
 
 
 class ChunkedZero:
-    """ZeRO-1 for breadth-first: one ZeroOptimizer flat shard per chunk, all stepped by one
-    optimizer (module doc). Same interface as ZeroOptimizer (what the regime calls);
-    parameters are concatenated in chunk order, which is LocalParams' order."""
+    """ZeRO-1 in parts: one ZeroOptimizer flat shard per part (a chunk under breadth-first, the
+    dense and the expert parameters under expert parallelism), all stepped by one optimizer
+    (module doc). Same interface as ZeroOptimizer (what the regime calls); parameters are
+    concatenated in part order. A part is (params, infos, tied, group, divide_by)."""
 
-    def __init__(self, chunks: list[tuple[list, list, bool]], make: OptimizerFactory,
-                 group: Any):
-        self.parts = [ZeroOptimizer(ps, infos, lambda _masters: None, group)
-                      for ps, infos, _tied in chunks]
-        self._deferred = {i for i, (_ps, _infos, tied) in enumerate(chunks) if tied}
+    def __init__(self, chunks: list[tuple[list, list, bool, Any, int | None]],
+                 make: OptimizerFactory):
+        self.parts = [ZeroOptimizer(ps, infos, lambda _masters: None, group, divide_by=div)
+                      for ps, infos, _tied, group, div in chunks]
+        self._deferred = {i for i, (_ps, _infos, tied, *_) in enumerate(chunks) if tied}
         self.optimizer = make([m for part in self.parts for m in part.master])
         for part in self.parts:
             part.optimizer = self.optimizer
@@ -109,14 +115,28 @@ class Zero1(Regime):
         tensors = list(params.tensors.values())
         shared = set(params.shared)
         self.zero: ZeroOptimizer | ChunkedZero
-        self._chunk_index: dict[int, int] = {}
-        if breadth_first:
-            chunks = [(c, qs) for c, qs in sorted(params.first_chunk.items()) if qs]
-            self.zero = ChunkedZero(
-                [([params.tensors[q] for q in qs], [params.infos[q] for q in qs],
-                  any(q in shared for q in qs)) for _, qs in chunks], make, groups.data)
-            self._chunk_index = {c: i for i, (c, _) in enumerate(chunks)}
+        self._chunk_index: dict[int, list[int]] = {}   # chunk -> its parts (breadth-first)
+        experts = {q for q, info in params.infos.items() if info.expert}
+        if breadth_first or experts:
+            groups_of = {False: (groups.data, None), True: (groups.expert_data, groups.d)}
+            blocks = ([qs for _, qs in sorted(params.first_chunk.items()) if qs]
+                      if breadth_first else [list(params.tensors)])
+            chunks = [c for c, qs in sorted(params.first_chunk.items()) if qs]
+            parts, self.order = [], []
+            for i, qs in enumerate(blocks):
+                for expert in (False, True):
+                    mine = [q for q in qs if (q in experts) == expert]
+                    if not mine:
+                        continue
+                    if breadth_first:
+                        self._chunk_index.setdefault(chunks[i], []).append(len(parts))
+                    parts.append(([params.tensors[q] for q in mine],
+                                  [params.infos[q] for q in mine],
+                                  any(q in shared for q in qs), *groups_of[expert]))
+                    self.order += mine
+            self.zero = ChunkedZero(parts, make)
         else:
+            self.order = list(params.tensors)
             self.zero = ZeroOptimizer(tensors, params.ordered_infos(), make, groups.data)
         # after the shards took their fp32 masters from the fp32 weights
         self.mp = (MixedPrecision(tensors, compute_dtype=precision_dtype, master_weights=False)
@@ -126,7 +146,8 @@ class Zero1(Regime):
 
     def before_action(self, n: int, action: Action) -> None:
         if action.kind == "REDUCE" and action.chunk in self._chunk_index:
-            self.zero.reduce_chunk(self._chunk_index[action.chunk])
+            for i in self._chunk_index[action.chunk]:
+                self.zero.reduce_chunk(i)
 
     def zero_grad(self) -> None:
         self.zero.zero_grad()
@@ -144,7 +165,8 @@ class Zero1(Regime):
 
     def fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
         if self.mp is not None:     # the fp32 values are the masters, sharded over d
-            return OrderedDict(zip(self.params.tensors, self.zero.gathered_masters()))
+            masters = dict(zip(self.order, self.zero.gathered_masters()))
+            return OrderedDict((q, masters[q]) for q in self.params.tensors)
         return OrderedDict((q, p.detach()) for q, p in self.params.tensors.items())
 
     def optimizer_state(self) -> OptimState:
@@ -154,6 +176,6 @@ class Zero1(Regime):
         with torch.no_grad():
             for q, w in weights.items():
                 self.params.tensors[q].copy_(w)
-        self.zero.load_masters([weights[q] for q in self.params.tensors])
+        self.zero.load_masters([weights[q] for q in self.order])
         if optimizer_state:
             self.zero.load_gathered_state(optimizer_state)

@@ -1,0 +1,166 @@
+"""Expert parallelism in the graph: each rank keeps E/ep of every layer's experts and sends its
+tokens to their experts' ranks by all-to-all (autopar/runtime/experts.py).
+
+The experts are found as the tensor-parallel pass finds them (passes/sharding.py): a chain of
+grouped matmuls over 3-D expert parameters (transformers' grouped-matmul path: the gate/up
+product of the rows sorted by expert, an elementwise gate, the down product), the first fed
+by tokens, the last by the first, both grouped by one `offs` (cumulative rows per expert).
+Between the two products every op is row-wise (the gate), so the rewrite is
+
+    r = route(offs, ep_group)                       # counts all-to-all
+    x_local = dispatch(x, r, ep_group)              # (rows for my E/ep experts, hidden)
+    up = grouped_mm(x_local, w_up[mine], r.offs_local) ... down = grouped_mm(..., w_down[mine],
+    r.offs_local)
+    y = combine(down, r, ep_group)                  # (my rows, sorted by expert, hidden)
+
+and the routing (top-k, sort, weights, the scatter back to tokens) stays as it was, on the
+rank's own tokens. autopar/build.py runs it on every rank's full graph after the tensor and
+context rewrites (`expert_parallel_pass`); each sliced parameter's get_attr nodes carry an
+ExpertSlice (meta "autopar_ep_param"), from which autopar.compile describes the parameter
+(autopar.runtime.params: split along dim 0 over the expert group).
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.passes import meta as K
+from autopar.passes.manager import Pass
+from autopar.passes.sharding import is_grouped_mm
+from autopar.runtime import experts as X
+from autopar.runtime.shard import UnboundGroup
+
+EP_GROUP_ATTR = "ep_group"
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """The experts [start, stop) of `experts` (dim 0) an expert parameter keeps on this rank."""
+    experts: int
+    start: int
+    stop: int
+
+
+def _offs(node: fx.Node) -> fx.Node:
+    return node.args[2] if len(node.args) > 2 else node.kwargs["offs"]
+
+
+def _param(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The get_attr parameter behind a grouped matmul's weight (through views / transposes)."""
+    w = node.args[1]
+    while isinstance(w, fx.Node) and w.op == "call_function" and w.all_input_nodes:
+        w = w.all_input_nodes[0]
+    return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+
+def expert_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(first, last) grouped matmul of each experts' chain, in graph order: the grouped
+    matmuls over 3-D parameters that group their rows by one offs node (one MoE layer), the
+    first reading the dispatched tokens, the last giving the experts' outputs; every op
+    between them must be row-wise (the gate), which the rewrite does not check."""
+    by_offs: dict[fx.Node, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if is_grouped_mm(n) and _param(gm, n) is not None:
+            by_offs.setdefault(_offs(n), []).append(n)
+    return [(mms[0], mms[-1]) for mms in by_offs.values()]
+
+
+def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> ExpertSlice:
+    """Keep this rank's E/ep experts of parameter `attr` (dim 0)."""
+    owner_path, _, name = attr.target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    full = getattr(owner, name)
+    experts = int(full.shape[0])
+    if experts % ep:
+        raise ValueError(f"ep={ep} with {experts} experts ({attr.target}): each rank holds "
+                         f"E/ep whole experts, so ep must divide {experts}; pick an ep that "
+                         f"divides it")
+    n = experts // ep
+    local = full.detach()[ep_rank * n:(ep_rank + 1) * n].clone()
+    setattr(owner, name, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+    val = attr.meta.get(K.VAL)
+    if val is not None:
+        attr.meta[K.VAL] = torch.empty((n,) + tuple(val.shape[1:]), dtype=val.dtype,
+                                       device="meta")
+    return ExpertSlice(experts, ep_rank * n, (ep_rank + 1) * n)
+
+
+def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
+                          group: object = None) -> fx.GraphModule:
+    """Spread the experts of `gm` over ep ranks (this one is `ep_rank`); see the module doc.
+
+    Requires: a captured graph (meta "val" on every node); experts as grouped matmul chains
+    over 3-D parameters. Guarantees: each chain's rows dispatched before its first grouped
+    matmul and combined after its last, the chain's offs replaced by the local ones, each
+    expert parameter holding this rank's experts [ep_rank·E/ep, (ep_rank+1)·E/ep) along dim 0;
+    the exchanges read the graph attribute `ep_group` (gm.ep_group = group). With ep = 1 the
+    graph is returned unchanged. Meta keys: reads "val"; writes "val" of the sliced parameters
+    (the rows between dispatch and combine are data-dependent: their "val" keeps the rank's
+    own row count); writes EP_PARAM (an ExpertSlice) on every get_attr of a sliced parameter.
+    Raises ValueError (one line) when ep does not divide the experts.
+    """
+    if ep == 1:
+        return gm
+    chains = expert_chains(gm)
+    if not chains:
+        raise ValueError(f"ep={ep}: the graph has no experts (grouped matmuls over 3-D "
+                         f"parameters) to spread over ranks; run with ep=1")
+    g = gm.graph
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a plain attribute, as tp_group
+        gm.ep_group = group if group is not None else UnboundGroup(ep)
+    sliced: dict[str, ExpertSlice] = {}
+    for first, last in chains:
+        offs = _offs(first)
+        with g.inserting_before(first):
+            grp = g.get_attr(EP_GROUP_ATTR)
+            r = g.call_function(X.route, (offs, grp))
+            local_offs = g.call_function(X.local_offsets, (r,))
+            x = g.call_function(X.dispatch, (first.args[0], r, grp))
+        x.meta[K.VAL] = first.args[0].meta.get(K.VAL)
+        local_offs.meta[K.VAL] = offs.meta.get(K.VAL)
+        for mm in {first, last}:
+            mm.args = (x if mm is first else mm.args[0], mm.args[1], local_offs) + mm.args[3:]
+            mm.kwargs = {k: v for k, v in mm.kwargs.items() if k != "offs"}
+            attr = _param(gm, mm)
+            if attr is None:
+                raise ValueError(f"expert parallelism: {mm.name}'s weight is not a parameter; "
+                                 f"only experts held as 3-D parameters are spread: run ep=1")
+            if attr.target not in sliced:
+                sliced[attr.target] = _slice_experts(gm, attr, ep, ep_rank)
+            for v in _views(attr, mm):
+                v.meta[K.VAL] = torch.empty(tuple(v.meta[K.VAL].shape[:0])
+                                            + (attr.meta[K.VAL].shape[0],)
+                                            + tuple(v.meta[K.VAL].shape[1:]),
+                                            dtype=v.meta[K.VAL].dtype, device="meta")
+        with g.inserting_after(last):
+            y = g.call_function(X.combine, (last, r, grp))
+        y.meta[K.VAL] = last.meta.get(K.VAL)
+        last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+    for n in g.nodes:
+        if n.op == "get_attr" and n.target in sliced:
+            n.meta[K.EP_PARAM] = sliced[n.target]
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def expert_parallel_pass(ep: int, ep_rank: int, group: Any = None) -> Pass:
+    """The pass for the pass pipeline (autopar/build.py): group None leaves the graph attribute
+    `ep_group` for the runtime to bind to this rank's expert group."""
+    return Pass(name="expert_parallel",
+                run=lambda gm: apply_expert_parallel(gm, ep, ep_rank, group),
+                reads=(K.VAL,), writes=(K.VAL, K.EP_PARAM))
+
+
+def _views(attr: fx.Node, mm: fx.Node) -> list[fx.Node]:
+    """The view / transpose nodes between parameter `attr` and grouped matmul `mm`."""
+    out, w = [], mm.args[1]
+    while isinstance(w, fx.Node) and w is not attr:
+        out.append(w)
+        w = w.all_input_nodes[0]
+    return out

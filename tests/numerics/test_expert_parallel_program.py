@@ -1,0 +1,179 @@
+"""Expert parallelism as a whole program (compile() and the Runner on gloo ranks): transformers'
+Mixtral and OLMoE (4 experts per layer, top-2) at d = 2 with ep = 2 — each rank holds 2 of the
+4 experts of every layer, tokens reach them by all-to-all, the expert gradients are reduced
+over the expert-data group (one rank here: only the division by c·d is left) and the rest over
+the 2 data-parallel ranks (and at d = 4 over 2 ranks of 4), clipping counts each expert once — against the same model trained
+on one device (3 AdamW steps with clipping, losses and full_state_dict at rtol 1e-4 /
+atol 1e-5)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.api import ParallelProgram
+from autopar.runtime.pretrained import SINGLE_FILE
+from autopar.testing import spawn
+
+import models
+from programs import MAX_NORM, STEPS, adamw, loss_fn, make_plan, train_steps
+from reference import train
+
+pytestmark = pytest.mark.distributed
+
+SEQ, EXPERTS = 8, 4   # models.hf_mixtral / hf_olmoe: 4 experts per layer, top-2
+
+
+def _data(batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return models.token_batches(64, (batch, SEQ), STEPS, seed=1234)
+
+
+def _rank(rank: int, world: int, name: str, plan) -> tuple:
+    torch.set_num_threads(1)
+    model = models.build(name, seed=0)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(x,),
+                           loss_fn=loss_fn, example_targets=y, cluster=None)
+    runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
+    shapes = {q: tuple(p.shape) for q, p in runner.named_parameters()}
+    losses = train_steps(runner, plan, _data(plan.global_batch_size))
+    return losses, runner.full_state_dict(), shapes
+
+
+def _check(name: str, plan) -> list:
+    results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)
+    model = models.build(name, seed=0)
+    ref = train(model, _data(plan.global_batch_size), adamw, loss_fn=loss_fn,
+                max_grad_norm=MAX_NORM)
+    for r, (losses, _, shapes) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
+        halved = [q for q, s in shapes.items() if len(s) == 3 and s[0] == EXPERTS // plan.ep]
+        assert len(halved) == 2 * plan.num_layers // plan.p, (r, shapes)   # gate_up, down
+    state = results[0][1]
+    assert list(state) == list(ref.state)
+    init = models.build(name, seed=0).state_dict()
+    assert any(not torch.equal(init[k], state[k]) for k in init)   # training moved weights
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+    return results
+
+
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe"])
+def test_ep2_d2_program_matches_single_device(name):
+    _check(name, dataclasses.replace(make_plan(d=2), ep=2))
+
+
+@pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True)])
+def test_t2_ep2_program_splits_experts_both_ways(name, sp):
+    """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split
+    over the 2 tensor ranks (passes/sharding.py); full_state_dict gathers over both. With
+    sequence parallelism the tokens are gathered before the routing, so each tensor rank
+    dispatches all of its replica's rows to the expert group."""
+    _check(name, dataclasses.replace(make_plan(t=2, d=2), ep=2, sequence_parallel=sp))
+
+
+def test_ep2_d4_program_reduces_experts_over_the_expert_data_group():
+    """4 ranks: expert groups [0, 1] [2, 3], expert-data groups [0, 2] [1, 3] (the expert
+    gradients summed over 2 ranks, divided by 4)."""
+    _check("hf_mixtral", dataclasses.replace(make_plan(d=4, m=1), ep=2))
+
+
+@pytest.mark.parametrize("schedule, v, split", [("1f1b", 1, None),
+                                               ("interleaved-zb", 2, [0, 1, 1, 0])])
+def test_ep2_d2_p2_program_matches_single_device(schedule, v, split):
+    """With a pipeline (p = 2, 4 ranks): each stage's experts spread over its own expert
+    group, the micro-batches' all-to-alls in the schedule's order on both ranks of it; the
+    zero-bubble schedule splits each backward into B (the all-to-alls' backward) and W."""
+    _check("hf_mixtral", dataclasses.replace(
+        make_plan(d=2, p=2, v=v, split=split, schedule=schedule), ep=2))
+
+
+@pytest.mark.parametrize("d, p, schedule", [(2, 1, "1f1b"), (4, 1, "1f1b"),
+                                             (2, 2, "breadth-first")])
+def test_zero1_with_ep2_matches_single_device(d, p, schedule):
+    """ZeRO-1: the dense optimizer state sharded over the c·d ranks, the experts' over their
+    expert-data group (1 rank at d=2, 2 at d=4); breadth-first: per chunk, each chunk's dense
+    and expert parts reduce-scattered at its REDUCE."""
+    plan = dataclasses.replace(make_plan(d=d, p=p, m=2 if d == 2 else 1, schedule=schedule),
+                               ep=2, zero=1)
+    _check("hf_mixtral", plan)
+
+
+def _resume_rank(rank: int, world: int, plan, path: str, save: bool) -> tuple:
+    """Under `plan`: either train the first STEPS - 1 steps and save, or load and train the
+    last step; (losses, full_state_dict) of the steps run."""
+    torch.set_num_threads(1)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=models.build("hf_mixtral", seed=0), plan=plan, profile=None,
+                           example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                           cluster=None)
+    runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
+    batches = _data(plan.global_batch_size)
+    if save:
+        losses = train_steps(runner, plan, batches[:-1])
+        runner.save_checkpoint(path)
+    else:
+        assert runner.load_checkpoint(path) == STEPS - 1
+        losses = train_steps(runner, plan, batches[-1:])
+    return losses, runner.full_state_dict()
+
+
+@pytest.mark.parametrize("saved_t, saved_zero, t, d, ep, m, zero", [
+    (1, 0, 1, 2, 1, 2, 0), (1, 0, 1, 4, 4, 1, 0), (1, 1, 1, 2, 1, 2, 0), (1, 0, 1, 4, 2, 1, 1),
+    (1, 0, 2, 1, 1, 4, 0), (1, 0, 2, 2, 2, 2, 0), (2, 1, 1, 2, 1, 2, 0)])
+def test_checkpoint_saved_at_ep2_resumes_under_another_ep(tmp_path, saved_t, saved_zero, t, d,
+                                                           ep, m, zero):
+    """Saved at d=2 ep=2 (each rank writes its 2 experts' weights and Adam moments; under
+    ZeRO-1 gathered from the shards), loaded at d=2 ep=1 (every expert on every rank), d=4
+    ep=4 (one expert per rank), d=4 ep=2 ZeRO-1, or t=2 (every expert's FFN split over the
+    tensor ranks: each reads a box across the saved dim-0 pieces), or t=2 d=2 ep=2 (both
+    splits); and saved at t=2 d=2 ep=2 ZeRO-1 (the experts gathered over the tensor ranks
+    first), loaded at d=2 ep=1: the last step equals the uninterrupted single-device run's."""
+    path = str(tmp_path / "ckpt")
+    saved = dataclasses.replace(make_plan(t=saved_t, d=2), ep=2, zero=saved_zero)
+    spawn(_resume_rank, saved.gpus, saved, path, True, timeout_s=300)
+    plan = dataclasses.replace(make_plan(t=t, d=d, m=m), ep=ep, zero=zero)
+    results = spawn(_resume_rank, plan.gpus, plan, path, False, timeout_s=300)
+    ref = train(models.build("hf_mixtral", seed=0), _data(plan.global_batch_size), adamw,
+                loss_fn=loss_fn, max_grad_norm=MAX_NORM)
+    for r, (losses, _) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[-1:]),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} loss: {m}")
+    state = results[0][1]
+    assert list(state) == list(ref.state)
+    for key, want in ref.state.items():
+        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, k=key: f"{k}: {m}")
+
+
+def _pretrained_rank(rank: int, world: int, plan, directory: str) -> dict:
+    torch.set_num_threads(1)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=models.build("hf_mixtral", seed=0), plan=plan, profile=None,
+                           example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                           cluster=None)
+    runner = prog.compile(optimizer=adamw, timeout_s=60)
+    runner.load_pretrained(directory)
+    return runner.full_state_dict()
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path, t):
+    """A safetensors directory of other weights (seed 5) under the model's own keys, loaded at
+    d=2 ep=2 (and t=2), each rank reading its 2 experts' rows (and its tensor slice of them):
+    full_state_dict() equals the saved model's
+    state dict. (transformers' save_pretrained of Mixtral writes the per-expert checkpoint
+    keys, which load_pretrained does not convert, at any ep: see docs/known-gaps.md.)"""
+    from safetensors.torch import save_file
+    saved = models.build("hf_mixtral", seed=5)
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()},
+              str(tmp_path / SINGLE_FILE))
+    plan = dataclasses.replace(make_plan(t=t, d=2), ep=2)
+    state = spawn(_pretrained_rank, plan.gpus, plan, str(tmp_path), timeout_s=300)[0]
+    want = saved.state_dict()
+    assert list(state) == list(want)
+    bad = [k for k, v in want.items() if not torch.equal(state[k], v)]
+    assert not bad, bad
