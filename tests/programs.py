@@ -140,20 +140,7 @@ def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
     make_data's batches or the given global batches."""
     results = spawn(train_rank, plan.gpus, name, plan, batches=batches, timeout_s=timeout_s)
     ref = train_single_device(name, plan, batches=batches, max_grad_norm=MAX_NORM)
-    for r, (losses, _, _) in enumerate(results):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
-                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} losses: {m}")
-    state = results[0][1]
-    assert list(state) == list(ref.state), "full_state_dict keys differ from the model's"
-    moved = 0
-    for key, want in ref.state.items():
-        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, k=key: f"{k}: {m}")
-    # the check can fail: training moved the weights away from their initial values
-    init = runtime_model(name, plan.num_layers)
-    for key, value in init.state_dict().items():
-        moved += int(not torch.equal(value, state[key]))
-    assert moved > 0
+    check_trained(results, ref, runtime_model(name, plan.num_layers).state_dict())
     assert all(r[1] == {} for r in results[1:])
 
 
