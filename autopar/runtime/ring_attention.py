@@ -1,0 +1,291 @@
+"""Ring attention over the context group: K/V blocks travel, partial results merge by log-sum-exp.
+
+    softmax(q·Kᵀ/√E)·V over the whole sequence, with K = [K_0; …; K_{c−1}] held by the c
+    context ranks, is the log-sum-exp merge of the per-block partials (online softmax):
+        lse_r = log Σ_j exp(s_rj),   o_r = softmax(s_r)·V_r         (block r's scores s_r)
+        lse   = log Σ_r exp(lse_r),  o   = Σ_r exp(lse_r − lse)·o_r
+
+Each context rank keeps its queries (its two sequence chunks i and 2c−1−i, local order) and
+passes its K/V block round the ring (send to the next context rank, receive from the previous),
+starting the next block's exchange before computing on the current one so the two overlap
+(Liu et al. 2310.01889; zhuzilin/ring-flash-attention; torch's `_templated_ring_attention`,
+torch/distributed/tensor/experimental/_context_parallel/_attention.py, whose step structure
+and round-robin causal cases this follows). Under is_causal the 2c-chunk layout makes every
+step the same work: at step s the rank holds the block of rank r = (i − s) mod c and
+  - r = i:   its own two chunks, a causal (lower-triangular) block — the only masked one;
+  - r < i:   both query chunks against key chunk r only (chunk 2c−1−r is in their future);
+  - r > i:   only query chunk 2c−1−i, against both key chunks, unmasked;
+derived below from the chunk ids (`_causal_tiles`), never a masked (T/c) × T block. An explicit
+mask (its query rows this rank's, its key columns global) is cut at the block owner's positions
+each step; blocks it masks whole are skipped.
+
+Backward (the same ring again, flash-attention's backward per block): with the output o and
+lse saved, each block's p = exp(s − lse) is recomputed, dQ accumulates locally, and each
+block's dK/dV accumulator travels with it and is added to on every rank it visits, ending back
+at its owner after c hops. Exact: it is the gradient of the single-device attention.
+
+Grouped-query attention rings the kv heads (K/V of Hk heads for Hq = g·Hk query heads, query
+head h reading kv head h // g, as repeat_kv and enable_gqa do): the block product runs on a
+(B, Hk, g, L, E) view of the queries, so the repeated heads are never sent. Point-to-point is
+dist.isend / dist.irecv with tags, never batch_isend_irecv (it hangs on gloo, as the pipeline
+executor notes). c = 1 (or no group) is plain scaled-dot-product attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.runtime import groups as G
+from autopar.runtime.dist import peer_guard
+
+_KV_TAG, _GRAD_TAG = 7100, 7200   # message tags: K/V blocks forward, dK/dV accumulators back
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """One product of a ring step: local query rows [q0, q0 + qn) against the block's key rows
+    [0, kn); `diagonal`: the last qn keys are the queries' own positions (causal inside them)."""
+    q0: int
+    qn: int
+    kn: int
+    diagonal: bool
+
+
+def _causal_tiles(rank: int, owner: int, c: int, n: int) -> tuple[_Tile, ...]:
+    """The tiles of query chunks (chunk_ids(rank)) against key chunks (chunk_ids(owner)), each
+    chunk n tokens: a query chunk reads the key chunks at or before it (a prefix of the owner's
+    two, which are in increasing order), causal inside the one equal to it. Query chunks that
+    read the same keys unmasked merge into one tile."""
+    qs, ks = G.sequence_chunks(rank, c), G.sequence_chunks(owner, c)
+    tiles: list[_Tile] = []
+    for a, qa in enumerate(qs):
+        kn = sum(kb <= qa for kb in ks)
+        if not kn:
+            continue
+        t = _Tile(q0=a * n, qn=n, kn=kn * n, diagonal=ks[kn - 1] == qa)
+        last = tiles[-1] if tiles else None
+        if (last is not None and not t.diagonal and not last.diagonal and last.kn == t.kn
+                and last.q0 + last.qn == t.q0):
+            tiles[-1] = _Tile(q0=last.q0, qn=last.qn + t.qn, kn=t.kn, diagonal=False)
+        else:
+            tiles.append(t)
+    return tuple(tiles)
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype of scores, lse and partial outputs: fp32, or x's if wider."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _block_bias(mask: torch.Tensor | None, cols: torch.Tensor | None, tile: _Tile,
+                like: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias (…, qn, kn) of one tile in the accumulation dtype: the causal triangle of a diagonal tile,
+    or the explicit mask's rows and the block owner's key columns; None when nothing is masked."""
+    if mask is not None:
+        m = mask.narrow(-2, tile.q0, tile.qn) if mask.shape[-2] != 1 else mask
+        m = m.index_select(-1, cols)
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=_acc(like), device=m.device).masked_fill(
+                ~m, float("-inf"))
+        return m.to(_acc(like))
+    if not tile.diagonal:
+        return None
+    q = torch.arange(tile.qn, device=like.device) + (tile.kn - tile.qn)
+    k = torch.arange(tile.kn, device=like.device)
+    return torch.zeros((tile.qn, tile.kn), dtype=_acc(like), device=like.device).masked_fill(
+        k[None, :] > q[:, None], float("-inf"))
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, Hq, L, E) -> (B, Hk, g, L, E): query head h = kv head h // g, member h % g."""
+    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
+
+
+def _heads_bias(bias: torch.Tensor, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """A (…, qn, kn) bias broadcast onto the grouped scores (B, Hk, g, qn, kn)."""
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    b = bias.expand(q.shape[0], q.shape[1], *bias.shape[-2:])
+    return _grouped(b, kv_heads)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float,
+            kv_heads: int) -> torch.Tensor:
+    """Scores (B, Hk, g, qn, kn), accumulation dtype, of the tile's queries q (B, Hq, qn, E) against k
+    (B, Hk, kn, E)."""
+    s = (_grouped(q, kv_heads) @ k.unsqueeze(2).transpose(-1, -2)).to(_acc(q)) * scale
+    return s if bias is None else s + _heads_bias(bias, q, kv_heads)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with fully masked rows (−inf) read as 0, so exp(s − lse) is 0 there, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                   block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online-softmax merge of two partial attentions over disjoint key sets:
+    lse = log(e^lse + e^block_lse), out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b
+    (−inf lse: no key yet, weight 0). out: (…, L, E), lse: (…, L), the accumulation dtype."""
+    new = torch.logaddexp(lse, block_lse)
+    base = _finite(new)
+    merged = (out * torch.exp(lse - base).unsqueeze(-1)
+              + block_out * torch.exp(block_lse - base).unsqueeze(-1))
+    return merged, new
+
+
+class _Ring:
+    """The K/V (or dK/dV) exchange of one ring step: send to the next context rank, receive
+    from the previous, started at once and waited for later (so it overlaps the step's compute)."""
+
+    def __init__(self, group: Any, rank: int, c: int):
+        self.group = group
+        self.next = dist.get_global_rank(group, (rank + 1) % c)
+        self.prev = dist.get_global_rank(group, (rank - 1) % c)
+
+    def start(self, tensors: tuple[torch.Tensor, ...], tag: int):
+        bufs = tuple(torch.empty_like(x) for x in tensors)
+        with peer_guard("ring attention exchange with", self.group, [self.prev, self.next]):
+            works = [dist.irecv(b, src=self.prev, group=self.group, tag=tag + i)
+                     for i, b in enumerate(bufs)]
+            works += [dist.isend(x.contiguous(), dst=self.next, group=self.group, tag=tag + i)
+                      for i, x in enumerate(tensors)]
+
+        def wait() -> tuple[torch.Tensor, ...]:
+            with peer_guard("ring attention exchange with", self.group, [self.prev, self.next]):
+                for w in works:
+                    w.wait()
+            return bufs
+        return wait
+
+
+def _step_tiles(cp: Any, owner: int, causal: bool, length: int) -> tuple[_Tile, ...]:
+    if causal:
+        return _causal_tiles(cp.cp_rank, owner, cp.c, length // 2)
+    return (_Tile(q0=0, qn=length, kn=length, diagonal=False),)
+
+
+def _skipped(bias: torch.Tensor | None) -> bool:
+    """A tile whose explicit mask masks every (query, key) pair contributes nothing."""
+    return bias is not None and bool(torch.isneginf(bias).all())
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, cp, causal, scale):   # noqa: D401 - autograd signature
+        B, Hq, L, _ = q.shape
+        Hk = k.shape[1]
+        acc = _acc(q)
+        out = q.new_zeros((B, Hk, Hq // Hk, L, v.shape[-1]), dtype=acc)
+        lse = torch.full((B, Hk, Hq // Hk, L), float("-inf"), dtype=acc, device=q.device)
+        ring = _Ring(cp.group, cp.cp_rank, cp.c)
+        kb, vb = k, v
+        for s in range(cp.c):
+            owner = (cp.cp_rank - s) % cp.c
+            pending = ring.start((kb, vb), _KV_TAG + 2 * s) if s < cp.c - 1 else None
+            cols = _cols(cp, owner, mask)
+            for tile in _step_tiles(cp, owner, causal, L):
+                bias = _block_bias(mask, cols, tile, q)
+                if _skipped(bias):
+                    continue
+                sc = _scores(q.narrow(2, tile.q0, tile.qn), kb.narrow(2, 0, tile.kn), bias,
+                             scale, Hk)
+                blse = torch.logsumexp(sc, dim=-1)
+                p = torch.exp(sc - _finite(blse).unsqueeze(-1))
+                bout = p.to(vb.dtype) @ vb.narrow(2, 0, tile.kn).unsqueeze(2)
+                rows = slice(tile.q0, tile.q0 + tile.qn)
+                out[..., rows, :], lse[..., rows] = merge_partials(
+                    out[..., rows, :], lse[..., rows], bout.to(acc), blse)
+            if pending is not None:
+                kb, vb = pending()
+        out = out.flatten(1, 2).to(q.dtype)     # (B, Hq, L, Ev)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
+        B, Hq, L, _ = q.shape
+        Hk = k.shape[1]
+        acc = _acc(q)
+        dog = _grouped(dout.to(acc), Hk)                                 # (B, Hk, g, L, Ev)
+        delta = (dog * _grouped(out.to(acc), Hk)).sum(-1)                # (B, Hk, g, L)
+        base = _finite(lse)
+        dq = torch.zeros(_grouped(q, Hk).shape, dtype=acc, device=q.device)
+        ring = _Ring(cp.group, cp.cp_rank, cp.c)
+        kb, vb = k, v
+        incoming = None
+        for s in range(cp.c):
+            owner = (cp.cp_rank - s) % cp.c
+            pending = ring.start((kb, vb), _KV_TAG + 2 * s) if s < cp.c - 1 else None
+            dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+            cols = _cols(cp, owner, mask)
+            for tile in _step_tiles(cp, owner, causal, L):
+                bias = _block_bias(mask, cols, tile, q)
+                if _skipped(bias):
+                    continue
+                rows = slice(tile.q0, tile.q0 + tile.qn)
+                kt, vt = kb.narrow(2, 0, tile.kn), vb.narrow(2, 0, tile.kn)
+                qt = q.narrow(2, tile.q0, tile.qn)
+                sc = _scores(qt, kt, bias, scale, Hk)                    # (B, Hk, g, qn, kn)
+                p = torch.exp(sc - base[..., rows].unsqueeze(-1))
+                do = dog[..., rows, :]
+                dv[:, :, :tile.kn] += (p.transpose(-1, -2) @ do).sum(2)
+                dp = do @ vt.to(acc).unsqueeze(2).transpose(-1, -2)
+                ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale
+                dq[..., rows, :] += ds @ kt.to(acc).unsqueeze(2)
+                dk[:, :, :tile.kn] += (ds.transpose(-1, -2) @ _grouped(qt.to(acc), Hk)).sum(2)
+            if incoming is not None:      # the block's gradient from the ranks it visited
+                got_k, got_v = incoming()
+                dk, dv = dk + got_k, dv + got_v
+            incoming = ring.start((dk, dv), _GRAD_TAG + 2 * s)
+            if pending is not None:
+                kb, vb = pending()
+        dk, dv = incoming()               # this rank's own block, back from its round
+        return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                None, None, None, None)
+
+
+def _cols(cp: Any, owner: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The block owner's global key positions (the explicit mask's columns), or None."""
+    if mask is None:
+        return None
+    pos = G.sequence_positions(cp.seq_len, owner, cp.c)
+    return torch.tensor(pos, dtype=torch.long, device=mask.device)
+
+
+def context_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any,
+                           attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                           scale: float | None = None, enable_gqa: bool = False,
+                           kv_group: int = 1) -> torch.Tensor:
+    """Scaled-dot-product attention of this rank's queries q (B, Hq, T/c, E) against the whole
+    sequence, K/V (B, Hk, T/c, E) of every context rank travelling round the ring (module
+    docstring). attn_mask: its query rows this rank's, its key columns in global order
+    (…, T/c or 1, T). kv_group: k and v are a grouped-query head repeat, each kv head repeated
+    kv_group times consecutively (repeat_kv's layout): only every kv_group-th head travels.
+    enable_gqa: k and v already hold Hk < Hq heads. Output in the fused kernels' layout."""
+    if kv_group > 1:      # the repeat's copies carry no information: the gradient of the one
+        k, v = k[:, ::kv_group], v[:, ::kv_group]   # read sums as the repeat's backward would
+    scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale
+    if cp.c == 1 or cp.group is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                              scale=scale,
+                                              enable_gqa=enable_gqa or k.shape[1] != q.shape[1])
+    if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+                         f"(batch, heads, tokens, head_dim) with kv heads dividing the query "
+                         f"heads; use cp_attention='all-gather' for this model")
+    if is_causal and attn_mask is not None:
+        raise ValueError("ring attention: is_causal together with an attn_mask (as in "
+                         "scaled_dot_product_attention); pass one of them")
+    out = _RingAttention.apply(q, k.contiguous(), v.contiguous(), attn_mask, cp,
+                               bool(is_causal), float(scale))
+    # the fused kernels' layout, (B, L, H, E) in memory: callers view it after transpose(1, 2)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)

@@ -1,0 +1,124 @@
+"""Ring attention (issue 15's optional part): the online-softmax merge of partial attentions
+equals full attention (one process, causal chunk masks included), the causal tiles cover
+exactly the (query, key) pairs the mask keeps, and on gloo ranks the ring's output and its
+gradients (q, k, v; kv heads only under grouped-query attention) equal single-device SDPA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.runtime import groups as G
+from autopar.runtime.ring_attention import _causal_tiles, merge_partials
+
+
+def _partial(q, k, v, bias):
+    """(out, lse) of attention of q over one key block, fp32, −inf bias masking."""
+    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
+
+
+def test_merge_of_partials_is_full_attention_with_causal_chunk_masks():
+    """Keys cut in 4 blocks of a causal mask (some rows see no key of a block: lse −inf):
+    merged in any order, the partials give SDPA's causal output."""
+    torch.manual_seed(0)
+    T, E = 16, 8
+    q, k, v = (torch.randn(2, 3, T, E, dtype=torch.float64) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    keep = torch.ones(T, T, dtype=torch.bool).tril()
+    bias = torch.zeros(T, T, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    for order in ([0, 1, 2, 3], [3, 1, 0, 2]):
+        out = torch.zeros(2, 3, T, E, dtype=torch.float64)
+        lse = torch.full((2, 3, T), float("-inf"), dtype=torch.float64)
+        for b in order:
+            cols = slice(4 * b, 4 * b + 4)
+            bo, bl = _partial(q, k[..., cols, :], v[..., cols, :], bias[:, cols])
+            bo = torch.nan_to_num(bo)          # rows with no key in the block: weight 0 anyway
+            out, lse = merge_partials(out, lse, bo, bl)
+        torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse, torch.logsumexp(
+            q @ k.transpose(-1, -2) / E ** 0.5 + bias, -1))
+
+
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_causal_tiles_cover_exactly_the_causal_pairs_with_equal_work(c):
+    """Over the c ring steps each rank's tiles cover its queries' causal (query, key) pairs
+    once, and every rank (and every step but its own) computes the same number of pairs."""
+    n = 3
+    T = 2 * c * n
+    work = []
+    for rank in range(c):
+        qpos = G.sequence_positions(T, rank, c)
+        seen = set()
+        steps = []
+        for s in range(c):
+            owner = (rank - s) % c
+            kpos = G.sequence_positions(T, owner, c)
+            pairs = 0
+            for tile in _causal_tiles(rank, owner, c, n):
+                for i in range(tile.qn):
+                    for j in range(tile.kn):
+                        qp, kp = qpos[tile.q0 + i], kpos[j]
+                        if tile.diagonal and j - (tile.kn - tile.qn) > i:
+                            continue
+                        assert kp <= qp, (rank, owner, tile)
+                        assert (qp, kp) not in seen
+                        seen.add((qp, kp))
+                        pairs += 1
+            steps.append(pairs)
+        assert seen == {(qp, kp) for qp in qpos for kp in range(qp + 1)}
+        assert len(set(steps[1:])) <= 1
+        work.append(sum(steps))
+    assert len(set(work)) == 1
+
+
+# ----- on gloo ranks ----------------------------------------------------------------------------
+def _ring_rank(rank, world, case):
+    import torch.distributed as dist
+
+    from autopar.runtime.context import ContextShard, context_cut, context_gather
+    from autopar.runtime.ring_attention import context_ring_attention
+    torch.manual_seed(0)
+    B, Hq, Hk, T, E = 2, 4, case["kv_heads"], case["T"], 8
+    q = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    k = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    v = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    dout = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    mask = None
+    if case["mask"]:    # a sliding window of 3 (causal): rows' key sets not a prefix
+        i = torch.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    g = Hq // Hk
+    rk, rv = (x.repeat_interleave(g, 1) for x in ref[1:])
+    full = F.scaled_dot_product_attention(ref[0], rk, rv, attn_mask=mask,
+                                          is_causal=mask is None)
+    full.backward(dout)
+    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T)
+    mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+    lq, lk, lv = mine
+    if case["repeat"]:      # repeat_kv in the graph: the ring reads every g-th head
+        lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
+    lmask = None if mask is None else context_cut(mask, cp, 0)
+    out = context_ring_attention(lq, lk, lv, cp, attn_mask=lmask, is_causal=mask is None,
+                                 enable_gqa=not case["repeat"] and Hk < Hq,
+                                 kv_group=g if case["repeat"] else 1)
+    assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
+    out.backward(context_cut(dout, cp, 2))
+    whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
+    return [w.numpy() for w in whole], [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
+
+
+@pytest.mark.parametrize("world, case", [
+    (2, {"kv_heads": 4, "T": 8, "mask": False, "repeat": False}),      # MHA, causal
+    (2, {"kv_heads": 2, "T": 8, "mask": False, "repeat": True}),       # GQA via repeat_kv
+    (2, {"kv_heads": 1, "T": 8, "mask": True, "repeat": False}),       # MQA + explicit mask
+    (3, {"kv_heads": 2, "T": 12, "mask": False, "repeat": False}),     # c = 3, enable_gqa
+])
+def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
+    from autopar.testing import spawn
+    for got, want in spawn(_ring_rank, world, case, timeout_s=120):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
+                                       rtol=1e-10, atol=1e-10)
