@@ -31,7 +31,7 @@ from autopar.passes.profile import profile_from_graph
 from autopar.passes.tensor_parallel import tp_report
 from autopar.passes.tp_cost import with_tp_corrections
 from autopar.losses import cross_entropy
-from autopar.plan import Plan, layer_range, parameter_signature
+from autopar.plan import CP_ATTENTION, Plan, layer_range, parameter_signature
 
 
 class ParallelProgram:
@@ -109,7 +109,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 plan: Plan | None = None, init: Callable | None = None,
                 tokens: float | None = None,
                 critical_batch_tokens: float | None = None,
-                c: int | None = None, ep: int | None = None) -> ParallelProgram:
+                c: int | None = None, ep: int | None = None,
+                cp_attention: str | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
     `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
@@ -127,7 +128,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     plan's `training` holds days, GPU-hours, the batch and why it was chosen.
 
     `c` pins the context-parallel degree (each sequence split over c ranks in 2c chunks; the
-    world is t·c·p·d); None lets the solver choose it with the others.
+    world is t·c·p·d); None lets the solver choose it with the others. `cp_attention` pins
+    how attention meets the other context ranks' keys and values: "all-gather" (before
+    attention, Llama 3's method) or "ring" (blocks passed round the context ranks while
+    attending, autopar/runtime/ring_attention.py); None: the cheaper, as the cost model prices
+    them (cost.model.context_comm_s), among those the context-parallel pass can build.
 
     `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
     spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
@@ -180,6 +185,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                example_inputs=example_inputs, loss_fn=loss_fn,
                                example_targets=example_targets, cluster=cl, init=init)
     _check_context_pins(gpus, seq_len=seq_len, t=t, c=c, p=p, d=d)
+    if cp_attention is not None and cp_attention not in CP_ATTENTION:
+        raise ValueError(f"parallelize: cp_attention={cp_attention!r}: must be one of "
+                         f"{CP_ATTENTION}, or None to let the solver choose")
     c_pinned = c
     captured, profile = plan_profile(model, example_inputs, loss_fn, example_targets, cl,
                                      gpu_counts=(gpus,), t=t, sequence_parallel=sequence_parallel,
@@ -189,6 +197,14 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         raise ValueError(f"parallelize: c={c}: {cp_refused}") from None
     if cp_refused is not None and c is None:
         c = 1   # the solver may not choose a sequence split the pass cannot build
+    how = cp_attention
+    ring_refused = None
+    if c != 1 and cp_attention != "all-gather":
+        ring_refused = _context_refusal(captured.gm, seq_len, c, "ring")
+        if ring_refused is not None and cp_attention == "ring":
+            raise ValueError(f"parallelize: cp_attention='ring': {ring_refused}") from None
+        if ring_refused is not None:
+            how = "all-gather"   # nor a ring attention the pass cannot build
     if p is not None and p > profile.num_layers:
         raise ValueError(f"parallelize: p={p} pipeline stages but the model has "
                          f"{profile.num_layers} layers; a stage holds at least one layer — "
@@ -199,7 +215,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
             profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
             zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
-            max_alternatives=max_alternatives, c=c, ep=ep), profile)
+            max_alternatives=max_alternatives, c=c, ep=ep, cp_attention=how), profile)
 
     if tokens is None:
         plan = solve_at(global_batch_size)
@@ -216,8 +232,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
     if cp_refused is not None and seq_len > 1:
         notes.append(f"context parallelism not offered (c=1): {cp_refused}")
+    if ring_refused is not None and seq_len > 1:
+        notes.append(f"ring attention not offered (K/V all-gathered): {ring_refused}")
     plan = dataclasses.replace(plan, notes=tuple(notes), parameters=parameter_signature(model))
-    pins = {"t": t, "c": c_pinned, "ep": ep, "p": p, "d": d, "v": v, "micro_batch_size": micro_batch_size,
+    pins = {"t": t, "c": c_pinned, "cp_attention": cp_attention, "ep": ep, "p": p, "d": d,
+            "v": v, "micro_batch_size": micro_batch_size,
             "schedule": schedule, "recompute": recompute, "zero": zero,
             "sequence_parallel": sequence_parallel, "microbatch_group": microbatch_group}
     return ParallelProgram(model=model, plan=plan, profile=profile,
@@ -314,10 +333,11 @@ def _check_context_pins(gpus: int, *, seq_len: int, t: int | None, c: int | None
                          f"the sequence to a multiple of {2 * c} or pick a smaller c")
 
 
-def _context_refusal(gm: Any, seq_len: int, c: int | None) -> str | None:
-    """Why the context-parallel pass cannot split this model's sequences (its one-line
-    ValueError: the node and the user's source line), or None; tried on a copy of the
-    planning graph at the pinned c, or c = 2."""
+def _context_refusal(gm: Any, seq_len: int, c: int | None,
+                     attention: str = "all-gather") -> str | None:
+    """Why the context-parallel pass cannot split this model's sequences with `attention`
+    (its one-line ValueError: the node and the user's source line), or None; tried on a copy
+    of the planning graph at the pinned c, or c = 2."""
     import copy
     from autopar.passes.context_parallel import apply_context_parallel
     trial = c if c is not None and c > 1 else 2
@@ -325,7 +345,8 @@ def _context_refusal(gm: Any, seq_len: int, c: int | None) -> str | None:
         return None
     try:
         shared = {id(x): x for x in list(gm.parameters()) + list(gm.buffers())}
-        apply_context_parallel(copy.deepcopy(gm, shared), trial, seq_len)  # weights shared
+        apply_context_parallel(copy.deepcopy(gm, shared), trial, seq_len,   # weights shared
+                               attention)
     except ValueError as exc:
         return str(exc)
     return None

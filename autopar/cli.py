@@ -27,9 +27,9 @@ def _plan_from_args(args: argparse.Namespace):
     else:
         batch = args.batch or (defaults.global_batch_size if defaults else inputs[0].shape[0])
         _note_defaults(args, batch, inputs)
-    pins = {k: getattr(args, k) for k in ("t", "c", "ep", "p", "d", "v", "schedule",
-                                          "recompute", "zero")
-            if getattr(args, k) is not None}
+    pins = {k: getattr(args, k) for k in ("t", "c", "cp_attention", "ep", "p", "d", "v",
+                                          "schedule", "recompute", "zero")
+            if getattr(args, k, None) is not None}
     if args.micro_batch is not None:
         pins["micro_batch_size"] = args.micro_batch
     cluster = args.cluster
@@ -176,6 +176,9 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
     sp.add_argument("--ep", type=int, help="pin the expert-parallel degree (a mixture of "
                                            "experts: experts over ep of the c·d ranks)")
+    sp.add_argument("--cp-attention", dest="cp_attention", choices=["all-gather", "ring"],
+                    help="pin how context parallelism's attention meets the other ranks' K/V "
+                         "(default: the cheaper as priced)")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
     sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
                                                "interleaved-zb"])

@@ -15,6 +15,10 @@ from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 SCHEDULES = SCHEDULE_NAMES
 RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 2, 3)
+# how context parallelism's attention reads the other ranks' keys and values: all-gathered
+# before attention (Llama 3's method), or passed round the context ranks block by block while
+# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py
+CP_ATTENTION = ("all-gather", "ring")
 
 GB = 1024 ** 3
 
@@ -136,8 +140,8 @@ class Alternative:
 
     def label(self) -> str:
         c = self.config
-        keys = ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "schedule", "recompute", "zero",
-                "sequence_parallel")
+        keys = ("t", "c", "cp_attention", "ep", "p", "d", "v", "micro_batch_size", "schedule",
+                "recompute", "zero", "sequence_parallel")
         short = {"micro_batch_size": "b", "sequence_parallel": "sp"}
         return " ".join(f"{short.get(k, k)}={c[k]}" for k in keys if k in c)
 
@@ -181,6 +185,10 @@ class Plan:
     # context parallelism: each sequence split over c ranks (2c chunks, rank i holding chunks
     # i and 2c-1-i); the world is t·c·p·d. Old plan.json files have no c: 1.
     c: int = 1
+    # how attention meets the other context ranks' K/V (CP_ATTENTION; meaningful for c > 1):
+    # "all-gather" before attention, or "ring" (blocks passed round while attending). Old
+    # plan.json files have none: "all-gather", the only method before ring attention.
+    cp_attention: str = "all-gather"
     # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the
     # same dense weights (each holds experts/ep of them; tokens reach their experts by
     # all-to-all); expert gradients are reduced over the c·d/ep ranks holding the same experts
@@ -330,6 +338,8 @@ def _validate_plan(plan: Plan) -> None:
                          f"the expert-parallel ranks are drawn from the c·d ranks that hold "
                          f"the same dense weights, so ep must divide {plan.c * plan.d}; pick an "
                          f"ep that divides it (ep=1 for none)")
+    if plan.cp_attention not in CP_ATTENTION:
+        raise ValueError(f"Plan.cp_attention={plan.cp_attention!r}: must be one of {CP_ATTENTION}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "
                          f"each sequence into 2c = {2 * plan.c} equal chunks; use a sequence "

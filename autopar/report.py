@@ -71,7 +71,8 @@ def format_plan(plan: "Plan") -> str:
         "─" * 72,
         f"  degrees        t={plan.t} (tensor)  "
         + (f"c={plan.c} (context: each sequence in {2 * plan.c} chunks of "
-           f"{plan.seq_len // (2 * plan.c)} tokens)  " if plan.c > 1 else "")
+           f"{plan.seq_len // (2 * plan.c)} tokens, K/V by {plan.cp_attention})  "
+           if plan.c > 1 else "")
         + f"p={plan.p} (pipeline)  d={plan.d} (data)  v={plan.v} (chunks/rank)"
         + (f"  ep={plan.ep} (experts over {plan.ep} of the c·d ranks, tokens by all-to-all)"
            if plan.ep > 1 else ""),
@@ -204,6 +205,7 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
              _degree_reason(plan, feasible, rejected, "c", "Context parallelism", (
                  "no plan with another c was weighed (c pinned, or no c > 1 divides the GPUs "
                  "and the sequence into 2c chunks).")),
+             *_cp_attention_reason(plan, feasible),
              _degree_reason(plan, feasible, rejected, "ep", "Expert parallelism", (
                  "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
                  "ep > 1 divides both c·d and the experts per layer).")), "",
@@ -225,6 +227,31 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
             more = f" (+{len(alts) - 2} more)" if len(alts) > 2 else ""
             lines.append(f"  - {reason}\n      e.g. {sample}{more}")
     return "\n".join(lines)
+
+
+def _cp_attention_reason(plan: "Plan", feasible: list) -> list[str]:
+    """Why the plan's context attention (c > 1): the best weighed plan with the same c and
+    the other method, its context-parallel cost against the chosen one's; none for c = 1."""
+    if plan.c == 1:
+        return []
+    head = f"Context attention {plan.cp_attention}: "
+    other = [a for a in feasible if a.config.get("c") == plan.c
+             and a.config.get("cp_attention", "all-gather") != plan.cp_attention]
+    mine = plan.predicted.cp_comm_s
+    if not other:
+        return [head + "the other method was not weighed (pinned, or the pass cannot build "
+                       "it: see the notes)."]
+    a = other[0]
+    how = a.config.get("cp_attention", "all-gather")
+    return [head + f"its K/V exchange costs {_fmt_s(mine)} per step exposed vs "
+                   f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (the best {how} plan, "
+                   f"{a.label()}, takes {_fmt_s(a.predicted.step_time_s)} per step vs "
+                   f"{_fmt_s(plan.predicted.step_time_s)}); " + (
+                       "the ring hides each block's transfer under a step's attention, where "
+                       "the all-gather runs exposed." if plan.cp_attention == "ring" else
+                       "the all-gather moves the K/V once; the ring's transfers outlast its "
+                       "steps' attention, or its overheads (kernels over 1/c of the keys, c "
+                       "launches, c−1 merges) exceed what it hides.")]
 
 
 def _degree_reason(plan: "Plan", feasible: list, rejected: list, knob: str, title: str,

@@ -12,16 +12,19 @@ every rank the same number of unmasked (query, key) pairs: 1/c of the whole, so 
 fused-kernel FLOPs are the sequence's / c and the fraction of active tiles of its
 (s/c) × s score block is the sequence's own.
 
-`context_rank_profile(profile, c)` returns the profile per context rank (seq_len s/c), so the
+`context_rank_profile(profile, c, attention)` returns the profile per context rank (seq_len s/c), so the
 cost model's formulas price one context rank as they price any rank; what only context
 parallelism adds is written into the regions:
   - `RegionProfile.cp_gather_elems`: elements of K and V, at full length and all kv heads, one
     sequence's attention gathers in the region (its all-gather in forward, the reduce-scatter
     of their gradients in backward: the same bytes);
-  - the gathered K and V (the other ranks' (c−1)/c of them) are saved for the backward with the
-    layer's activations (the kernel's backward reads them), split by t like the kv heads.
+  - under the all-gather the gathered K and V (the other ranks' (c−1)/c of them) are saved for
+    the backward with the layer's activations (the kernel's backward reads them), split by t like
+    the kv heads; ring attention (attention="ring", autopar/runtime/ring_attention.py) saves only
+    the rank's own K/V and passes the blocks round again in backward.
 Llama 3 runs the all-gather on the critical path ("the all-gather communication latency is
-exposed", 2407.21783 §3.3.2): cost/model.py charges it exposed.
+exposed", 2407.21783 §3.3.2): cost/model.py charges it exposed, and prices the ring's transfers
+overlapped with its steps' attention (`ring_attention_s`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from dataclasses import replace
 
 from autopar.cost.profile import (AttentionCall, FusedAttention, Gemm, ModelProfile,
                                   RegionProfile, TPCorrection, TPRegionFallback)
+from autopar.plan import CP_ATTENTION
 
 
 def _div(x: int, c: int) -> int:
@@ -60,9 +64,11 @@ def _call(call: AttentionCall, c: int) -> AttentionCall:
                    materialized_bytes=_div(call.materialized_bytes, c))
 
 
-def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int) -> RegionProfile:
+def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int,
+            ring: bool) -> RegionProfile:
     kv = _kv_elems(r, kv_heads, heads)
-    gathered = (kv - _div(kv, c)) * e  # the other ranks' K and V, saved for the backward
+    # the other ranks' K and V, saved for the backward (the ring sends them again instead)
+    gathered = 0 if ring else (kv - _div(kv, c)) * e
     fused = r.fused
     if fused is not None:
         fused = FusedAttention(
@@ -94,17 +100,23 @@ def _correction(t: TPCorrection, c: int) -> TPCorrection:
     return replace(t, **{k: _fallback(t.region(k), c) for k in ("embedding", "block", "head")})
 
 
-def context_rank_profile(profile: ModelProfile, c: int) -> ModelProfile:
-    """The profile as one of c context ranks sees it (module docstring); the profile itself
-    for c = 1, and idempotent for the same c."""
+def context_rank_profile(profile: ModelProfile, c: int,
+                         attention: str = "all-gather") -> ModelProfile:
+    """The profile as one of c context ranks sees it (module docstring), its attention meeting
+    the other ranks' K/V by `attention` (autopar.plan.CP_ATTENTION); the profile itself for
+    c = 1, and idempotent for the same c and attention."""
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise ValueError(f"c={c!r}: the context-parallel degree must be a positive int; use c=1 "
                          f"for no context parallelism")
-    if profile.context == c:
+    if attention not in CP_ATTENTION:
+        raise ValueError(f"attention={attention!r}: context parallelism's attention is one of "
+                         f"{CP_ATTENTION}")
+    if profile.context == c and (c == 1 or profile.context_attention == attention):
         return profile
     if profile.context != 1:
         raise ValueError(f"profile {profile.name!r} is already restated for c={profile.context} "
-                         f"and cannot be restated for c={c}; restate the whole-sequence profile")
+                         f"({profile.context_attention}) and cannot be restated for c={c} "
+                         f"({attention}); restate the whole-sequence profile")
     if c == 1:
         return profile
     if profile.seq_len % (2 * c):
@@ -112,7 +124,8 @@ def context_rank_profile(profile: ModelProfile, c: int) -> ModelProfile:
                          f"sequence into 2c = {2 * c} equal chunks; use a sequence length "
                          f"divisible by {2 * c} or a smaller c")
     e = profile.activation_bytes_per_elem
-    regions = {k: _region(getattr(profile, k), c, profile.kv_heads, profile.heads, e)
-               for k in ("embedding", "block", "head")}
+    regions = {k: _region(getattr(profile, k), c, profile.kv_heads, profile.heads, e,
+                          attention == "ring") for k in ("embedding", "block", "head")}
     return replace(profile, **regions, seq_len=profile.seq_len // c, context=c,
+                   context_attention=attention,
                    tp_fallbacks=tuple(_correction(t, c) for t in profile.tp_fallbacks))

@@ -114,7 +114,7 @@ from autopar.cost.context import context_rank_profile
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import (NO_FALLBACK, AttentionCall, Gemm, ModelProfile, RegionProfile,
                                   TPRegionFallback)
-from autopar.plan import RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
+from autopar.plan import CP_ATTENTION, RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
 from autopar.schedules import (GROUPED, check_group, compute_order, first_group_size,
                                peak_held)
 from autopar.weight_gathers import GatherStats, gather_stats
@@ -145,6 +145,7 @@ class Config:
     p: int
     d: int
     c: int = 1                            # context parallelism (cost/context.py)
+    cp_attention: str = "all-gather"      # how its attention meets the other ranks' K/V
     ep: int = 1                           # expert parallelism over the c·d ranks
     v: int = 1
     micro_batch_size: int = 1
@@ -168,6 +169,9 @@ class Config:
         if self.replicas % self.ep:
             raise ValueError(f"Config.ep={self.ep}: must divide c·d = {self.replicas} (the "
                              f"expert-parallel ranks are drawn from them)")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"Config.cp_attention={self.cp_attention!r}: must be one of "
+                             f"{CP_ATTENTION}")
         if self.schedule not in SCHEDULE_TRAITS:
             raise ValueError(f"Config.schedule={self.schedule!r}: the cost model supports "
                              f"{sorted(SCHEDULE_TRAITS)}")
@@ -187,7 +191,8 @@ class Config:
     @classmethod
     def of_plan(cls, plan: "Plan") -> "Config":
         """The configuration of a Plan (everything but its stages)."""
-        return cls(t=plan.t, p=plan.p, d=plan.d, c=plan.c, ep=plan.ep, v=plan.v,
+        return cls(t=plan.t, p=plan.p, d=plan.d, c=plan.c, cp_attention=plan.cp_attention,
+                   ep=plan.ep, v=plan.v,
                    micro_batch_size=plan.micro_batch_size,
                    num_microbatches=plan.num_microbatches, schedule=plan.schedule,
                    recompute=plan.recompute, sequence_parallel=plan.sequence_parallel,
@@ -720,13 +725,13 @@ def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str
 def rank_profile(profile: ModelProfile, cluster: Cluster, cfg: Config) -> ModelProfile:
     """The profile as one rank of cfg sees it: priced with the cluster's attention kernel and
     restated for one of cfg.c context ranks (cost/context.py; the profile itself for c = 1)."""
-    return context_rank_profile(profile.for_cluster(cluster), cfg.c)
+    return context_rank_profile(profile.for_cluster(cluster), cfg.c, cfg.cp_attention)
 
 
 def _rank_profile_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
                        memo: dict) -> ModelProfile:
     """`rank_profile`, cached in `memo` (one solve prices one profile on one cluster)."""
-    key = ("rank_profile", cluster.attention, cfg.c)
+    key = ("rank_profile", cluster.attention, cfg.c, cfg.cp_attention)
     if key not in memo:
         memo[key] = rank_profile(profile, cluster, cfg)
     return memo[key]
@@ -736,11 +741,13 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     """(forward, forward + backward + recompute) seconds per layer per micro-batch of the
     context-parallel K/V exchange, on a profile restated for cfg.c (`rank_profile`).
 
-    Llama 3's all-gather of K and V along the sequence before attention, exposed on the
-    critical path (2407.21783 §3.3.2), and in backward the reduce-scatter of their gradients
-    (the same bytes), again in forward under full recompute; ring all-gather over the c context
-    ranks on their link (context groups: stride t, inside a node when t·c <= GPUs per node).
-    Each tensor rank gathers its kv heads: 1/t of them, or one when t exceeds kv_heads (the
+    cfg.cp_attention "all-gather": Llama 3's all-gather of K and V along the sequence before
+    attention, exposed on the critical path (2407.21783 §3.3.2), and in backward the
+    reduce-scatter of their gradients (the same bytes), again in forward under full recompute;
+    ring all-gather over the c context ranks on their link (context groups: stride t, inside a
+    node when t·c <= GPUs per node). "ring": `ring_attention_s`, the blocks' transfers exposed
+    only where they outlast the attention step they overlap, plus the ring's own overheads.
+    Each tensor rank moves its kv heads: 1/t of them, or one when t exceeds kv_heads (the
     tensor-parallel pass replicates kv heads then)."""
     c, t = cfg.c, cfg.t
     elems = profile.block.cp_gather_elems
@@ -748,9 +755,90 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
         return 0.0, 0.0
     local = elems / min(t, max(1, profile.kv_heads))
     cp_inter = group_spans_nodes(cluster, stride=t, size=c, gpus=cfg.gpus)
-    one = allgather_s(cluster, cfg.micro_batch_size * local * profile.activation_bytes_per_elem,
-                      c, cp_inter)
+    kv_bytes = cfg.micro_batch_size * local * profile.activation_bytes_per_elem
+    if cfg.cp_attention == "ring":
+        fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    one = allgather_s(cluster, kv_bytes, c, cp_inter)
     return one, (3 if cfg.recompute == "full" else 2) * one
+
+
+def ring_exposed_s(hop_s: float, step_s: float, steps: int) -> float:
+    """Exposed seconds of `steps` ring transfers of hop_s each, every one started before and
+    overlapped with an attention step of step_s: only what outlasts the step shows."""
+    return steps * max(0.0, hop_s - step_s)
+
+
+def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_bytes: float,
+                     inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per layer per micro-batch that ring attention adds to the
+    rank's attention (autopar/runtime/ring_attention.py), on the rank's profile; kv_bytes: the
+    whole sequence's K and V on one tensor rank, so one context rank's block is kv_bytes / c.
+
+    Transfers: forward, c − 1 hops of a block (the first step computes on the rank's own block
+    while the next one travels); backward, c − 1 steps each sending a block and a dK/dV
+    accumulator of the same size (2 blocks a hop), then the last accumulator's hop home, which
+    nothing overlaps. A ring hop crosses nodes when the context group does (its slowest link).
+    Each hop overlaps one step's attention: the rank's attention (forward / backward,
+    `attention_core_s`) / c, the balanced causal split's equal steps.
+    Overheads (not communication, charged here because only the ring has them): each step is a
+    kernel over kv_len / c keys (the fused kernel's efficiency falls for short keys:
+    Cluster.flash_half_len), c launches where the all-gather's attention has one, and c − 1
+    online-softmax merges (read the running output and the step's, write the merged one, fp32,
+    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward."""
+    c = cfg.c
+    fwd_s, bwd_s = attention_core_s(profile, cluster, cfg)
+    block = kv_bytes / c
+    fwd = ring_exposed_s(p2p_s(cluster, block, inter), fwd_s / c, c - 1)
+    bwd = (ring_exposed_s(p2p_s(cluster, 2 * block, inter), bwd_s / c, c - 1)
+           + p2p_s(cluster, block, inter))
+    step_f, step_b = attention_core_s(profile, cluster, cfg, keys_over=c)
+    # fp32 (4 B), read twice and written once: the merged outputs with their lse, the dK/dV
+    merges = 3 * 4 * cfg.micro_batch_size * _ring_output_elems(profile, cfg.t)
+    accum = 3 * 4 * kv_bytes / profile.activation_bytes_per_elem / c
+    fwd += c * step_f - fwd_s + (c - 1) * elementwise_time_s(cluster, merges)
+    bwd += c * step_b - bwd_s + (c - 1) * elementwise_time_s(cluster, accum)
+    return fwd, bwd
+
+
+def _ring_output_elems(profile: ModelProfile, t: int) -> float:
+    """Elements of a block's attention outputs and their log-sum-exps per sequence on one
+    tensor rank (heads split over t): what each online-softmax merge reads and writes."""
+    heads_t = min(t, max(1, profile.heads))
+    blk = profile.block
+    if blk.fused is not None and blk.fused.calls:
+        return sum(x.heads * x.q_len * (x.v_head_dim + 1) for x in blk.fused.calls) / heads_t
+    whole = profile.seq_len * profile.context
+    return sum(g.batch * g.m * (g.n + 1) for g in blk.gemms
+               if g.batch_scales and g.k == whole) / heads_t
+
+
+def _keys_cut(g: Gemm, whole: int, parts: int) -> Gemm:
+    """A scores (n = keys) or context (k = keys) GEMM of attention over whole / parts keys."""
+    if g.n == whole:
+        return dataclasses.replace(g, n=max(1, whole // parts))
+    if g.k == whole:
+        return dataclasses.replace(g, k=max(1, whole // parts))
+    return g
+
+
+def attention_core_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                     keys_over: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of a block's attention core (its fused kernels, or the
+    scores / context GEMMs written out) per micro-batch on one rank, with each call's keys
+    cut to kv_len / keys_over (one ring step's kernel)."""
+    sp = cfg.sequence_parallel and cfg.t > 1
+    blk, e, t, b = profile.block, profile.activation_bytes_per_elem, cfg.t, cfg.micro_batch_size
+    fix = _fallback(profile, "block", t, sp)
+    calls = tuple(dataclasses.replace(call, kv_len=max(1, call.kv_len // keys_over))
+                  for call in fused_calls(profile, blk))
+    k_fwd, k_bwd, fused = _fused_times_s(cluster, calls, fix, t, b)
+    whole = profile.seq_len * profile.context
+    written = sum(_local_gemm_time_s(cluster, _keys_cut(g, whole, keys_over),
+                                     1 if i in fix.replicated_gemms else t, b, e,
+                                     dict(fix.whole_columns).get(i, 0))
+                  for i, g in enumerate(blk.gemms) if g.batch_scales and i not in fused)
+    return k_fwd + written, k_bwd + 2 * written
 
 
 def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
@@ -779,7 +867,8 @@ def _block_times_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
     `profile` is the rank's (`rank_profile`)."""
     sp = cfg.sequence_parallel and cfg.t > 1
     tp_inter = group_spans_nodes(cluster, stride=1, size=cfg.t, gpus=cfg.gpus)
-    key = ("layer", cfg.t, cfg.micro_batch_size, cfg.recompute, sp, tp_inter, cfg.c)
+    key = ("layer", cfg.t, cfg.micro_batch_size, cfg.recompute, sp, tp_inter, cfg.c,
+           cfg.cp_attention)
     if key not in memo:
         memo[key] = _block_times_s(profile, cluster, cfg.t, cfg.micro_batch_size,
                                    cfg.recompute, sp, tp_inter)
@@ -805,7 +894,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     comp_s, tp_s, _ = _block_times_memo(profile, cluster, cfg, memo)
     cp_s = context_comm_s(profile, cluster, cfg)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
-    key = ("edge", t, b, sp, tp_inter, cfg.c)
+    key = ("edge", t, b, sp, tp_inter, cfg.c, cfg.cp_attention)
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)
     emb_s, head_s = memo[key]
@@ -1044,7 +1133,7 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
     rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk)."""
     sp = cfg.sequence_parallel and cfg.t > 1
-    profile = context_rank_profile(profile, cfg.c)
+    profile = context_rank_profile(profile, cfg.c, cfg.cp_attention)
     act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
     least = min(inflight(cfg, r) for r in (0, cfg.p - 1))

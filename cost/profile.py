@@ -324,6 +324,9 @@ class ModelProfile:
     # 1: the whole sequence; c: restated for one of c context ranks (cost/context.py), with
     # seq_len the rank's s/c tokens
     context: int = 1
+    # how the restated attention meets the other ranks' K/V (autopar.plan.CP_ATTENTION):
+    # "all-gather" saves the gathered K/V for the backward, "ring" only the rank's own
+    context_attention: str = "all-gather"
     # several kinds of block (encoder-decoder): `block` is the repeat unit, one layer of each
     # kind, and num_layers counts units; the kinds in execution order. Empty: one kind.
     layer_kinds: tuple[LayerKind, ...] = field(default=())

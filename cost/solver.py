@@ -60,8 +60,8 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
                                 step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
-from autopar.plan import (RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction, Stage,
-                          expert_parallel_refusal)
+from autopar.plan import (CP_ATTENTION, RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction,
+                          Stage, expert_parallel_refusal)
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
@@ -80,6 +80,7 @@ GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
 class Pins:
     t: int | None = None
     c: int | None = None
+    cp_attention: str | None = None
     ep: int | None = None
     p: int | None = None
     d: int | None = None
@@ -259,10 +260,33 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                 {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
                                 f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
                             continue
-                        yield Config(t=t, p=p, d=d, c=c, ep=ep, v=v, micro_batch_size=b,
-                                     num_microbatches=m, schedule=schedule,
-                                     recompute=recompute, sequence_parallel=sp, zero=zero,
-                                     microbatch_group=group)
+                        for how in _cp_attentions(profile, c, pins):
+                            yield Config(t=t, p=p, d=d, c=c, cp_attention=how, ep=ep, v=v,
+                                         micro_batch_size=b, num_microbatches=m,
+                                         schedule=schedule, recompute=recompute,
+                                         sequence_parallel=sp, zero=zero,
+                                         microbatch_group=group)
+
+
+def _cp_attentions(profile: ModelProfile, c: int, pins: Pins) -> tuple[str, ...]:
+    """How attention may meet the other context ranks' K/V: both methods when c > 1 (the cost
+    model prices each: cost.model.context_comm_s), the pinned one if any; with c = 1 there is
+    nothing to meet, one value. Ring attention replaces scaled-dot-product attention calls
+    only (attention written out as matmuls keeps the all-gather): a model without them is
+    offered the all-gather alone."""
+    if c == 1:
+        return ("all-gather",)
+    if pins.cp_attention is not None:
+        return (pins.cp_attention,)
+    return CP_ATTENTION if ring_attention_rule(profile) is None else ("all-gather",)
+
+
+def ring_attention_rule(profile: ModelProfile) -> str | None:
+    """Why ring attention cannot run this model's attention, or None."""
+    if profile.block.fused is None or not profile.block.fused.calls:
+        return ("ring attention replaces scaled_dot_product_attention calls; this model's "
+                "attention is written out (q·kᵀ, softmax, p·v), which keeps the all-gather")
+    return None
 
 
 def _sequence_parallel_modes(profile, t, p, d, pins, rejected, c=1) -> tuple[bool, ...]:
@@ -582,7 +606,7 @@ class _Evaluated:
 
 
 def _config_dict(cfg: Config) -> dict[str, Any]:
-    return {"t": cfg.t, "c": cfg.c, "ep": cfg.ep, "p": cfg.p, "d": cfg.d, "v": cfg.v,
+    return {"t": cfg.t, "c": cfg.c, "cp_attention": cfg.cp_attention, "ep": cfg.ep, "p": cfg.p, "d": cfg.d, "v": cfg.v,
             "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
             "schedule": cfg.schedule, "recompute": cfg.recompute,
             "sequence_parallel": cfg.sequence_parallel, "zero": cfg.zero,
@@ -616,6 +640,12 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: ep={pins.ep} with {experts} experts per layer: each "
                              f"expert-parallel rank holds experts/ep whole experts, so ep must "
                              f"divide {experts}; pick an ep that divides {experts}")
+    if pins.cp_attention is not None and pins.cp_attention not in CP_ATTENTION:
+        raise ValueError(f"solve: cp_attention={pins.cp_attention!r} must be one of "
+                         f"{CP_ATTENTION} or None (the solver prices both)")
+    if pins.cp_attention == "ring" and ring_attention_rule(profile):
+        raise ValueError(f"solve: cp_attention='ring': {ring_attention_rule(profile)}; pin "
+                         f"cp_attention='all-gather' or leave it None")
     if pins.c is not None:
         why = _context_rule(profile, pins.c)
         if why:
@@ -676,16 +706,18 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           sequence_parallel: bool | None = None, microbatch_group: int | None = None,
           max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
           schedules: tuple[str, ...] | None = None, c: int | None = None,
-          ep: int | None = None) -> Plan:
+          ep: int | None = None, cp_attention: str | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
-    planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m)."""
+    planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
+    `cp_attention`: pin how context parallelism's attention meets the other ranks' K/V
+    ("all-gather" | "ring"); None: the cheaper per configuration, as the cost model prices them."""
     cluster = get_cluster(cluster)
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
         c = 1   # t, p and d pinned: the layout the caller wrote (before c existed) is t·p·d
-    pins = Pins(t=t, c=c, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
+    pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
                 microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
                 schedules=None if schedules is None else tuple(schedules))
@@ -748,8 +780,8 @@ def _evaluate(profile, cluster, configs):
     qmemo: dict = {}
     quick = []
     for cfg in configs:
-        key = (cfg.t, cfg.c, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group)
+        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size,
+               cfg.recompute, cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group)
         if key not in qmemo:
             twin = cfg if cfg.ep == 1 else dataclasses.replace(cfg, ep=1)
             qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
@@ -774,7 +806,8 @@ def _evaluate(profile, cluster, configs):
             pruned.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], note=(
                 f"slower: lower bound {quick[i]:.4g} s > best {best_ub:.4g} s")))
             continue
-        akey = (cfg.t, cfg.c, cfg.p, cfg.v, cfg.micro_batch_size, cfg.num_microbatches,
+        akey = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
+                cfg.num_microbatches,
                 cfg.recompute, cfg.sequence_parallel, cfg.schedule, cfg.microbatch_group)
         if akey not in smemo:
             smemo[akey] = activation_bytes_lower_bound(profile, cfg)
@@ -817,7 +850,8 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
         first += n
     alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
                          max_alternatives, optimal, solve_s)
-    return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, ep=cfg.ep, v=cfg.v,
+    return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, cp_attention=cfg.cp_attention, ep=cfg.ep,
+                v=cfg.v,
                 micro_batch_size=cfg.micro_batch_size,
                 num_microbatches=cfg.num_microbatches, schedule=cfg.schedule,
                 recompute=cfg.recompute, sequence_parallel=cfg.sequence_parallel, zero=cfg.zero,

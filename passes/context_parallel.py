@@ -26,8 +26,14 @@ that feeds it (repeat_kv's expand / reshape or repeat_interleave, found by walki
 through token-wise data movements to the smallest value), which is re-applied to the
 gathered kv heads — its queries stay local, its mask's query rows are this
 rank's; is_causal attention becomes `context_causal_attention`: each of the rank's two query
-chunks against its key prefix, so the rank computes its share of the causal work. Written-out
-attention (q·kᵀ, p·v) gathers the key / value operand the same way. Dropout on the rank's
+chunks against its key prefix, so the rank computes its share of the causal work. Under
+plan.cp_attention == "ring" a scaled-dot-product attention instead becomes
+`context_ring_attention` (autopar/runtime/ring_attention.py) on the local q, k, v: the K/V
+blocks travel round the context group at run time, only the kv heads of a grouped-query repeat
+(its group found by replaying the repeat on one token), the mask's query rows selected as
+above; a ring attention with dropout is refused. Written-out
+attention (q·kᵀ, p·v) gathers the key / value operand the same way, under either method (its
+softmax between the two products is not the pass's to split into ring steps). Dropout on the rank's
 tokens (attention's and aten.dropout's) draws from the program's DropoutStreams (`tp_rng`,
 bound with this rank's tensor and context ranks: another mask on each context rank, the same
 on the tensor ranks of a value they all hold, replayed by recompute), as tensor-parallel
@@ -57,6 +63,7 @@ from autopar.runtime import collectives as coll
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
                                      context_loss_mean, context_select)
+from autopar.runtime.ring_attention import context_ring_attention
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -107,8 +114,8 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 
 
 class _Propagation:
-    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int):
-        self.gm, self.g, self.c, self.T = gm, gm.graph, c, seq_len
+    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int, ring: bool = False):
+        self.gm, self.g, self.c, self.T, self.ring = gm, gm.graph, c, seq_len, ring
         self.dim: dict[fx.Node, int] = {}            # value -> its sequence dim
         self.full: dict[fx.Node, tuple[int, ...]] = {n: s for n in gm.graph.nodes
                                                      if (s := _shape(n)) is not None}
@@ -416,16 +423,14 @@ class _Propagation:
         if not isinstance(dropout, (int, float)):
             raise _refuse(n, "an attention dropout probability computed in the graph")
         streams, seed = a.get("streams"), a.get("seed", _SEED)
+        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
+        if self.ring:
+            return self.ring_attention(n, q, k, v, mask, causal, dropout, extra)
         if dropout and streams is None:
             streams = self.streams_node()
         kg, vg = self.gather(k, n), self.gather(v, n)
-        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if isinstance(mask, fx.Node):
-            if mask in self.dim:
-                raise _refuse(n, "a mask that depends on the rank's tokens")
-            rows = len(self.full[mask]) - 2
-            if self.full[mask][rows] != 1:
-                mask = self.select(mask, rows, n)
+            mask = self.mask_rows(mask, n)
         elif causal:
             # each query chunk against its key prefix (runtime/context.py): the rank computes
             # its share of the causal tiles, not a masked (T/c) × T block
@@ -441,6 +446,61 @@ class _Propagation:
         else:
             n.args, n.kwargs = (q, kg, vg, mask, dropout, causal), extra
         self.mark(n, self.dim[q])
+
+    def ring_attention(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
+                       causal: bool, dropout: float, extra: dict) -> None:
+        """Attention as `context_ring_attention` (plan.cp_attention == "ring"): q, k, v stay
+        local, the runtime passes the K/V blocks round the context group; the mask's query rows
+        are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
+        the kv heads travel."""
+        if dropout:
+            raise _refuse(n, f"ring attention with attention dropout {dropout} (the ring "
+                             f"kernel draws no dropout); plan cp_attention='all-gather'")
+        if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in (q, k, v)):
+            raise _refuse(n, "ring attention needs (batch, heads, tokens, head_dim) operands; "
+                             "plan cp_attention='all-gather'")
+        if isinstance(mask, fx.Node):
+            mask = self.mask_rows(mask, n)
+        group = self._kv_group(k)
+        if self._kv_group(v) != group:
+            group = 1
+        n.target = context_ring_attention
+        n.args = (q, k, v, self.cp_node(), mask, bool(causal), extra.get("scale"),
+                  bool(extra.get("enable_gqa", False)), group)
+        n.kwargs = {}
+        self.mark(n, self.dim[q])
+
+    def mask_rows(self, mask: fx.Node, n: fx.Node) -> fx.Node:
+        """An attention mask (whole: a function of positions, not of the rank's tokens) with
+        this rank's query rows; its key columns stay whole, in global order."""
+        if mask in self.dim:
+            raise _refuse(n, "a mask that depends on the rank's tokens")
+        rows = len(self.full[mask]) - 2
+        return self.select(mask, rows, n) if self.full[mask][rows] != 1 else mask
+
+    def _kv_group(self, x: fx.Node) -> int:
+        """g > 1 when x (B, H, T, E) is a head repeat in which every head of a smaller tensor
+        appears g times consecutively (repeat_kv's expand + reshape, repeat_interleave): the
+        repeat (`_repeat_chain`) replayed on one token of distinct numbers shows it; else 1."""
+        src, chain = self._repeat_chain(x)
+        if not chain:
+            return 1
+        shape = list(self.full[src])
+        shape[self.dim[src]] = 1
+        y = torch.arange(math.prod(shape)).reshape(shape)
+        for node in chain:
+            args = tuple(node.args[1:])
+            if packet(node) in _RESIZES:
+                sizes = list(self.full[node])
+                sizes[self.dim[node]] = 1
+                args = (sizes,) + tuple(node.args[2:])
+            y = node.target(y, *args, **node.kwargs)
+        heads = y.shape[1]
+        for g in range(heads, 1, -1):
+            grouped = y.unflatten(1, (heads // g, g)) if heads % g == 0 else None
+            if grouped is not None and bool((grouped == grouped[:, :, :1]).all()):
+                return g
+        return 1
 
     def streams_node(self) -> fx.Node:
         """The get_attr of the program's DropoutStreams (`tp_rng`, bound by the runtime with
@@ -498,8 +558,11 @@ class _Propagation:
             u.replace_input_with(n, mean)
 
 
-def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
-    """Rewrite `gm` (in place) for one of c context ranks; see the module docstring."""
+def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
+                           attention: str = "all-gather") -> fx.GraphModule:
+    """Rewrite `gm` (in place) for one of c context ranks; see the module docstring.
+    attention: "all-gather" (K/V gathered before attention) or "ring" (autopar.plan
+    CP_ATTENTION: every attention a `context_ring_attention`)."""
     if c == 1:
         return gm
     if not hasattr(gm, CP_ATTR):
@@ -507,7 +570,7 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int) -> fx.Graph
         # with no group, stands in for inspection and code generation (set before the rewrite
         # inserts its get_attr, so the graph never references a missing attribute)
         setattr(gm, CP_ATTR, ContextShard(group=None, c=c, cp_rank=0, seq_len=seq_len))
-    _Propagation(gm, c, seq_len).run()
+    _Propagation(gm, c, seq_len, ring=attention == "ring").run()
     gm.graph.eliminate_dead_code()
     return gm
 
@@ -515,5 +578,6 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int) -> fx.Graph
 def context_parallel_pass(plan: Any) -> Pass:
     """The pass of `plan` (c, seq_len) for the pass pipeline (autopar/build.py)."""
     return Pass(name="context_parallel",
-                run=lambda gm: apply_context_parallel(gm, plan.c, plan.seq_len),
+                run=lambda gm: apply_context_parallel(gm, plan.c, plan.seq_len,
+                                                      plan.cp_attention),
                 reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.VAL))
