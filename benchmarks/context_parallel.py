@@ -9,6 +9,8 @@ autopar's runtime (compile + train_step), one process per variant, side by side 
 
   one process   the plan t = c = p = d = 1 (world 1)
   c = 2         each sequence in 4 chunks, rank i holding chunks i and 3 − i, K/V all-gathered
+  c = 2 ring    the same split, K/V blocks passed round the 2 ranks while attending
+                (cp_attention="ring", autopar/runtime/ring_attention.py)
 
 It prints the median step time of each, the speed-up, and the bytes autograd saves per rank
 for one step's backward (saved-tensor hooks; storages counted once), and the ratio. Then it
@@ -60,15 +62,18 @@ class _SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda x: x)
 
 
-def _autopar(rank: int, world: int, a: argparse.Namespace, c: int) -> tuple[float, int, float]:
-    """(median step s, saved bytes of one step, last loss) of autopar's runtime at c."""
+def _autopar(rank: int, world: int, a: argparse.Namespace, c: int,
+             how: str = "all-gather") -> tuple[float, int, float]:
+    """(median step s, saved bytes of one step, last loss) of autopar's runtime at c, its
+    attention meeting the other rank's K/V by `how` (cp_attention)."""
     import autopar
     torch.set_num_threads(1)
     ids, targets = _data(a)
     prog = autopar.parallelize(_model(a), gpus=world, example_inputs=(ids[:1],),
                                loss_fn=autopar.cross_entropy, global_batch_size=a.batch,
                                cluster="local-cpu", t=1, p=1, d=1, c=c,
-                               micro_batch_size=a.batch, recompute="none")
+                               micro_batch_size=a.batch, recompute="none",
+                               cp_attention=how if c > 1 else None)
     runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), timeout_s=600)
     saved = _SavedBytes()
     times, loss = [], 0.0
@@ -127,17 +132,18 @@ def main() -> None:
     a = ap.parse_args()
     from autopar.testing import spawn
     one_s, one_bytes, one_loss = spawn(_autopar, 1, a, 1, timeout_s=1200)[0]
-    cp = spawn(_autopar, 2, a, 2, timeout_s=1200)
-    cp_s = max(r[0] for r in cp)
-    cp_bytes = max(r[1] for r in cp)
     print(f"Llama-style, {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), "
           f"sequence {a.seq}, batch {a.batch}; median of {a.steps} steps")
-    print(f"  one process      {one_s * 1e3:9.1f} ms/step   saved for backward "
+    print(f"  one process        {one_s * 1e3:9.1f} ms/step   saved for backward "
           f"{one_bytes / 2**20:8.1f} MiB   loss {one_loss:.4f}")
-    print(f"  autopar c=2      {cp_s * 1e3:9.1f} ms/step   saved per rank     "
-          f"{cp_bytes / 2**20:8.1f} MiB   loss {cp[0][2]:.4f}")
-    print(f"  speed-up {one_s / cp_s:.2f}x   per-rank saved bytes {cp_bytes / one_bytes:.2f}x "
-          f"of one process")
+    cp_s = None
+    for how, label in (("all-gather", "c=2 all-gather"), ("ring", "c=2 ring      ")):
+        res = spawn(_autopar, 2, a, 2, how, timeout_s=1200)
+        step_s, saved = max(r[0] for r in res), max(r[1] for r in res)
+        cp_s = step_s if cp_s is None else cp_s
+        print(f"  {label}     {step_s * 1e3:9.1f} ms/step   saved per rank     "
+              f"{saved / 2**20:8.1f} MiB   loss {res[0][2]:.4f}   speed-up "
+              f"{one_s / step_s:.2f}x, saved bytes {saved / one_bytes:.2f}x of one process")
     res = spawn(_torch_cp, 2, a, timeout_s=1200)
     status, value = res[0]
     if status == "ok":

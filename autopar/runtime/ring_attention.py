@@ -48,7 +48,8 @@ _KV_TAG, _GRAD_TAG = 7100, 7200   # message tags: K/V blocks forward, dK/dV accu
 @dataclass(frozen=True)
 class _Tile:
     """One product of a ring step: local query rows [q0, q0 + qn) against the block's key rows
-    [0, kn); `diagonal`: the last qn keys are the queries' own positions (causal inside them)."""
+    [0, kn); `diagonal`: a square tile of the rank's own block, causal inside (its local order
+    is increasing in global position, so the square causal mask is the global one)."""
     q0: int
     qn: int
     kn: int
@@ -56,74 +57,115 @@ class _Tile:
 
 
 def _causal_tiles(rank: int, owner: int, c: int, n: int) -> tuple[_Tile, ...]:
-    """The tiles of query chunks (chunk_ids(rank)) against key chunks (chunk_ids(owner)), each
-    chunk n tokens: a query chunk reads the key chunks at or before it (a prefix of the owner's
-    two, which are in increasing order), causal inside the one equal to it. Query chunks that
-    read the same keys unmasked merge into one tile."""
+    """The tiles of query chunks (chunk ids of `rank`) against key chunks (of `owner`), each
+    chunk n tokens. The own block is one square causal tile (torch's step 0); otherwise no chunk
+    is shared, and a query chunk reads the owner's key chunks before it — a prefix of the two,
+    which are in increasing order — unmasked. Query chunks reading the same keys merge."""
+    if owner == rank:
+        return (_Tile(q0=0, qn=2 * n, kn=2 * n, diagonal=True),)
     qs, ks = G.sequence_chunks(rank, c), G.sequence_chunks(owner, c)
     tiles: list[_Tile] = []
     for a, qa in enumerate(qs):
-        kn = sum(kb <= qa for kb in ks)
+        kn = sum(kb < qa for kb in ks)
         if not kn:
             continue
-        t = _Tile(q0=a * n, qn=n, kn=kn * n, diagonal=ks[kn - 1] == qa)
         last = tiles[-1] if tiles else None
-        if (last is not None and not t.diagonal and not last.diagonal and last.kn == t.kn
-                and last.q0 + last.qn == t.q0):
-            tiles[-1] = _Tile(q0=last.q0, qn=last.qn + t.qn, kn=t.kn, diagonal=False)
+        if last is not None and last.kn == kn * n and last.q0 + last.qn == a * n:
+            tiles[-1] = _Tile(q0=last.q0, qn=last.qn + n, kn=kn * n, diagonal=False)
         else:
-            tiles.append(t)
+            tiles.append(_Tile(q0=a * n, qn=n, kn=kn * n, diagonal=False))
     return tuple(tiles)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
-    """The accumulation dtype of scores, lse and partial outputs: fp32, or x's if wider."""
+    """The accumulation dtype of lse and merged outputs: fp32, or x's if wider."""
     return torch.promote_types(x.dtype, torch.float32)
 
 
 def _block_bias(mask: torch.Tensor | None, cols: torch.Tensor | None, tile: _Tile,
                 like: torch.Tensor) -> torch.Tensor | None:
-    """The additive bias (…, qn, kn) of one tile in the accumulation dtype: the causal triangle of a diagonal tile,
-    or the explicit mask's rows and the block owner's key columns; None when nothing is masked."""
-    if mask is not None:
-        m = mask.narrow(-2, tile.q0, tile.qn) if mask.shape[-2] != 1 else mask
-        m = m.index_select(-1, cols)
-        if m.dtype == torch.bool:
-            return torch.zeros(m.shape, dtype=_acc(like), device=m.device).masked_fill(
-                ~m, float("-inf"))
-        return m.to(_acc(like))
-    if not tile.diagonal:
+    """The explicit mask's additive bias (…, qn, kn) for one tile, in like's dtype: its rows
+    the tile's queries, its columns the block owner's keys; None without a mask."""
+    if mask is None:
         return None
-    q = torch.arange(tile.qn, device=like.device) + (tile.kn - tile.qn)
-    k = torch.arange(tile.kn, device=like.device)
-    return torch.zeros((tile.qn, tile.kn), dtype=_acc(like), device=like.device).masked_fill(
-        k[None, :] > q[:, None], float("-inf"))
+    m = mask.narrow(-2, tile.q0, tile.qn) if mask.shape[-2] != 1 else mask
+    m = m.index_select(-1, cols)
+    if m.dtype == torch.bool:
+        return torch.zeros(m.shape, dtype=like.dtype, device=m.device).masked_fill(
+            ~m, float("-inf"))
+    return m.to(like.dtype)
 
 
-def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, Hq, L, E) -> (B, Hk, g, L, E): query head h = kv head h // g, member h % g."""
-    return x.unflatten(1, (kv_heads, x.shape[1] // kv_heads))
+def _skipped(bias: torch.Tensor | None) -> bool:
+    """A tile whose explicit mask masks every (query, key) pair contributes nothing."""
+    return bias is not None and bool(torch.isneginf(bias).all())
 
 
-def _heads_bias(bias: torch.Tensor, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """A (…, qn, kn) bias broadcast onto the grouped scores (B, Hk, g, qn, kn)."""
-    while bias.dim() < 4:
-        bias = bias.unsqueeze(0)
-    b = bias.expand(q.shape[0], q.shape[1], *bias.shape[-2:])
-    return _grouped(b, kv_heads)
+def _repeat(x: torch.Tensor, g: int) -> torch.Tensor:
+    """(B, Hk, S, E) -> (B, Hk·g, S, E): kv head j serves query heads j·g … j·g + g − 1."""
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float,
-            kv_heads: int) -> torch.Tensor:
-    """Scores (B, Hk, g, qn, kn), accumulation dtype, of the tile's queries q (B, Hq, qn, E) against k
-    (B, Hk, kn, E)."""
-    s = (_grouped(q, kv_heads) @ k.unsqueeze(2).transpose(-1, -2)).to(_acc(q)) * scale
-    return s if bias is None else s + _heads_bias(bias, q, kv_heads)
+def _group_sum(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The conjugate of _repeat: (B, Hk·g, S, E) -> (B, Hk, S, E), summed over each group."""
+    return x if g == 1 else x.unflatten(1, (x.shape[1] // g, g)).sum(2)
+
+
+# The fused kernel with its log-sum-exp, forward and backward, on CPU (what
+# scaled_dot_product_attention runs there); elsewhere the tile is written out (`_math_*`).
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _math_scores(q, k, bias, diagonal, scale):
+    """Scores (B, H, qn, kn) of one tile in the accumulation dtype, masked."""
+    s = (q @ k.transpose(-1, -2)).to(_acc(q)) * scale
+    if diagonal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device
+                                     ).triu(1), float("-inf"))
+    return s if bias is None else s + bias.to(s.dtype)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     """lse with fully masked rows (−inf) read as 0, so exp(s − lse) is 0 there, not NaN."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _fused(q: torch.Tensor, fused: bool | None) -> bool:
+    return q.device.type == "cpu" if fused is None else fused
+
+
+def _tile_forward(q, k, v, bias, diagonal, scale, fused=None):
+    """(out (B, H, qn, Ev), lse (B, H, qn)) of one tile, both in the accumulation dtype; a row
+    the mask hides whole has lse −inf (weight 0 in the merge) and out 0. fused: the CPU
+    kernel (None: on CPU) or the written-out product."""
+    if _fused(q, fused):
+        out, lse = _FLASH_CPU(q, k, v, 0.0, diagonal, attn_mask=bias, scale=scale)
+        if bias is not None:   # the kernel reports lse 0 for a row with no key: it has none
+            dead = torch.isneginf(bias).all(-1).expand(lse.shape)
+            lse = lse.masked_fill(dead, float("-inf"))
+        return out.to(_acc(q)), lse.to(_acc(q))
+    s = _math_scores(q, k, bias, diagonal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return (p.to(v.dtype) @ v).to(_acc(q)), lse
+
+
+def _tile_backward(dout, q, k, v, out, lse, bias, diagonal, scale, fused=None):
+    """(dq, dk, dv) of one tile given the merged output and lse of its query rows: with them
+    exp(s − lse) is the tile's share of the whole softmax, so the fused kernel's backward (or
+    the written-out one) gives exactly the tile's terms of the whole gradient."""
+    if _fused(q, fused):   # lse is the kernel's dtype: fp32, or fp64 for fp64 inputs
+        return _FLASH_CPU_BWD(dout.contiguous(), q.contiguous(), k, v, out.contiguous(),
+                              lse.contiguous(), 0.0, diagonal, attn_mask=bias, scale=scale)
+    acc = _acc(q)
+    s = _math_scores(q, k, bias, diagonal, scale)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    do = dout.to(acc)
+    dv = p.transpose(-1, -2) @ do
+    ds = p * (do @ v.to(acc).transpose(-1, -2)
+              - (do * out.to(acc)).sum(-1, keepdim=True)) * scale
+    return ds @ k.to(acc), ds.transpose(-1, -2) @ q.to(acc), dv
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
@@ -169,40 +211,38 @@ def _step_tiles(cp: Any, owner: int, causal: bool, length: int) -> tuple[_Tile, 
     return (_Tile(q0=0, qn=length, kn=length, diagonal=False),)
 
 
-def _skipped(bias: torch.Tensor | None) -> bool:
-    """A tile whose explicit mask masks every (query, key) pair contributes nothing."""
-    return bias is not None and bool(torch.isneginf(bias).all())
+def _tiles(cp, owner, causal, mask, q):
+    """(tile, its bias) of one ring step, fully masked tiles left out."""
+    cols = _cols(cp, owner, mask)
+    for tile in _step_tiles(cp, owner, causal, q.shape[2]):
+        bias = _block_bias(mask, cols, tile, q)
+        if not _skipped(bias):
+            yield tile, bias
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, cp, causal, scale):   # noqa: D401 - autograd signature
         B, Hq, L, _ = q.shape
-        Hk = k.shape[1]
+        g = Hq // k.shape[1]
         acc = _acc(q)
-        out = q.new_zeros((B, Hk, Hq // Hk, L, v.shape[-1]), dtype=acc)
-        lse = torch.full((B, Hk, Hq // Hk, L), float("-inf"), dtype=acc, device=q.device)
+        out = q.new_zeros((B, Hq, L, v.shape[-1]), dtype=acc)
+        lse = torch.full((B, Hq, L), float("-inf"), dtype=acc, device=q.device)
         ring = _Ring(cp.group, cp.cp_rank, cp.c)
         kb, vb = k, v
         for s in range(cp.c):
             owner = (cp.cp_rank - s) % cp.c
             pending = ring.start((kb, vb), _KV_TAG + 2 * s) if s < cp.c - 1 else None
-            cols = _cols(cp, owner, mask)
-            for tile in _step_tiles(cp, owner, causal, L):
-                bias = _block_bias(mask, cols, tile, q)
-                if _skipped(bias):
-                    continue
-                sc = _scores(q.narrow(2, tile.q0, tile.qn), kb.narrow(2, 0, tile.kn), bias,
-                             scale, Hk)
-                blse = torch.logsumexp(sc, dim=-1)
-                p = torch.exp(sc - _finite(blse).unsqueeze(-1))
-                bout = p.to(vb.dtype) @ vb.narrow(2, 0, tile.kn).unsqueeze(2)
+            for tile, bias in _tiles(cp, owner, causal, mask, q):
                 rows = slice(tile.q0, tile.q0 + tile.qn)
-                out[..., rows, :], lse[..., rows] = merge_partials(
-                    out[..., rows, :], lse[..., rows], bout.to(acc), blse)
+                bout, blse = _tile_forward(
+                    q[:, :, rows], _repeat(kb[:, :, :tile.kn], g),
+                    _repeat(vb[:, :, :tile.kn], g), bias, tile.diagonal, scale)
+                out[:, :, rows], lse[:, :, rows] = merge_partials(
+                    out[:, :, rows], lse[:, :, rows], bout, blse)
             if pending is not None:
                 kb, vb = pending()
-        out = out.flatten(1, 2).to(q.dtype)     # (B, Hq, L, Ev)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
         return out
@@ -211,13 +251,10 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
-        B, Hq, L, _ = q.shape
-        Hk = k.shape[1]
+        g = q.shape[1] // k.shape[1]
         acc = _acc(q)
-        dog = _grouped(dout.to(acc), Hk)                                 # (B, Hk, g, L, Ev)
-        delta = (dog * _grouped(out.to(acc), Hk)).sum(-1)                # (B, Hk, g, L)
-        base = _finite(lse)
-        dq = torch.zeros(_grouped(q, Hk).shape, dtype=acc, device=q.device)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         ring = _Ring(cp.group, cp.cp_rank, cp.c)
         kb, vb = k, v
         incoming = None
@@ -226,22 +263,15 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start((kb, vb), _KV_TAG + 2 * s) if s < cp.c - 1 else None
             dk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-            cols = _cols(cp, owner, mask)
-            for tile in _step_tiles(cp, owner, causal, L):
-                bias = _block_bias(mask, cols, tile, q)
-                if _skipped(bias):
-                    continue
+            for tile, bias in _tiles(cp, owner, causal, mask, q):
                 rows = slice(tile.q0, tile.q0 + tile.qn)
-                kt, vt = kb.narrow(2, 0, tile.kn), vb.narrow(2, 0, tile.kn)
-                qt = q.narrow(2, tile.q0, tile.qn)
-                sc = _scores(qt, kt, bias, scale, Hk)                    # (B, Hk, g, qn, kn)
-                p = torch.exp(sc - base[..., rows].unsqueeze(-1))
-                do = dog[..., rows, :]
-                dv[:, :, :tile.kn] += (p.transpose(-1, -2) @ do).sum(2)
-                dp = do @ vt.to(acc).unsqueeze(2).transpose(-1, -2)
-                ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale
-                dq[..., rows, :] += ds @ kt.to(acc).unsqueeze(2)
-                dk[:, :, :tile.kn] += (ds.transpose(-1, -2) @ _grouped(qt.to(acc), Hk)).sum(2)
+                tq, tk, tv = _tile_backward(
+                    dout[:, :, rows], q[:, :, rows], _repeat(kb[:, :, :tile.kn], g),
+                    _repeat(vb[:, :, :tile.kn], g), out[:, :, rows], lse[:, :, rows], bias,
+                    tile.diagonal, scale)
+                dq[:, :, rows] += tq
+                dk[:, :, :tile.kn] += _group_sum(tk.to(acc), g)
+                dv[:, :, :tile.kn] += _group_sum(tv.to(acc), g)
             if incoming is not None:      # the block's gradient from the ranks it visited
                 got_k, got_v = incoming()
                 dk, dv = dk + got_k, dv + got_v
@@ -249,8 +279,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kb, vb = pending()
         dk, dv = incoming()               # this rank's own block, back from its round
-        return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _cols(cp: Any, owner: int, mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime import groups as G
-from autopar.runtime.ring_attention import _causal_tiles, merge_partials
+from autopar.runtime.ring_attention import (_causal_tiles, _tile_backward, _tile_forward,
+                                            merge_partials)
 
 
 def _partial(q, k, v, bias):
@@ -73,6 +74,31 @@ def test_causal_tiles_cover_exactly_the_causal_pairs_with_equal_work(c):
     assert len(set(work)) == 1
 
 
+@pytest.mark.parametrize("diagonal, masked", [(True, False), (False, True)])
+def test_fused_tile_kernel_equals_the_written_out_one(diagonal, masked):
+    """The CPU fused kernel (with its lse, and its backward from the merged output and lse)
+    and the written-out product the ring uses off CPU give the same tile, a masked-out row
+    included (lse −inf, output 0)."""
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 6, 8, dtype=torch.float64) for _ in range(4))
+    bias = None
+    if masked:
+        bias = torch.zeros(6, 6, dtype=torch.float64)
+        bias[0] = float("-inf")
+        bias[2, 3:] = float("-inf")
+    fwd = [_tile_forward(q, k, v, bias, diagonal, 0.3, fused=f) for f in (True, False)]
+    for a, b in zip(*fwd):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    if masked:
+        assert torch.isneginf(fwd[0][1][..., 0]).all() and (fwd[0][0][..., 0, :] == 0).all()
+    out, lse = fwd[1]
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)   # rows seen elsewhere
+    bwd = [_tile_backward(dout, q, k, v, out, lse, bias, diagonal, 0.3, fused=f)
+           for f in (True, False)]
+    for a, b in zip(*bwd):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 # ----- on gloo ranks ----------------------------------------------------------------------------
 def _ring_rank(rank, world, case):
     import torch.distributed as dist
@@ -115,6 +141,7 @@ def _ring_rank(rank, world, case):
     (2, {"kv_heads": 2, "T": 8, "mask": False, "repeat": True}),       # GQA via repeat_kv
     (2, {"kv_heads": 1, "T": 8, "mask": True, "repeat": False}),       # MQA + explicit mask
     (3, {"kv_heads": 2, "T": 12, "mask": False, "repeat": False}),     # c = 3, enable_gqa
+    (4, {"kv_heads": 4, "T": 16, "mask": True, "repeat": False}),      # c = 4, window mask
 ])
 def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
     from autopar.testing import spawn
