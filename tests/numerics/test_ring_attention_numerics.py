@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.plan import Plan
-from programs import check_against_reference, make_plan
+from programs import check_against_reference, check_training, make_plan
 
 
 def ring(plan: Plan, c: int, **over) -> Plan:
@@ -40,3 +40,20 @@ def test_ring_c2_unmodified_transformers_models_equal_one_device(name):
 def test_ring_c4_equals_one_device():
     """Four context ranks, chunks of one token (sequence 8 = 2c · 1): three ring steps."""
     check_against_reference("llama_style", ring(make_plan(), 4))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_ring_c2_recompute_equals_one_device(mode):
+    """Recomputation runs the ring's forward again inside the backward, on every context
+    rank in the same order."""
+    check_against_reference("llama_style", ring(make_plan(), 2, recompute=mode))
+
+
+def test_ring_c2_p2_interleaved_equals_one_device():
+    plan = make_plan(p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4)
+    check_against_reference("llama_style", ring(plan, 2))
+
+
+def test_ring_c2_bf16_equals_one_device_bf16():
+    """bf16 compute: the tiles in bf16, the merge and the dK/dV accumulators in fp32."""
+    check_training("gpt", ring(make_plan(), 2), precision="bf16", max_norm=0.05)
