@@ -82,3 +82,29 @@ def test_cli_pins_ring(capsys):
                  "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["c"], plan["cp_attention"]) == (2, "ring")
+
+
+def _meta_llama(seq: int, kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=kv_heads,
+                      max_position_embeddings=seq, use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("seq, kv_heads, gpus, c, want", [
+    (131072, 32, 32, 4, "ring"),        # multi-head, 131K tokens, the context group over 4 nodes
+    (8192, 8, 16, 2, "all-gather"),     # grouped-query (1 kv head per tensor rank), in a node
+])
+def test_parallelize_picks_ring_or_all_gather_by_cost_and_explains(seq, kv_heads, gpus, c, want):
+    """The unmodified transformers Llama on the meta device, planned through parallelize (its
+    profile from the graph) with t=8 and c pinned: the solver weighs both methods."""
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    plan = autopar.parallelize(_meta_llama(seq, kv_heads), gpus=gpus, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=gpus // 16,
+                               cluster="dgx-h100-80gb", t=8, c=c).plan
+    assert plan.cp_attention == want
+    other = "all-gather" if want == "ring" else "ring"
+    line = next(x for x in plan.explain().splitlines() if x.startswith("Context attention"))
+    assert line.startswith(f"Context attention {want}:") and f"with {other}" in line
