@@ -108,8 +108,10 @@ class Prediction:
     dp_comm_s: float
     bubble_s: float
     optimizer_s: float = 0.0
-    # the K/V all-gathers (and their reduce-scatters in backward) of context parallelism,
-    # exposed on the critical rank; 0 for c = 1 (and in plans written before c existed)
+    # context parallelism's K/V exchange on the critical rank: the all-gathers (and their
+    # reduce-scatters in backward) exposed, or under ring attention the block transfers its
+    # steps' attention does not hide plus the ring's overheads; 0 for c = 1 (and in plans
+    # written before c existed)
     cp_comm_s: float = 0.0
     # the experts' token all-to-alls (dispatch and combine, forward and backward) of expert
     # parallelism on the critical rank; 0 for ep = 1 (and in plans written before ep existed)

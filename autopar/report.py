@@ -243,7 +243,8 @@ def _cp_attention_reason(plan: "Plan", feasible: list) -> list[str]:
                        "it: see the notes)."]
     a = other[0]
     how = a.config.get("cp_attention", "all-gather")
-    return [head + f"its K/V exchange costs {_fmt_s(mine)} per step exposed vs "
+    return [head + f"its context-parallel cost (the K/V exchange exposed, and the ring's "
+                   f"overheads under ring) is {_fmt_s(mine)} per step vs "
                    f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (the best {how} plan, "
                    f"{a.label()}, takes {_fmt_s(a.predicted.step_time_s)} per step vs "
                    f"{_fmt_s(plan.predicted.step_time_s)}); " + (

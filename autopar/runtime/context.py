@@ -25,6 +25,9 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
                                 the c ranks, the mean over every counted token of the sequence,
                                 however unevenly ignored targets fall between the chunks
   context_cut(x, cp, dim)       this rank's tokens of a whole input (Runner.train_step)
+
+Under plan.cp_attention == "ring" attention is autopar/runtime/ring_attention.py's
+`context_ring_attention` instead: no K/V gather, the blocks passed round the context group.
 """
 from __future__ import annotations
 

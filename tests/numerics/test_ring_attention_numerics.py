@@ -57,3 +57,9 @@ def test_ring_c2_p2_interleaved_equals_one_device():
 def test_ring_c2_bf16_equals_one_device_bf16():
     """bf16 compute: the tiles in bf16, the merge and the dK/dV accumulators in fp32."""
     check_training("gpt", ring(make_plan(), 2), precision="bf16", max_norm=0.05)
+
+
+def test_ring_c2_t2_sequence_parallel_equals_one_device():
+    """Each context rank's tokens cut again between its tensor ranks outside attention; the
+    ring runs on the regathered local tokens of the rank's heads."""
+    check_against_reference("hf_llama", ring(make_plan(t=2), 2, sequence_parallel=True))
