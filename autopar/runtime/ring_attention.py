@@ -191,16 +191,26 @@ class _Ring:
 
     def start(self, tensors: tuple[torch.Tensor, ...], tag: int):
         bufs = tuple(torch.empty_like(x) for x in tensors)
+        sends = [x.contiguous() for x in tensors]
         with peer_guard("ring attention exchange with", self.group, [self.prev, self.next]):
-            works = [dist.irecv(b, src=self.prev, group=self.group, tag=tag + i)
-                     for i, b in enumerate(bufs)]
-            works += [dist.isend(x.contiguous(), dst=self.next, group=self.group, tag=tag + i)
-                      for i, x in enumerate(tensors)]
+            if dist.get_backend(self.group) == "gloo":
+                # one isend / irecv each, matched by tag (batch_isend_irecv hangs on gloo)
+                works = [dist.irecv(b, src=self.prev, group=self.group, tag=tag + i)
+                         for i, b in enumerate(bufs)]
+                works += [dist.isend(x, dst=self.next, group=self.group, tag=tag + i)
+                          for i, x in enumerate(sends)]
+            else:
+                # NCCL runs separate p2p calls in order on one stream: a ring of receives
+                # first would wait on each other; batched, they start together (untested here)
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
+                    + [dist.P2POp(dist.isend, x, self.next, self.group) for x in sends])
 
         def wait() -> tuple[torch.Tensor, ...]:
             with peer_guard("ring attention exchange with", self.group, [self.prev, self.next]):
                 for w in works:
                     w.wait()
+            del sends[:]   # the sent tensors stayed alive (referenced here) until now
             return bufs
         return wait
 
