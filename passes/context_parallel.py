@@ -108,6 +108,13 @@ def _refuse(node: fx.Node, why: str) -> ValueError:
         f"q·kᵀ / p·v matmuls) only — run this model with c=1")
 
 
+def _refuse_ring(node: fx.Node, why: str) -> ValueError:
+    return ValueError(
+        f"context parallelism: node {node.name} ({packet(node)}) at {_where(node)}: {why}; "
+        f"plan cp_attention='all-gather' (parallelize's free choice offers only what the pass "
+        f"builds)")
+
+
 def _shape(node: Any) -> tuple[int, ...] | None:
     v = node.meta.get(K.VAL) if isinstance(node, fx.Node) else None
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
@@ -454,11 +461,11 @@ class _Propagation:
         are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
         the kv heads travel."""
         if dropout:
-            raise _refuse(n, f"ring attention with attention dropout {dropout} (the ring "
-                             f"kernel draws no dropout); plan cp_attention='all-gather'")
+            raise _refuse_ring(n, f"ring attention with attention dropout {dropout} (the ring "
+                                  f"kernel draws no dropout)")
         if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in (q, k, v)):
-            raise _refuse(n, "ring attention needs (batch, heads, tokens, head_dim) operands; "
-                             "plan cp_attention='all-gather'")
+            raise _refuse_ring(n, "ring attention needs (batch, heads, tokens, head_dim) "
+                                  "operands")
         if isinstance(mask, fx.Node):
             mask = self.mask_rows(mask, n)
         group = self._kv_group(k)
