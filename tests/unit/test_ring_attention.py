@@ -149,3 +149,16 @@ def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
         for a, b in zip(got, want):
             torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
                                        rtol=1e-10, atol=1e-10)
+
+
+def test_one_context_rank_is_plain_sdpa():
+    """c = 1 (a group of one): scaled_dot_product_attention itself, the kv_group's repeat read
+    as grouped-query attention."""
+    from autopar.runtime.context import ContextShard
+    from autopar.runtime.ring_attention import context_ring_attention
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 8)
+    k, v = (torch.randn(2, 2, 8, 8).repeat_interleave(2, 1) for _ in range(2))
+    cp = ContextShard(group=None, c=1, cp_rank=0, seq_len=8)
+    out = context_ring_attention(q, k, v, cp, is_causal=True, kv_group=2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
