@@ -50,7 +50,7 @@ def test_build_writes_the_program_plan_would_print(built, capsys):
     assert plan.parameters[0] == "model.embed_tokens.weight (64, 32)"
     build = json.loads((out / "build.json").read_text())
     assert build == {"model": f"{(built / 'my_model.py').resolve()}:factory",
-                     "pins": {"p": 2}}
+                     "pins": {"p": 2}, "precision": "fp32"}
     for f in ("launch.py", "chunk_00.py", "chunk_01.py"):
         ast.parse((out / f).read_text())
     assert "--model defaults to" in (out / "launch.py").read_text()
@@ -102,6 +102,9 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
 @pytest.mark.parametrize("argv, words", [
     (["--data", "random", "--steps", "0"], ["--steps 0: must be a positive integer"]),
     (["--data", "random", "--save-every", "-1"], ["--save-every -1"]),
+    (["--data", "random", "--precision", "bf16"],
+     ["chunk_00.py was generated for precision='fp32' but the run asks for precision='bf16'",
+      "autopar build --precision bf16"]),
 ])
 def test_launch_bad_input_is_one_line(built, capsys, argv, words):
     from autopar.launch import main as launch_main
