@@ -1,6 +1,7 @@
 """bf16 mixed precision (bf16 compute, fp32 master weights and gradient accumulation) on the
 models whose norms upcast with `x.float()` / `.to(torch.float32)` — the examples' Llama-style
-model, unmodified transformers Llama, Qwen3 (q/k norms per head) and Mixtral (experts) —
+model, unmodified transformers Llama, Qwen3 (q/k norms per head), Gemma (the norm's
+(1 + weight) in fp32) and Mixtral (experts) —
 against the same model trained on one device in bf16 (tests/reference.py: MixedPrecision, the
 loss on fp32 logits), 3 AdamW steps with clipping active, at the bf16 tolerances of
 tests/programs.py (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL). They run because build captures the
@@ -16,10 +17,11 @@ from programs import check_training, make_plan, make_program
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("name", ["llama_style", "hf_llama", "hf_qwen3"])
+@pytest.mark.parametrize("name", ["llama_style", "hf_llama", "hf_qwen3", "hf_gemma"])
 def test_t2_bf16_equals_one_device_bf16(name):
     """Tensor parallelism: the norms' fp32 statistics on each rank's whole rows, the
-    column/row-parallel projections and their all-reduces in bf16."""
+    column/row-parallel projections and their all-reduces in bf16, the vocabulary-parallel
+    loss on fp32 logits (passes/loss_precision.py)."""
     check_training(name, make_plan(t=2), precision="bf16", max_norm=0.05)
 
 
