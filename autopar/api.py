@@ -60,14 +60,18 @@ class ParallelProgram:
     def _build(self):
         return build_program(self)
 
-    def source(self, chunk: int = 0, tp_rank: int = 0) -> str:
-        """The generated Python of one pipeline chunk (as tensor rank `tp_rank` runs it)."""
-        return chunk_source(self, chunk=chunk, tp_rank=tp_rank)
+    def source(self, chunk: int = 0, tp_rank: int = 0, precision: str = "fp32") -> str:
+        """The generated Python of one pipeline chunk (as tensor rank `tp_rank` runs it in
+        `precision`)."""
+        return chunk_source(self, chunk=chunk, tp_rank=tp_rank, precision=precision)
 
-    def save(self, directory: str | Path, *, model: str | None = None) -> Path:
+    def save(self, directory: str | Path, *, model: str | None = None,
+             precision: str = "fp32") -> Path:
         """Write plan.json, one .py per chunk, launch.py and its run scripts into `directory`.
-        model: the `file.py:factory` the launcher builds by default (else it needs --model)."""
-        return save_program(self, Path(directory), model=model)
+        model: the `file.py:factory` the launcher builds by default (else it needs --model).
+        precision: the one the chunks are generated for ("fp32" or "bf16": the graph is
+        captured in the compute dtype); compile(program_dir=...) refuses another."""
+        return save_program(self, Path(directory), model=model, precision=precision)
 
     def compile(self, optimizer: Callable | None = None, max_grad_norm: float | None = None,
                 **kwargs: Any):

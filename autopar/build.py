@@ -1,8 +1,11 @@
 """Build the per-chunk graphs of a ParallelProgram: capture → layers → tensor split → cut.
 
-`build_program(prog)` captures the FULL model (every layer, no repeat limit) with example
-inputs resized to the plan's micro-batch size (the graph has static shapes: views carry the
-batch dimension) and runs the layers pass on it. `BuiltProgram.chunks(tp_rank)` then runs,
+`build_program(prog, precision)` captures the FULL model (every layer, no repeat limit) with
+example inputs resized to the plan's micro-batch size (the graph has static shapes: views carry
+the batch dimension) in the run's compute dtype (precision "bf16": traced on bf16 parameters,
+passes/capture.py, so a norm's fp32 upcast is a real cast and the dtypes export bakes in are
+bf16; "fp32": as the model is; a 16-bit graph also loses export's metadata checks,
+passes/export_checks.py) and runs the layers pass on it. `BuiltProgram.chunks(tp_rank)` then runs,
 per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after each pass):
 
     full_graph_passes   the tensor-parallel rewrite (plan.t > 1, or weights to materialise),
@@ -19,7 +22,7 @@ per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after ea
                         blocks for 'full', the attention core for 'selective'; after the cut,
                         so region meta is intact)
 
-The result is cached on the program (`prog._autopar_built`).
+The result is cached on the program per precision (`prog._autopar_built`).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.device import DEVICE_PASS
 from autopar.passes.expert_parallel import expert_parallel_pass
+from autopar.passes.export_checks import DROP_METADATA_ASSERTS
 from autopar.passes.context_parallel import context_parallel_pass
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.loss_precision import fp32_loss_pass
@@ -44,6 +48,9 @@ from autopar.passes.recompute import recompute_pass
 from autopar.passes.tensor_parallel import tensor_parallel_pass
 from autopar.plan import Plan
 from autopar.schedules import SPLIT_BACKWARD
+
+# precision -> compute dtype (bf16: bf16 compute, fp32 master weights; autopar.runtime.precision)
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -60,6 +67,7 @@ class BuiltProgram:
     _chunks: dict[tuple, list[torch.fx.GraphModule]] = field(default_factory=dict)
     tp_results: dict[int, Any] = field(default_factory=dict)
     _attrs: list[set[str]] | None = None
+    precision: str = "fp32"                    # the compute dtype the graph was captured in
 
     def chunks(self, tp_rank: int = 0, pp_rank: int | None = None, *,
                weights: bool = True, ep_rank: int = 0) -> list[torch.fx.GraphModule]:
@@ -172,11 +180,15 @@ def _has_meta(gm: torch.fx.GraphModule) -> bool:
     return any(t.is_meta for t in list(gm.parameters()) + list(gm.buffers()))
 
 
-def build_program(prog: Any) -> BuiltProgram:
-    """Capture, label and (lazily, per tensor rank) cut `prog`'s model; cached on `prog`."""
-    cached = getattr(prog, "_autopar_built", None)
-    if cached is not None:
-        return cached
+def build_program(prog: Any, precision: str = "fp32") -> BuiltProgram:
+    """Capture (in `precision`'s compute dtype), label and (lazily, per tensor rank) cut
+    `prog`'s model; cached on `prog` per precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
+                         f"(bf16 = bf16 compute with fp32 master weights)")
+    cache = prog.__dict__.setdefault("_autopar_built", {})
+    if precision in cache:
+        return cache[precision]
     plan: Plan = prog.plan
     if prog.loss_fn is None or prog.example_targets is None:
         raise ValueError("build: the program has no loss_fn/example_targets; pipeline training "
@@ -185,13 +197,16 @@ def build_program(prog: Any) -> BuiltProgram:
     b = plan.micro_batch_size
     inputs = tuple(_resize_batch(x, b) for x in prog.example_inputs)
     targets = _resize_batch(prog.example_targets, b)
-    captured = capture(prog.model, inputs, prog.loss_fn, targets)
-    gm = run_passes(captured.gm, [LAYERS_PASS])
+    captured = capture(prog.model, inputs, prog.loss_fn, targets,
+                       compute_dtype=PRECISIONS[precision])
+    # fp32: the graph export made, as it always was; 16-bit: without export's dtype checks
+    low = [DROP_METADATA_ASSERTS] if precision != "fp32" else []
+    gm = run_passes(captured.gm, low + [LAYERS_PASS])
     num_layers = count_layers(gm)
     check_stages(plan, num_layers)
     built = BuiltProgram(plan=plan, gm=gm, num_layers=num_layers, prefix=captured.prefix,
                          state_keys=_state_keys(prog.model, gm, captured.prefix),
                          example_args=inputs + (targets,), model=prog.model,
-                         init=getattr(prog, "init", None))
-    prog._autopar_built = built
+                         init=getattr(prog, "init", None), precision=precision)
+    cache[precision] = built
     return built

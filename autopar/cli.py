@@ -99,7 +99,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                          f"(plan a preset with autopar plan)")
     _check_out_dir(Path(args.out))
     prog, seconds = _plan_from_args(args)
-    out = prog.save(args.out, model=args.model)
+    out = prog.save(args.out, model=args.model, precision=args.precision)
     print(prog.plan)
     files = sorted(p.name for p in out.iterdir())
     print(f"\n(planned in {seconds:.2f} s) wrote {out}: {', '.join(files)}")
@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "sources, launch.py, run scripts)")
     _add_plan_args(bd)
     bd.add_argument("--out", required=True, help="directory to write the program into")
+    bd.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="the precision the chunks are generated for (launch.py runs them in "
+                         "it; bf16: bf16 compute, fp32 master weights)")
     bd.set_defaults(fn=cmd_build)
     tl = sub.add_parser("timeline", help="draw the simulated schedule of a plan as a PNG")
     _add_plan_args(tl)

@@ -2,14 +2,15 @@
 
 The compiler's last step, run on every rank:
   1. check everything that can be checked locally (world size = t·p·d, micro-batches ≥ p,
-     enough layers for p·v chunks, zero level, precision, the model's parameter names and
-     shapes against those the plan was made for) and raise ValueError before any process
+     enough layers for p·v chunks, zero level, precision — and that saved chunk files were
+     generated for it —, the model's parameter names and shapes against those the plan was
+     made for) and raise ValueError before any process
      blocks (`check_program`, `autopar.plan.check_model`);
   2. join the process groups (autopar.runtime.dist; a torchrun restart gets a fresh store);
-  3. build this rank's chunk graphs (autopar.build: capture, tensor split, pipeline cut,
-     recompute) with only its own chunks' weights real;
+  3. build this rank's chunk graphs (autopar.build: capture in the precision's compute
+     dtype, tensor split, pipeline cut, recompute) with only its own chunks' weights real;
   4. load the generated source of its chunks (autopar.codegen; or the files `prog.save`
-     wrote), attach its parameters and buffers, bind the graph attributes the code names
+     wrote, which must be for the same precision: their PRECISION), attach its parameters and buffers, bind the graph attributes the code names
      (`tp_group`: the tensor group; `tp_rng`: this program's dropout streams;
      `rank_device`: this rank's device, passes/device.py);
   5. describe every local parameter (autopar.runtime.params.LocalParams: user key, full
@@ -28,8 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autopar.build import BuiltProgram, build_program
-from autopar.codegen import chunk_file_name, load_chunk_module, render_chunk
+from autopar.build import PRECISIONS, BuiltProgram, build_program
+from autopar.codegen import (check_saved_precision, chunk_file_name, load_chunk_module,
+                             render_chunk)
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
@@ -43,9 +45,6 @@ from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, SPLIT_BACKWARD, make_schedule
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def _launched_world_size() -> int | None:
     if dist.is_initialized():
@@ -125,9 +124,11 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     check_program(plan)
     check_model(plan, prog.model)
     _check_options(plan, max_grad_norm, precision)
+    if program_dir is not None:
+        check_saved_precision(program_dir, plan, precision)
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                              group=plan.microbatch_group)
-    built = build_program(prog)             # local work only: capture, layers, cut
+    built = build_program(prog, precision)  # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
     device = init_distributed(plan.gpus, timeout_s=timeout_s)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s)
@@ -173,7 +174,8 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
     out = {}
     for c in range(pg.pp_rank, plan.p * plan.v, plan.p):
         gm = graphs[c]
-        module = load_chunk_module(*_chunk_source(gm, plan, c, pg.tp_rank, program_dir))
+        module = load_chunk_module(*_chunk_source(gm, plan, c, pg.tp_rank, program_dir,
+                                                  built.precision))
         net = module.CHUNK_CLASS()
         for attr, (qual, _shape, _dtype) in module.PARAMETERS.items():
             if qual not in owned:   # a frozen weight (Whisper's sinusoidal positions) stays so
@@ -196,10 +198,11 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
 
 
 def _chunk_source(gm: torch.fx.GraphModule, plan: Plan, c: int, tp_rank: int,
-                  program_dir: str | Path | None) -> tuple[str, str]:
-    """(source, file name) of chunk c: generated in memory, or read from `prog.save`'s files."""
+                  program_dir: str | Path | None, precision: str) -> tuple[str, str]:
+    """(source, file name) of chunk c: generated in memory for `precision`, or read from
+    `prog.save`'s files (checked to be for the same precision by compile_program)."""
     if program_dir is None:
-        return (render_chunk(gm, plan, tp_rank, model_name=plan.model),
+        return (render_chunk(gm, plan, tp_rank, model_name=plan.model, precision=precision),
                 f"<autopar chunk {c} tp{tp_rank}>")
     path = Path(program_dir) / chunk_file_name(c, tp_rank, plan.t)
     if not path.exists():

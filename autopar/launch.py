@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,16 +47,17 @@ BUILD_FILE = "build.json"
 DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
 
 
-def build_info(model: str | None, pins: dict[str, Any]) -> str:
-    """The JSON of build.json: the factory `autopar build` was given (absolute path) and the
-    pins it planned with."""
+def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32") -> str:
+    """The JSON of build.json: the factory `autopar build` was given (absolute path), the
+    pins it planned with and the precision its chunks were generated for."""
     if model is not None:
         path, _, fn = model.rpartition(":")
         model = f"{Path(path).resolve()}:{fn}"
-    return json.dumps({"model": model, "pins": pins}, indent=2)
+    return json.dumps({"model": model, "pins": pins, "precision": precision}, indent=2)
 
 
-def parse_args(argv: list[str] | None, default_model: str | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, default_model: str | None,
+               default_precision: str = "fp32") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch.py", description="Train this saved autopar "
                                  "program under torchrun (see autopar/launch.py).")
     ap.add_argument("--model", default=default_model, required=default_model is None,
@@ -74,7 +76,8 @@ def parse_args(argv: list[str] | None, default_model: str | None) -> argparse.Na
     ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="clip the global gradient norm (0: no clipping)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--precision", default=default_precision, choices=["fp32", "bf16"],
+                    help="default: the precision the program was built for (build.json)")
     ap.add_argument("--checkpoint", default=None, help="checkpoint path (resumed if present)")
     ap.add_argument("--pretrained", default=None,
                     help="a transformers save_pretrained directory (safetensors) to start from "
@@ -109,8 +112,11 @@ def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
 
 def _run(program_dir: Path, argv: list[str] | None) -> int:
     build = _read_build(program_dir)
-    args = parse_args(argv, build.get("model"))
+    args = parse_args(argv, build.get("model"), build.get("precision", "fp32"))
     saved = autopar.load_plan(program_dir / "plan.json")   # a bad file: one line naming it
+    if os.environ.get("WORLD_SIZE", str(saved.gpus)) == str(saved.gpus):   # the saved chunks
+        from autopar.codegen import check_saved_precision  # run (codegen imports this module)
+        check_saved_precision(program_dir, saved, args.precision)
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
     init_distributed(timeout_s=args.timeout)

@@ -150,6 +150,8 @@ class LlamaStyle(nn.Module):
         B, T = idx.shape
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]                    # (T, hd)
         x = self.embed(idx)                                                 # (B, T, C)
+        if cos.dtype != x.dtype:   # bf16 weights: rotate in the compute dtype (as transformers'
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)   # Llama), so q, k and v agree for SDPA
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x))                                      # (B, T, V)

@@ -19,6 +19,14 @@ Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes c
   and gm.meta[REPEATS] the same by graph path (with the prefix), for passes/layers.py.
   Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
   graph (repeat_limit=None).
+  With `compute_dtype=torch.bfloat16` (a 16-bit run), the model is traced with its floating
+  parameters in that dtype (uninitialised stand-ins: export reads shapes, not values; buffers
+  keep their dtype, as the runtime's MixedPrecision leaves them), so the graph is the one the
+  run executes: a norm's `x.float()` is a real cast, distinct from x (traced on fp32 weights it
+  returns x itself, and export records every later use of x as a use of the cast), and the
+  dtypes export bakes in (`_assert_tensor_metadata`, `to(input_dtype)`) are the run's. After
+  the trace the graph's parameters are the user's own tensors again (fp32: the masters start
+  from them); their meta[VAL] says the compute dtype. None / fp32: traced as the model is.
 Errors: a model torch.export cannot trace raises `CaptureError` naming the user's source line,
   the original error and a fix.
 """
@@ -80,12 +88,23 @@ class Captured:
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
-            targets: torch.Tensor | None = None, *, repeat_limit: int | None = None) -> Captured:
+            targets: torch.Tensor | None = None, *, repeat_limit: int | None = None,
+            compute_dtype: torch.dtype | None = None) -> Captured:
     """torch.export (non-strict) of `model` (+ `loss_fn(model(*inputs), targets)`).
 
     If loss_fn is given without targets, language-model targets are made: zeros shaped like the
     first input (token ids), which is all the graph needs (shapes, not values).
+    compute_dtype: the dtype the run computes in (module docstring); None or fp32: the model's.
     """
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        if not compute_dtype.is_floating_point:
+            raise ValueError(f"capture: compute_dtype={compute_dtype}: must be a floating "
+                             f"dtype (torch.bfloat16 for mixed precision) or None")
+        with parameters_as(model, compute_dtype) as originals:
+            captured = capture(model, example_inputs, loss_fn, targets,
+                               repeat_limit=repeat_limit)
+        _rebind_parameters(captured.gm, originals)
+        return captured
     example_inputs = _check_inputs(model, example_inputs, loss_fn, targets, repeat_limit)
     if loss_fn is not None and targets is None:
         targets = _default_targets(example_inputs)
@@ -160,6 +179,42 @@ def truncate_repeats(model: torch.nn.Module, limit: int) -> Iterator[dict[str, i
     finally:
         for container, original in saved:
             container._modules = original
+
+
+# ----- the compute dtype ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def parameters_as(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[dict[int, Any]]:
+    """Temporarily replace every floating parameter of `model` by an uninitialised stand-in of
+    `dtype` (same shape, device and requires_grad; one stand-in per tensor, so tied weights stay
+    tied); yields {id(stand-in): the user's parameter}. Restores the parameters on exit, also on
+    error. Only shapes reach torch.export, so the stand-ins need no values (and a meta model's
+    stay meta)."""
+    stand_ins: dict[int, torch.nn.Parameter] = {}
+    saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+    try:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = torch.nn.Parameter(torch.empty_like(p, dtype=dtype),
+                                                          requires_grad=p.requires_grad)
+                saved.append((module, name, p))
+                module._parameters[name] = stand_ins[id(p)]
+        yield {id(stand_ins[id(p)]): p for _, _, p in saved}
+    finally:
+        for module, name, p in reversed(saved):
+            module._parameters[name] = p
+
+
+def _rebind_parameters(gm: torch.fx.GraphModule, originals: dict[int, Any]) -> None:
+    """The graph's stand-in parameters (parameters_as) become the user's tensors again, under
+    every name (tied weights too); the nodes keep the compute dtype in meta[VAL]."""
+    for qual, p in list(gm.named_parameters(remove_duplicate=False)):
+        if id(p) in originals:
+            owner, _, leaf = qual.rpartition(".")
+            (gm.get_submodule(owner) if owner else gm)._parameters[leaf] = originals[id(p)]
 
 
 # ----- export and its errors -------------------------------------------------------------------

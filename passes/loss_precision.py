@@ -7,12 +7,16 @@ the small probabilities, and the cost model prices the saved log-probabilities a
 (passes/profile.py LOSS_BYTES_PER_ELEM). This pass makes the graph say so: the floating input of
 each log-softmax / cross-entropy node is cast with `aten.to.dtype(x, torch.float32)`, which
 returns its input itself when it already is fp32 (an fp32 run is unchanged: no copy, nothing more
-saved) and an fp32 copy under bf16 (its backward casts the gradient back).
+saved) and an fp32 copy under bf16 (its backward casts the gradient back). The same for the
+tensor-parallel pass's vocabulary-parallel cross-entropy (autopar.runtime.shard), which
+computes in fp32 inside but returns its input's dtype: given bf16 logits it would round the
+loss to 8 significant bits.
 
 `fp32_loss_pass()` is a pass-list entry (run per chunk, after passes.pipeline.split_chunks, or
 on the whole graph).
-Requires: node.meta[VAL] on the loss nodes' inputs. Guarantees: every node of LOSS_OPS reads its
-  first argument as fp32; the same values and gradients under fp32.
+Requires: node.meta[VAL] on the loss nodes' inputs. Guarantees: every node of LOSS_OPS (and
+  every vocab_parallel_cross_entropy) reads its first argument as fp32; the same values and
+  gradients under fp32.
 Reads node.meta: VAL, REGION. Writes: VAL and REGION (the loss node's) on the casts it inserts.
 """
 from __future__ import annotations
@@ -22,11 +26,14 @@ import torch.fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
+from autopar.runtime.shard import vocab_parallel_cross_entropy
 
 aten = torch.ops.aten
 # the ops autocast runs in fp32 that a language-model loss is made of
 LOSS_OPS = frozenset({aten.cross_entropy_loss.default, aten._log_softmax.default,
                       aten.log_softmax.int})
+# ... and what the tensor-parallel pass makes of them (vocabulary-parallel logits)
+_CAST_OPS = LOSS_OPS | {vocab_parallel_cross_entropy}
 
 
 def fp32_loss_pass() -> Pass:
@@ -37,7 +44,7 @@ def fp32_loss_pass() -> Pass:
 
 def _cast_loss_inputs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target not in LOSS_OPS:
+        if n.op != "call_function" or n.target not in _CAST_OPS:
             continue
         x = n.args[0]
         val = x.meta.get(K.VAL) if isinstance(x, torch.fx.Node) else None

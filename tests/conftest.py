@@ -11,8 +11,8 @@ from models import PASS_MODELS
 # instead of every rank of every test (~5 s each)
 preload(*(f"transformers.models.{m}.modeling_{m}" for m in (
     "gpt2", "llama", "bert", "gpt_neox", "falcon", "gptj", "bloom", "olmo2", "phi", "mistral",
-    "mixtral", "olmoe", "qwen2_moe", "vit", "gpt_bigcode", "phi3", "t5", "bart", "mbart",
-    "umt5", "whisper")),
+    "mixtral", "olmoe", "qwen2_moe", "qwen3", "gemma", "vit", "gpt_bigcode", "phi3", "t5",
+    "bart", "mbart", "umt5", "whisper")),
     "torch.export", "autopar.examples.gpt", "autopar.examples.llama", "models")
 
 

@@ -452,7 +452,8 @@ def captured(name: str, repeat_limit: int | None = None):
 
 RUNTIME_VOCAB = 64
 RUNTIME_MODELS = ("gpt", "gpt_untied", "llama_style", "hf_gpt2", "hf_llama", "hf_falcon",
-                  "hf_bloom", "hf_mistral", "hf_neox")
+                  "hf_bloom", "hf_mistral", "hf_neox", "hf_mixtral", "hf_qwen3",
+                  "hf_gemma", "hf_olmo2")
 
 
 def runtime_model(name: str, layers: int) -> Model:
@@ -475,4 +476,12 @@ def runtime_model(name: str, layers: int) -> Model:
         return hf_mistral(layers=layers, ffn=48, sliding_window=4)
     if name == "hf_neox":      # partial rotary (rotary_pct 0.5), parallel attention + MLP
         return hf_neox(layers=layers, ffn=48)
+    if name == "hf_mixtral":   # 4 experts per layer, top-2
+        return hf_mixtral(layers=layers)
+    if name == "hf_qwen3":     # RMSNorm of q and k per head, each upcast to fp32
+        return hf_qwen3(layers=layers, ffn=48)
+    if name == "hf_gemma":     # RMSNorm scaled by (1 + weight) in fp32, embedding × sqrt(C)
+        return hf_gemma(layers=layers, ffn=48)
+    if name == "hf_olmo2":     # RMSNorm of q and k over all heads (the split dim), upcast
+        return hf_olmo2(layers=layers, ffn=48)
     raise ValueError(f"runtime_model: unknown model {name!r}; known: {RUNTIME_MODELS}")

@@ -101,12 +101,13 @@ def failed_step(runner, x, y) -> tuple[str, str, float] | None:
 
 def train_rank(rank: int, world: int, name: str, plan: Plan, optimizer: Callable = adamw,
                max_grad_norm: float | None = MAX_NORM, precision: str = "fp32",
-               batches: list | None = None):
+               batches: list | None = None, program_dir: str | None = None):
     """On each rank: (losses, full_state_dict, optimizer-state bytes) after STEPS steps (on
-    make_data's batches, or the given global batches)."""
+    make_data's batches, or the given global batches; the chunks generated in memory, or read
+    from program_dir, written by prog.save)."""
     prog, vocab = make_program(name, plan)
     runner = prog.compile(optimizer=optimizer, max_grad_norm=max_grad_norm,
-                          precision=precision, timeout_s=60)
+                          precision=precision, timeout_s=60, program_dir=program_dir)
     losses = train_steps(runner, plan, batches or make_data(plan, vocab))
     return losses, runner.full_state_dict(), runner.optimizer_state_bytes()
 
@@ -145,13 +146,15 @@ def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
 
 
 def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
-                   precision: str = "fp32", timeout_s: float = 300.0):
+                   precision: str = "fp32", timeout_s: float = 300.0,
+                   program_dir: str | None = None):
     """The Runner under `plan` (AdamW lr TRAINING_LR, weight decay 0.1, clipping at max_norm
-    if given, `precision`) equals one device trained the same way: fp32 at rtol 1e-4 / atol
-    1e-5, bf16 against a single-device bf16 run at BF16_LOSS_RTOL / BF16_WEIGHT_ATOL;
-    (per-rank results, the reference's optimizer-state bytes)."""
+    if given, `precision`; its chunks read from program_dir if given) equals one device
+    trained the same way: fp32 at rtol 1e-4 / atol 1e-5, bf16 against a single-device bf16
+    run at BF16_LOSS_RTOL / BF16_WEIGHT_ATOL; (per-rank results, the reference's
+    optimizer-state bytes)."""
     results = spawn(train_rank, plan.gpus, name, plan, adamw_decayed, max_norm, precision,
-                    timeout_s=timeout_s)
+                    program_dir=program_dir, timeout_s=timeout_s)
     ref = train_single_device(name, plan, adamw_decayed, max_grad_norm=max_norm,
                               precision=precision)
     if max_norm is not None:  # the check can fail: clipping really changed the gradients

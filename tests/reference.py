@@ -68,7 +68,7 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
             loss = model(x, y)
         else:  # under bf16 the loss reads fp32 logits, as the Runner's (passes/loss_precision.py)
             out = model(*x) if isinstance(x, tuple) else model(x)   # several inputs: a tuple
-            loss = loss_fn(out.float() if mp and out.is_floating_point() else out, y)
+            loss = loss_fn(_fp32_logits(out) if mp else out, y)
         loss.backward()
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm)))
@@ -80,6 +80,16 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
         if keep_states:
             states.append(_state(model, mp))
     return Trained(model, opt, losses, _state(model, mp), states, norms)
+
+
+def _fp32_logits(out):
+    """The model's output with its logits in fp32: a floating tensor, or a transformers
+    ModelOutput's `.logits` (its setattr updates the mapping too)."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(getattr(out, "logits", None), torch.Tensor):
+        out.logits = out.logits.float()
+    return out
 
 
 def _state(model: torch.nn.Module, mp) -> State:

@@ -28,7 +28,7 @@ def _batches():
     return models.token_batches(VOCAB, (BATCH, SEQ), STEPS, seed=3)
 
 
-def _rank(rank: int, world: int):
+def _rank(rank: int, world: int, precision: str = "fp32"):
     with autopar.meta_init():
         model = _gpt()
     ids = torch.zeros(1, SEQ, dtype=torch.long)
@@ -36,7 +36,8 @@ def _rank(rank: int, world: int):
                                loss_fn=autopar.cross_entropy, global_batch_size=BATCH,
                                cluster="local-cpu", p=2, micro_batch_size=1, schedule="1f1b",
                                init=GPT.init_weights)
-    runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    runner = prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                          precision=precision)
     assert not any(p.is_meta for p in runner.parameters())
     losses = [runner.train_step(x, y) for x, y in _batches()]
     return losses, runner.full_state_dict()
@@ -51,6 +52,22 @@ def test_meta_model_compiles_and_matches_its_real_twin():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=1e-5)
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_meta_model_compiles_in_bf16_and_matches_its_real_twin():
+    """bf16: the capture's bf16 stand-ins of meta parameters are meta too; each rank
+    materialises fp32 weights from the init (its masters) and trains like the real twin in
+    bf16 (the bf16 tolerances of tests/programs.py)."""
+    from programs import BF16_LOSS_RTOL, BF16_WEIGHT_ATOL
+    results = spawn(_rank, 2, "bf16", timeout_s=300)
+    model = init_full_like_meta(_gpt(), GPT.init_weights, seed=0)
+    ref = train(model, _batches(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                loss_fn=autopar.cross_entropy, precision="bf16")
+    losses, state = results[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
+                               rtol=BF16_LOSS_RTOL, atol=0.0)
+    for k, v in ref.state.items():
+        torch.testing.assert_close(state[k], v, rtol=0.0, atol=BF16_WEIGHT_ATOL, msg=k)
 
 
 @pytest.mark.parametrize("t", [1, 2])

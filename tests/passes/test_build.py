@@ -50,7 +50,7 @@ def test_build_writes_the_program_plan_would_print(built, capsys):
     assert plan.parameters[0] == "model.embed_tokens.weight (64, 32)"
     build = json.loads((out / "build.json").read_text())
     assert build == {"model": f"{(built / 'my_model.py').resolve()}:factory",
-                     "pins": {"p": 2}}
+                     "pins": {"p": 2}, "precision": "fp32"}
     for f in ("launch.py", "chunk_00.py", "chunk_01.py"):
         ast.parse((out / f).read_text())
     assert "--model defaults to" in (out / "launch.py").read_text()
@@ -102,6 +102,9 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
 @pytest.mark.parametrize("argv, words", [
     (["--data", "random", "--steps", "0"], ["--steps 0: must be a positive integer"]),
     (["--data", "random", "--save-every", "-1"], ["--save-every -1"]),
+    (["--data", "random", "--precision", "bf16"],
+     ["chunk_00.py was generated for precision='fp32' but the run asks for precision='bf16'",
+      "autopar build --precision bf16"]),
 ])
 def test_launch_bad_input_is_one_line(built, capsys, argv, words):
     from autopar.launch import main as launch_main
@@ -110,6 +113,26 @@ def test_launch_bad_input_is_one_line(built, capsys, argv, words):
     assert err.startswith("launch.py: error:") and "\n" not in err, err
     for w in words:
         assert w in err, (w, err)
+
+
+def test_build_for_bf16_records_it_and_launch_runs_it_by_default(built, capsys):
+    """`autopar build --precision bf16` writes chunks captured in bf16 (PRECISION, and the
+    RMSNorm's fp32 upcast a cast of its own) and build.json's precision, launch.py's default;
+    asking launch.py for fp32 is refused in one line before any process group is joined."""
+    from autopar.launch import main as launch_main, parse_args
+    out = built / "prog_bf16"
+    assert cli_main(["build", f"{built / 'my_model.py'}:factory", *ARGS, "--p", "2",
+                     "--precision", "bf16", "--out", str(out)]) == 0
+    assert json.loads((out / "build.json").read_text())["precision"] == "bf16"
+    sources = {f.name: f.read_text() for f in out.glob("chunk_*.py")}
+    assert len(sources) > 1 and all("PRECISION = 'bf16'" in s for s in sources.values())
+    assert any("torch.bfloat16" in s for s in sources.values())   # the norms' to(input_dtype)
+    assert not any("torch.bfloat16" in f.read_text() for f in (built / "prog").glob("chunk_*"))
+    assert parse_args(["--data", "random"], "m.py:f", "bf16").precision == "bf16"
+    capsys.readouterr()
+    assert launch_main(out, ["--data", "random", "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "generated for precision='bf16'" in err, err
 
 
 def test_launch_needs_model_without_build_json(tmp_path, capsys):

@@ -179,3 +179,67 @@ def test_gpt_presets_follow_the_papers():
         small = GPT(gpt_preset("gpt3-175b", n_layer=1))
     per_block = sum(p.numel() for p in small.transformer.h[0].parameters())
     assert abs(per_block - 12 * 12288 ** 2) / (12 * 12288 ** 2) < 0.01
+
+
+@pytest.mark.parametrize("name", ["llama_style", "hf_llama"])
+def test_bf16_capture_keeps_the_norms_upcast_apart_from_its_input(name):
+    """RMSNorm's `x.float()` on fp32 weights is x itself, so export records every later use of
+    x (the residual add) as a use of the cast; captured with compute_dtype=bf16 the cast is a
+    node of its own that only the norm's statistic and normalisation read, while the residual
+    add reads the bf16 embedding. The graph holds the user's fp32 parameters (the model's own
+    are back in place) and, with them cast to bf16, computes the bf16 model's loss."""
+    aten = torch.ops.aten
+    ids, tgt = pass_batch()
+
+    def first_norm(cap):
+        emb = next(n for n in cap.gm.graph.nodes if n.target == aten.embedding.default)
+        cast = next(u for u in emb.users if u.target == aten.to.dtype)
+        return emb, cast
+
+    model = pass_model(name)
+    emb, cast = first_norm(capture(model, (ids,), lm_cross_entropy, tgt))
+    assert aten.add.Tensor in {u.target for u in cast.users}        # fp32: the uses merged
+    params = dict(model.named_parameters())
+    cap = capture(model, (ids,), lm_cross_entropy, tgt, compute_dtype=torch.bfloat16)
+    emb, cast = first_norm(cap)
+    assert emb.meta[K.VAL].dtype == torch.bfloat16 and cast.meta[K.VAL].dtype == torch.float32
+    assert {u.target for u in cast.users} == {aten.pow.Tensor_Scalar, aten.mul.Tensor}
+    assert aten.add.Tensor in {u.target for u in emb.users}          # the residual: bf16 x
+    assert dict(model.named_parameters()) == params                   # restored, same objects
+    assert {id(p) for p in cap.gm.parameters()} <= {id(p) for p in params.values()}
+    assert all(p.dtype == torch.float32 for p in cap.gm.parameters())
+    with torch.no_grad():   # bf16 parameters, fp32 buffers: as MixedPrecision runs the model
+        for p in params.values():
+            p.data = p.data.to(torch.bfloat16)
+    torch.testing.assert_close(cap.gm(ids, tgt), lm_cross_entropy(model(ids), tgt),
+                               rtol=0, atol=0)
+
+
+def test_bf16_capture_rejects_an_integer_dtype():
+    ids, tgt = pass_batch()
+    with pytest.raises(ValueError, match=r"compute_dtype=torch.int32: must be a floating"):
+        capture(pass_model("gpt"), (ids,), lm_cross_entropy, tgt, compute_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_build_drops_exports_metadata_checks_under_bf16(precision):
+    """transformers' Mixtral captures an `_assert_tensor_metadata(embedding, dtype=...)`;
+    build's bf16 graph (passes/export_checks.py) keeps none, its fp32 graph is the capture's
+    as it was; each build's embedding has the precision's dtype."""
+    from autopar.api import ParallelProgram
+    from autopar.build import build_program
+    from programs import loss_fn, make_plan
+    from models import build
+    model = build("hf_mixtral", seed=0)
+    ids, tgt = (x % 64 for x in pass_batch(seq=8))   # the model's vocabulary, the plan's seq
+    cap = capture(model, (ids,), loss_fn, tgt)
+    check = torch.ops.aten._assert_tensor_metadata.default
+    assert any(n.target == check for n in cap.gm.graph.nodes)
+    prog = ParallelProgram(model=model, plan=make_plan(), profile=None, example_inputs=(ids,),
+                           loss_fn=loss_fn, example_targets=tgt, cluster=None)
+    built = build_program(prog, precision)
+    assert built.precision == precision and build_program(prog, precision) is built
+    assert any(n.target == check for n in built.gm.graph.nodes) == (precision == "fp32")
+    emb = next(n for n in built.gm.graph.nodes if n.target == torch.ops.aten.embedding.default)
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    assert emb.meta[K.VAL].dtype == want

@@ -119,3 +119,20 @@ def test_fp32_loss_pass_leaves_fp32_values_unchanged():
     before = gm(*args)
     after = run_passes(gm, [fp32_loss_pass()])(*args)
     assert torch.equal(before, after)
+
+
+def test_fp32_loss_pass_casts_the_vocabulary_parallel_cross_entropy_input():
+    """At t = 2 the loss is the tensor-parallel pass's vocabulary-parallel cross-entropy (fp32
+    inside, its input's dtype out): in a bf16 build it reads fp32 logits too, so the loss is
+    not rounded to bf16's 8 significant bits (in fp32 the cast returns its input itself)."""
+    from autopar.build import build_program
+    from autopar.runtime.shard import vocab_parallel_cross_entropy
+    from programs import make_plan, make_program
+    prog, _ = make_program("llama_style", make_plan(t=2))
+    for precision, logits in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        last = build_program(prog, precision).chunks(0, weights=False)[-1]
+        ce = [n for n in last.graph.nodes if n.target is vocab_parallel_cross_entropy]
+        assert len(ce) == 1
+        x = ce[0].args[0]
+        assert x.target == aten.to.dtype and x.args[1] == torch.float32, precision
+        assert x.args[0].meta["val"].dtype == logits

@@ -1,0 +1,43 @@
+"""bf16 mixed precision (bf16 compute, fp32 master weights and gradient accumulation) on the
+models whose norms upcast with `x.float()` / `.to(torch.float32)` — the examples' Llama-style
+model, unmodified transformers Llama, Qwen3 (q/k norms per head), Gemma (the norm's
+(1 + weight) in fp32) and Mixtral (experts) —
+against the same model trained on one device in bf16 (tests/reference.py: MixedPrecision, the
+loss on fp32 logits), 3 AdamW steps with clipping active, at the bf16 tolerances of
+tests/programs.py (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL). They run because build captures the
+model in bf16 (passes/capture.py compute_dtype): traced on fp32 weights the upcast is x itself
+and the graph cannot tell it apart from x. (GPT's bf16 runs: test_training.py; context
+parallelism's: test_context_parallel_numerics.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from programs import check_training, make_plan, make_program
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("name", ["llama_style", "hf_llama", "hf_qwen3", "hf_gemma"])
+def test_t2_bf16_equals_one_device_bf16(name):
+    """Tensor parallelism: the norms' fp32 statistics on each rank's whole rows, the
+    column/row-parallel projections and their all-reduces in bf16, the vocabulary-parallel
+    loss on fp32 logits (passes/loss_precision.py)."""
+    check_training(name, make_plan(t=2), precision="bf16", max_norm=0.05)
+
+
+def test_mixtral_d2_bf16_equals_one_device_bf16():
+    """Mixtral: the router's softmax in fp32 (transformers upcasts it), the top-2 experts'
+    grouped matmuls in bf16, fp32 main_grad reduced over the 2 replicas."""
+    check_training("hf_mixtral", make_plan(d=2), precision="bf16", max_norm=0.05)
+
+
+def test_saved_bf16_program_runs_from_its_files(tmp_path):
+    """prog.save(..., precision="bf16") writes chunks captured in bf16 (their PRECISION says
+    so); compile(program_dir=..., precision="bf16") runs those files (a pipeline of 2: the
+    hidden states cross in bf16) and equals one device."""
+    plan = make_plan(p=2, m=2)
+    prog, _ = make_program("llama_style", plan)
+    prog.save(tmp_path, precision="bf16")
+    assert "PRECISION = 'bf16'" in (tmp_path / "chunk_00.py").read_text()
+    check_training("llama_style", plan, precision="bf16", max_norm=0.05,
+                   program_dir=str(tmp_path))
