@@ -16,7 +16,10 @@ rank's tokens along one dim (CP_SEQ_DIM) or is whole. Token-wise ops (projection
 embeddings, the loss) keep the split, and so do sequence parallelism's conversions (the
 tensor-parallel pass's scatter / gather along the sequence: they cut the rank's tokens again
 between its tensor ranks, in local order); shape constants that name the sequence length
-(`view(B, T, H, D)`) are rewritten to T/c. Where a split value meets a whole one along the
+(`view(B, T, H, D)`) are rewritten to T/c. A value's sequence dim may hold the tokens merged
+with other dims, outer × tokens × inner (`_Propagation.span`: Conv1D's and OPT's (B·T, C),
+MultiheadAttention's (T·B, E)), followed through reshapes; the tensor-parallel pass's per-row
+blocks of such a dim ((T,) · B) become (T/c,) · B. Where a split value meets a whole one along the
 sequence — a rotary table, a position embedding or a mask the model builds from arange(T) —
 the whole one is cut at this rank's global positions (`context_select`): positions are found
 through propagation, never by name. Attention is the one op that needs the other ranks'
@@ -81,6 +84,8 @@ _LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
 # the tensor-parallel pass's sequence-parallel conversions (x, group, dim): under c they cut /
 # regather the context rank's tokens between its tensor ranks, in local order
 _SP = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
+_BLOCKS = {shard_rt.local_blocks, shard_rt.unshuffle_blocks}   # (x, group, dim, blocks, ...)
+_PURE = (1, 1, False)   # a sequence dim that holds the tokens alone (_Propagation.span)
 
 
 def _where(node: fx.Node) -> str:
@@ -110,6 +115,12 @@ class _Propagation:
     def __init__(self, gm: fx.GraphModule, c: int, seq_len: int):
         self.gm, self.g, self.c, self.T = gm, gm.graph, c, seq_len
         self.dim: dict[fx.Node, int] = {}            # value -> its sequence dim
+        # value -> (outer, inner, cut): its sequence dim is outer × tokens × inner, (1, 1)
+        # unless a reshape merged the tokens with other dims: (B, T, C) -> (B·T, C) is (B, 1)
+        # (Conv1D, OPT), (T, B, E) -> (T·B, E) is (1, B) (MultiheadAttention); cut: such a
+        # merged dim cut by sequence parallelism (contiguous rows: token-wise ops only, until
+        # the tensor-parallel pass's gather restores it)
+        self.span: dict[fx.Node, tuple[int, int, bool]] = {}
         self.full: dict[fx.Node, tuple[int, ...]] = {n: s for n in gm.graph.nodes
                                                      if (s := _shape(n)) is not None}
         self.cp: fx.Node | None = None
@@ -153,6 +164,9 @@ class _Propagation:
         tensor is gathered and the repeat re-applied to it: the exchange moves kv_heads,
         not heads, as cost/context.py prices it."""
         src, chain = self._repeat_chain(x)
+        if self.span.get(src, _PURE) != _PURE:
+            raise _refuse(user, f"its operand {src.name} holds the rank's tokens merged with "
+                                f"other dims")
         g = self._new(user, context_gather, (src, self.cp_node(), self.dim[src]), user,
                       self._meta(self.full[src], src.meta.get(K.VAL)))
         for node in chain:              # the head repeat again, on whole sequences
@@ -190,8 +204,15 @@ class _Propagation:
         return (start in (0, None) and step == 1
                 and (end is None or end >= self.full[n.args[0]][dim]))
 
-    def mark(self, n: fx.Node, d: int) -> None:
+    def mark(self, n: fx.Node, d: int, span: tuple[int, int, bool] | None = None) -> None:
+        """n holds the rank's tokens along dim d (its VAL made local). `span` (what else dim d
+        holds: self.span) defaults to a split input's whose dim has n's size."""
+        if span is None:
+            size = self.full[n][d] if n in self.full else None
+            span = next((self.span.get(a, _PURE) for a in n.all_input_nodes if a in self.dim
+                         and a in self.full and self.full[a][self.dim[a]] == size), _PURE)
         self.dim[n] = d
+        self.span[n] = span
         n.meta[K.CP_SEQ_DIM] = d
         v = n.meta.get(K.VAL)
         if isinstance(v, torch.Tensor):
@@ -230,18 +251,19 @@ class _Propagation:
             return self.attention(n)
         if op is aten.dropout and n.args[0] in self.dim:
             return self.dropout(n)
-        if op in _RESHAPES and op not in (aten.squeeze, aten.unsqueeze, aten.flatten,
-                                          aten.unflatten):
+        if op in _RESHAPES and op not in (aten.squeeze, aten.unsqueeze):
             return self.reshape(n)
         if op in MATMUL_OPS and op is not aten.linear and op is not aten.addmm:
             return self.matmul(n)
+        if op is aten.baddbmm:
+            return self.baddbmm(n)
         if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
             return self.loss(n)
-        if op in _SP:
-            return self.mark(n, self.dim[n.args[0]])
+        if op in _SP or op in _BLOCKS:
+            return self.sequence_parallel(n)
         if op is aten.type_as:   # its second operand gives a dtype only (whole under SP)
             return self.mark(n, self.dim[n.args[0]]) if n.args[0] in self.dim else None
-        x = n.args[0]
+        x = n.args[1] if op is aten.addmm else n.args[0]    # addmm(bias, x, w): Conv1D's
         d = self.dim.get(x) if isinstance(x, fx.Node) else None
         out = self.full.get(n)
         if op in (aten.linear, aten.addmm) and d is not None and d < len(self.full[x]) - 1:
@@ -270,10 +292,20 @@ class _Propagation:
             dims = [k % len(self.full[x]) for k in dims]
             return self.mark(n, d - sum(k < d for k in dims))
         if op in SPLIT_OPS:
-            k = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % len(self.full[x])
+            at = 1 if op is aten.unbind else 2
+            k = (n.args[at] if len(n.args) > at else n.kwargs.get("dim", 0)) % len(self.full[x])
             if k == d:
                 raise _refuse(n, "a split along the sequence")
-            return self.mark(n, d)
+            return self.mark(n, d - (op is aten.unbind and k < d))
+        if op is aten.select:       # one row of another dim (BLOOM's fused q / k / v)
+            k = n.args[1] % len(self.full[x])
+            if k == d:
+                raise _refuse(n, "a selection along the sequence")
+            return self.mark(n, d - (k < d))
+        if op is aten.index:
+            return self.index(n)
+        if op is aten.stack:
+            return self.stack(n)
         if op is aten.cat:
             return self.cat(n)
         if op in _NORMS:
@@ -287,6 +319,12 @@ class _Propagation:
             if k == d:
                 raise _refuse(n, "a softmax / cumulative op along the sequence")
             return self.mark(n, d)
+        if op in (aten.topk, aten.sort, aten.argsort):   # a router's pick among experts
+            k = n.args[2] if op is aten.topk and len(n.args) > 2 else (
+                n.args[1] if op is not aten.topk and len(n.args) > 1 else n.kwargs.get("dim", -1))
+            if k % len(self.full[x]) == d:
+                raise _refuse(n, "a sort along the sequence")
+            return self.mark(n, d)
         if op in _REDUCE and len(n.args) > 1 and isinstance(n.args[1], (list, tuple, int)):
             dims = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
             dims = [k % len(self.full[x]) for k in dims]
@@ -294,7 +332,7 @@ class _Propagation:
                 raise _refuse(n, "a reduction over the sequence inside the model")
             keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
             return self.mark(n, d if keep else d - sum(k < d for k in dims))
-        if op is aten.expand:
+        if op in (aten.expand, aten.broadcast_to):
             sizes = list(n.args[1])
             lead = len(sizes) - len(self.full[x])
             od = d + lead
@@ -302,7 +340,7 @@ class _Propagation:
                 sizes[od] = sizes[od] // self.c
             n.args = (x, sizes) + tuple(n.args[2:])
             return self.mark(n, od)
-        if op is aten.slice and d is not None:
+        if op in (aten.slice, aten.narrow) and d is not None:
             k = n.args[1] % len(self.full[x]) if len(n.args) > 1 else 0
             if k == d:
                 raise _refuse(n, "a slice of the sequence")
@@ -339,6 +377,62 @@ class _Propagation:
         self.mark(n, od)
         return True
 
+    def sequence_parallel(self, n: fx.Node) -> None:
+        """The tensor-parallel pass's cuts and gathers (x, group, dim, ...): along another dim
+        they keep the rank's tokens; along the sequence they cut the rank's tokens again
+        between its tensor ranks, in local order (scatter / local_blocks) and restore them
+        (gather, then unshuffle_blocks when the cut was per block). Blocks along the sequence
+        name global token counts per row ((T,) · B on a (B·T, C) dim): each becomes T/c."""
+        x, op = n.args[0], packet(n)
+        d = self.dim[x]
+        outer, inner, cut = self.span.get(x, _PURE)
+        if op in _BLOCKS and n.args[2] % len(self.full[x]) != d:
+            return self.mark(n, d)
+        if op in _BLOCKS:
+            blocks = list(n.args[3])
+            tokens = self.full[x][d] // (outer * inner) if not cut else None
+            if inner != 1 or (op is shard_rt.local_blocks and (len(blocks) != outer
+                                                                or {tokens} != set(blocks))):
+                raise _refuse(n, f"a tensor-parallel split of the sequence in blocks "
+                                 f"{tuple(blocks)} that are not its rows")
+            n.args = n.args[:3] + ([b // self.c for b in blocks],) + n.args[4:]
+        merged = (outer, inner) != (1, 1)
+        if op in (coll.scatter_to_sp, coll.reduce_scatter_to_sp, shard_rt.local_blocks):
+            cut = merged
+        elif op is not shard_rt.unshuffle_blocks:   # a gather: restored unless per block
+            cut = merged and any(packet(u) is shard_rt.unshuffle_blocks for u in n.users)
+        else:
+            cut = False
+        self.mark(n, d, span=(outer, inner, cut))
+
+    def index(self, n: fx.Node) -> None:
+        """x[..., idx, ...] with whole index tensors on dims other than the sequence (Falcon's
+        k / v heads picked from the fused projection): the sequence dim moves as advanced
+        indexing moves it (behind the broadcast index dims when they are not adjacent)."""
+        x, idx = n.args[0], list(n.args[1])
+        d = self.dim[x]
+        at = [k for k, i in enumerate(idx) if i is not None]
+        if d in at or any(i in self.dim for i in idx if isinstance(i, fx.Node)):
+            raise _refuse(n, "an index along the sequence, or by the rank's tokens")
+        nd = len(torch.broadcast_shapes(*(self.full[i] for i in idx if i is not None)))
+        if at == list(range(at[0], at[-1] + 1)):        # adjacent: in place of the indexed
+            return self.mark(n, d if d < at[0] else d - len(at) + nd)
+        self.mark(n, nd + d - sum(k < d for k in at))   # apart: the index dims go first
+
+    def stack(self, n: fx.Node) -> None:
+        """torch.stack of values along a new dim (GPT-J's interleaved rotary): split operands
+        share their sequence dim, whole ones are cut at the rank's positions."""
+        xs = list(n.args[0])
+        ndim = len(self.full[n])
+        k = (n.args[1] if len(n.args) > 1 else 0) % ndim
+        dims = {self.dim[a] for a in xs if a in self.dim}
+        if len(dims) != 1:
+            raise _refuse(n, "a stack of values split along different dims")
+        (d,) = dims
+        new = [a if a in self.dim else self.select(a, d, n) for a in xs]
+        n.args = (new,) + tuple(n.args[1:])
+        self.mark(n, d + (k <= d))
+
     def cat(self, n: fx.Node) -> None:
         xs = list(n.args[0])
         ndim = len(self.full[n])
@@ -357,32 +451,43 @@ class _Propagation:
         self.mark(n, d)
 
     def reshape(self, n: fx.Node) -> None:
-        """The output dim whose span (row-major) holds the whole sequence dim of the input;
-        its size constant becomes 1/c (a merged dim such as (B, T, V) -> (B·T, V) holds the
-        rank's tokens, token-major, like the input)."""
+        """The output dim whose span (row-major) holds the whole sequence of the input; its
+        size constant becomes 1/c. Viewed flat, the input is (outer, T, rest): a merged dim
+        such as (B, T, V) -> (B·T, V), or (T, B, E) -> (T·B, E) with B elements after each
+        token, holds the rank's tokens like the input (self.span says where)."""
         x = n.args[0]
         ins, outs, d = self.full[x], self.full[n], self.dim[x]
-        before = math.prod(ins[:d])
-        after = before * ins[d]
+        outer, inner, cut = self.span.get(x, _PURE)
+        if cut:
+            raise _refuse(n, "a reshape of merged tokens that sequence parallelism cut")
+        before = math.prod(ins[:d]) * outer                # the elements' count before a token
+        after = before * (ins[d] // (outer * inner))       # ... before the next (T, or T/t: SP)
         acc, j = 1, None
         for k, size in enumerate(outs):
             if acc <= before < acc * size:
                 j = k
                 break
             acc *= size
-        if j is None or acc * outs[j] < after or before % acc or (acc * outs[j]) % after:
+        if j is None or before % acc or (acc * outs[j]) % after:
             raise _refuse(n, f"a reshape {ins} -> {outs} that cuts the sequence")
-        if before // acc > 1 and acc * outs[j] // after > 1:
-            raise _refuse(n, f"a reshape {ins} -> {outs} that merges the sequence between "
-                             f"two other dims")
-        sizes = list(n.args[1])
-        if sizes[j] != -1:
-            sizes[j] = sizes[j] // self.c
-        n.args = (x, sizes) + tuple(n.args[2:])
-        self.mark(n, j)
+        op = packet(n)
+        if op is aten.unflatten:      # (x, dim, sizes): the sizes of the unflattened dims
+            at = n.args[1] % len(ins)
+            sizes = list(n.args[2])
+            if at <= j < at + len(sizes) and sizes[j - at] != -1:
+                sizes[j - at] //= self.c
+            n.args = (x, at, sizes) + tuple(n.args[3:])
+        elif op is not aten.flatten:  # flatten's (start, end) name no size
+            sizes = list(n.args[1])
+            if sizes[j] != -1:
+                sizes[j] = sizes[j] // self.c
+            n.args = (x, sizes) + tuple(n.args[2:])
+        self.mark(n, j, span=(before // acc, acc * outs[j] // after, False))
 
-    def matmul(self, n: fx.Node) -> None:
-        a, b = n.args[0], n.args[1]
+    def matmul(self, n: fx.Node, at: int = 0) -> None:
+        """a @ b with a = args[at], b = args[at + 1]: queries (a) stay local, keys / values
+        (b, split) are gathered whole."""
+        a, b = n.args[at], n.args[at + 1]
         ra, rb = len(self.full[a]), len(self.full[b])
         da = self.dim.get(a)
         db = self.dim.get(b)
@@ -394,12 +499,26 @@ class _Propagation:
                 raise _refuse(n, "a product split along a batch dim of its right operand")
             # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
             g = self.gather(b, n)
-            n.replace_input_with(b, g)
+            n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]
         if da is None:
             raise _refuse(n, "a product whose queries are whole but keys split")
         if da == ra - 1:
             raise _refuse(n, "a product contracting the rank's tokens")
         self.mark(n, out - (ra - da))
+
+    def baddbmm(self, n: fx.Node) -> None:
+        """bias + a @ b (BLOOM's ALiBi scores): the product as `matmul`; a whole bias that
+        reaches the queries' dim with length T is cut at the rank's positions."""
+        bias = n.args[0]
+        self.matmul(n, at=1)
+        od, out = self.dim[n], self.full[n]
+        if bias in self.dim:
+            if len(out) - len(self.full[bias]) + self.dim[bias] != od:
+                raise _refuse(n, "a bias split along another dim than the product")
+            return
+        k = od - (len(out) - len(self.full[bias]))
+        if k >= 0 and self.full[bias][k] != 1:
+            n.replace_input_with(bias, self.select(bias, k, n))
 
     def attention(self, n: fx.Node) -> None:
         """Keys and values gathered, the mask's query rows selected, is_causal run chunk by

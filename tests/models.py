@@ -453,11 +453,15 @@ def captured(name: str, repeat_limit: int | None = None):
 RUNTIME_VOCAB = 64
 RUNTIME_MODELS = ("gpt", "gpt_untied", "llama_style", "hf_gpt2", "hf_llama", "hf_falcon",
                   "hf_bloom", "hf_mistral", "hf_neox")
+# the decoder architectures at their builders' default sizes (hidden 32, 4 heads)
+DECODERS = ("hf_falcon_mq", "hf_gptj", "hf_olmo2", "hf_qwen3", "hf_phi3", "hf_gemma", "hf_phi",
+            "hf_opt", "hf_bigcode", "torch_encoder")
 
 
 def runtime_model(name: str, layers: int) -> Model:
-    """One of RUNTIME_MODELS at vocab 64, hidden 32, 16 positions, seed 0: the same model in
-    every process (GPT: 2 heads; the transformers ones keep their default KV cache setting)."""
+    """One of RUNTIME_MODELS or DECODERS at vocab 64, hidden 32, 16 positions, seed 0: the same
+    model in every process (GPT: 2 heads; the transformers ones keep their default KV cache
+    setting)."""
     torch.manual_seed(0)
     if name in ("gpt", "gpt_untied"):
         return gpt(layers=layers, heads=2, tie_embeddings=name == "gpt")
@@ -475,4 +479,7 @@ def runtime_model(name: str, layers: int) -> Model:
         return hf_mistral(layers=layers, ffn=48, sliding_window=4)
     if name == "hf_neox":      # partial rotary (rotary_pct 0.5), parallel attention + MLP
         return hf_neox(layers=layers, ffn=48)
-    raise ValueError(f"runtime_model: unknown model {name!r}; known: {RUNTIME_MODELS}")
+    if name in DECODERS:
+        return BUILDERS[name](layers=layers)
+    raise ValueError(f"runtime_model: unknown model {name!r}; known: "
+                     f"{RUNTIME_MODELS + DECODERS}")

@@ -113,6 +113,22 @@ def test_parallelize_pinned_c_refuses_and_free_c_falls_back():
     assert any("context parallelism not offered" in n for n in plan.notes)
 
 
+def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
+    """Mixtral's router picks experts per token (top-k over the expert dim keeps the split),
+    then its experts sort every token of the batch by expert: token mixing the sequence split
+    cannot run locally, refused in one line naming the node and its source line."""
+    from models import hf_mixtral
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"parallelize: c=2: context parallelism: node sort "
+                                         r"\(aten.sort\) at File .*moe.py.*a sort along the "
+                                         r"sequence") as err:
+        autopar.parallelize(hf_mixtral(seq=SEQ), c=2, gpus=2, example_inputs=(ids,),
+                            loss_fn=autopar.cross_entropy, global_batch_size=2,
+                            cluster="local-cpu")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(c=3), r"c=3 with sequence length 16: .*2c = 6"),
     (dict(c=2, t=1, p=1, d=2), r"t·c·p·d = 1·2·1·2 = 4 != gpus=2"),
