@@ -11,7 +11,10 @@ the rank's tokens and VAL (local shapes) on them; sets the graph attributes `cp`
 when a dropout needs it and the tensor-parallel pass made none), stand-ins the runtime rebinds.
 
 How: a sequence-split layout propagates forward from the inputs, op by op, as the
-tensor-parallel pass's shards do (passes/sharding.py's op families): a value either holds the
+tensor-parallel pass's shards do (passes/sharding.py's op families; the engine's context mode,
+`sharding.context_layouts`, finds the same layouts on the captured graph and is tested to agree
+with this walk — docs/DESIGN.md §6.1 says how this pass becomes a rewrite reading them): a value
+either holds the
 rank's tokens along one dim (CP_SEQ_DIM) or is whole. Token-wise ops (projections, norms, MLPs,
 embeddings, the loss) keep the split, and so do sequence parallelism's conversions (the
 tensor-parallel pass's scatter / gather along the sequence: they cut the rank's tokens again
@@ -55,7 +58,8 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
-from autopar.passes.sharding import _NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, SPLIT_OPS, packet
+from autopar.passes.sharding import (_NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, SPLIT_OPS,
+                                     context_refusal, packet)
 from autopar.runtime import collectives as coll
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
@@ -88,22 +92,7 @@ _BLOCKS = {shard_rt.local_blocks, shard_rt.unshuffle_blocks}   # (x, group, dim,
 _PURE = (1, 1, False)   # a sequence dim that holds the tokens alone (_Propagation.span)
 
 
-def _where(node: fx.Node) -> str:
-    trace = node.meta.get(K.STACK_TRACE) or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    files = [ln for ln in lines if ln.startswith("File ")]
-    if files:
-        i = lines.index(files[-1])
-        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-        return f"{files[-1]}" + (f": {code}" if code else "")
-    return "(no source line recorded)"
-
-
-def _refuse(node: fx.Node, why: str) -> ValueError:
-    return ValueError(
-        f"context parallelism: node {node.name} ({packet(node)}) at {_where(node)}: {why}; "
-        f"the pass splits token-wise ops and attention (scaled_dot_product_attention, or "
-        f"q·kᵀ / p·v matmuls) only — run this model with c=1")
+_refuse = context_refusal   # the one-line refusal: node, op, the user's source line
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:

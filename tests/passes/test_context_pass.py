@@ -217,3 +217,58 @@ def test_masked_attention_dropout_draws_from_the_context_rank_stream():
     (n,) = [n for n in gm.graph.nodes if n.target is tp_sdpa]
     assert n.args[3].op == "get_attr" and n.args[6] == 0.1
     assert n.args[5].target is context_select and n.kwargs["per_tensor_rank"] is False
+
+
+ENGINE_MODELS = ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox", "hf_gpt2",
+                 "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2", "hf_qwen3",
+                 "hf_phi3", "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode", "torch_encoder")
+
+
+def _architecture(name):
+    from models import BUILDERS
+    torch.manual_seed(0)
+    sizes = dict(seq=SEQ) if name in ("gpt", "llama_style") else {}
+    return _captured(BUILDERS[name](layers=2, **sizes))
+
+
+@pytest.mark.parametrize("name", ENGINE_MODELS)
+def test_engine_context_layouts_agree_with_the_pass(name):
+    """The sharding engine in its context mode (passes/sharding.py `context_layouts`: the
+    inputs' tokens seeded as a sequence Shard over t := c, no column candidates) finds on the
+    captured graph what the pass's walk finds: every value's sequence dim, the ops whose whole
+    operands are selected at the rank's positions, and as many key / value gathers."""
+    from autopar.passes.sharding import Shard, context_layouts
+    gm = _architecture(name)
+    engine = context_layouts(gm, 2, SEQ)
+    walked = apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
+    seq_dim = {n.name: n.meta.get(K.CP_SEQ_DIM) for n in walked.graph.nodes}
+    for n in gm.graph.nodes:
+        lay = engine.layout.get(n)
+        if n.op == "call_function" and n.name in seq_dim and not isinstance(lay, tuple):
+            assert (lay.dim if isinstance(lay, Shard) else None) == seq_dim[n.name], n.name
+    selected = {u.name for s in walked.graph.nodes if s.target is context_select
+                for u in s.users}
+    assert selected == {c.name for c, edges in engine.convert.items()
+                        for lay in edges.values() if isinstance(lay, Shard)}
+    gathers = [n for n in walked.graph.nodes if n.target is context_gather]
+    assert len(gathers) == sum(len(v) for v in engine.gathered.values()) > 0
+
+
+@pytest.mark.parametrize("model", [RunningSum, "hf_mixtral"])
+def test_engine_context_mode_refuses_where_the_pass_does(model):
+    """A cumulative op along the tokens, a mixture of experts' token sort: the engine refuses
+    the same node with the same one-line source location (no gather, no fallback)."""
+    from autopar.passes.sharding import context_layouts
+    if model == "hf_mixtral":
+        from models import hf_mixtral
+        torch.manual_seed(0)
+        gm = _captured(hf_mixtral(seq=SEQ))
+    else:
+        gm = _captured(model())
+    with pytest.raises(ValueError) as engine:
+        context_layouts(gm, 2, SEQ)
+    with pytest.raises(ValueError) as walked:
+        apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
+    assert "\n" not in str(engine.value)
+    head = str(walked.value).split(": ")[:3]
+    assert str(engine.value).split(": ")[:3] == head
