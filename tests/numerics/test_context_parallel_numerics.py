@@ -60,9 +60,10 @@ ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", 
                  "torch_encoder")
 
 
-@pytest.mark.parametrize("name, t", [(name, 1) for name in ARCHITECTURES] + [
-    ("hf_falcon_mq", 2), ("hf_phi3", 2), ("hf_bigcode", 2), ("hf_bloom", 2)])
-def test_c2_every_decoder_architecture_equals_one_device(name, t):
+@pytest.mark.parametrize("name, t, sp", [(name, 1, False) for name in ARCHITECTURES] + [
+    ("hf_falcon_mq", 2, False), ("hf_phi3", 2, False), ("hf_bigcode", 2, False),
+    ("hf_bloom", 2, False), ("hf_gpt2", 2, True)])
+def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
     """Every decoder we build, each writing attention and positions its own way, found
     through propagation: Conv1D's addmm on merged (B·T, C) tokens (GPT-2), k / v heads indexed
     out of a fused projection and broadcast (Falcon, multi-query Falcon-7B), interleaved rotary
@@ -70,8 +71,10 @@ def test_c2_every_decoder_architecture_equals_one_device(name, t):
     norms over all heads (OLMo-2, Qwen3), fused qkv (Phi-3), partial rotary with parallel
     blocks (Phi), learned positions at an offset and (B·T, C) hidden states (OPT), multi-query
     inside a fused c_attn (GPT-BigCode), and nn.MultiheadAttention's (T·B, E) with a float
-    causal mask (PyTorch's encoder); t = 2 on fused and multi-query layouts."""
-    plan = with_c(make_plan(t=t), 2)
+    causal mask (PyTorch's encoder); t = 2 on fused and multi-query layouts, and GPT-2 with
+    sequence parallelism on its (B·T, C) rows (the tensor-parallel cut per row of T tokens
+    becomes a cut per row of the rank's T/c)."""
+    plan = with_c(make_plan(t=t), 2, sequence_parallel=sp)
     if name != "torch_encoder":
         return check_against_reference(name, plan)
     # MultiheadAttention's key bias shifts every score of a query alike, which softmax ignores:
