@@ -1745,6 +1745,14 @@ def _context_along(p: ContextPropagator, node: fx.Node) -> Any:
     return _like(node, lay)
 
 
+def _context_softmax(p: ContextPropagator, node: fx.Node) -> Layout:
+    """softmax / cumsum along another dim than the tokens."""
+    lay = p.eff(node, node.args[0])
+    if norm_dim(node.args[1], len(shape(node))) == lay.dim:
+        raise context_refusal(node, "a softmax / cumulative op along the sequence")
+    return lay
+
+
 def _context_cat(p: ContextPropagator, node: fx.Node) -> Layout:
     """An empty key / value cache (transformers' DynamicCache with nothing cached)
     concatenated with the new tokens is the new tokens."""
@@ -1760,6 +1768,7 @@ _CONTEXT_RULES = {
     aten.scaled_dot_product_attention: _context_sdpa,
     **{op: _context_loss for op in _LOSS_OPS},
     **{op: _context_along for op in _ALONG},
+    **{op: _context_softmax for op in _SOFTMAX},
     aten.cat: _context_cat,
 }
 

@@ -232,43 +232,43 @@ def _architecture(name):
 
 
 @pytest.mark.parametrize("name", ENGINE_MODELS)
-def test_engine_context_layouts_agree_with_the_pass(name):
+def test_rewrite_applies_the_engine_layouts(name):
     """The sharding engine in its context mode (passes/sharding.py `context_layouts`: the
-    inputs' tokens seeded as a sequence Shard over t := c, no column candidates) finds on the
-    captured graph what the pass's walk finds: every value's sequence dim, the ops whose whole
-    operands are selected at the rank's positions, and as many key / value gathers."""
+    inputs' tokens seeded as a sequence Shard over t := c, no column candidates) decides; the
+    pass rewrites exactly that: every value's sequence dim, a selection at the rank's
+    positions on each edge the engine marked, a gather for each key / value attention reads."""
     from autopar.passes.sharding import Shard, context_layouts
     gm = _architecture(name)
     engine = context_layouts(gm, 2, SEQ)
-    walked = apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
-    seq_dim = {n.name: n.meta.get(K.CP_SEQ_DIM) for n in walked.graph.nodes}
+    rewritten = apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
+    seq_dim = {n.name: n.meta.get(K.CP_SEQ_DIM) for n in rewritten.graph.nodes}
     for n in gm.graph.nodes:
         lay = engine.layout.get(n)
         if n.op == "call_function" and n.name in seq_dim and not isinstance(lay, tuple):
             assert (lay.dim if isinstance(lay, Shard) else None) == seq_dim[n.name], n.name
-    selected = {u.name for s in walked.graph.nodes if s.target is context_select
+    selected = {u.name for s in rewritten.graph.nodes if s.target is context_select
                 for u in s.users}
     assert selected == {c.name for c, edges in engine.convert.items()
                         for lay in edges.values() if isinstance(lay, Shard)}
-    gathers = [n for n in walked.graph.nodes if n.target is context_gather]
+    gathers = [n for n in rewritten.graph.nodes if n.target is context_gather]
     assert len(gathers) == sum(len(v) for v in engine.gathered.values()) > 0
 
 
 @pytest.mark.parametrize("model", [RunningSum, "hf_mixtral"])
-def test_engine_context_mode_refuses_where_the_pass_does(model):
+def test_refused_by_the_engine_before_the_graph_changes(model):
     """A cumulative op along the tokens, a mixture of experts' token sort: the engine refuses
-    the same node with the same one-line source location (no gather, no fallback)."""
-    from autopar.passes.sharding import context_layouts
+    (one line, the node and its source line) while recording, before the tensor split, and
+    the graph is left as it was (no gather, no fallback)."""
+    from autopar.passes.context_parallel import record_context_layouts
     if model == "hf_mixtral":
         from models import hf_mixtral
         torch.manual_seed(0)
         gm = _captured(hf_mixtral(seq=SEQ))
     else:
         gm = _captured(model())
-    with pytest.raises(ValueError) as engine:
-        context_layouts(gm, 2, SEQ)
-    with pytest.raises(ValueError) as walked:
-        apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
-    assert "\n" not in str(engine.value)
-    head = str(walked.value).split(": ")[:3]
-    assert str(engine.value).split(": ")[:3] == head
+    before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
+    with pytest.raises(ValueError, match=r"^context parallelism: node (cumsum|sort) .* at File "
+                                         r".*(test_context_pass|moe)\.py") as err:
+        record_context_layouts(gm, 2, SEQ)
+    assert "\n" not in str(err.value)
+    assert [(n.name, n.target, n.args) for n in gm.graph.nodes] == before
