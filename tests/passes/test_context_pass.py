@@ -272,3 +272,31 @@ def test_refused_by_the_engine_before_the_graph_changes(model):
         record_context_layouts(gm, 2, SEQ)
     assert "\n" not in str(err.value)
     assert [(n.name, n.target, n.args) for n in gm.graph.nodes] == before
+
+
+@pytest.mark.parametrize("name", ["llama_style", "hf_gpt2"])
+def test_layouts_recorded_before_the_tensor_split_reach_its_new_nodes(name):
+    """c = 2 with t = 2 and sequence parallelism, as autopar/build.py orders it: the engine's
+    layouts recorded on the captured graph, the tensor-parallel pass copying them onto the
+    sequence-parallel scatters / gathers (and GPT-2's per-row blocks) it makes, the rewrite
+    reading them: every such node holds the rank's tokens with T/(c·t) or T/c of them, and the
+    per-row blocks name T/c."""
+    from autopar.passes.context_parallel import record_context_layouts
+    from autopar.passes.tensor_parallel import apply_tensor_parallel
+    from autopar.runtime import collectives as coll
+    from autopar.runtime import shard as shard_rt
+    gm = record_context_layouts(_architecture(name), 2, SEQ)
+    gm = apply_tensor_parallel(gm, 2, 0, None, sequence_parallel=True)
+    gm = apply_context_parallel(gm, 2, SEQ)
+    sp = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
+    made = [n for n in gm.graph.nodes if n.target in sp]
+    assert made
+    for n in made:
+        d = n.meta[K.CP_SEQ_DIM]
+        assert n.meta[K.VAL].shape[d] in (SEQ // 4, SEQ // 2) or (
+            n.meta[K.VAL].shape[d] % (SEQ // 2) == 0 and d == 0), n.name   # (B·T/c, C) rows
+    for n in gm.graph.nodes:
+        if n.target in (shard_rt.local_blocks, shard_rt.unshuffle_blocks) \
+                and K.CP_SEQ_DIM in n.args[0].meta \
+                and n.args[2] % n.args[0].meta[K.VAL].dim() == n.args[0].meta[K.CP_SEQ_DIM]:
+            assert set(n.args[3]) == {SEQ // 2}, n.name
