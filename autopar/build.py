@@ -8,8 +8,11 @@ bf16; "fp32": as the model is; a 16-bit graph also loses export's metadata check
 passes/export_checks.py) and runs the layers pass on it. `BuiltProgram.chunks(tp_rank)` then runs,
 per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after each pass):
 
-    full_graph_passes   the tensor-parallel rewrite (plan.t > 1, or weights to materialise),
-                        the context-parallel rewrite (plan.c > 1, passes/context_parallel.py),
+    full_graph_passes   the context split's layouts (plan.c > 1: the sharding engine's
+                        context mode on the captured graph, recorded in meta),
+                        the tensor-parallel rewrite (plan.t > 1, or weights to materialise),
+                        the context-parallel rewrite reading those layouts (plan.c > 1,
+                        passes/context_parallel.py),
                         then, when plan.t > 1 and the schedule does not split the backward
                         into B and W, passes.overlap's fusion of each column-parallel entry
                         with its projections (the input gradient's all-reduce overlaps the
@@ -38,7 +41,7 @@ from autopar.passes.capture import capture
 from autopar.passes.device import DEVICE_PASS
 from autopar.passes.expert_parallel import expert_parallel_pass
 from autopar.passes.export_checks import DROP_METADATA_ASSERTS
-from autopar.passes.context_parallel import context_parallel_pass
+from autopar.passes.context_parallel import context_layout_pass, context_parallel_pass
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.loss_precision import fp32_loss_pass
 from autopar.passes.manager import Pass, run_passes
@@ -132,6 +135,8 @@ class BuiltProgram:
         # module) and turns other pipeline ranks' weights into meta tensors. Last, the
         # capture's device constants become `rank_device`, bound to each rank's device.
         passes = []
+        if self.plan.c > 1:   # the engine's sequence layouts, read by the context rewrite
+            passes.append(context_layout_pass(self.plan))
         if self.plan.t > 1 or self.plan.c > 1 or _has_meta(self.gm) or materialize is not None:
             passes.append(tensor_parallel_pass(self.plan, tp_rank, None, model=self.model,
                                                init=self.init, materialize=materialize))

@@ -1,44 +1,58 @@
 """The context-parallel pass: each rank computes its 2 of the 2c sequence chunks.
 
-Requires: the full training graph (capture's, after the tensor-parallel pass; loss inside),
-meta VAL on every value, static shapes; plan.c > 1 and plan.seq_len the graph's sequence length.
+Two steps around the tensor-parallel pass. `record_context_layouts` (pass `context_layout`,
+before the tensor split) runs the sharding engine in its context mode on the captured graph
+(passes/sharding.py `context_layouts`, docs/DESIGN.md §6.1) and writes its layouts into node
+meta; `apply_context_parallel` (pass `context_parallel`, after the tensor split) is a rewrite
+that reads them, as passes/tensor_parallel.py reads the tensor-parallel ones.
+
+Requires: the full training graph (capture's; loss inside), meta VAL on every value, static
+shapes; plan.c > 1 and plan.seq_len the graph's sequence length; for the rewrite, CP_SEQ_DIM /
+CP_SELECT recorded before the tensor-parallel pass (which copies CP_SEQ_DIM onto the nodes it
+makes from their input) — on a graph without them (the captured one) it records them first.
 Guarantees: a graph that, run on one context rank with this rank's tokens of every input
 (autopar/runtime/context.py `context_cut`; chunks i and 2c−1−i, local order), computes the
 rank's share of the single-device program: its tokens' activations and its share of the loss
 (c · its token sum / the tokens counted on every context rank, whose mean over the c ranks is
-the single device's). Reads meta VAL, STACK_TRACE; writes CP_SEQ_DIM on every value that holds
-the rank's tokens and VAL (local shapes) on them; sets the graph attributes `cp` (and `tp_rng`
-when a dropout needs it and the tensor-parallel pass made none), stand-ins the runtime rebinds.
+the single device's). Reads meta VAL, STACK_TRACE, CP_SEQ_DIM, CP_SELECT; writes CP_SEQ_DIM
+and CP_SELECT (record), VAL (local shapes) on the values that hold the rank's tokens; sets the
+graph attributes `cp` (and `tp_rng` when a dropout needs it and the tensor-parallel pass made
+none), stand-ins the runtime rebinds.
 
-How: a sequence-split layout propagates forward from the inputs, op by op, as the
-tensor-parallel pass's shards do (passes/sharding.py's op families): a value either holds the
-rank's tokens along one dim (CP_SEQ_DIM) or is whole. Token-wise ops (projections, norms, MLPs,
-embeddings, the loss) keep the split, and so do sequence parallelism's conversions (the
-tensor-parallel pass's scatter / gather along the sequence: they cut the rank's tokens again
-between its tensor ranks, in local order); shape constants that name the sequence length
-(`view(B, T, H, D)`) are rewritten to T/c. Where a split value meets a whole one along the
-sequence — a rotary table, a position embedding or a mask the model builds from arange(T) —
-the whole one is cut at this rank's global positions (`context_select`): positions are found
-through propagation, never by name. Attention is the one op that needs the other ranks'
-tokens: its keys and values are all-gathered along the sequence in global order
-(`context_gather`, Llama 3's method) — under grouped-query attention before the head repeat
-that feeds it (repeat_kv's expand / reshape or repeat_interleave, found by walking back
-through token-wise data movements to the smallest value), which is re-applied to the
-gathered kv heads — its queries stay local, its mask's query rows are this
-rank's; is_causal attention becomes `context_causal_attention`: each of the rank's two query
-chunks against its key prefix, so the rank computes its share of the causal work. Under
-plan.cp_attention == "ring" a scaled-dot-product attention instead becomes
+The layouts (the engine's): a value either holds the rank's tokens along one dim (CP_SEQ_DIM)
+or is whole. The inputs' token dims are seeded; token-wise ops (projections, norms, MLPs,
+embeddings, reshapes — a merged (B·T, C) dim holds its rows' tokens — the loss) keep the split.
+Where a split value meets a whole one along the sequence — a rotary table, a position embedding
+or a mask the model builds from arange(T) — the engine marks the edge (CP_SELECT) and the whole
+one is cut at this rank's global positions (`context_select`): positions are found through
+propagation, never by name. Any op that would need other ranks' tokens outside attention (a
+cumulative op, a norm, a sort or reduction along the sequence, an op with no rule) is refused
+at recording with ValueError naming the node and the user's source line.
+
+The rewrite: local VALs; shape constants that name the sequence (`view(B, T, H, D)`, expand,
+unflatten) become the local value's sizes (T/c); the tensor-parallel pass's sequence-parallel
+scatter / gather keep the rank's tokens (cut again between its tensor ranks, in local order)
+and its per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become (T/c,) · B.
+Attention is the one op that needs the other ranks' tokens: its keys and values are
+all-gathered along the sequence in global order (`context_gather`, Llama 3's method) — under
+grouped-query attention before the head repeat that feeds it (repeat_kv's expand / reshape or
+repeat_interleave, found by walking back through token-wise data movements to the smallest
+value), which is re-applied to the gathered kv heads — its queries stay local, its mask's query
+rows are this rank's; is_causal attention becomes `context_causal_attention`: each of the
+rank's two query chunks against its key prefix, so the rank computes its share of the causal
+work. Written-out attention (q·kᵀ, p·v; BLOOM's baddbmm) gathers the key / value operand the
+same way. Dropout on the rank's tokens (attention's and aten.dropout's) draws from the
+program's DropoutStreams (`tp_rng`, bound with this rank's tensor and context ranks: another
+mask on each context rank, the same on the tensor ranks of a value they all hold, replayed by
+recompute), as tensor-parallel regions do: it cannot equal one device bit for bit.
+
+Under plan.cp_attention == "ring" a scaled-dot-product attention instead becomes
 `context_ring_attention` (autopar/runtime/ring_attention.py) on the local q, k, v: the K/V
 blocks travel round the context group at run time, only the kv heads of a grouped-query repeat
 (its group found by replaying the repeat on one token), the mask's query rows selected as
-above; a ring attention with dropout is refused. Written-out
-attention (q·kᵀ, p·v) gathers the key / value operand the same way, under either method (its
-softmax between the two products is not the pass's to split into ring steps). Dropout on the rank's
-tokens (attention's and aten.dropout's) draws from the program's DropoutStreams (`tp_rng`,
-bound with this rank's tensor and context ranks: another mask on each context rank, the same
-on the tensor ranks of a value they all hold, replayed by recompute), as tensor-parallel
-regions do: it cannot equal one device bit for bit. Any other op on a split value raises
-ValueError naming the node and the user's source line.
+above; a ring attention with dropout is refused. Written-out attention keeps the all-gather
+under either method (its softmax between the two products is not the pass's to split into
+ring steps).
 
 A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
 ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
@@ -58,8 +72,8 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
-from autopar.passes.sharding import _NO_VALUE, _RESHAPES, _SOFTMAX, MATMUL_OPS, SPLIT_OPS, packet
-from autopar.runtime import collectives as coll
+from autopar.passes.sharding import (_NO_VALUE, MATMUL_OPS, Shard, context_layouts,
+                                     context_refusal, context_where, packet)
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
                                      context_loss_mean, context_select)
@@ -68,9 +82,6 @@ from autopar.runtime.ring_attention import context_ring_attention
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
 
-_REDUCE = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.max, aten.min,
-           aten.logsumexp, aten.any, aten.all}
-_NORMS = {aten.layer_norm, aten.native_layer_norm, aten.rms_norm}
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d}
 _SDPA = {aten.scaled_dot_product_attention, shard_rt.tp_sdpa}
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -85,33 +96,19 @@ _MOVES = _RESIZES | {aten.repeat_interleave, aten.unsqueeze, aten.transpose, ate
 # vocab-parallel cross-entropy (logits, target, group, vocab_size, ignore_index, reduction)
 _LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
             True: {4: "ignore_index", 5: "reduction"}}
-# the tensor-parallel pass's sequence-parallel conversions (x, group, dim): under c they cut /
-# regather the context rank's tokens between its tensor ranks, in local order
-_SP = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
+_BLOCKS = {shard_rt.local_blocks, shard_rt.unshuffle_blocks}   # (x, group, dim, blocks, ...)
+# ops whose arguments name sizes: (x, sizes) or unflatten's (x, dim, sizes)
+_SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to,
+          aten.unflatten}
 
 
-def _where(node: fx.Node) -> str:
-    trace = node.meta.get(K.STACK_TRACE) or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    files = [ln for ln in lines if ln.startswith("File ")]
-    if files:
-        i = lines.index(files[-1])
-        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-        return f"{files[-1]}" + (f": {code}" if code else "")
-    return "(no source line recorded)"
-
-
-def _refuse(node: fx.Node, why: str) -> ValueError:
-    return ValueError(
-        f"context parallelism: node {node.name} ({packet(node)}) at {_where(node)}: {why}; "
-        f"the pass splits token-wise ops and attention (scaled_dot_product_attention, or "
-        f"q·kᵀ / p·v matmuls) only — run this model with c=1")
+_refuse = context_refusal   # the one-line refusal: node, op, the user's source line
 
 
 def _refuse_ring(node: fx.Node, why: str) -> ValueError:
     return ValueError(
-        f"context parallelism: node {node.name} ({packet(node)}) at {_where(node)}: {why}; "
-        f"plan cp_attention='all-gather' (parallelize's free choice offers only what the pass "
+        f"context parallelism: node {node.name} ({packet(node)}) at {context_where(node)}: "
+        f"{why}; plan cp_attention='all-gather' (parallelize's free choice offers only what the pass "
         f"builds)")
 
 
@@ -121,6 +118,10 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 
 
 class _Propagation:
+    """The rewrite of one graph for one context rank, reading the engine's layouts (meta
+    CP_SEQ_DIM / CP_SELECT); `dim` holds the sequence dim of each value rewritten so far;
+    `ring`: scaled-dot-product attention runs as ring attention (plan.cp_attention)."""
+
     def __init__(self, gm: fx.GraphModule, c: int, seq_len: int, ring: bool = False):
         self.gm, self.g, self.c, self.T, self.ring = gm, gm.graph, c, seq_len, ring
         self.dim: dict[fx.Node, int] = {}            # value -> its sequence dim
@@ -181,7 +182,7 @@ class _Propagation:
     def _repeat_chain(self, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
         """(the smallest value x is a token-wise data movement of, the movements from it to x
         in order): back through single-input ops that move or repeat elements within each
-        token (_MOVES: never along the sequence dim, which the forward walk refused); (x, [])
+        token (_MOVES: never along the sequence dim, which the engine refused); (x, [])
         when nothing smaller feeds it."""
         path, cur = [], x
         while (cur.op == "call_function" and packet(cur) in _MOVES
@@ -205,6 +206,7 @@ class _Propagation:
                 and (end is None or end >= self.full[n.args[0]][dim]))
 
     def mark(self, n: fx.Node, d: int) -> None:
+        """n holds the rank's tokens along dim d: its VAL made local."""
         self.dim[n] = d
         n.meta[K.CP_SEQ_DIM] = d
         v = n.meta.get(K.VAL)
@@ -216,27 +218,57 @@ class _Propagation:
             shape[d] //= self.c
             n.meta[K.VAL] = self._meta(tuple(shape), v)
 
-    # ----- the walk -------------------------------------------------------------------
+    # ----- the rewrite ------------------------------------------------------------------
     def run(self) -> None:
+        """Each node in order, its sequence dim read from CP_SEQ_DIM (the engine's, recorded
+        on the captured graph and carried by the tensor-parallel pass onto the nodes it makes
+        from their input)."""
         for n in list(self.g.nodes):
+            d = n.meta.get(K.CP_SEQ_DIM)
             if n.op == "placeholder":
-                s = self.full.get(n)
-                if s is not None and len(s) >= 2 and s[1] == self.T:
-                    self.mark(n, 1)
+                if d is not None:
+                    self.mark(n, d)
             elif n.op == "call_module":
-                if any(a in self.dim for a in n.all_input_nodes) and not n.users:
-                    self.g.erase_node(n)   # torch.export's input guards: shapes are local now
-                elif any(a in self.dim for a in n.all_input_nodes):
-                    raise _refuse(n, "a submodule call on the rank's tokens")
-            elif n.op == "call_function":
                 if any(a in self.dim for a in n.all_input_nodes):
-                    self.visit(n)
+                    if n.users:
+                        raise _refuse(n, "a submodule call on the rank's tokens")
+                    self.g.erase_node(n)   # torch.export's input guards: shapes are local now
+            elif n.op == "call_function":
+                self.select_inputs(n)
+                if d is not None or any(a in self.dim for a in n.all_input_nodes):
+                    self.visit(n, d)
 
-    def visit(self, n: fx.Node) -> None:
+    def select_inputs(self, n: fx.Node) -> None:
+        """The engine's selection edges (CP_SELECT): whole operands that meet the rank's tokens
+        cut at its positions. Attention and baddbmm select their mask / bias themselves. An
+        operand the tensor-parallel pass converted (a head slice) is selected after it: the
+        conversions keep its dims."""
+        edges = n.meta.get(K.CP_SELECT) or {}
+        if not edges or packet(n) in _SDPA or packet(n) is aten.baddbmm:
+            return
+        for name, dim in edges.items():
+            arg = next((a for a in n.all_input_nodes if self._derives(a, name)), None)
+            if arg is None or arg in self.dim:
+                continue
+            n.replace_input_with(arg, self.select(arg, dim, n))
+
+    @staticmethod
+    def _derives(a: fx.Node, name: str) -> bool:
+        """a is the node `name`, or the tensor-parallel pass's conversion of it."""
+        for _ in range(4):
+            if a.name == name:
+                return True
+            if a.op != "call_function" or not a.args or not isinstance(a.args[0], fx.Node):
+                return False
+            a = a.args[0]
+        return False
+
+    def visit(self, n: fx.Node, d: int | None) -> None:
         op = packet(n)
         if op is operator.getitem:
-            self.mark(n, self.dim[n.args[0]])
-            return
+            src = self.dim.get(n.args[0])
+            return self.mark(n, d if d is not None else src) if (d is not None or
+                                                                 src is not None) else None
         if op in _NO_VALUE:
             self.g.erase_node(n)
             return
@@ -244,159 +276,50 @@ class _Propagation:
             return self.attention(n)
         if op is aten.dropout and n.args[0] in self.dim:
             return self.dropout(n)
-        if op in _RESHAPES and op not in (aten.squeeze, aten.unsqueeze, aten.flatten,
-                                          aten.unflatten):
-            return self.reshape(n)
-        if op in MATMUL_OPS and op is not aten.linear and op is not aten.addmm:
-            return self.matmul(n)
         if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
             return self.loss(n)
-        if op in _SP:
-            return self.mark(n, self.dim[n.args[0]])
-        if op is aten.type_as:   # its second operand gives a dtype only (whole under SP)
-            return self.mark(n, self.dim[n.args[0]]) if n.args[0] in self.dim else None
-        x = n.args[0]
-        d = self.dim.get(x) if isinstance(x, fx.Node) else None
-        out = self.full.get(n)
-        if op in (aten.linear, aten.addmm) and d is not None and d < len(self.full[x]) - 1:
-            if any(a in self.dim for a in n.all_input_nodes if a is not x):
-                raise _refuse(n, "a projection whose weight depends on the rank's tokens")
-            return self.mark(n, d)
-        if op is aten.embedding or op is shard_rt.vocab_parallel_embedding:
-            return self.mark(n, self.dim[n.args[1]])
-        if op is shard_rt.partial_mean:   # a mean over the tensor-split dims (RMSNorm's)
-            dims = [k % len(self.full[x]) for k in n.args[2]]
-            if d in dims:
-                raise _refuse(n, "a reduction over the sequence inside the model")
-            keep = n.args[3] if len(n.args) > 3 else n.kwargs.get("keepdim", False)
-            return self.mark(n, d if keep else d - sum(k < d for k in dims))
-        if op is aten.transpose:
-            a, b = (k % len(self.full[x]) for k in n.args[1:3])
-            return self.mark(n, b if d == a else a if d == b else d)
-        if op is aten.permute:
-            perm = [k % len(self.full[x]) for k in n.args[1]]
-            return self.mark(n, perm.index(d))
-        if op is aten.unsqueeze:
-            k = n.args[1] % (len(self.full[x]) + 1)
-            return self.mark(n, d + 1 if k <= d else d)
-        if op is aten.squeeze and len(n.args) > 1:
-            dims = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
-            dims = [k % len(self.full[x]) for k in dims]
-            return self.mark(n, d - sum(k < d for k in dims))
-        if op in SPLIT_OPS:
-            k = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % len(self.full[x])
-            if k == d:
-                raise _refuse(n, "a split along the sequence")
-            return self.mark(n, d)
-        if op is aten.cat:
-            return self.cat(n)
-        if op in _NORMS:
-            norm = len(n.args[1])
-            if d >= len(self.full[x]) - norm:
-                raise _refuse(n, "a norm over the sequence")
-            return self.mark(n, d)
-        if op in _SOFTMAX or op is aten.repeat_interleave:
-            k = n.args[-1] if op is aten.repeat_interleave else n.args[1]
-            k = (k if isinstance(k, int) else 0) % len(self.full[x])
-            if k == d:
-                raise _refuse(n, "a softmax / cumulative op along the sequence")
-            return self.mark(n, d)
-        if op in _REDUCE and len(n.args) > 1 and isinstance(n.args[1], (list, tuple, int)):
-            dims = n.args[1] if isinstance(n.args[1], (list, tuple)) else [n.args[1]]
-            dims = [k % len(self.full[x]) for k in dims]
-            if d in dims:
-                raise _refuse(n, "a reduction over the sequence inside the model")
-            keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
-            return self.mark(n, d if keep else d - sum(k < d for k in dims))
-        if op is aten.expand:
-            sizes = list(n.args[1])
-            lead = len(sizes) - len(self.full[x])
-            od = d + lead
-            if sizes[od] not in (-1,):
-                sizes[od] = sizes[od] // self.c
-            n.args = (x, sizes) + tuple(n.args[2:])
-            return self.mark(n, od)
-        if op is aten.slice and d is not None:
-            k = n.args[1] % len(self.full[x]) if len(n.args) > 1 else 0
-            if k == d:
-                raise _refuse(n, "a slice of the sequence")
-            return self.mark(n, d)
-        if out is not None and self.pointwise(n, out):
-            return None
-        raise _refuse(n, "an op the sequence split has no rule for")
+        if op is aten.baddbmm:
+            return self.baddbmm(n)
+        if op in MATMUL_OPS and op is not aten.linear and op is not aten.addmm \
+                and n.args[1] in self.dim:   # attention written out: keys / values gathered
+            return self.matmul(n)
+        self.resize(n, d)
+        if d is not None:
+            self.mark(n, d)
+        elif isinstance(n.meta.get(K.VAL), torch.Tensor) and n.meta[K.VAL].dim() > 0:
+            # split inputs, a whole output the engine never decided: a node the tensor-parallel
+            # pass made from an input without a layout; stop here rather than run it on the
+            # wrong shapes
+            raise _refuse(n, "no sequence layout recorded for a value computed from the "
+                             "rank's tokens")
 
-    def pointwise(self, n: fx.Node, out: tuple[int, ...]) -> bool:
-        """Broadcasting elementwise ops (add, mul, dropout, activations, where, masked_fill...):
-        the output holds the rank's tokens where a split operand does; whole operands that
-        reach the sequence dim with length T are cut at the rank's positions."""
-        tensors = [a for a in n.all_input_nodes if a in self.full]
-        shapes = [self.full[a] for a in tensors]
-        try:
-            if tuple(torch.broadcast_shapes(*shapes)) != out:
-                return False
-        except RuntimeError:
-            return False
-        od = None
-        for a in tensors:
-            if a in self.dim:
-                k = len(out) - len(self.full[a]) + self.dim[a]
-                if od is not None and k != od:
-                    raise _refuse(n, "operands split along different dims")
-                od = k
-        for a in tensors:
-            if a in self.dim:
-                continue
-            k = od - (len(out) - len(self.full[a]))
-            if k >= 0 and self.full[a][k] != 1:
-                sel = self.select(a, k, n)
-                n.replace_input_with(a, sel)
-        self.mark(n, od)
-        return True
+    def resize(self, n: fx.Node, d: int | None) -> None:
+        """Shape constants that name the sequence become the rank's: a view / expand's sizes
+        are its local value's (T -> T/c at its sequence dim, -1 kept); the tensor-parallel
+        pass's per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become T/c."""
+        op = packet(n)
+        if op in _BLOCKS:
+            x = n.args[0]
+            if x in self.dim and n.args[2] % len(self.full[x]) == self.dim[x]:
+                n.args = n.args[:3] + ([b // self.c for b in n.args[3]],) + n.args[4:]
+            return
+        if d is None or op not in _SIZED:
+            return
+        local = list(self.full[n])
+        local[d] //= self.c
+        if op is aten.unflatten:      # (x, dim, sizes): the sizes of the unflattened dims
+            at = n.args[1] % len(self.full[n.args[0]])
+            sizes = [s if s == -1 else local[at + k] for k, s in enumerate(n.args[2])]
+            n.args = (n.args[0], n.args[1], sizes) + tuple(n.args[3:])
+            return
+        lead = len(local) - len(n.args[1])
+        sizes = [s if s == -1 else local[lead + k] for k, s in enumerate(n.args[1])]
+        n.args = (n.args[0], sizes) + tuple(n.args[2:])
 
-    def cat(self, n: fx.Node) -> None:
-        xs = list(n.args[0])
-        ndim = len(self.full[n])
-        k = (n.args[1] if len(n.args) > 1 else 0) % ndim
-        d = next(self.dim[a] for a in xs if a in self.dim)
-        if k == d:
-            # an empty key/value cache (transformers' DynamicCache.update with nothing cached)
-            # concatenated with the new tokens is the new tokens
-            rest = [a for a in xs if a in self.dim or math.prod(self.full[a]) != 0]
-            if len(rest) != 1:
-                raise _refuse(n, "a concatenation along the sequence")
-            n.args = (rest,) + tuple(n.args[1:])
-            return self.mark(n, d)
-        new = [a if a in self.dim else self.select(a, d, n) for a in xs]
-        n.args = (new,) + tuple(n.args[1:])
-        self.mark(n, d)
-
-    def reshape(self, n: fx.Node) -> None:
-        """The output dim whose span (row-major) holds the whole sequence dim of the input;
-        its size constant becomes 1/c (a merged dim such as (B, T, V) -> (B·T, V) holds the
-        rank's tokens, token-major, like the input)."""
-        x = n.args[0]
-        ins, outs, d = self.full[x], self.full[n], self.dim[x]
-        before = math.prod(ins[:d])
-        after = before * ins[d]
-        acc, j = 1, None
-        for k, size in enumerate(outs):
-            if acc <= before < acc * size:
-                j = k
-                break
-            acc *= size
-        if j is None or acc * outs[j] < after or before % acc or (acc * outs[j]) % after:
-            raise _refuse(n, f"a reshape {ins} -> {outs} that cuts the sequence")
-        if before // acc > 1 and acc * outs[j] // after > 1:
-            raise _refuse(n, f"a reshape {ins} -> {outs} that merges the sequence between "
-                             f"two other dims")
-        sizes = list(n.args[1])
-        if sizes[j] != -1:
-            sizes[j] = sizes[j] // self.c
-        n.args = (x, sizes) + tuple(n.args[2:])
-        self.mark(n, j)
-
-    def matmul(self, n: fx.Node) -> None:
-        a, b = n.args[0], n.args[1]
+    def matmul(self, n: fx.Node, at: int = 0) -> None:
+        """a @ b with a = args[at], b = args[at + 1]: queries (a) stay local, keys / values
+        (b, split) are gathered whole."""
+        a, b = n.args[at], n.args[at + 1]
         ra, rb = len(self.full[a]), len(self.full[b])
         da = self.dim.get(a)
         db = self.dim.get(b)
@@ -408,12 +331,26 @@ class _Propagation:
                 raise _refuse(n, "a product split along a batch dim of its right operand")
             # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
             g = self.gather(b, n)
-            n.replace_input_with(b, g)
+            n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]
         if da is None:
             raise _refuse(n, "a product whose queries are whole but keys split")
         if da == ra - 1:
             raise _refuse(n, "a product contracting the rank's tokens")
         self.mark(n, out - (ra - da))
+
+    def baddbmm(self, n: fx.Node) -> None:
+        """bias + a @ b (BLOOM's ALiBi scores): the product as `matmul`; a whole bias that
+        reaches the queries' dim with length T is cut at the rank's positions."""
+        bias = n.args[0]
+        self.matmul(n, at=1)
+        od, out = self.dim[n], self.full[n]
+        if bias in self.dim:
+            if len(out) - len(self.full[bias]) + self.dim[bias] != od:
+                raise _refuse(n, "a bias split along another dim than the product")
+            return
+        k = od - (len(out) - len(self.full[bias]))
+        if k >= 0 and self.full[bias][k] != 1:
+            n.replace_input_with(bias, self.select(bias, k, n))
 
     def attention(self, n: fx.Node) -> None:
         """Keys and values gathered, the mask's query rows selected, is_causal run chunk by
@@ -565,13 +502,38 @@ class _Propagation:
             u.replace_input_with(n, mean)
 
 
-def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
-                           attention: str = "all-gather") -> fx.GraphModule:
-    """Rewrite `gm` (in place) for one of c context ranks; see the module docstring.
-    attention: "all-gather" (K/V gathered before attention) or "ring" (autopar.plan
-    CP_ATTENTION: every attention a `context_ring_attention`)."""
+def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
+    """The engine's sequence split of the captured graph (passes/sharding.py
+    `context_layouts`) written into node meta, before the tensor-parallel pass: CP_SEQ_DIM on
+    every value that holds the rank's tokens, CP_SELECT on every op that reads a whole
+    operand along them. Raises the one-line refusal where the split cannot run."""
     if c == 1:
         return gm
+    engine = context_layouts(gm, c, seq_len)
+    for n in gm.graph.nodes:
+        n.meta.pop(K.CP_SEQ_DIM, None)
+        n.meta.pop(K.CP_SELECT, None)
+        lay = engine.layout.get(n)
+        if isinstance(lay, Shard):
+            n.meta[K.CP_SEQ_DIM] = lay.dim
+        edges = {a.name: want.dim for a, want in engine.convert.get(n, {}).items()
+                 if isinstance(want, Shard)}
+        if edges:
+            n.meta[K.CP_SELECT] = edges
+    return gm
+
+
+def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
+                           attention: str = "all-gather") -> fx.GraphModule:
+    """Rewrite `gm` (in place) for one of c context ranks; see the module docstring. The
+    layouts are read from meta (record_context_layouts, run before the tensor-parallel pass);
+    on a graph without them (the captured one) they are recorded first. attention:
+    "all-gather" (K/V gathered before attention) or "ring" (autopar.plan CP_ATTENTION: every
+    scaled-dot-product attention a `context_ring_attention`)."""
+    if c == 1:
+        return gm
+    if not any(K.CP_SEQ_DIM in n.meta for n in gm.graph.nodes if n.op == "placeholder"):
+        record_context_layouts(gm, c, seq_len)
     if not hasattr(gm, CP_ATTR):
         # bound by the runtime (compile.py) to this rank's ContextShard; this one, on rank 0
         # with no group, stands in for inspection and code generation (set before the rewrite
@@ -582,9 +544,18 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
     return gm
 
 
+def context_layout_pass(plan: Any) -> Pass:
+    """The engine's sequence layouts of `plan` (c, seq_len), recorded before the tensor
+    split (autopar/build.py)."""
+    return Pass(name="context_layout",
+                run=lambda gm: record_context_layouts(gm, plan.c, plan.seq_len),
+                reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.CP_SELECT))
+
+
 def context_parallel_pass(plan: Any) -> Pass:
     """The pass of `plan` (c, seq_len) for the pass pipeline (autopar/build.py)."""
     return Pass(name="context_parallel",
                 run=lambda gm: apply_context_parallel(gm, plan.c, plan.seq_len,
                                                       plan.cp_attention),
-                reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.VAL))
+                reads=(K.VAL, K.STACK_TRACE, K.CP_SEQ_DIM, K.CP_SELECT),
+                writes=(K.CP_SEQ_DIM, K.VAL))

@@ -55,6 +55,7 @@ EP_PARAM = "autopar_ep_param"
 
 # ----- context parallelism ---------------------------------------------------------------------
 CP_SEQ_DIM = "autopar_cp_seq_dim"
+CP_SELECT = "autopar_cp_select"
 
 # ----- overlap, pipeline cut, recompute --------------------------------------------------------
 OVERLAP = "autopar_overlap"
@@ -108,7 +109,14 @@ KEYS: tuple[MetaKey, ...] = (
             writer="passes.profile", readers=("passes.tp_cost",)),
     MetaKey(name=CP_SEQ_DIM, scope="node", type="int",
             meaning="the dim of the node's value that holds this context rank's tokens (absent: "
-                    "the value is whole on every context rank)",
+                    "the value is whole on every context rank); recorded by the engine before "
+                    "the tensor split, copied by it onto the nodes it makes from their input",
+            writer="passes.context_parallel",
+            readers=("passes.context_parallel", "passes.tensor_parallel")),
+    MetaKey(name=CP_SELECT, scope="node", type="dict[str, int]",
+            meaning="operands (by name) this node reads whole along a dim that meets the "
+                    "rank's tokens: selected at the rank's positions (context_select) on "
+                    "that dim",
             writer="passes.context_parallel", readers=("passes.context_parallel",)),
     MetaKey(name=TP_LAYOUT, scope="node",
             type="Replicate | Shard | Partial | Whole | tuple of them",

@@ -290,9 +290,10 @@ def tensor_parallel_pass(plan_or_t: Any, tp_rank: int, group: Any,
       local shape (never initialised, never copied). view/reshape/expand/split constants are
       local; collectives are call_function nodes taking the get_attr node `tp_group`
       (gm.tp_group = group).
-    Reads (keys of passes/meta.py): TP_INFO, TP_LAYOUT, TP_CONVERT, TP_ROLE, TP_PARAM, VAL.
-      Writes: those (propagate_sharding), VAL made local with the global value kept in
-      TP_GLOBAL_VAL.
+    Reads (keys of passes/meta.py): TP_INFO, TP_LAYOUT, TP_CONVERT, TP_ROLE, TP_PARAM, VAL,
+      CP_SEQ_DIM. Writes: those (propagate_sharding), VAL made local with the global value
+      kept in TP_GLOBAL_VAL; a node it makes from an input with CP_SEQ_DIM (the context
+      split's layout, recorded before this pass) gets that input's.
     """
     t = getattr(plan_or_t, "t", plan_or_t)
     if sequence_parallel is None:
@@ -307,9 +308,10 @@ def tensor_parallel_pass(plan_or_t: Any, tp_rank: int, group: Any,
                       sequence_parallel=sequence_parallel, seed=seed, model=model, init=init,
                       prefix=prefix, vocab_multiple=vocab_multiple, materialize=materialize)
     return Pass(f"tensor_parallel[t={t}, rank={tp_rank}]", rewrite,
-                reads=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM),
+                reads=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM,
+                       K.CP_SEQ_DIM),
                 writes=(K.VAL, K.TP_INFO, K.TP_LAYOUT, K.TP_CONVERT, K.TP_ROLE, K.TP_PARAM,
-                        K.TP_GLOBAL_VAL))
+                        K.TP_GLOBAL_VAL, K.CP_SEQ_DIM))
 
 
 def _rewrite_rank(gm: fx.GraphModule, *, t: int, tp_rank: int, group: Any,
@@ -485,6 +487,8 @@ class _Rewriter:
         node.meta[K.VAL] = val_like.meta.get(K.VAL)
         node.meta[K.STACK_TRACE] = val_like.meta.get(K.STACK_TRACE)
         node.meta[K.NN_MODULE_STACK] = val_like.meta.get(K.NN_MODULE_STACK, {})
+        if K.CP_SEQ_DIM in val_like.meta:   # the context split's layout: its input's tokens
+            node.meta[K.CP_SEQ_DIM] = val_like.meta[K.CP_SEQ_DIM]
         self.made.add(node)
         if grad:
             self.grad.add(node)

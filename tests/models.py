@@ -454,11 +454,15 @@ RUNTIME_VOCAB = 64
 RUNTIME_MODELS = ("gpt", "gpt_untied", "llama_style", "hf_gpt2", "hf_llama", "hf_falcon",
                   "hf_bloom", "hf_mistral", "hf_neox", "hf_mixtral", "hf_qwen3",
                   "hf_gemma", "hf_olmo2")
+# the other decoder architectures at their builders' default sizes (hidden 32, 4 heads)
+DECODERS = ("hf_falcon_mq", "hf_gptj", "hf_phi3", "hf_phi", "hf_opt", "hf_bigcode",
+            "torch_encoder")
 
 
 def runtime_model(name: str, layers: int) -> Model:
-    """One of RUNTIME_MODELS at vocab 64, hidden 32, 16 positions, seed 0: the same model in
-    every process (GPT: 2 heads; the transformers ones keep their default KV cache setting)."""
+    """One of RUNTIME_MODELS or DECODERS at vocab 64, hidden 32, 16 positions, seed 0: the same
+    model in every process (GPT: 2 heads; the transformers ones keep their default KV cache
+    setting)."""
     torch.manual_seed(0)
     if name in ("gpt", "gpt_untied"):
         return gpt(layers=layers, heads=2, tie_embeddings=name == "gpt")
@@ -484,4 +488,7 @@ def runtime_model(name: str, layers: int) -> Model:
         return hf_gemma(layers=layers, ffn=48)
     if name == "hf_olmo2":     # RMSNorm of q and k over all heads (the split dim), upcast
         return hf_olmo2(layers=layers, ffn=48)
-    raise ValueError(f"runtime_model: unknown model {name!r}; known: {RUNTIME_MODELS}")
+    if name in DECODERS:
+        return BUILDERS[name](layers=layers)
+    raise ValueError(f"runtime_model: unknown model {name!r}; known: "
+                     f"{RUNTIME_MODELS + DECODERS}")

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from autopar.plan import Plan
-from programs import (MAX_NORM, SEQ, adamw, check_against_reference, check_training, make_plan,
-                      train_single_device)
+from autopar.testing import spawn
+from models import runtime_model
+from programs import (MAX_NORM, SEQ, adamw, check_against_reference, check_trained,
+                      check_training, make_plan, train_rank, train_single_device)
 
 
 def with_c(plan: Plan, c: int, **over) -> Plan:
@@ -51,6 +53,41 @@ def test_c2_unmodified_transformers_models_equal_one_device(name):
     Mistral (a causal sliding-window mask of 4 over 8 tokens, built by transformers from
     arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP)."""
     check_against_reference(name, with_c(make_plan(), 2))
+
+
+ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2",
+                 "hf_qwen3", "hf_phi3", "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode",
+                 "torch_encoder")
+
+
+@pytest.mark.parametrize("name, t, sp", [(name, 1, False) for name in ARCHITECTURES] + [
+    ("hf_falcon_mq", 2, False), ("hf_phi3", 2, False), ("hf_bigcode", 2, False),
+    ("hf_bloom", 2, False), ("hf_gpt2", 2, True)])
+def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
+    """Every decoder we build, each writing attention and positions its own way, found
+    through propagation: Conv1D's addmm on merged (B·T, C) tokens (GPT-2), k / v heads indexed
+    out of a fused projection and broadcast (Falcon, multi-query Falcon-7B), interleaved rotary
+    through stack + flatten (GPT-J), ALiBi from the mask's cumsum added by baddbmm (BLOOM), q / k
+    norms over all heads (OLMo-2, Qwen3), fused qkv (Phi-3), partial rotary with parallel
+    blocks (Phi), learned positions at an offset and (B·T, C) hidden states (OPT), multi-query
+    inside a fused c_attn (GPT-BigCode), and nn.MultiheadAttention's (T·B, E) with a float
+    causal mask (PyTorch's encoder); t = 2 on fused and multi-query layouts, and GPT-2 with
+    sequence parallelism on its (B·T, C) rows (the tensor-parallel cut per row of T tokens
+    becomes a cut per row of the rank's T/c)."""
+    plan = with_c(make_plan(t=t), 2, sequence_parallel=sp)
+    if name != "torch_encoder":
+        return check_against_reference(name, plan)
+    # MultiheadAttention's key bias shifts every score of a query alike, which softmax ignores:
+    # its gradient is 0 up to rounding (~1e-9), and AdamW's normalisation turns that noise
+    # into lr-sized steps of arbitrary sign on any run that sums in another order; plain SGD
+    # (lr 0.1) keeps it at rest and still moves every other weight by ~1e-3
+    results = spawn(train_rank, plan.gpus, name, plan, sgd, timeout_s=240)
+    ref = train_single_device(name, plan, sgd, max_grad_norm=MAX_NORM)
+    check_trained(results, ref, runtime_model(name, plan.num_layers).state_dict())
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
 
 
 def test_mistral_window_is_shorter_than_the_sequence():

@@ -113,6 +113,22 @@ def test_parallelize_pinned_c_refuses_and_free_c_falls_back():
     assert any("context parallelism not offered" in n for n in plan.notes)
 
 
+def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
+    """Mixtral's router picks experts per token (top-k over the expert dim keeps the split),
+    then its experts sort every token of the batch by expert: token mixing the sequence split
+    cannot run locally, refused in one line naming the node and its source line."""
+    from models import hf_mixtral
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"parallelize: c=2: context parallelism: node sort "
+                                         r"\(aten.sort\) at File .*moe.py.*a sort along the "
+                                         r"sequence") as err:
+        autopar.parallelize(hf_mixtral(seq=SEQ), c=2, gpus=2, example_inputs=(ids,),
+                            loss_fn=autopar.cross_entropy, global_batch_size=2,
+                            cluster="local-cpu")
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(c=3), r"c=3 with sequence length 16: .*2c = 6"),
     (dict(c=2, t=1, p=1, d=2), r"t·c·p·d = 1·2·1·2 = 4 != gpus=2"),
@@ -201,3 +217,86 @@ def test_masked_attention_dropout_draws_from_the_context_rank_stream():
     (n,) = [n for n in gm.graph.nodes if n.target is tp_sdpa]
     assert n.args[3].op == "get_attr" and n.args[6] == 0.1
     assert n.args[5].target is context_select and n.kwargs["per_tensor_rank"] is False
+
+
+ENGINE_MODELS = ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox", "hf_gpt2",
+                 "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2", "hf_qwen3",
+                 "hf_phi3", "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode", "torch_encoder")
+
+
+def _architecture(name):
+    from models import BUILDERS
+    torch.manual_seed(0)
+    sizes = dict(seq=SEQ) if name in ("gpt", "llama_style") else {}
+    return _captured(BUILDERS[name](layers=2, **sizes))
+
+
+@pytest.mark.parametrize("name", ENGINE_MODELS)
+def test_rewrite_applies_the_engine_layouts(name):
+    """The sharding engine in its context mode (passes/sharding.py `context_layouts`: the
+    inputs' tokens seeded as a sequence Shard over t := c, no column candidates) decides; the
+    pass rewrites exactly that: every value's sequence dim, a selection at the rank's
+    positions on each edge the engine marked, a gather for each key / value attention reads."""
+    from autopar.passes.sharding import Shard, context_layouts
+    gm = _architecture(name)
+    engine = context_layouts(gm, 2, SEQ)
+    rewritten = apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
+    seq_dim = {n.name: n.meta.get(K.CP_SEQ_DIM) for n in rewritten.graph.nodes}
+    for n in gm.graph.nodes:
+        lay = engine.layout.get(n)
+        if n.op == "call_function" and n.name in seq_dim and not isinstance(lay, tuple):
+            assert (lay.dim if isinstance(lay, Shard) else None) == seq_dim[n.name], n.name
+    selected = {u.name for s in rewritten.graph.nodes if s.target is context_select
+                for u in s.users}
+    assert selected == {c.name for c, edges in engine.convert.items()
+                        for lay in edges.values() if isinstance(lay, Shard)}
+    gathers = [n for n in rewritten.graph.nodes if n.target is context_gather]
+    assert len(gathers) == sum(len(v) for v in engine.gathered.values()) > 0
+
+
+@pytest.mark.parametrize("model", [RunningSum, "hf_mixtral"])
+def test_refused_by_the_engine_before_the_graph_changes(model):
+    """A cumulative op along the tokens, a mixture of experts' token sort: the engine refuses
+    (one line, the node and its source line) while recording, before the tensor split, and
+    the graph is left as it was (no gather, no fallback)."""
+    from autopar.passes.context_parallel import record_context_layouts
+    if model == "hf_mixtral":
+        from models import hf_mixtral
+        torch.manual_seed(0)
+        gm = _captured(hf_mixtral(seq=SEQ))
+    else:
+        gm = _captured(model())
+    before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
+    with pytest.raises(ValueError, match=r"^context parallelism: node (cumsum|sort) .* at File "
+                                         r".*(test_context_pass|moe)\.py") as err:
+        record_context_layouts(gm, 2, SEQ)
+    assert "\n" not in str(err.value)
+    assert [(n.name, n.target, n.args) for n in gm.graph.nodes] == before
+
+
+@pytest.mark.parametrize("name", ["llama_style", "hf_gpt2"])
+def test_layouts_recorded_before_the_tensor_split_reach_its_new_nodes(name):
+    """c = 2 with t = 2 and sequence parallelism, as autopar/build.py orders it: the engine's
+    layouts recorded on the captured graph, the tensor-parallel pass copying them onto the
+    sequence-parallel scatters / gathers (and GPT-2's per-row blocks) it makes, the rewrite
+    reading them: every such node holds the rank's tokens with T/(c·t) or T/c of them, and the
+    per-row blocks name T/c."""
+    from autopar.passes.context_parallel import record_context_layouts
+    from autopar.passes.tensor_parallel import apply_tensor_parallel
+    from autopar.runtime import collectives as coll
+    from autopar.runtime import shard as shard_rt
+    gm = record_context_layouts(_architecture(name), 2, SEQ)
+    gm = apply_tensor_parallel(gm, 2, 0, None, sequence_parallel=True)
+    gm = apply_context_parallel(gm, 2, SEQ)
+    sp = {coll.scatter_to_sp, coll.gather_from_sp, coll.reduce_scatter_to_sp, coll.all_gather_sp}
+    made = [n for n in gm.graph.nodes if n.target in sp]
+    assert made
+    for n in made:
+        d = n.meta[K.CP_SEQ_DIM]
+        assert n.meta[K.VAL].shape[d] in (SEQ // 4, SEQ // 2) or (
+            n.meta[K.VAL].shape[d] % (SEQ // 2) == 0 and d == 0), n.name   # (B·T/c, C) rows
+    for n in gm.graph.nodes:
+        if n.target in (shard_rt.local_blocks, shard_rt.unshuffle_blocks) \
+                and K.CP_SEQ_DIM in n.args[0].meta \
+                and n.args[2] % n.args[0].meta[K.VAL].dim() == n.args[0].meta[K.CP_SEQ_DIM]:
+            assert set(n.args[3]) == {SEQ // 2}, n.name
