@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from programs import check_training, make_plan, make_program
+from programs import check_training, make_plan, make_program, with_zero
 
 pytestmark = pytest.mark.distributed
 
@@ -41,3 +41,28 @@ def test_saved_bf16_program_runs_from_its_files(tmp_path):
     assert "PRECISION = 'bf16'" in (tmp_path / "chunk_00.py").read_text()
     check_training("llama_style", plan, precision="bf16", max_norm=0.05,
                    program_dir=str(tmp_path))
+
+
+# ---- sharded weights (ZeRO-2/3) under bf16 ------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_zero3_d2_bf16_equals_one_device_bf16(name):
+    """ZeRO-3: each rank's shard is the fp32 master, gathered in bf16 before every compute and
+    released after it; each chunk's bf16 gradients folded into an fp32 accumulation and
+    reduce-scattered in fp32 into the fp32 shard gradient; clipping over the fp32 shards (and
+    GPT's tied embedding, kept replicated with its own fp32 master)."""
+    check_training(name, with_zero(make_plan(d=2), 3), precision="bf16", max_norm=0.05)
+
+
+def test_zero2_d2_bf16_equals_one_device_bf16():
+    """ZeRO-2: the same, each chunk gathered once and kept until its last backward, so its
+    two micro-batches' gradients add up in the fp32 accumulation before one reduce-scatter."""
+    check_training("llama_style", with_zero(make_plan(d=2, m=2), 2), precision="bf16",
+                   max_norm=0.05)
+
+
+def test_zero3_p2_d2_bf16_equals_one_device_bf16():
+    """ZeRO-3 under a pipeline of 2 (1F1B, 2 micro-batches): each stage's chunk gathered in
+    bf16 per its schedule, the hidden states crossing in bf16, the tied embedding's fp32
+    main_grad summed over the two stages."""
+    check_training("gpt", with_zero(make_plan(p=2, d=2, m=2), 3), precision="bf16",
+                   max_norm=0.05)
