@@ -66,3 +66,20 @@ def test_zero3_p2_d2_bf16_equals_one_device_bf16():
     main_grad summed over the two stages."""
     check_training("gpt", with_zero(make_plan(p=2, d=2, m=2), 3), precision="bf16",
                    max_norm=0.05)
+
+
+def test_zero3_t2_d2_bf16_equals_one_device_bf16():
+    """ZeRO-3 on tensor-parallel shards (t = 2, d = 2): each tensor rank's chunk shards
+    gathered in bf16 over its data group; the norms' fp32 statistics and the
+    vocabulary-parallel loss on fp32 logits as at zero = 0."""
+    check_training("llama_style", with_zero(make_plan(t=2, d=2), 3), precision="bf16",
+                   max_norm=0.05)
+
+
+def test_zero3_interleaved_revisits_bf16_equals_one_device_bf16():
+    """ZeRO-3 under interleaved 1F1B with v = 4 chunks on a rank (d = 2, m = 3): at most two
+    chunks gathered, so a chunk is gathered and reduce-scattered once per visit (12
+    reduce-scatters for 4 chunks), its visits' fp32 reduce-scatters adding up in the fp32
+    shard gradient."""
+    plan = with_zero(make_plan(d=2, v=4, m=3, schedule="interleaved-1f1b", layers=4), 3)
+    check_training("gpt", plan, precision="bf16", max_norm=0.05)
