@@ -198,7 +198,8 @@ class Zero3Chunks:
         if accumulates:
             for p in params:
                 p.main_grad = None
-                p.register_post_accumulate_grad_hook(_accumulate_in(self.reduce_dtype))
+                if p.requires_grad:                        # a frozen weight gets no gradient
+                    p.register_post_accumulate_grad_hook(_accumulate_in(self.reduce_dtype))
         names = names if len(names) == len(params) else [f"chunk{c}.param{i}"
                                                          for i in range(len(params))]
         ch = _Chunk(params, names, layout, flat, master, accumulates=accumulates)

@@ -279,3 +279,23 @@ def test_bf16_gathers_bf16_and_reduces_fp32():
         for p, name in zip(gathered, names):
             assert full[name].dtype == torch.float32
             assert torch.equal(p, full[name].to(torch.bfloat16))
+
+
+def test_bf16_single_rank_frozen_weight_and_bad_dtype():
+    """d=1 under bf16: a frozen weight shares the chunk's bf16 buffer and gets no gradient
+    (the trainable one's is folded into fp32 and reaches its fp32 master); param_dtype must be
+    floating."""
+    lin = torch.nn.Linear(3, 2)
+    lin.bias.requires_grad_(False)
+    z = Zero3Chunks([[lin.weight, lin.bias]], None, _adamw, param_dtype=torch.bfloat16)
+    z.gather(0)
+    z.wait(0)
+    lin(torch.ones(4, 3, dtype=torch.bfloat16)).sum().backward()
+    assert lin.weight.grad is None and lin.weight.main_grad.dtype == torch.float32
+    z.release(0)
+    z.finish_reduces()
+    weight, bias = z.chunks[0].master
+    assert weight.grad.dtype == torch.float32 and bias.grad is None
+    torch.testing.assert_close(weight.grad, torch.full((6,), 4.0))
+    with pytest.raises(ValueError, match="param_dtype=torch.int32: must be a floating"):
+        Zero3Chunks([[torch.nn.Parameter(torch.ones(2))]], None, _adamw, param_dtype=torch.int32)

@@ -130,10 +130,10 @@ class Zero3(Regime):
     def step(self) -> None:
         """Step the shards (new weights reach each chunk at its next gather)."""
         self.chunks.step()
+        self.chunks.zero_grad()
         if self.mp is not None:
             self.mp.to_compute()           # the replicated bf16 copies of the new masters
-            self.mp.zero_grad()
-        self.chunks.zero_grad()
+            self.mp.zero_grad()            # relinks the masters' .grad the optimizer unset
 
     def fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
         full = self.chunks.full_parameters()
