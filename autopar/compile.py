@@ -103,10 +103,6 @@ def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> N
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
                          f"(bf16 = bf16 compute with fp32 master weights)")
-    if plan.zero in (2, 3) and precision != "fp32":
-        raise ValueError(f"precision={precision!r} with zero={plan.zero}: the sharded-weight "
-                         f"runtime runs fp32 only for now; use precision='fp32', or zero=1 for "
-                         f"bf16")
 
 
 def compile_program(prog: Any, optimizer: Callable | None = None,

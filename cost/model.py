@@ -98,9 +98,10 @@ Mechanisms (one each, no per-configuration constants):
   breadth-first all m micro-batches of all v chunks, v·m; interleaved 2(p−r−1) + (v−1)·N + 1;
   interleaved-zb torch's ZeroBubble bound (v−1)·N + p, a micro-batch in flight until its W),
   embedding on the first and head (+ tied embedding copy) on the last rank, and the cluster's
-  reserve. Sharded weights add the plan's gathered working set: its most chunks gathered at once
+  reserve. Sharded weights keep no 16-bit weights at rest (the fp32 master shard is cast for
+  each gather) and add the plan's gathered working set: its most chunks gathered at once
   (16-bit) and the fp32 gradient accumulators of its most chunks with unreduced gradients plus
-  one 16-bit reduce-scatter buffer.
+  one fp32 reduce-scatter buffer.
 """
 from __future__ import annotations
 
@@ -339,13 +340,16 @@ class ZeroTraits:
 ZERO_TRAITS: dict[int, ZeroTraits] = {
     0: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0, sharded_optimizer=False),
     1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),
-    # ZeRO-2 in FSDP's terms (reshard_after_forward=False, torchtitan): 16-bit weights, fp32
-    # grads and optimizer states sharded at rest; each chunk gathered once per step and kept
-    # until its last backward. The gathered working set is added in _memory_coefficients.
-    2: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
+    # ZeRO-2 in FSDP's terms (reshard_after_forward=False, torchtitan): fp32 grads and
+    # optimizer states sharded at rest, and no 16-bit weights: the runtime
+    # (autopar/runtime/zero3.py) keeps only the fp32 master shard (4 of the optimizer's 12 B:
+    # master, m, v) and casts it to 16-bit for each all-gather, as FSDP2's
+    # MixedPrecisionPolicy(param_dtype=bf16); each chunk gathered once per step and kept until
+    # its last backward. The gathered working set is added in _memory_coefficients.
+    2: ZeroTraits(lambda d: 0.0, lambda d: 4.0 / d, lambda d: 12.0 / d,
                   sharded_optimizer=True, keep=lambda v: v),
     # ZeRO-3: the same shards, at most two chunks gathered at once (computing + prefetched)
-    3: ZeroTraits(lambda d: 2.0 / d, lambda d: 4.0 / d, lambda d: 12.0 / d,
+    3: ZeroTraits(lambda d: 0.0, lambda d: 4.0 / d, lambda d: 12.0 / d,
                   sharded_optimizer=True, keep=lambda v: min(2, v)),
 }
 assert set(SCHEDULE_TRAITS) <= set(SCHEDULES) and set(ZERO_TRAITS) <= set(ZERO_LEVELS)
@@ -1159,12 +1163,13 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo
     # Sharded weights (zero 2 / 3): the gathered working set of the weight-gather plan, per
     # layer of the rank: its most chunks gathered at once in 16-bit (2·gathered/v B per
     # parameter), and the fp32 gradient accumulators of the chunks holding unreduced gradients
-    # plus one 16-bit reduce-scatter buffer ((4·pending + 2)/v); the embedding / head are
-    # gathered whole (2 B weights + 4 B grads).
+    # plus one fp32 reduce-scatter buffer ((4·pending + 4)/v: the runtime reduces in fp32, as
+    # FSDP2's reduce_dtype=fp32); the embedding / head are gathered whole (2 B weights + 4 B
+    # grads). At d = 1 the runtime still gathers (copies) and releases each chunk.
     chunk_w = chunk_g = edge_w = edge_g = 0.0
-    if zt.sharded_weights and d > 1:
+    if zt.sharded_weights:
         st = weight_gather_stats(cfg, memo)
-        chunk_w, chunk_g = 2.0 * st.peak_gathered / v, (4.0 * st.peak_pending + 2.0) / v
+        chunk_w, chunk_g = 2.0 * st.peak_gathered / v, 4.0 * (st.peak_pending + 1) / v
         edge_w, edge_g = 2.0, 4.0
     efix, hfix = _fallback(profile, "embedding", t, sp), _fallback(profile, "head", t, sp)
     emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t

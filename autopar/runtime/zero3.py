@@ -25,6 +25,20 @@ Memory kept per rank: the fp32 shard of every chunk (4·N/d bytes + the optimize
 it), at most K gathered chunks at a time, the full gradients of the gathered chunks that ran
 backwards since their last reduce-scatter, and the send buffers of reduce-scatters in flight.
 
+Mixed precision (param_dtype=bf16, as FSDP2's MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)): the shard stays the fp32 master (what the optimizer steps, what
+full_parameters and checkpoints return); `gather` casts it to bf16 *before* the all-gather, so
+the collective moves 2 bytes per element into a bf16 flat buffer the parameters view. Autograd
+gives bf16 gradients; a post-accumulate-grad hook folds each backward's into an fp32
+`main_grad` allocated at the chunk's first backward of a visit (FSDP2 accumulates unsharded
+gradients in reduce_dtype the same way, _fsdp_param.py to_accumulated_grad_if_needed) and
+freed at its reduce-scatter, which sums those fp32 buffers over d in fp32. Why fp32 before the
+reduction, not after: the single-device bf16 reference (runtime/precision.py) folds every
+micro-batch's bf16 gradient into an fp32 main_grad, so summing micro-batches or replicas in
+bf16 would round where the reference does not; in fp32 the two differ only by the order of
+fp32 additions. Memory: the gathered chunk costs 2 bytes per element, its unreduced gradient
+4 (the fp32 accumulation) while it runs backwards.
+
 How a chunk's weights are freed without breaking autograd (FSDP's trick): at construction
 every parameter is re-pointed (`p.data = flat[off:off+n].view(shape)`) into its chunk's flat
 buffer; `release` resizes that buffer's storage to 0 bytes and `gather` resizes it back and
@@ -61,6 +75,7 @@ class _Chunk:
     layout: FlatLayout
     flat: torch.Tensor              # (d·S,) gathered weights; storage 0 bytes when released
     master: list[torch.nn.Parameter]  # fp32 pieces of my shard, one per segment
+    accumulates: bool = False       # params' main_grad is this object's fp32 accumulation
     gathered: bool = False
     pending: Any = None             # (work, send buffer) of an in-flight gather
     rs: Any = None                  # (wait, which parameters had gradients) of a reduce-scatter
@@ -82,6 +97,30 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
     return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
+def _free_grads(p: torch.Tensor, accumulates: bool) -> None:
+    """Forget p's full gradient: .grad, and its main_grad — freed when it is the chunk's own
+    accumulation (`accumulates`: reallocated at the next backward), zeroed when someone else
+    owns it (runtime/precision.py's)."""
+    if accumulates:
+        p.main_grad = None
+    elif hasattr(p, "main_grad"):
+        p.main_grad.zero_()
+    p.grad = None
+
+
+def _accumulate_in(dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
+    """Post-accumulate-grad hook: fold this backward's low-precision .grad into p.main_grad
+    in `dtype`, allocated at the first backward since the chunk's last reduce-scatter."""
+    def fold(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            if p.main_grad is None:
+                p.main_grad = p.grad.to(dtype, copy=True)
+            else:
+                p.main_grad.add_(p.grad)
+        p.grad = None
+    return fold
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -92,7 +131,9 @@ class Zero3Chunks:
     chunk_params: {chunk id: parameters} (or a list, chunk id = position) — this rank's chunks;
     a parameter may belong to one chunk only. names: same layout, the parameters' names (only
     for messages); optional. optimizer_factory(list of fp32 shard pieces) -> optimizer; it must
-    be elementwise (SGD, Adam, AdamW) for the unsharded numbers.
+    be elementwise (SGD, Adam, AdamW) for the unsharded numbers. param_dtype: the dtype the
+    parameters compute in and the all-gather moves (None: the parameters' own; bf16 for mixed
+    precision — module doc); the masters are master_dtype, the reductions reduce_dtype.
     """
 
     def __init__(self, chunk_params: Mapping[int, Sequence[torch.nn.Parameter]]
@@ -100,13 +141,19 @@ class Zero3Chunks:
                  optimizer_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *,
                  names: Mapping[int, Sequence[str]] | Sequence[Sequence[str]] | None = None,
                  master_dtype: torch.dtype = torch.float32,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32,
+                 param_dtype: torch.dtype | None = None):
         cp = dict(chunk_params) if isinstance(chunk_params, Mapping) else dict(
             enumerate(chunk_params))
         nm = (dict(names) if isinstance(names, Mapping) else dict(enumerate(names))
               ) if names is not None else {}
         self.group, self.d, self.rank = group, group_size(group), group_rank(group)
         self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
+        if param_dtype is not None and not param_dtype.is_floating_point:
+            raise ValueError(f"Zero3Chunks: param_dtype={param_dtype}: must be a floating "
+                             f"dtype (torch.bfloat16 for mixed precision), or None for the "
+                             f"parameters' own")
+        self.param_dtype = param_dtype
         seen: dict[int, int] = {}
         for c, params in cp.items():    # validate everything before re-pointing anything
             for p in params:
@@ -138,17 +185,24 @@ class Zero3Chunks:
                              f"devices {sorted(map(str, devices))}; one flat buffer needs one of "
                              f"each — cast / move the model first")
         layout = FlatLayout([p.numel() for p in params], self.d, self.rank)
-        flat = torch.zeros(layout.shard_numel * self.d, dtype=params[0].dtype,
+        # the masters from the given weights, before re-pointing casts them to param_dtype
+        master = [torch.nn.Parameter(piece.detach().to(self.master_dtype).clone())
+                  for piece in layout.pieces(params)]
+        flat = torch.zeros(layout.shard_numel * self.d, dtype=self.param_dtype or params[0].dtype,
                            device=params[0].device)                          # (d·S,)
         with torch.no_grad():
             for p, view in zip(params, layout.split(flat)):
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)                # re-point into the flat buffer
-        master = [torch.nn.Parameter(piece.to(self.master_dtype).clone())
-                  for piece in layout.pieces(params)]
+        accumulates = flat.dtype != self.reduce_dtype     # fp32 accumulation (module doc)
+        if accumulates:
+            for p in params:
+                p.main_grad = None
+                if p.requires_grad:                        # a frozen weight gets no gradient
+                    p.register_post_accumulate_grad_hook(_accumulate_in(self.reduce_dtype))
         names = names if len(names) == len(params) else [f"chunk{c}.param{i}"
                                                          for i in range(len(params))]
-        ch = _Chunk(params, names, layout, flat, master)
+        ch = _Chunk(params, names, layout, flat, master, accumulates=accumulates)
         self._free(ch)
         return ch
 
@@ -233,9 +287,7 @@ class Zero3Chunks:
         has = [g is not None for g in grads]
         flat = ch.layout.flatten(grads, self.reduce_dtype, ch.flat.device)          # (d·S,)
         for p in ch.params:
-            if hasattr(p, "main_grad"):
-                p.main_grad.zero_()
-            p.grad = None                                   # the full gradient is freed
+            _free_grads(p, ch.accumulates)                  # the full gradient is freed
         if self.d == 1:
             wait: Callable[[], torch.Tensor] = lambda: flat                      # noqa: E731
         else:
@@ -288,7 +340,7 @@ class Zero3Chunks:
         for ch in self.chunks.values():
             ch.reduced = False
             for p in ch.params:
-                p.grad = None
+                _free_grads(p, ch.accumulates)
 
     # ---- inspection ----------------------------------------------------------------------
     def shard_bytes(self) -> int:
@@ -324,8 +376,15 @@ class Zero3Chunks:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: full fp32 weight} of every chunk (gathers; collective; for checks and
-        checkpoints — every dp rank must call it)."""
+        checkpoints — every dp rank must call it). Under mixed precision the fp32 masters are
+        gathered (the bf16 buffer is their rounding)."""
         out = {}
+        if self.param_dtype not in (None, self.master_dtype):
+            for _, ch in sorted(self.chunks.items()):
+                full = ch.layout.gather(ch.master, self.group, self.master_dtype,
+                                        ch.flat.device, [p.shape for p in ch.params])
+                out.update(zip(ch.names, full))
+            return out
         for c, ch in sorted(self.chunks.items()):
             was = ch.gathered
             if was:

@@ -15,8 +15,8 @@ from autopar.plan import Plan
 from autopar.testing import spawn
 
 import models
-from programs import (loss_fn, make_data, make_plan, make_program, train_single_device,
-                      train_steps, with_zero)
+from programs import (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL, loss_fn, make_data, make_plan,
+                      make_program, train_single_device, train_steps, with_zero)
 
 pytestmark = pytest.mark.distributed
 
@@ -118,6 +118,48 @@ def test_sharded_weights_checkpoint_and_reshard_across_zero_levels(tmp_path):
                  with_zero(make_plan(p=2, d=2, v=2, b=1, m=2, schedule="breadth-first",
                                      layers=4), 2)):
         _resume_and_compare(plan, path, ref_losses, ref_states, f"zero={plan.zero}")
+
+
+def _bf16_rank(rank, world, plan, path, *, load, start, stop, save):
+    """run_rank under bf16: (loaded step, full_state_dict right after loading, losses, final
+    full_state_dict)."""
+    prog, vocab = make_program("gpt", plan)
+    runner = prog.compile(optimizer=_adamw, timeout_s=60, precision="bf16")
+    loaded = runner.load_checkpoint(path) if load else None
+    at_load = runner.full_state_dict()
+    losses = train_steps(runner, plan, make_data(plan, vocab)[start:stop])
+    if save:
+        runner.save_checkpoint(path)
+    return loaded, at_load, losses, runner.full_state_dict()
+
+
+def test_bf16_zero3_checkpoint_holds_the_fp32_masters(tmp_path):
+    """Saved under ZeRO-3 in bf16 (d = 2): the checkpoint holds the fp32 master shards, not
+    their bf16 rounding — loaded under ZeRO-3 and under ZeRO-0 (bf16), full_state_dict
+    returns them bit for bit — and training continues with the uninterrupted single-device
+    bf16 losses and weights (the bf16 tolerances of tests/programs.py)."""
+    path = str(tmp_path / "ckpt")
+    saver = with_zero(make_plan(d=2, b=1, m=2), 3)                  # global batch 4
+    ref = train_single_device("gpt", saver, _adamw, precision="bf16", keep_states=True)
+    res = spawn(_bf16_rank, 2, saver, path, load=False, start=0, stop=1, save=True,
+                timeout_s=300)
+    torch.testing.assert_close(res[0][2], ref.losses[:1], rtol=BF16_LOSS_RTOL, atol=0.0)
+    saved = res[0][3]
+    assert all(w.dtype == torch.float32 for w in saved.values())
+    assert any(not torch.equal(w, w.to(torch.bfloat16).float()) for w in saved.values())
+    for plan in (saver, make_plan(d=2, b=1, m=2)):
+        out = spawn(_bf16_rank, 2, plan, path, load=True, start=1, stop=STEPS, save=False,
+                    timeout_s=300)
+        loaded, at_load, losses, final = out[0]
+        assert loaded == 1
+        assert list(at_load) == list(saved)
+        assert all(torch.equal(at_load[k], saved[k]) for k in saved), f"zero={plan.zero}"
+        for r, res_r in enumerate(out):
+            torch.testing.assert_close(res_r[2], ref.losses[1:], rtol=BF16_LOSS_RTOL,
+                                       atol=0.0, msg=lambda m: f"zero={plan.zero} rank {r}: {m}")
+        for key, want in ref.states[-1].items():
+            torch.testing.assert_close(final[key].float(), want.float(), rtol=0,
+                                       atol=BF16_WEIGHT_ATOL)
 
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tmp_path):

@@ -158,6 +158,13 @@ def test_c2_bf16_equals_one_device_bf16(name):
     check_training(name, with_c(make_plan(), 2), precision="bf16", max_norm=0.05)
 
 
+def test_c2_zero3_bf16_equals_one_device_bf16():
+    """ZeRO-3 under bf16 over the c = 2 context ranks holding the same weights: the fp32
+    master shards gathered in bf16, the gradients reduce-scattered in fp32 over c."""
+    check_training("llama_style", with_c(make_plan(), 2, zero=3), precision="bf16",
+                   max_norm=0.05)
+
+
 def _ignored_unevenly(plan: Plan) -> list:
     """make_data's batches with targets -100 (ignored, as transformers' labels) at positions
     2, 3, 4 of every sequence and 6 of the odd ones: under c = 2 rank 0 (positions 0, 1, 6, 7)

@@ -132,6 +132,27 @@ def test_memory_per_zero_level_and_inflight():
     assert il.mem_parts[0][3] == pytest.approx(acts[3] * (1 + 3 / (4 * 2)) * 4 / 1, rel=0.2)
 
 
+def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
+    """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3.py): at rest only the fp32 master
+    shard, its fp32 gradient and Adam's m, v (16/d B per parameter, no 16-bit weight copy);
+    while running, the plan's gathered chunks in bf16 (2 B) and the fp32 gradient accumulators
+    of its chunks with unreduced gradients plus one fp32 reduce-scatter buffer (4 B each)."""
+    prof = _gpt()
+    d, v = 4, 4
+    kw = dict(t=1, p=1, d=d, v=v, micro_batch_size=1, num_microbatches=8,
+              schedule="breadth-first")
+    block = M.shard_params_elems(prof, 1)[0]
+    for zero in (2, 3):
+        cfg = M.Config(zero=zero, **kw)
+        st = M.weight_gather_stats(cfg, {})
+        w, g, o, _ = M.config_costs(prof, A100, cfg).mem_parts[0]
+        assert w / block == pytest.approx(2 * st.peak_gathered / v)       # gathered bf16 only
+        assert g / block == pytest.approx(4 / d + 4 * (st.peak_pending + 1) / v)
+        assert o / block == pytest.approx(12 / d)                         # master, m, v
+    assert (M.weight_gather_stats(M.Config(zero=3, **kw), {}).peak_gathered
+            < M.weight_gather_stats(M.Config(zero=2, **kw), {}).peak_gathered == v)
+
+
 def test_prediction_terms_add_up_and_flops_definitions():
     prof = _gpt(num_layers=12)
     cfg = M.Config(t=2, p=2, d=2, v=2, micro_batch_size=2, num_microbatches=8,

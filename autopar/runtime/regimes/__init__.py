@@ -33,9 +33,10 @@ def make_regime(plan: Any, params: LocalParams, groups: Any, actions: Sequence[A
     make = optimizer or default_optimizer
     low = compute_dtype if compute_dtype != torch.float32 else None
     if plan.zero == 3:
-        return Zero3(params, groups, make, actions, keep=2)
+        return Zero3(params, groups, make, actions, keep=2, precision_dtype=low)
     if plan.zero == 2:
-        return Zero3(params, groups, make, actions, keep=max(1, len(params.first_chunk)))
+        return Zero3(params, groups, make, actions, keep=max(1, len(params.first_chunk)),
+                     precision_dtype=low)
     if plan.zero == 1:
         return Zero1(params, groups, make, actions,
                      breadth_first=plan.schedule == "breadth-first", precision_dtype=low)

@@ -91,28 +91,29 @@ def sum_tied_grads(params: Sequence[torch.Tensor], group: Any) -> None:
     stages issue the same collective."""
     if not params:
         return
-    grads = []
-    for p in params:
-        if hasattr(p, "main_grad"):
-            grads.append(p.main_grad)
-        else:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+    grads = [_grad_buffer(p) for p in params]
     flat = all_reduce_(_flatten_dense_tensors(grads), group)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 
 
+def _grad_buffer(p: torch.Tensor) -> torch.Tensor:
+    """The tensor p's gradient accumulates in: the fp32 `main_grad` where precision keeps
+    one, else .grad (zeros when no micro-batch reached p, so every rank reduces as much)."""
+    if hasattr(p, "main_grad"):
+        return p.main_grad
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 def average_grads(params: Sequence[torch.Tensor], group: Any, size: int) -> None:
-    """Average the .grad of `params` over `group` (size ranks) with one flat all-reduce; a
-    parameter without a gradient contributes zeros (every rank issues the same collective)."""
+    """Average the gradients of `params` over `group` (size ranks) with one flat all-reduce
+    (fp32 `main_grad` where precision keeps one, else .grad); a parameter without a gradient
+    contributes zeros (every rank issues the same collective)."""
     if not params or size <= 1:
         return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
+    grads = [_grad_buffer(p) for p in params]
     flat = all_reduce_(_flatten_dense_tensors(grads), group).div_(size)
     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)

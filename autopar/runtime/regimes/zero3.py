@@ -15,7 +15,12 @@ chunk shards: Zero3Chunks needs each parameter in one flat buffer, and a tied we
 whole on both stages for its gradient sum (Megatron's embedding all-reduce). They are kept
 replicated: their gradients are averaged over d with one all-reduce after the schedule,
 summed over the embedding group, and the same optimizer steps them (full copies, not shards:
-vocab × hidden per stage, like ZeRO-1's weights). fp32 only for now. Checkpoints store the
+vocab × hidden per stage, like ZeRO-1's weights).
+
+bf16 (precision_dtype): the chunks' shards are the fp32 masters, gathered in bf16 and reduced
+in fp32 (runtime/zero3.py's mixed precision); the replicated parameters compute in bf16 with
+fp32 masters and main_grad (runtime/precision.py MixedPrecision, as under zero=0), which the
+optimizer steps and clipping reads. Checkpoints store the
 gathered weights and the unsharded optimizer state, as every other regime does, so they load
 under any other plan.
 """
@@ -31,6 +36,7 @@ from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_
 from autopar.runtime.clip import local_sq_sum
 from autopar.runtime.collectives import all_reduce_
 from autopar.runtime.params import LocalParams
+from autopar.runtime.precision import MixedPrecision
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime, average_grads,
                                           sum_tied_grads)
 from autopar.runtime.zero3 import Zero3Chunks
@@ -42,7 +48,8 @@ class Zero3(Regime):
     """zero=3 (keep=2) or zero=2 (keep = the rank's chunk count) on this rank (module doc)."""
 
     def __init__(self, params: LocalParams, groups: Any, make: OptimizerFactory,
-                 actions: Sequence[Action], *, keep: int = 2):
+                 actions: Sequence[Action], *, keep: int = 2,
+                 precision_dtype: torch.dtype | None = None):
         self.params, self.groups = params, groups
         shared = set(params.shared)
         self.replicated = [q for q in params.tensors
@@ -51,9 +58,15 @@ class Zero3(Regime):
                  for c, qs in params.first_chunk.items()}
         names = {c: qs for c, qs in names.items() if qs}
         replicated = [params.tensors[q] for q in self.replicated]
+        self.mp = (MixedPrecision(replicated, compute_dtype=precision_dtype)
+                   if precision_dtype is not None and replicated else None)
+        # the replicated tensors the optimizer steps, by graph name (fp32 masters under bf16)
+        self.stepped = OrderedDict(zip(self.replicated, self.mp.master_params)
+                                   if self.mp is not None else zip(self.replicated, replicated))
         self.chunks = Zero3Chunks(
             {c: [params.tensors[q] for q in qs] for c, qs in names.items()}, groups.data,
-            lambda masters: make(list(masters) + replicated), names=names)
+            lambda masters: make(list(masters) + list(self.stepped.values())), names=names,
+            param_dtype=precision_dtype)
         self.optimizer = self.chunks.optimizer
         # (master piece, ParamInfo of the parameter it is cut from, its flat span), for clipping
         self.pieces = [(m, params.infos[names[c][s.param]], (s.lo, s.hi))
@@ -80,6 +93,8 @@ class Zero3(Regime):
 
     def zero_grad(self) -> None:
         self.chunks.zero_grad()
+        if self.mp is not None:
+            self.mp.zero_grad()
         for q in self.replicated:
             self.params.tensors[q].grad = None
 
@@ -98,7 +113,7 @@ class Zero3(Regime):
         masters = [m for m, _, _ in self.pieces]
         total = local_sq_sum([m.grad for m in masters], [i for _, i, _ in self.pieces],
                              self.groups, real_parts=False, spans=[s for _, _, s in self.pieces])
-        reps = [self.params.tensors[q] for q in self.replicated]
+        reps = list(self.stepped.values())   # their .grad: the fp32 main_grad under bf16
         if self.groups.dp_rank == 0 and reps:
             total = total + local_sq_sum([p.grad for p in reps],
                                          [self.params.infos[q] for q in self.replicated],
@@ -116,11 +131,14 @@ class Zero3(Regime):
         """Step the shards (new weights reach each chunk at its next gather)."""
         self.chunks.step()
         self.chunks.zero_grad()
+        if self.mp is not None:
+            self.mp.to_compute()           # the replicated bf16 copies of the new masters
+            self.mp.zero_grad()            # relinks the masters' .grad the optimizer unset
 
     def fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
         full = self.chunks.full_parameters()
-        return OrderedDict((q, full[q] if q in full else p.detach())
-                           for q, p in self.params.tensors.items())
+        return OrderedDict((q, full[q] if q in full else self.stepped[q].detach())
+                           for q in self.params.tensors)
 
     def optimizer_state(self) -> OptimState:
         """The unsharded state by user key: the chunks' gathered over dp (collective), the
@@ -136,7 +154,9 @@ class Zero3(Regime):
         infos, reps = self.params.infos, set(self.replicated)
         with torch.no_grad():
             for q in self.replicated:
-                self.params.tensors[q].copy_(weights[q])
+                self.stepped[q].copy_(weights[q])
+            if self.mp is not None:
+                self.mp.to_compute()
         by_name = ({q: optimizer_state[infos[q].key] for q in self.params.tensors
                     if q not in reps and infos[q].key in optimizer_state}
                    if optimizer_state else {})
@@ -144,4 +164,4 @@ class Zero3(Regime):
         load_optimizer_state(self.optimizer, self._replicated_by_key(), optimizer_state)
 
     def _replicated_by_key(self) -> dict[str, torch.Tensor]:
-        return {self.params.infos[q].key: self.params.tensors[q] for q in self.replicated}
+        return {self.params.infos[q].key: t for q, t in self.stepped.items()}
