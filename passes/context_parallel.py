@@ -96,7 +96,8 @@ _MOVES = _RESIZES | {aten.repeat_interleave, aten.unsqueeze, aten.transpose, ate
 # vocab-parallel cross-entropy (logits, target, group, vocab_size, ignore_index, reduction)
 _LOSS_KW = {False: {2: "weight", 3: "reduction", 4: "ignore_index"},
             True: {4: "ignore_index", 5: "reduction"}}
-_BLOCKS = {shard_rt.local_blocks, shard_rt.unshuffle_blocks}   # (x, group, dim, blocks, ...)
+_BLOCKS = {shard_rt.local_blocks, shard_rt.shuffle_blocks,   # (x, group, dim, blocks, ...)
+           shard_rt.unshuffle_blocks}
 # ops whose arguments name sizes: (x, sizes) or unflatten's (x, dim, sizes)
 _SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to,
           aten.unflatten}

@@ -16,7 +16,7 @@ Two passes over the captured ATen graph:
 
         Replicate ─f─▶ split region     copy_to_tp     (fwd identity, bwd all-reduce)
         Partial  ─g─▶ Replicate         reduce_from_tp (fwd all-reduce, bwd identity)
-        Partial  ───▶ Shard(seq)        reduce_scatter_to_sp            (sequence parallel)
+        Partial  ───▶ Shard(seq)        reduce_scatter_to_sp (per-row blocks: shuffle_blocks first)
         Shard(seq) ─▶ Replicate         all_gather_sp (bwd reduce-scatter) or gather_from_sp
         Replicate ──▶ Shard             scatter_to_sp (local slice, bwd all-gather)
         Whole ─────▶ Shard              local_blocks (a slice; its gradient stays a summand)
@@ -577,7 +577,15 @@ class _Rewriter:
             return self.cache[key]
         g = self.group
         if seq:
-            x = self._call(C.reduce_scatter_to_sp, (arg, g, want.dim), want, before, grad, arg)
+            x = arg
+            if len(want.blocks) > 1 or want.padded:
+                # per-row blocks ((T,) · B on a (B·T, C) dim): the reduce-scatter hands rank r
+                # the r-th contiguous 1/t, so the rows go rank-major first (a (B·T, C) residual
+                # under SP, OPT's, holds each row's T/t tokens, not whole rows of the batch)
+                x = self._call(shard_rt.shuffle_blocks,
+                               (arg, g, want.dim, list(want.blocks), want.padded),
+                               Partial(), before, grad, arg)   # the summands, reordered
+            x = self._call(C.reduce_scatter_to_sp, (x, g, want.dim), want, before, grad, arg)
         else:
             x = self._call(C.reduce_from_tp, (arg, g), Replicate(), before, grad, arg)
         for name in have.biases:
@@ -591,9 +599,8 @@ class _Rewriter:
             bias = self.by_name[name]
             masked = self._call(aten.mul.Tensor, (bias, self.noise[drop]), Replicate(), before,
                                 grad or bias in self.grad, arg)
-            if seq:
-                masked = self._call(C.scatter_to_sp, (masked, g, want.dim), want, before,
-                                    masked in self.grad, arg)
+            if seq:   # this rank's rows of it, per-row blocks included
+                masked = self._slice(masked, want, before, masked in self.grad)
             x = self._call(aten.add.Tensor, (x, masked), x.meta[K.TP_LAYOUT], before, grad, arg)
         self.cache[key] = x
         return x

@@ -195,12 +195,13 @@ def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
 
 
 def hf_opt(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
-           hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+           hidden: int = 32, ffn: int = 64, dropout: float = 0.0, **config: Any) -> Model:
+    """OPT; dropout is the residual one (after out_proj, and after fc2 on the (B·T, C) rows)."""
     from transformers import OPTConfig, OPTForCausalLM
     return OPTForCausalLM(OPTConfig(
         num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_dim=ffn,
         vocab_size=vocab, max_position_embeddings=seq, word_embed_proj_dim=hidden,
-        dropout=0.0, attention_dropout=0.0, **_no_cache(config)))
+        dropout=dropout, attention_dropout=0.0, **_no_cache(config)))
 
 
 def hf_bigcode(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,

@@ -316,6 +316,19 @@ def tp_norm(x: torch.Tensor, group: Any, size: int, weight: torch.Tensor | None,
     return y + bias if bias is not None else y
 
 
+def shuffle_blocks(x: torch.Tensor, group: Any, dim: int, blocks: list[int],
+                   padded: int = 0) -> torch.Tensor:
+    """Reorder a full-size `x` (global order) so that each rank's pieces of Shard(dim, blocks)
+    lie together, rank 0's first (zeros for vocab padding): a reduce-scatter of the result
+    hands every rank its own pieces. The inverse of unshuffle_blocks; a permutation, so its
+    gradient is the gradient permuted back."""
+    t = group_size(group)
+    if t == 1 and not padded:
+        return x
+    split = ParamSplit(dim % x.dim(), tuple(blocks), padded)
+    return torch.cat([_pieces(x, split, r, t) for r in range(t)], dim=split.dim)
+
+
 def unshuffle_blocks(x: torch.Tensor, group: Any, dim: int, blocks: list[int],
                      padded: int = 0) -> torch.Tensor:
     """Reorder a rank-major all-gather of Shard(dim, blocks) pieces into the global order

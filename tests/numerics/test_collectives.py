@@ -200,6 +200,28 @@ def _vocab_ce_worker(rank, world_size, vocab, slice_cols):
     return bad
 
 
+def _per_row_blocks_worker(rank, n):
+    """Sequence parallelism on (B·T, C) rows, Shard(0, (T,)·B): shuffle_blocks + the
+    reduce-scatter hand each rank local_blocks of the sum (its T/n tokens of every row), the
+    gradient all-gathered back in global order; all_gather_sp + unshuffle_blocks invert it."""
+    from autopar.runtime import shard
+    group, (B, T, Cd) = dist.group.WORLD, (2, 3 * n, 4)
+    blocks = [T] * B
+    xs = [_rand(300 + q, B * T, Cd) for q in range(n)]   # rank q's summand, (B·T, C)
+    x = xs[rank].clone().requires_grad_()
+    y = C.reduce_scatter_to_sp(shard.shuffle_blocks(x, group, 0, blocks), group, 0)  # (B·T/n, C)
+    want = torch.cat([sum(xs).narrow(0, b * T + rank * (T // n), T // n) for b in range(B)])
+    gys = [_rand(400 + q, B * T // n, Cd) for q in range(n)]   # rank q's upstream gradient
+    y.backward(gys[rank])
+    grad = torch.cat([gys[q].narrow(0, b * (T // n), T // n) for b in range(B)
+                      for q in range(n)])                      # (B·T, C), global order
+    back = shard.unshuffle_blocks(C.gather_from_sp(y.detach(), group, 0), group, 0, blocks)
+    return [name for name, ok in (("forward", torch.allclose(y, want)),
+                                  ("backward", torch.allclose(x.grad, grad)),
+                                  ("unshuffle", torch.allclose(back, sum(xs))))
+            if not ok]
+
+
 # ---- tests --------------------------------------------------------------------------------
 
 def test_identity_without_any_group():
@@ -240,3 +262,9 @@ def test_safety_round_trips_and_singletons():
 def test_vocab_parallel_cross_entropy_matches_cross_entropy(world, vocab, slice_cols):
     from autopar.testing import spawn
     assert spawn(_vocab_ce_worker, world, vocab, slice_cols, timeout_s=120) == [[]] * world
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_per_row_blocks_reduce_scatter_matches_local_blocks_of_the_sum(n):
+    from autopar.testing import spawn
+    assert spawn(_per_row_blocks_worker, n, timeout_s=120) == [[]] * n

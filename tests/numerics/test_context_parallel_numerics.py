@@ -62,7 +62,7 @@ ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", 
 
 @pytest.mark.parametrize("name, t, sp", [(name, 1, False) for name in ARCHITECTURES] + [
     ("hf_falcon_mq", 2, False), ("hf_phi3", 2, False), ("hf_bigcode", 2, False),
-    ("hf_bloom", 2, False), ("hf_gpt2", 2, True)])
+    ("hf_bloom", 2, False), ("hf_gpt2", 2, True), ("hf_opt", 2, True)])
 def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
     """Every decoder we build, each writing attention and positions its own way, found
     through propagation: Conv1D's addmm on merged (B·T, C) tokens (GPT-2), k / v heads indexed
@@ -73,7 +73,8 @@ def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
     inside a fused c_attn (GPT-BigCode), and nn.MultiheadAttention's (T·B, E) with a float
     causal mask (PyTorch's encoder); t = 2 on fused and multi-query layouts, and GPT-2 with
     sequence parallelism on its (B·T, C) rows (the tensor-parallel cut per row of T tokens
-    becomes a cut per row of the rank's T/c)."""
+    becomes a cut per row of the rank's T/c), and OPT with sequence parallelism: its residual
+    adds on (B·T, C) rows reduce-scatter the row-parallel sum per row of T/c tokens."""
     plan = with_c(make_plan(t=t), 2, sequence_parallel=sp)
     if name != "torch_encoder":
         return check_against_reference(name, plan)

@@ -115,7 +115,7 @@ def test_tp2_more_transformers_architectures_match_single_device(name):
 
 
 @pytest.mark.parametrize("name,sp", [("hf_falcon", False), ("hf_neox", False),
-                                     ("hf_neox", True), ("hf_gpt2", False)])
+                                     ("hf_neox", True), ("hf_gpt2", False), ("hf_opt", True)])
 def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     """Falcon's dropout on the summed attention + MLP outputs runs before their one reduction,
     on the replicated RNG stream: every rank draws the single device's mask, and the mask of
@@ -123,13 +123,17 @@ def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     one device (a per-rank stream there would not). GPT-NeoX drops out each biased branch
     before the sum: the summands take the noise and each bias is added after the one
     reduction as bias·noise (with SP: each rank's sequence slice of it); GPT-2's residual
-    dropouts after its biased projections take the same path."""
+    dropouts after its biased projections take the same path, and OPT's after fc2 on its
+    (B·T, C) rows, where the slice is T/t tokens of every row."""
     results = run_tp(name, 2, sp=sp, dropout=0.3)
     assert not results[0]["info"].fallbacks
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2", "hf_neox"])
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2", "hf_neox", "hf_opt"])
 def test_tp2_sequence_parallel_more_architectures(name):
+    """OPT: residual adds on (B·T, C) rows around its MLP, whose Partial sum is reduce-scattered
+    per row of T tokens (each rank's T/t of every row, the residual's order), not per half of
+    the flattened rows."""
     results = run_tp(name, 2, sp=True)
     assert not results[0]["info"].fallbacks
 

@@ -606,3 +606,41 @@ def test_every_layers_experts_are_split_not_only_the_first():
     split = {k for k in param_splits(gm) if ".experts." in k}
     assert split == {f"model.model.layers.{i}.mlp.experts.{w}" for i in range(3)
                      for w in ("gate_up_proj", "down_proj")}, split
+
+
+class _FlatResidualMLP(nn.Module):
+    """OPT's shape of a block: the residual stream flattened to (B·T, C) around a biased MLP,
+    the residual added on the flattened rows."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, ffn: int = 64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.norm_in, self.norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.norm_in(self.emb(ids))                       # (B, T, C)
+        x = h.reshape(-1, h.shape[-1])                        # (B·T, C)
+        x = x + self.fc2(torch.relu(self.fc1(self.norm(x))))  # (B·T, C)
+        return self.head(x.view(h.shape))                     # (B, T, V)
+
+
+def test_sequence_parallel_reduce_scatter_on_merged_rows_keeps_per_row_blocks():
+    """Under SP a (B·T, C) value holds T/t tokens of each of the B rows (Shard(0, (T,)·B)), not
+    the first or second B/2 rows. A row-parallel sum added to it on those rows is
+    reduce-scattered in that order: its rows go rank-major first (shuffle_blocks), or the
+    residual add would pair rank 0's tokens of row 1 with row 0's (OPT's ~0.3% loss gap)."""
+    model = _FlatResidualMLP()
+    ids = torch.randint(0, 64, (B, T))
+    gm = capture(model, (ids,), lm_cross_entropy, ids).gm
+    gm = apply_tensor_parallel(gm, 2, 0, None, sequence_parallel=True)
+    merged = [n for n in _calls(gm, C.reduce_scatter_to_sp)
+              if n.meta[K.TP_LAYOUT] == Shard(0, (T,) * B, seq=True)]
+    assert len(merged) == 1                                   # fc2's sum, on the (B·T, C) rows
+    shuffle = merged[0].args[0]
+    assert shuffle.target is shard_rt.shuffle_blocks and shuffle.args[2:4] == (0, [T] * B)
+    (add,) = [u for u in merged[0].users]   # + fc2's bias, then the residual add
+    residual = next(u for u in add.users if u.target is torch.ops.aten.add.Tensor)
+    assert {a.meta[K.TP_LAYOUT] for a in residual.args} == {Shard(0, (T,) * B, seq=True)}
+    gm.graph.lint()
