@@ -879,6 +879,18 @@ def _block_times_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
     return memo[key]
 
 
+def _context_comm_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                       memo: dict) -> tuple[float, float]:
+    """`context_comm_s` of cfg's (t, b, sp, c, method, recompute, GPUs), cached in `memo` (the
+    ring's price runs the attention pricing twice; load and memory both ask for it);
+    `profile` is the rank's (`rank_profile`)."""
+    key = ("cp", cluster.attention, cfg.t, cfg.micro_batch_size,
+           cfg.sequence_parallel and cfg.t > 1, cfg.c, cfg.cp_attention, cfg.recompute, cfg.gpus)
+    if key not in memo:
+        memo[key] = context_comm_s(profile, cluster, cfg)
+    return memo[key]
+
+
 def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
                  memo: dict | None = None
                  ) -> tuple[float, float, float, float, float, float, float]:
@@ -896,7 +908,7 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
     pp_inter = group_spans_nodes(cluster, stride=t * cfg.c * d, size=p, gpus=cfg.gpus)
     comp_s, tp_s, _ = _block_times_memo(profile, cluster, cfg, memo)
-    cp_s = context_comm_s(profile, cluster, cfg)[1]
+    cp_s = _context_comm_memo(profile, cluster, cfg, memo)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     key = ("edge", t, b, sp, tp_inter, cfg.c, cfg.cp_attention)
     if key not in memo:
@@ -953,7 +965,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     sp = cfg.sequence_parallel and t > 1
     zt = ZERO_TRAITS[cfg.zero]
     fwd_ns = min(_ns(_block_times_memo(profile, cluster, cfg, memo)[2]
-                     + context_comm_s(profile, cluster, cfg)[0]
+                     + _context_comm_memo(profile, cluster, cfg, memo)[0]
                      + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
     comp_s = lc.layer_compute_ns / NS
     block_p, emb_p, head_p = shard_params_elems(profile, t, sp)

@@ -643,8 +643,8 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
     if pins.cp_attention is not None and pins.cp_attention not in CP_ATTENTION:
         raise ValueError(f"solve: cp_attention={pins.cp_attention!r} must be one of "
                          f"{CP_ATTENTION} or None (the solver prices both)")
-    if pins.cp_attention == "ring" and ring_attention_rule(profile):
-        raise ValueError(f"solve: cp_attention='ring': {ring_attention_rule(profile)}; pin "
+    if pins.cp_attention == "ring" and (why := ring_attention_rule(profile)):
+        raise ValueError(f"solve: cp_attention='ring': {why}; pin "
                          f"cp_attention='all-gather' or leave it None")
     if pins.c is not None:
         why = _context_rule(profile, pins.c)

@@ -73,7 +73,7 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
 from autopar.passes.sharding import (_NO_VALUE, MATMUL_OPS, Shard, context_layouts,
-                                     context_refusal, context_where, packet)
+                                     context_refusal, packet)
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
                                      context_loss_mean, context_select)
@@ -107,10 +107,8 @@ _refuse = context_refusal   # the one-line refusal: node, op, the user's source 
 
 
 def _refuse_ring(node: fx.Node, why: str) -> ValueError:
-    return ValueError(
-        f"context parallelism: node {node.name} ({packet(node)}) at {context_where(node)}: "
-        f"{why}; plan cp_attention='all-gather' (parallelize's free choice offers only what the pass "
-        f"builds)")
+    return context_refusal(node, why, fix="plan cp_attention='all-gather' (parallelize's free "
+                                          "choice offers only what the pass builds)")
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -129,6 +127,7 @@ class _Propagation:
         self.full: dict[fx.Node, tuple[int, ...]] = {n: s for n in gm.graph.nodes
                                                      if (s := _shape(n)) is not None}
         self.cp: fx.Node | None = None
+        self.streams: fx.Node | None = None   # the DropoutStreams get_attr
 
     # ----- helpers --------------------------------------------------------------------
     def cp_node(self) -> fx.Node:
@@ -450,14 +449,17 @@ class _Propagation:
     def streams_node(self) -> fx.Node:
         """The get_attr of the program's DropoutStreams (`tp_rng`, bound by the runtime with
         this rank's tensor and context ranks)."""
-        for node in self.g.nodes:
-            if node.op == "get_attr" and node.target == STREAMS_ATTR:
-                return node
-        if not hasattr(self.gm, STREAMS_ATTR):   # stands in for inspection, as `cp` does
-            setattr(self.gm, STREAMS_ATTR, shard_rt.DropoutStreams(0))
-        with self.g.inserting_after(self.cp_node()), warnings.catch_warnings():
-            warnings.simplefilter("ignore")       # a plain attribute, as tp_group
-            return self.g.get_attr(STREAMS_ATTR)
+        if self.streams is not None:   # found or made once per rewrite (as cp_node)
+            return self.streams
+        self.streams = next((node for node in self.g.nodes
+                             if node.op == "get_attr" and node.target == STREAMS_ATTR), None)
+        if self.streams is None:
+            if not hasattr(self.gm, STREAMS_ATTR):   # stands in for inspection, as `cp` does
+                setattr(self.gm, STREAMS_ATTR, shard_rt.DropoutStreams(0))
+            with self.g.inserting_after(self.cp_node()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")       # a plain attribute, as tp_group
+                self.streams = self.g.get_attr(STREAMS_ATTR)
+        return self.streams
 
     def dropout(self, n: fx.Node) -> None:
         """aten.dropout on the rank's tokens (whole over the tensor group: split values already

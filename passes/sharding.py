@@ -858,18 +858,22 @@ def _split(p: Propagator, node: fx.Node) -> Any:
                        f"{lay.blocks} of the split dim")
     pieces, start = [], 0
     offsets = [0] + _cumsum(list(lay.blocks))
-    flags = lay.flags()
     for size in sizes:
-        idx = [i for i, o in enumerate(offsets[:-1]) if start <= o < start + size]
-        whole = tuple(flags[i] for i in idx)
-        src = tuple(lay.src[i] for i in idx) if lay.src is not None else None
-        if all(whole):       # the replicated part of a mixed projection (k, v)
-            pieces.append(Whole(origins=lay.origins))
-        else:
-            pieces.append(replace(lay, blocks=tuple(lay.blocks[i] for i in idx),
-                                  whole=whole if any(whole) else (), src=src))
+        pieces.append(_pick_blocks(lay, [i for i, o in enumerate(offsets[:-1])
+                                         if start <= o < start + size]))
         start += size
     return tuple(pieces)
+
+
+def _pick_blocks(lay: Shard, idx: list[int]) -> Shard | Whole:
+    """The blocks `idx` of `lay` (a split piece or a selected range of its split dim): Whole
+    when every one is held whole (the replicated part of a mixed projection: k, v)."""
+    whole = tuple(lay.flags()[i] for i in idx)
+    if all(whole):
+        return Whole(origins=lay.origins)
+    return replace(lay, blocks=tuple(lay.blocks[i] for i in idx),
+                   whole=whole if any(whole) else (),
+                   src=tuple(lay.src[i] for i in idx) if lay.src is not None else None)
 
 
 def _cumsum(xs: list[int]) -> list[int]:
@@ -971,13 +975,8 @@ def _select_blocks(p: Propagator, lay: Shard, sel: tuple[int, int], conflict: Co
     a, b = sel
     bounds = [0] + _cumsum(list(lay.blocks))
     if a in bounds and b in bounds and a < b:
-        idx = [i for i in range(len(lay.blocks)) if a <= bounds[i] and bounds[i + 1] <= b]
-        whole = tuple(lay.flags()[i] for i in idx)
-        if all(whole):
-            return Whole(origins=lay.origins)
-        return replace(lay, blocks=tuple(lay.blocks[i] for i in idx),
-                       whole=whole if any(whole) else (),
-                       src=tuple(lay.src[i] for i in idx) if lay.src is not None else None)
+        return _pick_blocks(lay, [i for i in range(len(lay.blocks))
+                                  if a <= bounds[i] and bounds[i + 1] <= b])
     p.refine_at(lay, {a, b})
     raise conflict
 
@@ -1569,26 +1568,23 @@ _RULES = {
 #     naming the node and the user's source line.
 # A token-mean loss over the rank's tokens keeps role "context_loss" (context_loss_mean).
 
-def context_where(node: fx.Node) -> str:
-    """`node`'s place for a context-parallel refusal: the last frame of its stack trace and
-    that frame's code line."""
+_CONTEXT_FIX = ("the pass splits token-wise ops and attention (scaled_dot_product_attention, "
+                "or q·kᵀ / p·v matmuls) only — run this model with c=1")
+
+
+def context_refusal(node: fx.Node, why: str, fix: str = _CONTEXT_FIX) -> ValueError:
+    """The one-line ValueError of a model the sequence split cannot run: the node, its op, the
+    user's source line (the last frame of its stack trace and that frame's code) and `fix`."""
     trace = node.meta.get(K.STACK_TRACE) or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
     files = [ln for ln in lines if ln.startswith("File ")]
-    if not files:
-        return "(no source line recorded)"
-    i = lines.index(files[-1])
-    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-    return files[-1] + (f": {code}" if code else "")
-
-
-def context_refusal(node: fx.Node, why: str) -> ValueError:
-    """The one-line ValueError of a model the sequence split cannot run: the node, its op, the
-    user's source line and what to do."""
-    return ValueError(
-        f"context parallelism: node {node.name} ({packet(node)}) at {context_where(node)}: "
-        f"{why}; the pass splits token-wise ops and attention (scaled_dot_product_attention, "
-        f"or q·kᵀ / p·v matmuls) only — run this model with c=1")
+    where = "(no source line recorded)"
+    if files:
+        i = lines.index(files[-1])
+        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        where = files[-1] + (f": {code}" if code else "")
+    return ValueError(f"context parallelism: node {node.name} ({packet(node)}) at {where}: "
+                      f"{why}; {fix}")
 
 
 _LOSS_OPS = frozenset({aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd})
@@ -1769,7 +1765,7 @@ def _context_cat(p: ContextPropagator, node: fx.Node) -> Layout:
 
 _CONTEXT_RULES = {
     **{op: _context_matmul for op in MATMUL_OPS},
-    aten.bmm: _context_matmul, aten.baddbmm: _context_baddbmm,
+    aten.baddbmm: _context_baddbmm,   # (bmm is in MATMUL_OPS)
     aten.scaled_dot_product_attention: _context_sdpa,
     **{op: _context_loss for op in _LOSS_OPS},
     **{op: _context_along for op in _ALONG},

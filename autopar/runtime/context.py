@@ -45,8 +45,10 @@ from autopar.runtime.shard import as_default_stream
 @dataclass(frozen=True, eq=False)
 class ContextShard:
     """This rank's place in the sequence split: its context group, c, its context rank and the
-    sequence length; `positions` (its global positions, local order) and `order` (where each
-    global position sits in the all-gathered, rank-major concatenation) are derived."""
+    sequence length; `positions` (its global positions, local order), `rank_positions` (every
+    context rank's, (c, T/c): ring attention's key columns of each block's owner) and `order`
+    (where each global position sits in the all-gathered, rank-major concatenation) are
+    derived."""
     group: Any
     c: int
     cp_rank: int
@@ -55,11 +57,13 @@ class ContextShard:
     def __post_init__(self) -> None:
         G.check_sequence(self.seq_len, self.c)
         pos = G.sequence_positions(self.seq_len, self.cp_rank, self.c)
-        gathered = [x for r in range(self.c) for x in G.sequence_positions(self.seq_len, r, self.c)]
+        per_rank = [G.sequence_positions(self.seq_len, r, self.c) for r in range(self.c)]
+        gathered = [x for ranks in per_rank for x in ranks]
         inverse = [0] * self.seq_len
         for i, x in enumerate(gathered):
             inverse[x] = i
         object.__setattr__(self, "positions", torch.tensor(pos, dtype=torch.long))
+        object.__setattr__(self, "rank_positions", torch.tensor(per_rank, dtype=torch.long))
         object.__setattr__(self, "order", torch.tensor(inverse, dtype=torch.long))
 
     @property

@@ -32,6 +32,7 @@ executor notes). c = 1 (or no group) is plain scaled-dot-product attention.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class _Tile:
     diagonal: bool
 
 
+@functools.lru_cache(maxsize=None)   # pure in its ints; asked once per ring step per layer
 def _causal_tiles(rank: int, owner: int, c: int, n: int) -> tuple[_Tile, ...]:
     """The tiles of query chunks (chunk ids of `rank`) against key chunks (of `owner`), each
     chunk n tokens. The own block is one square causal tile (torch's step 0); otherwise no chunk
@@ -296,8 +298,7 @@ def _cols(cp: Any, owner: int, mask: torch.Tensor | None) -> torch.Tensor | None
     """The block owner's global key positions (the explicit mask's columns), or None."""
     if mask is None:
         return None
-    pos = G.sequence_positions(cp.seq_len, owner, cp.c)
-    return torch.tensor(pos, dtype=torch.long, device=mask.device)
+    return cp.rank_positions[owner].to(mask.device)
 
 
 def context_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any,
