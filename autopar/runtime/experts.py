@@ -68,13 +68,15 @@ def route(offs: torch.Tensor, group: Any) -> Route:
     with peer_guard("expert all-to-all (counts) with", group):
         dist.all_to_all_single(got, counts.contiguous(), group=group)
     got = got.view(ep, local)                          # (source rank, local expert)
-    start = torch.cumsum(got.flatten(), 0) - got.flatten()
+    # the row bookkeeping on the host, from one copy of the counts (not a sync per block)
+    host = got.cpu()
+    start = torch.cumsum(host.flatten(), 0) - host.flatten()
     # rank-major arrival -> expert-major: for each local expert, each source's block in turn
     order = torch.cat([torch.arange(int(s), int(s) + int(n))
                        for s, n in zip(start.view(ep, local).t().flatten(),
-                                       got.t().flatten())] or [torch.zeros(0, dtype=torch.long)])
-    return Route(send=counts.view(ep, local).sum(1).tolist(), recv=got.sum(1).tolist(),
-                 order=order.to(torch.long),
+                                       host.t().flatten())] or [torch.zeros(0, dtype=torch.long)])
+    return Route(send=counts.view(ep, local).sum(1).tolist(), recv=host.sum(1).tolist(),
+                 order=order.to(device=offs.device, dtype=torch.long),
                  offs_local=torch.cumsum(got.sum(0), 0).to(torch.int32))
 
 

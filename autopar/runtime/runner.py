@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.checkpoint import load_program_checkpoint, save_program_checkpoint
-from autopar.runtime.collectives import all_reduce_
+from autopar.runtime.collectives import all_gather, all_reduce_
 from autopar.runtime.context import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.executor import LoadedChunk, PipelineExecutor
@@ -231,7 +231,4 @@ class Runner:
 def _gather_experts(local: torch.Tensor, group: Any) -> torch.Tensor:
     """The experts of every rank of the expert `group`, concatenated along dim 0 in its rank
     order (rank e holds experts [e·E/ep, (e+1)·E/ep)). Collective over `group`."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    with peer_guard("expert all-gather with", group):
-        dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, 0)
+    return all_gather(local, 0, group)
