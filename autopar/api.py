@@ -21,7 +21,6 @@ from autopar.cost.critical_batch import (check_training_inputs,
                                          loss_nats_from_params)
 from autopar.cost.hardware import get_cluster
 from autopar.cost.layout import layers_over_kinds
-from autopar.cost.solver import solve, tensor_degrees
 from autopar.cost.time_to_train import plan_for_tokens
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
@@ -214,6 +213,10 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                          f"{profile.num_layers} layers; a stage holds at least one layer — "
                          f"pin p <= {profile.num_layers} (or leave p to the solver)")
 
+    # imported here: a plan made earlier (plan=) needs no solver, so a machine without
+    # ortools (the GPU image benchmarks/gpu.py runs on) can still compile and train it
+    from autopar.cost.solver import solve
+
     def solve_at(batch_size: int, max_alternatives: int = 50) -> Plan:
         return over_kinds(solve(
             profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
@@ -261,6 +264,7 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
     structure = run_passes(captured.gm, [LAYERS_PASS]).meta[K.LAYERS]
     profile = profile_from_graph(captured, structure, name=name or type(model).__name__)
     # what the tensor-parallel pass keeps replicated at each t the solver may pick, priced
+    from autopar.cost.solver import tensor_degrees
     degrees = sorted({k for g in gpu_counts for k in tensor_degrees(profile, cl, g, t)})
     profile = with_tp_corrections(
         profile, captured, structure, degrees,

@@ -108,13 +108,17 @@ def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> N
 def compile_program(prog: Any, optimizer: Callable | None = None,
                     max_grad_norm: float | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     precision: str = "fp32", program_dir: str | Path | None = None,
-                    record_timeline: bool = False, bucket_bytes: int | None = None) -> Runner:
+                    record_timeline: bool = False, bucket_bytes: int | None = None,
+                    device: str | torch.device | None = None) -> Runner:
     """Build this rank's Runner (inside torchrun, or with a default process group already made).
 
     precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
     accumulation). program_dir: load the chunk sources from a directory written by
     `prog.save` instead of generating them in memory (edits to those files take effect).
     bucket_bytes: GradSync bucket size (default 25 MiB, as DDP).
+    device: the device this rank computes on (default: the backend's, cuda:LOCAL_RANK under
+    nccl, else cpu); e.g. "cuda:0" for several gloo ranks sharing one GPU
+    (benchmarks/gpu.py), where the collectives gloo runs on CUDA tensors are what it tests.
     """
     plan: Plan = prog.plan
     check_program(plan)
@@ -126,7 +130,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
                              group=plan.microbatch_group)
     built = build_program(prog, precision)  # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
-    device = init_distributed(plan.gpus, timeout_s=timeout_s)
+    backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
+    device = backend_device if device is None else torch.device(device)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s)
     # only this rank's chunks hold weights (and of the experts, this expert rank's)
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)

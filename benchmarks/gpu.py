@@ -1,0 +1,633 @@
+"""Everything a GPU can tell autopar, in one call (issue 36): results as JSON + a text table.
+
+A GPU is lent to this project only now and then, so what it can tell is ready to run at once:
+
+    # on the CPU side (ortools is here): plan every case, write them into a folder
+    python benchmarks/gpu.py prepare --dir gpu_run
+    # on the GPU machine, one call (its image has torch + CUDA but no ortools: the plans travel)
+    pip install -q --no-deps --no-build-isolation -e . && \\
+        python benchmarks/gpu.py run --dir gpu_run --out $OUT
+    # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
+    python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
+
+What `run` measures (each part isolated: a part that fails is recorded with its one-line
+reason and the rest still run; `--parts` picks some):
+
+1. `single`: the generated program on one device (t = p = d = 1, a process group of one:
+   NCCL on CUDA), bf16 with fp32 masters, SDPA attention, on a ~1.3B GPT (24 layers, hidden
+   2048, 16 heads, sequence 2048) and an unmodified `transformers` Llama of similar size,
+   eager and (when `compile(torch_compile=True)` exists) with compiled chunks; side by side
+   with a plain hand-written loop on the same model, data and micro-batches (bf16 autocast,
+   fused AdamW, torch.compile'd): the median step time of each, the ratio plain / autopar
+   (goal ≥ 0.97) and MFU (model FLOPs as the plan counts them over the device's bf16 peak of
+   the plan's cluster; goal ≥ 45% on H100).
+2. `multirank`: the multi-rank paths with several processes sharing the one device (gloo;
+   `compile(device=...)` puts every rank on it): t = 2, p = 2, c = 2 (ring attention) and
+   ep = 2 plans in fp32, each's losses against the single-device run of the same model and
+   data; what gloo cannot run on CUDA tensors is recorded by name (the exception's line).
+3. `calibrate`: `autopar calibrate` on the device (GEMM curve, attention, bandwidth) written as
+   a cluster file, beside the preset's constants.
+4. `memory`: the peak allocated bytes of a step (torch.cuda.max_memory_allocated; on CPU the
+   profiler's tensor bytes) against the plan's predicted memory — the static part (weights,
+   gradients, optimizer) and the activations separately — for recompute none / selective /
+   full and micro-batch 1, 2, 4.
+
+`--quick` shrinks every model to a few layers of width 64 (the plumbing, not the numbers).
+The results: OUT/gpu_results.json (every number) and OUT/gpu_results.txt (the table, also
+printed last).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PARTS = ("single", "multirank", "calibrate", "memory")
+SEED = 1234
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases: models and the plans prepared for them
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """The model and batch sizes of one run: full (the issue's) or --quick (the plumbing)."""
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int
+    global_batch: int
+    mem_layers: int       # the memory sweep's GPT (12 layers of the single part's width)
+    small_hidden: int     # the multi-rank models
+    small_seq: int
+    steps: int            # timed steps (after warm-up)
+
+    @staticmethod
+    def pick(quick: bool) -> "Sizes":
+        if quick:
+            return Sizes(layers=2, hidden=64, heads=4, seq=32, vocab=128, ffn=176,
+                         global_batch=4, mem_layers=2, small_hidden=32, small_seq=16, steps=2)
+        return Sizes(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304, ffn=5504,
+                     global_batch=16, mem_layers=12, small_hidden=256, small_seq=256, steps=10)
+
+
+def gpt(s: Sizes, layers: int | None = None, hidden: int | None = None,
+        seq: int | None = None, vocab: int | None = None) -> torch.nn.Module:
+    from autopar.examples.gpt import GPT, GPTConfig
+    h = hidden or s.hidden
+    return GPT(GPTConfig(vocab_size=vocab or s.vocab, block_size=seq or s.seq,
+                         n_layer=layers or s.layers, n_head=max(2, h // 128) if hidden else s.heads,
+                         n_embd=h, dropout=0.0, bias=True, tie_embeddings=True))
+
+
+def hf_llama(s: Sizes) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000 if s.vocab > 1000 else s.vocab, hidden_size=s.hidden,
+        intermediate_size=s.ffn, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+        num_key_value_heads=s.heads, max_position_embeddings=s.seq, tie_word_embeddings=False,
+        attn_implementation="sdpa"))
+
+
+def hf_mixtral(s: Sizes) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    h = s.small_hidden
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=s.vocab if s.vocab < 1000 else 1024, hidden_size=h, intermediate_size=2 * h,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=s.small_seq,
+        router_jitter_noise=0.0, attn_implementation="sdpa"))
+
+
+def build_model(name: str, s: Sizes, device: str = "cpu") -> torch.nn.Module:
+    """Every case's model, built from a seed on `device` (the same weights on every rank)."""
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        if name == "gpt":
+            return gpt(s)
+        if name == "llama":
+            return hf_llama(s)
+        if name == "small_gpt":
+            return gpt(s, layers=4, hidden=s.small_hidden, seq=s.small_seq,
+                       vocab=min(s.vocab, 1024))
+        if name == "mem_gpt":
+            return gpt(s, layers=s.mem_layers)
+        if name == "mixtral":
+            return hf_mixtral(s)
+    raise ValueError(f"gpu.py: unknown model {name!r}")
+
+
+def seq_of(name: str, s: Sizes) -> int:
+    return s.small_seq if name in ("small_gpt", "mixtral") else s.seq
+
+
+def vocab_of(model: torch.nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return int(getattr(cfg, "vocab_size", 0) or getattr(cfg, "vocab", 0) or
+               model.lm_head.weight.shape[0])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One plan to prepare: the model, the pins, the part that runs it."""
+    key: str
+    part: str
+    model: str
+    gpus: int
+    pins: dict
+    cluster: str
+
+
+def cases(s: Sizes, cluster: str) -> list[Case]:
+    out = [Case(key=f"single-{m}", part="single", model=m, gpus=1, cluster=cluster,
+                pins=dict(t=1, p=1, d=1, c=1, zero=0)) for m in ("gpt", "llama")]
+    multi = {"t2": dict(t=2, p=1, d=1, c=1, sequence_parallel=False),
+             "p2": dict(t=1, p=2, d=1, c=1, schedule="1f1b"),
+             "c2-ring": dict(t=1, p=1, d=1, c=2, cp_attention="ring"),
+             "d2": dict(t=1, p=1, d=2, c=1, zero=1)}
+    out += [Case(key=f"multirank-{k}", part="multirank", model="small_gpt", gpus=2,
+                 cluster=cluster, pins=v) for k, v in multi.items()]
+    out.append(Case(key="multirank-ep2", part="multirank", model="mixtral", gpus=2,
+                    cluster=cluster, pins=dict(t=1, p=1, d=2, c=1, ep=2, zero=1)))
+    out += [Case(key=f"memory-{r}-mb{mb}", part="memory", model="mem_gpt", gpus=1,
+                 cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r,
+                                            micro_batch_size=mb))
+            for r in ("none", "selective", "full") for mb in (1, 2, 4)]
+    return out
+
+
+def prepare(directory: Path, s: Sizes, cluster: str, keep: tuple[str, ...] = ()) -> dict:
+    """Plan every case (or those named in `keep`) on the meta device (this side has the
+    solver) into directory/."""
+    import autopar
+    directory.mkdir(parents=True, exist_ok=True)
+    manifest = {"sizes": dataclasses.asdict(s), "cluster": cluster, "cases": {}}
+    for case in cases(s, cluster):
+        if keep and case.key not in keep:
+            continue
+        with torch.device("meta"):
+            model = build_model(case.model, s, "meta")
+        seq = seq_of(case.model, s)
+        batch = 4 if case.part == "memory" else s.global_batch
+        example = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        prog = autopar.parallelize(model, gpus=case.gpus, example_inputs=(example,),
+                                   loss_fn=autopar.cross_entropy, global_batch_size=batch,
+                                   cluster=case.cluster, **case.pins)
+        (directory / f"{case.key}.json").write_text(prog.plan.to_json())
+        manifest["cases"][case.key] = dataclasses.asdict(case)
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# running one program
+# ---------------------------------------------------------------------------------------------
+
+def batches(plan: Any, vocab: int, seq: int, steps: int, device: str) -> list[tuple]:
+    gen = torch.Generator().manual_seed(SEED + 1)
+    out = []
+    for _ in range(steps):
+        tok = torch.randint(0, vocab, (plan.global_batch_size, seq + 1), generator=gen)
+        out.append((tok[:, :-1].contiguous().to(device), tok[:, 1:].contiguous().to(device)))
+    return out
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _compile_kwargs(torch_compile: bool) -> dict:
+    from autopar.compile import compile_program
+    import inspect
+    if torch_compile:
+        if "torch_compile" not in inspect.signature(compile_program).parameters:
+            raise NotImplementedError("compile(torch_compile=True) is not in this autopar")
+        return {"torch_compile": True}
+    return {}
+
+
+def autopar_runner(plan: Any, model: torch.nn.Module, seq: int, *, precision: str,
+                   device: str, lr: float, torch_compile: bool = False) -> Any:
+    import autopar
+    example = torch.zeros(1, seq, dtype=torch.long)
+    prog = autopar.parallelize(model, gpus=plan.gpus, example_inputs=(example,),
+                               loss_fn=autopar.cross_entropy, cluster=plan.cluster, plan=plan)
+    fused = device.startswith("cuda")
+    opt = (lambda ps: torch.optim.AdamW(ps, lr=lr, fused=True)) if fused else \
+        (lambda ps: torch.optim.AdamW(ps, lr=lr))
+    return prog.compile(optimizer=opt, precision=precision, device=device,
+                        **_compile_kwargs(torch_compile))
+
+
+def time_steps(step: Callable[[Any, Any], float], data: list[tuple], warmup: int,
+               device: str) -> tuple[list[float], list[float]]:
+    """Run step over data; the losses of every step and the times of those after warm-up."""
+    losses, times = [], []
+    for i, (x, y) in enumerate(data):
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(float(step(x, y)))
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return losses, times
+
+
+def plain_step(model: torch.nn.Module, plan: Any, *, device: str, lr: float,
+               bf16: bool, compiled: bool) -> Callable[[Any, Any], float]:
+    """The hand-written loop a user would write: the plan's micro-batches accumulated, bf16
+    autocast, fused AdamW (on CUDA), the model torch.compile'd."""
+    import autopar
+    model = model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.startswith("cuda"))
+    fwd = torch.compile(model) if compiled else model
+    m, mb = plan.num_microbatches, plan.micro_batch_size
+    dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(m):
+            xs, ys = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
+            with torch.autocast(device_type=torch.device(device).type, dtype=dtype,
+                                enabled=bf16):
+                loss = autopar.cross_entropy(fwd(xs), ys) / m
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        return float(total)
+    return step
+
+
+def _group_of_one(device: str) -> None:
+    """A default process group of one (NCCL on CUDA), as torchrun would make it."""
+    import torch.distributed as dist
+    from autopar.testing import free_port
+    if dist.is_initialized():
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    kwargs = {"device_id": torch.device(device)} if device.startswith("cuda") else {}
+    dist.init_process_group(backend, **kwargs)
+
+
+def measured_mfu(plan: Any, step_s: float) -> float:
+    """MFU at the measured step time, with the model FLOPs the plan counts (its predicted
+    MFU scaled by predicted over measured time: the same FLOP definition as the plan)."""
+    return plan.predicted.mfu * plan.predicted.step_time_s / step_s
+
+
+# ---------------------------------------------------------------------------------------------
+# the parts
+# ---------------------------------------------------------------------------------------------
+
+def part_single(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+    _group_of_one(device)
+    rows = []
+    bf16 = True
+    for key in sorted(k for k in plans if k.startswith("single-")):
+        plan = plans[key]
+        name = key.split("-", 1)[1]
+        seq = seq_of(name, s)
+        data = batches(plan, vocab_of(build_model(name, s, "meta")), seq, s.steps + 2, device)
+        variants = [("autopar eager", False), ("autopar compiled", True)]
+        for label, compiled in variants:
+            rows.append(_single_autopar(label, key, plan, name, s, device, data, compiled,
+                                        quick))
+        for label, compiled in (("plain eager", False), ("plain torch.compile", True)):
+            if compiled and quick and device == "cpu":
+                rows.append({"case": key, "variant": label, "skipped":
+                             "--quick on cpu: torch.compile takes minutes here"})
+                continue
+            rows.append(_guard(key, label, lambda: _single_plain(
+                label, key, plan, name, s, device, data, bf16, compiled)))
+        _ratios(rows, key)
+    return rows
+
+
+def _single_autopar(label: str, key: str, plan: Any, name: str, s: Sizes, device: str,
+                    data: list, compiled: bool, quick: bool) -> dict:
+    if compiled and quick and device == "cpu":
+        return {"case": key, "variant": label,
+                "skipped": "--quick on cpu: torch.compile takes minutes here"}
+
+    def go() -> dict:
+        model = build_model(name, s, "cpu")
+        runner = autopar_runner(plan, model, seq_of(name, s), precision="bf16",
+                                device=device, lr=1e-4, torch_compile=compiled)
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        losses, times = time_steps(runner.train_step, data, 2, device)
+        return _timing_row(key, label, plan, losses, times, device)
+    return _guard(key, label, go)
+
+
+def _single_plain(label: str, key: str, plan: Any, name: str, s: Sizes, device: str,
+                  data: list, bf16: bool, compiled: bool) -> dict:
+    model = build_model(name, s, "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    step = plain_step(model, plan, device=device, lr=1e-4, bf16=bf16, compiled=compiled)
+    losses, times = time_steps(step, data, 2, device)
+    return _timing_row(key, label, plan, losses, times, device)
+
+
+def _timing_row(key: str, label: str, plan: Any, losses: list, times: list,
+                device: str) -> dict:
+    med = statistics.median(times)
+    row = {"case": key, "variant": label, "step_s": med, "steps_s": times,
+           "losses": losses, "mfu": measured_mfu(plan, med),
+           "predicted_step_s": plan.predicted.step_time_s}
+    if device.startswith("cuda"):
+        row["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return row
+
+
+def _ratios(rows: list[dict], key: str) -> None:
+    """plain / autopar for the matching variants (eager with eager, compiled with compiled)."""
+    by = {r["variant"]: r for r in rows if r["case"] == key and "step_s" in r}
+    for a, p in (("autopar eager", "plain eager"), ("autopar compiled", "plain torch.compile"),
+                 ("autopar compiled", "plain eager"), ("autopar eager", "plain torch.compile")):
+        if a in by and p in by:
+            by[a].setdefault("ratio_vs", {})[p] = by[p]["step_s"] / by[a]["step_s"]
+
+
+def _guard(key: str, label: str, fn: Callable[[], dict]) -> dict:
+    """Run one measurement; a failure becomes a row with its one-line reason."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - each part reports, the rest still runs
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return {"case": key, "variant": label, "error": f"{type(exc).__name__}: {line}",
+                "traceback": traceback.format_exc(limit=8)}
+
+
+def _rank_losses(rank: int, world: int, plan_json: str, model_name: str, sizes: dict,
+                 device: str, steps: int) -> list[float]:
+    """One of several ranks sharing `device`: train the plan, return the losses."""
+    import autopar
+    s = Sizes(**sizes)
+    plan = autopar.Plan.from_json(plan_json)
+    model = build_model(model_name, s, "cpu")
+    runner = autopar_runner(plan, model, seq_of(model_name, s), precision="fp32",
+                            device=device, lr=1e-3)
+    data = batches(plan, vocab_of(model), seq_of(model_name, s), steps, device)
+    share = plan.global_batch_size // plan.d
+    out = []
+    for x, y in data:
+        lo, hi = runner.dp_rank * share, (runner.dp_rank + 1) * share
+        out.append(runner.train_step(x[lo:hi], y[lo:hi]))
+    runner.close()
+    return out
+
+
+def single_device_losses(plan: Any, model_name: str, s: Sizes, device: str,
+                         steps: int) -> list[float]:
+    """The reference: the plain model on one device, fp32, AdamW, the whole global batch."""
+    import autopar
+    model = build_model(model_name, s, "cpu").to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    for x, y in batches(plan, vocab_of(model), seq_of(model_name, s), steps, device):
+        opt.zero_grad()
+        loss = autopar.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def part_multirank(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+    from autopar.testing import spawn
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    steps = 3
+    for key in sorted(k for k in plans if k.startswith("multirank-")):
+        plan = plans[key]
+        name = "mixtral" if key.endswith("ep2") else "small_gpt"
+
+        def go(plan=plan, name=name, key=key) -> dict:
+            got = spawn(_rank_losses, plan.gpus, plan.to_json(), name, dataclasses.asdict(s),
+                        device, steps, timeout_s=900 if not quick else 300)[0]
+            ref = single_device_losses(plan, name, s, device, steps)
+            worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got, ref))
+            return {"case": key, "variant": "gloo ranks sharing " + device, "losses": got,
+                    "reference": ref, "max_rel_diff": worst, "equal": worst <= 1e-4}
+        rows.append(_guard(key, "gloo ranks sharing " + device, go))
+    return rows
+
+
+def part_calibrate(out: Path, device: str, quick: bool) -> list[dict]:
+    """`autopar calibrate` on this device, as a user runs it, into out/cluster.json."""
+    target = out / "calibrated_cluster.json"
+    cmd = [sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(target)]
+    if quick:
+        cmd.append("--quick")
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    row = {"case": "calibrate", "variant": " ".join(cmd[2:]), "rc": res.returncode,
+           "seconds": time.perf_counter() - t0, "output_tail": (res.stdout + res.stderr)[-3000:]}
+    if res.returncode == 0 and target.exists():
+        row["cluster"] = json.loads(target.read_text())
+    else:
+        row["error"] = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    return [row]
+
+
+def part_memory(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+    _group_of_one(device)
+    rows = []
+    for key in sorted(k for k in plans if k.startswith("memory-")):
+        plan = plans[key]
+        rows.append(_guard(key, "peak bytes", lambda plan=plan, key=key:
+                           _memory_row(key, plan, s, device)))
+    return rows
+
+
+def _memory_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
+    model = build_model("mem_gpt", s, "cpu")
+    runner = autopar_runner(plan, model, s.seq, precision="bf16", device=device, lr=1e-4)
+    data = batches(plan, vocab_of(model), s.seq, 3, device)
+    for x, y in data[:2]:                      # the optimizer state exists after a step
+        runner.train_step(x, y)
+    x, y = data[2]
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        static = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner.train_step(x, y)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        from autopar.runtime.precision import MixedPrecision  # noqa: F401 - loaded already
+        static = sum(t.numel() * t.element_size() for t in _live_state(runner))
+        _, grown, _ = _cpu_peak(lambda: runner.train_step(x, y))
+        peak = static + grown
+    mem = plan.predicted.memory
+    predicted_static = mem.weights_bytes + mem.gradients_bytes + mem.optimizer_bytes
+    predicted_act = mem.activations_bytes + mem.recompute_bytes
+    return {"case": key, "variant": f"recompute={plan.recompute} mb={plan.micro_batch_size}",
+            "measured_peak_bytes": peak, "measured_static_bytes": static,
+            "measured_activation_bytes": peak - static,
+            "predicted_static_bytes": predicted_static,
+            "predicted_activation_bytes": predicted_act,
+            "predicted_total_bytes": mem.total_bytes - mem.other_bytes,
+            "total_error": (predicted_static + predicted_act) / peak - 1,
+            "activation_error": predicted_act / max(1, peak - static) - 1}
+
+
+def _live_state(runner: Any) -> list[torch.Tensor]:
+    """The tensors a rank holds between steps: parameters, their gradients, optimizer state."""
+    seen, out = set(), []
+    for p in runner.parameters():
+        for t in (p, p.grad):
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    opt = getattr(runner.regime, "optimizer", None)
+    for state in (opt.state.values() if opt is not None else ()):
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    from autopar.testing import peak_tensor_bytes
+    return peak_tensor_bytes(fn)
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------
+
+def table(results: dict) -> str:
+    lines = [f"autopar on {results['device_name']} ({results['device']}), torch "
+             f"{results['torch']}, {results['date']}"]
+    for part in PARTS:
+        rows = results["parts"].get(part)
+        if rows is None:
+            continue
+        lines.append(f"\n[{part}]")
+        for r in rows:
+            lines.append("  " + _row_text(part, r))
+    return "\n".join(lines)
+
+
+def _row_text(part: str, r: dict) -> str:
+    head = f"{r['case']:<24} {r.get('variant', ''):<28}"
+    if "error" in r:
+        return f"{head} FAILED: {r['error']}"
+    if "skipped" in r:
+        return f"{head} skipped: {r['skipped']}"
+    if part == "single":
+        ratios = " ".join(f"{k}: {v:.3f}×" for k, v in r.get("ratio_vs", {}).items())
+        return (f"{head} {r['step_s'] * 1e3:9.1f} ms/step  MFU {r['mfu'] * 100:5.1f}%  "
+                f"(predicted {r['predicted_step_s'] * 1e3:.1f} ms)  {ratios}")
+    if part == "multirank":
+        return f"{head} max rel. loss diff {r['max_rel_diff']:.2e}  " \
+               f"{'EQUAL' if r['equal'] else 'DIFFERENT'} to one device"
+    if part == "memory":
+        g = 2 ** 30
+        return (f"{head} peak {r['measured_peak_bytes'] / g:7.3f} GiB vs predicted "
+                f"{(r['predicted_static_bytes'] + r['predicted_activation_bytes']) / g:7.3f} "
+                f"({r['total_error'] * 100:+.0f}%); activations {r['measured_activation_bytes'] / g:.3f}"
+                f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)")
+    return f"{head} rc={r.get('rc')} in {r.get('seconds', 0):.0f} s"
+
+
+def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, ...]) -> dict:
+    import autopar
+    manifest = json.loads((directory / "manifest.json").read_text())
+    s = Sizes(**manifest["sizes"])
+    plans = {k: autopar.Plan.from_json((directory / f"{k}.json").read_text())
+             for k in manifest["cases"]}
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if device.startswith("cuda") else platform.processor() \
+        or platform.machine()
+    results = {"device": device, "device_name": name, "torch": torch.__version__,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
+               "cluster": manifest["cluster"], "parts": {}}
+    runners = {"single": lambda: part_single(plans, s, device, quick),
+               "multirank": lambda: part_multirank(plans, s, device, quick),
+               "calibrate": lambda: part_calibrate(out, device, quick),
+               "memory": lambda: part_memory(plans, s, device, quick)}
+    for part in parts:
+        t0 = time.perf_counter()
+        results["parts"][part] = _guarded_part(part, runners[part])
+        results.setdefault("part_seconds", {})[part] = time.perf_counter() - t0
+        print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+        (out / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
+    text = table(results)
+    (out / "gpu_results.txt").write_text(text + "\n")
+    print(text)
+    return results
+
+
+def _guarded_part(part: str, fn: Callable[[], list[dict]]) -> list[dict]:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return [_guard(part, "whole part", lambda: (_ for _ in ()).throw(exc))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("command", choices=["prepare", "run", "all"])
+    ap.add_argument("--dir", default="gpu_run", help="where the prepared plans are")
+    ap.add_argument("--out", default="gpu_out", help="where the results go")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny models: the plumbing only")
+    ap.add_argument("--cluster", default=None,
+                    help="the cluster the plans are made for (default: dgx-h100-80gb, "
+                         "local-cpu with --device cpu)")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of "
+                    + ", ".join(PARTS))
+    ap.add_argument("--cases", default="", help="comma-separated case names (e.g. "
+                    "single-gpt,multirank-t2,memory-none-mb2) to keep; default: every case")
+    a = ap.parse_args(argv)
+    parts = tuple(p for p in a.parts.split(",") if p)
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"--parts {bad[0]!r}: not a part; pick from {', '.join(PARTS)}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {a.device}: torch sees no CUDA device here; run on the GPU machine "
+                 f"or pass --device cpu")
+    device = "cuda:0" if a.device == "cuda" else a.device
+    cluster = a.cluster or ("local-cpu" if device == "cpu" else "dgx-h100-80gb")
+    s = Sizes.pick(a.quick)
+    keep = tuple(k for k in a.cases.split(",") if k)
+    known = {c.key for c in cases(s, cluster)}
+    if any(k not in known for k in keep):
+        ap.error(f"--cases {next(k for k in keep if k not in known)!r}: not a case; pick from "
+                 f"{', '.join(sorted(known))}")
+    if a.command in ("prepare", "all"):
+        made = prepare(Path(a.dir), s, cluster, keep)
+        print(f"prepared {len(made['cases'])} plans in {a.dir}/", flush=True)
+    if a.command in ("run", "all"):
+        run(Path(a.dir), Path(a.out), device, a.quick, parts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
