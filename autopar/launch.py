@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import autopar
 from autopar.data import BatchShape, open_batches
 from autopar.factory import UserModel, load_factory
 from autopar.plan import Plan
+from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
 
 BUILD_FILE = "build.json"
@@ -59,7 +61,8 @@ def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32")
 def parse_args(argv: list[str] | None, default_model: str | None,
                default_precision: str = "fp32") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch.py", description="Train this saved autopar "
-                                 "program under torchrun (see autopar/launch.py).")
+                                 "program under torchrun (see autopar/launch.py).",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=default_model, required=default_model is None,
                     help="file.py:factory (default: the factory autopar build was given)")
     ap.add_argument("--data", required=True,
@@ -90,7 +93,9 @@ def parse_args(argv: list[str] | None, default_model: str | None,
                     help="torch seed before the factory runs (the same on every rank)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds any collective may wait for a peer")
+    train_log.add_arguments(ap)
     args = ap.parse_args(argv)
+    train_log.check_arguments(args)
     for name in ("steps", "save_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a "
@@ -128,7 +133,14 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
             print(f"launch.py: {world} ranks, plan.json is for {saved.gpus}: re-planned for "
                   f"{world} with the same global batch {saved.global_batch_size}\n{plan}",
                   flush=True)
+    if rank == 0:
+        print(f"launch.py: training {args.model or plan.model} on {world} ranks ({_degrees(plan)}), "
+              f"global batch {plan.global_batch_size} × sequence {plan.seq_len}, steps "
+              f"{args.steps}, data {args.data}; compiling the program…", flush=True)
+    began = time.perf_counter()
     runner = _compile(plan, user, args, chunk_dir)
+    if rank == 0:
+        print(f"launch.py: compiled in {time.perf_counter() - began:.1f} s", flush=True)
     vocab = args.vocab or getattr(getattr(user.model, "config", None), "vocab_size", None)
     data = open_batches(args.data, BatchShape(
         global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
@@ -139,14 +151,8 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         runner.load_pretrained(args.pretrained)
         if rank == 0:
             print(f"loaded pretrained weights from {args.pretrained}", flush=True)
-    losses = []
-    for step in range(start, args.steps):
-        x, y = data.next()
-        losses.append(runner.train_step(x, y))
-        if rank == 0:
-            print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
-        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+    losses = _train(runner, plan, data, _eval_data(args, plan, runner, vocab), args, start,
+                    rank)
     state = runner.full_state_dict() if args.export else None
     if rank == 0:
         if args.export:
@@ -156,6 +162,49 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
                                                          "world": world}))
     runner.close()   # every rank is done before any leaves; then the groups are destroyed
     return 0
+
+
+def _train(runner: Any, plan: Plan, data: Any, eval_data: Any, args: argparse.Namespace,
+           start: int, rank: int) -> list[float]:
+    """Steps [start, --steps): the learning rate of the schedule, one step, the log line and
+    metrics record (rank 0; autopar.train_log), an eval loss every --eval-every steps and the
+    checkpoint every --save-every; the losses."""
+    log = train_log.StepLog(plan, total_steps=args.steps, out=sys.stdout if rank == 0 else None,
+                            metrics=args.metrics if rank == 0 else None)
+    losses = []
+    for step in range(start, args.steps):
+        lr = train_log.lr_at(step, lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
+                             decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio)
+        train_log.set_lr(runner.optimizer, lr)
+        x, y = data.next()
+        began = time.perf_counter()
+        losses.append(runner.train_step(x, y))
+        elapsed = time.perf_counter() - began
+        eval_loss = None
+        if eval_data is not None and ((step + 1) % args.eval_every == 0
+                                      or step + 1 == args.steps):
+            eval_loss = sum(runner.eval_loss(*eval_data.next())
+                            for _ in range(args.eval_batches)) / args.eval_batches
+        log.record(step, loss=losses[-1], step_time_s=elapsed, lr=lr,
+                   grad_norm=runner.last_grad_norm, device=runner.device, eval_loss=eval_loss)
+        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+    log.close()
+    return losses
+
+
+def _degrees(plan: Plan) -> str:
+    return " ".join(f"{k}={getattr(plan, k)}" for k in ("t", "c", "p", "d", "v"))
+
+
+def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | None) -> Any:
+    """The --eval-data batches (this replica's rows, in file order), or None."""
+    if args.eval_data is None:
+        return None
+    return open_batches(args.eval_data, BatchShape(
+        global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+        dp_rank=runner.dp_rank, dp_size=runner.dp_size), vocab_size=vocab, seed=args.data_seed,
+        dtype=args.data_dtype)
 
 
 def _read_build(program_dir: Path) -> dict[str, Any]:
