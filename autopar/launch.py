@@ -43,6 +43,7 @@ from autopar.factory import UserModel, load_factory
 from autopar.plan import Plan
 from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
+from autopar.user_errors import quiet_torch_warnings, report
 
 BUILD_FILE = "build.json"
 # pins that depend on the GPU count: solved again when the job re-plans for another count
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds any collective may wait for a peer")
     train_log.add_arguments(ap)
+    ap.add_argument("--verbose", action="store_true",
+                    help="on an error, also print its cause's traceback")
     args = ap.parse_args(argv)
     train_log.check_arguments(args)
     for name in ("steps", "save_every"):
@@ -106,12 +109,18 @@ def parse_args(argv: list[str] | None, default_model: str | None,
 def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
     """Run the job (module docstring); the exit code."""
     program_dir = Path(program_dir)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv
+    quiet_torch_warnings()
     try:
-        return _run(program_dir, argv)
+        return _run(program_dir, [a for a in argv if a != "--verbose"])
     except (ValueError, PeerError) as err:
-        where = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
-        kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
-        print(f"launch.py: error: {where}{kind}{err}", file=sys.stderr, flush=True)
+        # before the process group exists every rank checks the same inputs and fails alike:
+        # rank 0 alone says so; after it, each rank names itself
+        if dist.is_initialized() or os.environ.get("RANK", "0") == "0":
+            where = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+            kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
+            report("launch.py", err, verbose=verbose, where=f"{where}{kind}")
         return 2 if isinstance(err, ValueError) else 1
 
 
@@ -124,6 +133,7 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         check_saved_precision(program_dir, saved, args.precision)
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
+    _check_inputs(args, user, saved)      # before the process group and the ~20 s compile
     init_distributed(timeout_s=args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan, chunk_dir = saved, program_dir
@@ -191,6 +201,35 @@ def _train(runner: Any, plan: Plan, data: Any, eval_data: Any, args: argparse.Na
             runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
     log.close()
     return losses
+
+
+def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None:
+    """What can be checked before compiling: --vocab against the model's vocabulary, the
+    data (opened as one replica: its file, dtype and token range) and --pretrained's files."""
+    model_vocab = _model_vocab(user.model)
+    if args.vocab is not None and model_vocab is not None and args.vocab > model_vocab:
+        raise ValueError(f"--vocab {args.vocab}: larger than the model's vocabulary "
+                         f"({model_vocab} embeddings), so token ids >= {model_vocab} would "
+                         f"index past it; pass --vocab {model_vocab} or less, or build the "
+                         f"model with a larger vocabulary")
+    for flag, source in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if source is not None and source != "random" and not callable(source):
+            open_batches(source, BatchShape(global_batch_size=plan.global_batch_size,
+                                            seq_len=plan.seq_len),
+                         vocab_size=args.vocab or model_vocab, seed=args.data_seed,
+                         dtype=args.data_dtype)
+    if args.pretrained:
+        from autopar.runtime.pretrained import weight_files
+        weight_files(args.pretrained)
+
+
+def _model_vocab(model: torch.nn.Module) -> int | None:
+    """config.vocab_size, else the rows of the input embedding when the model says which."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None and hasattr(model, "get_input_embeddings"):
+        emb = model.get_input_embeddings()
+        vocab = getattr(emb, "num_embeddings", None)
+    return vocab
 
 
 def _degrees(plan: Plan) -> str:
