@@ -197,6 +197,8 @@ def _add_tokens_args(sp: argparse.ArgumentParser, *, required: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
+    ap.add_argument("--verbose", action="store_true",
+                    help="on an error, also print its cause's traceback (anywhere on the line)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sp = sub.add_parser("plan", help="plan a model for a GPU count and print the plan")
     _add_plan_args(sp)
@@ -241,16 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from autopar.user_errors import quiet_torch_warnings, report
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv       # accepted anywhere on the line
+    quiet_torch_warnings()
+    args = build_parser().parse_args([a for a in argv if a != "--verbose"])
     try:
         _check_args(args)
         return args.fn(args)
     except ValueError as err:
         # Bad input: the message already names the value, the rule and the fix (one line;
-        # any cause is chained on the exception, not printed); defaults the user did not set
-        # are named, since a rule they break is otherwise a puzzle.
+        # any cause is shown with --verbose); defaults the user did not set are named, since
+        # a rule they break is otherwise a puzzle.
         extra = f" ({_defaults_line(args)})" if _defaults_line(args) else ""
-        print(f"autopar: error: {err}{extra}", file=sys.stderr)
+        report("autopar", err, verbose=verbose, extra=extra)
         return 2
 
 

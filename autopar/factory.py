@@ -27,6 +27,7 @@ with the same seed on every rank, so every rank starts from the same weights.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -115,7 +116,7 @@ def load_factory(spec: str, *, device: str | torch.device | None = None) -> User
                 result = factory()
     except Exception as exc:
         raise ValueError(f"{name}() raised {type(exc).__name__}: {_first_line(exc)}; fix the "
-                         f"factory (the cause is chained below)") from exc
+                         f"factory") from exc
     return user_model(result, name=name)
 
 
@@ -137,6 +138,11 @@ def import_function(spec: str, *, role: str, contract: str = "") -> tuple[Callab
 
 
 def _import_file(path: Path) -> Any:
+    """Import the user's file as Python runs a script: its folder first on sys.path, so it can
+    import its sibling modules (kept there: the factory may import them when it runs)."""
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(f"autopar_user_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"model file {str(path)!r} cannot be imported as Python; give a .py "
@@ -146,7 +152,7 @@ def _import_file(path: Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as exc:
         raise ValueError(f"importing {path} raised {type(exc).__name__}: {_first_line(exc)}; "
-                         f"fix the file (the cause is chained below)") from exc
+                         f"fix the file") from exc
     return module
 
 

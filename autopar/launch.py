@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,9 @@ import autopar
 from autopar.data import BatchShape, open_batches
 from autopar.factory import UserModel, load_factory
 from autopar.plan import Plan
+from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
+from autopar.user_errors import quiet_torch_warnings, report
 
 BUILD_FILE = "build.json"
 # pins that depend on the GPU count: solved again when the job re-plans for another count
@@ -59,7 +62,8 @@ def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32")
 def parse_args(argv: list[str] | None, default_model: str | None,
                default_precision: str = "fp32") -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch.py", description="Train this saved autopar "
-                                 "program under torchrun (see autopar/launch.py).")
+                                 "program under torchrun (see autopar/launch.py).",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=default_model, required=default_model is None,
                     help="file.py:factory (default: the factory autopar build was given)")
     ap.add_argument("--data", required=True,
@@ -90,7 +94,11 @@ def parse_args(argv: list[str] | None, default_model: str | None,
                     help="torch seed before the factory runs (the same on every rank)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds any collective may wait for a peer")
+    train_log.add_arguments(ap)
+    ap.add_argument("--verbose", action="store_true",
+                    help="on an error, also print its cause's traceback")
     args = ap.parse_args(argv)
+    train_log.check_arguments(args)
     for name in ("steps", "save_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a "
@@ -101,12 +109,18 @@ def parse_args(argv: list[str] | None, default_model: str | None,
 def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
     """Run the job (module docstring); the exit code."""
     program_dir = Path(program_dir)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in argv
+    quiet_torch_warnings()
     try:
-        return _run(program_dir, argv)
+        return _run(program_dir, [a for a in argv if a != "--verbose"])
     except (ValueError, PeerError) as err:
-        where = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
-        kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
-        print(f"launch.py: error: {where}{kind}{err}", file=sys.stderr, flush=True)
+        # before the process group exists every rank checks the same inputs and fails alike:
+        # rank 0 alone says so; after it, each rank names itself
+        if dist.is_initialized() or os.environ.get("RANK", "0") == "0":
+            where = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+            kind = "" if isinstance(err, ValueError) else f"{type(err).__name__}: "
+            report("launch.py", err, verbose=verbose, where=f"{where}{kind}")
         return 2 if isinstance(err, ValueError) else 1
 
 
@@ -119,6 +133,7 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         check_saved_precision(program_dir, saved, args.precision)
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
+    _check_inputs(args, user, saved)      # before the process group and the ~20 s compile
     init_distributed(timeout_s=args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan, chunk_dir = saved, program_dir
@@ -128,7 +143,14 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
             print(f"launch.py: {world} ranks, plan.json is for {saved.gpus}: re-planned for "
                   f"{world} with the same global batch {saved.global_batch_size}\n{plan}",
                   flush=True)
+    if rank == 0:
+        print(f"launch.py: training {args.model or plan.model} on {world} ranks ({_degrees(plan)}), "
+              f"global batch {plan.global_batch_size} × sequence {plan.seq_len}, steps "
+              f"{args.steps}, data {args.data}; compiling the program…", flush=True)
+    began = time.perf_counter()
     runner = _compile(plan, user, args, chunk_dir)
+    if rank == 0:
+        print(f"launch.py: compiled in {time.perf_counter() - began:.1f} s", flush=True)
     vocab = args.vocab or getattr(getattr(user.model, "config", None), "vocab_size", None)
     data = open_batches(args.data, BatchShape(
         global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
@@ -139,14 +161,8 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         runner.load_pretrained(args.pretrained)
         if rank == 0:
             print(f"loaded pretrained weights from {args.pretrained}", flush=True)
-    losses = []
-    for step in range(start, args.steps):
-        x, y = data.next()
-        losses.append(runner.train_step(x, y))
-        if rank == 0:
-            print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
-        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+    losses = _train(runner, plan, data, _eval_data(args, plan, runner, vocab), args, start,
+                    rank)
     state = runner.full_state_dict() if args.export else None
     if rank == 0:
         if args.export:
@@ -156,6 +172,78 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
                                                          "world": world}))
     runner.close()   # every rank is done before any leaves; then the groups are destroyed
     return 0
+
+
+def _train(runner: Any, plan: Plan, data: Any, eval_data: Any, args: argparse.Namespace,
+           start: int, rank: int) -> list[float]:
+    """Steps [start, --steps): the learning rate of the schedule, one step, the log line and
+    metrics record (rank 0; autopar.train_log), an eval loss every --eval-every steps and the
+    checkpoint every --save-every; the losses."""
+    log = train_log.StepLog(plan, total_steps=args.steps, out=sys.stdout if rank == 0 else None,
+                            metrics=args.metrics if rank == 0 else None)
+    losses = []
+    for step in range(start, args.steps):
+        lr = train_log.lr_at(step, lr=args.lr, steps=args.steps, warmup_steps=args.warmup_steps,
+                             decay=args.lr_decay, min_lr_ratio=args.min_lr_ratio)
+        train_log.set_lr(runner.optimizer, lr)
+        x, y = data.next()
+        began = time.perf_counter()
+        losses.append(runner.train_step(x, y))
+        elapsed = time.perf_counter() - began
+        eval_loss = None
+        if eval_data is not None and ((step + 1) % args.eval_every == 0
+                                      or step + 1 == args.steps):
+            eval_loss = sum(runner.eval_loss(*eval_data.next())
+                            for _ in range(args.eval_batches)) / args.eval_batches
+        log.record(step, loss=losses[-1], step_time_s=elapsed, lr=lr,
+                   grad_norm=runner.last_grad_norm, device=runner.device, eval_loss=eval_loss)
+        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+    log.close()
+    return losses
+
+
+def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None:
+    """What can be checked before compiling: --vocab against the model's vocabulary, the
+    data (opened as one replica: its file, dtype and token range) and --pretrained's files."""
+    model_vocab = _model_vocab(user.model)
+    if args.vocab is not None and model_vocab is not None and args.vocab > model_vocab:
+        raise ValueError(f"--vocab {args.vocab}: larger than the model's vocabulary "
+                         f"({model_vocab} embeddings), so token ids >= {model_vocab} would "
+                         f"index past it; pass --vocab {model_vocab} or less, or build the "
+                         f"model with a larger vocabulary")
+    for flag, source in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if source is not None and source != "random" and not callable(source):
+            open_batches(source, BatchShape(global_batch_size=plan.global_batch_size,
+                                            seq_len=plan.seq_len),
+                         vocab_size=args.vocab or model_vocab, seed=args.data_seed,
+                         dtype=args.data_dtype)
+    if args.pretrained:
+        from autopar.runtime.pretrained import weight_files
+        weight_files(args.pretrained)
+
+
+def _model_vocab(model: torch.nn.Module) -> int | None:
+    """config.vocab_size, else the rows of the input embedding when the model says which."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None and hasattr(model, "get_input_embeddings"):
+        emb = model.get_input_embeddings()
+        vocab = getattr(emb, "num_embeddings", None)
+    return vocab
+
+
+def _degrees(plan: Plan) -> str:
+    return " ".join(f"{k}={getattr(plan, k)}" for k in ("t", "c", "p", "d", "v"))
+
+
+def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | None) -> Any:
+    """The --eval-data batches (this replica's rows, in file order), or None."""
+    if args.eval_data is None:
+        return None
+    return open_batches(args.eval_data, BatchShape(
+        global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
+        dp_rank=runner.dp_rank, dp_size=runner.dp_size), vocab_size=vocab, seed=args.data_seed,
+        dtype=args.data_dtype)
 
 
 def _read_build(program_dir: Path) -> dict[str, Any]:

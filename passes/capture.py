@@ -33,7 +33,10 @@ Errors: a model torch.export cannot trace raises `CaptureError` naming the user'
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import sys
 import sysconfig
 import traceback
 from dataclasses import dataclass, field
@@ -220,13 +223,24 @@ def _rebind_parameters(gm: torch.fx.GraphModule, originals: dict[int, Any]) -> N
 # ----- export and its errors -------------------------------------------------------------------
 
 def _export(wrapper: torch.nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    # torch prints the partial graph (~50 lines) and a symbolic-shapes warning to stderr before
+    # raising on a data-dependent branch: held back, and shown only if export succeeds
+    held = io.StringIO()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes_log.level
     try:
-        return torch.export.export(wrapper, args, strict=False)
+        shapes_log.setLevel(logging.ERROR)
+        with contextlib.redirect_stderr(held):
+            exported = torch.export.export(wrapper, args, strict=False)
+        sys.stderr.write(held.getvalue())
+        return exported
     except Exception as exc:  # torch.export raises many types; all become one clear error
         # One line on screen, the detail in __cause__: the innermost original error with its
         # traceback cut to start at the user's frame (torch.export's own chain of wrappers
         # would otherwise print hundreds of lines before this message).
         raise CaptureError(_explain_failure(exc)) from _short_root(exc)
+    finally:
+        shapes_log.setLevel(level)
 
 
 def _explain_failure(exc: BaseException) -> str:

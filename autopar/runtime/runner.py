@@ -61,6 +61,7 @@ class Runner:
             t=groups.t, tp_rank=groups.tp_rank, record=record_timeline,
             before_action=regime.before_action, after_run=regime.after_run)
         self.steps = 0
+        self.last_grad_norm: float | None = None   # before clipping, last step
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
@@ -70,11 +71,28 @@ class Runner:
         self.regime.zero_grad()
         losses = self.executor.run(mbs, scales)
         self.regime.finish()
-        if self.max_grad_norm is not None:
-            self.regime.clip(self.max_grad_norm)
+        if self.max_grad_norm is not None:   # the norm before clipping, for the log
+            self.last_grad_norm = float(self.regime.clip(self.max_grad_norm))
         self.regime.step()
         self.steps += 1
         return self._global_loss(losses, scales)
+
+    def eval_loss(self, inputs: Any, targets: torch.Tensor) -> float:
+        """The global mean loss of a batch, weights and optimizer state untouched. The
+        executor has no forward-only schedule yet, so this runs the step's forward and backward
+        and discards the gradients (a known gap: ~3x the cost of a forward)."""
+        mbs = self._microbatches(inputs, targets)
+        scales = self._loss_scales(mbs[0][-1].device, targets)
+        self.regime.zero_grad()
+        losses = self.executor.run(mbs, scales)
+        self.regime.finish()          # overlapped reductions complete before the grads go
+        self.regime.zero_grad()
+        return self._global_loss(losses, scales)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """This rank's optimizer (its param_groups carry the learning rate)."""
+        return self.regime.optimizer
 
     def _loss_scales(self, device: torch.device, targets: torch.Tensor) -> list[float] | None:
         """Each micro-batch's backward scale when the loss is a token mean (the last chunk's

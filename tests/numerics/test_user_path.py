@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -118,14 +119,15 @@ def test_transformers_model_build_train_kill_resume_on_fewer_ranks(tmp_path):
     assert plan.gpus == 4 and plan.global_batch_size == 8
 
     first = _kill_one_rank_after_first_checkpoint(_torchrun(4) + TRAIN, tmp_path, env)
-    assert "step 0: loss" in first
+    assert re.search(r"^step +0/8  loss \d", first, re.M), first[-2000:]
 
-    log = _run(_torchrun(2) + TRAIN + ["--export", "weights.pt", "--losses-out", "losses.json"],
-               tmp_path, env, 400)
+    log = _run(_torchrun(2) + TRAIN + ["--export", "weights.pt", "--losses-out", "losses.json",
+                                       "--metrics", "metrics.jsonl"], tmp_path, env, 400)
     assert "re-planned for 2 with the same global batch 8" in log, log[-4000:]
     got = json.loads((tmp_path / "losses.json").read_text())
     assert got["world"] == 2 and 0 < got["start"] < STEPS, got   # resumed mid-run
 
+    _check_metrics(tmp_path / "metrics.jsonl", got, log)
     ref_losses, ref_state = _reference(tmp_path, plan)
     # the resumed steps see the batches the uninterrupted run saw at those steps
     torch.testing.assert_close(got["losses"], ref_losses[got["start"]:], rtol=1e-4, atol=1e-5)
@@ -136,6 +138,22 @@ def test_transformers_model_build_train_kill_resume_on_fewer_ranks(tmp_path):
     # lr=1e-3 step; as in tests/numerics/test_checkpoint_runner.py
     for key, ref in ref_state.items():
         torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+
+
+def _check_metrics(path: Path, got: dict, log: str) -> None:
+    """The resumed job's metrics file: one record a step with every field of the log line,
+    tokens/s and MFU consistent with the measured step time; the log line shows them."""
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(got["start"], STEPS))
+    assert [r["loss"] for r in recs] == got["losses"]
+    for r in recs:
+        assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_time_s"])
+        assert r["mfu"] == pytest.approx(r["mfu_predicted"] * r["step_time_s_predicted"]
+                                         / r["step_time_s"])
+        assert r["lr"] == LR and r["grad_norm"] > 0 and r["peak_memory_bytes"] > 0
+    for field in ("ms/step", "tok/s", "MFU", "(plan ", "lr 0.001", "grad-norm", "peak-mem"):
+        assert field in log, (field, log[-2000:])
+    assert "launch.py: training" in log and "compiled in" in log
 
 
 def test_launch_starts_from_pretrained_weights(tmp_path):

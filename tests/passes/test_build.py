@@ -27,6 +27,9 @@ def wider():
 
 def deeper():
     return factory(layers=5)
+
+def raises():
+    raise RuntimeError("no GPU here")
 '''
 ARGS = ["--gpus", "2", "--batch", "4", "--seq", "16", "--cluster", "local-cpu"]
 
@@ -105,14 +108,33 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
     (["--data", "random", "--precision", "bf16"],
      ["chunk_00.py was generated for precision='fp32' but the run asks for precision='bf16'",
       "autopar build --precision bf16"]),
+    # checked before the process group and the compile (issue 30)
+    (["--data", "random", "--vocab", "100"],
+     ["--vocab 100: larger than the model's vocabulary (64", "pass --vocab 64 or less"]),
+    (["--data", "{d}/missing.bin"], ["missing.bin", "does not exist"]),
+    (["--data", "random", "--eval-data", "{d}/missing.bin"], ["missing.bin"]),
+    (["--data", "random", "--pretrained", "{d}/nowhere"], ["is not a directory"]),
+    (["--data", "random", "--steps", "4", "--warmup-steps", "4"], ["--warmup-steps 4"]),
+    (["--data", "random", "--model", "{d}/my_model.py:raises"],
+     ["raises() raised RuntimeError: no GPU here", "run with --verbose"]),
 ])
 def test_launch_bad_input_is_one_line(built, capsys, argv, words):
     from autopar.launch import main as launch_main
+    argv = [a.format(d=built) for a in argv]
     assert launch_main(built / "prog", argv) == 2      # before any process group is joined
     err = capsys.readouterr().err.strip()
     assert err.startswith("launch.py: error:") and "\n" not in err, err
     for w in words:
         assert w in err, (w, err)
+
+
+def test_launch_verbose_shows_the_cause(built, capsys):
+    from autopar.launch import main as launch_main
+    argv = ["--data", "random", "--model", f"{built}/my_model.py:raises", "--verbose"]
+    assert launch_main(built / "prog", argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("launch.py: error: ") and "run with --verbose" not in err
+    assert "Traceback" in err and 'raise RuntimeError("no GPU here")' in err
 
 
 def test_build_for_bf16_records_it_and_launch_runs_it_by_default(built, capsys):

@@ -105,3 +105,16 @@ def test_sequence_length_is_checked_against_context_and_example_inputs(tmp_path)
     bare = user_model(torch.nn.Linear(2, 2), name="lin")
     with pytest.raises(ValueError, match=r"lin: no sequence length .* pass --seq S"):
         bare.inputs()
+
+
+def test_a_factory_file_imports_its_sibling_module(tmp_path):
+    """As `python my_model.py` would: the file's folder is on sys.path while it is imported
+    and after (the factory may import lazily when it runs)."""
+    (tmp_path / "my_layers_sib.py").write_text("import torch\nWIDTH = 8\n")
+    (tmp_path / "my_model_sib.py").write_text(
+        "import torch\nfrom my_layers_sib import WIDTH\n\n"
+        "def factory():\n    import my_layers_sib\n"
+        "    return {'model': torch.nn.Linear(WIDTH, my_layers_sib.WIDTH),\n"
+        "            'example_inputs': (torch.zeros(2, WIDTH),)}\n")
+    user = load_factory(f"{tmp_path / 'my_model_sib.py'}:factory")
+    assert user.model.in_features == 8

@@ -1,5 +1,5 @@
 """`.ci/run` must run exactly the README's test command (the contract of the README's first
-screen), and the README must show the main command."""
+screen), then the non-editable install check, and the README must show the main command."""
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository (tests/unit/this file)
@@ -15,7 +15,8 @@ def test_ci_runs_the_readme_test_command():
     test_cmd = next(b for b in _bash_blocks(readme) if "pytest" in b)
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line and not line.startswith(("#", "set ", "cd "))]
-    assert ci == [test_cmd]
+    assert ci == [test_cmd, ".ci/install-check"]
+    assert "/pip\" install -q \"$repo\"" in (ROOT / ".ci" / "install-check").read_text()
 
 
 def test_readme_first_screen_has_the_main_command():
