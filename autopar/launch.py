@@ -41,6 +41,7 @@ from autopar.data import BatchShape, open_batches
 from autopar.factory import UserModel, load_factory
 from autopar.plan import Plan
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
+from autopar.runtime.preempt import DEFAULT_SAVE_EVERY, CheckpointSaver
 
 BUILD_FILE = "build.json"
 # pins that depend on the GPU count: solved again when the job re-plans for another count
@@ -82,7 +83,14 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--pretrained", default=None,
                     help="a transformers save_pretrained directory (safetensors) to start from "
                          "when no checkpoint is resumed")
-    ap.add_argument("--save-every", type=int, default=1)
+    ap.add_argument("--save-every", type=int, default=DEFAULT_SAVE_EVERY,
+                    help="optimizer steps between checkpoints (and after the last step, and at "
+                         "SIGTERM / SIGUSR1)")
+    ap.add_argument("--keep", type=int, default=2,
+                    help="checkpoint versions kept; a load falls back to an older one when the "
+                         "newest is damaged")
+    ap.add_argument("--async-save", default=True, action=argparse.BooleanOptionalAction,
+                    help="write checkpoints on a background thread while training goes on")
     ap.add_argument("--export", default=None,
                     help="write the trained single-device state dict here (torch.save)")
     ap.add_argument("--losses-out", default=None, help="write the losses as JSON (rank 0)")
@@ -91,7 +99,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                     help="seconds any collective may wait for a peer")
     args = ap.parse_args(argv)
-    for name in ("steps", "save_every"):
+    for name in ("steps", "save_every", "keep"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a "
                              f"positive integer")
@@ -140,13 +148,15 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         if rank == 0:
             print(f"loaded pretrained weights from {args.pretrained}", flush=True)
     losses = []
+    saver = CheckpointSaver(runner, args.checkpoint, every=args.save_every, last=args.steps,
+                            keep=args.keep, async_save=args.async_save)
     for step in range(start, args.steps):
         x, y = data.next()
         losses.append(runner.train_step(x, y))
         if rank == 0:
             print(f"step {step}: loss {losses[-1]:.5f}", flush=True)
-        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+        if saver.after_step(step, user_state={"data": data.state_dict()}):
+            break                       # preempted: saved at this step on every rank
     state = runner.full_state_dict() if args.export else None
     if rank == 0:
         if args.export:
@@ -225,7 +235,7 @@ def _resume(runner: Any, data: Any, checkpoint: str | None, rank: int) -> int:
         return 0
     from autopar.runtime.checkpoint import read_user_state
     start = runner.load_checkpoint(checkpoint)
-    state = read_user_state(checkpoint).get("data")
+    state = read_user_state(runner.checkpoint_version or checkpoint).get("data")
     if state is None:
         raise ValueError(f"--checkpoint {checkpoint}: it holds no data read position (saved "
                          f"by another training loop); pass a new checkpoint path, or resume "

@@ -36,13 +36,14 @@ import torch.distributed as dist
 
 LAYOUT_FILE = "autopar_layout.json"
 _BLOCK_BYTES = 1 << 20
-_GROUPS: dict[int, Any] = {}
+_GROUPS: dict[tuple[int, str], Any] = {}
 
 
-def checkpoint_group(groups: Any) -> Any:
-    """A gloo group over every rank for checkpoint traffic (the background writer's
-    collectives, the preemption vote), created once (collective on first use)."""
-    key = id(groups)
+def checkpoint_group(groups: Any, purpose: str = "save") -> Any:
+    """A gloo group over every rank for checkpoint traffic, one per purpose ("save": the
+    (background) writer's collectives; "vote": the preemption vote, issued by the main thread
+    while a save may be in flight), created once (collective on first use)."""
+    key = (id(groups), purpose)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=float(getattr(groups, "timeout_s", 600.0))))
