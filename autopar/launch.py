@@ -43,6 +43,7 @@ from autopar.factory import UserModel, load_factory
 from autopar.plan import Plan
 from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
+from autopar.runtime.preempt import DEFAULT_SAVE_EVERY, CheckpointSaver
 from autopar.user_errors import quiet_torch_warnings, report
 
 BUILD_FILE = "build.json"
@@ -86,7 +87,14 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--pretrained", default=None,
                     help="a transformers save_pretrained directory (safetensors) to start from "
                          "when no checkpoint is resumed")
-    ap.add_argument("--save-every", type=int, default=1)
+    ap.add_argument("--save-every", type=int, default=DEFAULT_SAVE_EVERY,
+                    help="optimizer steps between checkpoints (and after the last step, and at "
+                         "SIGTERM / SIGUSR1)")
+    ap.add_argument("--keep", type=int, default=2,
+                    help="checkpoint versions kept; a load falls back to an older one when the "
+                         "newest is damaged")
+    ap.add_argument("--async-save", default=True, action=argparse.BooleanOptionalAction,
+                    help="write checkpoints on a background thread while training goes on")
     ap.add_argument("--export", default=None,
                     help="write the trained single-device state dict here (torch.save)")
     ap.add_argument("--losses-out", default=None, help="write the losses as JSON (rank 0)")
@@ -99,7 +107,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
                     help="on an error, also print its cause's traceback")
     args = ap.parse_args(argv)
     train_log.check_arguments(args)
-    for name in ("steps", "save_every"):
+    for name in ("steps", "save_every", "keep"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a "
                              f"positive integer")
@@ -161,8 +169,10 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
         runner.load_pretrained(args.pretrained)
         if rank == 0:
             print(f"loaded pretrained weights from {args.pretrained}", flush=True)
+    saver = CheckpointSaver(runner, args.checkpoint, every=args.save_every, last=args.steps,
+                            keep=args.keep, async_save=args.async_save)
     losses = _train(runner, plan, data, _eval_data(args, plan, runner, vocab), args, start,
-                    rank)
+                    rank, saver)
     state = runner.full_state_dict() if args.export else None
     if rank == 0:
         if args.export:
@@ -175,10 +185,11 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
 
 
 def _train(runner: Any, plan: Plan, data: Any, eval_data: Any, args: argparse.Namespace,
-           start: int, rank: int) -> list[float]:
+           start: int, rank: int, saver: CheckpointSaver) -> list[float]:
     """Steps [start, --steps): the learning rate of the schedule, one step, the log line and
     metrics record (rank 0; autopar.train_log), an eval loss every --eval-every steps and the
-    checkpoint every --save-every; the losses."""
+    checkpoint every --save-every (or at a preemption signal: then the loop ends on every
+    rank at the same step; autopar.runtime.preempt); the losses."""
     log = train_log.StepLog(plan, total_steps=args.steps, out=sys.stdout if rank == 0 else None,
                             metrics=args.metrics if rank == 0 else None)
     losses = []
@@ -197,8 +208,8 @@ def _train(runner: Any, plan: Plan, data: Any, eval_data: Any, args: argparse.Na
                             for _ in range(args.eval_batches)) / args.eval_batches
         log.record(step, loss=losses[-1], step_time_s=elapsed, lr=lr,
                    grad_norm=runner.last_grad_norm, device=runner.device, eval_loss=eval_loss)
-        if args.checkpoint and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            runner.save_checkpoint(args.checkpoint, user_state={"data": data.state_dict()})
+        if saver.after_step(step, user_state={"data": data.state_dict()}):
+            break                       # preempted: saved at this step on every rank
     log.close()
     return losses
 
@@ -313,7 +324,7 @@ def _resume(runner: Any, data: Any, checkpoint: str | None, rank: int) -> int:
         return 0
     from autopar.runtime.checkpoint import read_user_state
     start = runner.load_checkpoint(checkpoint)
-    state = read_user_state(checkpoint).get("data")
+    state = read_user_state(runner.checkpoint_version or checkpoint).get("data")
     if state is None:
         raise ValueError(f"--checkpoint {checkpoint}: it holds no data read position (saved "
                          f"by another training loop); pass a new checkpoint path, or resume "

@@ -34,7 +34,7 @@ import io
 import json
 import os
 import pickle
-import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,11 +44,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from autopar.runtime.ckpt_pieces import sharded_entries
+from autopar.runtime.ckpt_store import (LAYOUT_FILE, WRITER, adopt_copy, checkpoint_group,
+                                        choose_version, commit, file_records, own_files, stage)
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.params import LocalParams, ParamInfo
 from autopar.runtime.shard import gather_unshard, local_shard
 
-LAYOUT_FILE = "autopar_layout.json"
 PLAN_FILE = "plan.json"
 FORMAT = "autopar-checkpoint-1"
 
@@ -115,13 +117,15 @@ def _local_entries(tensors: Tensors, optimizer_state: OptimState | None, groups:
             else:
                 dcp_key, data, piece = _piece(name, value, vinfo)
             state_dict[dcp_key] = data.detach().contiguous().clone()
-            records.append({**_record(name, data, vinfo), **piece})
+            records.append({**_record(name, data, vinfo),
+                            "piece": [piece["start"], piece["stop"], piece["dcp_key"]]})
     return state_dict, records
 
 
 def _merge_layout(all_records: list[list[dict]], step: int, plan_json: str,
                   user_state: dict | None = None) -> dict:
     tensors: dict[str, dict] = {}
+    seen: dict[str, set[str]] = {}
     for records in all_records:
         for r in records:
             entry = tensors.setdefault(r["name"], {
@@ -132,11 +136,32 @@ def _merge_layout(all_records: list[list[dict]], step: int, plan_json: str,
                                  f"{entry['global_shape']} vs {r['global_shape']}, split_dim "
                                  f"{entry['split_dim']} vs {r['split_dim']}; their ParamInfos "
                                  f"must describe the same full tensor")
-            piece = [r["start"], r["stop"], r["dcp_key"]]
-            if piece not in entry["pieces"]:
-                entry["pieces"].append(piece)
+            key = r["piece"][-1]
+            if key not in seen.setdefault(r["name"], set()):
+                seen[r["name"]].add(key)
+                entry["pieces"].append(r["piece"])
     return {"format": FORMAT, "step": int(step), "plan": plan_json,
             "user_state": user_state or {}, "tensors": tensors}
+
+
+def _check_coverage(layout: dict) -> None:
+    """Every sharded tensor's boxes add up to the whole tensor (they are disjoint by
+    construction: ckpt_pieces writes each element on one rank)."""
+    for name, entry in layout["tensors"].items():
+        if not entry["pieces"] or len(entry["pieces"][0]) != 2:
+            continue
+        have = sum(_volume(box) for box, _ in entry["pieces"])
+        if have != _volume([(0, n) for n in entry["global_shape"]]):
+            raise ValueError(f"save_checkpoint: the ranks wrote {have} elements of {name!r} "
+                             f"of shape {entry['global_shape']}; a rank's shard description "
+                             f"is wrong (autopar.runtime.ckpt_pieces)")
+
+
+def _volume(box: Any) -> int:
+    vol = 1
+    for lo, hi in box:
+        vol *= hi - lo
+    return vol
 
 
 def _shared_uid(groups: Any) -> str:
@@ -158,33 +183,66 @@ def save_checkpoint(path: str | os.PathLike, tensors: Tensors,
     rank 0's stored in the layout and committed with the tensors (`read_user_state`).
     Collective over groups.world: every rank calls it with the same path.
     """
+    _check_json(user_state)
+    state_dict, records = _local_entries(tensors, optimizer_state, groups)
+    save_entries(path, state_dict, records, step, groups, plan_json, user_state)
+
+
+def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
+                 records: list[dict], step: int, groups: Any, plan_json: str = "{}",
+                 user_state: dict | None = None, *, keep: int = 1,
+                 async_save: bool = False) -> None:
+    """Write this rank's pieces (`state_dict`: DCP key -> tensor, `records`: their layout
+    records) as a new version of `path` and commit it (autopar.runtime.ckpt_store): after
+    every rank's files are complete, rank 0 writes the layout (with each file's size and
+    CRC-32), repoints the link and keeps the `keep` newest versions. async_save: stage the
+    pieces in host memory and write on a background thread (returns at once; the next save
+    or `wait_for_save` waits). Collective: every rank calls it with the same path."""
     path = Path(path)
     _check_json(user_state)
-    if path.exists() and not path.is_symlink():
-        raise ValueError(f"save_checkpoint: {path} exists and is not an autopar checkpoint link "
-                         f"(autopar keeps `path` as a symlink to the latest complete version); "
-                         f"pick another path or remove {path}")
+    WRITER.wait()                                     # one save in flight at a time
     multi = groups is not None and groups.world_size > 1
+    rank = groups.rank if multi else 0
     uid = _shared_uid(groups)
     tmp = path.parent / f"{path.name}.tmp-{uid}"
-    if not multi or groups.rank == 0:
+    if rank == 0:
+        adopt_copy(path, uid)                         # a `cp -rL` copy becomes a version
         tmp.mkdir(parents=True)
+    group = checkpoint_group(groups) if multi else None
     if multi:
         dist.barrier(group=groups.world)
-    state_dict, records = _local_entries(tensors, optimizer_state, groups)
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)),
-             process_group=groups.world if multi else None, no_dist=not multi)
-    gathered: list[Any] = [records]
-    if multi:
-        gathered = [None] * groups.world_size
-        dist.all_gather_object(gathered, records, group=groups.world)
-    if not multi or groups.rank == 0:
-        layout = _merge_layout(gathered, step, plan_json, user_state)
-        _write_json(tmp / PLAN_FILE, json.loads(plan_json))   # the saving plan, readable
-        _write_json(tmp / LAYOUT_FILE, layout)
-        _commit(path, tmp, uid)
-    if multi:
-        dist.barrier(group=groups.world)
+    if async_save:
+        state_dict = stage(state_dict)
+
+    def write() -> None:
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)),
+                 process_group=group, no_dist=not multi)
+        mine = (records, file_records(tmp, own_files(tmp, rank)))
+        parts: list[Any] | None = [None] * groups.world_size if rank == 0 and multi else None
+        if multi:   # rank 0 hears from every rank only once its files are complete
+            dist.gather_object(mine, parts, dst=0, group=group)
+        if rank == 0:
+            parts = parts or [mine]
+            layout = _merge_layout([r for r, _ in parts], step, plan_json, user_state)
+            _check_coverage(layout)
+            _write_json(tmp / PLAN_FILE, json.loads(plan_json))   # the saving plan, readable
+            files = {n: v for _, f in parts for n, v in f.items()}
+            layout["files"] = {**files, **file_records(tmp, [".metadata", PLAN_FILE])}
+            _write_json(tmp / LAYOUT_FILE, layout)
+            commit(path, tmp, uid, keep)
+        if multi:
+            dist.barrier(group=group)
+
+    if async_save:
+        WRITER.start(write)
+    else:
+        with peer_guard("checkpoint save with", group):
+            write()
+
+
+def wait_for_save() -> None:
+    """Block until this process's background save (if any) is committed; raise its error."""
+    WRITER.wait()
 
 
 def _write_json(file: Path, obj: dict) -> None:
@@ -194,32 +252,6 @@ def _write_json(file: Path, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, file)
-
-
-def _commit(path: Path, tmp: Path, uid: str) -> None:
-    """Make `path` point at the finished `tmp` (atomic), then delete older versions."""
-    final = path.parent / f"{path.name}.ckpt-{uid}"
-    os.rename(tmp, final)
-    link = path.parent / f"{path.name}.link-{uid}"
-    os.symlink(final.name, link)
-    os.replace(link, path)            # the commit point: before it the old version is current
-    _fsync_dir(path.parent)
-    for old in path.parent.glob(f"{path.name}.*"):
-        if old.name != final.name and (old.name.startswith(f"{path.name}.ckpt-")
-                                       or old.name.startswith(f"{path.name}.tmp-")
-                                       or old.name.startswith(f"{path.name}.link-")):
-            if old.is_symlink() or old.is_file():
-                old.unlink()
-            else:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---- load ----------------------------------------------------------------------------------
@@ -309,11 +341,23 @@ def _box(shape: list[int], dim: int | None, start: int | None, stop: int | None
     return box
 
 
+def _pieces(entry: dict) -> list[tuple[list[tuple[int, int]], str]]:
+    """(box of the full tensor, DCP key) of each saved piece: [box, key] in sharded layouts,
+    [start, stop, key] (rows of split_dim) in those written before them."""
+    out = []
+    for piece in entry["pieces"]:
+        if len(piece) == 2:
+            out.append(([tuple(b) for b in piece[0]], piece[1]))
+        else:
+            start, stop, dcp_key = piece
+            out.append((_box(entry["global_shape"], entry["split_dim"], start, stop), dcp_key))
+    return out
+
+
 def _plan_reads(name: str, entry: dict, want: list[tuple[int, int]]) -> list[tuple]:
     """The saved pieces overlapping the box `want`: (dcp_key, piece box, overlap box)."""
     reads, covered = [], 0
-    for start, stop, dcp_key in entry["pieces"]:
-        have = _box(entry["global_shape"], entry["split_dim"], start, stop)
+    for have, dcp_key in _pieces(entry):
         inter = [(max(a, c), min(b, e)) for (a, b), (c, e) in zip(have, want)]
         if all(lo < hi for lo, hi in inter) or not inter:
             reads.append((dcp_key, have, inter))
@@ -390,10 +434,8 @@ def _dtype(name: str) -> torch.dtype:
 def _read_pieces(path: Path, layout: dict, jobs: list) -> dict[str, torch.Tensor]:
     shapes: dict[str, tuple[list[int], str]] = {}
     for name, entry in layout["tensors"].items():
-        for start, stop, dcp_key in entry["pieces"]:
-            shape = [hi - lo for lo, hi in _box(entry["global_shape"], entry["split_dim"],
-                                                  start, stop)]
-            shapes[dcp_key] = (shape, entry["dtype"])
+        for box, dcp_key in _pieces(entry):
+            shapes[dcp_key] = ([hi - lo for lo, hi in box], entry["dtype"])
     wanted = {dcp_key for _, _, reads in jobs for dcp_key, _, _ in reads}
     buffers = {k: torch.empty(shapes[k][0], dtype=_dtype(shapes[k][1])) for k in wanted}
     if buffers:
@@ -455,9 +497,19 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
 
 def save_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime: Any,
                             groups: Any, step: int, plan_json: str,
-                            user_state: dict | None = None) -> None:
+                            user_state: dict | None = None, *, keep: int = 1,
+                            async_save: bool = False) -> None:
     """Save the program's weights, optimizer state and step (module docstring). `regime`: the
-    program's optimizer regime (autopar.runtime.regimes). Collective: every rank calls it."""
+    program's optimizer regime (autopar.runtime.regimes): each rank writes the pieces it holds
+    (`regime.shard_state()`, autopar.runtime.ckpt_pieces), nothing gathered; a regime without
+    a sharded form is gathered as before. keep: versions kept (the newest `keep`); async_save:
+    written on a background thread (ckpt_store). Collective: every rank calls it."""
+    held = regime.shard_state()
+    if held is not None:
+        state_dict, records = sharded_entries(held, params, groups)
+        save_entries(path, state_dict, records, step, groups, plan_json, user_state,
+                     keep=keep, async_save=async_save)
+        return
     weights = regime.fp32_weights()
     ostate = regime.optimizer_state()
     tensors: Tensors = {}
@@ -481,6 +533,20 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     weights_only: the weights alone (the optimizer state is not read and stays as it is).
     Keys and full shapes must match the model's: otherwise the same ValueError on every rank,
     naming them. Collective: every rank calls it."""
+    return load_program_version(path, params, regime, groups, weights_only=weights_only)[0]
+
+
+def load_program_version(path: str | os.PathLike, params: LocalParams, regime: Any,
+                         groups: Any, *, weights_only: bool = False) -> tuple[int, Path]:
+    """load_program_checkpoint from the newest version of `path` whose files are sound
+    (sizes and checksums; autopar.runtime.ckpt_store.choose_version): (step, that version).
+    A skipped version is one line on rank 0's stderr naming the bad file. Collective."""
+    WRITER.wait()                    # a save of this process still in flight lands first
+    path, skipped = choose_version(Path(path), read_layout, groups.world if groups else None)
+    if skipped and (groups is None or groups.rank == 0):
+        for problem in skipped:
+            print(f"load_checkpoint: skipped a version: {problem}; using the previous "
+                  f"complete version {path}", file=sys.stderr, flush=True)
     layout = read_layout(path)
     _check_program_keys(path, layout, params)
     targets: Tensors = {}
@@ -506,7 +572,7 @@ def load_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
                 ostate[key] = {k: v if v.dim() == 0 else mine(v) for k, v in ostate[key].items()}
         weights[q] = w
     regime.load(weights, ostate)
-    return step
+    return step, path
 
 
 def _gathered_over_tp(info: ParamInfo, params: LocalParams, q: str) -> bool:

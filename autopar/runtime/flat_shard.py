@@ -147,3 +147,12 @@ def _state_names(optimizer: torch.optim.Optimizer, group: Any
             merged.update(a[1])
         scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in merged.items()}
     return sorted(tensors), scalars
+
+
+def held_segments(layout: FlatLayout, masters: Sequence[torch.Tensor],
+                  optimizer: torch.optim.Optimizer, names: Sequence[str]) -> list:
+    """My segments as checkpoint pieces (autopar.runtime.ckpt_pieces.Held): each master piece
+    and its optimizer state, views, no communication — what a sharded save writes."""
+    from autopar.runtime.ckpt_pieces import held_range
+    return [held_range(names[s.param], s.lo, s.hi, m, optimizer.state.get(m, {}), False)
+            for s, m in zip(layout.segments, masters)]

@@ -23,13 +23,15 @@ load_pretrained reads a `transformers` save_pretrained directory (autopar.runtim
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.checkpoint import load_program_checkpoint, save_program_checkpoint
+from autopar.runtime.checkpoint import (load_program_version, save_program_checkpoint,
+                                        wait_for_save)
 from autopar.runtime.collectives import all_gather, all_reduce_
 from autopar.runtime.context import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
@@ -62,6 +64,7 @@ class Runner:
             before_action=regime.before_action, after_run=regime.after_run)
         self.steps = 0
         self.last_grad_norm: float | None = None   # before clipping, last step
+        self.checkpoint_version: Path | None = None   # the version load_checkpoint read
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
@@ -205,15 +208,24 @@ class Runner:
                 merged.update(part)
         return self._state_dict.assemble(merged)
 
-    def save_checkpoint(self, path: str | os.PathLike, *,
-                        user_state: dict | None = None) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, user_state: dict | None = None,
+                        keep: int = 1, async_save: bool = False) -> None:
         """Save weights (fp32 masters under bf16), optimizer state and step to `path`,
-        atomically (see autopar.runtime.checkpoint), under every plan and ZeRO level.
-        user_state: JSON-serialisable state of the training loop (e.g. the data's read
-        position, autopar.data), rank 0's committed with the tensors; read it back with
-        autopar.runtime.checkpoint.read_user_state(path). Collective: every rank calls it."""
+        atomically (see autopar.runtime.checkpoint), under every plan and ZeRO level: each
+        rank writes the pieces it holds. user_state: JSON-serialisable state of the training
+        loop (e.g. the data's read position, autopar.data), rank 0's committed with the
+        tensors; read it back with autopar.runtime.checkpoint.read_user_state(path). keep:
+        the newest versions kept (a load falls back to an older one when the newest is
+        damaged). async_save: returns once the pieces are copied to host memory; a background
+        thread writes and commits them (the next save, a load and close() wait for it).
+        Collective: every rank calls it."""
         save_program_checkpoint(path, self.params, self.regime, self.pg, self.steps,
-                                self.plan.to_json(), user_state)
+                                self.plan.to_json(), user_state, keep=keep,
+                                async_save=async_save)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until this rank's background save (if any) is committed."""
+        wait_for_save()
 
     def load_checkpoint(self, path: str | os.PathLike, *, weights_only: bool = False) -> int:
         """Load a checkpoint saved under this or any other plan (other t, p, d, v, zero,
@@ -221,8 +233,8 @@ class Runner:
         the optimizer state is not read and the runner's step count is left as it is (start
         a fine-tune from a trained checkpoint). Keys and full shapes must match this model's:
         otherwise ValueError naming them, on every rank. Collective: every rank calls it."""
-        step = load_program_checkpoint(path, self.params, self.regime, self.pg,
-                                       weights_only=weights_only)
+        step, self.checkpoint_version = load_program_version(
+            path, self.params, self.regime, self.pg, weights_only=weights_only)
         if not weights_only:
             self.steps = step
         return step
@@ -241,6 +253,7 @@ class Runner:
         peer that vanishes mid-exchange is a failure of the job); a dead rank is a PeerError."""
         if not dist.is_initialized():
             return
+        wait_for_save()
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
         dist.destroy_process_group()

@@ -137,7 +137,7 @@ def test_single_process_crash_mismatch_and_safety(tmp_path, monkeypatch):
     tensors, optim = _local_state(None, 1, 1)
     ckpt.save_checkpoint(path, tensors, optim, 7, None)
     # a crash between writing and committing keeps the old checkpoint
-    monkeypatch.setattr(ckpt, "_commit", lambda *a: (_ for _ in ()).throw(RuntimeError("crash")))
+    monkeypatch.setattr(ckpt, "commit", lambda *a: (_ for _ in ()).throw(RuntimeError("crash")))
     with pytest.raises(RuntimeError, match="crash"):
         ckpt.save_checkpoint(path, *_local_state(None, 1, 1, seed=1), 8, None)
     monkeypatch.undo()

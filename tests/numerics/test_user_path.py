@@ -37,7 +37,8 @@ def factory():
     return LlamaForCausalLM(config)
 '''
 STEPS, LR = 8, 1e-3
-TRAIN = ["--data", "tokens.bin", "--steps", str(STEPS), "--checkpoint", "ckpt", "--lr", str(LR)]
+TRAIN = ["--data", "tokens.bin", "--steps", str(STEPS), "--checkpoint", "ckpt", "--save-every", "1",
+         "--lr", str(LR)]
 
 
 def _run(cmd: list[str], cwd: Path, env: dict, timeout_s: float) -> str:

@@ -78,6 +78,13 @@ class Regime(ABC):
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         """Install fp32 weights (by graph name, local shapes) and optimizer state (by key)."""
 
+    def shard_state(self) -> list | None:
+        """What this rank holds, as flat ranges of its local parameters with their fp32
+        weights and optimizer states (autopar.runtime.ckpt_pieces.Held; views, no
+        communication): what a sharded checkpoint writes. None: the regime has no sharded
+        form, and checkpoints gather (fp32_weights, optimizer_state)."""
+        return None
+
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer-state tensors (Adam's m, v, ...)."""
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_key
+from autopar.runtime.ckpt_pieces import held_range
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradSync
 from autopar.runtime.params import LocalParams
@@ -98,6 +99,10 @@ class Replicated(Regime):
 
     def optimizer_state(self) -> OptimState:
         return optimizer_state_by_key(self.optimizer, self._by_key())
+
+    def shard_state(self) -> list:
+        return [held_range(q, 0, p.numel(), p, self.optimizer.state.get(p, {}), True)
+                for q, p in self.stepped.items()]
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         with torch.no_grad():

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autopar.runtime.flat_shard import held_segments
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
@@ -171,6 +172,15 @@ class Zero1(Regime):
 
     def optimizer_state(self) -> OptimState:
         return self.zero.gathered_state()
+
+    def shard_state(self) -> list:
+        """My master segments and their optimizer state (views; parts in `order`)."""
+        parts = self.zero.parts if isinstance(self.zero, ChunkedZero) else [self.zero]
+        out, names = [], iter(self.order)
+        for part in parts:
+            mine = [next(names) for _ in part.params]
+            out += held_segments(part.layout, part.master, self.optimizer, mine)
+        return out
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         with torch.no_grad():

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_key
+from autopar.runtime.ckpt_pieces import held_range
+from autopar.runtime.flat_shard import held_segments
 from autopar.runtime.clip import local_sq_sum
 from autopar.runtime.collectives import all_reduce_
 from autopar.runtime.params import LocalParams
@@ -147,6 +149,14 @@ class Zero3(Regime):
         out = {infos[q].key: st for q, st in self.chunks.gathered_state().items()}
         out.update(optimizer_state_by_key(self.optimizer, self._replicated_by_key()))
         return out
+
+    def shard_state(self) -> list:
+        """Every chunk's master segments and their optimizer state, and the replicated (tied)
+        parameters whole (views)."""
+        out = [h for _, ch in sorted(self.chunks.chunks.items())
+               for h in held_segments(ch.layout, ch.master, self.optimizer, ch.names)]
+        return out + [held_range(q, 0, t.numel(), t, self.optimizer.state.get(t, {}), True)
+                      for q, t in self.stepped.items()]
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         """Each chunk's shard and its optimizer state from the full (local-shape) values;

@@ -1,0 +1,233 @@
+"""Where a checkpoint's files live: versions, the atomic commit, checksums, the background
+writer, and which version a load may trust.
+
+On disk, for a checkpoint path `ckpt`:
+
+    ckpt               -> ckpt.ckpt-<uid>    the link; replaced atomically at each commit
+    ckpt.ckpt-<uid>/   a complete version: DCP files, plan.json, autopar_layout.json (last)
+    ckpt.tmp-<uid>/    a save in progress (or one that crashed: removed at the next commit)
+
+The layout JSON lists every file of its version with its size and CRC-32 (`files`); each rank
+checksums the files it wrote. A load verifies them first — sizes on every rank, checksums
+spread over the ranks — and a missing, truncated or foreign file is one line naming it; when
+the newest version is bad, the previous complete one (`keep` > 1) is used instead
+(`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
+link) loads as it is and is adopted at the first save: renamed to a version and linked.
+
+Asynchronous save (`Writer`): the caller stages the pieces into host memory (pinned when they
+are on a GPU), then a background thread writes them with DCP over a gloo group of its own, each
+rank checksums its files, the records meet on rank 0, and rank 0 commits only after a barrier
+that every rank reaches once its files are complete. The next save (and Runner.close) waits for
+the previous one; a rank that dies mid-write leaves the previous version current.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import threading
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+LAYOUT_FILE = "autopar_layout.json"
+_BLOCK_BYTES = 1 << 20
+_GROUPS: dict[tuple[int, str], Any] = {}
+
+
+def checkpoint_group(groups: Any, purpose: str = "save") -> Any:
+    """A gloo group over every rank for checkpoint traffic, one per purpose ("save": the
+    (background) writer's collectives; "vote": the preemption vote, issued by the main thread
+    while a save may be in flight), created once (collective on first use)."""
+    key = (id(groups), purpose)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=float(getattr(groups, "timeout_s", 600.0))))
+    return _GROUPS[key]
+
+
+def crc32_file(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while block := f.read(_BLOCK_BYTES):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def file_records(directory: Path, names: list[str]) -> dict[str, list[int]]:
+    """{file name: [bytes, CRC-32]} of the named files of `directory`."""
+    return {n: [(directory / n).stat().st_size, crc32_file(directory / n)] for n in names}
+
+
+def own_files(directory: Path, rank: int) -> list[str]:
+    """The DCP data files this rank wrote (FileSystemWriter names them __<rank>_<i>.distcp)."""
+    return sorted(f.name for f in directory.glob(f"__{rank}_*.distcp"))
+
+
+# ---- versions and the commit -----------------------------------------------------------------
+
+def versions(path: Path) -> list[Path]:
+    """The complete versions of checkpoint `path`, newest first: the link's target (or `path`
+    itself when it is a real directory), then the other kept ones by their step."""
+    out: list[Path] = []
+    if path.is_dir():
+        out.append(path.resolve() if path.is_symlink() else path)
+    kept = []
+    for d in path.parent.glob(f"{path.name}.ckpt-*"):
+        if d.is_dir() and (d / LAYOUT_FILE).is_file() and d.resolve() not in out:
+            kept.append((_step_of(d), d.stat().st_mtime, d))
+    return out + [d for *_, d in sorted(kept, key=lambda k: k[:2], reverse=True)]
+
+
+def _step_of(d: Path) -> int:
+    try:
+        return int(json.loads((d / LAYOUT_FILE).read_text()).get("step", -1))
+    except (OSError, ValueError):
+        return -1
+
+
+def adopt_copy(path: Path, uid: str) -> None:
+    """A real directory holding a complete checkpoint at `path` (a `cp -rL` copy) becomes a
+    version and `path` its link (rank 0, before a save); anything else there is refused."""
+    if not path.exists() or path.is_symlink():
+        return
+    if not (path.is_dir() and (path / LAYOUT_FILE).is_file()):
+        raise ValueError(f"save_checkpoint: {path} exists and is not an autopar checkpoint "
+                         f"(no link, no {LAYOUT_FILE}); autopar keeps `path` as a link to its "
+                         f"latest complete version: pick another path or remove {path}")
+    final = path.parent / f"{path.name}.ckpt-{uid}-adopted"
+    os.rename(path, final)
+    os.symlink(final.name, path)
+
+
+def commit(path: Path, tmp: Path, uid: str, keep: int = 1) -> None:
+    """Make `path` point at the finished `tmp` (atomic), then delete all but the `keep`
+    newest versions and any leftover temporaries."""
+    final = path.parent / f"{path.name}.ckpt-{uid}"
+    os.rename(tmp, final)
+    link = path.parent / f"{path.name}.link-{uid}"
+    os.symlink(final.name, link)
+    os.replace(link, path)            # the commit point: before it the old version is current
+    fsync_dir(path.parent)
+    kept = {d.name for d in versions(path)[:max(1, keep)]}
+    for old in path.parent.glob(f"{path.name}.*"):
+        stale = (old.name.startswith(f"{path.name}.ckpt-") and old.name not in kept) or \
+            old.name.startswith((f"{path.name}.tmp-", f"{path.name}.link-"))
+        if stale and old.name != final.name:
+            if old.is_symlink() or old.is_file():
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- verification ----------------------------------------------------------------------------
+
+def check_files(directory: Path, layout: dict, rank: int = 0, world: int = 1) -> str | None:
+    """The first problem with `directory`'s files against the layout's sizes and checksums
+    (sizes of every file; checksums of the files i ≡ rank mod world), or None. Layouts
+    written before checksums (no `files`) pass."""
+    files = layout.get("files")
+    if not files:
+        return None
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
+        file = directory / name
+        if not file.is_file():
+            return (f"{file} is missing (the layout lists {size} bytes); the checkpoint was "
+                    f"copied or deleted in part: copy the whole directory again")
+        have = file.stat().st_size
+        if have != size:
+            return (f"{file} has {have} bytes, the layout says {size} (truncated or "
+                    f"overwritten); copy it again from the original checkpoint")
+        if i % world == rank and crc32_file(file) != crc:
+            return (f"{file} has CRC-32 {crc32_file(file):08x}, the layout says {crc:08x} (a "
+                    f"corrupt file, or one from another checkpoint); copy it again from the "
+                    f"original checkpoint")
+    return None
+
+
+def choose_version(path: Path, read_layout: Callable[[Path], dict], group: Any = None
+                   ) -> tuple[Path, list[str]]:
+    """The newest version of `path` whose files are all sound (every rank agrees; collective
+    over `group` when given) and the one-line reasons the newer ones were skipped; ValueError
+    naming the newest version's problem when none is sound."""
+    multi = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if multi else (0, 1)
+    skipped: list[str] = []
+    for version in versions(path) or [path]:
+        try:
+            problem = check_files(version, read_layout(version), rank, world)
+        except ValueError as exc:
+            problem = str(exc)
+        if multi:
+            problems: list[Any] = [None] * world
+            dist.all_gather_object(problems, problem, group=group)
+            problem = next((p for p in problems if p), None)
+        if problem is None:
+            return version, skipped
+        skipped.append(problem)
+    raise ValueError(f"load_checkpoint: no sound version of {path}: {skipped[0]}"
+                     + (f" (and {len(skipped) - 1} older kept versions are bad too)"
+                        if len(skipped) > 1 else ""))
+
+
+# ---- the background writer -------------------------------------------------------------------
+
+class Writer:
+    """At most one save in flight per process (module docstring): `start(fn)` runs fn on a
+    background thread after waiting for the previous one; `wait()` re-raises its error."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, fn: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:   # handed to the next wait() on the main thread
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="autopar-checkpoint", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+WRITER = Writer()
+
+
+def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of the pieces (pinned when they live on a GPU) for a background write."""
+    out = {}
+    for key, value in tensors.items():
+        if value.is_cuda:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            out[key] = host.copy_(value, non_blocking=True)
+        else:
+            out[key] = value.detach().clone()
+    if any(v.is_cuda for v in tensors.values()):
+        torch.cuda.synchronize()
+    return out
