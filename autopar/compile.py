@@ -37,6 +37,7 @@ from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
+from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
@@ -108,13 +109,16 @@ def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> N
 def compile_program(prog: Any, optimizer: Callable | None = None,
                     max_grad_norm: float | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     precision: str = "fp32", program_dir: str | Path | None = None,
-                    record_timeline: bool = False, bucket_bytes: int | None = None) -> Runner:
+                    record_timeline: bool = False, bucket_bytes: int | None = None,
+                    torch_compile: bool = False) -> Runner:
     """Build this rank's Runner (inside torchrun, or with a default process group already made).
 
     precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
     accumulation). program_dir: load the chunk sources from a directory written by
     `prog.save` instead of generating them in memory (edits to those files take effect).
-    bucket_bytes: GradSync bucket size (default 25 MiB, as DDP).
+    bucket_bytes: GradSync bucket size (default 25 MiB, as DDP). torch_compile: compile each
+    chunk's forward and backward with torch.compile (Inductor; graph breaks at the
+    collectives; autopar.runtime.compiled).
     """
     plan: Plan = prog.plan
     check_program(plan)
@@ -132,6 +136,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
     chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
     params = _local_params(built, graphs, chunks, names, pg)
+    if torch_compile:
+        compile_chunks(chunks.values())
     built.release(pg.tp_rank, pg.pp_rank, pg.ep_rank)   # the runner owns its weights now
     dtype = PRECISIONS[precision]
     if dtype != torch.float32:
