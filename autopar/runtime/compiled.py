@@ -46,7 +46,11 @@ def _break_at_collectives(module: types.ModuleType) -> None:
 def compile_chunks(chunks: Iterable[Any], *, backend: str = "inductor",
                    mode: str | None = None) -> None:
     """Compile each LoadedChunk's net in place (forward and backward); `backend`/`mode` are
-    torch.compile's. Nothing is compiled until the first forward."""
+    torch.compile's. Nothing is compiled until the first forward. Inductor draws random
+    numbers with eager's generators (fallback_random): dropout masks, the tensor-parallel
+    DropoutStreams and recomputed regions see the numbers an eager run does."""
+    import torch._inductor.config as inductor_config
+    inductor_config.fallback_random = True
     for ch in chunks:
         _break_at_collectives(ch.module)   # its submodules' classes share these globals
         ch.net.compile(backend=backend, mode=mode, dynamic=False)
