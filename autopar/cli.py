@@ -35,6 +35,8 @@ def _plan_from_args(args: argparse.Namespace):
     cluster = args.cluster
     kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
              if getattr(args, k) is not None}
+    if getattr(args, "compile", False) and "elementwise" not in kinds:
+        kinds["elementwise"] = "fused"   # Inductor fuses the chunks' elementwise chains
     if kinds:  # the cluster's attention kernel / elementwise execution, overridden
         cluster = dataclasses.replace(autopar.get_cluster(cluster), **kinds)
     start = time.perf_counter()
@@ -100,6 +102,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     _check_out_dir(Path(args.out))
     prog, seconds = _plan_from_args(args)
     out = prog.save(args.out, model=args.model, precision=args.precision)
+    if args.compile:   # launch.py's default --compile
+        from autopar.launch import BUILD_FILE
+        info = json.loads((out / BUILD_FILE).read_text())
+        (out / BUILD_FILE).write_text(json.dumps({**info, "compile": True}, indent=2))
     print(prog.plan)
     files = sorted(p.name for p in out.iterdir())
     print(f"\n(planned in {seconds:.2f} s) wrote {out}: {', '.join(files)}")
@@ -213,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                     help="the precision the chunks are generated for (launch.py runs them in "
                          "it; bf16: bf16 compute, fp32 master weights)")
+    bd.add_argument("--compile", action="store_true",
+                    help="launch.py torch.compiles each chunk (Inductor); planned with "
+                         "elementwise ops fused unless --elementwise says otherwise")
     bd.set_defaults(fn=cmd_build)
     tl = sub.add_parser("timeline", help="draw the simulated schedule of a plan as a PNG")
     _add_plan_args(tl)

@@ -37,6 +37,7 @@ from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
+from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
@@ -109,7 +110,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
                     max_grad_norm: float | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                     precision: str = "fp32", program_dir: str | Path | None = None,
                     record_timeline: bool = False, bucket_bytes: int | None = None,
-                    device: str | torch.device | None = None) -> Runner:
+                    device: str | torch.device | None = None,
+                    torch_compile: bool = False) -> Runner:
     """Build this rank's Runner (inside torchrun, or with a default process group already made).
 
     precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
@@ -119,6 +121,9 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     device: the device this rank computes on (default: the backend's, cuda:LOCAL_RANK under
     nccl, else cpu); e.g. "cuda:0" for several gloo ranks sharing one GPU
     (benchmarks/gpu.py), where the collectives gloo runs on CUDA tensors are what it tests.
+    torch_compile: compile each
+    chunk's forward and backward with torch.compile (Inductor; graph breaks at the
+    collectives; autopar.runtime.compiled).
     """
     plan: Plan = prog.plan
     check_program(plan)
@@ -137,6 +142,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
     chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
     params = _local_params(built, graphs, chunks, names, pg)
+    if torch_compile:
+        compile_chunks(chunks.values())
     built.release(pg.tp_rank, pg.pp_rank, pg.ep_rank)   # the runner owns its weights now
     dtype = PRECISIONS[precision]
     if dtype != torch.float32:

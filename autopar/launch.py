@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     train_log.add_arguments(ap)
     ap.add_argument("--verbose", action="store_true",
                     help="on an error, also print its cause's traceback")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile each chunk (default: as autopar build --compile chose)")
     args = ap.parse_args(argv)
     train_log.check_arguments(args)
     for name in ("steps", "save_every", "keep"):
@@ -135,6 +137,7 @@ def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
 def _run(program_dir: Path, argv: list[str] | None) -> int:
     build = _read_build(program_dir)
     args = parse_args(argv, build.get("model"), build.get("precision", "fp32"))
+    args.compile = bool(build.get("compile")) if args.compile is None else args.compile
     saved = autopar.load_plan(program_dir / "plan.json")   # a bad file: one line naming it
     if os.environ.get("WORLD_SIZE", str(saved.gpus)) == str(saved.gpus):   # the saved chunks
         from autopar.codegen import check_saved_precision  # run (codegen imports this module)
@@ -314,7 +317,8 @@ def _compile(plan: Plan, user: UserModel, args: argparse.Namespace, chunk_dir: P
     lr, wd = args.lr, args.weight_decay
     return prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd),
                         max_grad_norm=args.max_grad_norm or None, precision=args.precision,
-                        program_dir=chunk_dir, timeout_s=args.timeout)
+                        program_dir=chunk_dir, timeout_s=args.timeout,
+                        torch_compile=args.compile)
 
 
 def _resume(runner: Any, data: Any, checkpoint: str | None, rank: int) -> int:

@@ -67,6 +67,11 @@ class Cluster:
     # Megatron-LM's fused kernels, torch.compile; what the calibrated runs used) or "eager"
     # (op by op, every saved tensor kept: PyTorch without a compiler, autopar's runtime today)
     elementwise: str = "fused"
+    # whether the stack pipelines tensor-parallel collectives with their GEMMs (collective
+    # matmul forward, the input-gradient reduction under dW backward: autopar's runtime,
+    # passes/overlap.py; Megatron-Core --tp-comm-overlap); priced by cost/overlap.py. False in
+    # the presets: the runs they are calibrated on exposed TP communication
+    tp_overlap: bool = False
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:

@@ -40,6 +40,7 @@ from autopar.runtime import collectives as C
 
 _ATEN = torch.ops.aten
 _SOURCES = {C.copy_to_tp, C.all_gather_sp}
+_ROW_SINKS = {C.reduce_from_tp, C.reduce_scatter_to_sp}
 
 
 def _projection(user: fx.Node, f: fx.Node) -> tuple[str, fx.Node, fx.Node | None] | None:
@@ -63,7 +64,7 @@ def _dims(node: object) -> int | None:
 
 
 def _sp_dim(f: fx.Node) -> int | None:
-    if f.target is C.copy_to_tp:
+    if f.target in (C.copy_to_tp, C.reduce_from_tp):
         return None
     return f.args[2] if len(f.args) > 2 else f.kwargs.get("dim", 1)
 
@@ -97,6 +98,41 @@ def _fuse(graph: fx.Graph, f: fx.Node, order: dict[fx.Node, int]) -> bool:
     return True
 
 
+def _row_source(reduce: fx.Node) -> tuple[list[fx.Node], str, fx.Node, fx.Node] | None:
+    """(nodes replaced, layout, x, W) when the reduction `reduce` sums one bias-free weight
+    projection x·Wᵀ / x·W (through a dropout of p = 0, the identity), read by it alone."""
+    chain, src = [], reduce.args[0] if reduce.args else None
+    if isinstance(src, fx.Node) and src.target is _ATEN.dropout.default \
+            and len(src.users) == 1 and src.args[1:2] == (0.0,):
+        chain.append(src)
+        src = src.args[0]
+    if not isinstance(src, fx.Node) or len(src.users) != 1 or src.kwargs:
+        return None
+    args = src.args
+    if src.target is _ATEN.linear.default and (len(args) == 2 or args[2] is None) \
+            and args[0] is not args[1]:
+        return [reduce, *chain, src], "linear", args[0], args[1]
+    if src.target in (_ATEN.mm.default, _ATEN.matmul.default) and args[0] is not args[1] \
+            and _dims(args[1]) == 2:
+        return [reduce, *chain, src], "mm", args[0], args[1]
+    return None
+
+
+def _fuse_row(graph: fx.Graph, reduce: fx.Node) -> bool:
+    found = _row_source(reduce)
+    if found is None or len(reduce.args) < 2:
+        return False
+    nodes, layout, x, w = found
+    sp_dim = None if reduce.target is C.reduce_from_tp else _sp_dim(reduce)
+    with graph.inserting_before(reduce):
+        fused = graph.call_function(C.row_parallel, (x, reduce.args[1], layout, w, sp_dim))
+    fused.meta.update(reduce.meta)
+    reduce.replace_all_uses_with(fused)
+    for node in nodes:                       # the reduction first: users before producers
+        graph.erase_node(node)
+    return True
+
+
 def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
     fused = 0
     # positions of the original nodes, numbered once: fusing inserts nodes but never moves an
@@ -105,6 +141,8 @@ def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SOURCES:
             fused += _fuse(gm.graph, node, order)
+        elif node.op == "call_function" and node.target in _ROW_SINKS:
+            fused += _fuse_row(gm.graph, node)
     gm.meta[K.OVERLAP] = fused
     return gm
 

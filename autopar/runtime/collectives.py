@@ -37,7 +37,7 @@ from autopar.runtime.dist import PeerError, peer_guard
 
 __all__ = [
     "copy_to_tp", "copy_to_tp_parts", "reduce_from_tp", "scatter_to_sp", "gather_from_sp",
-    "reduce_scatter_to_sp", "all_gather_sp", "column_parallel", "f", "g", "send_tensor",
+    "reduce_scatter_to_sp", "all_gather_sp", "column_parallel", "row_parallel", "f", "g", "send_tensor",
     "recv_tensor", "group_size", "group_rank", "PeerError", "all_reduce", "all_reduce_",
     "all_gather", "reduce_scatter",
     "start_all_reduce", "start_all_gather", "start_reduce_scatter",
@@ -277,13 +277,14 @@ class _ColumnParallel(torch.autograd.Function):
     def forward(ctx, x, group, layouts, sp_dim, *weights_and_biases):
         k = len(layouts)
         ws, bs = weights_and_biases[:k], weights_and_biases[k:]
-        full = x if sp_dim is None else all_gather(x, sp_dim, group)   # (B, T, C)
         ctx.group, ctx.layouts, ctx.sp_dim = group, layouts, sp_dim
         ctx.has_bias = [b is not None for b in bs]
         # SP keeps only this rank's sequence shard (B, T/t, C) and gathers it again in
         # backward, under the dx GEMMs (2205.05198 §4.2.2): the memory SP is chosen for
-        ctx.save_for_backward(x if sp_dim is not None else full, *ws)
-        return tuple(_project(full, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+        ctx.save_for_backward(x, *ws)
+        if sp_dim is None:
+            return tuple(_project(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
+        return _gather_then_project(x, group, sp_dim, ws, bs, layouts)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -311,6 +312,25 @@ class _ColumnParallel(torch.autograd.Function):
         return (None if finish is None else finish(), None, None, None, *dws, *dbs)
 
 
+def _gather_then_project(x: torch.Tensor, group: Any, dim: int, ws: tuple, bs: tuple,
+                         layouts: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """all_gather(x, dim) then each projection, as a collective matmul (async TP's
+    all-gather matmul): this rank's own sequence block is projected while the others' blocks
+    are in flight, theirs once they arrive; the output blocks are put back in rank order."""
+    n, me = group_size(group), group_rank(group)
+    dim = dim % x.dim()
+    wait = start_all_gather(x, dim, group)                      # (.., n*S, ..) when done
+    own = [_project(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts)]
+    full = wait()
+    per = x.shape[dim]
+    outs = []
+    for i, (w, b, lay) in enumerate(zip(ws, bs, layouts)):
+        blocks = [own[i] if r == me else _project(full.narrow(dim, r * per, per), w, b, lay)
+                  for r in range(n)]
+        outs.append(torch.cat(blocks, dim))
+    return tuple(outs)
+
+
 def _weight_grads(full: torch.Tensor, grads: tuple, layouts: tuple[str, ...],
                   has_bias: list[bool], need: tuple[bool, ...]) -> tuple[list, list]:
     """dW_i (layout's shape) and db_i of each projection of `full`; None where not needed."""
@@ -332,6 +352,78 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, layout: s
         y = torch.matmul(x, w)
         return y if b is None else y + b
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
+# A row-parallel GEMM's reduction runs in this many pieces, each launched as soon as its rows
+# are computed and in flight while the next piece's GEMM runs (Megatron-Core's
+# --tp-comm-overlap splits the GEMM the same way). Not fitted: 4 hides all but a quarter of
+# the communication behind the GEMM when the two take equal time; more pieces add a
+# collective launch each.
+ROW_CHUNKS = 4
+
+
+def _pieces(rows: int, most: int = ROW_CHUNKS) -> int:
+    """The largest piece count <= most that divides rows (1 when none does)."""
+    return next(k for k in range(min(most, max(rows, 1)), 0, -1) if rows % k == 0)
+
+
+class _RowParallel(torch.autograd.Function):
+    """A row-parallel projection y = x·Wᵀ (or x·W) summed over the group (g), or summed and
+    reduce-scattered along `sp_dim` (SP's g), as a collective matmul: the GEMM runs in row
+    pieces and each piece's reduction is in flight while the next piece is computed (async
+    TP's fused_matmul_reduce_scatter). Backward: dx = dy·W and dW = dyᵀ·x need no peer
+    without SP; with SP the gradient's all-gather runs while this rank's own block of dx is
+    computed."""
+
+    @staticmethod
+    def forward(ctx, x, group, layout, sp_dim, w):
+        ctx.group, ctx.layout, ctx.sp_dim = group, layout, sp_dim
+        ctx.save_for_backward(x, w)
+        if sp_dim is None:
+            x2 = x.reshape(-1, x.shape[-1])                            # (B*T, C/t)
+            waits = [start_all_reduce(_project(piece, w, None, layout), group, owned=True)
+                     for piece in x2.chunk(_pieces(x2.shape[0]))]
+            y2 = torch.cat([wait() for wait in waits])                 # (B*T, N)
+            return y2.reshape(*x.shape[:-1], y2.shape[-1])
+        n = group_size(group)
+        dim = _check_split(x, sp_dim, n, "reduce-scatter")
+        per = x.shape[dim] // n
+        k = _pieces(per)
+        # piece j: the j-th k-th of every rank's block, so that its reduce-scatter hands rank
+        # r the j-th part of block r and the parts concatenate into block r
+        xv = x.unflatten(dim, (n, k, per // k))                        # (.., n, k, S/k, C)
+        waits = [start_reduce_scatter(_project(xv.select(dim + 1, j).flatten(dim, dim + 1),
+                                               w, None, layout), dim, group)
+                 for j in range(k)]
+        return torch.cat([wait() for wait in waits], dim)              # (.., S, N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+        if ctx.sp_dim is None:
+            full = dy
+            dx = _project_back(dy, w, ctx.layout) if need_x else None
+        else:
+            dim = ctx.sp_dim % dy.dim()
+            wait = start_all_gather(dy, dim, ctx.group)
+            own = _project_back(dy, w, ctx.layout) if need_x else None   # under the gather
+            full = wait()
+            dx = None
+            if need_x:
+                n, me, per = group_size(ctx.group), group_rank(ctx.group), dy.shape[dim]
+                dx = torch.cat([own if r == me else _project_back(
+                    full.narrow(dim, r * per, per), w, ctx.layout) for r in range(n)], dim)
+        dw = None
+        if need_w:
+            g2, x2 = full.reshape(-1, full.shape[-1]), x.reshape(-1, x.shape[-1])
+            dw = g2.t().mm(x2) if ctx.layout == "linear" else x2.t().mm(g2)
+        return dx, None, None, None, dw
+
+
+def _project_back(dy: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
+    """dx of _project (no bias): dy·W for "linear" (W is (N, C)), dy·Wᵀ for "mm"."""
+    return dy.matmul(w if layout == "linear" else w.t())
 
 
 # ---- plain functions (FX call_function targets) ------------------------------------------
@@ -385,6 +477,16 @@ def column_parallel(x: torch.Tensor, group: Any, layouts: tuple[str, ...], weigh
     if group_size(group) == 1:
         return tuple(_project(x, w, b, lay) for w, b, lay in zip(weights, biases, layouts))
     return _ColumnParallel.apply(x, group, tuple(layouts), sp_dim, *weights, *biases)
+
+
+def row_parallel(x: torch.Tensor, group: Any, layout: str, weight: torch.Tensor,
+                 sp_dim: int | None = None) -> torch.Tensor:
+    """reduce_from_tp(project(x, weight)) (sp_dim None) or reduce_scatter_to_sp(project(x,
+    weight), group, sp_dim), the reduction pipelined with the GEMM (_RowParallel); layout
+    "linear": x Wᵀ, "mm": x W. A group of one: the projection alone."""
+    if group_size(group) == 1:
+        return _project(x, weight, None, layout)
+    return _RowParallel.apply(x, group, layout, sp_dim, weight)
 
 
 f = copy_to_tp

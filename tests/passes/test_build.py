@@ -157,6 +157,22 @@ def test_build_for_bf16_records_it_and_launch_runs_it_by_default(built, capsys):
     assert "\n" not in err and "generated for precision='bf16'" in err, err
 
 
+def test_build_compile_prices_fused_and_makes_launch_compile(built):
+    """`autopar build --compile` plans local-cpu with elementwise ops fused (what Inductor
+    runs; without it local-cpu prices them eager, as the eager runtime runs them) and records
+    compile in build.json, launch.py's default --compile; --no-compile overrides it."""
+    from autopar.launch import parse_args
+    out = built / "prog_compiled"
+    assert cli_main(["build", f"{built / 'my_model.py'}:factory", *ARGS, "--p", "2",
+                     "--compile", "--out", str(out)]) == 0
+    assert json.loads((out / "build.json").read_text())["compile"] is True
+    assert autopar.load_plan(out / "plan.json").predicted.elementwise == "fused"
+    assert autopar.load_plan(built / "prog" / "plan.json").predicted.elementwise == "eager"
+    assert "compile" not in json.loads((built / "prog" / "build.json").read_text())
+    assert parse_args(["--data", "random", "--no-compile"], "m.py:f").compile is False
+    assert parse_args(["--data", "random"], "m.py:f").compile is None   # build.json decides
+
+
 def test_launch_needs_model_without_build_json(tmp_path, capsys):
     from autopar.launch import main as launch_main
     (tmp_path / "plan.json").write_text("{}")

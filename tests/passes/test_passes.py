@@ -195,3 +195,39 @@ def test_overlap_leaves_an_entry_read_by_anything_but_a_projection():
     gm = run_passes(_column_entry_graph(extra_user=True), [OVERLAP_PASS])
     assert gm.meta[K.OVERLAP] == 0
     assert len(_calls(gm, C.copy_to_tp)) == 1 and not _calls(gm, C.column_parallel)
+
+
+def _row_exit_graph() -> fx.GraphModule:
+    """y = reduce_from_tp(dropout(linear(x, w), 0.0), None), as the tensor-parallel rewrite
+    leaves a row-parallel projection (group None: a group of one); out = sum(y * y)."""
+    torch.manual_seed(0)
+    root = torch.nn.Module()
+    root.w = torch.nn.Parameter(torch.randn(N1, C_IN))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta[K.VAL] = torch.empty(B, T, C_IN, device="meta")
+    w = g.get_attr("w")
+    w.meta[K.VAL] = torch.empty(N1, C_IN, device="meta")
+    y = g.call_function(aten.linear.default, (x, w))
+    d = g.call_function(aten.dropout.default, (y, 0.0, True))
+    r = g.call_function(C.reduce_from_tp, (d, None))
+    for node in (y, d, r):
+        node.meta[K.VAL] = torch.empty(B, T, N1, device="meta")
+    g.output(g.call_function(aten.sum.default, (g.call_function(aten.mul.Tensor, (r, r)),)))
+    return fx.GraphModule(root, g)
+
+
+def test_overlap_fuses_a_row_parallel_projection_and_its_g_into_one_row_parallel_call():
+    """passes.overlap: linear(x, W) → (dropout p=0) → g becomes row_parallel(x, group,
+    "linear", W, None), the collective matmul; the same loss and gradients (a group of one
+    runs the projection alone)."""
+    x = torch.randn(B, T, C_IN)
+    expected = _loss_and_grads(_row_exit_graph(), x)
+    gm = overlap_tp_backward(_row_exit_graph())
+    assert gm.meta[K.OVERLAP] == 1
+    (fused,) = _calls(gm, C.row_parallel)
+    assert fused.args[2:] == ("linear", fused.args[3], None) and fused.args[3].target == "w"
+    assert not _calls(gm, C.reduce_from_tp) and not _calls(gm, aten.linear.default)
+    assert not _calls(gm, aten.dropout.default)
+    for got, want in zip(_loss_and_grads(gm, x), expected, strict=True):
+        torch.testing.assert_close(got, want)

@@ -141,16 +141,20 @@ def _overlapped(gm):
 
 def test_overlap_fuses_each_column_entry_with_its_projections():
     """passes.overlap: f + the q/k/v (gate/up, head) linears it feeds become one
-    column_parallel call; the row side and every other collective are untouched."""
+    column_parallel call; each row-parallel linear (o, down) and its g one row_parallel call
+    (the collective matmul); every other collective is untouched."""
     gm = apply_tensor_parallel(_llama_gm(n_layer=3), 2, 0, None)
     before = len(_calls(gm, C.reduce_from_tp))
     gm = _overlapped(gm)
     fused = _calls(gm, C.column_parallel)
-    assert len(fused) == 2 * 3 + 1 == gm.meta[K.OVERLAP]   # attention, MLP; LM head
+    rows = _calls(gm, C.row_parallel)
+    assert len(fused) == 2 * 3 + 1   # attention, MLP; LM head
+    assert len(rows) == 2 * 3 and len(fused) + len(rows) == gm.meta[K.OVERLAP]
+    assert all(n.args[2] == "linear" and n.args[4] is None for n in rows)
+    assert len(_calls(gm, C.reduce_from_tp)) == before - len(rows)
     assert [len(n.args[2]) for n in fused] == [3, 2] * 3 + [1]     # q,k,v | gate,up | head
     assert all(n.args[2] == ("linear",) * len(n.args[2]) and n.args[5] is None for n in fused)
     assert not [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
-    assert len(_calls(gm, C.reduce_from_tp)) == before
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
                 and n.args[0].target is C.column_parallel]
     assert "column_parallel(mul_1, tp_group, ('linear', 'linear', 'linear')" in gm.code
@@ -162,6 +166,8 @@ def test_overlap_under_sequence_parallel_keeps_the_gather_dim():
     fused = _calls(gm, C.column_parallel)
     assert len(fused) == 2 * 2 + 1 and {n.args[5] for n in fused} == {1}
     assert not _calls(gm, C.all_gather_sp)
+    rows = _calls(gm, C.row_parallel)   # o and down: reduce-scatter along the sequence
+    assert len(rows) == 2 * 2 and {n.args[4] for n in rows} == {1}
 
 
 def test_overlap_reads_conv1d_addmm_and_x_matmul_w_t():

@@ -185,3 +185,30 @@ def test_dp_comm_uses_inter_node_link_when_group_spans_nodes():
                             M.Config(t=1, p=1, d=8, num_microbatches=1))
     assert across.dp_layer_ns > 5 * inside.dp_layer_ns
 
+
+
+def test_tp_overlap_exposes_only_what_the_gemm_cannot_hide():
+    """cost/overlap.py: a collective pipelined with its GEMM in k pieces exposes comm/k plus
+    the excess over the GEMM; the presets keep TP communication exposed (their calibrated
+    runs did), and a cluster that overlaps prices less TP time, never less than 1/k of the
+    forward's, with the same compute."""
+    from autopar.cost.overlap import (ROW_PIECES, block_tp_exposed_s, hidden_behind_s,
+                                      pipelined_exposed_s)
+    from autopar.runtime.collectives import ROW_CHUNKS
+    assert ROW_PIECES == ROW_CHUNKS
+    assert pipelined_exposed_s(4.0, 4.0, 4) == pytest.approx(1.0)
+    assert pipelined_exposed_s(4.0, 1.0, 4) == pytest.approx(1.0 + 0.75 * 3.0)
+    assert pipelined_exposed_s(4.0, 9.0, 1) == 4.0 and hidden_behind_s(2.0, 3.0) == 0.0
+    assert block_tp_exposed_s(4.0, 2.0, 4.0, 1.0, 4, forward_passes=2) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="pieces"):
+        pipelined_exposed_s(1.0, 1.0, 0)
+    assert not any(get_cluster(n).tp_overlap for n in CLUSTER_NAMES)
+    prof = transformer_profile(num_layers=4, hidden=4096, heads=32, seq_len=2048, vocab=51200)
+    cfg = M.Config(t=8, p=1, d=1, v=1, micro_batch_size=1, num_microbatches=4,
+                   schedule="1f1b", recompute="none", zero=0)
+    h100 = get_cluster("dgx-h100-80gb")
+    exposed = M.predict(prof, h100, cfg)
+    hidden = M.predict(prof, with_overrides(h100, tp_overlap=True), cfg)
+    assert hidden.compute_s == exposed.compute_s
+    assert exposed.tp_comm_s / ROW_PIECES / 2 < hidden.tp_comm_s < exposed.tp_comm_s
+    assert hidden.step_time_s < exposed.step_time_s
