@@ -155,16 +155,38 @@ def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
 
 def kept_children(container: torch.nn.Module, limit: int) -> tuple[str, ...]:
     """For every child of `container`, the key of the kept child that stands for it: the first
-    `limit` children stand for themselves, every later one for the first child with its
-    parameter layout (names, shapes, dtypes), which is kept too. So a truncated stack still
-    holds one block of every layout (a dense first layer, MoE layers, T5's first block with
-    its position bias) and the true order of layouts."""
+    `limit` children stand for themselves, every later one for the first child of its layout,
+    which is kept too. A layout is the child's parameters (names, shapes, dtypes) and the plain
+    settings of its modules (bool / int / float / str / None attributes) that vary over the
+    children, but for a running index (0, 1, 2, ...: a layer number): a dense first layer
+    before MoE layers, a layer without rotary (SmolLM3's use_rope) or with a sliding window
+    (Cohere2). So a truncated stack still holds one block of every layout and the true order
+    of layouts; the graph (passes/layers.py) decides which layouts are kinds."""
     keys = list(container._modules)
+    settings = [_settings(container._modules[k]) for k in keys]
+    varying = {a for a in set().union(*settings)
+               if len({repr(s.get(a)) for s in settings}) > 1}
+    index = {a for a in varying if all(type(s.get(a)) is int for s in settings)
+             and [s[a] - settings[0][a] for s in settings] == list(range(len(keys)))}
+    chosen = sorted(varying - index)
     first_of: dict[tuple, str] = {}
-    for key in keys:
-        first_of.setdefault(_signature(container._modules[key]), key)
-    return tuple(key if j < limit else first_of[_signature(container._modules[key])]
-                 for j, key in enumerate(keys))
+    layouts = []
+    for key, s in zip(keys, settings):
+        layout = (_signature(container._modules[key]), tuple(repr(s.get(a)) for a in chosen))
+        layouts.append(layout)
+        first_of.setdefault(layout, key)
+    return tuple(key if j < limit else first_of[layouts[j]] for j, key in enumerate(keys))
+
+
+def _settings(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """{(submodule path, attribute): value} of the plain settings of `module`'s modules."""
+    out = {}
+    for path, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name != "training" and (
+                    value is None or isinstance(value, (bool, int, float, str))):
+                out[(path, name)] = value
+    return out
 
 
 def _signature(module: torch.nn.Module) -> tuple:

@@ -498,12 +498,14 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
         per_stack.append(sorted(groups, key=lambda g: g[0]))
     if all(len(groups) == 1 for groups in per_stack):
         return structure
-    inside = defaultdict(set)   # graph block -> classes of the modules inside it
+    inside = defaultdict(dict)   # graph block -> {class of a module inside it: its depth}
     for n in nodes:
         own = [p for p, _ in stacks[n] if p in structure.block_paths]
-        if own:
-            inside[structure.block_paths.index(own[0])].update(
-                c.rpartition(".")[2] for p, c in stacks[n] if p.startswith(own[0] + "."))
+        for p, c in stacks[n] if own else ():
+            if p.startswith(own[0] + "."):
+                seen = inside[structure.block_paths.index(own[0])]
+                seen[c.rpartition(".")[2]] = min(seen.get(c.rpartition(".")[2], 99),
+                                                 p.count("."))
     kinds, offset = [], 0
     for kind, groups in zip(structure.kinds, per_stack):
         keys = repeat_keys.get(kind.container)
@@ -512,9 +514,12 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
         gid = {i: g for g, grp in enumerate(groups) for i in grp}
         for g, grp in enumerate(groups):
             layers = tuple(offset + j for j, i in enumerate(layer_block) if gid[i] == g)
-            others = set().union(*(inside[h[0]] for h in groups if h is not grp))
-            own, lack = sorted(inside[grp[0]] - others), sorted(others - inside[grp[0]])
-            what = (", ".join(own) if own else f"without {', '.join(lack)}" if lack
+            mine = inside[grp[0]]
+            others = {c: d for h in groups if h is not grp for c, d in inside[h[0]].items()}
+            # the outermost module class only this kind has (or only the others have)
+            own = sorted((d, c) for c, d in mine.items() if c not in others)
+            lack = sorted((d, c) for c, d in others.items() if c not in mine)
+            what = (own[0][1] if own else f"without {lack[0][1]}" if lack
                     else f"{len(sig[grp[0]])} ops")
             name = f"{kind.container.removeprefix('model.')} [{what}]" if len(groups) > 1 else ""
             kinds.append(replace(kind, block_paths=tuple(structure.block_paths[i] for i in grp),
