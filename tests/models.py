@@ -283,6 +283,19 @@ def hf_cohere2(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 
          "eos_token_id": 2, **config}))
 
 
+def hf_gpt_oss(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 32, experts: int = 4,
+               top_k: int = 2, **config: Any) -> Model:
+    """GPT-OSS: attention sinks (one learned logit per head, concatenated to the scores),
+    sliding-window and full-attention layers, biased MoE experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(_llama_like(
+        GptOssConfig, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"head_dim": 8, "num_local_experts": experts, "num_experts_per_tok": top_k,
+         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"][:layers]
+         * max(1, layers // 2), **config}))
+
+
 def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
            image: int = 16, patch: int = 4, labels: int = 10, **config: Any) -> Model:
     """ViT image classification: pixels in, no vocabulary; (image/patch)² + 1 tokens."""
@@ -425,7 +438,8 @@ BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
-    hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2)}
+    hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
+    hf_gpt_oss)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:
