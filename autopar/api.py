@@ -20,6 +20,8 @@ from autopar.cost.critical_batch import (check_training_inputs,
                                          critical_batch_tokens_from_params,
                                          loss_nats_from_params)
 from autopar.cost.hardware import get_cluster
+from autopar.cost.kinds import (kind_layer_ns, kinds_in, layer_weights, mixed_profile,
+                                plan_config, stage_layers)
 from autopar.cost.layout import layers_over_kinds
 from autopar.cost.time_to_train import plan_for_tokens
 from autopar.passes import meta as K
@@ -262,14 +264,23 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
     structure = run_passes(captured.gm, [LAYERS_PASS]).meta[K.LAYERS]
-    profile = profile_from_graph(captured, structure, name=name or type(model).__name__)
-    # what the tensor-parallel pass keeps replicated at each t the solver may pick, priced
+    name = name or type(model).__name__
+    sp = (False, True) if sequence_parallel is None else (sequence_parallel,)
+    # a stack of several kinds (dense and MoE layers, ...): each kind profiled as its own
+    # one-kind model, the stack priced as mean layers (cost/kinds.py)
+    subs = ([structure.only(k) for k in range(len(structure.kinds))] if structure.mixed
+            else [structure])
     from autopar.cost.solver import tensor_degrees
-    degrees = sorted({k for g in gpu_counts for k in tensor_degrees(profile, cl, g, t)})
-    profile = with_tp_corrections(
-        profile, captured, structure, degrees,
-        sequence_parallel=(False, True) if sequence_parallel is None else (sequence_parallel,))
-    return captured, profile
+    parts = []
+    for sub in subs:
+        profile = profile_from_graph(captured, sub, name=name)
+        # what the tensor-parallel pass keeps replicated at each t the solver may pick, priced
+        degrees = sorted({k for g in gpu_counts for k in tensor_degrees(profile, cl, g, t)})
+        parts.append(with_tp_corrections(profile, captured, sub, degrees, sequence_parallel=sp))
+    if not structure.mixed:
+        return captured, parts[0]
+    return captured, mixed_profile(parts, [k.layer_ids for k in structure.kinds],
+                                   [k.label for k in structure.kinds])
 
 
 def over_kinds(plan: Plan, profile: Any) -> Plan:
@@ -278,6 +289,8 @@ def over_kinds(plan: Plan, profile: Any) -> Plan:
     order (cost.layout.layers_over_kinds); a profile of one kind: `plan` unchanged."""
     if not profile.layer_kinds:
         return plan
+    if profile.mixed:
+        return _over_mixed_kinds(plan, profile)
     counts = layers_over_kinds([st.num_layers for st in plan.stages], profile.layer_kinds)
     stages, first = [], 0
     for st, n in zip(plan.stages, counts):
@@ -286,9 +299,27 @@ def over_kinds(plan: Plan, profile: Any) -> Plan:
     return dataclasses.replace(plan, stages=tuple(stages), num_layers=first)
 
 
+def _over_mixed_kinds(plan: Plan, profile: Any) -> Plan:
+    """`plan`'s chunks, counted in mean layers, cut over the model's layers by the kinds'
+    per-layer times at the plan's configuration (cost.kinds.stage_layers); each stage says
+    which kinds it holds and their time per micro-batch (forward + backward)."""
+    cl = get_cluster(plan.cluster)
+    per_kind = kind_layer_ns(profile, cl, plan_config(plan))
+    weights = layer_weights(profile, per_kind)
+    counts = stage_layers([st.num_layers for st in plan.stages], weights)
+    stages, first = [], 0
+    for st, n in zip(plan.stages, counts):
+        stages.append(dataclasses.replace(
+            st, first_layer=first, last_layer=first + n,
+            kinds=kinds_in(profile, first, first + n),
+            layers_ms=round(sum(weights[first:first + n]) / 1e6, 3)))
+        first += n
+    return dataclasses.replace(plan, stages=tuple(stages), num_layers=first)
+
+
 def _kind_notes(profile: Any) -> list[str]:
     """Which layers are which stack's, and how the stacks were priced (several kinds only)."""
-    if not profile.layer_kinds:
+    if not profile.layer_kinds or profile.mixed:
         return []
     out, first = [], 0
     for k in profile.layer_kinds:

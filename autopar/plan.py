@@ -52,6 +52,11 @@ class Stage:
     last_layer: int
     embedding: bool = False
     head: bool = False
+    # a stack of several kinds of layer (cost/kinds.py): the kinds the chunk holds
+    # ("3 × layers [dense] + 1 × layers [MoE]") and its layers' time per micro-batch
+    # (forward + backward, ms); "" / 0 for a stack of one kind
+    kinds: str = ""
+    layers_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -62,7 +67,9 @@ class Stage:
         if self.embedding:
             parts.append("embedding")
         if self.num_layers:
-            parts.append(layer_range(self.first_layer, self.last_layer))
+            parts.append(layer_range(self.first_layer, self.last_layer)
+                         + (f" ({self.kinds}; {self.layers_ms:g} ms/micro-batch)"
+                            if self.kinds else ""))
         if self.head:
             parts.append("head+loss")
         return " + ".join(parts) or "(empty)"

@@ -132,12 +132,15 @@ def _stage_lines(plan: "Plan") -> list[str]:
         st, j = stages[i], i
         plain = not (st.embedding or st.head)
         while (plain and j + 1 < len(stages) and not (stages[j + 1].embedding or stages[j + 1].head)
-               and stages[j + 1].num_layers == st.num_layers):
+               and stages[j + 1].num_layers == st.num_layers
+               and stages[j + 1].kinds == st.kinds):
             j += 1
         if j - i >= 2:
             out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} on pipeline ranks "
                        f"{st.rank}…{stages[j].rank} (c mod {plan.p}): {st.num_layers} layer(s) each, "
-                       f"{layer_range(st.first_layer, stages[j].last_layer)}")
+                       f"{layer_range(st.first_layer, stages[j].last_layer)}"
+                       + (f" ({st.kinds}; {st.layers_ms:g} ms/micro-batch each)"
+                          if st.kinds else ""))
         else:
             j = i
             out.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")

@@ -281,10 +281,16 @@ class TPCorrection:
 class LayerKind:
     """One of several kinds of repeated block (an encoder-decoder's two stacks): where it sits
     in the model, its layers, and the forward GEMM FLOPs of one of its layers for one sequence
-    (what a stage cut inside the repeat unit balances)."""
+    (what a stage cut inside the repeat unit balances).
+
+    layers / profile: a kind of an interleaved stack (dense and MoE layers, ...; cost/kinds.py):
+    its model-wide layer indices and its own one-kind profile, as measured; empty / None for
+    the stacks of a unit (an encoder-decoder's)."""
     name: str
     num_layers: int
     fwd_flops: int
+    layers: tuple[int, ...] = ()
+    profile: "ModelProfile | None" = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +336,12 @@ class ModelProfile:
     # several kinds of block (encoder-decoder): `block` is the repeat unit, one layer of each
     # kind, and num_layers counts units; the kinds in execution order. Empty: one kind.
     layer_kinds: tuple[LayerKind, ...] = field(default=())
+
+    @property
+    def mixed(self) -> bool:
+        """Kinds interleaved in one stack: num_layers counts layers, `block` is the mean layer
+        (cost/kinds.py), not a unit of one layer of each kind."""
+        return any(k.layers for k in self.layer_kinds)
 
     def for_cluster(self, cluster) -> "ModelProfile":
         """This profile priced for `cluster`'s elementwise execution and attention kernel

@@ -13,10 +13,11 @@ Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes c
   parameters and buffers are get_attr nodes with the user's fully qualified names (plus the
   prefix), so a state dict maps 1:1.
   With `repeat_limit=r`, every repeated block container (found structurally: a ModuleList /
-  Sequential whose children have one class and, after the first, the same parameter shapes;
-  an encoder-decoder model has one per stack) is cut to its first r
-  children for the export and restored afterwards; `Captured.repeats` records the true lengths
-  and gm.meta[REPEATS] the same by graph path (with the prefix), for passes/layers.py.
+  Sequential whose children have one class; an encoder-decoder model has one per stack) is
+  cut to its first r children plus the first child of every other parameter layout (a dense
+  first layer before MoE layers) for the export and restored afterwards; `Captured.repeats`
+  records the true lengths and gm.meta[REPEATS] the same by graph path (with the prefix), and
+  gm.meta[REPEAT_KEYS] the kept child each true child stands for, for passes/layers.py.
   Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
   graph (repeat_limit=None).
   With `compute_dtype=torch.bfloat16` (a 16-bit run), the model is traced with its floating
@@ -117,19 +118,21 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
         targets = targets.clone()  # export would merge the two into one graph input
     wrapper = _WithLoss(model, loss_fn)
     args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
-    repeats: dict[str, int] = {}
+    kept: dict[str, tuple[str, ...]] = {}
     if repeat_limit is not None:
         try:
-            with truncate_repeats(model, repeat_limit) as repeats:
+            with truncate_repeats(model, repeat_limit) as kept:
                 exported = _export(wrapper, args)
         except CaptureError:
-            repeats = {}  # truncation broke the model (it may index its blocks): export it whole
+            kept = {}  # truncation broke the model (it may index its blocks): export it whole
             exported = _export(wrapper, args)
     else:
         exported = _export(wrapper, args)
     gm = exported.module()
     prefix = "model."   # the loss wrapper holds the user's model as `model`
+    repeats = {path: len(keys) for path, keys in kept.items()}
     gm.meta[K.REPEATS] = {(prefix + path).rstrip("."): n for path, n in repeats.items()}
+    gm.meta[K.REPEAT_KEYS] = {(prefix + path).rstrip("."): keys for path, keys in kept.items()}
     return Captured(gm=gm, exported=exported, model=model, has_loss=loss_fn is not None,
                     prefix=prefix, example_inputs=tuple(example_inputs), targets=targets,
                     repeats=dict(repeats))
@@ -139,8 +142,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
 def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
     """{path: len} of the outermost ModuleList/Sequential containers of ≥2 children of one
-    class whose children after the first share parameter names and shapes (the first may own
-    more: T5's first block holds the relative position bias it hands to the others).
+    class (their parameters may differ: dense and MoE layers of one stack are one class).
     Structural: attribute names are never consulted."""
     found: dict[str, int] = {}
     for path, module in model.named_modules():
@@ -149,12 +151,45 @@ def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
         if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) > 1:
-            continue
-        rest = {_signature(c) for c in children[1:]}
-        if len(rest) == 1 and set(next(iter(rest))) <= set(_signature(children[0])):
+        if len(children) >= 2 and len({type(c) for c in children}) == 1:
             found[path] = len(children)
     return found
+
+
+def kept_children(container: torch.nn.Module, limit: int) -> tuple[str, ...]:
+    """For every child of `container`, the key of the kept child that stands for it: the first
+    `limit` children stand for themselves, every later one for the first child of its layout,
+    which is kept too. A layout is the child's parameters (names, shapes, dtypes) and the plain
+    settings of its modules (bool / int / float / str / None attributes) that vary over the
+    children, but for a running index (0, 1, 2, ...: a layer number): a dense first layer
+    before MoE layers, a layer without rotary (SmolLM3's use_rope) or with a sliding window
+    (Cohere2). So a truncated stack still holds one block of every layout and the true order
+    of layouts; the graph (passes/layers.py) decides which layouts are kinds."""
+    keys = list(container._modules)
+    settings = [_settings(container._modules[k]) for k in keys]
+    varying = {a for a in set().union(*settings)
+               if len({repr(s.get(a)) for s in settings}) > 1}
+    index = {a for a in varying if all(type(s.get(a)) is int for s in settings)
+             and [s[a] - settings[0][a] for s in settings] == list(range(len(keys)))}
+    chosen = sorted(varying - index)
+    first_of: dict[tuple, str] = {}
+    layouts = []
+    for key, s in zip(keys, settings):
+        layout = (_signature(container._modules[key]), tuple(repr(s.get(a)) for a in chosen))
+        layouts.append(layout)
+        first_of.setdefault(layout, key)
+    return tuple(key if j < limit else first_of[layouts[j]] for j, key in enumerate(keys))
+
+
+def _settings(module: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """{(submodule path, attribute): value} of the plain settings of `module`'s modules."""
+    out = {}
+    for path, sub in module.named_modules():
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name != "training" and (
+                    value is None or isinstance(value, (bool, int, float, str))):
+                out[(path, name)] = value
+    return out
 
 
 def _signature(module: torch.nn.Module) -> tuple:
@@ -163,21 +198,24 @@ def _signature(module: torch.nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def truncate_repeats(model: torch.nn.Module, limit: int) -> Iterator[dict[str, int]]:
-    """Temporarily keep only the first `limit` children of each repeated container (in place,
-    so the model's own references to the container still work); yields {path: true length}
-    of those actually cut. Restores the children on exit, also on error."""
+def truncate_repeats(model: torch.nn.Module, limit: int
+                     ) -> Iterator[dict[str, tuple[str, ...]]]:
+    """Temporarily keep only the children of each repeated container that `kept_children`
+    names (in place, so the model's own references to the container still work; the kept
+    children keep their keys); yields {path: the kept key of every true child} for the
+    containers actually cut. Restores the children on exit, also on error."""
     saved: list[tuple[torch.nn.Module, dict]] = []
-    cut: dict[str, int] = {}
+    cut: dict[str, tuple[str, ...]] = {}
     try:
-        for path, length in find_repeated_containers(model).items():
-            if length <= limit:
-                continue
+        for path in find_repeated_containers(model):
             container = model.get_submodule(path) if path else model
+            keys = kept_children(container, limit)
+            if len(set(keys)) == len(keys):
+                continue
             original = dict(container._modules)
             saved.append((container, original))
-            container._modules = dict(list(original.items())[:limit])
-            cut[path] = length
+            container._modules = {k: m for k, m in original.items() if k in set(keys)}
+            cut[path] = keys
         yield cut
     finally:
         for container, original in saved:

@@ -33,7 +33,7 @@ Placeholders and get_attr nodes take the region of their first user.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Iterable
 
@@ -60,6 +60,12 @@ class BlockKind:
     first: the global index (in `LayerStructure.block_paths`) of its first block in the graph.
     num_layers: its true block count (> len(block_paths) when capture truncated it).
     first_layer: the model-wide index of its first layer (the kinds' true counts in order).
+    blocks: the global indices of its blocks in the graph (empty: first, first + 1, ...).
+    layers: the model-wide indices of its layers, true counts (empty: the contiguous
+      first_layer, ..., first_layer + num_layers - 1 of a whole stack). Set when one stack
+      holds blocks of several kinds (`LayerStructure.mixed`): dense and MoE layers, layers
+      with and without rotary, ...
+    name: how the plan names it ("" for a whole stack: its container).
     """
     container: str
     block_class: str
@@ -67,10 +73,25 @@ class BlockKind:
     first: int = 0
     num_layers: int = 0
     first_layer: int = 0
+    blocks: tuple[int, ...] = ()
+    layers: tuple[int, ...] = ()
+    name: str = ""
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_paths)
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return self.blocks or tuple(range(self.first, self.first + self.num_blocks))
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self.layers or tuple(range(self.first_layer, self.first_layer + self.num_layers))
+
+    @property
+    def label(self) -> str:
+        return self.name or self.container.removeprefix("model.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +141,27 @@ class LayerStructure:
         return tuple(k.first for k in self.kinds)
 
     @property
+    def mixed(self) -> bool:
+        """The kinds are graph kinds interleaved in one stack (dense and MoE layers, ...): each
+        kind is profiled on its own and the stack is priced layer by layer (passes/profile.py
+        `kinds_profile`), not as units of one layer of each kind."""
+        return any(k.layers for k in self.kinds)
+
+    @property
+    def pattern(self) -> tuple[int, ...]:
+        """The kind of every layer of the model (true counts), in execution order."""
+        out = [0] * self.num_layers
+        for k, kind in enumerate(self.kinds):
+            for i in kind.layer_ids:
+                out[i] = k
+        return tuple(out)
+
+    def only(self, k: int) -> "LayerStructure":
+        """This structure with kind k as its only kind (its unit: the kind's first block)."""
+        kind = self.kinds[k]
+        return replace(self, kinds=(replace(kind, layers=()),))
+
+    @property
     def num_units(self) -> int:
         depths = {k.num_layers for k in self.kinds}
         if len(depths) > 1:
@@ -150,11 +192,13 @@ class LayerStructure:
 
     def kind_of(self, i: int) -> int:
         """The kind of the graph's block i."""
-        return max(k for k, kind in enumerate(self.kinds) if kind.first <= i)
+        return next(k for k, kind in enumerate(self.kinds) if i in kind.block_ids)
 
     def describe(self) -> str:
-        stacks = " then ".join(f"{k.num_layers} × {k.block_class} at {k.container}"
-                               for k in self.kinds)
+        join = " and " if self.mixed else " then "
+        stacks = join.join(f"{k.num_layers} × {k.block_class}"
+                           + (f" {k.name[k.name.find('['):]}" if k.name else "")
+                           + f" at {k.container}" for k in self.kinds)
         return (f"{stacks} ({self.num_blocks} in graph); embedding {len(self.embedding_nodes)} "
                 f"nodes, block {len(self.block_nodes[0])} nodes, head {len(self.head_nodes)} "
                 f"nodes")
@@ -179,13 +223,15 @@ def tag_layers(gm: torch.fx.GraphModule, *, check_identical: bool = True
     for n in nodes:
         n.meta[K.REGION] = regions[n]
     structure = _describe(nodes, regions, kinds, block_of, gm.meta.get(K.REPEATS, {}))
+    structure = _split_kinds(structure, nodes, stacks, gm.meta.get(K.REPEAT_KEYS, {}))
     if check_identical:
         _check_identical(structure)
     gm.meta[K.LAYERS] = structure
     return gm
 
 
-LAYERS_PASS = Pass("layers", tag_layers, reads=(K.NN_MODULE_STACK, K.VAL, K.REPEATS),
+LAYERS_PASS = Pass("layers", tag_layers, reads=(K.NN_MODULE_STACK, K.VAL, K.REPEATS,
+                                                K.REPEAT_KEYS),
                    writes=(K.REGION, K.LAYERS))
 
 
@@ -429,13 +475,67 @@ def _is_subsequence(short: tuple, long: tuple) -> bool:
     return all(any(op == x for x in rest) for op in short)
 
 
+def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
+                 repeat_keys: dict[str, tuple[str, ...]]) -> LayerStructure:
+    """Each stack's blocks grouped by signature into kinds (dense and MoE layers, layers with
+    and without rotary, ...); a stack whose blocks all match (its first may add ops: T5's
+    position bias) stays one kind. With kinds, every kind lists its graph blocks and its
+    model-wide layers: a truncated capture's REPEAT_KEYS give the kept block each true layer
+    stands for (capture keeps one block of every parameter layout)."""
+    sig = structure.signatures
+    per_stack = []
+    for kind in structure.kinds:
+        ids = kind.block_ids
+        groups: list[list[int]] = []
+        for i in ids[1:]:
+            grp = next((g for g in groups if sig[g[0]] == sig[i]), None)
+            groups.append([i]) if grp is None else grp.append(i)
+        match = next((g for g in groups if sig[g[0]] == sig[ids[0]]), None)
+        if match is None:   # the first block may add ops (T5's position bias)
+            match = max((g for g in groups if _is_subsequence(sig[g[0]], sig[ids[0]])),
+                        key=lambda g: len(sig[g[0]]), default=None)
+        groups.insert(0, [ids[0]]) if match is None else match.insert(0, ids[0])
+        per_stack.append(sorted(groups, key=lambda g: g[0]))
+    if all(len(groups) == 1 for groups in per_stack):
+        return structure
+    inside = defaultdict(dict)   # graph block -> {class of a module inside it: its depth}
+    for n in nodes:
+        own = [p for p, _ in stacks[n] if p in structure.block_paths]
+        for p, c in stacks[n] if own else ():
+            if p.startswith(own[0] + "."):
+                seen = inside[structure.block_paths.index(own[0])]
+                seen[c.rpartition(".")[2]] = min(seen.get(c.rpartition(".")[2], 99),
+                                                 p.count("."))
+    kinds, offset = [], 0
+    for kind, groups in zip(structure.kinds, per_stack):
+        keys = repeat_keys.get(kind.container)
+        at = {p.rpartition(".")[2]: i for p, i in zip(kind.block_paths, kind.block_ids)}
+        layer_block = [at[k] for k in keys] if keys else list(kind.block_ids)
+        gid = {i: g for g, grp in enumerate(groups) for i in grp}
+        for g, grp in enumerate(groups):
+            layers = tuple(offset + j for j, i in enumerate(layer_block) if gid[i] == g)
+            mine = inside[grp[0]]
+            others = {c: d for h in groups if h is not grp for c, d in inside[h[0]].items()}
+            # the outermost module class only this kind has (or only the others have)
+            own = sorted((d, c) for c, d in mine.items() if c not in others)
+            lack = sorted((d, c) for c, d in others.items() if c not in mine)
+            what = (own[0][1] if own else f"without {lack[0][1]}" if lack
+                    else f"{len(sig[grp[0]])} ops")
+            name = f"{kind.container.removeprefix('model.')} [{what}]" if len(groups) > 1 else ""
+            kinds.append(replace(kind, block_paths=tuple(structure.block_paths[i] for i in grp),
+                                 first=grp[0], blocks=tuple(grp), num_layers=len(layers),
+                                 first_layer=layers[0], layers=layers, name=name))
+        offset += len(layer_block)
+    return replace(structure, kinds=tuple(kinds))
+
+
 def _check_identical(structure: LayerStructure) -> None:
     """Within each kind, blocks 1, 2, ... do the same ops on the same shapes, and block 0 does
     those too, possibly with more in between: the first block may compute a value it hands
     to the others (T5's relative position bias, computed by the first block of each stack)."""
     for kind in structure.kinds:
-        ids = range(kind.first, kind.first + kind.num_blocks)
-        ref = kind.first + 1 if kind.num_blocks > 1 else kind.first
+        ids = kind.block_ids
+        ref = ids[1] if len(ids) > 1 else ids[0]
         for i in ids:
             sig, want = structure.signatures[i], structure.signatures[ref]
             ok = _is_subsequence(want, sig) if i == kind.first else sig == want

@@ -33,6 +33,7 @@ STACK_TRACE = "stack_trace"
 
 # ----- capture and layers ----------------------------------------------------------------------
 REPEATS = "autopar_repeats"
+REPEAT_KEYS = "autopar_repeat_keys"
 REGION = "autopar_region"
 LAYERS = "autopar_layers"
 
@@ -80,6 +81,10 @@ KEYS: tuple[MetaKey, ...] = (
     MetaKey(name=REPEATS, scope="graph", type="dict[str, int]",
             meaning="true child count of each repeated block container capture truncated, "
                     "by its path in NN_MODULE_STACK; empty for a full capture",
+            writer="passes.capture", readers=("passes.layers",)),
+    MetaKey(name=REPEAT_KEYS, scope="graph", type="dict[str, tuple[str, ...]]",
+            meaning="for each container capture truncated, the key of the kept child every "
+                    "true child stands for (one kept child per parameter layout)",
             writer="passes.capture", readers=("passes.layers",)),
     MetaKey(name=REGION, scope="node", type="tuple[str, int | None]",
             meaning='("embedding", None) | ("block", i) | ("head", None)',

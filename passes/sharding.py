@@ -327,7 +327,8 @@ class Propagator:
         return self.layout.get(node, R)
 
     def _is_chain(self, node: fx.Node) -> bool:
-        return node.op == "call_function" and packet(node) in _CHAIN
+        return node.op == "call_function" and (packet(node) in _CHAIN
+                                               or _singleton_view(node))
 
     def _forward_chain(self, node: fx.Node) -> Any:
         """Layout of a param-derived node once its get_attr root has one."""
@@ -344,8 +345,9 @@ class Propagator:
         self.layout[node] = lay
         if self._is_chain(node) and isinstance(node.args[0], fx.Node) \
                 and self.layout.get(node.args[0], R) is None:
-            up = replace(lay, dim=_chain_dim(node, lay.dim, forward=False)) \
-                if isinstance(lay, Shard) else lay
+            dim = _chain_dim(node, lay.dim, forward=False) if isinstance(lay, Shard) else 0
+            # a split broadcast dim reads the whole parameter on every rank
+            up = (R if dim < 0 else replace(lay, dim=dim)) if isinstance(lay, Shard) else lay
             self._assign(node.args[0], up)
 
     def demand(self, consumer: fx.Node, arg: Any, want: Layout) -> None:
@@ -668,8 +670,42 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _singleton_view(node: fx.Node) -> bool:
+    """A view or expand of a parameter that only adds, drops or broadcasts size-1 dims (an
+    attention sink's (H,) -> (1, H, 1, 1) -> (B, H, T, 1)): its split dim maps through, so a
+    per-head parameter is split with the heads its consumer splits."""
+    op = packet(node)
+    if op not in _RESHAPES and op is not aten.expand or not isinstance(node.args[0], fx.Node):
+        return False
+    src, dst = shape(node.args[0]), shape(node)
+    if src is None or dst is None:
+        return False
+    if op is aten.expand:
+        return len(dst) >= len(src) and all(
+            a == b or a == 1 for a, b in zip(src, dst[len(dst) - len(src):]))
+    return [d for d in src if d != 1] == [d for d in dst if d != 1]
+
+
+def _singleton_dim(node: fx.Node, dim: int, forward: bool) -> int:
+    """`dim` mapped through a `_singleton_view` (forward: input -> output); a broadcast or
+    size-1 dim has no partner: -1."""
+    src, dst = shape(node.args[0]), shape(node)
+    if packet(node) is aten.expand:
+        off = len(dst) - len(src)
+        if forward:
+            return dim + off
+        return dim - off if dim >= off and src[dim - off] == dst[dim] else -1
+    a, b = (src, dst) if forward else (dst, src)
+    if a[dim] == 1:
+        return -1
+    k = sum(1 for d in a[:dim] if d != 1)
+    return [i for i, d in enumerate(b) if d != 1][k]
+
+
 def _chain_dim(node: fx.Node, dim: int, forward: bool) -> int:
     op = packet(node)
+    if op not in _CHAIN and _singleton_view(node):
+        return _singleton_dim(node, dim, forward)
     if op is aten.t:
         return 1 - dim if shape(node) and len(shape(node)) == 2 else dim
     if op is aten.transpose:

@@ -247,6 +247,55 @@ def hf_qwen2_moe(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int 
          "num_experts": experts, "num_experts_per_tok": top_k, **config}))
 
 
+def hf_qwen3_moe(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                 kv_heads: int = 2, hidden: int = 32, ffn: int = 64, experts: int = 4,
+                 top_k: int = 2, dense: tuple[int, ...] = (0,), **config: Any) -> Model:
+    """Qwen3-MoE with dense layers `dense` (mlp_only_layers; DeepSeek-V3's first_k_dense):
+    blocks of two kinds in one stack (issue 31)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(_llama_like(
+        Qwen3MoeConfig, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"head_dim": 8, "moe_intermediate_size": ffn // 2, "num_experts": experts,
+         "num_experts_per_tok": top_k, "mlp_only_layers": list(dense), **config}))
+
+
+def hf_smollm3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 64,
+               rope: tuple[int, ...] = (1, 0), **config: Any) -> Model:
+    """SmolLM3: rotary in the layers where `rope` is 1, none (NoPE) in the others."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+    return SmolLM3ForCausalLM(_llama_like(
+        SmolLM3Config, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"no_rope_layers": list(rope), "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         **config}))
+
+
+def hf_cohere2(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 64,
+               types: tuple[str, ...] = ("sliding_attention", "full_attention"),
+               **config: Any) -> Model:
+    """Cohere2: sliding-window layers with rotary, full-attention layers without: graphs
+    differ by layer."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+    return Cohere2ForCausalLM(_llama_like(
+        Cohere2Config, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"layer_types": list(types), "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1,
+         "eos_token_id": 2, **config}))
+
+
+def hf_gpt_oss(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 32, experts: int = 4,
+               top_k: int = 2, **config: Any) -> Model:
+    """GPT-OSS: attention sinks (one learned logit per head, concatenated to the scores),
+    sliding-window and full-attention layers, biased MoE experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    return GptOssForCausalLM(_llama_like(
+        GptOssConfig, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"head_dim": 8, "num_local_experts": experts, "num_experts_per_tok": top_k,
+         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"][:layers]
+         * max(1, layers // 2), **config}))
+
+
 def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
            image: int = 16, patch: int = 4, labels: int = 10, **config: Any) -> Model:
     """ViT image classification: pixels in, no vocabulary; (image/patch)² + 1 tokens."""
@@ -389,7 +438,8 @@ BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
-    hf_bert2bert, torch_encoder)}
+    hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
+    hf_gpt_oss)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -68,11 +68,13 @@ class _Uneven(torch.nn.Module):
         return x
 
 
-def test_differing_blocks_are_reported():
+def test_differing_blocks_become_kinds():
+    """Blocks of one stack whose graphs differ are kinds, in the stack's order (issue 31)."""
     cap = capture(_Uneven(), (torch.randn(2, 8),))
-    with pytest.raises(LayerError, match=r"block 1 \(model.layers.1\) differs from block 0"):
-        find_layers(cap)
-    assert find_layers(cap, check_identical=False).num_blocks == 3
+    s = find_layers(cap)
+    assert s.mixed and s.num_blocks == 3 and len(s.kinds) == 2
+    assert s.pattern == (0, 1, 0)
+    assert [k.block_ids for k in s.kinds] == [(0, 2), (1,)]
 
 
 def test_no_repeats_is_a_clear_error():

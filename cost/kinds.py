@@ -1,0 +1,192 @@
+"""Stacks whose layers are of several kinds: dense and MoE layers, layers with and without
+rotary, local and global attention whose graphs differ (issue 31).
+
+The layer finder (passes/layers.py) groups the blocks of a stack by their graph into kinds and
+gives every model layer its kind (`LayerStructure.pattern`, true counts). Each kind is profiled
+on its own, as a one-kind model (passes/profile.py on its first block, its tensor-parallel
+fallbacks priced by passes/tp_cost.py): `LayerKind.profile`. The planner sees:
+
+  - `mixed_profile`: the model as `num_layers` = L layers of one *mean layer*, each kind's block
+    weighted by its share of the layers (GEMM batches, attention tiles, bytes, parameters,
+    activations and the tensor-parallel fallbacks all scale linearly), so the solver's search
+    (one per-layer slope, cost/solver.py) prices the whole stack exactly in sum: compute,
+    communication, weights and activations of all L layers;
+  - `stage_layers`: the solver's layers per chunk, in mean layers, cut over the model's real
+    layers by cost: each layer weighs its kind's per-layer time at the plan's configuration
+    (cost.model.load_costs on the kind's profile: GEMMs, attention, elementwise traffic and
+    its t / c / ep collectives), and cut c falls at the layer boundary whose cumulative time
+    is nearest the chunks' cumulative share of the total. So a stage of the heavier kind holds
+    fewer layers, and every stage's time is the sum of its layers' kinds (`stage_times_ns`).
+
+Not modelled: a stage's memory is priced at the mean layer by the solver (a stage of MoE
+layers holds more weights than the mean; docs/known-gaps.md).
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any, Sequence
+
+from autopar.cost.profile import (EagerOps, FusedAttention, LayerKind, ModelProfile,
+                                  NO_FALLBACK, RegionProfile, TPCorrection, TPRegionFallback)
+
+
+def mixed_profile(parts: Sequence[ModelProfile], layers: Sequence[tuple[int, ...]],
+                  names: Sequence[str]) -> ModelProfile:
+    """The model of kinds `parts` (one one-kind profile each, same embedding and head) whose
+    model-wide layers are `layers[k]`, as L mean layers (module docstring)."""
+    if len(parts) != len(layers) or not parts:
+        raise ValueError(f"mixed_profile: {len(parts)} profiles for {len(layers)} kinds; give "
+                         f"one profile per kind")
+    total = sum(len(x) for x in layers)
+    w = [len(x) / total for x in layers]
+    base = parts[0]
+    kinds = tuple(LayerKind(name=n, num_layers=len(x), fwd_flops=p.block.fwd_flops,
+                            layers=tuple(x), profile=p)
+                  for n, x, p in zip(names, layers, parts))
+    offsets = [0]
+    for p in parts[:-1]:
+        offsets.append(offsets[-1] + len(p.block.gemms))
+    corr = []
+    for c in base.tp_fallbacks:
+        fixes = []
+        for p in parts:
+            mine = next((x for x in p.tp_fallbacks
+                         if (x.t, x.sequence_parallel) == (c.t, c.sequence_parallel)), None)
+            fixes.append(mine.block if mine is not None else NO_FALLBACK)
+        corr.append(replace(c, block=_mean_fallback(fixes, w, offsets), fallbacks=tuple(
+            dict.fromkeys(f for p in parts for x in p.tp_fallbacks
+                          if (x.t, x.sequence_parallel) == (c.t, c.sequence_parallel)
+                          for f in x.fallbacks))))
+    mix = ", ".join(f"{k.num_layers} × {k.name}" for k in kinds)
+    notes = base.notes + (f"{len(kinds)} kinds of layer ({mix}) priced as {total} mean layers "
+                          f"by the solver; stages cut where the kinds' per-layer times match "
+                          f"its split (cost/kinds.py)",)
+    return replace(base, num_layers=total, block=_mean_region([p.block for p in parts], w),
+                   tp_fallbacks=tuple(corr), layer_kinds=kinds, notes=notes)
+
+
+def _weigh(values: Sequence[float], w: Sequence[float]) -> int:
+    return round(sum(v * x for v, x in zip(values, w)))
+
+
+def _mean_region(regions: Sequence[RegionProfile], w: Sequence[float]) -> RegionProfile:
+    gemms, calls, offset = [], [], 0
+    for r, x in zip(regions, w):
+        gemms += [replace(g, batch=g.batch * x) for g in r.gemms]
+        if r.fused is not None:
+            calls += [replace(c, gemms=tuple(i + offset for i in c.gemms),
+                              active_fraction=c.active_fraction * x,
+                              materialized_bytes=round(c.materialized_bytes * x))
+                      for c in r.fused.calls]
+        offset += len(r.gemms)
+
+    def acts(get) -> tuple[int, int, int]:
+        vals = [get(r) for r in regions]
+        return tuple(_weigh([v[i] for v in vals], w) for i in range(3))
+
+    def own(r):
+        return (r.act_split_bytes, r.act_replicated_bytes, r.act_attention_bytes)
+
+    def fused_of(r):
+        return own(r.fused) if r.fused is not None else own(r)
+
+    fused = None
+    if any(r.fused is not None for r in regions):
+        a = acts(fused_of)
+        fused = FusedAttention(calls=tuple(calls), act_split_bytes=a[0],
+                               act_replicated_bytes=a[1], act_attention_bytes=a[2])
+    eager = None
+    if all(r.eager is not None for r in regions):
+        e = [r.eager for r in regions]
+        a, af = acts(lambda r: own(r.eager)), acts(
+            lambda r: own(r.eager.fused) if r.eager.fused is not None else fused_of(r))
+        eager = EagerOps(
+            other_bytes=_weigh([x.other_bytes for x in e], w),
+            other_split_bytes=_weigh([x.other_split_bytes for x in e], w),
+            act_split_bytes=a[0], act_replicated_bytes=a[1], act_attention_bytes=a[2],
+            fused=None if fused is None else replace(fused, act_split_bytes=af[0],
+                                                     act_replicated_bytes=af[1],
+                                                     act_attention_bytes=af[2]))
+    summed = ("params_split_elems", "params_replicated_elems", "act_split_bytes",
+              "act_replicated_bytes", "act_attention_bytes", "input_bytes", "other_bytes",
+              "other_split_bytes", "tp_allreduce_elems", "cp_gather_elems",
+              "expert_params_elems", "expert_dispatch_elems")
+    return replace(regions[0], gemms=tuple(gemms), fused=fused, eager=eager,
+                   experts=max(r.experts for r in regions),
+                   **{f: _weigh([getattr(r, f) for r in regions], w) for f in summed})
+
+
+def _mean_fallback(fixes: Sequence[TPRegionFallback], w: Sequence[float],
+                   offsets: Sequence[int]) -> TPRegionFallback:
+    if all(f.empty for f in fixes):
+        return NO_FALLBACK
+    summed = ("params_elems", "act_split_bytes", "act_attention_bytes", "other_split_bytes",
+              "allreduce_elems_removed")
+    return TPRegionFallback(
+        replicated_gemms=tuple(i + o for f, o in zip(fixes, offsets) for i in f.replicated_gemms),
+        whole_columns=tuple((i + o, c) for f, o in zip(fixes, offsets)
+                            for i, c in f.whole_columns),
+        collectives=tuple(replace(c, elems=round(c.elems * x))
+                          for f, x in zip(fixes, w) for c in f.collectives),
+        **{k: _weigh([getattr(f, k) for f in fixes], w) for k in summed})
+
+
+# ----- stages over the kinds --------------------------------------------------------------------
+
+def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any) -> list[int]:
+    """Per micro-batch time of one layer of each kind at `cfg` (compute, recompute and its
+    tensor- / context- / expert-parallel collectives: cost.model.load_costs on the kind's own
+    profile)."""
+    from autopar.cost.model import load_costs
+    out = []
+    for k in profile.layer_kinds:
+        lc = load_costs(k.profile.for_cluster(cluster), cluster, cfg)
+        out.append(lc.layer_compute_ns + lc.layer_tp_ns + lc.layer_cp_ns + lc.layer_ep_ns)
+    return out
+
+
+def layer_weights(profile: ModelProfile, per_kind: Sequence[float]) -> list[float]:
+    """The weight of every model layer (its kind's), in order."""
+    out = [0.0] * profile.num_layers
+    for k, kind in enumerate(profile.layer_kinds):
+        for i in kind.layers:
+            out[i] = per_kind[k]
+    return out
+
+
+def stage_layers(chunks: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """The model's layers in each chunk when the solver's split `chunks` counts mean layers:
+    cut c at the layer boundary whose cumulative weight is nearest the chunks' cumulative
+    share of the total (a chunk with layers keeps at least one; one without, an embedding-
+    or head-only chunk, none)."""
+    n = len(weights)
+    if sum(chunks) != n:
+        raise ValueError(f"stage_layers: chunks {list(chunks)} hold {sum(chunks)} layers but "
+                         f"the model has {n}; split the profile's num_layers")
+    prefix = [0.0]
+    for x in weights:
+        prefix.append(prefix[-1] + x)
+    mins = [1 if u else 0 for u in chunks]
+    out, prev, done = [], 0, 0
+    for c, u in enumerate(chunks[:-1]):
+        done += u
+        lo, hi = prev + mins[c], n - sum(mins[c + 1:])
+        target = prefix[-1] * done / n
+        cut = prev if not u else min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - target))
+        out.append(cut - prev)
+        prev = cut
+    out.append(n - prev)
+    return out
+
+
+def plan_config(plan: Any) -> Any:
+    """The cost model's Config of `plan` (its degrees, batch and schedule)."""
+    from autopar.cost.model import Config
+    return Config(**{f.name: getattr(plan, f.name) for f in fields(Config)
+                     if hasattr(plan, f.name)})
+
+
+def kinds_in(profile: ModelProfile, first: int, last: int) -> str:
+    """'3 × dense + 1 × moe': the kinds of layers [first, last)."""
+    counts = [sum(first <= i < last for i in k.layers) for k in profile.layer_kinds]
+    return " + ".join(f"{n} × {k.name}" for n, k in zip(counts, profile.layer_kinds) if n)

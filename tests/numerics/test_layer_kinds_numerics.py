@@ -1,0 +1,59 @@
+"""Stacks whose blocks differ (issue 31), as unmodified `transformers` models on gloo ranks
+against the same model trained on one device (3 AdamW steps, losses and full_state_dict at
+rtol 1e-4 / atol 1e-5): Qwen3-MoE with a dense first layer then MoE layers (mlp_only_layers,
+DeepSeek-V3's first_k_dense), SmolLM3 with a layer without rotary (no_rope_layers), Cohere2
+with a sliding-window layer with rotary and a full-attention layer without. Each model's two
+layers are of two kinds, so p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2:
+its per-head attention sinks split with the heads."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.api import ParallelProgram
+from autopar.plan import Plan
+from autopar.testing import spawn
+
+import models
+from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan, train_steps
+from reference import train
+
+pytestmark = pytest.mark.distributed
+
+SEQ = 8
+
+
+def _data(batch: int) -> list:
+    return models.token_batches(64, (batch, SEQ), STEPS, seed=1234)
+
+
+def _rank(rank: int, world: int, name: str, plan) -> tuple:
+    torch.set_num_threads(1)
+    x, y = _data(plan.micro_batch_size)[0]
+    prog = ParallelProgram(model=models.build(name, seed=0), plan=plan, profile=None,
+                           example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                           cluster=None)
+    runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
+    return train_steps(runner, plan, _data(plan.global_batch_size)), runner.full_state_dict()
+
+
+def _plan(mode: str) -> Plan:
+    if mode == "c2":
+        return Plan.from_dict({**make_plan().to_dict(), "c": 2})
+    if mode == "ep2d2":
+        return dataclasses.replace(make_plan(d=2), ep=2)
+    return make_plan(**{"t2": {"t": 2}, "p2": {"p": 2}}[mode])
+
+
+@pytest.mark.parametrize("name,mode", [
+    ("hf_qwen3_moe", "t2"), ("hf_qwen3_moe", "p2"), ("hf_qwen3_moe", "ep2d2"),
+    ("hf_smollm3", "t2"), ("hf_smollm3", "c2"),
+    ("hf_cohere2", "p2"), ("hf_cohere2", "c2"), ("hf_gpt_oss", "t2")])
+def test_blocks_of_two_kinds_equal_one_device(name, mode):
+    plan = _plan(mode)
+    results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)
+    ref = train(models.build(name, seed=0), _data(plan.global_batch_size), adamw,
+                loss_fn=loss_fn, max_grad_norm=MAX_NORM)
+    check_trained(results, ref, models.build(name, seed=0).state_dict())
