@@ -205,7 +205,7 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
              _degree_reason(plan, feasible, rejected, "c", "Context parallelism", (
                  "no plan with another c was weighed (c pinned, or no c > 1 divides the GPUs "
                  "and the sequence into 2c chunks).")),
-             *_cp_attention_reason(plan, feasible),
+             *_cp_attention_reason(plan, feasible, rejected),
              _degree_reason(plan, feasible, rejected, "ep", "Expert parallelism", (
                  "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
                  "ep > 1 divides both c·d and the experts per layer).")), "",
@@ -238,16 +238,15 @@ _CP_WHY = {   # what each method's exchange is, for the reason line
 }
 
 
-def _cp_attention_reason(plan: "Plan", feasible: list) -> list[str]:
+def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[str]:
     """Why the plan's context attention (c > 1): for each other method, the best weighed plan
-    with the same c and that method, its context-parallel cost against the chosen one's; none
-    for c = 1."""
+    with the same c and that method, its context-parallel cost against the chosen one's, or
+    why its plans were rejected (pruned by a lower bound, memory); none for c = 1."""
     if plan.c == 1:
         return []
     head = f"Context attention {plan.cp_attention}: {_CP_WHY[plan.cp_attention]}; "
-    mine = plan.predicted.cp_comm_s
     best: dict[str, Any] = {}
-    for a in feasible:
+    for a in feasible + rejected:
         how = a.config.get("cp_attention", "all-gather")
         if a.config.get("c") == plan.c and how != plan.cp_attention and how not in best:
             best[how] = a
@@ -257,9 +256,10 @@ def _cp_attention_reason(plan: "Plan", feasible: list) -> list[str]:
                        "out for ring and all-to-all, or the pass cannot build it: see the "
                        "notes)."]
     parts = [f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (its best plan {a.label()} "
-             f"{_fmt_s(a.predicted.step_time_s)} per step)" for how, a in best.items()]
-    return [head + f"its context-parallel cost is {_fmt_s(mine)} per step (plan "
-                   f"{_fmt_s(plan.predicted.step_time_s)}) vs " + "; ".join(parts) + "."]
+             f"{_fmt_s(a.predicted.step_time_s)} per step)" if a.feasible else
+             f"{how} rejected ({a.reason}: {a.label()})" for how, a in best.items()]
+    return [head + f"its context-parallel cost is {_fmt_s(plan.predicted.cp_comm_s)} per step "
+                   f"(plan {_fmt_s(plan.predicted.step_time_s)}) vs " + "; ".join(parts) + "."]
 
 
 def _degree_reason(plan: "Plan", feasible: list, rejected: list, knob: str, title: str,
