@@ -135,9 +135,10 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     `c` pins the context-parallel degree (each sequence split over c ranks in 2c chunks; the
     world is t·c·p·d); None lets the solver choose it with the others. `cp_attention` pins
     how attention meets the other context ranks' keys and values: "all-gather" (before
-    attention, Llama 3's method) or "ring" (blocks passed round the context ranks while
-    attending, autopar/runtime/ring_attention.py); None: the cheaper, as the cost model prices
-    them (cost.model.context_comm_s), among those the context-parallel pass can build.
+    attention, Llama 3's method), "ring" (blocks passed round the context ranks while
+    attending, autopar/runtime/ring_attention.py) or "all-to-all" (tokens traded for heads
+    around attention, DeepSpeed-Ulysses, autopar/runtime/ulysses.py: heads divisible by t·c);
+    None: the cheapest, as the cost model prices them (cost.model.context_comm_s), among those the context-parallel pass can build.
 
     `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
     spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
@@ -202,14 +203,16 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         raise ValueError(f"parallelize: c={c}: {cp_refused}") from None
     if cp_refused is not None and c is None:
         c = 1   # the solver may not choose a sequence split the pass cannot build
-    how = cp_attention
-    ring_refused = None
+    buildable = CP_ATTENTION   # the methods the pass builds for this model (at c or 2)
+    refused: dict[str, str | None] = {}
     if c != 1 and cp_attention != "all-gather":
-        ring_refused = _context_refusal(captured.gm, seq_len, c, "ring")
-        if ring_refused is not None and cp_attention == "ring":
-            raise ValueError(f"parallelize: cp_attention='ring': {ring_refused}") from None
-        if ring_refused is not None:
-            how = "all-gather"   # nor a ring attention the pass cannot build
+        refused = {how: _context_refusal(captured.gm, seq_len, c, how)
+                   for how in CP_ATTENTION if how != "all-gather"
+                   and cp_attention in (None, how)}
+        if cp_attention is not None and refused.get(cp_attention) is not None:
+            raise ValueError(f"parallelize: cp_attention={cp_attention!r}: "
+                             f"{refused[cp_attention]}") from None
+        buildable = tuple(how for how in CP_ATTENTION if refused.get(how) is None)
     if p is not None and p > profile.num_layers:
         raise ValueError(f"parallelize: p={p} pipeline stages but the model has "
                          f"{profile.num_layers} layers; a stage holds at least one layer — "
@@ -224,7 +227,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
             profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
             zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
-            max_alternatives=max_alternatives, c=c, ep=ep, cp_attention=how), profile)
+            max_alternatives=max_alternatives, c=c, ep=ep, cp_attention=cp_attention,
+            cp_attentions=buildable), profile)
 
     if tokens is None:
         plan = solve_at(global_batch_size)
@@ -241,8 +245,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
     if cp_refused is not None and seq_len > 1:
         notes.append(f"context parallelism not offered (c=1): {cp_refused}")
-    if ring_refused is not None and seq_len > 1:
-        notes.append(f"ring attention not offered (K/V all-gathered): {ring_refused}")
+    if plan.c > 1:
+        notes += [f"{how} attention not offered: {why}" for how, why in refused.items()
+                  if why is not None]
     plan = dataclasses.replace(plan, notes=tuple(notes), parameters=parameter_signature(model))
     pins = {"t": t, "c": c_pinned, "cp_attention": cp_attention, "ep": ep, "p": p, "d": d,
             "v": v, "micro_batch_size": micro_batch_size,

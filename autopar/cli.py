@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from autopar.plan import CP_ATTENTION
+
 
 def _plan_from_args(args: argparse.Namespace):
     import autopar
@@ -182,7 +184,7 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
     sp.add_argument("--ep", type=int, help="pin the expert-parallel degree (a mixture of "
                                            "experts: experts over ep of the c·d ranks)")
-    sp.add_argument("--cp-attention", dest="cp_attention", choices=["all-gather", "ring"],
+    sp.add_argument("--cp-attention", dest="cp_attention", choices=list(CP_ATTENTION),
                     help="pin how context parallelism's attention meets the other ranks' K/V "
                          "(default: the cheaper as priced)")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")

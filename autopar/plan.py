@@ -17,8 +17,9 @@ RECOMPUTE = ("none", "selective", "full")
 ZERO_LEVELS = (0, 1, 2, 3)
 # how context parallelism's attention reads the other ranks' keys and values: all-gathered
 # before attention (Llama 3's method), or passed round the context ranks block by block while
-# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py
-CP_ATTENTION = ("all-gather", "ring")
+# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
+# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py
+CP_ATTENTION = ("all-gather", "ring", "all-to-all")
 
 GB = 1024 ** 3
 
@@ -195,7 +196,8 @@ class Plan:
     # i and 2c-1-i); the world is t·c·p·d. Old plan.json files have no c: 1.
     c: int = 1
     # how attention meets the other context ranks' K/V (CP_ATTENTION; meaningful for c > 1):
-    # "all-gather" before attention, or "ring" (blocks passed round while attending). Old
+    # "all-gather" before attention, "ring" (blocks passed round while attending) or
+    # "all-to-all" (tokens traded for heads around attention: heads divisible by c). Old
     # plan.json files have none: "all-gather", the only method before ring attention.
     cp_attention: str = "all-gather"
     # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the

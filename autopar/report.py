@@ -5,7 +5,7 @@ computed by the solver with the cost model and travel inside the Plan).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autopar.plan import Alternative, Memory, Plan, Prediction, TrainingEstimate
@@ -208,7 +208,7 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
              _degree_reason(plan, feasible, rejected, "c", "Context parallelism", (
                  "no plan with another c was weighed (c pinned, or no c > 1 divides the GPUs "
                  "and the sequence into 2c chunks).")),
-             *_cp_attention_reason(plan, feasible),
+             *_cp_attention_reason(plan, feasible, rejected),
              _degree_reason(plan, feasible, rejected, "ep", "Expert parallelism", (
                  "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
                  "ep > 1 divides both c·d and the experts per layer).")), "",
@@ -232,30 +232,37 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _cp_attention_reason(plan: "Plan", feasible: list) -> list[str]:
-    """Why the plan's context attention (c > 1): the best weighed plan with the same c and
-    the other method, its context-parallel cost against the chosen one's; none for c = 1."""
+_CP_WHY = {   # what each method's exchange is, for the reason line
+    "all-gather": "the all-gather moves the K/V once, exposed (cheap when kv heads are few)",
+    "ring": "the ring hides each K/V block's transfer under a step's attention, paying c "
+            "short-key kernels and c−1 merges",
+    "all-to-all": "the all-to-alls trade q, k, v and the output (heads/c of the whole "
+                  "sequence per rank): a volume that does not grow with c, exposed",
+}
+
+
+def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[str]:
+    """Why the plan's context attention (c > 1): for each other method, the best weighed plan
+    with the same c and that method, its context-parallel cost against the chosen one's, or
+    why its plans were rejected (pruned by a lower bound, memory); none for c = 1."""
     if plan.c == 1:
         return []
-    head = f"Context attention {plan.cp_attention}: "
-    other = [a for a in feasible if a.config.get("c") == plan.c
-             and a.config.get("cp_attention", "all-gather") != plan.cp_attention]
-    mine = plan.predicted.cp_comm_s
-    if not other:
-        return [head + "the other method was not weighed (pinned, or the pass cannot build "
-                       "it: see the notes)."]
-    a = other[0]
-    how = a.config.get("cp_attention", "all-gather")
-    return [head + f"its context-parallel cost (the K/V exchange exposed, and the ring's "
-                   f"overheads under ring) is {_fmt_s(mine)} per step vs "
-                   f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (the best {how} plan, "
-                   f"{a.label()}, takes {_fmt_s(a.predicted.step_time_s)} per step vs "
-                   f"{_fmt_s(plan.predicted.step_time_s)}); " + (
-                       "the ring hides each block's transfer under a step's attention, where "
-                       "the all-gather runs exposed." if plan.cp_attention == "ring" else
-                       "the all-gather moves the K/V once; the ring's transfers outlast its "
-                       "steps' attention, or its overheads (kernels over 1/c of the keys, c "
-                       "launches, c−1 merges) exceed what it hides.")]
+    head = f"Context attention {plan.cp_attention}: {_CP_WHY[plan.cp_attention]}; "
+    best: dict[str, Any] = {}
+    for a in feasible + rejected:
+        how = a.config.get("cp_attention", "all-gather")
+        if a.config.get("c") == plan.c and how != plan.cp_attention and how not in best:
+            best[how] = a
+    if not best:
+        return [head + "no other method was weighed (pinned, or the model does not allow "
+                       "it: heads not divisible by t·c for all-to-all, attention written "
+                       "out for ring and all-to-all, or the pass cannot build it: see the "
+                       "notes)."]
+    parts = [f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (its best plan {a.label()} "
+             f"{_fmt_s(a.predicted.step_time_s)} per step)" if a.feasible else
+             f"{how} rejected ({a.reason}: {a.label()})" for how, a in best.items()]
+    return [head + f"its context-parallel cost is {_fmt_s(plan.predicted.cp_comm_s)} per step "
+                   f"(plan {_fmt_s(plan.predicted.step_time_s)}) vs " + "; ".join(parts) + "."]
 
 
 def _degree_reason(plan: "Plan", feasible: list, rejected: list, knob: str, title: str,

@@ -1,6 +1,7 @@
 """Context parallelism c=2 on 2 CPU ranks versus one process, and versus PyTorch's own.
 
     python benchmarks/context_parallel.py [--seq 2048] [--hidden 64] [--layers 2] [--steps 4]
+    python benchmarks/context_parallel.py --choices   # the solver's method at scale, and why
 
 A Llama-style model (autopar.examples.llama: rotary, grouped-query attention) at a sequence
 long enough to be attention-bound (attention 4·s²·h FLOPs per layer against 3·2·s·h·(h + 2h_kv)
@@ -11,12 +12,18 @@ autopar's runtime (compile + train_step), one process per variant, side by side 
   c = 2         each sequence in 4 chunks, rank i holding chunks i and 3 − i, K/V all-gathered
   c = 2 ring    the same split, K/V blocks passed round the 2 ranks while attending
                 (cp_attention="ring", autopar/runtime/ring_attention.py)
+  c = 2 all-to-all  the same split, q, k, v traded for heads around attention and the output
+                traded back (cp_attention="all-to-all", autopar/runtime/ulysses.py)
 
 It prints the median step time of each, the speed-up, and the bytes autograd saves per rank
 for one step's backward (saved-tensor hooks; storages counted once), and the ratio. Then it
 tries torch.distributed.tensor.experimental.context_parallel on the same 2 gloo ranks (a
 DeviceMesh on "cpu", the sequence buffers sharded along dim 1) and prints its step time, or
 the error it raises on CPU / gloo.
+
+--choices plans (on the meta device, nothing run) Llama 3 405B at 131,072 tokens on 16,384
+H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100, the method free,
+and prints the plan and explain()'s "Context attention" line (the method and why).
 """
 from __future__ import annotations
 
@@ -119,8 +126,37 @@ def _torch_cp(rank: int, world: int, a: argparse.Namespace) -> tuple[str, float]
         return "error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
+def _choices() -> None:
+    """The solver's context attention for two long-context models (module docstring)."""
+    import autopar
+    from autopar.presets import load_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    user, _ = load_model("llama3-405b", seq_len=131072)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                      max_position_embeddings=65536, use_cache=False)
+    with torch.device("meta"):
+        mha = LlamaForCausalLM(cfg)
+    cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128),
+             ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8))
+    for title, model, seq, gpus, batch in cases:
+        ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+        t0 = time.perf_counter()
+        plan = autopar.parallelize(model, gpus=gpus, example_inputs=(ids,),
+                                   loss_fn=autopar.cross_entropy, global_batch_size=batch,
+                                   cluster="dgx-h100-80gb").plan
+        line = next((x.strip() for x in plan.explain().splitlines()
+                     if x.strip().startswith("Context attention")), "c = 1: no context split")
+        print(f"{title} (planned in {time.perf_counter() - t0:.0f} s)\n  t={plan.t} c={plan.c} ({plan.cp_attention}) p={plan.p} d={plan.d} "
+              f"b={plan.micro_batch_size} {plan.schedule} recompute={plan.recompute}, "
+              f"{plan.predicted.step_time_s:.2f} s/step"
+              f"\n  {line}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--choices", action="store_true",
+                    help="print the solver's context attention at scale instead")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
@@ -130,6 +166,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
+    if a.choices:
+        return _choices()
     from autopar.testing import spawn
     one_s, one_bytes, one_loss = spawn(_autopar, 1, a, 1, timeout_s=1200)[0]
     print(f"Llama-style, {a.layers} layers, hidden {a.hidden}, {a.heads} heads ({a.kv_heads} kv), "
@@ -137,7 +175,8 @@ def main() -> None:
     print(f"  one process        {one_s * 1e3:9.1f} ms/step   saved for backward "
           f"{one_bytes / 2**20:8.1f} MiB   loss {one_loss:.4f}")
     cp_s = None
-    for how, label in (("all-gather", "c=2 all-gather"), ("ring", "c=2 ring      ")):
+    for how, label in (("all-gather", "c=2 all-gather"), ("ring", "c=2 ring      "),
+                       ("all-to-all", "c=2 all-to-all")):
         res = spawn(_autopar, 2, a, 2, how, timeout_s=1200)
         step_s, saved = max(r[0] for r in res), max(r[1] for r in res)
         cp_s = step_s if cp_s is None else cp_s

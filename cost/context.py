@@ -21,7 +21,10 @@ parallelism adds is written into the regions:
   - under the all-gather the gathered K and V (the other ranks' (c−1)/c of them) are saved for
     the backward with the layer's activations (the kernel's backward reads them), split by t like
     the kv heads; ring attention (attention="ring", autopar/runtime/ring_attention.py) saves only
-    the rank's own K/V and passes the blocks round again in backward.
+    the rank's own K/V and passes the blocks round again in backward; all-to-all attention
+    (attention="all-to-all", autopar/runtime/ulysses.py) saves its heads/c of the whole
+    sequence, as many elements as the rank's own q, k, v (more only where kv heads are
+    repeated to divide by c, not charged).
 Llama 3 runs the all-gather on the critical path ("the all-gather communication latency is
 exposed", 2407.21783 §3.3.2): cost/model.py charges it exposed, and prices the ring's transfers
 overlapped with its steps' attention (`ring_attention_s`).
@@ -65,10 +68,12 @@ def _call(call: AttentionCall, c: int) -> AttentionCall:
 
 
 def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int,
-            ring: bool) -> RegionProfile:
+            exchanged: bool) -> RegionProfile:
     kv = _kv_elems(r, kv_heads, heads)
-    # the other ranks' K and V, saved for the backward (the ring sends them again instead)
-    gathered = 0 if ring else (kv - _div(kv, c)) * e
+    # the other ranks' K and V, saved for the backward under the all-gather (the ring sends
+    # them again instead; the all-to-all's kernel saves heads/c of the whole sequence, the
+    # same size as the rank's own q, k, v)
+    gathered = 0 if exchanged else (kv - _div(kv, c)) * e
     fused = r.fused
     if fused is not None:
         fused = FusedAttention(
@@ -125,7 +130,7 @@ def context_rank_profile(profile: ModelProfile, c: int,
                          f"divisible by {2 * c} or a smaller c")
     e = profile.activation_bytes_per_elem
     regions = {k: _region(getattr(profile, k), c, profile.kv_heads, profile.heads, e,
-                          attention == "ring") for k in ("embedding", "block", "head")}
+                          attention != "all-gather") for k in ("embedding", "block", "head")}
     return replace(profile, **regions, seq_len=profile.seq_len // c, context=c,
                    context_attention=attention,
                    tp_fallbacks=tuple(_correction(t, c) for t in profile.tp_fallbacks))

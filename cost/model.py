@@ -776,6 +776,9 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     if cfg.cp_attention == "ring":
         fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    if cfg.cp_attention == "all-to-all":
+        fwd, bwd = alltoall_attention_s(profile, cluster, cfg, cp_inter)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
     one = allgather_s(cluster, kv_bytes, c, cp_inter)
     return one, (3 if cfg.recompute == "full" else 2) * one
 
@@ -816,6 +819,60 @@ def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_by
     fwd += c * step_f - fwd_s + (c - 1) * elementwise_time_s(cluster, merges)
     bwd += c * step_b - bwd_s + (c - 1) * elementwise_time_s(cluster, accum)
     return fwd, bwd
+
+
+def alltoall_heads_rule(heads: int, kv_heads: int, t: int, c: int) -> str | None:
+    """Why all-to-all context attention cannot split `heads` query heads over c context ranks
+    under t tensor ranks, or None: each tensor rank's heads (heads / t) go heads/(t·c) to each
+    context rank, so t·c must divide heads. kv heads need not: with fewer per tensor rank than
+    c (or not a multiple) they are repeated up to the query heads before the exchange."""
+    if heads % (t * c):
+        return (f"all-to-all attention gives each of the c={c} context ranks heads/c of each "
+                f"tensor rank's {heads}/{t} heads; t·c = {t * c} does not divide the {heads} "
+                f"query heads")
+    return None
+
+
+def alltoall_exchange_elems(profile: ModelProfile, t: int) -> tuple[float, float, float]:
+    """(q, k + v, output) elements one context rank holds of its tokens per sequence on one
+    tensor rank: what the all-to-alls around its attention exchange (heads over t; kv heads
+    over t, or one when t exceeds them, as the tensor-parallel pass replicates them; repeated
+    up to the query heads when they do not divide by c: autopar/runtime/ulysses.py)."""
+    c = profile.context
+    q = kv = out = 0.0
+    for x in (profile.block.fused.calls if profile.block.fused is not None else ()):
+        heads = x.heads / min(t, max(1, x.heads))
+        kv_heads = max(1, x.kv_heads // t)
+        if kv_heads % c:
+            kv_heads = heads
+        q += heads * x.q_len * x.head_dim
+        kv += kv_heads * x.q_len * (x.head_dim + x.v_head_dim)
+        out += heads * x.q_len * x.v_head_dim
+    return q, kv, out
+
+
+def alltoall_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                         inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per layer per micro-batch of all-to-all context attention
+    (DeepSpeed-Ulysses, 2309.14509 §3; autopar/runtime/ulysses.py) on the rank's profile.
+
+    Forward: q, k and v traded tokens-for-heads (three all-to-alls over the c context ranks)
+    and the output traded back (one); backward the four conjugates (dq, dk, dv, d-output), the
+    same bytes. Each all-to-all is exposed (nothing overlaps it: attention needs its result)
+    and each rank keeps 1/c of what it holds (`alltoall_s`), so its volume does not grow with c.
+    Plus the reorder to global token order and back (the runtime's index_select: one read and
+    one write of q, k, v after the exchange and of the output before it, forward; of their
+    gradients, backward), charged at elementwise bandwidth. The attention kernel itself is the
+    rank profile's: heads/c heads over the whole sequence run the same causal tiles as the
+    local queries against every key."""
+    q, kv, out = alltoall_exchange_elems(profile, cfg.t)
+    e, b, c = profile.activation_bytes_per_elem, cfg.micro_batch_size, cfg.c
+    moved = sum(alltoall_s(cluster, b * x * e, c, inter) for x in (q, kv, out))
+    if kv:       # k and v are two all-to-alls: the second one's latency
+        moved += _link(cluster, inter)[1]
+    reorder = elementwise_time_s(cluster, 2 * b * (q + kv + out) * e)
+    one = moved + reorder
+    return one, one
 
 
 def _ring_output_elems(profile: ModelProfile, t: int) -> float:

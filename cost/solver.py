@@ -54,7 +54,7 @@ from ortools.sat.python import cp_model
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                activation_bytes_lower_bound, bubble_div, config_costs,
+                                activation_bytes_lower_bound, alltoall_heads_rule, bubble_div, config_costs,
                                 load_costs, predict, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
@@ -94,6 +94,9 @@ class Pins:
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
     zero_levels: tuple[int, ...] = ZERO_LEVELS
+    # context attention methods the caller can build (parallelize: those the context-parallel
+    # pass builds for this model); a pinned one is always allowed
+    cp_attentions: tuple[str, ...] = CP_ATTENTION
     # schedules the solver may choose (None: AUTO_SCHEDULES); a pinned schedule is always
     # allowed
     schedules: tuple[str, ...] | None = None
@@ -260,7 +263,7 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                 {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
                                 f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
                             continue
-                        for how in _cp_attentions(profile, c, pins):
+                        for how in _cp_attentions(profile, c, pins, t):
                             yield Config(t=t, p=p, d=d, c=c, cp_attention=how, ep=ep, v=v,
                                          micro_batch_size=b, num_microbatches=m,
                                          schedule=schedule, recompute=recompute,
@@ -268,17 +271,33 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                          microbatch_group=group)
 
 
-def _cp_attentions(profile: ModelProfile, c: int, pins: Pins) -> tuple[str, ...]:
-    """How attention may meet the other context ranks' K/V: both methods when c > 1 (the cost
-    model prices each: cost.model.context_comm_s), the pinned one if any; with c = 1 there is
-    nothing to meet, one value. Ring attention replaces scaled-dot-product attention calls
-    only (attention written out as matmuls keeps the all-gather): a model without them is
-    offered the all-gather alone."""
+def _cp_attentions(profile: ModelProfile, c: int, pins: Pins, t: int = 1) -> tuple[str, ...]:
+    """How attention may meet the other context ranks' tokens: every method the model allows
+    when c > 1 (the cost model prices each: cost.model.context_comm_s) and the caller can build
+    (`Pins.cp_attentions`), the pinned one if any; with c = 1 there is nothing to meet, one
+    value. Ring and all-to-all attention replace scaled-dot-product attention calls only
+    (attention written out as matmuls keeps the all-gather); all-to-all needs t·c to divide the
+    heads (`alltoall_heads_rule`)."""
     if c == 1:
         return ("all-gather",)
-    if pins.cp_attention is not None:
-        return (pins.cp_attention,)
-    return CP_ATTENTION if ring_attention_rule(profile) is None else ("all-gather",)
+    if pins.cp_attention is not None:   # at a (c, t) it cannot run: no configuration
+        return (() if cp_attention_rule(profile, pins.cp_attention, c, t)
+                else (pins.cp_attention,))
+    ok = [how for how in CP_ATTENTION if how in pins.cp_attentions
+          and cp_attention_rule(profile, how, c, t) is None]
+    return tuple(ok) or ("all-gather",)
+
+
+def cp_attention_rule(profile: ModelProfile, how: str, c: int, t: int = 1) -> str | None:
+    """Why context attention `how` cannot run this model's attention at (c, t), or None."""
+    if how == "all-gather" or c == 1:
+        return None
+    why = ring_attention_rule(profile)
+    if why is not None:
+        return why.replace("ring attention", f"{how} attention")
+    if how == "all-to-all":
+        return alltoall_heads_rule(profile.heads, profile.kv_heads, t, c)
+    return None
 
 
 def ring_attention_rule(profile: ModelProfile) -> str | None:
@@ -643,8 +662,9 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
     if pins.cp_attention is not None and pins.cp_attention not in CP_ATTENTION:
         raise ValueError(f"solve: cp_attention={pins.cp_attention!r} must be one of "
                          f"{CP_ATTENTION} or None (the solver prices both)")
-    if pins.cp_attention == "ring" and (why := ring_attention_rule(profile)):
-        raise ValueError(f"solve: cp_attention='ring': {why}; pin "
+    if pins.cp_attention in ("ring", "all-to-all") and (why := cp_attention_rule(
+            profile, pins.cp_attention, pins.c or 1, pins.t or 1)):
+        raise ValueError(f"solve: cp_attention={pins.cp_attention!r}: {why}; pin "
                          f"cp_attention='all-gather' or leave it None")
     if pins.c is not None:
         why = _context_rule(profile, pins.c)
@@ -706,13 +726,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           sequence_parallel: bool | None = None, microbatch_group: int | None = None,
           max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
           schedules: tuple[str, ...] | None = None, c: int | None = None,
-          ep: int | None = None, cp_attention: str | None = None) -> Plan:
+          ep: int | None = None, cp_attention: str | None = None,
+          cp_attentions: tuple[str, ...] = CP_ATTENTION) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
     `cp_attention`: pin how context parallelism's attention meets the other ranks' K/V
-    ("all-gather" | "ring"); None: the cheaper per configuration, as the cost model prices them."""
+    (autopar.plan.CP_ATTENTION); None: the cheapest per configuration, as the cost model
+    prices them, among `cp_attentions` (those the caller can build)."""
     cluster = get_cluster(cluster)
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
@@ -720,7 +742,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
                 recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
                 microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
-                schedules=None if schedules is None else tuple(schedules))
+                cp_attentions=tuple(cp_attentions), schedules=None if schedules is None else tuple(schedules))
     _validate(profile, cluster, gpus, global_batch_size, pins)
     t0 = time.perf_counter()
     configs, rejected = enumerate_configs(profile, cluster, gpus, global_batch_size, pins)

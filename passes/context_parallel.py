@@ -54,6 +54,14 @@ above; a ring attention with dropout is refused. Written-out attention keeps the
 under either method (its softmax between the two products is not the pass's to split into
 ring steps).
 
+Under plan.cp_attention == "all-to-all" (DeepSpeed-Ulysses) a scaled-dot-product attention
+becomes `context_alltoall_attention` (autopar/runtime/ulysses.py) on the local q, k, v: at run
+time an all-to-all over the context group gives each rank the whole sequence of heads/c heads
+(reordered to global order, so is_causal is the plain causal mask), the output traded back; its
+mask is read whole (heads cut to the rank's at run time); the heads (per tensor rank) must
+divide by c, refused in one line otherwise; only the kv heads of a grouped-query repeat are
+exchanged when they divide by c (repeated up to the query heads otherwise).
+
 A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
 ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
 and the weight gradients, over the c·d ranks that hold the same weights, which is the mean over
@@ -78,6 +86,7 @@ from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
                                      context_loss_mean, context_select)
 from autopar.runtime.ring_attention import context_ring_attention
+from autopar.runtime.ulysses import context_alltoall_attention
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -106,7 +115,7 @@ _SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcas
 _refuse = context_refusal   # the one-line refusal: node, op, the user's source line
 
 
-def _refuse_ring(node: fx.Node, why: str) -> ValueError:
+def _refuse_method(node: fx.Node, why: str) -> ValueError:
     return context_refusal(node, why, fix="plan cp_attention='all-gather' (parallelize's free "
                                           "choice offers only what the pass builds)")
 
@@ -119,10 +128,11 @@ def _shape(node: Any) -> tuple[int, ...] | None:
 class _Propagation:
     """The rewrite of one graph for one context rank, reading the engine's layouts (meta
     CP_SEQ_DIM / CP_SELECT); `dim` holds the sequence dim of each value rewritten so far;
-    `ring`: scaled-dot-product attention runs as ring attention (plan.cp_attention)."""
+    `method`: how scaled-dot-product attention meets the other ranks' tokens
+    (plan.cp_attention: "all-gather", "ring" or "all-to-all")."""
 
-    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int, ring: bool = False):
-        self.gm, self.g, self.c, self.T, self.ring = gm, gm.graph, c, seq_len, ring
+    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int, method: str = "all-gather"):
+        self.gm, self.g, self.c, self.T, self.method = gm, gm.graph, c, seq_len, method
         self.dim: dict[fx.Node, int] = {}            # value -> its sequence dim
         self.full: dict[fx.Node, tuple[int, ...]] = {n: s for n in gm.graph.nodes
                                                      if (s := _shape(n)) is not None}
@@ -368,8 +378,11 @@ class _Propagation:
             raise _refuse(n, "an attention dropout probability computed in the graph")
         streams, seed = a.get("streams"), a.get("seed", _SEED)
         extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
-        if self.ring:
+        if self.method == "ring":
             return self.ring_attention(n, q, k, v, mask, causal, dropout, extra)
+        if self.method == "all-to-all":
+            return self.alltoall_attention(n, (q, k, v), mask, causal, dropout, extra,
+                                           (streams, seed, heads_split))
         if dropout and streams is None:
             streams = self.streams_node()
         kg, vg = self.gather(k, n), self.gather(v, n)
@@ -398,10 +411,10 @@ class _Propagation:
         are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
         the kv heads travel."""
         if dropout:
-            raise _refuse_ring(n, f"ring attention with attention dropout {dropout} (the ring "
+            raise _refuse_method(n, f"ring attention with attention dropout {dropout} (the ring "
                                   f"kernel draws no dropout)")
         if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in (q, k, v)):
-            raise _refuse_ring(n, "ring attention needs (batch, heads, tokens, head_dim) "
+            raise _refuse_method(n, "ring attention needs (batch, heads, tokens, head_dim) "
                                   "operands")
         if isinstance(mask, fx.Node):
             mask = self.mask_rows(mask, n)
@@ -411,6 +424,37 @@ class _Propagation:
         n.target = context_ring_attention
         n.args = (q, k, v, self.cp_node(), mask, bool(causal), extra.get("scale"),
                   bool(extra.get("enable_gqa", False)), group)
+        n.kwargs = {}
+        self.mark(n, self.dim[q])
+
+    def alltoall_attention(self, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
+                           dropout: float, extra: dict, rng: tuple) -> None:
+        """Attention as `context_alltoall_attention` (plan.cp_attention == "all-to-all",
+        DeepSpeed-Ulysses): q, k, v stay local, the runtime trades tokens for heads around
+        attention; the mask is read whole (every query row, in global order). Under a
+        grouped-query head repeat in the graph (`_kv_group`) only the kv heads are exchanged
+        when they divide by c. The heads (this tensor rank's) must divide by c."""
+        q, k, v = qkv
+        if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in qkv):
+            raise _refuse_method(n, "all-to-all attention needs (batch, heads, tokens, head_dim) "
+                                  "operands")
+        heads = self.full[q][1]
+        if heads % self.c:
+            raise _refuse_method(n, f"all-to-all attention with {heads} heads (per tensor rank) "
+                                  f"over c={self.c} context ranks: each rank takes heads/c of "
+                                  f"them, so c must divide {heads}")
+        if isinstance(mask, fx.Node) and mask in self.dim:
+            raise _refuse(n, "a mask that depends on the rank's tokens")
+        group = self._kv_group(k)
+        if self._kv_group(v) != group:
+            group = 1
+        streams, seed, heads_split = rng
+        if dropout and streams is None:
+            streams = self.streams_node()
+        n.target = context_alltoall_attention
+        n.args = (q, k, v, self.cp_node(), mask, bool(causal), extra.get("scale"),
+                  bool(extra.get("enable_gqa", False)), group, float(dropout), streams, seed,
+                  heads_split)
         n.kwargs = {}
         self.mark(n, self.dim[q])
 
@@ -531,8 +575,9 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
     """Rewrite `gm` (in place) for one of c context ranks; see the module docstring. The
     layouts are read from meta (record_context_layouts, run before the tensor-parallel pass);
     on a graph without them (the captured one) they are recorded first. attention:
-    "all-gather" (K/V gathered before attention) or "ring" (autopar.plan CP_ATTENTION: every
-    scaled-dot-product attention a `context_ring_attention`)."""
+    "all-gather" (K/V gathered before attention), "ring" (every scaled-dot-product attention
+    a `context_ring_attention`) or "all-to-all" (a `context_alltoall_attention`;
+    autopar.plan CP_ATTENTION)."""
     if c == 1:
         return gm
     if not any(K.CP_SEQ_DIM in n.meta for n in gm.graph.nodes if n.op == "placeholder"):
@@ -542,7 +587,7 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
         # with no group, stands in for inspection and code generation (set before the rewrite
         # inserts its get_attr, so the graph never references a missing attribute)
         setattr(gm, CP_ATTR, ContextShard(group=None, c=c, cp_rank=0, seq_len=seq_len))
-    _Propagation(gm, c, seq_len, ring=attention == "ring").run()
+    _Propagation(gm, c, seq_len, attention).run()
     gm.graph.eliminate_dead_code()
     return gm
 

@@ -1,0 +1,151 @@
+"""All-to-all context parallelism (DeepSpeed-Ulysses, 2309.14509): heads exchanged for tokens.
+
+Each context rank holds its tokens (chunks i and 2c−1−i of the 2c-chunk layout, local order) of
+every head. Around attention an all-to-all over the context group trades them: rank r sends
+each other rank its tokens of that rank's H/c heads and receives every rank's tokens of its own
+H/c heads, so it holds the whole sequence of H/c heads and runs ordinary attention on them; a
+second all-to-all trades the output back. Backward is the same exchanges reversed (each
+exchange's conjugate is the other), so the pair is exact: the gradient of the single device's
+attention. Megatron-Core's `--cp-comm-type a2a` and torchtitan's Ulysses do the same; its
+volume per rank does not grow with c (each rank sends (c−1)/c of q, k, v and the output), where
+the all-gather's and the ring's K/V traffic does.
+
+After the exchange the rank holds the c ranks' tokens rank-major (rank 0's two chunks, rank
+1's, …); `ContextShard.order` puts them in global order, so a causal mask is the plain
+is_causal of the whole sequence (the fused kernel's fast path) and an explicit mask is read
+whole (its query rows and key columns global, its head dim cut to the rank's heads). The output
+goes back to rank-major order (`ContextShard.rank_positions`) before the return exchange.
+
+Heads must divide by c (the pass and the solver refuse otherwise). Grouped-query K/V: with
+kv_group g (a head repeat in the graph, each kv head repeated g times consecutively) only every
+g-th head is exchanged when the kv heads divide by c; with fewer kv heads than c (or not a
+multiple), the kv heads are repeated up to the query heads first, which is exact and moves more
+(what cost/model.py `ulysses_s` prices). c = 1 (or no group) is plain attention.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.runtime.dist import peer_guard
+from autopar.runtime.shard import as_default_stream
+
+
+def _exchange(x: torch.Tensor, group: Any, what: str) -> torch.Tensor:
+    """all_to_all_single of x (n, ...): out[r] is rank r's x[this rank]."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    with peer_guard(f"context all-to-all ({what}) with", group):
+        dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _heads_to_tokens(x: torch.Tensor, group: Any, n: int, what: str) -> torch.Tensor:
+    """(B, H, L, E), this rank's L tokens of H heads -> (B, H/n, n·L, E): this rank's H/n
+    heads of the n ranks' tokens, rank-major."""
+    b, h, length, e = x.shape
+    send = x.reshape(b, n, h // n, length, e).transpose(0, 1)      # send[r]: rank r's heads
+    got = _exchange(send, group, what)                              # got[r]: rank r's tokens
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * length, e)
+
+
+def _tokens_to_heads(y: torch.Tensor, group: Any, n: int, what: str) -> torch.Tensor:
+    """The inverse: (B, H/n, n·L, E) rank-major -> (B, H, L, E), this rank's tokens."""
+    b, h, nl, e = y.shape
+    send = y.reshape(b, h, n, nl // n, e).permute(2, 0, 1, 3, 4)   # send[r]: rank r's tokens
+    got = _exchange(send, group, what)                              # got[r]: rank r's heads
+    return got.transpose(0, 1).reshape(b, n * h, nl // n, e)
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    """Forward `_heads_to_tokens`; backward its inverse (the gradient's way home)."""
+
+    @staticmethod
+    def forward(ctx, x, group, n):
+        ctx.group, ctx.n = group, n
+        return _heads_to_tokens(x, group, n, "q/k/v")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(grad, ctx.group, ctx.n, "dq/dk/dv"), None, None
+
+
+class _TokensToHeads(torch.autograd.Function):
+    """Forward `_tokens_to_heads`; backward `_heads_to_tokens`."""
+
+    @staticmethod
+    def forward(ctx, y, group, n):
+        ctx.group, ctx.n = group, n
+        return _tokens_to_heads(y, group, n, "output")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(grad, ctx.group, ctx.n, "d-output"), None, None
+
+
+def heads_to_tokens(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """(B, H, L, E) -> (B, H/n, n·L, E) over `group` of n ranks (identity for n = 1)."""
+    return x if n == 1 or group is None else _HeadsToTokens.apply(x, group, n)
+
+
+def tokens_to_heads(y: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """(B, H/n, n·L, E) -> (B, H, L, E), the conjugate of `heads_to_tokens`."""
+    return y if n == 1 or group is None else _TokensToHeads.apply(y, group, n)
+
+
+def _index(idx: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return idx if idx.device == like.device else idx.to(like.device)
+
+
+def _rank_mask(mask: torch.Tensor | None, heads: int, rank: int, n: int) -> torch.Tensor | None:
+    """The explicit mask (…, H or 1, T, T), whole, with its head dim cut to this rank's
+    H/n heads when it has one."""
+    if mask is None or mask.dim() < 3 or mask.shape[-3] == 1:
+        return mask
+    if mask.shape[-3] != heads:
+        raise ValueError(f"all-to-all attention: a mask of shape {tuple(mask.shape)} with "
+                         f"{mask.shape[-3]} heads for {heads} query heads; use "
+                         f"cp_attention='all-gather' for this model")
+    return mask.narrow(-3, rank * (heads // n), heads // n)
+
+
+def context_alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any,
+                               attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                               scale: float | None = None, enable_gqa: bool = False,
+                               kv_group: int = 1, dropout_p: float = 0.0, streams: Any = None,
+                               seed: int = 0, per_tensor_rank: bool = False) -> torch.Tensor:
+    """Scaled-dot-product attention of this rank's tokens q, k, v (B, H, T/c, E) over the
+    whole sequence by two all-to-alls (module docstring). attn_mask: whole, (…, T, T), global
+    order. kv_group: k and v are a head repeat in the graph (only every kv_group-th head is
+    read). Attention dropout draws from this rank's stream of `streams` (shard.DropoutStreams).
+    Output in the fused kernels' layout."""
+    if kv_group > 1:     # the repeat's copies carry no information (its backward sums them)
+        k, v = k[:, ::kv_group], v[:, ::kv_group]
+    n = 1 if cp.group is None else cp.c
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.dim() != 4 or heads % n or heads % kv_heads:
+        raise ValueError(f"all-to-all attention: q {tuple(q.shape)} and k {tuple(k.shape)} must "
+                         f"be (batch, heads, tokens, head_dim) with heads divisible by c={n} and "
+                         f"by the kv heads; use cp_attention='all-gather' or 'ring'")
+    if kv_heads % n:     # fewer kv heads than ranks: each rank needs whole groups, repeat them
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    if n > 1:
+        order = _index(cp.order, q)
+        q, k, v = (heads_to_tokens(x, cp.group, n).index_select(2, order) for x in (q, k, v))
+        attn_mask = _rank_mask(attn_mask, heads, cp.cp_rank, n)
+    kwargs = dict(attn_mask=attn_mask, is_causal=bool(is_causal), scale=scale,
+                  enable_gqa=enable_gqa or k.shape[1] != q.shape[1])
+    if dropout_p:
+        with as_default_stream(streams.generator(seed, q.device, per_tensor_rank), q.device):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if n > 1:
+        back = _index(cp.rank_positions, out).reshape(-1)
+        out = tokens_to_heads(out.index_select(2, back), cp.group, n)
+    # the fused kernels' layout, (B, L, H, E) in memory: callers view it after transpose(1, 2)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)

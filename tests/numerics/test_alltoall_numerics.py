@@ -1,0 +1,40 @@
+"""All-to-all context attention (plan.cp_attention = "all-to-all", DeepSpeed-Ulysses) on gloo
+ranks equals one device: losses and full_state_dict after 3 AdamW steps (clipped at 1.0) at
+rtol 1e-4 / atol 1e-5, bf16 against one device in bf16. Each context rank trades its tokens of
+every head for the whole sequence of heads/c heads around attention (autopar/runtime/
+ulysses.py). GPT (is_causal, multi-head) alone, with d = 2 and ZeRO-3, and with p = 2 under
+1F1B; the Llama-style model (grouped-query: only the kv heads exchanged) with t = 2 (each
+tensor rank's heads split again over c), sequence parallelism and selective recompute, and
+with p = 2 under interleaved zero-bubble (the exchange's backward in B) and full recompute;
+unmodified transformers Llama (an explicit causal mask read whole); multi-query Falcon (one
+kv head < c: repeated before the exchange); bf16."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.plan import Plan
+from programs import check_against_reference, check_training, make_plan
+
+
+def a2a(plan: Plan, c: int = 2, **over) -> Plan:
+    return Plan.from_dict({**plan.to_dict(), "c": c, "cp_attention": "all-to-all", **over})
+
+
+PIPELINE = dict(p=2, m=2, layers=4)
+
+
+@pytest.mark.parametrize("name, plan, over", [
+    ("gpt", make_plan(), {}),
+    ("gpt", make_plan(d=2), {"zero": 3}),
+    ("gpt", make_plan(**PIPELINE), {}),
+    ("llama_style", make_plan(t=2), {"sequence_parallel": True, "recompute": "selective"}),
+    ("llama_style", make_plan(v=2, schedule="interleaved-zb", **PIPELINE), {"recompute": "full"}),
+    ("hf_llama", make_plan(), {}),
+    ("hf_falcon_mq", make_plan(), {}),
+])
+def test_alltoall_c2_equals_one_device(name, plan, over):
+    check_against_reference(name, a2a(plan, **over))
+
+
+def test_alltoall_c2_bf16_equals_one_device_bf16():
+    check_training("gpt", a2a(make_plan()), precision="bf16", max_norm=0.05)

@@ -1,0 +1,81 @@
+"""All-to-all (DeepSpeed-Ulysses) context attention in the cost model and the solver: its
+exchange does not grow with c where the all-gather's does; it wins for multi-head attention in
+a node; it saves no gathered K/V; it is offered only where t·c divides the heads (a pin
+elsewhere is refused in one line); the solver weighs it with the all-gather and the ring and
+explain() says which and why."""
+from __future__ import annotations
+
+import pytest
+
+from autopar.cost.hardware import get_cluster
+from autopar.cost.model import (Config, alltoall_exchange_elems, alltoall_heads_rule,
+                                context_comm_s, predict, rank_profile)
+from autopar.cost.profile import transformer_profile
+from autopar.cost.solver import solve
+
+H100 = get_cluster("dgx-h100-80gb")
+
+
+def _model(seq: int, kv_heads: int, heads: int = 32, layers: int = 4):
+    return transformer_profile(name="m", num_layers=layers, hidden=4096, heads=heads,
+                               kv_heads=kv_heads, seq_len=seq, vocab=32000, ffn=16384,
+                               gated_mlp=True, tied_embeddings=False)
+
+
+def _comm_s(prof, **cfg) -> dict[str, float]:
+    """Per layer per micro-batch forward + backward seconds of each method."""
+    out = {}
+    for how in ("all-gather", "ring", "all-to-all"):
+        c = Config(p=1, d=1, cp_attention=how, **cfg)
+        out[how] = context_comm_s(rank_profile(prof, H100, c), H100, c)[1]
+    return out
+
+
+def test_alltoall_volume_does_not_grow_with_c():
+    """Per rank: q, k, v and the output of its T/c tokens, (c−1)/c of them sent; the
+    all-gather's K/V grows to (c−1)/c of the whole sequence's."""
+    prof = _model(65536, kv_heads=32)
+    a2a = [_comm_s(prof, t=1, c=c)["all-to-all"] for c in (2, 4, 8)]
+    ag = [_comm_s(prof, t=1, c=c)["all-gather"] for c in (2, 4, 8)]
+    assert a2a[2] < a2a[0] and ag[2] > ag[0], (a2a, ag)
+    q, kv, out = alltoall_exchange_elems(rank_profile(prof, H100, Config(t=1, p=1, d=1, c=4)), 1)
+    assert q == out == 32 * 128 * 65536 // 4 and kv == 2 * q
+
+
+def test_alltoall_wins_for_multi_head_attention_in_a_node():
+    cost = _comm_s(_model(65536, kv_heads=32), t=1, c=8)
+    assert cost["all-to-all"] < 0.5 * min(cost["all-gather"], cost["ring"]), cost
+
+
+def test_fewer_kv_heads_than_ranks_are_repeated_and_priced_so():
+    prof = rank_profile(_model(8192, kv_heads=2), H100, Config(t=1, p=1, d=1, c=4))
+    q, kv, _ = alltoall_exchange_elems(prof, 1)
+    assert kv == 2 * q          # 2 kv heads over 4 ranks: repeated up to the 32 query heads
+
+
+def test_alltoall_keeps_no_gathered_kv():
+    prof = _model(32768, kv_heads=8)
+    ag = predict(prof, H100, Config(t=8, c=4, p=1, d=1))
+    a2a = predict(prof, H100, Config(t=8, c=4, p=1, d=1, cp_attention="all-to-all"))
+    assert a2a.memory.activations_bytes < ag.memory.activations_bytes
+
+
+def test_heads_rule_and_pins_one_line():
+    assert alltoall_heads_rule(32, 8, 8, 4) is None
+    assert "t·c = 64 does not divide the 32 query heads" in alltoall_heads_rule(32, 8, 8, 8)
+    prof = _model(8192, kv_heads=8, heads=24, layers=2)     # 24 heads: c = 16 cannot split them
+    with pytest.raises(ValueError, match=r"^solve: cp_attention='all-to-all': all-to-all "
+                                         r"attention gives each of the c=16"):
+        solve(prof, H100, gpus=16, global_batch_size=16, c=16, cp_attention="all-to-all")
+    plan = solve(prof, H100, gpus=32, global_batch_size=2, t=8, c=4)   # 24 % 32: not offered
+    assert plan.cp_attention != "all-to-all"
+    assert all(a.config.get("cp_attention") != "all-to-all" for a in plan.alternatives)
+
+
+def test_solver_picks_alltoall_for_mha_in_a_node_and_explains():
+    plan = solve(_model(65536, kv_heads=32), H100, gpus=8, global_batch_size=1, t=1, c=8)
+    assert plan.cp_attention == "all-to-all"
+    line = next(x for x in plan.explain().splitlines()
+                if x.lstrip().startswith("Context attention"))
+    assert "Context attention all-to-all:" in line
+    assert "with all-gather" in line and "with ring" in line
