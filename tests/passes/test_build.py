@@ -11,6 +11,7 @@ import pytest
 
 import autopar
 from autopar.cli import main as cli_main
+from autopar.cost.hardware import cluster_to_dict
 from autopar.factory import load_factory
 
 HF_FILE = '''
@@ -50,7 +51,8 @@ def test_build_writes_the_program_plan_would_print(built, capsys):
     assert plan.parameters[0] == "model.embed_tokens.weight (64, 32)"
     build = json.loads((out / "build.json").read_text())
     assert build == {"model": f"{(built / 'my_model.py').resolve()}:factory",
-                     "pins": {"p": 2}, "precision": "fp32"}
+                     "pins": {"p": 2}, "precision": "fp32",
+                     "cluster": cluster_to_dict(autopar.get_cluster("local-cpu"))}
     for f in ("launch.py", "chunk_00.py", "chunk_01.py"):
         ast.parse((out / f).read_text())
     assert "--model defaults to" in (out / "launch.py").read_text()
