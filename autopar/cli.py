@@ -63,7 +63,7 @@ def _defaults_line(args: argparse.Namespace) -> str:
     return f"defaults you did not set: {', '.join(used)}" if used else ""
 
 
-_POSITIVE = ("gpus", "batch", "seq", "t", "c", "ep", "p", "d", "v", "micro_batch", "top", "ranks")
+_POSITIVE = ("gpus", "batch", "seq", "t", "c", "ep", "p", "d", "v", "micro_batch", "top", "ranks", "steps")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -191,6 +191,22 @@ def cmd_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`autopar tune`: under torchrun on its ranks, else on --gpus local CPU ranks."""
+    from autopar import tune as T
+    kwargs = dict(spec=args.model, gpus=args.gpus, batch=args.batch, seq=args.seq,
+                  cluster=args.cluster, top=args.top, steps=args.steps, out=args.out,
+                  cluster_out=args.cluster_out)
+    if "WORLD_SIZE" in os.environ:
+        from autopar.runtime.dist import init_distributed
+        init_distributed()
+        T.cli_run(**kwargs)
+    else:
+        from autopar.testing import spawn
+        spawn(T._spawned, args.gpus, kwargs, timeout_s=args.timeout, pg_timeout_s=120)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from autopar.demo import run_demo
     return run_demo(ranks=args.ranks, steps=args.steps)
@@ -288,6 +304,23 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("files", nargs="*", help="cluster names or files (default: every preset)")
     cl.add_argument("-v", "--verbose", action="store_true", help="every number's source")
     cl.set_defaults(fn=cmd_clusters)
+    tn = sub.add_parser("tune", help="run the best predicted plans for a few steps, keep the "
+                                     "fastest measured (plan.json), refit the cluster")
+    tn.add_argument("model", help="file.py:factory (a model with weights to run)")
+    tn.add_argument("--gpus", type=int, required=True, help="ranks (local CPU ranks when not "
+                                                            "under torchrun)")
+    tn.add_argument("--cluster", default="local-cpu", help=_CLUSTER_HELP)
+    tn.add_argument("--batch", type=int, help="global batch size (default: gpus × the example's)")
+    tn.add_argument("--seq", type=int, help="sequence length")
+    tn.add_argument("--top", type=int, default=4, help="the best predicted plans to run")
+    tn.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one "
+                                                         "warm-up step)")
+    tn.add_argument("--out", default="plan.json", help="where the fastest measured plan goes")
+    tn.add_argument("--cluster-out", dest="cluster_out",
+                    help="the refitted cluster file (default: the --cluster file; local-cpu's "
+                         "own file; NAME-tuned.json for a preset)")
+    tn.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    tn.set_defaults(fn=cmd_tune)
     dm = sub.add_parser("demo", help="plan a large model, then train a small one on CPU ranks")
     dm.add_argument("--ranks", type=int, default=8, help="local CPU ranks for the small model")
     dm.add_argument("--steps", type=int, default=3)

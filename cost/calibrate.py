@@ -59,8 +59,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int) -> float:
-    """Median per-call seconds of `repeats` batches of `calls` calls (a fixed count, so
-    ranks that time collectives together run the same number); one warm-up call."""
+    """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
+    that time collectives together run the same number); one warm-up call. The best, not the
+    median: other load on the machine only ever adds time, so the least disturbed batch is the
+    hardware's rate."""
     fn()
     _sync(device)
     times = []
@@ -70,7 +72,7 @@ def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
             fn()
         _sync(device)
         times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def _calls(work: float, target: float) -> int:
