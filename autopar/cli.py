@@ -193,7 +193,7 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     """`autopar tune`: under torchrun on its ranks, else on --gpus local CPU ranks."""
-    from autopar import tune as T
+    from autopar import tuning as T
     kwargs = dict(spec=args.model, gpus=args.gpus, batch=args.batch, seq=args.seq,
                   cluster=args.cluster, top=args.top, steps=args.steps, out=args.out,
                   cluster_out=args.cluster_out)

@@ -1,4 +1,4 @@
-"""`autopar tune` on 2 gloo ranks (autopar/tune.py cli_run, what the CLI runs on every rank):
+"""`autopar tune` on 2 gloo ranks (autopar/tuning.py cli_run, what the CLI runs on every rank):
 the best predicted plans and a named one run for a step each, the fastest measured is written
 as plan.json, and the refitted cluster file records what was measured."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar.cost.hardware import read_cluster_file
 from autopar.testing import spawn
-from autopar.tune import _spawned
+from autopar.tuning import _spawned
 
 FACTORY = '''
 import torch
@@ -44,6 +44,6 @@ def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path, capfd):
     assert "refitted by autopar tune" in cluster.sources[-1]
     best = autopar.load_plan(out)
     fastest = min(trials, key=lambda t: t["measured_s"])["plan"]
-    from autopar.tune import pins_label, plan_pins
+    from autopar.tuning import pins_label, plan_pins
     assert pins_label(plan_pins(best)) == fastest
     json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""`autopar tune`'s refit (autopar/tune.py), pure: the least-squares scales recover how much
+"""`autopar tune`'s refit (autopar/tuning.py), pure: the least-squares scales recover how much
 slower compute and communication ran than predicted, the refitted cluster prices exactly that,
 and Spearman's rank correlation."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from autopar.cost.hardware import get_cluster
 from autopar.cost.profile import transformer_profile
 from autopar.cost.solver import solve
-from autopar.tune import Trial, fit_scales, plan_pins, refit_cluster, spearman
+from autopar.tuning import Trial, fit_scales, plan_pins, refit_cluster, spearman
 
 PINS = (dict(d=8), dict(t=8), dict(t=2, d=4), dict(p=2, d=4), dict(t=4, p=2), dict(t=2, p=4))
 

@@ -2,16 +2,18 @@
 fastest measured, and refit the cluster's fitted constants to what was measured.
 
     # inside torchrun (WORLD_SIZE == gpus), or `autopar tune MODEL --gpus N` (local CPU ranks)
-    result = autopar.tune(model, gpus=2, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
-                          global_batch_size=8, cluster="local-cpu", top=4, steps=3)
+    result = autopar.tune(make_model, gpus=2, example_inputs=(ids,),
+                          loss_fn=autopar.cross_entropy, global_batch_size=8,
+                          cluster="local-cpu", top=4, steps=3)   # make_model() -> the model
     print(result.table()); result.best            # the fastest measured Plan
 
 1. Plan once (one planning capture): the solver's plan and its ranked feasible alternatives;
    the `top` best predicted configurations, plus any the user names (`plans=`, dicts of pins),
    are each solved again with every knob pinned (the Plan the runtime runs).
-2. Each candidate is compiled and trained on random tokens (or the user's `batch=`):
-   `warmup` steps, then `steps` timed steps; its step time is the median over the timed steps
-   of the slowest rank; its memory what the runtime can measure: max_memory_allocated on GPU;
+2. Each candidate is compiled and trained on random tokens: `rounds` rounds over all of them
+   in turn (`warmup` steps in the first), `steps` timed steps a round; its step time is the
+   least disturbed round's median of the slowest rank's step times (`measure_plans`); its
+   memory what the runtime can measure: max_memory_allocated on GPU;
    on CPU the states a rank holds (parameters, gradients, optimizer) plus the peak of the
    tensors one step allocates (autopar.testing.peak_tensor_bytes).
 3. The fastest measured is the choice (written as plan.json by the CLI).
@@ -124,7 +126,8 @@ def pins_label(pins: dict[str, Any]) -> str:
     short = {"micro_batch_size": "b", "sequence_parallel": "sp", "cp_attention": "cp",
              "microbatch_group": "N"}
     return " ".join(f"{short.get(k, k)}={v}" for k, v in pins.items()
-                    if not (k in ("c", "ep") and v == 1) and k != "cp_attention")
+                    if not (k in ("c", "ep") and v == 1)
+                    and not (k == "cp_attention" and pins.get("c", 1) == 1))
 
 
 # ---- candidates ----
@@ -183,41 +186,65 @@ def _state_bytes(runner: Any) -> float:
     return 2.0 * params + runner.optimizer_state_bytes()
 
 
-def measure_plan(model_fn: Callable[[], torch.nn.Module], plan: Plan, *, example_inputs: tuple,
-                 loss_fn: Callable | None, vocab: int, steps: int, warmup: int,
-                 device: torch.device, optimizer: Callable | None = None) -> tuple[float, float]:
-    """(median step seconds of the slowest rank over `steps` timed steps after `warmup`,
-    memory bytes per rank) of `plan` trained on random tokens (every rank calls this)."""
-    import autopar
-    from autopar.testing import peak_tensor_bytes
+class PlanRun:
+    """One candidate compiled on every rank, timed in rounds (`time_round`), its memory read
+    once at the end (`memory_bytes`); every method is collective."""
 
-    prog = autopar.parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
-                               loss_fn=loss_fn, plan=plan)
-    runner = prog.compile(optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))
-    try:
-        inputs, targets = _batch_for(plan, vocab, runner)
+    def __init__(self, model_fn: Callable[[], torch.nn.Module], plan: Plan, *,
+                 example_inputs: tuple, loss_fn: Callable | None, vocab: int,
+                 device: torch.device, optimizer: Callable | None = None) -> None:
+        import autopar
+        torch.manual_seed(0)
+        prog = autopar.parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
+                                   loss_fn=loss_fn, plan=plan)
+        self.runner = prog.compile(
+            optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))
+        self.batch = _batch_for(plan, vocab, self.runner)
+        self.device = device
+
+    def time_round(self, steps: int, warmup: int) -> float:
+        """The median over `steps` timed steps (after `warmup`) of the slowest rank's time."""
         for _ in range(warmup):
-            runner.train_step(inputs, targets)
+            self.runner.train_step(*self.batch)
         times = []
         for _ in range(steps):
             dist.barrier()
             start = time.perf_counter()
-            runner.train_step(inputs, targets)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            self.runner.train_step(*self.batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(float(elapsed))
-        if device.type == "cuda":
-            memory = float(torch.cuda.max_memory_allocated(device))
-        else:   # the states held + the peak of what one more step allocates
-            _, peak, _ = peak_tensor_bytes(lambda: runner.train_step(inputs, targets))
-            memory = _state_bytes(runner) + peak
+        return statistics.median(times)
+
+    def memory_bytes(self) -> float:
+        """max_memory_allocated on GPU; on CPU the states held + the peak of the tensors one
+        more step allocates (autopar.testing.peak_tensor_bytes); the largest over ranks."""
+        from autopar.testing import peak_tensor_bytes
+        if self.device.type == "cuda":
+            memory = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            _, peak, _ = peak_tensor_bytes(lambda: self.runner.train_step(*self.batch))
+            memory = _state_bytes(self.runner) + peak
         mem = torch.tensor([memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        return statistics.median(times), float(mem)
-    finally:   # not runner.close(): that ends the process group the next trial runs on
-        dist.barrier()
+        return float(mem)
+
+
+def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
+                  log: Callable[[str], None]) -> list[tuple[float, float]]:
+    """(step seconds, memory bytes) of every run: `rounds` rounds over all the runs in turn
+    (warm-up in the first), each run's time the least disturbed round's median — a load that
+    comes and goes on a shared machine then falls on every plan alike, not on the plan that
+    happened to run during it."""
+    rounds_s: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i, run in enumerate(runs):
+            rounds_s[i].append(run.time_round(steps, warmup if r == 0 else 0))
+        log(f"round {r + 1}/{rounds}: " + ", ".join(f"{min(t) * 1e3:.0f}" for t in rounds_s)
+            + " ms")
+    return [(min(t), run.memory_bytes()) for t, run in zip(rounds_s, runs)]
 
 
 # ---- refitting ----
@@ -266,7 +293,8 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
 def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: tuple,
          loss_fn: Callable | None = None, example_targets: Any = None,
          global_batch_size: int, cluster: Any = "local-cpu", top: int = 4, steps: int = 3,
-         warmup: int = 2, plans: tuple[dict, ...] = (), vocab: int | None = None,
+         warmup: int = 2, rounds: int = 2, plans: tuple[dict, ...] = (),
+         vocab: int | None = None,
          name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Plan, measure, choose, refit (module doc); call on every rank of an initialised
     process group of `gpus` ranks. `model_fn()` builds the model (each trial compiles a fresh
@@ -285,16 +313,20 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
         top=top, named=plans, name=name)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    trials = []
-    for i, plan in enumerate(candidates):
-        torch.manual_seed(0)
-        seconds, memory = measure_plan(model_fn, plan, example_inputs=example_inputs,
-                                       loss_fn=loss_fn, vocab=vocab, steps=steps, warmup=warmup,
-                                       device=device)
-        trials.append(Trial(plan=plan, measured_s=seconds, measured_memory_bytes=memory))
+
+    def say(line: str) -> None:
         if dist.get_rank() == 0:
-            log(f"[{i + 1}/{len(candidates)}] {trials[-1].label}: predicted "
-                f"{plan.predicted.step_time_s * 1e3:.1f} ms, measured {seconds * 1e3:.1f} ms")
+            log(line)
+    runs = []
+    for i, plan in enumerate(candidates):
+        runs.append(PlanRun(model_fn, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                            vocab=vocab, device=device))
+        say(f"[{i + 1}/{len(candidates)}] compiled {pins_label(plan_pins(plan))}: predicted "
+            f"{plan.predicted.step_time_s * 1e3:.1f} ms")
+    measured = measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=say)
+    trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
+              for plan, (s, m) in zip(candidates, measured)]
+    dist.barrier()   # not runner.close(): that would end the caller's process group
     a, b = fit_scales(trials)
     refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}")
     trials = [dataclasses.replace(tr, refit_s=solve_pins(refit, plan_pins(tr.plan))
