@@ -9,7 +9,7 @@ from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
 
 __all__ = ["parallelize", "ParallelProgram", "Plan", "Stage", "Prediction", "Memory",
            "Alternative", "Cluster", "meta_init", "cross_entropy", "load_plan", "get_cluster",
-           "scale_sweep"]
+           "scale_sweep", "load_cluster", "save_cluster", "tune"]
 __version__ = "0.1.0"
 
 
@@ -25,7 +25,10 @@ def __getattr__(name: str):
     if name == "meta_init":
         from autopar.runtime.shard import meta_init
         return meta_init
-    if name in ("Cluster", "get_cluster"):
+    if name == "tune":
+        from autopar.tuning import tune
+        return tune
+    if name in ("Cluster", "get_cluster", "load_cluster", "save_cluster"):
         from autopar.cost import hardware
         return getattr(hardware, name)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Command line: `autopar plan | build | scale | timeline | calibrate | demo` (the same engine as
+"""Command line: `autopar plan | build | scale | timeline | calibrate | clusters | tune | demo` (the same engine as
 the API).
 
 MODEL is a preset or `file.py:factory`, whose factory() returns the model or a dict with
@@ -67,7 +67,7 @@ def _defaults_line(args: argparse.Namespace) -> str:
     return f"defaults you did not set: {', '.join(used)}" if used else ""
 
 
-_POSITIVE = ("gpus", "batch", "seq", "t", "c", "ep", "p", "d", "v", "micro_batch", "top")
+_POSITIVE = ("gpus", "batch", "seq", "t", "c", "ep", "p", "d", "v", "micro_batch", "top", "ranks", "steps")
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -156,8 +156,62 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.cost.calibrate import calibrate
-    result = calibrate(save=True, path=args.out, quick=args.quick)
-    print(json.dumps({k: v for k, v in result.items() if k != "matmul_curve"}, indent=2))
+    result = calibrate(out=args.out, name=args.name, quick=args.quick,
+                       peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
+                       ranks=args.ranks)
+    if result is not None:   # rank 0
+        cluster, path = result
+        print(_cluster_summary(cluster, header=True))
+        print(f"wrote {path} (plan with --cluster {path}"
+              + (" or --cluster local-cpu)" if args.out is None else ")"))
+    return 0
+
+
+def _cluster_summary(cluster, header: bool = False) -> str:
+    """One line of a cluster's key numbers (and a header line)."""
+    line = (f"{cluster.name:<16}{cluster.gpus_per_node:>5}{cluster.peak_flops / 1e12:>10.4g}"
+            f"{cluster.memory_bytes / 1e9:>8.1f}{cluster.hbm_bandwidth_Bps / 1e9:>10.4g}"
+            f"{cluster.intra_node_bandwidth_Bps / 1e9:>11.4g}"
+            f"{cluster.intra_node_latency_s * 1e6:>8.3g}"
+            f"{cluster.inter_node_bandwidth_Bps / 1e9:>11.4g}"
+            f"{cluster.inter_node_latency_s * 1e6:>8.3g}{cluster.gemm_max_efficiency:>6.2f}"
+            f"  {cluster.attention}/{cluster.elementwise}")
+    head = (f"{'cluster':<16}{'gpus':>5}{'TFLOP/s':>10}{'mem GB':>8}{'HBM GB/s':>10}"
+            f"{'intra GB/s':>11}{'lat us':>8}{'inter GB/s':>11}{'lat us':>8}{'e_max':>6}"
+            f"  attention/elementwise")
+    return f"{head}\n{line}" if header else line
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    """The presets (and cluster files given) with their key numbers; -v: every source."""
+    from autopar.cost.hardware import CLUSTER_NAMES, get_cluster
+    names = list(args.files or CLUSTER_NAMES)
+    clusters = [get_cluster(n) for n in names]
+    print(_cluster_summary(clusters[0], header=True).splitlines()[0])
+    for cluster in clusters:
+        print(_cluster_summary(cluster))
+        if args.verbose:
+            for source in cluster.sources:
+                print(f"    - {source}")
+    if not args.verbose:
+        print("(per GPU, one direction; -v lists every number's source; a file: autopar "
+              "clusters my-cluster.json)")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`autopar tune`: under torchrun on its ranks, else on --gpus local CPU ranks."""
+    from autopar import tuning as T
+    kwargs = dict(spec=args.model, gpus=args.gpus, batch=args.batch, seq=args.seq,
+                  cluster=args.cluster, top=args.top, steps=args.steps, out=args.out,
+                  cluster_out=args.cluster_out)
+    if "WORLD_SIZE" in os.environ:
+        from autopar.runtime.dist import init_distributed
+        init_distributed()
+        T.cli_run(**kwargs)
+    else:
+        from autopar.testing import spawn
+        spawn(T._spawned, args.gpus, kwargs, timeout_s=args.timeout, pg_timeout_s=120)
     return 0
 
 
@@ -166,13 +220,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(ranks=args.ranks, steps=args.steps)
 
 
+_CLUSTER_HELP = ("a preset (autopar clusters lists them: dgx-a100-80gb, dgx-h100-80gb, "
+                 "hgx-b200-180gb, gb200-nvl72, mi300x-192gb, local-cpu, ...) or a cluster file "
+                 "FILE.json (autopar calibrate writes one)")
+
+
 def _add_plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="preset name (gpt3-175b, megatron-1t, llama3-405b, …) or "
                                    "file.py:factory")
     sp.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
-    sp.add_argument("--cluster", default="dgx-a100-80gb",
-                    help="dgx-a100-80gb | dgx-h100-80gb | dgx-h200-141gb | dgx2h-v100-32gb | "
-                         "local-cpu")
+    sp.add_argument("--cluster", default="dgx-a100-80gb", help=_CLUSTER_HELP)
     sp.add_argument("--attention", help="the attention kernel priced: flash (fused, the GPU "
                                         "presets' default) | materialized (scores written out)")
     sp.add_argument("--elementwise", help="how elementwise ops run: fused (single kernels, the "
@@ -236,16 +293,47 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--gpus-max", type=int, required=True, help="largest GPU count swept")
     sc.add_argument("--gpus-min", type=int, help="smallest GPU count (default gpus-max/64)")
     sc.add_argument("--gpus-list", help="comma-separated GPU counts instead of powers of two")
-    sc.add_argument("--cluster", default="dgx-a100-80gb")
+    sc.add_argument("--cluster", default="dgx-a100-80gb", help=_CLUSTER_HELP)
     sc.add_argument("--seq", type=int, help="sequence length")
     sc.add_argument("--families", default="interleaved,breadth-first",
                     help="schedule families: 1f1b, interleaved, breadth-first (comma-separated)")
     sc.add_argument("--out", help="write the plot here (PNG)")
     sc.set_defaults(fn=cmd_scale)
-    cb = sub.add_parser("calibrate", help="measure this machine for the local-cpu cluster")
-    cb.add_argument("--out", help="where to save (default ~/.cache/autopar/local-cpu.json)")
-    cb.add_argument("--quick", action="store_true", help="smaller measurement grid")
+    cb = sub.add_parser("calibrate", help="measure a cluster and write its cluster file (alone: "
+                                          "this machine on local CPU ranks, as local-cpu; "
+                                          "under torchrun: its ranks and nodes)")
+    cb.add_argument("--out", help="the cluster file to write (default: this machine's "
+                                  "local-cpu file, ~/.cache/autopar/local-cpu.json)")
+    cb.add_argument("--name", default="local-cpu", help="the cluster's name in the file")
+    cb.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests)")
+    cb.add_argument("--ranks", type=int, default=2,
+                    help="local CPU ranks when not under torchrun")
+    cb.add_argument("--peak-tflops", type=float, dest="peak_tflops",
+                    help="the datasheet's dense peak per GPU in the training precision "
+                         "(gemm_max_efficiency is then measured against it)")
     cb.set_defaults(fn=cmd_calibrate)
+    cl = sub.add_parser("clusters", help="list the cluster presets (or files) with their key "
+                                         "numbers and sources")
+    cl.add_argument("files", nargs="*", help="cluster names or files (default: every preset)")
+    cl.add_argument("-v", "--verbose", action="store_true", help="every number's source")
+    cl.set_defaults(fn=cmd_clusters)
+    tn = sub.add_parser("tune", help="run the best predicted plans for a few steps, keep the "
+                                     "fastest measured (plan.json), refit the cluster")
+    tn.add_argument("model", help="file.py:factory (a model with weights to run)")
+    tn.add_argument("--gpus", type=int, required=True, help="ranks (local CPU ranks when not "
+                                                            "under torchrun)")
+    tn.add_argument("--cluster", default="local-cpu", help=_CLUSTER_HELP)
+    tn.add_argument("--batch", type=int, help="global batch size (default: gpus × the example's)")
+    tn.add_argument("--seq", type=int, help="sequence length")
+    tn.add_argument("--top", type=int, default=4, help="the best predicted plans to run")
+    tn.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one "
+                                                         "warm-up step)")
+    tn.add_argument("--out", default="plan.json", help="where the fastest measured plan goes")
+    tn.add_argument("--cluster-out", dest="cluster_out",
+                    help="the refitted cluster file (default: the --cluster file; local-cpu's "
+                         "own file; NAME-tuned.json for a preset)")
+    tn.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run")
+    tn.set_defaults(fn=cmd_tune)
     dm = sub.add_parser("demo", help="plan a large model, then train a small one on CPU ranks")
     dm.add_argument("--ranks", type=int, default=8, help="local CPU ranks for the small model")
     dm.add_argument("--steps", type=int, default=3)

@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from autopar.build import build_program
+from autopar.cost.hardware import Cluster, cluster_to_dict
 from autopar.launch import BUILD_FILE, build_info
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE, uses_rank_device
@@ -342,8 +343,10 @@ def save_program(prog: Any, directory: Path, *, model: str | None = None,
                   "with 'model'\nand optionally 'example_inputs', 'loss_fn', 'example_targets' "
                   "(autopar.factory).")
     (directory / "launch.py").write_text(_LAUNCH.format(gpus=plan.gpus, model_line=model_line))
-    (directory / BUILD_FILE).write_text(build_info(model, getattr(prog, "pins", {}),
-                                                   precision))
+    cluster = getattr(prog, "cluster", None)
+    (directory / BUILD_FILE).write_text(build_info(
+        model, getattr(prog, "pins", {}), precision,
+        cluster_to_dict(cluster) if isinstance(cluster, Cluster) else None))
     nnodes, per_node = _nodes(plan, getattr(prog, "cluster", None))
     model = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in str(plan.model))
     scripts = {

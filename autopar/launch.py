@@ -51,13 +51,18 @@ BUILD_FILE = "build.json"
 DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
 
 
-def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32") -> str:
+def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32",
+               cluster: dict[str, Any] | None = None) -> str:
     """The JSON of build.json: the factory `autopar build` was given (absolute path), the
-    pins it planned with and the precision its chunks were generated for."""
+    pins it planned with, the precision its chunks were generated for and the cluster it
+    planned for (every field: a re-plan prices the same hardware, a cluster file's too)."""
     if model is not None:
         path, _, fn = model.rpartition(":")
         model = f"{Path(path).resolve()}:{fn}"
-    return json.dumps({"model": model, "pins": pins, "precision": precision}, indent=2)
+    info = {"model": model, "pins": pins, "precision": precision}
+    if cluster is not None:
+        info["cluster"] = cluster
+    return json.dumps(info, indent=2)
 
 
 def parse_args(argv: list[str] | None, default_model: str | None,
@@ -149,7 +154,8 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
     world, rank = dist.get_world_size(), dist.get_rank()
     plan, chunk_dir = saved, program_dir
     if world != saved.gpus:
-        plan, chunk_dir = replan(saved, user, world, build.get("pins", {})), None
+        plan = replan(saved, user, world, build.get("pins", {}), build.get("cluster"))
+        chunk_dir = None
         if rank == 0:
             print(f"launch.py: {world} ranks, plan.json is for {saved.gpus}: re-planned for "
                   f"{world} with the same global batch {saved.global_batch_size}\n{plan}",
@@ -279,14 +285,16 @@ def _example(user: UserModel, plan: Plan) -> tuple[tuple, Any]:
     return inputs, (torch.zeros_like(inputs[0]) if targets is None else targets)
 
 
-def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any]) -> Plan:
-    """The plan for `world` ranks with saved's global batch, sequence, cluster and attention
-    kernel and the non-degree pins: solved on rank 0, the same on every rank (a planning
-    error is raised on every rank)."""
+def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
+           cluster: dict[str, Any] | None = None) -> Plan:
+    """The plan for `world` ranks with saved's global batch, sequence, cluster (build.json's
+    fields when given, else the plan's cluster name) and attention kernel and the non-degree
+    pins: solved on rank 0, the same on every rank (a planning error is raised on every
+    rank)."""
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", _solve(saved, user, world, pins).to_json())
+            message[0] = ("plan", _solve(saved, user, world, pins, cluster).to_json())
         except ValueError as err:
             message[0] = ("error", str(err))
     dist.broadcast_object_list(message, src=0)
@@ -297,8 +305,11 @@ def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any]) -> Pl
     return Plan.from_json(text)
 
 
-def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any]) -> Plan:
-    cluster = autopar.get_cluster(saved.cluster)
+def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
+           fields: dict[str, Any] | None) -> Plan:
+    from autopar.cost.hardware import cluster_from_dict
+    cluster = (cluster_from_dict(fields, "build.json's cluster") if fields is not None
+               else autopar.get_cluster(saved.cluster))
     if saved.predicted.attention and saved.predicted.attention != cluster.attention:
         cluster = dataclasses.replace(cluster, attention=saved.predicted.attention)
     inputs, targets = _example(user, saved)

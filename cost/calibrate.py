@@ -1,225 +1,443 @@
-"""`autopar calibrate`: measure this machine for the "local-cpu" cluster and cache the numbers.
+"""`autopar calibrate`: measure a cluster (this machine, or the nodes torchrun runs on) and
+write its cluster file (cost/hardware.py `save_cluster`).
 
-What is measured (all fp32, CPU, gloo between 2 local processes):
-- matmul_curve: [m, n, k, flops_per_s] for a grid of GEMM shapes (2·m·n·k FLOPs per GEMM,
-  best of a few timed runs each, one thread = one rank); matmul_flops_per_s is the best
-  observed (the "peak" of one rank).
-- p2p_latency_s / p2p_bandwidth_Bps: ping-pong between 2 ranks with blocking send/recv; the
-  one-way time is half the round trip; latency from the smallest message, bandwidth from the
-  largest (bytes / one-way time, latency included: a conservative effective bandwidth).
-- allreduce_latency_s / allreduce_bandwidth_Bps: all_reduce between the 2 ranks; bandwidth is
-  the nccl-tests "bus bandwidth" 2(n-1)/n · bytes / time, which for n = 2 is bytes / time, so a
-  ring all-reduce of B bytes over n ranks costs latency + 2(n-1)/n · B / bandwidth.
-- attention_curve: [length, fwd_flops_per_s, bwd_flops_per_s] of torch's CPU
-  scaled-dot-product attention (a fused kernel: `_scaled_dot_product_flash_attention_for_cpu`),
-  causal, 4 heads of 64, one thread, at ATTENTION_LENS tokens: the FLOPs of the unmasked half
-  of q·kᵀ and p·v per second, forward and backward (the backward counted as 2.5 × the
-  forward's FLOPs, the convention of cost.model.FLASH_BWD_FLOPS_FACTOR).
-- memory_bytes: total RAM (os.sysconf); cores: CPUs this process may use.
+Every rank measures at the same time, as training runs them (ranks that share a CPU or a node
+contend as they will in training), in the training precision (fp32 on CPU, bf16 on GPU unless
+told); rank 0 fits and writes:
+- GEMM curve [m, n, k, flops_per_s] over a grid of shapes → `peak_flops` (the fitted
+  asymptote, or a datasheet peak given with peak_flops=) with `gemm_max_efficiency` and
+  `gemm_half_dim` of rate = peak · e_max · f(m)f(n)f(k), f(x) = x / (x + half).
+- Fused attention (torch's scaled_dot_product_attention, causal, 4 heads of 64) forward and
+  backward against sequence length → `flash_fwd_efficiency`, `flash_bwd_efficiency`,
+  `flash_half_len` (backward FLOPs 2.5 × forward, cost.model's convention).
+- Streaming bandwidth (a large copy: bytes read + written per second) → `hbm_bandwidth_Bps`
+  (elementwise_efficiency 1: the measured rate is the achieved one); one tiny op's time →
+  `kernel_launch_s` (dispatch + launch).
+- Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
+  runtime's calls) and send/recv — at several sizes, inside a node and across nodes (ranks
+  grouped by node from the launcher's environment: GROUP_RANK, else rank // LOCAL_WORLD_SIZE);
+  per link one (latency, bandwidth) fitted by least squares (relative error) to every timing
+  with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather / reduce-scatter / all-to-all
+  (n-1)/n · B of the whole, send B). A link with no pair of ranks on it is not measured and
+  takes the other link's numbers (said in the sources).
+- Memory: the GPU's total (its free memory at start → reserved_bytes); on CPU the RAM over the
+  ranks of a node.
+The file's `calibration` record says what was measured, on which hosts, when, and holds the
+raw curves and per-collective fits.
 
-Saved as JSON to $AUTOPAR_CACHE (a file path) or ~/.cache/autopar/local-cpu.json.
+Run: `torchrun --nproc-per-node=8 -m autopar.cli calibrate --out my-cluster.json` on each node
+(`--nnodes`, a rendezvous), or `autopar calibrate` alone: 2 local CPU ranks, written as this
+machine's `local-cpu` (hardware.local_cluster_path()).
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
+import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.testing import spawn
+from autopar.cost.hardware import GB, Cluster, local_cluster_path, save_cluster
 
-KEYS = ("matmul_flops_per_s", "matmul_curve", "p2p_bandwidth_Bps", "p2p_latency_s",
-        "allreduce_bandwidth_Bps", "allreduce_latency_s", "memory_bytes", "cores", "measured_at")
-# measured since the attention kinds; a calibration saved before them is still read
-OPTIONAL_KEYS = ("attention_curve",)
 ATTENTION_LENS = (256, 1024)
-
+_QUICK_ATTENTION_LENS = (64, 256)
 _FULL_DIMS = (64, 128, 256, 512, 1024)
-_QUICK_DIMS = (64, 256)
-_FULL_MSG_BYTES = (4, 1 << 10, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
-_QUICK_MSG_BYTES = (4, 1 << 16, 1 << 22)
+_QUICK_DIMS = (32, 128)
+_FULL_MSG_BYTES = (4, 1 << 12, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
+_QUICK_MSG_BYTES = (1 << 10, 1 << 18)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
-def cache_path(path: str | os.PathLike | None = None) -> Path:
-    """Where the calibration lives: `path`, else $AUTOPAR_CACHE, else ~/.cache/autopar/."""
-    if path is not None:
-        return Path(path)
-    env = os.environ.get("AUTOPAR_CACHE")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "autopar" / "local-cpu.json"
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _time_best_s(fn, repeats: int, min_time_s: float) -> float:
-    """Best per-call seconds over `repeats` timed batches, each at least `min_time_s` long."""
-    fn()  # warm-up (allocations, thread pool)
-    best = float("inf")
+def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int) -> float:
+    """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
+    that time collectives together run the same number); one warm-up call. The best, not the
+    median: other load on the machine only ever adds time, so the least disturbed batch is the
+    hardware's rate."""
+    fn()
+    _sync(device)
+    times = []
     for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
-        while True:
+        start = time.perf_counter()
+        for _ in range(calls):
             fn()
-            calls += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time_s:
-                break
-        best = min(best, elapsed / calls)
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.min(times))
+
+
+def _calls(work: float, target: float) -> int:
+    """Calls that make a batch last about `target` seconds at `work` seconds each, 1..50."""
+    return max(1, min(50, int(target / max(work, 1e-7))))
+
+
+def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
+                   quick: bool) -> list[list[float]]:
+    """[m, n, k, flops_per_s] for every (m, n, k) in dims³."""
+    curve = []
+    for m in dims:
+        for n in dims:
+            for k in dims:
+                a = torch.randn(m, k, dtype=dtype, device=device)
+                b = torch.randn(k, n, dtype=dtype, device=device)
+                out = torch.empty(m, n, dtype=dtype, device=device)
+                guess = 2.0 * m * n * k / 2e10
+                s = _time_s(lambda: torch.mm(a, b, out=out), device,
+                            _calls(guess, 0.003 if quick else 0.02), 3)
+                curve.append([m, n, k, 2.0 * m * n * k / s])
+    return curve
+
+
+def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
+                      quick: bool) -> list[list[float]]:
+    """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal, 4
+    heads of 64) at each length: 4·heads·L²·64 × the causal part, backward 2.5 ×."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    curve = []
+    for length in lengths:
+        q, k, v = (torch.randn(1, 4, length, 64, dtype=dtype, device=device,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, 4, length, 64, dtype=dtype, device=device)
+        calls = 2 if quick else 5
+        fwd_s = _time_s(lambda: sdpa(q, k, v, is_causal=True), device, calls, 3)
+        both_s = _time_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad), device, calls, 3)
+        flops = 4.0 * 4 * length * length * 64 * (length + 1) / (2 * length)
+        curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
+    return curve
+
+
+def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
+    """A large copy's bytes read + written per second, and one tiny elementwise op's time."""
+    nbytes = (8 if quick else 64) << 20
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3)
+    x, y = torch.ones(8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
+    op_s = _time_s(lambda: torch.add(x, y), device, 200, 3)
+    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s}
+
+
+# ---- collectives ----
+
+def _node_layout() -> tuple[list[int], int]:
+    """(node of every rank, this rank's node), from the launcher's environment."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    node = int(os.environ.get("GROUP_RANK", dist.get_rank() // max(local, 1)))
+    nodes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node)
+    return [int(n) for n in nodes], node
+
+
+def link_groups(nodes: list[int]) -> dict[str, list[list[int]]]:
+    """The rank groups each link is measured on: "intra" the ranks of each node (two or more),
+    "inter" one rank per node, the i-th of each (when there are two nodes or more)."""
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    members = list(by_node.values())
+    intra = [ranks for ranks in members if len(ranks) > 1]
+    inter = []
+    if len(members) > 1:
+        for i in range(min(len(r) for r in members)):
+            inter.append([ranks[i] for ranks in members])
+    return {"intra": intra, "inter": inter}
+
+
+def _collective_fns(name: str, nbytes: int, group: Any, ranks: list[int], device: torch.device):
+    """(fn, result bytes the cost model prices) of one collective on `nbytes` (the whole)."""
+    from autopar.runtime import collectives as C
+
+    n = len(ranks)
+    elems = max(n, (nbytes // 4) // n * n)
+    buf = torch.ones(elems, device=device)
+    part = torch.ones(elems // n, device=device)
+    me = ranks.index(dist.get_rank())
+    if name == "all_reduce":
+        return (lambda: C.all_reduce_(buf, group)), elems * 4
+    if name == "all_gather":
+        return (lambda: C.all_gather(part, 0, group)), elems * 4
+    if name == "reduce_scatter":
+        return (lambda: C.reduce_scatter(buf, 0, group)), elems * 4
+    if name == "all_to_all":
+        out = torch.empty_like(buf)
+        return (lambda: dist.all_to_all_single(out, buf, group=group)), elems * 4
+    peer = ranks[1 - me] if me < 2 else None
+
+    def ping_pong():   # ranks 0 and 1 of the group; one way is half the round trip
+        if me == 0:
+            dist.send(buf, peer, group=group)
+            dist.recv(buf, peer, group=group)
+        elif me == 1:
+            dist.recv(buf, peer, group=group)
+            dist.send(buf, peer, group=group)
+    return ping_pong, elems * 4
+
+
+def _factor(name: str, n: int) -> float:
+    """Bytes over bandwidth the cost model charges per byte of the whole (cost/model.py)."""
+    if name == "all_reduce":
+        return 2.0 * (n - 1) / n
+    return 1.0 if name == "send_recv" else (n - 1) / n
+
+
+def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device,
+                        quick: bool, tick: Callable[[str], None]) -> dict[str, Any]:
+    """{link: {collective: [[bytes, n, seconds], ...]}} measured on this rank's groups (every
+    rank creates every group, in the same order; ranks in none wait at the barrier)."""
+    sizes = _QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES
+    out: dict[str, Any] = {}
+    for link, lists in groups.items():
+        mine = None
+        for ranks in lists:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = (group, ranks)
+        rows: dict[str, list] = {name: [] for name in COLLECTIVES}
+        for name in COLLECTIVES:
+            tick(f"{link}-node {name.replace('_', '-')}")
+            for nbytes in sizes:
+                dist.barrier()
+                if mine is None:
+                    continue
+                group, ranks = mine
+                fn, whole = _collective_fns(name, nbytes, group, ranks, device)
+                calls = 10 if nbytes <= (1 << 16) else (2 if quick else 5)
+                seconds = _time_s(fn, device, calls, 2 if quick else 3)
+                if name == "send_recv":
+                    seconds /= 2
+                rows[name].append([whole, len(ranks), seconds])
+        if lists:
+            out[link] = rows
+    return out
+
+
+def fit_link(rows: dict[str, list]) -> tuple[float, float]:
+    """(latency_s, bandwidth_Bps) minimising the relative error of lat + factor · B / bw over
+    every timing of every collective (numpy least squares, weights 1 / measured)."""
+    a, y = [], []
+    for name, table in rows.items():
+        for nbytes, n, seconds in table:
+            a.append([1.0 / seconds, _factor(name, n) * nbytes / seconds])
+            y.append(1.0)
+    (lat, inv_bw), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
+    if inv_bw <= 0:   # latency-bound timings: the bandwidth from the largest message alone
+        nbytes, n, seconds = max((r for t in rows.values() for r in t), key=lambda r: r[0])
+        inv_bw = seconds / nbytes
+    return max(float(lat), 0.0), 1.0 / float(inv_bw)
+
+
+def fit_gemm(curve: list[list[float]]) -> tuple[float, float]:
+    """(asymptotic FLOP/s P, half_dim) of rate = P · f(m)f(n)f(k) (least squares: P closed-form
+    for each half_dim on a log grid)."""
+    best = (max(r[3] for r in curve), 1.0, float("inf"))
+    for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 45)]:
+        x = np.array([(m / (m + half)) * (n / (n + half)) * (k / (k + half))
+                      for m, n, k, _ in curve])
+        y = np.array([r[3] for r in curve])
+        peak = float(x @ y / (x @ x))
+        err = float(np.sum(((peak * x - y) / y) ** 2))
+        if err < best[2]:
+            best = (peak, half, err)
+    return best[0], best[1]
+
+
+def fit_flash(curve: list, peak: float) -> dict[str, float]:
+    """e_fwd, e_bwd and L_half of rate = e · peak · L / (L + L_half), least squares (e ≤ 1)."""
+    best: dict[str, float] = {}
+    best_err = float("inf")
+    for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 53)]:  # 0, 1 .. 8192
+        fit, err = {"flash_half_len": half}, 0.0
+        for col, name in ((1, "flash_fwd_efficiency"), (2, "flash_bwd_efficiency")):
+            xs = np.array([row[0] / (row[0] + half) for row in curve])
+            ys = np.array([row[col] / peak for row in curve])
+            fit[name] = float(min(1.0, max(xs @ ys / (xs @ xs), 1e-3)))
+            err += float(np.sum((fit[name] * xs - ys) ** 2))
+        if err < best_err:
+            best, best_err = fit, err
     return best
 
 
-def measure_matmul(dims=_FULL_DIMS, repeats: int = 3, min_time_s: float = 0.01,
-                   threads: int = 1) -> list[list[float]]:
-    """[m, n, k, flops_per_s] for every (m, n, k) in dims³, fp32 on CPU, best of `repeats`.
+# ---- one calibration run ----
 
-    threads=1 by default: a local-cpu "GPU" is one rank, and torchrun (like autopar.testing)
-    runs each rank with OMP_NUM_THREADS=1, so one rank's matmul speed is a one-thread speed.
-    """
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    curve = []
-    try:
-        for m in dims:
-            for n in dims:
-                for k in dims:
-                    a, b = torch.randn(m, k), torch.randn(k, n)
-                    out = torch.empty(m, n)
-                    s = _time_best_s(lambda: torch.mm(a, b, out=out), repeats, min_time_s)
-                    curve.append([m, n, k, 2.0 * m * n * k / s])
-    finally:
-        torch.set_num_threads(saved)
-    return curve
+def _device() -> tuple[torch.device, torch.dtype]:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local), torch.bfloat16
+    return torch.device("cpu"), torch.float32
 
 
-def measure_attention(lengths=ATTENTION_LENS, repeats: int = 3, min_time_s: float = 0.01,
-                      threads: int = 1) -> list[list[float]]:
-    """[length, fwd_flops_per_s, bwd_flops_per_s] of torch's CPU scaled-dot-product attention
-    (causal, 4 heads of 64, fp32, `threads` threads as in measure_matmul) at each length;
-    FLOPs: 4·heads·L²·64 × the causal half (the work a fused kernel does), backward 2.5 ×."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    curve = []
-    try:
-        for length in lengths:
-            q, k, v = (torch.randn(1, 4, length, 64, requires_grad=True) for _ in range(3))
-            fwd_s = _time_best_s(lambda: sdpa(q, k, v, is_causal=True), repeats, min_time_s)
-            grad = torch.randn(1, 4, length, 64)
-            both_s = _time_best_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad),
-                                  repeats, min_time_s)
-            flops = 4.0 * 4 * length * length * 64 * (length + 1) / (2 * length)
-            curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
-    finally:
-        torch.set_num_threads(saved)
-    return curve
+def _progress(total: int) -> Callable[[str], None]:
+    """Rank 0's progress bar (tqdm on stderr); other ranks get a no-op."""
+    if dist.get_rank() != 0:
+        return lambda what: None
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc="calibrate", unit="step", leave=True)
+
+    def tick(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+    return tick
 
 
-def _comm_worker(rank: int, world_size: int, sizes: list[int], repeats: int) -> dict[str, Any]:
-    """Ping-pong and all-reduce timings on 2 gloo ranks (runs under autopar.testing.spawn)."""
-    peer = 1 - rank
-    p2p, ar = {}, {}
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, nbytes // 4))
-
-        def ping_pong():
-            if rank == 0:
-                dist.send(buf, peer)
-                dist.recv(buf, peer)
-            else:
-                dist.recv(buf, peer)
-                dist.send(buf, peer)
-
-        def all_reduce():
-            dist.all_reduce(buf)
-
-        # both ranks run the same number of calls: a fixed count, not a time budget
-        calls = 20 if nbytes <= (1 << 16) else 5
-        for name, fn, table in (("p2p", ping_pong, p2p), ("ar", all_reduce, ar)):
-            fn()
-            best = float("inf")
-            for _ in range(repeats * (2 if nbytes <= (1 << 16) else 1)):  # small: noisier
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                best = min(best, (time.perf_counter() - start) / calls)
-            table[buf.numel() * 4] = best / 2 if name == "p2p" else best  # one-way time
-    return {"p2p": p2p, "allreduce": ar}
+def _memory(device: torch.device, ranks_per_node: int) -> tuple[float, float, str]:
+    """(memory_bytes, reserved_bytes, source) of one rank."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return float(total), float(total - free), (
+            "memory_bytes: torch.cuda.mem_get_info total; reserved_bytes: what was already in "
+            "use when calibrate started (CUDA context, other processes)")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(ram) / ranks_per_node, 0.5 * GB, (
+        f"memory_bytes: the RAM ({ram / GB:.1f} GB) over the {ranks_per_node} ranks of a node; "
+        f"reserved_bytes 0.5 GB: interpreter and allocator (not fitted)")
 
 
-def _latency_bandwidth(times: dict[int, float]) -> tuple[float, float]:
-    """(latency_s, bandwidth_Bps) from {bytes: seconds}.
-
-    Latency: time of the smallest message. Bandwidth: largest message / its whole time, latency
-    not subtracted: on a busy 2-core machine the small-message time is noisy enough to exceed
-    the large one's transfer time, and at MiB sizes the latency share is small (a conservative
-    estimate, never an absurd one).
-    """
-    small, large = min(times), max(times)
-    return times[small], large / times[large]
+def _mean_curves(curves: list[list[list[float]]], cols: int) -> list[list[float]]:
+    """Every rank's curve averaged row by row in its measured columns (the rate the ranks
+    reached together)."""
+    out = []
+    for rows in zip(*curves):
+        head = list(rows[0][:cols])
+        out.append(head + [float(np.mean([r[j] for r in rows])) for j in range(cols, len(rows[0]))])
+    return out
 
 
-def measure_comm(quick: bool = False, timeout_s: float = 120.0) -> dict[str, float]:
-    """gloo point-to-point and all-reduce latency/bandwidth between 2 local processes."""
-    sizes = list(_QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES)
-    res = spawn(_comm_worker, 2, sizes, 2 if quick else 3, timeout_s=timeout_s,
-                pg_timeout_s=60)[0]
-    p2p_lat, p2p_bw = _latency_bandwidth(res["p2p"])
-    ar_lat, ar_bw = _latency_bandwidth(res["allreduce"])
-    return {"p2p_bandwidth_Bps": p2p_bw, "p2p_latency_s": p2p_lat,
-            "allreduce_bandwidth_Bps": ar_bw, "allreduce_latency_s": ar_lat}
-
-
-def _memory_bytes() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def calibrate(save: bool = True, path: str | os.PathLike | None = None,
-              quick: bool = False) -> dict[str, Any]:
-    """Measure this machine (matmul curve, attention kernel, gloo p2p and all-reduce, RAM,
-    cores); save as JSON.
-
-    quick=True uses a 2x2x2 GEMM grid and 3 message sizes (a few seconds, for tests); the full
-    run is a 5x5x5 grid from 64 to 1024 and messages up to 8 MiB (well under a minute).
-    """
+def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Every rank's measurements (call on every rank of an initialised process group); rank 0
+    returns the gathered record, the others {}."""
+    device, default_dtype = _device()
+    dtype = dtype or default_dtype
+    nodes, _ = _node_layout()
+    groups = link_groups(nodes)
+    tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
     dims = _QUICK_DIMS if quick else _FULL_DIMS
-    curve = measure_matmul(dims, repeats=2 if quick else 3, min_time_s=0.005 if quick else 0.01)
-    result: dict[str, Any] = {
-        "matmul_flops_per_s": max(row[3] for row in curve),
-        "matmul_curve": curve,
-        "attention_curve": measure_attention(repeats=2 if quick else 3,
-                                             min_time_s=0.005 if quick else 0.01),
-        **measure_comm(quick=quick),
-        "memory_bytes": _memory_bytes(),
-        "cores": _cores(),
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    dist.barrier()
+    mine = {"matmul_curve": measure_matmul(dims, dtype, device, quick)}
+    tick("GEMM")
+    mine["attention_curve"] = measure_attention(
+        _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS, dtype, device, quick)
+    tick("attention")
+    mine.update(measure_streaming(dtype, device, quick))
+    tick("streaming")
+    collectives = measure_collectives(groups, device, quick, tick)
+    per_node = max(nodes.count(n) for n in set(nodes))
+    memory = _memory(device, per_node)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, collectives, socket.gethostname(), memory))
+    if dist.get_rank() != 0:
+        return {}
+    links: dict[str, Any] = {}
+    for _, coll, _, _ in gathered:   # each link's rows from every rank that measured it
+        for link, rows in coll.items():
+            merged = links.setdefault(link, {name: [] for name in COLLECTIVES})
+            for name, table in rows.items():
+                merged[name].extend(table)
+    return {
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"),
+        "hosts": sorted({g[2] for g in gathered}), "world": len(nodes),
+        "nodes": len(set(nodes)), "ranks_per_node": per_node,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "backend": dist.get_backend(), "dtype": str(dtype).replace("torch.", ""),
+        "torch": torch.__version__, "quick": quick,
+        "matmul_curve": _mean_curves([g[0]["matmul_curve"] for g in gathered], 3),
+        "attention_curve": _mean_curves([g[0]["attention_curve"] for g in gathered], 1),
+        "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
+        "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
+        "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else (os.cpu_count() or 1),
     }
-    if save:
-        target = cache_path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, target)  # atomic: a reader never sees half a file
+
+
+def cluster_from_record(record: dict[str, Any], name: str,
+                        peak_flops: float | None = None) -> Cluster:
+    """The Cluster a measurement record describes, each constant's source naming it."""
+    where = (f"measured by `autopar calibrate` on {', '.join(record['hosts'])} at "
+             f"{record['measured_at']} ({record['world']} ranks, {record['nodes']} node(s), "
+             f"{record['device']}, {record['backend']}, {record['dtype']})")
+    asymptote, half = fit_gemm(record["matmul_curve"])
+    peak = peak_flops or asymptote
+    emax = min(1.0, asymptote / peak)
+    flash = fit_flash(record["attention_curve"], peak * emax)
+    fits = {link: fit_link(rows) for link, rows in record["collectives"].items()}
+    sources = [f"all constants below {where}",
+               f"peak_flops, gemm_max_efficiency, gemm_half_dim: fitted to the GEMM curve "
+               f"({len(record['matmul_curve'])} shapes)" + (
+                   "; peak_flops the datasheet's, as given" if peak_flops else
+                   "; peak_flops the fitted asymptote, e_max 1"),
+               "flash efficiencies, flash_half_len: fitted to the attention curve (forward, "
+               "backward against sequence length)",
+               "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
+               "(elementwise_efficiency 1: the measured rate is the achieved one)",
+               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch)",
+               record["memory_source"],
+               "elementwise: eager (autopar's runtime runs its chunks op by op)"]
+    for link, other in (("intra", "inter"), ("inter", "intra")):
+        if link in fits:
+            sources.append(f"{link}_node bandwidth, latency: fitted (least squares, relative "
+                           f"error) to {', '.join(COLLECTIVES)} timings")
+        else:
+            fits[link] = fits[other]
+            sources.append(f"{link}_node bandwidth, latency: not measured (no two ranks on "
+                           f"that link); the {other}-node numbers")
+    single_cpu_node = record["nodes"] == 1 and record["device"] == "cpu"
+    return Cluster(
+        name=name, gpus_per_node=record["cores"] if single_cpu_node else record["ranks_per_node"],
+        peak_flops=peak, memory_bytes=record["memory"][0],
+        hbm_bandwidth_Bps=record["hbm_bandwidth_Bps"],
+        intra_node_bandwidth_Bps=fits["intra"][1], intra_node_latency_s=fits["intra"][0],
+        inter_node_bandwidth_Bps=fits["inter"][1], inter_node_latency_s=fits["inter"][0],
+        gemm_max_efficiency=emax, gemm_half_dim=half,
+        kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
+        reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
+        **flash, sources=tuple(sources))
+
+
+def calibrate_ranks(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
+                    quick: bool = False, peak_flops: float | None = None,
+                    dtype: torch.dtype | None = None) -> tuple[Cluster, Path] | None:
+    """Measure (every rank of an initialised process group) and, on rank 0, write the cluster
+    file to `out` (default: this machine's local-cpu file); rank 0 returns (Cluster, path)."""
+    record = measure_ranks(quick=quick, dtype=dtype)
+    result = None
+    if dist.get_rank() == 0:
+        cluster = cluster_from_record(record, name, peak_flops)
+        record["fits"] = {link: dict(zip(("latency_s", "bandwidth_Bps"), fit_link(rows)))
+                          for link, rows in record["collectives"].items()}
+        result = (cluster, save_cluster(cluster, local_cluster_path(out), record))
+    dist.barrier()
     return result
 
 
-def load_local_calibration(path: str | os.PathLike | None = None) -> dict[str, Any] | None:
-    """The saved calibration, or None if there is none (or it is unreadable/incomplete)."""
-    target = cache_path(path)
-    try:
-        data = json.loads(target.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or any(k not in data for k in KEYS):
-        return None
-    return data
+def _spawned(rank: int, world: int, kwargs: dict[str, Any]):
+    return calibrate_ranks(**kwargs)
+
+
+def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
+              quick: bool = False, peak_flops: float | None = None,
+              ranks: int = 2, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
+    """Calibrate: under torchrun (WORLD_SIZE set) on its ranks, joining or creating the
+    process group; otherwise on `ranks` local CPU processes (gloo). Returns (Cluster, path)
+    on rank 0 (None elsewhere)."""
+    kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops)
+    if "WORLD_SIZE" in os.environ:
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return calibrate_ranks(**kwargs)
+    from autopar.testing import spawn
+    return spawn(_spawned, ranks, kwargs, timeout_s=timeout_s,
+                 pg_timeout_s=timeout_s / 2)[0]

@@ -31,9 +31,12 @@ work exposed).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import json
+import os
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
 
-from autopar.cost.calibrate import load_local_calibration
 from autopar.cost.profile import ATTENTION_KINDS, ELEMENTWISE_KINDS
 
 GB = 1e9
@@ -215,103 +218,227 @@ _PRESETS: dict[str, Cluster] = {
         + _COMMON_SOURCES),
 }
 
+# Datasheet presets of the 2024-25 GPU generations: nothing in them was fitted to a run; the
+# compute and attention efficiencies are the H100's (the nearest fitted part), the link
+# efficiencies the nccl-tests fractions of _COMMON_SOURCES. Calibrate a cluster of these
+# (`autopar calibrate`) or refine one (`autopar tune`) before trusting their predictions.
+_NOT_FITTED = ("gemm_max_efficiency, gemm_half_dim, flash efficiencies: the H100's (fitted "
+               "on H100, not on this part): not fitted",
+               "reserved_bytes 3 GB: as on the 80 GB parts (not fitted)")
+_HGX_B200 = replace(
+    _DGX_H100, name="hgx-b200-180gb", peak_flops=2.25e15, memory_bytes=180 * GB,
+    hbm_bandwidth_Bps=8e12, intra_node_bandwidth_Bps=900 * GB * _NCCL_NVLINK_EFF,
+    sources=("HGX B200 datasheet: 36 PFLOP/s bf16 with sparsity per 8 GPUs = 2.25 PFLOP/s "
+             "dense per GPU; 1,440 GB HBM3e = 180 GB per GPU; 64 TB/s = 8 TB/s per GPU",
+             "NVLink 5: 1.8 TB/s bidirectional per GPU = 900 GB/s per direction",
+             "DGX B200 user guide: 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU",
+             "latencies: the H100's guesses (not measured)") + _NOT_FITTED + _COMMON_SOURCES)
+_BLACKWELL_PRESETS = {
+    "hgx-b200-180gb": _HGX_B200,
+    # One NVLink domain of 72 GPUs (18 compute trays of 4) behind NVLink switches: to the
+    # planner a "node" is the NVLink domain, so gpus_per_node is 72.
+    "gb200-nvl72": replace(
+        _HGX_B200, name="gb200-nvl72", gpus_per_node=72, peak_flops=2.5e15,
+        memory_bytes=186 * GB,
+        sources=("GB200 NVL72 datasheet: 360 PFLOP/s bf16 with sparsity per 72 GPUs = 2.5 "
+                 "PFLOP/s dense per GPU; 13.4 TB HBM3e = 186 GB per GPU; 576 TB/s = 8 TB/s "
+                 "per GPU",
+                 "GB200 NVL72 datasheet: 130 TB/s NVLink over 72 GPUs = 1.8 TB/s bidirectional "
+                 "= 900 GB/s per direction; gpus_per_node 72 = the NVLink domain",
+                 "inter-rack: one ConnectX-7 400 Gb/s per GPU = 50 GB/s (the reference design's "
+                 "NICs; not verified against a deployed system)",
+                 "latencies: the H100's guesses (not measured)") + _NOT_FITTED + _COMMON_SOURCES),
+    "mi300x-192gb": replace(
+        _DGX_H100, name="mi300x-192gb", peak_flops=1307.4e12, memory_bytes=192 * GB,
+        hbm_bandwidth_Bps=5.3e12, intra_node_bandwidth_Bps=448 * GB * _NCCL_NVLINK_EFF,
+        intra_node_latency_s=10e-6,
+        sources=("AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s dense bf16, 192 GB HBM3, "
+                 "5.3 TB/s",
+                 "MI300X platform: 8 GPUs, Infinity Fabric 896 GB/s bidirectional per GPU (7 "
+                 "links) = 448 GB/s per direction; a ring uses fewer links, so optimistic",
+                 "inter-node: 8x 400 Gb/s NICs per node = 50 GB/s per GPU (typical MI300X "
+                 "platform; not verified)",
+                 "intra-node latency 10 us: guess (RCCL), not measured",
+                 "link efficiencies: NCCL's on NVLink/IB reused for RCCL (not fitted)")
+        + _NOT_FITTED + _COMMON_SOURCES),
+    # An H100 node on a commodity fabric: one 100 Gb/s Ethernet (RoCE) port per GPU.
+    "h100-eth100g": replace(
+        _DGX_H100, name="h100-eth100g", inter_node_bandwidth_Bps=12.5 * GB * _NCCL_IB_EFF,
+        inter_node_latency_s=25e-6,
+        sources=("H100 SXM5 datasheet: 989 TFLOP/s dense bf16, 80 GB, 3.35 TB/s HBM3",
+                 "H100 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
+                 "fabric: one 100 Gb/s Ethernet (RoCE v2) port per GPU = 12.5 GB/s",
+                 "inter-node latency 25 us: guess for RoCE through a switch (not measured)")
+        + _H100_SOURCES + _COMMON_SOURCES),
+}
+_PRESETS.update(_BLACKWELL_PRESETS)
+
 # Conservative defaults for this machine when `autopar calibrate` has not run: a 2-core laptop
 # class CPU (~50 GFLOP/s fp32 per core with AVX2 FMA at 60% efficiency), DDR4 ~20 GB/s,
-# gloo over loopback TCP ~1 GB/s with ~50 us latency.
-_LOCAL_DEFAULTS = dict(matmul_flops_per_s=5e10, memory_bytes=8 * GB, hbm_bandwidth_Bps=20 * GB,
-                       p2p_bandwidth_Bps=1 * GB, p2p_latency_s=50e-6,
-                       allreduce_bandwidth_Bps=1 * GB, allreduce_latency_s=100e-6, cores=2)
+# gloo over loopback TCP ~1 GB/s with ~50 us latency; torch 2.13's CPU flash kernel on the
+# 2-core development machine, one thread, causal, 4 heads of 64, fp32, against its matmul peak
+# (85 GFLOP/s): forward 36% / backward 34% of peak at 256 tokens, 50% / 45% at 1,024; fitted to
+# e · L / (L + L_half).
+_LOCAL_DEFAULT = Cluster(
+    name="local-cpu", gpus_per_node=2, peak_flops=5e10, memory_bytes=8 * GB,
+    hbm_bandwidth_Bps=20 * GB, intra_node_bandwidth_Bps=1 * GB, intra_node_latency_s=100e-6,
+    inter_node_bandwidth_Bps=1 * GB, inter_node_latency_s=50e-6,
+    gemm_max_efficiency=1.0, gemm_half_dim=16.0, kernel_launch_s=2e-6,
+    elementwise_efficiency=1.0, reserved_bytes=0.5 * GB,
+    # what autopar's runtime runs on a CPU: torch's fused attention kernel (it saves q, k, v,
+    # its output and the logsumexp; the math path only with attention dropout), and every
+    # other op eagerly
+    attention="flash", elementwise="eager",
+    flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
+    sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
+             "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
+             "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
+             "2-core development machine (fitted to 256 and 1,024 tokens)",
+             "elementwise: eager (autopar's runtime runs its chunks op by op)"))
+
+
+def local_cluster_path(path: str | os.PathLike | None = None) -> Path:
+    """Where `autopar calibrate` keeps this machine's cluster file: `path`, else
+    $AUTOPAR_CACHE, else ~/.cache/autopar/local-cpu.json."""
+    if path is not None:
+        return Path(path)
+    env = os.environ.get("AUTOPAR_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "autopar" / "local-cpu.json"
 
 
 def _local_cpu() -> Cluster:
-    cal = load_local_calibration()
-    vals = dict(_LOCAL_DEFAULTS)
-    sources = ["local-cpu defaults: conservative 2-core CPU (AVX2 FMA ~50 GFLOP/s total), "
-               "DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50 us"]
-    half_dim = 16.0
-    peak = vals["matmul_flops_per_s"]
-    emax = 1.0
-    flash = dict(_LOCAL_FLASH)
-    flash_source = ("attention: torch's CPU kernel (flash, fused): efficiencies measured once "
-                    "on the 2-core development machine (fitted to 256 and 1,024 tokens)")
-    if cal:
-        vals.update({k: cal[k] for k in vals if k in cal and cal[k]})
-        sources = ["local-cpu: measured by `autopar calibrate` (cost/calibrate.py)"]
-        curve = cal.get("matmul_curve") or []
-        peak = max([float(vals["matmul_flops_per_s"])] + [float(r[3]) for r in curve])
-        half_dim = _fit_half_dim(curve, peak) if curve else half_dim
-        if cal.get("attention_curve"):
-            flash = _fit_flash(cal["attention_curve"], peak)
-            flash_source = ("attention: torch's CPU kernel (flash, fused), efficiencies fitted "
-                            "to `autopar calibrate`'s attention_curve")
-    return Cluster(
-        name="local-cpu", gpus_per_node=max(int(vals["cores"]), 1),
-        peak_flops=peak, memory_bytes=float(vals["memory_bytes"]),
-        hbm_bandwidth_Bps=float(vals["hbm_bandwidth_Bps"]),
-        intra_node_bandwidth_Bps=float(vals["allreduce_bandwidth_Bps"]),
-        intra_node_latency_s=float(vals["allreduce_latency_s"]),
-        inter_node_bandwidth_Bps=float(vals["p2p_bandwidth_Bps"]),
-        inter_node_latency_s=float(vals["p2p_latency_s"]),
-        gemm_max_efficiency=emax, gemm_half_dim=half_dim, kernel_launch_s=2e-6,
-        elementwise_efficiency=1.0, reserved_bytes=0.5 * GB,
-        # what autopar's runtime runs on a CPU: torch's fused attention kernel (it saves q, k,
-        # v, its output and the logsumexp; the math path only with attention dropout), and
-        # every other op eagerly
-        attention="flash", elementwise="eager", **flash,
-        sources=tuple(sources) + (flash_source, "elementwise: eager (autopar's runtime runs "
-                                                "its chunks op by op)"))
+    """This machine: the cluster file `autopar calibrate` wrote, else the defaults (a file
+    that does not read as a cluster file, e.g. one from before cluster files, is ignored)."""
+    target = local_cluster_path()
+    if target.is_file():
+        try:
+            return replace(load_cluster(target), name="local-cpu")
+        except ValueError:
+            pass
+    return _LOCAL_DEFAULT
 
 
-# torch 2.13's CPU flash kernel on the 2-core development machine, one thread, causal, 4 heads
-# of 64, fp32, against its matmul peak (85 GFLOP/s): forward 36% / backward 34% of peak at 256
-# tokens, 50% / 45% at 1,024; fitted to e · L / (L + L_half).
-_LOCAL_FLASH = dict(flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0)
+# ---- cluster files: a JSON object of Cluster fields (+ "calibration": what was measured) ----
+
+CALIBRATION_KEY = "calibration"
 
 
-def _fit_flash(curve: list, peak: float) -> dict[str, float]:
-    """Least-squares fit of e_fwd, e_bwd and L_half in rate = e · peak · L / (L + L_half) to
-    measured [length, fwd_flops_per_s, bwd_flops_per_s] rows (e at most 1)."""
-    best: dict[str, float] = dict(_LOCAL_FLASH)
-    best_err = float("inf")
-    for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 53)]:  # 0, 1 .. 8192
-        fit, err = {"flash_half_len": half}, 0.0
-        for col, name in ((1, "flash_fwd_efficiency"), (2, "flash_bwd_efficiency")):
-            xs = [row[0] / (row[0] + half) for row in curve]
-            ys = [row[col] / peak for row in curve]
-            e = min(1.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
-            fit[name] = max(e, 1e-3)
-            err += sum((fit[name] * x - y) ** 2 for x, y in zip(xs, ys))
-        if err < best_err:
-            best, best_err = fit, err
-    return best
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """Every field of `cluster` as JSON values (sources as a list), in declaration order."""
+    out: dict[str, Any] = {}
+    for f in fields(Cluster):
+        value = getattr(cluster, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
 
 
-def _fit_half_dim(curve: list, peak: float) -> float:
-    """Least-squares fit of x_half in eff = f(m)f(n)f(k) to measured (m, n, k, flops) rows."""
-    best, best_err = 16.0, float("inf")
-    for x_half in [2.0 ** (i / 4) for i in range(0, 45)]:  # 1 .. 2048
-        err = 0.0
-        for m, n, k, fl in curve:
-            pred = (m / (m + x_half)) * (n / (n + x_half)) * (k / (k + x_half))
-            err += (pred - fl / peak) ** 2
-        if err < best_err:
-            best, best_err = x_half, err
-    return best
+def _field_value(f: Any, value: Any, where: str) -> Any:
+    """`value` checked against field `f`'s declared type; one line naming field, rule, fix."""
+    kind = str(f.type).replace(" ", "")
+    bad = None
+    if kind.startswith("tuple"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            bad = "a list of strings"
+        value = tuple(value) if bad is None else value
+    elif kind in ("float", "int", "float|None", "int|None") and not (
+            value is None and "None" in kind):
+        want_int = kind.startswith("int")
+        ok = isinstance(value, int) if want_int else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            bad = "an integer" if want_int else "a number"
+        elif value < 0 or value != value or value in (float("inf"), float("-inf")):
+            bad = "a finite number >= 0"
+        value = value if bad or want_int else float(value)
+    elif kind == "str" and not isinstance(value, str):
+        bad = "a string"
+    if bad:
+        raise ValueError(f"{where}: field {f.name!r} = {value!r}: must be {bad}; fix it in the "
+                         f"file (`autopar clusters` shows the presets' values)")
+    return value
+
+
+def cluster_from_dict(data: Any, where: str = "cluster file") -> Cluster:
+    """The Cluster a dict of its fields describes (what `cluster_to_dict` writes); fields with
+    a default may be left out; the `calibration` record is ignored. Bad data: one line naming
+    the field, the rule and the fix."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: a cluster file holds one JSON object of Cluster fields, not "
+                         f"{type(data).__name__}; write one with `autopar calibrate` or "
+                         f"autopar.save_cluster(cluster, path)")
+    known = {f.name: f for f in fields(Cluster)}
+    for key in data:
+        if key not in known and key != CALIBRATION_KEY:
+            raise ValueError(f"{where}: field {key!r} is not a Cluster field; remove or rename "
+                             f"it (the fields: {', '.join(known)})")
+    values = {}
+    for name, f in known.items():
+        if name in data:
+            values[name] = _field_value(f, data[name], where)
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ValueError(f"{where}: field {name!r} is missing; every Cluster field without "
+                             f"a default is required: add \"{name}\": <value> (`autopar "
+                             f"clusters` shows the presets' values)")
+    try:
+        return Cluster(**values)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}; fix the value in the file") from None
+
+
+def read_cluster_file(path: str | os.PathLike) -> tuple[Cluster, dict[str, Any]]:
+    """(the Cluster, its calibration record or {}) of a cluster file; one line if bad."""
+    where = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"cluster file {where}: cannot be read ({err.strerror}); pass an "
+                         f"existing file, e.g. one written by `autopar calibrate`") from None
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"cluster file {where}: not JSON ({err}); a cluster file is a JSON "
+                         f"object of Cluster fields: write one with `autopar calibrate` or "
+                         f"autopar.save_cluster") from None
+    record = data.get(CALIBRATION_KEY) if isinstance(data, dict) else None
+    return cluster_from_dict(data, f"cluster file {where}"), dict(record or {})
+
+
+def load_cluster(path: str | os.PathLike) -> Cluster:
+    """The Cluster a cluster file describes (read_cluster_file without the record)."""
+    return read_cluster_file(path)[0]
+
+
+def save_cluster(cluster: Cluster, path: str | os.PathLike,
+                 calibration: dict[str, Any] | None = None) -> Path:
+    """Write `cluster` (every field, its sources) and an optional calibration record as a
+    cluster file, atomically; the path written."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = cluster_to_dict(cluster)
+    if calibration:
+        data[CALIBRATION_KEY] = calibration
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, target)  # a reader never sees half a file
+    return target
 
 
 CLUSTER_NAMES = tuple(_PRESETS) + ("local-cpu",)
 
 
-def get_cluster(name_or_cluster: "str | Cluster") -> Cluster:
-    """A preset by name (see CLUSTER_NAMES), or the given Cluster unchanged."""
+def get_cluster(name_or_cluster: "str | os.PathLike | Cluster") -> Cluster:
+    """A preset by name (see CLUSTER_NAMES), a cluster file (a path ending in .json), or the
+    given Cluster unchanged."""
     if isinstance(name_or_cluster, Cluster):
         return name_or_cluster
+    if isinstance(name_or_cluster, os.PathLike) or str(name_or_cluster).endswith(".json"):
+        return load_cluster(name_or_cluster)
     if name_or_cluster == "local-cpu":
         return _local_cpu()
     if name_or_cluster in _PRESETS:
         return _PRESETS[name_or_cluster]
     raise ValueError(f"cluster={name_or_cluster!r}: unknown cluster; known names are "
-                     f"{list(CLUSTER_NAMES)}, or pass an autopar Cluster(...)")
+                     f"{list(CLUSTER_NAMES)}, a cluster file (FILE.json, `autopar calibrate` "
+                     f"writes one), or an autopar Cluster(...)")
 
 
 def with_overrides(cluster: Cluster, **changes) -> Cluster:

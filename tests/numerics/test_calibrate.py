@@ -1,44 +1,41 @@
-"""`autopar calibrate` (cost/calibrate.py): a quick run writes, and reloads, sane numbers."""
-import json
+"""`autopar calibrate` under two launchers on localhost (torchrun --nnodes=2, one process each,
+a static rendezvous): the cluster file it writes holds inter-node numbers measured between the
+two "nodes", and says what was measured, where and when."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 
-from autopar.cost.calibrate import (KEYS, OPTIONAL_KEYS, cache_path, calibrate,
-                                    load_local_calibration)
+from autopar.cost.hardware import read_cluster_file
+from autopar.testing import free_port
 
 
 @pytest.mark.distributed
-def test_quick_calibrate_writes_and_reloads(tmp_path, monkeypatch):
-    target = tmp_path / "sub" / "local-cpu.json"
-    monkeypatch.setenv("AUTOPAR_CACHE", str(target))
-    assert cache_path() == target
-    assert load_local_calibration() is None  # nothing saved yet
-    result = calibrate(save=True, quick=True)
-    assert set(result) == set(KEYS) | set(OPTIONAL_KEYS)
-    saved = load_local_calibration()
-    assert saved == json.loads(json.dumps(result))
-    for key in ("matmul_flops_per_s", "p2p_bandwidth_Bps", "p2p_latency_s",
-                "allreduce_bandwidth_Bps", "allreduce_latency_s", "memory_bytes", "cores"):
-        assert saved[key] > 0, key
-    assert 1e7 < saved["matmul_flops_per_s"] < 1e14      # a CPU: 10 MFLOP/s .. 100 TFLOP/s
-    assert saved["p2p_latency_s"] < 0.1 and saved["allreduce_latency_s"] < 0.1
-    assert 1e6 < saved["p2p_bandwidth_Bps"] < 1e12
-    assert saved["memory_bytes"] > 2**28 and saved["cores"] >= 1
-    curve = saved["matmul_curve"]
-    assert len(curve) == 8 and all(len(row) == 4 and row[3] > 0 for row in curve)
-    assert saved["matmul_flops_per_s"] == max(row[3] for row in curve)
-    assert "T" in saved["measured_at"]
-    # the CPU's fused attention kernel runs at a rate of the order of its matmuls
-    for length, fwd, bwd in saved["attention_curve"]:
-        assert 0.02 < fwd / saved["matmul_flops_per_s"] < 5, length
-        assert 0.02 < bwd / saved["matmul_flops_per_s"] < 5, length
-
-
-def test_load_missing_or_broken(tmp_path):
-    assert load_local_calibration(tmp_path / "none.json") is None
-    bad = tmp_path / "bad.json"
-    bad.write_text("{not json")
-    assert load_local_calibration(bad) is None
-    partial = tmp_path / "partial.json"
-    partial.write_text(json.dumps({"matmul_flops_per_s": 1.0}))
-    assert load_local_calibration(partial) is None
+def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
+    out, port = tmp_path / "two-nodes.json", free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+         "-m", "autopar.cli", "calibrate", "--quick", "--name", "two-nodes", "--out", str(out)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert f"wrote {out}" in logs[0]
+    cluster, record = read_cluster_file(out)
+    assert cluster.name == "two-nodes" and cluster.gpus_per_node == 1
+    assert record["nodes"] == 2 and record["world"] == 2 and record["backend"] == "gloo"
+    assert "T" in record["measured_at"] and record["hosts"]
+    assert set(record["collectives"]) == {"inter"}        # the only link with two ranks
+    for name, rows in record["collectives"]["inter"].items():
+        assert rows and all(seconds > 0 for _, _, seconds in rows), name
+    lat, bw = record["fits"]["inter"]["latency_s"], record["fits"]["inter"]["bandwidth_Bps"]
+    assert (cluster.inter_node_latency_s, cluster.inter_node_bandwidth_Bps) == (lat, bw)
+    assert 0 <= lat < 0.5 and 1e5 < bw < 1e12
+    assert any(s.startswith("inter_node") and "fitted" in s for s in cluster.sources)
+    assert any(s.startswith("intra_node") and "not measured" in s for s in cluster.sources)
+    assert 1e7 < cluster.peak_flops < 1e14 and cluster.hbm_bandwidth_Bps > 1e7

@@ -11,6 +11,7 @@ import pytest
 
 import autopar
 from autopar.cli import main as cli_main
+from autopar.cost.hardware import cluster_to_dict
 from autopar.factory import load_factory
 
 HF_FILE = '''
@@ -53,7 +54,8 @@ def test_build_writes_the_program_plan_would_print(built, capsys):
     assert plan.parameters[0] == "model.embed_tokens.weight (64, 32)"
     build = json.loads((out / "build.json").read_text())
     assert build == {"model": f"{(built / 'my_model.py').resolve()}:factory",
-                     "pins": {"p": 2}, "precision": "fp32"}
+                     "pins": {"p": 2}, "precision": "fp32",
+                     "cluster": cluster_to_dict(autopar.get_cluster("local-cpu"))}
     for f in ("launch.py", "chunk_00.py", "chunk_01.py"):
         ast.parse((out / f).read_text())
     assert "--model defaults to" in (out / "launch.py").read_text()
@@ -192,3 +194,18 @@ def test_launch_corrupt_plan_json_is_one_line(built, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.startswith("launch.py: error:") and "\n" not in err, err
     assert "plan.json is not valid JSON" in err, err
+
+
+def test_relaunch_replans_on_the_cluster_the_build_recorded(built):
+    """A build carries its cluster (build.json: every field), so launch's re-plan for another
+    world size prices the hardware it was planned for — a cluster file's too — not a name."""
+    from autopar.launch import _solve
+    out = built / "prog"
+    build = json.loads((out / "build.json").read_text())
+    saved = autopar.load_plan(out / "plan.json")
+    mine = dict(build["cluster"], name="my-cluster", gpus_per_node=1)
+    user = load_factory(build["model"], device="meta")
+    plan = _solve(saved, user, 1, {}, mine)
+    assert (plan.cluster, plan.gpus, plan.global_batch_size) == ("my-cluster", 1, 4)
+    with pytest.raises(ValueError, match="build.json's cluster: field 'peak_flops' = -1.0"):
+        _solve(saved, user, 1, {}, dict(mine, peak_flops=-1.0))

@@ -1,0 +1,390 @@
+"""`autopar tune`: plan, then run the best predicted plans on the ranks at hand, keep the
+fastest measured, and refit the cluster's fitted constants to what was measured.
+
+    # inside torchrun (WORLD_SIZE == gpus), or `autopar tune MODEL --gpus N` (local CPU ranks)
+    result = autopar.tune(make_model, gpus=2, example_inputs=(ids,),
+                          loss_fn=autopar.cross_entropy, global_batch_size=8,
+                          cluster="local-cpu", top=4, steps=3)   # make_model() -> the model
+    print(result.table()); result.best            # the fastest measured Plan
+
+1. Plan once (one planning capture): the solver's plan and its ranked feasible alternatives;
+   the `top` best predicted configurations, plus any the user names (`plans=`, dicts of pins),
+   are each solved again with every knob pinned (the Plan the runtime runs).
+2. Each candidate is compiled and trained on random tokens: `rounds` rounds over all of them
+   in turn (`warmup` steps in the first), `steps` timed steps a round; its step time is the
+   least disturbed round's median of the slowest rank's step times (`measure_plans`); its
+   memory what the runtime can measure: max_memory_allocated on GPU;
+   on CPU the states a rank holds (parameters, gradients, optimizer) plus the peak of the
+   tensors one step allocates (autopar.testing.peak_tensor_bytes).
+3. The fastest measured is the choice (written as plan.json by the CLI).
+4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
+   communication terms), least squares (numpy) over the measured plans; the cluster's compute
+   rates (gemm_max_efficiency, the flash efficiencies, elementwise_efficiency; peak_flops and
+   hbm_bandwidth_Bps where an efficiency would pass 1) divided by a, its link bandwidths
+   divided and latencies multiplied by b. The refined cluster is re-solved for every measured
+   plan to report the error before and after. Overlap is not a constant of this cost model (it
+   is modelled per term), so it is not refitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.cost.hardware import Cluster, get_cluster
+from autopar.plan import Plan
+
+PIN_KEYS = ("t", "c", "cp_attention", "ep", "p", "d", "v", "micro_batch_size", "schedule",
+            "recompute", "zero", "sequence_parallel", "microbatch_group")
+_COMPUTE_TERMS = ("compute_s", "bubble_s", "optimizer_s")
+_COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Trial:
+    """One candidate plan: predicted and measured step time (s) and memory (bytes per rank)."""
+    plan: Plan
+    measured_s: float
+    measured_memory_bytes: float
+    refit_s: float | None = None     # predicted by the refitted cluster
+
+    @property
+    def label(self) -> str:
+        return pins_label(plan_pins(self.plan))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TuneResult:
+    trials: tuple[Trial, ...]
+    cluster: Cluster            # the cluster planned with
+    refit: Cluster              # the refitted cluster
+    scales: tuple[float, float]  # (compute a, communication b) of the refit
+
+    @property
+    def best(self) -> Plan:
+        return min(self.trials, key=lambda tr: tr.measured_s).plan
+
+    def table(self) -> str:
+        """Predicted against measured for every trial, the errors, the choice."""
+        lines = [f"{'plan':<58}{'pred ms':>9}{'meas ms':>9}{'err':>7}{'refit ms':>9}"
+                 f"{'pred MiB':>9}{'meas MiB':>9}   (memory without the cluster's reserve)"]
+        best = self.best
+        for tr in self.trials:
+            pred = tr.plan.predicted
+            refit = f"{tr.refit_s * 1e3:>9.1f}" if tr.refit_s is not None else f"{'':>9}"
+            lines.append(f"{tr.label:<58}{pred.step_time_s * 1e3:>9.1f}"
+                         f"{tr.measured_s * 1e3:>9.1f}{rel_error(tr) * 100:>6.0f}%{refit}"
+                         f"{predicted_memory_bytes(tr.plan) / 2**20:>9.1f}"
+                         f"{tr.measured_memory_bytes / 2**20:>9.1f}"
+                         + ("  <- fastest measured" if tr.plan is best else ""))
+        before = statistics.median(abs(rel_error(tr)) for tr in self.trials)
+        after = [abs(tr.refit_s / tr.measured_s - 1) for tr in self.trials
+                 if tr.refit_s is not None]
+        lines.append(f"median |error| {before * 100:.0f}% as planned"
+                     + (f", {statistics.median(after) * 100:.0f}% refitted (compute ×"
+                        f"{self.scales[0]:.2f}, communication ×{self.scales[1]:.2f})"
+                        if after else ""))
+        return "\n".join(lines)
+
+
+def predicted_memory_bytes(plan: Plan) -> float:
+    """The plan's predicted bytes per GPU without the cluster's reserve (what the runtime's
+    allocator counts)."""
+    pred = plan.predicted
+    return pred.memory_bytes_per_gpu - (pred.memory.other_bytes if pred.memory else 0.0)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = np.argsort(v, kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in set(v):   # ties share their mean rank
+            idx = [i for i, x in enumerate(v) if x == value]
+            r[idx] = np.mean(r[idx])
+        return r
+    rx, ry = ranks(list(xs)), ranks(list(ys))
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def rel_error(trial: Trial) -> float:
+    return trial.plan.predicted.step_time_s / trial.measured_s - 1
+
+
+def plan_pins(plan: Plan) -> dict[str, Any]:
+    """Every knob of `plan` as parallelize/solve pins."""
+    return {k: getattr(plan, k) for k in PIN_KEYS if getattr(plan, k, None) is not None}
+
+
+def pins_label(pins: dict[str, Any]) -> str:
+    short = {"micro_batch_size": "b", "sequence_parallel": "sp", "cp_attention": "cp",
+             "microbatch_group": "N"}
+    return " ".join(f"{short.get(k, k)}={v}" for k, v in pins.items()
+                    if not (k in ("c", "ep") and v == 1)
+                    and not (k == "cp_attention" and pins.get("c", 1) == 1))
+
+
+# ---- candidates ----
+
+def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
+                    loss_fn: Callable | None, example_targets: Any, global_batch_size: int,
+                    cluster: Cluster, top: int, named: tuple[dict, ...] = (),
+                    name: str | None = None) -> tuple[list[Plan], Callable[[Cluster, dict], Plan]]:
+    """The `top` best predicted plans and the named ones (each solved with every knob
+    pinned), and a function that solves pins on another cluster (the same profile)."""
+    from autopar.api import over_kinds, plan_profile
+    from autopar.cost.solver import solve
+    from autopar.plan import parameter_signature
+
+    _, profile = plan_profile(model, example_inputs, loss_fn, example_targets, cluster,
+                              gpu_counts=(gpus,), name=name)
+    signature = parameter_signature(model)
+
+    def solve_pins(cl: Cluster, pins: dict[str, Any], alternatives: int = 0) -> Plan:
+        plan = over_kinds(solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size,
+                                max_alternatives=alternatives, **pins), profile)
+        return dataclasses.replace(plan, parameters=signature)
+
+    free = solve_pins(cluster, {}, alternatives=max(50, 4 * top))
+    ranked = sorted((a for a in free.alternatives if a.feasible and a.predicted is not None),
+                    key=lambda a: a.predicted.step_time_s)
+    plans, seen = [free], {pins_label(plan_pins(free))}
+    for pins in [{k: a.config[k] for k in PIN_KEYS if k in a.config} for a in ranked]:
+        if len(plans) >= top:
+            break
+        plan = solve_pins(cluster, pins)
+        if pins_label(plan_pins(plan)) not in seen:
+            seen.add(pins_label(plan_pins(plan)))
+            plans.append(plan)
+    for pins in named:
+        plan = solve_pins(cluster, dict(pins))
+        if pins_label(plan_pins(plan)) not in seen:
+            seen.add(pins_label(plan_pins(plan)))
+            plans.append(plan)
+    return plans, solve_pins
+
+
+# ---- measuring ----
+
+def _batch_for(plan: Plan, vocab: int, runner: Any, seed: int = 0) -> tuple[tuple, torch.Tensor]:
+    """Random tokens: this replica's share (global_batch_size / d sequences)."""
+    share = plan.global_batch_size // plan.d
+    gen = torch.Generator().manual_seed(seed + runner.dp_rank)
+    ids = torch.randint(0, vocab, (share, plan.seq_len), generator=gen)
+    return (ids,), torch.randint(0, vocab, (share, plan.seq_len), generator=gen)
+
+
+def _state_bytes(runner: Any) -> float:
+    """Bytes a rank holds between steps: parameters, their gradients, optimizer states."""
+    params = sum(p.numel() * p.element_size() for p in runner.parameters())
+    return 2.0 * params + runner.optimizer_state_bytes()
+
+
+class PlanRun:
+    """One candidate compiled on every rank, timed in rounds (`time_round`), its memory read
+    once at the end (`memory_bytes`); every method is collective."""
+
+    def __init__(self, model_fn: Callable[[], torch.nn.Module], plan: Plan, *,
+                 example_inputs: tuple, loss_fn: Callable | None, vocab: int,
+                 device: torch.device, optimizer: Callable | None = None) -> None:
+        import autopar
+        torch.manual_seed(0)
+        prog = autopar.parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
+                                   loss_fn=loss_fn, plan=plan)
+        self.runner = prog.compile(
+            optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))
+        self.batch = _batch_for(plan, vocab, self.runner)
+        self.device = device
+
+    def time_round(self, steps: int, warmup: int) -> float:
+        """The median over `steps` timed steps (after `warmup`) of the slowest rank's time."""
+        for _ in range(warmup):
+            self.runner.train_step(*self.batch)
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            self.runner.train_step(*self.batch)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(float(elapsed))
+        return statistics.median(times)
+
+    def memory_bytes(self) -> float:
+        """max_memory_allocated on GPU; on CPU the states held + the peak of the tensors one
+        more step allocates (autopar.testing.peak_tensor_bytes); the largest over ranks."""
+        from autopar.testing import peak_tensor_bytes
+        if self.device.type == "cuda":
+            memory = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            _, peak, _ = peak_tensor_bytes(lambda: self.runner.train_step(*self.batch))
+            memory = _state_bytes(self.runner) + peak
+        mem = torch.tensor([memory], dtype=torch.float64)
+        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        return float(mem)
+
+
+def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
+                  log: Callable[[str], None]) -> list[tuple[float, float]]:
+    """(step seconds, memory bytes) of every run: `rounds` rounds over all the runs in turn
+    (warm-up in the first), each run's time the least disturbed round's median — a load that
+    comes and goes on a shared machine then falls on every plan alike, not on the plan that
+    happened to run during it."""
+    rounds_s: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i, run in enumerate(runs):
+            rounds_s[i].append(run.time_round(steps, warmup if r == 0 else 0))
+        log(f"round {r + 1}/{rounds}: " + ", ".join(f"{min(t) * 1e3:.0f}" for t in rounds_s)
+            + " ms")
+    return [(min(t), run.memory_bytes()) for t, run in zip(rounds_s, runs)]
+
+
+# ---- refitting ----
+
+def fit_scales(trials: list[Trial]) -> tuple[float, float]:
+    """(a, b) minimising Σ ((a·compute + b·comm) / measured − 1)² (numpy least squares; a
+    scale with no term to fit, or fitted non-positive, is refitted alone or kept at 1)."""
+    comp = np.array([sum(getattr(t.plan.predicted, k) for k in _COMPUTE_TERMS) for t in trials])
+    comm = np.array([sum(getattr(t.plan.predicted, k) for k in _COMM_TERMS) for t in trials])
+    meas = np.array([t.measured_s for t in trials])
+    a_mat = np.stack([comp / meas, comm / meas], axis=1)
+    if comm.sum() > 0:
+        (a, b), *_ = np.linalg.lstsq(a_mat, np.ones(len(trials)), rcond=None)
+        if a > 0 and b > 0:
+            return float(a), float(b)
+    # compute alone (communication kept as calibrated)
+    a = float(a_mat[:, 0] @ (1 - a_mat[:, 1]) / (a_mat[:, 0] @ a_mat[:, 0]))
+    return max(a, 1e-3), 1.0
+
+
+def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
+    """`cluster` with its compute rates divided by a and its links slowed by b (module doc)."""
+    gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
+    emax = min(1.0, cluster.gemm_max_efficiency / a)
+    peak = gemm_rate / emax
+    stream = cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency / a
+    elem = min(1.0, cluster.elementwise_efficiency / a)
+    flash = {k: min(1.0, getattr(cluster, k) * cluster.peak_flops / (a * peak))
+             for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
+    return dataclasses.replace(
+        cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
+        elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
+        intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
+        intra_node_latency_s=cluster.intra_node_latency_s * b,
+        inter_node_bandwidth_Bps=cluster.inter_node_bandwidth_Bps / b,
+        inter_node_latency_s=cluster.inter_node_latency_s * b,
+        sources=cluster.sources + (
+            f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
+            f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
+            f"an efficiency would pass 1), link bandwidths ÷ {b:.3f} and latencies × {b:.3f}; "
+            f"least squares over the measured plans",))
+
+
+# ---- the whole run ----
+
+def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: tuple,
+         loss_fn: Callable | None = None, example_targets: Any = None,
+         global_batch_size: int, cluster: Any = "local-cpu", top: int = 4, steps: int = 3,
+         warmup: int = 2, rounds: int = 2, plans: tuple[dict, ...] = (),
+         vocab: int | None = None,
+         name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
+    """Plan, measure, choose, refit (module doc); call on every rank of an initialised
+    process group of `gpus` ranks. `model_fn()` builds the model (each trial compiles a fresh
+    one, same seed on every rank); rank 0 logs each trial as it is measured."""
+    if not dist.is_initialized() or dist.get_world_size() != gpus:
+        raise ValueError(f"tune: gpus={gpus} but the process group has "
+                         f"{dist.get_world_size() if dist.is_initialized() else 'no'} ranks; "
+                         f"run under torchrun --nproc-per-node={gpus} (or autopar tune)")
+    cl = get_cluster(cluster)
+    model = model_fn()
+    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or int(
+        example_inputs[0].max()) + 1
+    candidates, solve_pins = candidate_plans(
+        model, gpus=gpus, example_inputs=example_inputs, loss_fn=loss_fn,
+        example_targets=example_targets, global_batch_size=global_batch_size, cluster=cl,
+        top=top, named=plans, name=name)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+    def say(line: str) -> None:
+        if dist.get_rank() == 0:
+            log(line)
+    runs = []
+    for i, plan in enumerate(candidates):
+        runs.append(PlanRun(model_fn, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                            vocab=vocab, device=device))
+        say(f"[{i + 1}/{len(candidates)}] compiled {pins_label(plan_pins(plan))}: predicted "
+            f"{plan.predicted.step_time_s * 1e3:.1f} ms")
+    measured = measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=say)
+    trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
+              for plan, (s, m) in zip(candidates, measured)]
+    dist.barrier()   # not runner.close(): that would end the caller's process group
+    a, b = fit_scales(trials)
+    refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}")
+    trials = [dataclasses.replace(tr, refit_s=solve_pins(refit, plan_pins(tr.plan))
+                                  .predicted.step_time_s) for tr in trials]
+    return TuneResult(trials=tuple(trials), cluster=cl, refit=refit, scales=(a, b))
+
+
+# ---- the command line (`autopar tune`) ----
+
+def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster: str,
+            top: int, steps: int, out: str, cluster_out: str | None) -> None:
+    """`autopar tune` on every rank (torchrun's, or local CPU ranks the CLI spawned)."""
+    import json
+
+    from autopar.cost.hardware import (CLUSTER_NAMES, local_cluster_path, read_cluster_file,
+                                       save_cluster)
+    from autopar.presets import load_model
+
+    if ":" not in spec:
+        raise ValueError(f"autopar tune {spec}: a preset is a meta-device model with no "
+                         f"weights to run; give your model as file.py:factory")
+
+    def model_fn():
+        torch.manual_seed(0)
+        return load_model(spec, seq_len=seq, device="cpu")[0].model
+
+    user, _ = load_model(spec, seq_len=seq, device="cpu")
+    inputs = user.inputs(seq_len=seq, option="--seq") if seq else user.inputs()
+    result = tune(model_fn, gpus=gpus, example_inputs=inputs, loss_fn=user.loss(),
+                  example_targets=user.example_targets,
+                  global_batch_size=batch or inputs[0].shape[0] * gpus, cluster=cluster,
+                  top=top, steps=steps, name=user.name)
+    if dist.get_rank() != 0:
+        return
+    print(result.table())
+    from pathlib import Path
+    Path(out).write_text(result.best.to_json())
+    record: dict[str, Any] = {}
+    if cluster_out is None:
+        if cluster == "local-cpu":
+            cluster_out = str(local_cluster_path())
+        elif cluster in CLUSTER_NAMES:
+            cluster_out = f"{cluster}-tuned.json"
+        else:
+            cluster_out = cluster
+    if Path(cluster_out).is_file():
+        try:
+            record = read_cluster_file(cluster_out)[1]
+        except ValueError:
+            record = {}
+    record["tune"] = {"plans": [{"plan": tr.label, "predicted_s": tr.plan.predicted.step_time_s,
+                                 "measured_s": tr.measured_s, "refit_s": tr.refit_s,
+                                 "measured_memory_bytes": tr.measured_memory_bytes}
+                                for tr in result.trials], "scales": list(result.scales)}
+    save_cluster(result.refit, cluster_out, json.loads(json.dumps(record)))
+    print(f"wrote {out} (the fastest measured: {pins_label(plan_pins(result.best))}) and the "
+          f"refitted cluster {cluster_out} (plan with --cluster {cluster_out})")
+
+
+def _spawned(rank: int, world: int, kwargs: dict[str, Any]) -> None:
+    cli_run(**kwargs)

@@ -1,0 +1,49 @@
+"""`autopar tune` on 2 gloo ranks (autopar/tuning.py cli_run, what the CLI runs on every rank):
+the best predicted plans and a named one run for a step each, the fastest measured is written
+as plan.json, and the refitted cluster file records what was measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.cost.hardware import read_cluster_file
+from autopar.testing import spawn
+from autopar.tuning import _spawned
+
+FACTORY = '''
+import torch
+from autopar import cross_entropy
+from autopar.examples.gpt import GPT, GPTConfig
+
+def factory():
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    return {"model": model, "example_inputs": (torch.zeros(2, 16, dtype=torch.long),),
+            "loss_fn": cross_entropy}
+'''
+
+
+@pytest.mark.distributed
+def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path, capfd):
+    (tmp_path / "tiny.py").write_text(FACTORY)
+    out, refit = tmp_path / "plan.json", tmp_path / "refit.json"
+    spawn(_spawned, 2, dict(spec=f"{tmp_path / 'tiny.py'}:factory", gpus=2, batch=4, seq=None,
+                            cluster="dgx-a100-80gb", top=2, steps=1, out=str(out),
+                            cluster_out=str(refit)), timeout_s=300)
+    printed = capfd.readouterr().out
+    assert "<- fastest measured" in printed and "median |error|" in printed, printed
+    cluster, record = read_cluster_file(refit)
+    trials = record["tune"]["plans"]
+    assert len(trials) == 2 and all(t["measured_s"] > 0 and t["refit_s"] > 0 for t in trials)
+    assert all(t["measured_memory_bytes"] > 0 for t in trials)
+    a, b = record["tune"]["scales"]
+    assert a > 0 and b > 0
+    # an A100 is far faster than 2 CPU ranks: the refit slows compute down by orders
+    assert a > 100 and cluster.name == "dgx-a100-80gb"
+    assert "refitted by autopar tune" in cluster.sources[-1]
+    best = autopar.load_plan(out)
+    fastest = min(trials, key=lambda t: t["measured_s"])["plan"]
+    from autopar.tuning import pins_label, plan_pins
+    assert pins_label(plan_pins(best)) == fastest
+    json.loads(out.read_text())

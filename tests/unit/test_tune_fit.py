@@ -1,0 +1,59 @@
+"""`autopar tune`'s refit (autopar/tuning.py), pure: the least-squares scales recover how much
+slower compute and communication ran than predicted, the refitted cluster prices exactly that,
+and Spearman's rank correlation."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.cost.hardware import get_cluster
+from autopar.cost.profile import transformer_profile
+from autopar.cost.solver import solve
+from autopar.tuning import Trial, fit_scales, plan_pins, refit_cluster, spearman
+
+PINS = (dict(d=8), dict(t=8), dict(t=2, d=4), dict(p=2, d=4), dict(t=4, p=2), dict(t=2, p=4))
+
+
+def _plans(cluster):
+    prof = transformer_profile(num_layers=8, hidden=512, heads=8, seq_len=256, vocab=2000)
+    return [solve(prof, cluster, gpus=8, global_batch_size=32, micro_batch_size=1, **pins)
+            for pins in PINS], prof
+
+
+def test_refit_recovers_compute_and_communication_scales():
+    cluster = get_cluster("h100-eth100g")
+    plans, prof = _plans(cluster)
+    comm = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+    measured = [1.7 * (pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in comm))
+                + 2.5 * sum(getattr(pl.predicted, k) for k in comm) for pl in plans]
+    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
+              for pl, m in zip(plans, measured)]
+    a, b = fit_scales(trials)
+    assert a == pytest.approx(1.7, rel=1e-6) and b == pytest.approx(2.5, rel=1e-6)
+    refit = refit_cluster(cluster, a, b, "test")
+    assert refit.gemm_max_efficiency == pytest.approx(cluster.gemm_max_efficiency / 1.7)
+    assert refit.intra_node_bandwidth_Bps == pytest.approx(cluster.intra_node_bandwidth_Bps / 2.5)
+    assert refit.inter_node_latency_s == pytest.approx(cluster.inter_node_latency_s * 2.5)
+    assert "refitted by autopar tune" in refit.sources[-1]
+    # the refitted cluster prices every plan closer to what was "measured"
+    for pl, m in zip(plans, measured):
+        again = solve(prof, refit, gpus=8, global_batch_size=32, **plan_pins(pl))
+        assert abs(again.predicted.step_time_s / m - 1) < abs(pl.predicted.step_time_s / m - 1)
+        assert abs(again.predicted.step_time_s / m - 1) < 0.1
+
+
+def test_a_faster_than_predicted_cluster_raises_the_peak_past_an_efficiency_of_one():
+    cpu = dataclasses.replace(get_cluster("local-cpu"), gemm_max_efficiency=1.0)
+    refit = refit_cluster(cpu, 0.5, 1.0, "test")
+    assert refit.gemm_max_efficiency == 1.0 and refit.peak_flops == pytest.approx(
+        2 * cpu.peak_flops)
+    assert refit.elementwise_efficiency <= 1.0
+    assert refit.hbm_bandwidth_Bps * refit.elementwise_efficiency == pytest.approx(
+        2 * cpu.hbm_bandwidth_Bps * cpu.elementwise_efficiency)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
