@@ -52,8 +52,9 @@ from autopar.passes.tensor_parallel import tensor_parallel_pass
 from autopar.plan import Plan
 from autopar.schedules import SPLIT_BACKWARD
 
-# precision -> compute dtype (bf16: bf16 compute, fp32 master weights; autopar.runtime.precision)
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# precision -> compute dtype (bf16: bf16 compute, fp32 master weights; autopar.runtime.precision;
+# fp16: the same in fp16 with dynamic loss scaling, autopar.runtime.loss_scale)
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

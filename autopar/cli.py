@@ -275,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "sources, launch.py, run scripts)")
     _add_plan_args(bd)
     bd.add_argument("--out", required=True, help="directory to write the program into")
-    bd.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+    bd.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                     help="the precision the chunks are generated for (launch.py runs them in "
-                         "it; bf16: bf16 compute, fp32 master weights)")
+                         "it; bf16: bf16 compute, fp32 master weights; fp16: the same with "
+                         "dynamic loss scaling)")
     bd.add_argument("--compile", action="store_true",
                     help="launch.py torch.compiles each chunk (Inductor); planned with "
                          "elementwise ops fused unless --elementwise says otherwise")

@@ -41,6 +41,7 @@ from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
+from autopar.runtime.loss_scale import LossScaler, LossScaling
 from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, describe_param
 from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
@@ -103,7 +104,8 @@ def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> N
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 (or None for no clipping)")
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: must be one of {sorted(PRECISIONS)} "
-                         f"(bf16 = bf16 compute with fp32 master weights)")
+                         f"(bf16 = bf16 compute with fp32 master weights; fp16 = the same with "
+                         f"dynamic loss scaling)")
 
 
 def compile_program(prog: Any, optimizer: Callable | None = None,
@@ -111,11 +113,13 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
                     precision: str = "fp32", program_dir: str | Path | None = None,
                     record_timeline: bool = False, bucket_bytes: int | None = None,
                     device: str | torch.device | None = None,
-                    torch_compile: bool = False) -> Runner:
+                    torch_compile: bool = False,
+                    loss_scaling: LossScaling | None = None) -> Runner:
     """Build this rank's Runner (inside torchrun, or with a default process group already made).
 
     precision: "fp32" (default) or "bf16" (bf16 compute, fp32 master weights and gradient
-    accumulation). program_dir: load the chunk sources from a directory written by
+    accumulation), or "fp16" (the same in fp16, with one dynamic loss scale for the whole
+    job: autopar.runtime.loss_scale; loss_scaling: its knobs, default GradScaler's). program_dir: load the chunk sources from a directory written by
     `prog.save` instead of generating them in memory (edits to those files take effect).
     bucket_bytes: GradSync bucket size (default 25 MiB, as DDP).
     device: the device this rank computes on (default: the backend's, cuda:LOCAL_RANK under
@@ -151,9 +155,11 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     actions = schedule[pg.pp_rank]
     regime = make_regime(plan, params, pg, actions, optimizer=optimizer, compute_dtype=dtype,
                          bucket_bytes=bucket_bytes)
+    scaler = (LossScaler(loss_scaling or LossScaling(), device) if dtype == torch.float16
+              else None)
     return Runner(plan=plan, chunks=chunks, params=params, regime=regime, groups=pg,
                   actions=actions, device=device, max_grad_norm=max_grad_norm,
-                  record_timeline=record_timeline,
+                  record_timeline=record_timeline, scaler=scaler,
                   state_dict=StateDictSpec(graph_names=built.state_keys,
                                            reference=prog.model.state_dict))
 

@@ -34,30 +34,41 @@ class Trained:
     state: State
     states: list[State] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)   # fp16: the scale after each step
 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch],
           optimizer: Callable[[list], torch.optim.Optimizer], *,
           loss_fn: Callable | None = None, max_grad_norm: float | None = None,
           precision: str = "fp32", seed: int | None = None,
-          keep_states: bool = False) -> Trained:
+          keep_states: bool = False, loss_scaling=None) -> Trained:
     """Train `model` on one process, one optimizer step per batch.
 
     optimizer: a factory params -> Optimizer (the one the parallel run uses). loss_fn(output,
     targets); None: the model computes its loss, model(inputs, targets) (a captured graph
     with its loss). max_grad_norm: clip_grad_norm_ over the stepped parameters after each
     backward. precision "bf16": bf16 compute on fp32 masters through the runtime's
-    MixedPrecision, as the Runner does (the loss on fp32 logits). seed: torch.manual_seed right before the first step
+    MixedPrecision, as the Runner does (the loss on fp32 logits); "fp16": the same in fp16
+    with torch.amp.GradScaler (loss_scaling: an autopar LossScaling for its knobs). seed: torch.manual_seed right before the first step
     (the RNG stream dropout draws from).
     """
-    mp = None
-    if precision == "bf16":
+    mp = scaler = None
+    if precision in ("bf16", "fp16"):
+        from autopar.runtime.loss_scale import LossScaling
         from autopar.runtime.precision import MixedPrecision
-        mp = MixedPrecision(list(model.parameters()))
+        low = torch.bfloat16 if precision == "bf16" else torch.float16
+        mp = MixedPrecision(list(model.parameters()), compute_dtype=low)
+        if precision == "fp16":
+            c = loss_scaling or LossScaling()
+            scaler = torch.amp.GradScaler("cpu", init_scale=c.init_scale,
+                                          growth_factor=c.growth_factor,
+                                          backoff_factor=c.backoff_factor,
+                                          growth_interval=c.growth_interval)
     elif precision != "fp32":
-        raise ValueError(f"train: precision={precision!r}; use 'fp32' or 'bf16'")
+        raise ValueError(f"train: precision={precision!r}; use 'fp32', 'bf16' or 'fp16'")
     stepped = mp.master_params if mp else list(model.parameters())
     opt = optimizer(stepped)
+    scales = []
     if seed is not None:
         torch.manual_seed(seed)
     losses, states, norms = [], [], []
@@ -69,17 +80,27 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
         else:  # under bf16 the loss reads fp32 logits, as the Runner's (passes/loss_precision.py)
             out = model(*x) if isinstance(x, tuple) else model(x)   # several inputs: a tuple
             loss = loss_fn(_fp32_logits(out) if mp else out, y)
-        loss.backward()
+        if scaler is not None:   # GradScaler: scaled backward, unscale, skip on inf/nan
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(stepped, max_grad_norm)))
-        if mp:
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            mp.to_compute()
+            mp.zero_grad()
+        elif mp:
             mp.step(opt)
         else:
             opt.step()
         losses.append(loss.item())
         if keep_states:
             states.append(_state(model, mp))
-    return Trained(model, opt, losses, _state(model, mp), states, norms)
+    return Trained(model, opt, losses, _state(model, mp), states, norms, scales)
 
 
 def _fp32_logits(out):

@@ -15,6 +15,9 @@ Runner.train_step = one optimizer step:
      embedding group (Megatron's shared embedding);
   4. regime.clip(max_grad_norm): the single-device global norm (autopar.runtime.clip);
   5. regime.step(); return the global mean loss, the same float on every rank.
+Under fp16 the backward multipliers carry the loss scale, and between 3 and 4 the scaler
+unscales the gradients and checks them over the world: an inf/nan anywhere skips 4 and 5 on
+every rank (autopar.runtime.loss_scale); its state rides in the checkpoint's user_state.
 
 full_state_dict() gathers the single-device state dict on rank 0; save_checkpoint /
 load_checkpoint store and restore the program under any plan (autopar.runtime.checkpoint);
@@ -30,12 +33,13 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.checkpoint import (load_program_version, save_program_checkpoint,
-                                        wait_for_save)
+from autopar.runtime.checkpoint import (load_program_version, read_user_state,
+                                        save_program_checkpoint, wait_for_save)
 from autopar.runtime.collectives import all_gather, all_reduce_
 from autopar.runtime.context import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.executor import LoadedChunk, PipelineExecutor
+from autopar.runtime.loss_scale import STATE_KEY as SCALER_KEY, LossScaler
 from autopar.runtime.params import LocalParams, StateDictSpec
 from autopar.runtime.pretrained import load_pretrained
 from autopar.runtime.regimes import Regime
@@ -49,8 +53,10 @@ class Runner:
     def __init__(self, *, plan: Any, chunks: dict[int, LoadedChunk], params: LocalParams,
                  regime: Regime, groups: Any, actions: Sequence[Action],
                  state_dict: StateDictSpec, device: torch.device,
-                 max_grad_norm: float | None = None, record_timeline: bool = False):
+                 max_grad_norm: float | None = None, record_timeline: bool = False,
+                 scaler: LossScaler | None = None):
         self.plan, self.chunks, self.params, self.regime = plan, chunks, params, regime
+        self.scaler = scaler     # fp16's dynamic loss scale (autopar.runtime.loss_scale)
         self.pg, self.device = groups, device
         # the data-parallel share this rank loads (its context ranks load the same sequences)
         self.dp_rank, self.dp_size = groups.replica_rank, groups.replicas
@@ -72,11 +78,15 @@ class Runner:
         mbs = self._microbatches(inputs, targets)
         scales = self._loss_scales(mbs[0][-1].device, targets)
         self.regime.zero_grad()
-        losses = self.executor.run(mbs, scales)
+        losses = self.executor.run(mbs, self._backward_scales(scales))
         self.regime.finish()
-        if self.max_grad_norm is not None:   # the norm before clipping, for the log
-            self.last_grad_norm = float(self.regime.clip(self.max_grad_norm))
-        self.regime.step()
+        # fp16: unscale; an inf/nan on any rank skips the step on every rank
+        if self.scaler is None or self.scaler.unscale(self.regime.optimizer, self.pg.world):
+            if self.max_grad_norm is not None:   # the norm before clipping, for the log
+                self.last_grad_norm = float(self.regime.clip(self.max_grad_norm))
+            self.regime.step()
+        if self.scaler is not None:
+            self.scaler.update()
         self.steps += 1
         return self._global_loss(losses, scales)
 
@@ -116,6 +126,14 @@ class Runner:
         total = float(total) / self.pg.c
         return [self.pg.replicas * float(k) / total if total else float("nan")
                 for k in counted.tolist()]
+
+    def _backward_scales(self, scales: list[float] | None) -> list[float] | None:
+        """What each micro-batch's loss is multiplied by before its backward: its share of the
+        step's loss (default 1/m), times the loss scale under fp16."""
+        if self.scaler is None:
+            return scales
+        m = self.plan.num_microbatches
+        return self.scaler.scaled(scales if scales is not None else [1.0 / m] * m)
 
     def _microbatches(self, inputs: Any, targets: torch.Tensor) -> list[tuple]:
         plan = self.plan
@@ -219,6 +237,8 @@ class Runner:
         damaged). async_save: returns once the pieces are copied to host memory; a background
         thread writes and commits them (the next save, a load and close() wait for it).
         Collective: every rank calls it."""
+        if self.scaler is not None:   # the same on every rank: rank 0's is saved
+            user_state = {**(user_state or {}), SCALER_KEY: self.scaler.state_dict()}
         save_program_checkpoint(path, self.params, self.regime, self.pg, self.steps,
                                 self.plan.to_json(), user_state, keep=keep,
                                 async_save=async_save)
@@ -237,6 +257,9 @@ class Runner:
             path, self.params, self.regime, self.pg, weights_only=weights_only)
         if not weights_only:
             self.steps = step
+            scaler_state = read_user_state(self.checkpoint_version or path).get(SCALER_KEY)
+            if self.scaler is not None and scaler_state:   # (none from an fp32/bf16 run)
+                self.scaler.load_state_dict(scaler_state)
         return step
 
     def load_pretrained(self, path: str | os.PathLike) -> None:
