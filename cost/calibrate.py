@@ -284,7 +284,7 @@ def _progress(total: int) -> Callable[[str], None]:
     bar = tqdm(total=total, desc="calibrate", unit="step", leave=True)
 
     def tick(what: str) -> None:
-        bar.set_postfix_str(what)
+        bar.set_postfix_str(f"{what} done")
         bar.update(1)
         if bar.n >= total:
             bar.close()
@@ -426,13 +426,21 @@ def _spawned(rank: int, world: int, kwargs: dict[str, Any]):
     return calibrate_ranks(**kwargs)
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
-              quick: bool = False, peak_flops: float | None = None,
-              ranks: int = 2, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
+              quick: bool = False, peak_flops: float | None = None, ranks: int = 2,
+              precision: str | None = None, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
     """Calibrate: under torchrun (WORLD_SIZE set) on its ranks, joining or creating the
     process group; otherwise on `ranks` local CPU processes (gloo). Returns (Cluster, path)
-    on rank 0 (None elsewhere)."""
-    kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops)
+    on rank 0 (None elsewhere). precision: "fp32" | "bf16" (default: bf16 on GPU, fp32 on
+    CPU), the training precision the compute is measured in."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"calibrate: precision={precision!r}: must be one of "
+                         f"{sorted(PRECISIONS)}, the precision you train in")
+    kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops,
+                  dtype=PRECISIONS.get(precision))
     if "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
