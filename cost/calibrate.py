@@ -3,7 +3,8 @@ write its cluster file (cost/hardware.py `save_cluster`).
 
 Every rank measures at the same time, as training runs them (ranks that share a CPU or a node
 contend as they will in training), in the training precision (fp32 on CPU, bf16 on GPU unless
-told); rank 0 fits and writes:
+told); each timing the best of a few batches, and the compute grids passed over twice, the best
+rate of each shape kept (other load on a machine only ever adds time); rank 0 fits and writes:
 - GEMM curve [m, n, k, flops_per_s] over a grid of shapes → `peak_flops` (the fitted
   asymptote, or a datasheet peak given with peak_flops=) with `gemm_max_efficiency` and
   `gemm_half_dim` of rate = peak · e_max · f(m)f(n)f(k), f(x) = x / (x + half).
@@ -304,6 +305,13 @@ def _memory(device: torch.device, ranks_per_node: int) -> tuple[float, float, st
         f"reserved_bytes 0.5 GB: interpreter and allocator (not fitted)")
 
 
+def _best_rows(passes: list[list[list[float]]], cols: int) -> list[list[float]]:
+    """Row by row, the best (highest) rate of several passes over the same grid: a pass
+    that other load slowed is not the hardware's rate."""
+    return [list(rows[0][:cols]) + [max(r[j] for r in rows) for j in range(cols, len(rows[0]))]
+            for rows in zip(*passes)]
+
+
 def _mean_curves(curves: list[list[list[float]]], cols: int) -> list[list[float]]:
     """Every rank's curve averaged row by row in its measured columns (the rate the ranks
     reached together)."""
@@ -324,10 +332,13 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
     dims = _QUICK_DIMS if quick else _FULL_DIMS
     dist.barrier()
-    mine = {"matmul_curve": measure_matmul(dims, dtype, device, quick)}
+    rounds = 1 if quick else 2   # passes over the grid, the best rate of each row kept
+    mine = {"matmul_curve": _best_rows(
+        [measure_matmul(dims, dtype, device, quick) for _ in range(rounds)], 3)}
     tick("GEMM")
-    mine["attention_curve"] = measure_attention(
-        _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS, dtype, device, quick)
+    lens = _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS
+    mine["attention_curve"] = _best_rows(
+        [measure_attention(lens, dtype, device, quick) for _ in range(rounds)], 1)
     tick("attention")
     mine.update(measure_streaming(dtype, device, quick))
     tick("streaming")
