@@ -158,7 +158,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.cost.calibrate import calibrate
     result = calibrate(out=args.out, name=args.name, quick=args.quick,
                        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-                       ranks=args.ranks)
+                       ranks=args.ranks, precision=args.precision)
     if result is not None:   # rank 0
         cluster, path = result
         print(_cluster_summary(cluster, header=True))
@@ -309,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests)")
     cb.add_argument("--ranks", type=int, default=2,
                     help="local CPU ranks when not under torchrun")
+    cb.add_argument("--precision", choices=["fp32", "bf16"],
+                    help="the training precision compute is measured in (default: bf16 on "
+                         "GPU, fp32 on CPU)")
     cb.add_argument("--peak-tflops", type=float, dest="peak_tflops",
                     help="the datasheet's dense peak per GPU in the training precision "
                          "(gemm_max_efficiency is then measured against it)")

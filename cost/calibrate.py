@@ -3,7 +3,8 @@ write its cluster file (cost/hardware.py `save_cluster`).
 
 Every rank measures at the same time, as training runs them (ranks that share a CPU or a node
 contend as they will in training), in the training precision (fp32 on CPU, bf16 on GPU unless
-told); rank 0 fits and writes:
+told); each timing the best of a few batches, and the compute grids passed over twice, the best
+rate of each shape kept (other load on a machine only ever adds time); rank 0 fits and writes:
 - GEMM curve [m, n, k, flops_per_s] over a grid of shapes → `peak_flops` (the fitted
   asymptote, or a datasheet peak given with peak_flops=) with `gemm_max_efficiency` and
   `gemm_half_dim` of rate = peak · e_max · f(m)f(n)f(k), f(x) = x / (x + half).
@@ -284,7 +285,7 @@ def _progress(total: int) -> Callable[[str], None]:
     bar = tqdm(total=total, desc="calibrate", unit="step", leave=True)
 
     def tick(what: str) -> None:
-        bar.set_postfix_str(what)
+        bar.set_postfix_str(f"{what} done")
         bar.update(1)
         if bar.n >= total:
             bar.close()
@@ -302,6 +303,13 @@ def _memory(device: torch.device, ranks_per_node: int) -> tuple[float, float, st
     return float(ram) / ranks_per_node, 0.5 * GB, (
         f"memory_bytes: the RAM ({ram / GB:.1f} GB) over the {ranks_per_node} ranks of a node; "
         f"reserved_bytes 0.5 GB: interpreter and allocator (not fitted)")
+
+
+def _best_rows(passes: list[list[list[float]]], cols: int) -> list[list[float]]:
+    """Row by row, the best (highest) rate of several passes over the same grid: a pass
+    that other load slowed is not the hardware's rate."""
+    return [list(rows[0][:cols]) + [max(r[j] for r in rows) for j in range(cols, len(rows[0]))]
+            for rows in zip(*passes)]
 
 
 def _mean_curves(curves: list[list[list[float]]], cols: int) -> list[list[float]]:
@@ -324,10 +332,13 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
     dims = _QUICK_DIMS if quick else _FULL_DIMS
     dist.barrier()
-    mine = {"matmul_curve": measure_matmul(dims, dtype, device, quick)}
+    rounds = 1 if quick else 2   # passes over the grid, the best rate of each row kept
+    mine = {"matmul_curve": _best_rows(
+        [measure_matmul(dims, dtype, device, quick) for _ in range(rounds)], 3)}
     tick("GEMM")
-    mine["attention_curve"] = measure_attention(
-        _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS, dtype, device, quick)
+    lens = _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS
+    mine["attention_curve"] = _best_rows(
+        [measure_attention(lens, dtype, device, quick) for _ in range(rounds)], 1)
     tick("attention")
     mine.update(measure_streaming(dtype, device, quick))
     tick("streaming")
@@ -426,13 +437,21 @@ def _spawned(rank: int, world: int, kwargs: dict[str, Any]):
     return calibrate_ranks(**kwargs)
 
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
-              quick: bool = False, peak_flops: float | None = None,
-              ranks: int = 2, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
+              quick: bool = False, peak_flops: float | None = None, ranks: int = 2,
+              precision: str | None = None, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
     """Calibrate: under torchrun (WORLD_SIZE set) on its ranks, joining or creating the
     process group; otherwise on `ranks` local CPU processes (gloo). Returns (Cluster, path)
-    on rank 0 (None elsewhere)."""
-    kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops)
+    on rank 0 (None elsewhere). precision: "fp32" | "bf16" (default: bf16 on GPU, fp32 on
+    CPU), the training precision the compute is measured in."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"calibrate: precision={precision!r}: must be one of "
+                         f"{sorted(PRECISIONS)}, the precision you train in")
+    kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops,
+                  dtype=PRECISIONS.get(precision))
     if "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -233,7 +233,7 @@ _HGX_B200 = replace(
              "NVLink 5: 1.8 TB/s bidirectional per GPU = 900 GB/s per direction",
              "DGX B200 user guide: 8x ConnectX-7 400 Gb/s = 50 GB/s per GPU",
              "latencies: the H100's guesses (not measured)") + _NOT_FITTED + _COMMON_SOURCES)
-_BLACKWELL_PRESETS = {
+_DATASHEET_PRESETS = {
     "hgx-b200-180gb": _HGX_B200,
     # One NVLink domain of 72 GPUs (18 compute trays of 4) behind NVLink switches: to the
     # planner a "node" is the NVLink domain, so gpus_per_node is 72.
@@ -271,7 +271,7 @@ _BLACKWELL_PRESETS = {
                  "inter-node latency 25 us: guess for RoCE through a switch (not measured)")
         + _H100_SOURCES + _COMMON_SOURCES),
 }
-_PRESETS.update(_BLACKWELL_PRESETS)
+_PRESETS.update(_DATASHEET_PRESETS)
 
 # Conservative defaults for this machine when `autopar calibrate` has not run: a 2-core laptop
 # class CPU (~50 GFLOP/s fp32 per core with AVX2 FMA at 60% efficiency), DDR4 ~20 GB/s,
