@@ -54,6 +54,8 @@ from typing import Any, Callable
 import torch
 
 PARTS = ("single", "multirank", "calibrate", "memory")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "GROUP_RANK")
 SEED = 1234
 
 
@@ -435,18 +437,36 @@ def part_multirank(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict
     return rows
 
 
-def part_calibrate(out: Path, device: str, quick: bool) -> list[dict]:
-    """`autopar calibrate` on this device, as a user runs it, into out/cluster.json."""
+COMPARED = ("peak_flops", "gemm_max_efficiency", "gemm_half_dim", "hbm_bandwidth_Bps",
+            "elementwise_efficiency", "flash_fwd_efficiency", "flash_bwd_efficiency",
+            "flash_half_len", "memory_bytes")
+
+
+def part_calibrate(out: Path, device: str, quick: bool, cluster: str) -> list[dict]:
+    """`autopar calibrate` on this device, as a user runs it, into
+    out/calibrated_cluster.json, beside the preset the plans were made for."""
+    from autopar.cost.hardware import get_cluster
+    preset = get_cluster(cluster)
     target = out / "calibrated_cluster.json"
-    cmd = [sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(target)]
+    cmd = [sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(target),
+           "--name", f"{cluster}-calibrated"]
+    if device.startswith("cuda"):
+        cmd += ["--precision", "bf16", "--peak-tflops", f"{preset.peak_flops / 1e12:g}"]
+    else:
+        cmd += ["--ranks", "2"]
     if quick:
         cmd.append("--quick")
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # not under torchrun: the group of one this process made must not look like a launcher's
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     row = {"case": "calibrate", "variant": " ".join(cmd[2:]), "rc": res.returncode,
            "seconds": time.perf_counter() - t0, "output_tail": (res.stdout + res.stderr)[-3000:]}
     if res.returncode == 0 and target.exists():
         row["cluster"] = json.loads(target.read_text())
+        got = get_cluster(str(target))
+        row["against_preset"] = {k: {"preset": getattr(preset, k, None),
+                                     "measured": getattr(got, k, None)} for k in COMPARED}
     else:
         row["error"] = (res.stderr.strip().splitlines() or ["no output"])[-1]
     return [row]
@@ -552,7 +572,11 @@ def _row_text(part: str, r: dict) -> str:
                 f"{(r['predicted_static_bytes'] + r['predicted_activation_bytes']) / g:7.3f} "
                 f"({r['total_error'] * 100:+.0f}%); activations {r['measured_activation_bytes'] / g:.3f}"
                 f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)")
-    return f"{head} rc={r.get('rc')} in {r.get('seconds', 0):.0f} s"
+    vs = "  ".join(f"{k} {v['measured']:.3g} (preset {v['preset']:.3g})"
+                   for k, v in r.get("against_preset", {}).items()
+                   if isinstance(v["measured"], (int, float))
+                   and isinstance(v["preset"], (int, float)))
+    return f"{head} rc={r.get('rc')} in {r.get('seconds', 0):.0f} s  {vs}"
 
 
 def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, ...]) -> dict:
@@ -569,7 +593,7 @@ def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, 
                "cluster": manifest["cluster"], "parts": {}}
     runners = {"single": lambda: part_single(plans, s, device, quick),
                "multirank": lambda: part_multirank(plans, s, device, quick),
-               "calibrate": lambda: part_calibrate(out, device, quick),
+               "calibrate": lambda: part_calibrate(out, device, quick, manifest["cluster"]),
                "memory": lambda: part_memory(plans, s, device, quick)}
     for part in parts:
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
 CASES = "single-gpt,multirank-t2,memory-none-mb2"
+PARTS = "single,multirank,calibrate,memory"
 # the GPU image has no ortools: block it, so a solver import on the run's path fails here too
 NO_ORTOOLS = ("import sys, runpy; sys.modules['ortools'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -36,7 +37,7 @@ def test_gpu_benchmark_plumbing_on_cpu(tmp_path):
     assert sorted(p.name for p in plans.glob("*.json")) == sorted(
         [f"{c}.json" for c in CASES.split(",")] + ["manifest.json"])
     out = _run(["run", "--device", "cpu", "--quick", "--dir", str(plans), "--out",
-                str(results), "--parts", "single,multirank,memory"], block_ortools=True)
+                str(results), "--parts", PARTS], block_ortools=True)
     got = json.loads((results / "gpu_results.json").read_text())
     rows = {(r["case"], r["variant"]): r for part in got["parts"].values() for r in part}
     failed = {k: r["error"] for k, r in rows.items() if "error" in r}
@@ -52,6 +53,8 @@ def test_gpu_benchmark_plumbing_on_cpu(tmp_path):
     mem = rows[("memory-none-mb2", "recompute=none mb=2")]
     assert mem["measured_peak_bytes"] > mem["measured_static_bytes"] > 0
     assert mem["predicted_activation_bytes"] > 0
+    cal = rows[("calibrate", next(k[1] for k in rows if k[0] == "calibrate"))]
+    assert cal["rc"] == 0 and cal["against_preset"]["gemm_max_efficiency"]["measured"] > 0
     text = (results / "gpu_results.txt").read_text()
     assert "[multirank]" in text and "EQUAL to one device" in text
     assert text.strip().splitlines()[-1] in out.stdout
