@@ -51,6 +51,7 @@ def _runner(a: argparse.Namespace, t: int, p: int, compiled: bool):
 
 
 def _rank(rank: int, world: int, a: argparse.Namespace, t: int, p: int) -> dict:
+    from autopar.runtime.compiled import compile_counts
     torch.set_num_threads(1)
     runners = {"eager": _runner(a, t, p, False), "compiled": _runner(a, t, p, True)}
     warm = {}
@@ -59,6 +60,7 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t: int, p: int) -> dict:
         for s in range(WARMUP):
             r.train_step(*_batch(a, s))
         warm[name] = time.perf_counter() - t0
+    compiled_after_warmup = compile_counts()
     rounds: dict[str, list[float]] = {n: [] for n in runners}
     for i in range(a.rounds):
         for name in (("eager", "compiled") if i % 2 == 0 else ("compiled", "eager")):
@@ -68,7 +70,8 @@ def _rank(rank: int, world: int, a: argparse.Namespace, t: int, p: int) -> dict:
                 runners[name].train_step(*_batch(a, s))
                 times.append(time.perf_counter() - t0)
             rounds[name].append(statistics.median(times))
-    return {"warm": warm, "rounds": rounds}
+    return {"warm": warm, "rounds": rounds,
+            "counts": (compiled_after_warmup, compile_counts())}
 
 
 def main() -> None:
@@ -95,7 +98,8 @@ def main() -> None:
               f"compiled {res['warm']['compiled']:.1f} s; step eager {med['eager'] * 1e3:.1f} ms, "
               f"compiled {med['compiled'] * 1e3:.1f} ms; rounds eager "
               f"{[round(x * 1e3, 1) for x in res['rounds']['eager']]}, compiled "
-              f"{[round(x * 1e3, 1) for x in res['rounds']['compiled']]}", flush=True)
+              f"{[round(x * 1e3, 1) for x in res['rounds']['compiled']]}; Dynamo graphs / "
+              f"breaks after warm-up and after timing {res['counts']}", flush=True)
     for cfg, r in ratios.items():
         print(f"speed-up eager/compiled {cfg}: {r:.2f}x (goal >= 1.15)")
 

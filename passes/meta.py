@@ -151,7 +151,8 @@ KEYS: tuple[MetaKey, ...] = (
             writer="passes.tensor_parallel",
             readers=("passes.tensor_parallel", "passes.tp_cost", "autopar.build")),
     MetaKey(name=OVERLAP, scope="graph", type="int",
-            meaning="how many column-parallel entries were fused with their projections",
+            meaning="how many column-parallel entries were fused with their projections, "
+                    "plus row-parallel projections fused with their reduction",
             writer="passes.overlap", readers=("tests",)),
     MetaKey(name=CHUNK, scope="graph", type="passes.pipeline.ChunkSpec",
             meaning="what the runtime needs to know about a chunk besides its code",

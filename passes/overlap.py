@@ -1,4 +1,5 @@
-"""Overlap the column-parallel input gradient's reduction with the weight-gradient GEMMs.
+"""Overlap tensor-parallel communication with GEMMs: the column-parallel input gradient's
+reduction with the weight-gradient GEMMs, and each row-parallel GEMM with its reduction.
 
 Math (Megatron-LM's asynchronous tensor-parallel all-reduce; 2205.05198 §4.2.2 for SP): for
 column-parallel projections y_i = x·W_iᵀ that read one f(x), the backward is
@@ -21,9 +22,13 @@ Guarantees: every `copy_to_tp(x, group)` / `all_gather_sp(x, group, dim)` whose 
   `column_parallel(x, group, layouts, weights, biases, sp_dim)` node and a getitem per
   projection; the numbers (forward and gradients) are unchanged; f nodes with
   any other user are left as they are.
+  Every `reduce_from_tp(y, group)` / `reduce_scatter_to_sp(y, group, dim)` whose y is a
+  bias-free projection linear(x, W) / mm(x, W) / matmul(x, W) (possibly through a dropout of
+  p = 0) read by nothing else becomes one `row_parallel(x, group, layout, W, sp_dim)` node: the
+  collective matmul, its reduction pipelined with the GEMM's row pieces (same numbers).
 Reads node.meta (keys of passes/meta.py): VAL. Writes: the new nodes' meta (copied from the f
-  node and from each projection: VAL, REGION, STACK_TRACE, NN_MODULE_STACK); gm.meta[OVERLAP] =
-  the number of entries fused.
+  node and from each projection: VAL, REGION, STACK_TRACE, NN_MODULE_STACK; a row_parallel
+  node the reduction's); gm.meta[OVERLAP] = the number of entries and exits fused.
 Not for schedules that split the backward into B and W (interleaved-zb): B would run the fused
   backward whole and W would run it again.
 """

@@ -52,8 +52,9 @@ def test_tensor_parallel_chunk_names_its_collectives():
     src = prog.source(chunk=1, tp_rank=1)
     ast.parse(src)
     assert "tensor rank\n1 of t=2" in src or "tensor rank 1 of t=2" in src
-    # f fused with the projections it feeds (passes.overlap), g after the row-parallel ones
-    assert "reduce_from_tp" in src and "column_parallel" in src
+    # f fused with the projections it feeds, each row-parallel projection with its g
+    # (passes.overlap)
+    assert "row_parallel" in src and "column_parallel" in src
     assert "OBJECTS = {'tp_group': 'tp_group'}" in src
 
 

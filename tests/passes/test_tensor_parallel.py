@@ -194,7 +194,9 @@ def test_overlap_leaves_an_entry_with_a_non_projection_user():
     entries = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
     gm = _overlapped(gm)
     left = [n for n in _calls(gm, C.copy_to_tp) if n.args[0].op != "get_attr"]
-    assert gm.meta[K.OVERLAP] == 2 * 2 + 1 == len(entries) - len(left) and left
+    columns = _calls(gm, C.column_parallel)
+    assert len(columns) == 2 * 2 + 1 == len(entries) - len(left) and left
+    assert gm.meta[K.OVERLAP] == len(columns) + len(_calls(gm, C.row_parallel))
     for n in left:
         assert any(u.target is not torch.ops.aten.linear.default for u in n.users)
     gm.graph.lint()
