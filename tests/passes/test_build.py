@@ -176,3 +176,14 @@ def test_launch_corrupt_plan_json_is_one_line(built, capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert err.startswith("launch.py: error:") and "\n" not in err, err
     assert "plan.json is not valid JSON" in err, err
+
+
+def test_chunk_files_point_at_the_users_source_lines(built):
+    """Each statement group of a generated chunk is commented with the model's file:line and
+    source text (node.meta["stack_trace"], the innermost frame outside torch)."""
+    src = (built / "prog" / "chunk_00.py").read_text()
+    comments = [ln.strip() for ln in src.splitlines() if ln.strip().startswith("# ")]
+    llama = [c for c in comments if "modeling_llama.py:" in c]
+    assert llama, src[:3000]
+    assert any("self.embed_tokens(input_ids)" in c for c in llama), llama[:5]
+    assert any("in forward:" in c for c in llama)
