@@ -135,14 +135,25 @@ def _stage_lines(plan: "Plan") -> list[str]:
                and stages[j + 1].num_layers == st.num_layers):
             j += 1
         if j - i >= 2:
-            out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} on pipeline ranks "
-                       f"{st.rank}…{stages[j].rank} (c mod {plan.p}): {st.num_layers} layer(s) each, "
+            n = st.num_layers
+            out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} "
+                       f"{_ranks_text(st.chunk, stages[j].chunk, plan.p)}: {n} "
+                       f"layer{'s' if n != 1 else ''} each, "
                        f"{layer_range(st.first_layer, stages[j].last_layer)}")
         else:
             j = i
             out.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")
         i = j + 1
     return out
+
+
+def _ranks_text(first: int, last: int, p: int) -> str:
+    """Where chunks first..last run, in words: chunk c runs on pipeline rank c mod p."""
+    if p == 1:
+        return "on pipeline rank 0"
+    if last - first + 1 >= p:
+        return f"on all {p} pipeline ranks (chunk c on rank c mod {p})"
+    return "on pipeline ranks " + ", ".join(str(c % p) for c in range(first, last + 1))
 
 
 def _memory_parts(pr: "Prediction | Memory") -> str:
