@@ -90,3 +90,11 @@ def test_folded_stage_lines_say_where_chunks_run_in_words():
            "layers [1, 7)" in lines, lines
     three = _stage_lines(make_plan(p=4, v=2, layers=8, schedule="interleaved-1f1b"))   # chunks 1-6 cover all 4 ranks too
     assert not any("…" in ln or "(s)" in ln for ln in lines + three), three
+
+
+def test_explain_table_uses_one_time_unit():
+    from autopar.report import _reason_in_unit, _table_unit
+    unit = _table_unit(0.00555)                          # the chosen step: milliseconds
+    assert _reason_in_unit("slower: 0.005547 s vs 0.00555 s", unit) == \
+        "slower: 5.547 ms vs 5.55 ms"
+    assert _reason_in_unit("p=3 does not divide 8 layers", unit) == "p=3 does not divide 8 layers"
