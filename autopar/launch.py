@@ -207,6 +207,9 @@ def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None
     """What can be checked before compiling: --vocab against the model's vocabulary, the
     data (opened as one replica: its file, dtype and token range) and --pretrained's files."""
     model_vocab = _model_vocab(user.model)
+    if args.vocab is not None and args.vocab < 1:
+        raise ValueError(f"--vocab {args.vocab}: must be a positive integer (the number of "
+                         f"token ids the data may hold); pass --vocab {model_vocab or 'V'}")
     if args.vocab is not None and model_vocab is not None and args.vocab > model_vocab:
         raise ValueError(f"--vocab {args.vocab}: larger than the model's vocabulary "
                          f"({model_vocab} embeddings), so token ids >= {model_vocab} would "

@@ -115,6 +115,9 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
     (["--data", "random", "--eval-data", "{d}/missing.bin"], ["missing.bin"]),
     (["--data", "random", "--pretrained", "{d}/nowhere"], ["is not a directory"]),
     (["--data", "random", "--steps", "4", "--warmup-steps", "4"], ["--warmup-steps 4"]),
+    (["--data", "random", "--metrics", "{d}/no/m.jsonl"], ["--metrics", "does not exist"]),
+    (["--data", "random", "--lr", "-1"], ["--lr -1.0: must be >= 0"]),
+    (["--data", "random", "--vocab", "0"], ["--vocab 0: must be a positive integer"]),
     (["--data", "random", "--model", "{d}/my_model.py:raises"],
      ["raises() raised RuntimeError: no GPU here", "run with --verbose"]),
 ])
