@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--vocab", type=int, default=None,
                     help="vocabulary size (default: model.config.vocab_size)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps in all")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="clip the global gradient norm (0: no clipping)")
