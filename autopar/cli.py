@@ -21,6 +21,9 @@ def _plan_from_args(args: argparse.Namespace):
     import autopar
     from autopar.presets import load_model
 
+    if args.cluster is None:           # named among the defaults the user did not set
+        args.cluster, args.cluster_defaulted = DEFAULT_CLUSTER, True
+
     user, defaults = load_model(args.model, seq_len=args.seq)
     inputs = user.example_inputs
     tokens = getattr(args, "tokens", None)
@@ -51,10 +54,15 @@ def _plan_from_args(args: argparse.Namespace):
     return prog, time.perf_counter() - start
 
 
+DEFAULT_CLUSTER = "dgx-a100-80gb"
+
+
 def _note_defaults(args: argparse.Namespace, batch: int, inputs: tuple) -> None:
     """Record the values the user did not choose (printed in the plan header, and appended to
     an error, so a default never surfaces as a puzzling rule violation)."""
     chosen = []
+    if getattr(args, "cluster_defaulted", False):
+        chosen.append(f"cluster {DEFAULT_CLUSTER} (--cluster)")
     if args.batch is None:
         chosen.append(f"global batch {batch} (--batch)")
     if args.seq is None and inputs and getattr(inputs[0], "dim", lambda: 0)() > 1:
@@ -229,7 +237,8 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="preset name (gpt3-175b, megatron-1t, llama3-405b, …) or "
                                    "file.py:factory")
     sp.add_argument("--gpus", type=int, required=True, help="number of GPUs to plan for")
-    sp.add_argument("--cluster", default="dgx-a100-80gb", help=_CLUSTER_HELP)
+    sp.add_argument("--cluster", default=None,
+                    help=_CLUSTER_HELP + f" (default {DEFAULT_CLUSTER})")
     sp.add_argument("--attention", help="the attention kernel priced: flash (fused, the GPU "
                                         "presets' default) | materialized (scores written out)")
     sp.add_argument("--elementwise", help="how elementwise ops run: fused (single kernels, the "

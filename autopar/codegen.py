@@ -14,6 +14,8 @@ import hashlib
 import json
 import linecache
 import math
+import os
+import re
 import textwrap
 import types
 from pathlib import Path
@@ -179,11 +181,44 @@ def _render_class(gm: torch.fx.GraphModule, cls: str, doc: str,
         elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
             raise ValueError(f"codegen: chunk submodule {name} ({type(child).__name__}) holds "
                              f"state; only graph submodules can be emitted")
-    body = textwrap.indent(code.src.strip("\n"), "    ")
+    body = textwrap.indent(_with_source_comments(code.src.strip("\n"), gm.graph), "    ")
     init_src = ("\n    def __init__(self):\n        super().__init__()\n" + "\n".join(init) + "\n"
                 if init else "")
     out.append(f'class {cls}(torch.nn.Module):\n    """{doc}"""\n{init_src}\n{body}\n')
     return out
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _user_frame(stack_trace: str | None) -> str | None:
+    """`file:line in fn: code` of the innermost frame of a node's stack trace (as torch.export
+    records it) that is not torch's own: the user's model line that made the node."""
+    frames = [m for m in _FRAME.finditer(stack_trace or "")
+              if not m["file"].startswith(_TORCH_DIR)]
+    if not frames:
+        return None
+    f = frames[-1]
+    path = f["file"]
+    if "site-packages" + os.sep in path:        # transformers/models/llama/modeling_llama.py
+        path = path.split("site-packages" + os.sep, 1)[1]
+    return f"{path}:{f['line']} in {f['fn']}: {f['code'].strip()}"
+
+
+def _with_source_comments(src: str, graph: torch.fx.Graph) -> str:
+    """`src` with a `# file:line in fn: code` comment above each run of statements that
+    came from the same line of the user's model (node.meta["stack_trace"])."""
+    where = {n.name: _user_frame(n.meta.get("stack_trace")) for n in graph.nodes}
+    out, last = [], None
+    for line in src.splitlines():
+        name = line.strip().split(" = ", 1)[0] if " = " in line else None
+        loc = where.get(name)
+        if loc is not None and loc != last:
+            out.append(f"{line[:len(line) - len(line.lstrip())]}# {loc}")
+            last = loc
+        out.append(line)
+    return "\n".join(out)
 
 
 def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0, precision: str = "fp32") -> str:

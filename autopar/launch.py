@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--vocab", type=int, default=None,
                     help="vocabulary size (default: model.config.vocab_size)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps in all")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr", type=float, default=3e-4, help="AdamW's peak learning rate")
     ap.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="clip the global gradient norm (0: no clipping)")
@@ -228,6 +228,9 @@ def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None
     """What can be checked before compiling: --vocab against the model's vocabulary, the
     data (opened as one replica: its file, dtype and token range) and --pretrained's files."""
     model_vocab = _model_vocab(user.model)
+    if args.vocab is not None and args.vocab < 1:
+        raise ValueError(f"--vocab {args.vocab}: must be a positive integer (the number of "
+                         f"token ids the data may hold); pass --vocab {model_vocab or 'V'}")
     if args.vocab is not None and model_vocab is not None and args.vocab > model_vocab:
         raise ValueError(f"--vocab {args.vocab}: larger than the model's vocabulary "
                          f"({model_vocab} embeddings), so token ids >= {model_vocab} would "

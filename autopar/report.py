@@ -5,6 +5,8 @@ computed by the solver with the cost model and travel inside the Plan).
 """
 from __future__ import annotations
 
+import re
+
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -136,8 +138,10 @@ def _stage_lines(plan: "Plan") -> list[str]:
                and stages[j + 1].kinds == st.kinds):
             j += 1
         if j - i >= 2:
-            out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} on pipeline ranks "
-                       f"{st.rank}…{stages[j].rank} (c mod {plan.p}): {st.num_layers} layer(s) each, "
+            n = st.num_layers
+            out.append(f"    chunks {st.chunk:>3}-{stages[j].chunk:<3} "
+                       f"{_ranks_text(st.chunk, stages[j].chunk, plan.p)}: {n} "
+                       f"layer{'s' if n != 1 else ''} each, "
                        f"{layer_range(st.first_layer, stages[j].last_layer)}"
                        + (f" ({st.kinds}; {st.layers_ms:g} ms/micro-batch each)"
                           if st.kinds else ""))
@@ -146,6 +150,15 @@ def _stage_lines(plan: "Plan") -> list[str]:
             out.append(f"    chunk {st.chunk:>3} on pipeline rank {st.rank:>3}: {st.describe()}")
         i = j + 1
     return out
+
+
+def _ranks_text(first: int, last: int, p: int) -> str:
+    """Where chunks first..last run, in words: chunk c runs on pipeline rank c mod p."""
+    if p == 1:
+        return "on pipeline rank 0"
+    if last - first + 1 >= p:
+        return f"on all {p} pipeline ranks (chunk c on rank c mod {p})"
+    return "on pipeline ranks " + ", ".join(str(c % p) for c in range(first, last + 1))
 
 
 def _memory_parts(pr: "Prediction | Memory") -> str:
@@ -181,18 +194,39 @@ def _memory_by_rank(plan: "Plan") -> list[str]:
     return lines
 
 
+def _table_unit(seconds: float) -> tuple[float, str]:
+    """(scale, suffix) of the one time unit a table uses, chosen by its reference time."""
+    if seconds >= 1.0:
+        return 1.0, "s"
+    return (1e3, "ms") if seconds >= 1e-3 else (1e6, "us")
+
+
+def _in_unit(seconds: float, unit: tuple[float, str]) -> str:
+    return f"{seconds * unit[0]:.4g} {unit[1]}"
+
+
+_SECONDS = re.compile(r"(?<![\w.])(\d+(?:\.\d*)?(?:e[-+]?\d+)?) s\b")
+
+
+def _reason_in_unit(reason: str, unit: tuple[float, str]) -> str:
+    """A solver reason ("slower: 0.005547 s vs 0.00555 s") in the table's unit."""
+    return _SECONDS.sub(lambda m: _in_unit(float(m[1]), unit), reason)
+
+
 def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
     pr = alt.predicted
+    unit = _table_unit(best_s)
     if pr is None:
-        return f"  {rank:>3}. {alt.label():<58} rejected: {alt.reason}"
+        return f"  {rank:>3}. {alt.label():<58} rejected: {_reason_in_unit(alt.reason, unit)}"
     slower = (pr.step_time_s / best_s - 1.0) * 100 if best_s > 0 else 0.0
-    terms = ", ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v)
+    terms = ", ".join(f"{k} {_in_unit(v, unit)}" for k, v in pr.terms().items() if v)
+    reason = _reason_in_unit(alt.reason or "", unit)
     verdict = "chosen" if abs(slower) < 1e-9 and alt.feasible else (
-        f"+{slower:.1f}%" if alt.feasible else f"infeasible: {alt.reason}")
-    return (f"  {rank:>3}. {alt.label():<58} {_fmt_s(pr.step_time_s):>10}  "
+        f"+{slower:.1f}%" if alt.feasible else f"infeasible: {reason}")
+    return (f"  {rank:>3}. {alt.label():<58} {_in_unit(pr.step_time_s, unit):>10}  "
             f"{_fmt_flops(pr.tflops_per_gpu):>15}/GPU  mem {_fmt_bytes(pr.memory_bytes_per_gpu):>10}  "
-            f"{verdict}\n        {terms}" + (f"\n        {alt.reason}" if alt.feasible and
-                                               alt.reason else ""))
+            f"{verdict}\n        {terms}" + (f"\n        {reason}" if alt.feasible and
+                                               reason else ""))
 
 
 def format_explain(plan: "Plan", top: int = 10) -> str:

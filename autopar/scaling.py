@@ -22,6 +22,7 @@ from typing import Any, Callable
 from autopar.cost.solver import solve
 from autopar.cost.time_to_train import plan_for_tokens
 from autopar.plan import Plan
+from autopar.progress import Progress
 
 PAYING_EFFICIENCY = 0.5   # see the module docstring
 
@@ -101,16 +102,13 @@ class ScaleResult:
 
     def stop_paying(self, family: str | None = None) -> ScalePoint | None:
         """The last GPU count reached while each step of GPUs still returns at least
-        PAYING_EFFICIENCY of its ideal speed-up (module docstring)."""
+        PAYING_EFFICIENCY of its ideal speed-up (module docstring); None when every step of
+        the sweep still pays (the end of the sweep is not where GPUs stop paying)."""
         env = self.envelope(family)
-        if not env:
-            return None
-        last = env[0]
         for a, b in zip(env, env[1:]):
             if parallel_return(a.gpus, a.days, b.gpus, b.days) < PAYING_EFFICIENCY:
-                break
-            last = b
-        return last
+                return a
+        return None
 
     def table(self) -> str:
         return format_scale(self)
@@ -138,10 +136,12 @@ def sweep(profile: Any, cluster: Any, *, tokens: float, critical_batch_tokens: f
     fams = [FAMILIES[f] if isinstance(f, str) else f for f in families]
     t0 = time.perf_counter()
     points = []
+    bar = Progress(total=len(fams) * len(gpu_counts), desc="autopar scale")
     for fam in fams:
         fam_name = fam.name
         start = None
         for g in gpu_counts:
+            bar.start(f"{fam_name} on {g} GPUs")
             def solve_at(batch: int, g: int = g) -> Plan:
                 return solve_fn(profile, cluster, gpus=g, global_batch_size=batch,
                                 schedules=fam.schedules, zero_levels=fam.zero_levels,
@@ -158,6 +158,7 @@ def sweep(profile: Any, cluster: Any, *, tokens: float, critical_batch_tokens: f
                 continue
             start = pl.global_batch_size
             points.append(ScalePoint(gpus=g, family=fam_name, plan=pl))
+    bar.close()
     return ScaleResult(model=profile.name, cluster=getattr(cluster, "name", str(cluster)),
                        tokens=tokens, critical_batch_tokens=critical_batch_tokens,
                        critical_batch_source=critical_batch_source, seq_len=profile.seq_len,
@@ -251,9 +252,11 @@ def format_scale(res: ScaleResult) -> str:
             continue
         lines.append(f"{label}: shortest {best.days:.3g} days on {best.gpus} GPUs "
                      f"({best.gpu_hours:,.0f} GPU-hours, batch {best.plan.global_batch_size} "
-                     f"sequences, {best.plan.schedule} {_plan_label(best.plan)}); GPUs stop "
-                     f"paying after {stop.gpus} ({stop.days:.3g} days, "
-                     f"{stop.gpu_hours:,.0f} GPU-hours)")
+                     f"sequences, {best.plan.schedule} {_plan_label(best.plan)}); "
+                     + (f"GPUs stop paying after {stop.gpus} ({stop.days:.3g} days, "
+                        f"{stop.gpu_hours:,.0f} GPU-hours)" if stop is not None else
+                        f"GPUs still pay at the largest count swept ({res.gpu_counts[-1]}); "
+                        f"sweep further with --gpus-max"))
     fails = sorted({pt.note for pt in res.points if pt.plan is None})
     if fails:
         lines.append("no plan: " + " | ".join(fails[:3]))
@@ -268,7 +271,7 @@ def plot_scale(res: ScaleResult, path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_c) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax_t, ax_c) = plt.subplots(1, 2, figsize=(12, 6.0))
     for f in res.families:
         pts = res.envelope(f)
         if not pts:
@@ -277,8 +280,9 @@ def plot_scale(res: ScaleResult, path: str) -> str:
         line, = ax_t.plot(xs, [pt.days for pt in pts], "o-", label=res.descriptions.get(f, f))
         ax_c.plot(xs, [pt.gpu_hours for pt in pts], "o-", color=line.get_color(), label=f)
         stop = res.stop_paying(f)
-        ax_t.axvline(stop.gpus, color=line.get_color(), ls=":", lw=1)
-        ax_c.axvline(stop.gpus, color=line.get_color(), ls=":", lw=1)
+        if stop is not None:       # only where GPUs do stop paying within the sweep
+            ax_t.axvline(stop.gpus, color=line.get_color(), ls=":", lw=1)
+            ax_c.axvline(stop.gpus, color=line.get_color(), ls=":", lw=1)
     best = res.best()
     if best is not None:
         ax_t.plot([best.gpus], [best.days], "*", ms=16, color="gold", mec="k",
@@ -290,8 +294,12 @@ def plot_scale(res: ScaleResult, path: str) -> str:
         ax.set_xlabel("GPUs")
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=7, loc="upper right")
-    ax_c.legend(fontsize=7, loc="upper left", title="dotted: GPUs stop paying", title_fontsize=7)
+    # legends below the axes, out of the data
+    ax_t.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1)
+    ax_c.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2,
+                title="dotted: GPUs stop paying" if any(res.stop_paying(f) for f in
+                                                        res.families) else None,
+                title_fontsize=7)
     fig.suptitle(f"{res.model} on {res.cluster}: {res.tokens:.3g} tokens, critical batch "
                  f"{res.critical_batch_tokens / 1e6:.3g}M tokens", fontsize=10)
     fig.tight_layout()

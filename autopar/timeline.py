@@ -46,33 +46,57 @@ def draw_timeline(events: Iterable[Sequence], p: int, path: str, title: str = "p
     chunks = [a.chunk for _, a, _, _ in evs] or [0]
     v = max(1, -(-(max(chunks) + 1) // p))
     end = max((e for *_, e in evs), default=1.0) or 1.0
-    fig, ax = plt.subplots(figsize=(min(40, 4 + 0.25 * len(evs) / max(p, 1)), 0.7 * p + 1.5))
+    # bounded at any scale: 8-24 in wide, 2.5-12 in tall (rows thin out past ~40 ranks)
+    width_in = min(24.0, max(8.0, 4 + 0.25 * len(evs) / max(p, 1)))
+    fig, ax = plt.subplots(figsize=(width_in, min(12.0, max(2.5, 0.35 * p + 2.0))))
+    px_per_s = width_in * 110 * 0.85 / end
+    drawn: set[str] = set()
+    bars: dict[tuple, list] = {}      # one broken_barh per (row, band, colour): fast at scale
     for r, a, s, e in evs:
         y = p - 1 - r
         if a.kind in _CMAPS:
-            ax.broken_barh([(s, e - s)], (y + 0.1, 0.8), facecolors=_colour(a.kind, a.chunk // p, v),
-                           edgecolor="black", linewidth=0.4)
-            if e > s:
+            bars.setdefault((y + 0.1, 0.8, _colour(a.kind, a.chunk // p, v)), []).append(
+                (s, e - s))
+            drawn.add(a.kind)
+            if (e - s) * px_per_s > 12 and p <= 32:   # a number only where it fits
                 ax.text((s + e) / 2, y + 0.5, str(a.mb), ha="center", va="center", fontsize=7)
         elif e > s:  # transfers and reductions only show when they take time
             colour = "tab:purple" if a.kind == "REDUCE" else "grey"
-            ax.broken_barh([(s, e - s)], (y - 0.02, 0.1), facecolors=colour)
-    ax.set_yticks([p - 1 - r + 0.5 for r in range(p)], [f"rank {r}" for r in range(p)])
+            bars.setdefault((y - 0.02, 0.1, colour), []).append((s, e - s))
+            drawn.add("REDUCE" if a.kind == "REDUCE" else "P2P")
+    for (y0, height, colour), spans in bars.items():
+        edge = dict(edgecolor="black", linewidth=0.4) if height > 0.5 and p <= 32 else {}
+        ax.broken_barh(spans, (y0, height), facecolors=colour, **edge)
+    every = max(1, -(-p // 16))                   # at most ~16 row labels
+    rows = range(0, p, every)
+    ax.set_yticks([p - 1 - r + 0.5 for r in rows], [f"pipeline rank {r}" for r in rows])
     ax.set_ylim(-0.1, p)
     ax.set_xlim(0, end)
     ax.set_xlabel("time (s)")
     ax.set_title(title)
-    has_w = any(a.kind == "W" for _, a, _, _ in evs)
-    handles = [Patch(color=_colour("F", 0, 1), label="forward"),
-               Patch(color=_colour("B", 0, 1), label="input grad" if has_w else "backward")]
-    if has_w:
-        handles.append(Patch(color=_colour("W", 0, 1), label="weight grad"))
-    handles += [Patch(color="grey", label="p2p"), Patch(color="tab:purple", label="reduce")]
-    ax.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(handles))
+    ax.legend(handles=_legend(drawn, v, Patch), loc="upper center", bbox_to_anchor=(0.5, -0.18),
+              fontsize=7, ncol=6, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _legend(drawn: set[str], v: int, Patch) -> list:
+    """Legend entries for what is drawn only: each kind once, and with v > 1 local chunks
+    the shades of the forward (lighter = earlier local chunk)."""
+    has_w = "W" in drawn
+    names = {"F": "forward", "B": "input grad" if has_w else "backward", "W": "weight grad"}
+    handles = [Patch(color=_colour(k, 0, 1), label=names[k]) for k in ("F", "B", "W")
+               if k in drawn]
+    if v > 1 and "F" in drawn:
+        shown = range(v) if v <= 4 else (0, v - 1)
+        handles += [Patch(color=_colour("F", c, v), label=f"local chunk {c}") for c in shown]
+    if "P2P" in drawn:
+        handles.append(Patch(color="grey", label="p2p"))
+    if "REDUCE" in drawn:
+        handles.append(Patch(color="tab:purple", label="reduce"))
+    return handles
 
 
 def chunk_times(plan) -> tuple[list[float], list[float]]:

@@ -117,6 +117,9 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
     (["--data", "random", "--eval-data", "{d}/missing.bin"], ["missing.bin"]),
     (["--data", "random", "--pretrained", "{d}/nowhere"], ["is not a directory"]),
     (["--data", "random", "--steps", "4", "--warmup-steps", "4"], ["--warmup-steps 4"]),
+    (["--data", "random", "--metrics", "{d}/no/m.jsonl"], ["--metrics", "does not exist"]),
+    (["--data", "random", "--lr", "-1"], ["--lr -1.0: must be >= 0"]),
+    (["--data", "random", "--vocab", "0"], ["--vocab 0: must be a positive integer"]),
     (["--data", "random", "--model", "{d}/my_model.py:raises"],
      ["raises() raised RuntimeError: no GPU here", "run with --verbose"]),
 ])
@@ -209,3 +212,14 @@ def test_relaunch_replans_on_the_cluster_the_build_recorded(built):
     assert (plan.cluster, plan.gpus, plan.global_batch_size) == ("my-cluster", 1, 4)
     with pytest.raises(ValueError, match="build.json's cluster: field 'peak_flops' = -1.0"):
         _solve(saved, user, 1, {}, dict(mine, peak_flops=-1.0))
+
+
+def test_chunk_files_point_at_the_users_source_lines(built):
+    """Each statement group of a generated chunk is commented with the model's file:line and
+    source text (node.meta["stack_trace"], the innermost frame outside torch)."""
+    src = (built / "prog" / "chunk_00.py").read_text()
+    comments = [ln.strip() for ln in src.splitlines() if ln.strip().startswith("# ")]
+    llama = [c for c in comments if "modeling_llama.py:" in c]
+    assert llama, src[:3000]
+    assert any("self.embed_tokens(input_ids)" in c for c in llama), llama[:5]
+    assert any("in forward:" in c for c in llama)

@@ -93,6 +93,13 @@ def test_cli_defaults_are_printed_in_the_plan_header(capsys, factory):
     assert "defaults you did not set" not in capsys.readouterr().out
 
 
+def test_cli_default_cluster_is_named_among_the_defaults(capsys, factory):
+    assert main(["plan", f"{factory(1024)}:tiny", "--gpus", "1", "--batch", "2",
+                 "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "defaults you did not set: cluster dgx-a100-80gb (--cluster)"
+
+
 def test_cli_default_sequence_is_the_models_context_and_says_so(capsys, factory):
     """Without --seq the sequence is the model's context (16 positions here), not a silent
     1024 that would fail deep inside the capture; the plan header names it as a default."""

@@ -80,3 +80,21 @@ def test_table_and_explain_show_the_essentials():
     why = plan.explain()
     assert "+20.0%" in why            # the slower alternative, relative to the chosen plan
     assert "memory: needs 90 GiB" in why
+
+
+def test_folded_stage_lines_say_where_chunks_run_in_words():
+    from autopar.report import _stage_lines
+    from programs import make_plan
+    lines = _stage_lines(make_plan(p=2, v=4, layers=8, schedule="interleaved-1f1b"))
+    assert "    chunks   1-6   on all 2 pipeline ranks (chunk c on rank c mod 2): 1 layer each, " \
+           "layers [1, 7)" in lines, lines
+    three = _stage_lines(make_plan(p=4, v=2, layers=8, schedule="interleaved-1f1b"))   # chunks 1-6 cover all 4 ranks too
+    assert not any("…" in ln or "(s)" in ln for ln in lines + three), three
+
+
+def test_explain_table_uses_one_time_unit():
+    from autopar.report import _reason_in_unit, _table_unit
+    unit = _table_unit(0.00555)                          # the chosen step: milliseconds
+    assert _reason_in_unit("slower: 0.005547 s vs 0.00555 s", unit) == \
+        "slower: 5.547 ms vs 5.55 ms"
+    assert _reason_in_unit("p=3 does not divide 8 layers", unit) == "p=3 does not divide 8 layers"

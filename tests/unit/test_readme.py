@@ -16,7 +16,7 @@ def test_ci_runs_the_readme_test_command():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line and not line.startswith(("#", "set ", "cd "))]
     assert ci == [test_cmd, ".ci/install-check"]
-    assert "/pip\" install -q \"$repo\"" in (ROOT / ".ci" / "install-check").read_text()
+    assert "/pip\" install -q \"$work/src\"" in (ROOT / ".ci" / "install-check").read_text()
 
 
 def test_readme_first_screen_has_the_main_command():

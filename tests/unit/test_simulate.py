@@ -98,3 +98,23 @@ def test_textbook_bubbles_under_the_runtimes_irecv_model(p, v, m):
     for name in ("gpipe", "1f1b"):
         r = simulate(make_schedule(name, p, 1, m), [1.0] * p, [2.0] * p, comm="irecv")
         assert r.bubble_over_compute == pytest.approx((p - 1) / m), name
+
+
+def test_timeline_is_bounded_and_its_legend_lists_what_is_drawn(tmp_path):
+    """At 48 pipeline ranks the PNG stays bounded (≤ 24 × 12 in at 110 dpi), and the legend
+    holds only the kinds drawn (no p2p / reduce when none takes time) plus the local-chunk
+    shades when v > 1."""
+    from matplotlib.patches import Patch
+    from PIL import Image
+
+    from autopar.schedules import make_schedule
+    from autopar.timeline import _legend
+    p, v = 48, 2
+    per_rank = make_schedule("interleaved-1f1b", p, v, p)
+    r = simulate(per_rank, [1.0] * (p * v), [2.0] * (p * v))
+    path = draw_timeline(r.events, p, str(tmp_path / "big.png"))
+    w, h = Image.open(path).size
+    assert w <= 24 * 110 and h <= 12 * 110, (w, h)
+    labels = [h.get_label() for h in _legend({"F", "B"}, v, Patch)]
+    assert labels == ["forward", "backward", "local chunk 0", "local chunk 1"]
+    assert "p2p" in [h.get_label() for h in _legend({"F", "P2P"}, 1, Patch)]

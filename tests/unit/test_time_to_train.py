@@ -173,3 +173,19 @@ def test_gpu_range():
     with pytest.raises(ValueError, match="gpus_min=100 must be an integer in"):
         gpu_range(64, 100)
     assert math.isclose(parallel_return(8, 2.0, 16, 1.0), 1.0)
+
+
+def test_gpus_stop_paying_only_when_they_do():
+    """stop_paying is the last count before a step that returns < PAYING_EFFICIENCY of its
+    ideal speed-up, and None when every step of the sweep still pays (the sweep's end is not
+    the point where GPUs stop paying)."""
+    from types import SimpleNamespace
+
+    from autopar.scaling import ScaleResult
+
+    def result(days):
+        pts = [SimpleNamespace(gpus=g, days=d) for g, d in zip((8, 16, 32, 64), days)]
+        return ScaleResult.stop_paying(SimpleNamespace(envelope=lambda family=None: pts))
+
+    assert result([8.0, 4.0, 2.0, 1.0]) is None              # halves every doubling: pays
+    assert result([8.0, 4.0, 3.9, 3.8]).gpus == 16           # 16 -> 32 barely helps
