@@ -51,6 +51,7 @@ class ParallelProgram:
         self.cluster = cluster
         self.init = init  # re-runs the model's own init on meta parameters, one module at a time
         self.pins = dict(pins or {})   # the knobs the caller pinned (save() records them)
+        self.precision: str | None = None   # the precision planned with (parallelize's)
 
     def __repr__(self) -> str:
         cp = f"c{self.plan.c}·" if self.plan.c > 1 else ""
@@ -115,7 +116,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 tokens: float | None = None,
                 critical_batch_tokens: float | None = None,
                 c: int | None = None, ep: int | None = None,
-                cp_attention: str | None = None) -> ParallelProgram:
+                cp_attention: str | None = None,
+                precision: str | None = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
     `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
@@ -145,6 +147,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     number of experts; autopar/runtime/groups.py expert_groups); None lets the solver choose
     among what compile() runs (ep > 1 with zero 0/1); a pinned ep may plan the rest,
     which compile() refuses in one line (autopar.plan.expert_parallel_refusal).
+
+    `precision` prices the run's GEMMs: None / "fp32" / "bf16" / "fp16" at the 16-bit rate,
+    "fp8" / "fp8-rowwise" the blocks' linear GEMMs at the cluster's FP8 rate (with their
+    casts; a cluster without one refuses), "auto" plans both and keeps the faster
+    (`prog.precision` says which; compile(precision=prog.precision) runs it).
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
@@ -222,13 +229,20 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     # ortools (the GPU image benchmarks/gpu.py runs on) can still compile and train it
     from autopar.cost.solver import solve
 
+    profiles = precision_profiles(profile, cl, precision)
+
+    won: dict[str, str] = {}   # the precision of solve_at's last plan
+
     def solve_at(batch_size: int, max_alternatives: int = 50) -> Plan:
-        return over_kinds(solve(
-            profile, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
+        plans = {name: over_kinds(solve(
+            prof, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
             micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
             zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
             max_alternatives=max_alternatives, c=c, ep=ep, cp_attention=cp_attention,
-            cp_attentions=buildable), profile)
+            cp_attentions=buildable), prof)
+            for name, prof in profiles.items()}
+        won["precision"] = min(plans, key=lambda k: plans[k].predicted.step_time_s)
+        return plans[won["precision"]]
 
     if tokens is None:
         plan = solve_at(global_batch_size)
@@ -242,7 +256,12 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                pinned_batch=global_batch_size if batch_pinned else None,
                                multiple=(d or 1) * (micro_batch_size or 1))
         plan = dataclasses.replace(solve_at(plan.global_batch_size), training=plan.training)
+    chosen = won["precision"]
     notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
+    if precision is not None:
+        notes.append(f"precision: {chosen}" + (
+            f" (priced faster than {sorted(set(profiles) - {chosen})})"
+            if precision == "auto" and len(profiles) > 1 else ""))
     if cp_refused is not None and seq_len > 1:
         notes.append(f"context parallelism not offered (c=1): {cp_refused}")
     if plan.c > 1:
@@ -253,10 +272,34 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
             "v": v, "micro_batch_size": micro_batch_size,
             "schedule": schedule, "recompute": recompute, "zero": zero,
             "sequence_parallel": sequence_parallel, "microbatch_group": microbatch_group}
-    return ParallelProgram(model=model, plan=plan, profile=profile,
+    prog = ParallelProgram(model=model, plan=plan, profile=profiles[chosen],
                            example_inputs=example_inputs, loss_fn=loss_fn,
                            example_targets=example_targets, cluster=cl, init=init,
                            pins={k: x for k, x in pins.items() if x is not None})
+    prog.precision = chosen
+    return prog
+
+
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "auto")
+
+
+def precision_profiles(profile: Any, cluster: Any, precision: str | None) -> dict[str, Any]:
+    """precision -> the profile priced for it: the one asked for, or under "auto" bf16 and,
+    where the cluster has an FP8 rate, fp8 (the solver compares them only then)."""
+    if precision is not None and precision not in PLAN_PRECISIONS:
+        raise ValueError(f"parallelize: precision={precision!r}: must be one of "
+                         f"{PLAN_PRECISIONS} (or None: priced as bf16)")
+    if precision == "auto":
+        out = {"bf16": profile.with_gemm_precision("bf16", cluster)}
+        if cluster.fp8_flops:
+            out["fp8"] = profile.with_gemm_precision("fp8", cluster)
+        return out
+    name = precision or "bf16"
+    gemm = "fp8" if name.startswith("fp8") else "bf16"
+    try:
+        return {name: profile.with_gemm_precision(gemm, cluster)}
+    except ValueError as exc:
+        raise ValueError(f"parallelize: {exc}") from None
 
 
 def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None,

@@ -43,6 +43,7 @@ from autopar.passes.expert_parallel import expert_parallel_pass
 from autopar.passes.export_checks import DROP_METADATA_ASSERTS
 from autopar.passes.context_parallel import context_layout_pass, context_parallel_pass
 from autopar.passes.layers import LAYERS_PASS
+from autopar.passes.fp8 import fp8_pass
 from autopar.passes.loss_precision import fp32_loss_pass
 from autopar.passes.manager import Pass, run_passes
 from autopar.passes.overlap import OVERLAP_PASS
@@ -54,7 +55,11 @@ from autopar.schedules import SPLIT_BACKWARD
 
 # precision -> compute dtype (bf16: bf16 compute, fp32 master weights; autopar.runtime.precision;
 # fp16: the same in fp16 with dynamic loss scaling, autopar.runtime.loss_scale)
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 / fp8-rowwise: bf16 as above, the blocks' linear GEMMs in FP8 (passes/fp8.py, tensorwise
+# or rowwise scaling)
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "fp8": torch.bfloat16, "fp8-rowwise": torch.bfloat16}
+FP8_RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
 
 
 @dataclass
@@ -125,6 +130,8 @@ class BuiltProgram:
         if K.TP_INFO in gm.meta:
             self.tp_results[tp_rank] = gm.meta[K.TP_INFO]
         chunk_passes = [fp32_loss_pass(), recompute_pass(self.plan.recompute)]
+        if self.precision in FP8_RECIPES:   # before recompute: it copies the FP8 calls
+            chunk_passes.insert(1, fp8_pass(FP8_RECIPES[self.precision]))
         return [run_passes(c, chunk_passes)
                 for c in split_chunks(gm, self.plan, prefix=self.prefix)]
 

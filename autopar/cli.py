@@ -50,7 +50,7 @@ def _plan_from_args(args: argparse.Namespace):
                                global_batch_size=batch, cluster=cluster, name=user.name,
                                tokens=tokens,
                                critical_batch_tokens=getattr(args, "critical_batch", None),
-                               **pins)
+                               precision=getattr(args, "precision", None), **pins)
     return prog, time.perf_counter() - start
 
 
@@ -111,7 +111,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                          f"(plan a preset with autopar plan)")
     _check_out_dir(Path(args.out))
     prog, seconds = _plan_from_args(args)
-    out = prog.save(args.out, model=args.model, precision=args.precision)
+    precision = {None: "fp32", "auto": prog.precision}.get(args.precision, args.precision)
+    out = prog.save(args.out, model=args.model, precision=precision)
     if args.compile:   # launch.py's default --compile
         from autopar.launch import BUILD_FILE
         info = json.loads((out / BUILD_FILE).read_text())
@@ -257,6 +258,12 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
                                                "interleaved-zb"])
     sp.add_argument("--recompute", choices=["none", "selective", "full"])
+    sp.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "auto"],
+                    help="the run's precision, priced (fp8: the blocks' GEMMs at the cluster's "
+                         "FP8 rate; auto: bf16 and fp8 compared) and, for build, the chunks' "
+                         "(bf16: bf16 compute, fp32 master weights; fp16: the same with dynamic "
+                         "loss scaling; fp8 / fp8-rowwise: bf16 with the blocks' linear GEMMs "
+                         "in FP8, tensorwise / rowwise scaling; default fp32 chunks)")
     _add_tokens_args(sp, required=False)
 
 
@@ -284,10 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
                                       "sources, launch.py, run scripts)")
     _add_plan_args(bd)
     bd.add_argument("--out", required=True, help="directory to write the program into")
-    bd.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-                    help="the precision the chunks are generated for (launch.py runs them in "
-                         "it; bf16: bf16 compute, fp32 master weights; fp16: the same with "
-                         "dynamic loss scaling)")
     bd.add_argument("--compile", action="store_true",
                     help="launch.py torch.compiles each chunk (Inductor); planned with "
                          "elementwise ops fused unless --elementwise says otherwise")

@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="clip the global gradient norm (0: no clipping)")
     ap.add_argument("--precision", default=default_precision,
-                    choices=["fp32", "bf16", "fp16"],
+                    choices=["fp32", "bf16", "fp16", "fp8", "fp8-rowwise"],
                     help="default: the precision the program was built for (build.json)")
     ap.add_argument("--checkpoint", default=None, help="checkpoint path (resumed if present)")
     ap.add_argument("--pretrained", default=None,

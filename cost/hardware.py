@@ -75,6 +75,11 @@ class Cluster:
     # passes/overlap.py; Megatron-Core --tp-comm-overlap); priced by cost/overlap.py. False in
     # the presets: the runs they are calibrated on exposed TP communication
     tp_overlap: bool = False
+    # FP8 GEMMs (precision "fp8", passes/fp8.py): dense FP8 FLOP/s per GPU (datasheet; 0: the
+    # GPU has no FP8 tensor cores) and their achieved / peak on large GEMMs (0: as the 16-bit
+    # gemm_max_efficiency)
+    fp8_flops: float = 0.0
+    fp8_gemm_max_efficiency: float = 0.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -98,6 +103,10 @@ class Cluster:
                 f"'fused' for stacks that fuse elementwise chains into single kernels "
                 f"(Megatron-LM, torch.compile), 'eager' for op-by-op PyTorch; e.g. "
                 f"dataclasses.replace(cluster, elementwise='eager')")
+        if self.fp8_flops < 0 or not 0 <= self.fp8_gemm_max_efficiency <= 1:
+            raise ValueError(f"Cluster.fp8_flops={self.fp8_flops!r}, fp8_gemm_max_efficiency="
+                             f"{self.fp8_gemm_max_efficiency!r}: must be >= 0 and in [0, 1] "
+                             f"(0: no FP8 rate / the 16-bit efficiency)")
         for name in ("flash_fwd_efficiency", "flash_bwd_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be in (0, 1], "
@@ -127,6 +136,13 @@ _GEMM_EMAX_A100 = 0.72
 # dense peak on large bf16 GEMMs (the peak assumes the 1,830 MHz boost clock, which a 700 W
 # part under load does not hold).
 _GEMM_EMAX_H100 = 0.60
+# FP8 GEMMs on H100 (dense FP8 peak 1,979 TFLOP/s, twice bf16's): their e_max relative to the
+# bf16 e_max, fitted to torchtitan's Llama 3.1 8B on 8 H100 (docs/performance.md Table 1,
+# 2410.06511: FSDP + compile 6,667 tokens/s/GPU, + Float8 8,532) through the captured model:
+# with the bf16 e_max refitted to that run's 500 W parts (0.39), FP8 GEMMs reach 0.89 of the
+# bf16 fraction of their own peak (tests/passes/test_fp8_calibration.py).
+_FP8_RELATIVE_EMAX = 0.89
+_FP8_EMAX_H100 = _GEMM_EMAX_H100 * _FP8_RELATIVE_EMAX
 _GEMM_HALF_DIM = 48.0  # fitted with e_max; a 128-wide dimension runs at ~73%, 2048-wide at ~98%
 # CUDA context (~0.5 GB) + cuBLAS workspace + NCCL channel buffers + caching-allocator
 # fragmentation; Megatron runs leave ~2-3 GB unused on 80 GB parts. Not fitted.
@@ -167,7 +183,11 @@ _DGX_H100 = Cluster(
     inter_node_bandwidth_Bps=50 * GB * _NCCL_IB_EFF, inter_node_latency_s=15e-6,
     gemm_max_efficiency=_GEMM_EMAX_H100, gemm_half_dim=64.0,
     reserved_bytes=_RESERVE_80GB, attention="flash", **_FLASH_H100,
+    fp8_flops=1979e12, fp8_gemm_max_efficiency=_FP8_EMAX_H100,
     sources=("H100 SXM5 datasheet: 989 TFLOP/s dense bf16, 80 GB, 3.35 TB/s HBM3",
+             "H100 SXM5 datasheet: 1,979 TFLOP/s dense FP8 (3,958 with sparsity); FP8 e_max "
+             "0.89 × the bf16 e_max, the ratio fitted to torchtitan's Llama 3.1 8B bf16 and "
+             "Float8 runs on 8 H100 (docs/performance.md Table 1, 2410.06511)",
              "H100 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
              "DGX H100 user guide: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU "
              "(Llama 3's RoCE fabric: 400 Gb/s per GPU too)",
@@ -193,8 +213,8 @@ _PRESETS: dict[str, Cluster] = {
     # datasheet.
     "dgx-h200-141gb": replace(
         _DGX_H100, name="dgx-h200-141gb", memory_bytes=141 * GB, hbm_bandwidth_Bps=4.8e12,
-        sources=("H200 SXM datasheet: 989 TFLOP/s dense bf16 (the H100's), 141 GB HBM3e, "
-                 "4.8 TB/s",
+        sources=("H200 SXM datasheet: 989 TFLOP/s dense bf16 (the H100's), 1,979 dense FP8, "
+                 "141 GB HBM3e, 4.8 TB/s",
                  "H200 datasheet: NVLink 4 900 GB/s bidirectional = 450 GB/s per direction",
                  "DGX H200 user guide: 8x ConnectX-7 NDR 400 Gb/s = 50 GB/s per GPU",
                  "compute, link and attention efficiencies, latencies, reserve: the H100's "

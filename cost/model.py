@@ -364,13 +364,36 @@ def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float) -> float:
 
 
 def gemm_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float,
-                bytes_per_elem: int = 2) -> float:
-    """One (batched) GEMM: max(compute at shape efficiency, operand traffic at HBM) + launch."""
+                bytes_per_elem: int = 2, fp8: bool = False) -> float:
+    """One (batched) GEMM: max(compute at shape efficiency, operand traffic at HBM) + launch.
+    fp8: at the cluster's FP8 rate (its FP8 e_max, the same shape factors), operands of 1 byte
+    (the casts are priced apart: fp8_cast_time_s)."""
     flops = 2.0 * batch * m * n * k
-    compute_s = flops / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k))
-    traffic_s = (batch * (m * k + k * n + m * n) * bytes_per_elem
+    rate = cluster.peak_flops * gemm_efficiency(cluster, m, n, k)
+    if fp8:
+        rate *= (cluster.fp8_flops / cluster.peak_flops) * (
+            (cluster.fp8_gemm_max_efficiency or cluster.gemm_max_efficiency)
+            / cluster.gemm_max_efficiency)
+    traffic_s = (batch * (m * k + k * n + m * n) * (1 if fp8 else bytes_per_elem)
                  / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency))
-    return max(compute_s, traffic_s) + cluster.kernel_launch_s
+    return max(flops / rate, traffic_s) + cluster.kernel_launch_s
+
+
+# An FP8 GEMM's casts (autopar/runtime/fp8.py), per element of an operand cast: the amax pass
+# reads it (2 B), the cast reads it again and writes 1 B. Forward casts x and W, backward dY
+# twice (dX and dW) and x, W again (rowwise needs the other axis).
+FP8_CAST_BYTES_PER_ELEM = 5.0
+FP8_AMAX_ALLREDUCES = 6      # the six casts' amaxes (tensorwise: each over the tensor group)
+
+
+def fp8_cast_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float,
+                    t: int, tp_inter: bool) -> float:
+    """The casts and amax reductions of one FP8 GEMM's forward and backward (elementwise
+    traffic; at t > 1 latency-bound all-reduces of one fp32 each)."""
+    elems = batch * (2 * (m * k + k * n) + 2 * m * n)
+    cast_s = elementwise_time_s(cluster, FP8_CAST_BYTES_PER_ELEM * elems)
+    comm_s = FP8_AMAX_ALLREDUCES * allreduce_s(cluster, 4.0, t, tp_inter) if t > 1 else 0.0
+    return cast_s + FP8_AMAX_ALLREDUCES * cluster.kernel_launch_s + comm_s
 
 
 # Backward of a fused attention kernel per forward FLOP: five GEMMs (the scores recomputed, dV,
@@ -441,8 +464,10 @@ def _extra_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int
 
 
 def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int,
-                       whole_n: int = 0) -> float:
-    """One rank's GEMM time; `whole_n` of a column-split GEMM's n columns computed whole."""
+                       whole_n: int = 0, fp8: bool = False) -> float:
+    """One rank's GEMM time; `whole_n` of a column-split GEMM's n columns computed whole;
+    fp8: a weight GEMM (passes/fp8.py's rule) at the FP8 rate (the backward's two GEMMs too),
+    its casts added once here, a third of them per GEMM of the forward + backward triple."""
     batch = g.batch * (b if g.batch_scales else 1)
     m = g.m * (1 if g.batch_scales else b)
     n, k = g.n, g.k
@@ -452,7 +477,11 @@ def _local_gemm_time_s(cluster: Cluster, g: Gemm, t: int, b: int, e: int,
         n = (n - whole_n) / t + whole_n
     elif g.tp_split == "k":
         k = k / t
-    return gemm_time_s(cluster, batch, m, n, k, e)
+    fp8 = fp8 and g.has_weight_grad and not g.batch_scales and min(n, k) >= 16
+    if not fp8:
+        return gemm_time_s(cluster, batch, m, n, k, e)
+    return (gemm_time_s(cluster, batch, m, n, k, e, fp8=True)
+            + fp8_cast_time_s(cluster, batch, m, n, k, t, False) / 3)
 
 
 def elementwise_time_s(cluster: Cluster, nbytes: float) -> float:
@@ -588,9 +617,10 @@ def _block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, reco
     blk, e = profile.block, profile.activation_bytes_per_elem
     fix = _fallback(profile, "block", t, sp)
     k_fwd, k_bwd, fused = _fused_times_s(cluster, fused_calls(profile, blk), fix, t, b)
+    fp8 = profile.gemm_precision == "fp8"
     gemm = [0.0 if i in fused else
             _local_gemm_time_s(cluster, g, 1 if i in fix.replicated_gemms else t, b, e,
-                               dict(fix.whole_columns).get(i, 0))
+                               dict(fix.whole_columns).get(i, 0), fp8)
             for i, g in enumerate(blk.gemms)]
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)

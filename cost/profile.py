@@ -293,6 +293,9 @@ class LayerKind:
     profile: "ModelProfile | None" = field(default=None, compare=False, repr=False)
 
 
+GEMM_PRECISIONS = ("bf16", "fp8")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelProfile:
     """A transformer as the planner sees it: embedding, `num_layers` identical blocks, head.
@@ -336,6 +339,22 @@ class ModelProfile:
     # several kinds of block (encoder-decoder): `block` is the repeat unit, one layer of each
     # kind, and num_layers counts units; the kinds in execution order. Empty: one kind.
     layer_kinds: tuple[LayerKind, ...] = field(default=())
+    # the precision the blocks' linear GEMMs run in: "bf16" or "fp8" (passes/fp8.py's rule:
+    # the blocks' weight GEMMs; the embedding's and head's stay 16-bit), `with_gemm_precision`
+    gemm_precision: str = "bf16"
+
+    def with_gemm_precision(self, precision: str, cluster) -> "ModelProfile":
+        """This profile priced with its blocks' linear GEMMs in `precision` ("bf16" or "fp8";
+        "fp8" needs the cluster's FP8 rate, Cluster.fp8_flops)."""
+        if precision not in GEMM_PRECISIONS:
+            raise ValueError(f"precision={precision!r}: the planner prices {GEMM_PRECISIONS} "
+                             f"(fp32, bf16 and fp16 runs are priced as 16-bit GEMMs)")
+        if precision == "fp8" and not cluster.fp8_flops:
+            raise ValueError(f"precision='fp8' on cluster {cluster.name!r}: it has no FP8 rate "
+                             f"(Cluster.fp8_flops = 0: no FP8 tensor cores, e.g. A100, V100); "
+                             f"plan in bf16, pick an FP8 cluster (dgx-h100-80gb, "
+                             f"dgx-h200-141gb), or give the Cluster an fp8_flops")
+        return replace(self, gemm_precision=precision)
 
     @property
     def mixed(self) -> bool:

@@ -1,0 +1,122 @@
+"""FP8 linear layers: the three GEMMs of a linear (forward, input gradient, weight gradient) as
+scaled FP8 matmuls (`torch._scaled_mm`, which runs on CPU too), with dynamic scaling.
+
+Recipes (torchao.float8's, Float8LinearRecipeName; Micikevicius et al. 2209.05433):
+  "tensorwise"  one scale per tensor, scale = fp8_max / amax(|x|); input and weight in e4m3,
+                the output gradient in e5m2 (its wider range); torchao's default.
+  "rowwise"     one scale per row along each GEMM's reduction dimension (torchao's AXISWISE),
+                every operand in e4m3, scales rounded down to a power of two.
+A GEMM C = A·Bᵀ (A: M×K, B: N×K) casts A and B to FP8, runs `_scaled_mm(A8, B8ᵀ, 1/sA, 1/sB)`
+and returns C in the input's dtype (bf16). The backward recasts the saved bf16 input and
+weight (rowwise needs other axes than the forward's): dX = dY·W, dW = dYᵀ·X.
+
+Across tensor ranks (a split run equals the unsplit one): a tensorwise amax is MAX-reduced
+over the tensor group for every operand (an operand split over the group gets the whole
+tensor's amax; a replicated one the same value everywhere). A rowwise amax runs along the
+reduction dimension, so it is reduced only where that dimension is split, i.e. where the GEMM
+is a partial sum (`partial_fwd`: the forward of a row-parallel linear, its input and weight
+split along K; `partial_dx`: the input gradient of a column-parallel one, split along N);
+elsewhere each rank's rows are its own. Data-parallel replicas and pipeline stages hold
+different tensors, not parts of one: no reduction (ZeRO-3 gathers the whole weight first).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.collectives import all_gather_sp, copy_to_tp, group_size
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+AMAX_EPS = 1e-12      # torchao.float8's EPS: an all-zero tensor gets a finite scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Recipe:
+    """How one linear's operands are cast (module docstring)."""
+    rowwise: bool
+    grad_dtype: torch.dtype
+    pow2_scales: bool
+
+
+RECIPES = {"tensorwise": Fp8Recipe(rowwise=False, grad_dtype=E5M2, pow2_scales=False),
+           "rowwise": Fp8Recipe(rowwise=True, grad_dtype=E4M3, pow2_scales=True)}
+
+
+def _amax(x: torch.Tensor, rowwise: bool, group: Any, reduce: bool) -> torch.Tensor:
+    """max |x| (fp32): of the tensor, or per row (M×1) when rowwise; MAX over `group` if
+    `reduce`."""
+    a = (x.abs().amax(dim=1, keepdim=True) if rowwise else x.abs().amax()).float()
+    if reduce and group is not None and group_size(group) > 1:
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+    return a
+
+
+def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
+          pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in `dtype` scaled to fill its range, the fp32 inverse scale _scaled_mm takes)."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / amax.clamp(min=AMAX_EPS)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    x8 = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return x8, scale.reciprocal()
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
+                recipe: Fp8Recipe, group: Any = None, partial: bool = False) -> torch.Tensor:
+    """a·bᵀ (a: M×K, b: N×K, 2-D) as a scaled FP8 matmul in a's dtype (module docstring);
+    `partial`: K is split over `group` (the rowwise amaxes are reduced over it)."""
+    reduce = partial if recipe.rowwise else True
+    a8, sa = _cast(a, _amax(a, recipe.rowwise, group, reduce), a_dtype, recipe.pow2_scales)
+    b8, sb = _cast(b, _amax(b, recipe.rowwise, group, reduce), b_dtype, recipe.pow2_scales)
+    if recipe.rowwise:
+        sb = sb.t()                    # (1, N): one scale per column of bᵀ
+    return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=a.dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, recipe, group, partial_fwd, partial_dx):
+        r = RECIPES[recipe]
+        x2 = x.reshape(-1, x.shape[-1])
+        y = scaled_gemm(x2, w, E4M3, E4M3, r, group, partial_fwd)
+        ctx.save_for_backward(x, w)
+        ctx.r, ctx.group, ctx.partial_dx = r, group, partial_dx
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        r, group = ctx.r, ctx.group
+        g2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:      # dX = dY·W: reduction over N
+            dx = scaled_gemm(g2, w.t().contiguous(), r.grad_dtype, E4M3, r, group,
+                             ctx.partial_dx).reshape(x.shape)
+        if ctx.needs_input_grad[1]:      # dW = dYᵀ·X: reduction over the tokens
+            x2 = x.reshape(-1, x.shape[-1])
+            dw = scaled_gemm(g2.t().contiguous(), x2.t().contiguous(), r.grad_dtype, E4M3, r,
+                             group, False).to(w.dtype)
+        return dx, dw, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe: str,
+               group: Any = None, partial_fwd: bool = False,
+               partial_dx: bool = False) -> torch.Tensor:
+    """x·Wᵀ + b (aten.linear) with its three GEMMs in FP8 under `recipe` (RECIPES); group:
+    the tensor group (None at t = 1); partial_fwd / partial_dx: the forward / input-gradient
+    GEMM is a partial sum over the group (row- / column-parallel)."""
+    y = _Fp8Linear.apply(x, w, recipe, group, partial_fwd, partial_dx)
+    return y if b is None else y + b
+
+
+def fp8_column_parallel(x: torch.Tensor, group: Any, layouts: tuple[str, ...], weights: tuple,
+                        biases: tuple, sp_dim: int | None, recipe: str) -> tuple:
+    """collectives.column_parallel with FP8 projections: f (or SP's all-gather), then
+    fp8_linear per weight, each input gradient a partial sum over the group."""
+    full = copy_to_tp(x, group) if sp_dim is None else all_gather_sp(x, group, sp_dim)
+    return tuple(fp8_linear(full, w, b, recipe, group, False, True)
+                 for w, b in zip(weights, biases))
