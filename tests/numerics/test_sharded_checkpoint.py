@@ -46,10 +46,10 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _save_rank(rank, world, plans, tmp, wide):
+def _save_rank(rank, world, plans, tmp):
     torch.set_num_threads(1)
     out = []
-    for plan in plans:
+    for plan, wide in plans:
         runner = _program(plan, wide).compile(optimizer=adamw, timeout_s=60)
         train_steps(runner, plan, make_data(plan, 64)[:1])
         held = sum(t.numel() * t.element_size() for h in runner.regime.shard_state()
@@ -82,12 +82,14 @@ def _load_rank(rank, world, path):
     return runner.full_state_dict(), runner.regime.optimizer_state()
 
 
-def test_d4_zero_levels_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_path):
-    plans = [with_zero(make_plan(d=4, m=1, b=1), z) for z in (1, 2, 3)]
-    results = spawn(_save_rank, 4, plans, str(tmp_path), True, timeout_s=400)
+def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_path):
+    plans = [(with_zero(make_plan(d=4, m=1, b=1), z), True) for z in (1, 2, 3)]
+    plans += [(with_zero(make_plan(t=2, d=2, m=1, b=1), 1), False),
+              (with_zero(make_plan(p=2, d=2, m=2, b=1), 3), False)]
+    results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
     for rank, rows in enumerate(results):
-        for row in rows:
+        for row in rows[:3]:    # the wide model's d = 4 saves
             assert row["grew"] < row["held"] / 2, (rank, row["plan"], row["grew"], row["held"])
     weights, state = results[0][2]["saved"]
     (got_weights, got_state), = spawn(_load_rank, 1, str(tmp_path / "t1p1d4z3"),
@@ -99,12 +101,6 @@ def test_d4_zero_levels_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_
     for key, st in state.items():
         for name, value in st.items():
             assert torch.equal(got_state[key][name], value), (key, name)
-
-
-def test_t2_d2_and_p2_d2_write_evenly(tmp_path):
-    plans = [with_zero(make_plan(t=2, d=2, m=1, b=1), 1),
-             with_zero(make_plan(p=2, d=2, m=2, b=1), 3)]
-    _balanced(spawn(_save_rank, 4, plans, str(tmp_path), False, timeout_s=400))
 
 
 def _ep_rank(rank, world, plan, path, save):
