@@ -17,7 +17,10 @@
    reading only its slices (Runner.load_pretrained).
 4. Train until --steps optimizer steps in all (counted from the first run of the job), each
    data-parallel replica reading its rows of every global batch from --data; print each
-   step's loss (rank 0); save every --save-every steps and after the last.
+   step's loss (rank 0); save every --save-every steps (default 500) and after the last,
+   each rank writing its own shard on a background thread (--async-save, --keep versions);
+   SIGTERM / SIGUSR1 on any rank: every rank saves after the same step and exits 0
+   (autopar.runtime.preempt.CheckpointSaver).
 5. --export PATH: the trained weights as the single-device state dict (torch.save, rank 0).
 
 Bad input ends in one line, `launch.py: error: ...` (exit code 2), naming the value, the rule

@@ -95,7 +95,7 @@ def format_plan(plan: "Plan") -> str:
         f"    {_bubble(pr.bubble_fraction)} = {_fmt_s(pr.bubble_s)} per step",
         "    time terms     " + "  ".join(f"{k} {_fmt_s(v)}" for k, v in pr.terms().items() if v),
         f"    memory/GPU     {_fmt_bytes(pr.memory_bytes_per_gpu)}" + _memory_parts(pr),
-    ]
+    ] + _checkpoint_line(pr)
     if plan.training is not None:
         lines += format_training(plan.training, plan.gpus, plan.seq_len)
     return "\n".join(lines)
@@ -159,6 +159,18 @@ def _ranks_text(first: int, last: int, p: int) -> str:
     if last - first + 1 >= p:
         return f"on all {p} pipeline ranks (chunk c on rank c mod {p})"
     return "on pipeline ranks " + ", ".join(str(c % p) for c in range(first, last + 1))
+
+
+def _checkpoint_line(pr: "Prediction") -> list[str]:
+    """What a checkpoint save adds (autopar.runtime.checkpoint): each rank writes the shard it
+    holds, copied to host one piece (≤ 1/16 of its weights + optimizer state) at a time; an
+    asynchronous save stages all of it in (pinned) host memory."""
+    m = pr.memory
+    if m is None:
+        return []
+    state = m.weights_bytes + m.optimizer_bytes
+    return [f"    checkpoint     each rank writes its own shard: GPU memory + 0, host + "
+            f"{_fmt_bytes(state / 16)} per piece (sync), + {_fmt_bytes(state)} staged (async)"]
 
 
 def _memory_parts(pr: "Prediction | Memory") -> str:

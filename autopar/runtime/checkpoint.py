@@ -1,28 +1,37 @@
 """Sharded, atomic, plan-independent checkpoints on torch.distributed.checkpoint (DCP).
 
 Format. Every parameter (and every optimizer-state tensor, which follows its parameter's
-slicing) is stored as the pieces of the *logically full* tensor that the saving ranks held:
-a tensor-split piece under the DCP key f"{key}@{dim}:{start}-{stop}" (rows [start, stop) of
-split dim `dim`, vocabulary padding dropped), a replicated tensor under `key`. Exactly one rank
-writes each piece: data-parallel rank 0, tensor rank 0 for tensor-replicated tensors, the first
-pipeline stage for tied embedding copies. Optimizer states are stored under
+slicing) is stored as pieces of the *logically full* tensor, each written by one rank, each a
+box of the full tensor: in a program's checkpoint (below) under the DCP key
+f"{key}@[lo:hi,...]" with the layout piece [box, dcp_key]; in `save_checkpoint`'s (a tensor
+per rank) a tensor-split piece under f"{key}@{dim}:{start}-{stop}" (rows [start, stop) of split
+dim `dim`, vocabulary padding dropped; layout piece [start, stop, dcp_key]), a replicated tensor
+under `key`, written by data-parallel rank 0 (tensor rank 0 for tensor-replicated tensors, the
+first pipeline stage for tied embedding copies). Optimizer states are stored under
 f"optim/{name}/{key}..." (scalar states such as Adam's `step` as 0-d tensors). Beside the DCP
 files, `autopar_layout.json` lists every logical tensor's full shape, dtype and pieces, the
-step and the plan; it is written last and marks the checkpoint complete.
+step, the plan and every file's size and CRC-32; it is written last and marks the checkpoint
+complete.
 
-Loading under another plan (other t, p, d): each rank reads the saved pieces that overlap its
-new slice (DCP loads any subset of keys) and copies the overlaps into its local tensor.
+Loading under another plan (other t, c, p, d, v, ep, zero): each rank reads the saved pieces
+that overlap its new slice (DCP loads any subset of keys) and copies the overlaps into its local
+tensor; both piece forms load, so checkpoints written before sharded saves still load.
 
-Atomicity: the DCP files and the layout go to `path.tmp-<uuid>`; after a barrier rank 0
-renames it to `path.ckpt-<uuid>` and atomically repoints the symlink `path` at it
-(os.replace of a fresh link), then deletes the previous version and any leftovers. A crash at
-any moment leaves `path` pointing at a complete checkpoint (the old one until the replace).
+Atomicity (autopar.runtime.ckpt_store): the DCP files and the layout go to `path.tmp-<uuid>`;
+once every rank's files are complete rank 0 renames it to `path.ckpt-<uuid>` and atomically
+repoints the symlink `path` at it (os.replace of a fresh link), then deletes all but the `keep`
+newest versions and any leftovers. A crash at any moment leaves `path` pointing at a complete
+checkpoint (the old one until the replace). A load checks the files' sizes and checksums and
+falls back to an older kept version when the newest is damaged.
 
 A training program's checkpoint (`save_program_checkpoint` / `load_program_checkpoint`, what
 Runner.save_checkpoint / load_checkpoint call): every local parameter under its user key, its
-fp32 value (the masters under bf16) and the optimizer state from the program's optimizer
-regime. A parameter whose tensor-parallel split is not one range (fused q/k/v: each rank holds
-a slice of every block, ParamInfo.blocked) is gathered over the tensor group and stored whole.
+fp32 value (the masters under bf16) and the optimizer state, from what the program's optimizer
+regime holds (`Regime.shard_state()`: ZeRO segments, or whole tensors the replicas split
+between them) — nothing is gathered; autopar.runtime.ckpt_pieces turns flat ranges into boxes
+(fused q/k/v slices, padded rows and expert slices included) and bounds each piece to 1/16 of
+the rank's shard, the staging DCP's writer does one piece at a time. Synchronous, or
+asynchronous (async_save: a host copy, written on a background thread).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with

@@ -197,6 +197,7 @@ class Writer:
 
         def run() -> None:
             try:
+                _lower_priority()
                 fn()
             except BaseException as exc:   # handed to the next wait() on the main thread
                 self._error = exc
@@ -217,6 +218,15 @@ class Writer:
 
 
 WRITER = Writer()
+
+
+def _lower_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (Linux: a thread id is a process id
+    to setpriority), so the background write takes the cores training leaves idle."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):    # not Linux, or not permitted: write at the same priority
+        pass
 
 
 def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

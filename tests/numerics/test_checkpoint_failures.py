@@ -6,10 +6,12 @@ preemption signal to one rank, and damaged or copied checkpoint directories.
 - SIGTERM to rank 1 mid-step: both ranks save at the same step and return; the job resumed
   from that checkpoint ends with the losses and weights of the uninterrupted run;
 - a truncated file, a missing file: one line naming the file (and the previous kept version is
-  used when there is one); a `cp -rL` copy loads, and its first save adopts it.
+  used when there is one); a `cp -rL` copy loads, and its first save adopts it; a checkpoint
+  in the format before sharded saves (gathered rows, no checksums) still loads, bit for bit.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -135,6 +137,18 @@ def _damaged(rank, world, tmp):
     out["copied_step"] = runner.load_checkpoint(copy)
     runner.save_checkpoint(copy)                            # adopted: a link again
     out["copied_saved"] = (copy.is_symlink(), runner.load_checkpoint(copy))
+    # the format before sharded saves: rows of split tensors, gathered, no file checksums
+    old, want = Path(tmp) / "old", runner.full_state_dict()
+    runner.regime.shard_state = lambda: None
+    runner.save_checkpoint(old)
+    del runner.regime.shard_state
+    layout_file = old.resolve() / "autopar_layout.json"
+    layout = json.loads(layout_file.read_text())
+    del layout["files"]
+    layout_file.write_text(json.dumps(layout))
+    runner.train_step(*batches[2])
+    runner.load_checkpoint(old)
+    out["old_format"] = all(torch.equal(want[k], v) for k, v in runner.full_state_dict().items())
     return out
 
 
@@ -147,3 +161,4 @@ def test_truncated_missing_and_copied_checkpoints(tmp_path):
     assert "is missing" in missing and ".distcp" in missing and "copy" in missing
     assert "\n" not in missing, missing
     assert out["copied_step"] == 2 and out["copied_saved"] == (True, 2)
+    assert out["old_format"]

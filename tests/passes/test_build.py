@@ -107,6 +107,7 @@ def test_build_bad_input_is_one_line(built, capsys, argv, words):
 @pytest.mark.parametrize("argv, words", [
     (["--data", "random", "--steps", "0"], ["--steps 0: must be a positive integer"]),
     (["--data", "random", "--save-every", "-1"], ["--save-every -1"]),
+    (["--data", "random", "--keep", "0"], ["--keep 0: must be a positive integer"]),
     (["--data", "random", "--precision", "bf16"],
      ["chunk_00.py was generated for precision='fp32' but the run asks for precision='bf16'",
       "autopar build --precision bf16"]),

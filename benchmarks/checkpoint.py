@@ -1,0 +1,145 @@
+"""Checkpoint cost at d = 4 on CPU gloo ranks: the sharded save (every rank writes what it
+holds) against the gathered one it replaced (the ZeRO regimes all-gathered the optimizer state
+and data-parallel rank 0 wrote it), and an asynchronous save's training stall against a
+synchronous save.
+
+Per rank, for each ZeRO level: its shard state (fp32 weights + Adam moments held), bytes written
+(.distcp files), peak resident-memory growth during the save (VmHWM after a reset, the
+second save of the process), save and load time (load under the same plan). Then the stall:
+the time a synchronous save blocks the loop, against the time an asynchronous save blocks it
+(staging a host copy) plus the slowdown of the training steps that run while it writes
+(measured steps − as many steps of the median step time without a save).
+
+    python benchmarks/checkpoint.py [--hidden 512] [--layers 4] [--vocab 8192] [--zero 1,3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from autopar.testing import spawn
+
+
+def loss_fn(logits, targets):
+    return nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    return 0
+
+
+def _runner(args, zero: int):
+    import autopar
+    from autopar.examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
+                          n_head=4, n_embd=args.hidden))
+    ex = torch.zeros(1, args.seq, dtype=torch.long)
+    prog = autopar.parallelize(model, 4, example_inputs=(ex,), loss_fn=loss_fn,
+                               example_targets=ex.clone(), global_batch_size=4,
+                               cluster="local-cpu", t=1, p=1, d=4, micro_batch_size=1,
+                               zero=zero)
+    return prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), timeout_s=300)
+
+
+def _step(runner, args, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+    t0 = time.perf_counter()
+    runner.train_step(x, x)
+    return time.perf_counter() - t0
+
+
+def _save(runner, path, rank, gathered=False):
+    if gathered:     # the path it replaced: regime without a sharded form
+        runner.regime.shard_state = lambda: None
+    runner.save_checkpoint(path)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kb("VmRSS")
+    t0 = time.perf_counter()
+    runner.save_checkpoint(path)
+    save_s = time.perf_counter() - t0
+    grew = (_rss_kb("VmHWM") - before) * 1024
+    written = sum(f.stat().st_size for f in Path(path).resolve().glob(f"__{rank}_*.distcp"))
+    if gathered:
+        del runner.regime.shard_state
+    return save_s, written, grew
+
+
+def _rank(rank, world, args, tmp):
+    torch.set_num_threads(1)
+    from autopar.runtime.ckpt_store import WRITER
+    out = {}
+    for zero in args.zero:
+        runner = _runner(args, zero)
+        _step(runner, args, 0)
+        held = sum(t.numel() * t.element_size() for h in runner.regime.shard_state()
+                   for t in h.tensors.values())
+        row = {"held": held}
+        for kind in ("gathered", "sharded"):
+            path = f"{tmp}/z{zero}-{kind}"
+            row[kind] = _save(runner, path, rank, gathered=kind == "gathered")
+        t0 = time.perf_counter()
+        runner.load_checkpoint(f"{tmp}/z{zero}-sharded")
+        row["load_s"] = time.perf_counter() - t0
+        steps = [_step(runner, args, k) for k in range(1, 6)]
+        row["step_s"] = statistics.median(steps)
+        t0 = time.perf_counter()
+        runner.save_checkpoint(f"{tmp}/z{zero}-sync")
+        row["sync_block_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        runner.save_checkpoint(f"{tmp}/z{zero}-async", async_save=True)
+        block = time.perf_counter() - t0
+        n, during = 0, 0.0
+        while WRITER.busy or n == 0:
+            during += _step(runner, args, 10 + n)
+            n += 1
+        runner.wait_for_checkpoint()
+        row["async_block_s"] = block
+        row["async_stall_s"] = block + max(0.0, during - n * row["step_s"])
+        row["async_steps"] = n
+        out[zero] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--zero", default="1,3")
+    args = ap.parse_args()
+    args.zero = [int(z) for z in args.zero.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = spawn(_rank, 4, args, tmp, timeout_s=1800)
+    mb = 1 / 2**20
+    for zero in args.zero:
+        rows = [r[zero] for r in results]
+        print(f"\nZeRO-{zero}, d=4, GPT hidden {args.hidden} × {args.layers} layers, vocab "
+              f"{args.vocab}: shard state per rank {rows[0]['held'] * mb:.1f} MiB")
+        print("rank | gathered: written MiB, mem growth MiB, save s | sharded: written MiB, "
+              "mem growth MiB, save s | load s")
+        for rank, r in enumerate(rows):
+            g, s = r["gathered"], r["sharded"]
+            print(f"{rank:4d} | {g[1] * mb:8.1f} {g[2] * mb:8.1f} {g[0]:6.2f} | "
+                  f"{s[1] * mb:8.1f} {s[2] * mb:8.1f} {s[0]:6.2f} | {r['load_s']:6.2f}")
+        sync = max(r["sync_block_s"] for r in rows)
+        stall = max(r["async_stall_s"] for r in rows)
+        print(f"sync save blocks {sync:.2f} s; async save blocks "
+              f"{max(r['async_block_s'] for r in rows):.2f} s and slows the "
+              f"{rows[0]['async_steps']} steps that overlap its write: stall {stall:.2f} s = "
+              f"{stall / sync:.2f} × the sync save (median step {rows[0]['step_s']:.2f} s)")
+
+
+if __name__ == "__main__":
+    main()
