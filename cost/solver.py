@@ -33,7 +33,8 @@ the embedding / head + loss alone).
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
 step time exceeds the step time of a feasible plan already found, or a lower bound of their
-memory exceeds the GPU's (optimality is kept: a pruned combination cannot win). The brute
+memory exceeds the GPU's (optimality is kept: a pruned combination cannot win); they are
+enumerated in families bounded before they are built (cost/search.py). The brute
 force in cost/bruteforce.py enumerates the same combinations and every partition with the same
 integer costs.
 """
