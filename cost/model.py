@@ -1244,12 +1244,20 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
             + experts * profile.num_layers) / cfg.p
 
 
-def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
+def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config,
+                                 memo: dict | None = None) -> float:
     """Block activations per GPU that no partition avoids: the busiest rank holds at least the
     average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
-    rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk)."""
+    rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk). `memo`
+    (optional, any dict) caches the context rank's profile (one per c and method)."""
     sp = cfg.sequence_parallel and cfg.t > 1
-    profile = context_rank_profile(profile, cfg.c, cfg.cp_attention)
+    if memo is None:
+        profile = context_rank_profile(profile, cfg.c, cfg.cp_attention)
+    else:
+        key = ("cp_profile", cfg.c, cfg.cp_attention)
+        if key not in memo:
+            memo[key] = context_rank_profile(profile, cfg.c, cfg.cp_attention)
+        profile = memo[key]
     act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
     least = min(inflight(cfg, r) for r in (0, cfg.p - 1))

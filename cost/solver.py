@@ -33,13 +33,13 @@ the embedding / head + loss alone).
 Combinations are enumerated in Python (divisibility, pins and rules decide which exist, each
 rejected one with its reason), costed with cost.model, and pruned when a lower bound of their
 step time exceeds the step time of a feasible plan already found, or a lower bound of their
-memory exceeds the GPU's (optimality is kept: a pruned combination cannot win). The brute
+memory exceeds the GPU's (optimality is kept: a pruned combination cannot win); they are
+enumerated in families bounded before they are built (cost/search.py). The brute
 force in cost/bruteforce.py enumerates the same combinations and every partition with the same
 integer costs.
 """
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import os
@@ -54,11 +54,11 @@ from ortools.sat.python import cp_model
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                activation_bytes_lower_bound, alltoall_heads_rule, bubble_div, config_costs,
-                                load_costs, predict, rank_layers, rank_load_ns,
+                                alltoall_heads_rule, config_costs, load_costs, predict,
+                                rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
-                                scaled_step_ns, state_bytes_lower_bound, step_scale,
-                                step_time_scaled, total_load_ns, total_tail_ns, v_step_ns)
+                                scaled_step_ns, step_scale, step_time_scaled, total_load_ns,
+                                total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import (CP_ATTENTION, RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction,
                           Stage, expert_parallel_refusal)
@@ -112,6 +112,56 @@ class Pins:
 class Rejection:
     config: dict[str, Any]
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """Knob combinations that share one load-only lower bound (cost/search.py family_bound_s):
+    one (t, c, p, d, ep, micro-batch b, recompute, sp, attention method) and its `rows`, each
+    (index, schedule, v, N, ((index, zero), ...)). `key` + `sub` place its members in
+    enumeration order: a member's order is key + (schedule index, *sub[:2], zero index,
+    sub[2]), the loops' order (t, c, p, ep, b, schedule, recompute, sp, zero, attention)."""
+    key: tuple[int, ...]
+    sub: tuple[int, int, int]
+    t: int
+    c: int
+    p: int
+    d: int
+    ep: int
+    b: int
+    m: int
+    recompute: str
+    sp: bool
+    how: str
+    rows: tuple
+
+    def configs(self) -> Iterator[tuple[tuple[int, ...], Config]]:
+        """(enumeration order, configuration) of every member."""
+        ri, spi, hi = self.sub
+        for si, schedule, v, group, zeros in self.rows:
+            for zi, zero in zeros:
+                yield self.key + (si, ri, spi, zi, hi), Config(
+                    t=self.t, p=self.p, d=self.d, c=self.c, cp_attention=self.how, ep=self.ep,
+                    v=v, micro_batch_size=self.b, num_microbatches=self.m, schedule=schedule,
+                    recompute=self.recompute, sequence_parallel=self.sp, zero=zero,
+                    microbatch_group=group)
+
+    def zeros(self) -> set[int]:
+        return {z for *_, zeros in self.rows for _, z in zeros}
+
+
+@dataclass
+class SolveStats:
+    """The work of one solve, in counts (deterministic, unlike seconds): tests bound it so a
+    new degree cannot silently multiply the search; benchmarks/planner.py prints it. Pass
+    one to `solve(..., stats=)` to have it filled."""
+    families: int = 0            # families enumerated (each bounded before it is built)
+    families_built: int = 0      # of them, built: their bound did not exceed the best plan
+    families_memory: int = 0     # of them, skipped: weights and optimizer states alone overflow
+    configs: int = 0             # configurations built (Config objects)
+    quick_bounds: int = 0        # load-only lower bounds computed (the rest shared, memoised)
+    priced: int = 0              # configurations fully priced (cost.model.config_costs)
+    candidates: int = 0          # configurations handed to CP-SAT
 
 
 def _divisors(n: int) -> list[int]:
@@ -178,11 +228,23 @@ def _expert_degrees(profile: ModelProfile, replicas: int, pins: Pins,
 
 def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
                       pins: Pins) -> tuple[list[Config], list[Rejection]]:
-    """All knob combinations the rules allow, and the rejected ones with reasons."""
-    configs: list[Config] = []
+    """All knob combinations the rules allow, in enumeration order (t, c, p, ep, b, schedule,
+    recompute, sp, zero, attention), and the rejected ones with reasons."""
+    families, rejected = enumerate_families(profile, cluster, gpus, global_batch, pins)
+    members = sorted((key, cfg) for fam in families for key, cfg in fam.configs())
+    return [cfg for _, cfg in members], rejected
+
+
+def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
+                       pins: Pins) -> tuple[list[Family], list[Rejection]]:
+    """The knob combinations the rules allow, in families that share a load-only bound
+    (cost/search.py: one (t, c, p, d, ep, b, recompute, sp, attention), its schedules, v, N and
+    ZeRO levels built only when the search needs them), and the rejected ones with reasons
+    (every rule checked, whether or not its family is ever built)."""
+    families: list[Family] = []
     rejected: list[Rejection] = []
     l = profile.num_layers
-    for t in _divisors(gpus):
+    for ti, t in enumerate(_divisors(gpus)):
         if not pins.allows("t", t):
             continue
         why = _tensor_rule(profile, t)
@@ -192,14 +254,14 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
         if why:
             rejected.append(Rejection({"t": t}, why))
             continue
-        for c in _divisors(gpus // t):
+        for ci, c in enumerate(_divisors(gpus // t)):
             if not pins.allows("c", c):
                 continue
             why = _context_rule(profile, c)
             if why:
                 rejected.append(Rejection({"t": t, "c": c}, why))
                 continue
-            for p in _divisors(gpus // (t * c)):
+            for pi, p in enumerate(_divisors(gpus // (t * c))):
                 d = gpus // (t * c * p)
                 if not (pins.allows("p", p) and pins.allows("d", d)):
                     continue
@@ -213,62 +275,80 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
                         f"global batch {global_batch} not divisible by d={d}"))
                     continue
                 where = {"t": t, "c": c, "p": p, "d": d}
-                for ep in _expert_degrees(profile, c * d, pins, rejected, where):
-                    configs.extend(_inner_configs(profile, t, p, d, global_batch, pins,
-                                                  rejected, c, ep))
-    return configs, rejected
+                for ei, ep in enumerate(_expert_degrees(profile, c * d, pins, rejected, where)):
+                    families.extend(_inner_families(profile, t, p, d, global_batch, pins,
+                                                    rejected, c, ep, (ti, ci, pi, ei)))
+    return families, rejected
 
 
-def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
-                   ep=1) -> Iterator[Config]:
+def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
+                    prefix) -> Iterator[Family]:
+    """The families of one (t, c, p, d, ep): per micro-batch size b, the (schedule, v, N,
+    ZeRO levels) rows the rules allow, crossed with recompute, sp and the attention method.
+    Each rule's rejection is recorded once per (t, c, p, d, ep, b, schedule) where it applies."""
     l = profile.num_layers
     per_replica = global_batch // d
-    for b in _divisors(per_replica):
+    recs = [(ri, r) for ri, r in enumerate(RECOMPUTE) if pins.allows("recompute", r)]
+    hows = list(enumerate(_cp_attentions(profile, c, pins, t)))
+    for bi, b in enumerate(_divisors(per_replica)):
         if not pins.allows("micro_batch_size", b) or (
                 b > MAX_MICRO_BATCH and pins.micro_batch_size is None):
             continue
         m = per_replica // b
-        for schedule, v, group in _schedules(p, m, l, pins, rejected, (t, p, d, b)):
+        rows, sps = [], []
+        for si, (schedule, v, group) in enumerate(_schedules(p, m, l, pins, rejected,
+                                                             (t, p, d, b))):
             if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
                 rejected.append(Rejection(
                     {"t": t, "p": p, "d": d, "schedule": schedule, "zero": 3},
                     f"zero=2/3 not offered with {schedule}: its split backward's weight-gradient "
                     f"halves would need the sharded weights gathered again"))
-            for recompute in RECOMPUTE:
-                if not pins.allows("recompute", recompute):
-                    continue
-                sps = _sequence_parallel_modes(profile, t, p, d, pins, rejected, c)
-                for sp in sps:
-                    if t > 1 and not pins.allows("sequence_parallel", sp):
-                        continue
-                    zeros = SCHEDULE_TRAITS[schedule].zero_levels if d > 1 else (
-                        pins.zero or 0,)
-                    if pins.zero is not None and pins.zero not in zeros:
-                        rejected.append(Rejection(
-                            {"t": t, "p": p, "d": d, "schedule": schedule, "zero": pins.zero},
-                            f"zero={pins.zero} is not supported with schedule {schedule!r} "
-                            f"(supported: {SCHEDULE_TRAITS[schedule].zero_levels})"))
-                    for zero in zeros:
-                        if d > 1 and not pins.allows("zero", zero):
-                            continue
-                        if pins.zero is None and zero not in pins.zero_levels:
-                            rejected.append(Rejection(
-                                {"t": t, "p": p, "d": d, "schedule": schedule, "zero": zero},
-                                f"zero={zero} is priced but not executed by this runtime yet "
-                                f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
-                            continue
-                        why = expert_parallel_refusal(ep, zero)
-                        if why and pins.ep is None:   # a free plan must run; pinned: refused
-                            rejected.append(Rejection(   # by compile in one line
-                                {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
-                                f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
-                            continue
-                        for how in _cp_attentions(profile, c, pins, t):
-                            yield Config(t=t, p=p, d=d, c=c, cp_attention=how, ep=ep, v=v,
-                                         micro_batch_size=b, num_microbatches=m,
-                                         schedule=schedule, recompute=recompute,
-                                         sequence_parallel=sp, zero=zero,
-                                         microbatch_group=group)
+            if not recs:
+                continue
+            sps = [(i, sp) for i, sp in enumerate(
+                       _sequence_parallel_modes(profile, t, p, d, pins, rejected, c))
+                   if t == 1 or pins.allows("sequence_parallel", sp)]
+            if not sps:
+                continue
+            zeros = _zero_levels(schedule, t, p, d, c, ep, pins, rejected)
+            if zeros:
+                rows.append((si, schedule, v, group, zeros))
+        if not rows:
+            continue
+        for ri, recompute in recs:
+            for spi, sp in sps:
+                for hi, how in hows:
+                    yield Family(key=prefix + (bi,), sub=(ri, spi, hi), t=t, c=c, p=p, d=d,
+                                 ep=ep, b=b, m=m, recompute=recompute, sp=sp, how=how,
+                                 rows=tuple(rows))
+
+
+def _zero_levels(schedule, t, p, d, c, ep, pins, rejected) -> tuple[tuple[int, int], ...]:
+    """(index, level) of the ZeRO levels a (schedule, d, ep) may run, the others rejected."""
+    zeros = SCHEDULE_TRAITS[schedule].zero_levels if d > 1 else (pins.zero or 0,)
+    if pins.zero is not None and pins.zero not in zeros:
+        rejected.append(Rejection(
+            {"t": t, "p": p, "d": d, "schedule": schedule, "zero": pins.zero},
+            f"zero={pins.zero} is not supported with schedule {schedule!r} "
+            f"(supported: {SCHEDULE_TRAITS[schedule].zero_levels})"))
+    out = []
+    for zi, zero in enumerate(zeros):
+        if d > 1 and not pins.allows("zero", zero):
+            continue
+        if pins.zero is None and zero not in pins.zero_levels:
+            rejected.append(Rejection(
+                {"t": t, "p": p, "d": d, "schedule": schedule, "zero": zero},
+                f"zero={zero} is priced but not executed by this runtime yet "
+                f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
+            continue
+        why = expert_parallel_refusal(ep, zero)
+        if why and pins.ep is None:   # a free plan must run; pinned: refused by compile
+            rejected.append(Rejection(
+                {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
+                f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
+            continue
+        out.append((zi, zero))
+    return tuple(out)
 
 
 def _cp_attentions(profile: ModelProfile, c: int, pins: Pins, t: int = 1) -> tuple[str, ...]:
@@ -727,14 +807,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
           schedules: tuple[str, ...] | None = None, c: int | None = None,
           ep: int | None = None, cp_attention: str | None = None,
-          cp_attentions: tuple[str, ...] = CP_ATTENTION) -> Plan:
+          stats: SolveStats | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
     `cp_attention`: pin how context parallelism's attention meets the other ranks' K/V
-    (autopar.plan.CP_ATTENTION); None: the cheapest per configuration, as the cost model
-    prices them, among `cp_attentions` (those the caller can build)."""
+    ("all-gather" | "ring"); None: the cheaper per configuration, as the cost model prices them.
+    `stats`: a SolveStats to fill with the search's work (families, configurations built,
+    bounds, configurations priced, CP-SAT candidates)."""
     cluster = get_cluster(cluster)
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
@@ -744,11 +825,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
                 microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
                 cp_attentions=tuple(cp_attentions), schedules=None if schedules is None else tuple(schedules))
     _validate(profile, cluster, gpus, global_batch_size, pins)
+    from autopar.cost.search import search   # (search imports this module's bounds)
     t0 = time.perf_counter()
-    configs, rejected = enumerate_configs(profile, cluster, gpus, global_batch_size, pins)
-    if not configs:
+    families, rejected = enumerate_families(profile, cluster, gpus, global_batch_size, pins)
+    if not families:
         raise ValueError(_no_config_message(profile, gpus, global_batch_size, pins, rejected))
-    evaluated, memory_fail, pruned = _evaluate(profile, cluster, configs)
+    stats = stats if stats is not None else SolveStats()
+    evaluated, memory_fail, pruned = search(
+        profile, cluster, families, max(0, max_alternatives // 2) + max(0, max_alternatives // 4),
+        stats)
     feasible = evaluated
     if not feasible:
         raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail))
@@ -762,6 +847,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     if math.isfinite(best_ub):
         kbest = min(range(len(survivors)), key=lambda j: survivors[j].ub_s)
         hint = (kbest, survivors[kbest].y)
+    stats.candidates = len(survivors)
     pm = _PlanModel([e.cc for e in survivors], profile.num_layers, hint)
     k, x, _, optimal = pm.solve()
     if k < 0:
@@ -787,78 +873,6 @@ def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Confi
     max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, lo[0]),
                    rank_load_ns(lc, cfg.p - 1, lo[-1]))
     return v_step_ns(cfg, max_load, total, 0)
-
-
-def _evaluate(profile, cluster, configs):
-    """Cost the combinations in order of a cheap lower bound; stop costing once the bound
-    exceeds a feasible plan's step time (branch and bound: pruned ones cannot win)."""
-    l = profile.num_layers
-    evaluated, memory_fail, pruned = [], [], []
-    memo: dict = {}
-    # the quick bound depends on the loads only: shared by schedules and ZeRO levels (except
-    # ZeRO-3 under 1F1B-style schedules, whose gathers are in the load), and by the expert
-    # degrees: ep > 1 only adds its all-to-alls to every layer's load, so the bound of the
-    # ep = 1 twin bounds them too (the tighter bound of config_costs still prunes them)
-    qmemo: dict = {}
-    quick = []
-    for cfg in configs:
-        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size,
-               cfg.recompute, cfg.sequence_parallel, bubble_div(cfg), cfg.microbatch_group)
-        if key not in qmemo:
-            twin = cfg if cfg.ep == 1 else dataclasses.replace(cfg, ep=1)
-            qmemo[key] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
-                               ) / cfg.v / 1e9
-        quick.append(qmemo[key])
-    order = sorted(range(len(configs)), key=lambda i: quick[i])
-    best_ub = math.inf
-    smemo: dict = {}
-    for i in order:
-        cfg = configs[i]
-        # (sequence parallelism can change what the tensor-parallel pass replicates)
-        skey = (cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
-        if skey not in smemo:
-            smemo[skey] = state_bytes_lower_bound(profile, cfg)
-        state = smemo[skey]
-        if state > cluster.usable_memory_bytes:
-            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], mem_lb=state, note=(
-                f"memory: weights, gradients and optimizer states alone need {state / GIB:.1f} "
-                f"GiB > {cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU")))
-            continue
-        if quick[i] > best_ub:
-            pruned.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], note=(
-                f"slower: lower bound {quick[i]:.4g} s > best {best_ub:.4g} s")))
-            continue
-        akey = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
-                cfg.num_microbatches,
-                cfg.recompute, cfg.sequence_parallel, cfg.schedule, cfg.microbatch_group)
-        if akey not in smemo:
-            smemo[akey] = activation_bytes_lower_bound(profile, cfg)
-        if state + smemo[akey] > cluster.usable_memory_bytes:
-            need = state + smemo[akey]
-            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=quick[i], mem_lb=need, note=(
-                f"memory: weights, optimizer states and the activations the schedule keeps "
-                f"need at least {need / GIB:.1f} GiB > {cluster.usable_memory_bytes / GIB:.1f} GiB "
-                f"usable per GPU")))
-            continue
-        cc = config_costs(profile, cluster, cfg, memo)
-        e = _Evaluated(cc=cc, cfg=cfg, lb_s=float(lower_bound_scaled(cc, l)) / cfg.v / 1e9)
-        if e.lb_s > best_ub:
-            e.note = f"slower: lower bound {e.lb_s:.4g} s > best {best_ub:.4g} s"
-            pruned.append(e)
-            continue
-        e.y = heuristic_partition(cc, l)
-        if e.y is not None:
-            e.ub_s = float(step_time_scaled(cc, e.y)) / cfg.v / 1e9
-            best_ub = min(best_ub, e.ub_s)
-        else:
-            e.mem_lb = memory_lower_bound(cc, l)
-            if e.mem_lb > cc.capacity_bytes:
-                e.note = (f"memory: needs at least {e.mem_lb / GIB:.1f} GiB > "
-                          f"{cc.capacity_bytes / GIB:.1f} GiB usable per GPU")
-                memory_fail.append(e)
-                continue
-        evaluated.append(e)
-    return evaluated, memory_fail, pruned
 
 
 def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,

@@ -63,12 +63,27 @@ def local_sq_sum(grads: Sequence[torch.Tensor | None], param_infos: Sequence[Par
 
 def _without(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], lo: int) -> torch.Tensor:
     """`flat` (the parameter's elements from `lo` on) with the elements in `ranges` dropped."""
-    keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
-    for a, b in ranges:
-        a, b = max(a - lo, 0), min(b - lo, flat.numel())
-        if a < b:
-            keep[a:b] = False
-    return flat[keep]
+    return flat[_kept_index(tuple(map(tuple, ranges)), lo, flat.numel(), flat.device)]
+
+
+_KEPT: dict[tuple, torch.Tensor] = {}
+
+
+def _kept_index(ranges: tuple[tuple[int, int], ...], lo: int, numel: int,
+                device: torch.device) -> torch.Tensor:
+    """The indices of [lo, lo + numel) outside `ranges`, shifted to start at 0: built once per
+    (ranges, lo, numel, device) — the same every step — and reused (a boolean mask per step
+    cost a fill and a scan of the whole parameter)."""
+    key = (ranges, lo, numel, str(device))
+    idx = _KEPT.get(key)
+    if idx is None:
+        keep = torch.ones(numel, dtype=torch.bool, device=device)
+        for a, b in ranges:
+            a, b = max(a - lo, 0), min(b - lo, numel)
+            if a < b:
+                keep[a:b] = False
+        idx = _KEPT[key] = keep.nonzero().reshape(-1)
+    return idx
 
 
 def _norm_group(groups: Any, dp_sharded: bool) -> Any:

@@ -71,6 +71,10 @@ class Runner:
         self.steps = 0
         self.last_grad_norm: float | None = None   # before clipping, last step
         self.checkpoint_version: Path | None = None   # the version load_checkpoint read
+        # the ignore index of this rank's loss chunk, if it holds one and its loss is a token
+        # mean (found once: the same every step)
+        last = [ch for ch in chunks.values() if ch.returns_loss]
+        self._ignore_index = last[0].loss_ignore_index if last else None
 
     # ---- training -----------------------------------------------------------------------
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
@@ -115,11 +119,10 @@ class Runner:
         ranks). Averaged over the c·d ranks the step's loss is then the single device's mean
         over every counted token, however unevenly ignored targets fall between micro-batches
         and replicas (1/m each when they count alike). None: another loss (1/m each)."""
-        last = [ch for ch in self.chunks.values() if ch.returns_loss]
-        if not last or last[0].loss_ignore_index is None:
+        if self._ignore_index is None:
             return None
         m = self.plan.num_microbatches
-        counted = (targets.to(device).reshape(m, -1) != last[0].loss_ignore_index).sum(1)
+        counted = (targets.to(device).reshape(m, -1) != self._ignore_index).sum(1)
         total = counted.sum().to(torch.float64)       # a scalar, like the loss's reduction
         if self.pg.d > 1:
             all_reduce_(total, self.pg.data)

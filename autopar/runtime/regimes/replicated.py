@@ -48,7 +48,7 @@ class Replicated(Regime):
             if self.mp is not None else OrderedDict(params.tensors)
         self.optimizer = make(list(self.stepped.values()))
         self.syncs: list[GradSync] = []
-        self.arm_at: dict[tuple[int, int], list] = {}
+        self.arm_at: dict[tuple[int, int], list[list]] = {}
         self.final_kind = weight_grad_kind(actions)
         if groups.d > 1:   # after MixedPrecision: its hook folds .grad into main_grad first
             for expert in (False, True):
@@ -62,15 +62,20 @@ class Replicated(Regime):
                     groups.expert_data if expert else groups.data,
                     chunks=[c for c in chunks if c], divide_by=groups.d if expert else None,
                     bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES))
-            self.arm_at = final_backwards(actions, params.in_chunks(), params.tensors)
+            # per (chunk, micro-batch): each sync's own parameters, split once here (not
+            # filtered by id before every final backward of every step)
+            self.arm_at = {key: [[p for p in ps if id(p) in sync.ids] for sync in self.syncs]
+                           for key, ps in final_backwards(actions, params.in_chunks(),
+                                                          params.tensors).items()}
         self._shared = [params.tensors[q] for q in params.shared]
 
     def before_action(self, n: int, action: Action) -> None:
         params = self.arm_at.get((action.chunk, action.mb)) \
             if action.kind == self.final_kind else None
         if params:
-            for sync in self.syncs:   # each arms only its own parameters' hooks
-                sync.begin_final_microbatch([p for p in params if id(p) in sync.ids])
+            for sync, own in zip(self.syncs, params):   # each arms only its own parameters
+                if own:
+                    sync.begin_final_microbatch(own)
 
     def zero_grad(self) -> None:
         if self.mp is not None:

@@ -1,0 +1,204 @@
+"""The planner's branch and bound: which knob combinations get priced, in which order.
+
+cost/solver.py enumerates the combinations the rules allow in families (solver.Family: one
+(t, c, p, d, ep, b, recompute, sp, attention method) with its schedules, v, N and ZeRO levels),
+without building them. `search` then works best-first on one heap of families and
+combinations, keyed by a lower bound of their step time:
+  - a family's bound (`family_bound_s`) holds for every member: from the loads alone, with
+    the largest v·bubble_div of its rows (the bubble shrinks with it) and no tail;
+  - a combination's is solver.quick_lower_bound_scaled (its own v, N and bubble divisor),
+    shared through a memo by the combinations with the same loads (ZeRO levels, ep);
+  - a combination popped is priced in full (cost.model.config_costs), bounded again over
+    every partition (solver.lower_bound_scaled), and split by the heuristic (an upper bound
+    that lowers `best`).
+A family is built only when popped, i.e. when its bound does not exceed the best plan found
+so far; the search stops when the smallest bound left exceeds it (branch and bound:
+nothing left can win). Optimality and the chosen plan are unchanged by the families: the
+combinations are popped in the order of the flat search (ascending quick bound, ties in
+enumeration order; a family's bound is at most its members' and a family is popped before
+any combination of the same bound), so the same ones are priced and the same survive into
+CP-SAT, in the same order. What the families change is what is never built: the members
+of a family whose bound exceeds the best (counted in SolveStats).
+For the explanation the search goes on past the best, building families, until the `need`
+closest pruned combinations are known (those Plan.explain() ranks). Families whose weights,
+gradients and optimizer states alone overflow a GPU at every ZeRO level they offer are never
+built: each is reported as one memory failure (its least-memory member).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import math
+
+from autopar.cost.hardware import Cluster
+from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_bound,
+                                bubble_div, config_costs, load_costs, state_bytes_lower_bound,
+                                step_time_scaled)
+from autopar.cost.profile import ModelProfile
+from autopar.cost.solver import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
+                                 lower_bound_scaled, memory_lower_bound,
+                                 quick_lower_bound_scaled)
+
+# float slack on the family bound: it must never exceed a member's quick bound, which is
+# computed along another path of float operations
+_SLACK = 1 - 1e-9
+
+
+def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family, memo: dict) -> float:
+    """A lower bound of the step time (s) of every member of `fam`.
+
+    A member's step is m·max τ + (Σ τ − max τ)/V + tail (cost.model.scaled_step_ns, V = v ·
+    bubble_div), at least (m − 1/V)·max τ + Σ τ/V: increasing in max τ and Σ τ, and for
+    Σ τ >= max τ decreasing in V. So with Σ τ >= S (the loads without p2p, the same at every v
+    and N), max τ >= max(S/p, a layer + the embedding, a layer + the head) and V <= the
+    family's largest, the bound holds for every member (ep > 1 only adds all-to-alls)."""
+    cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=1, v=1,
+                 micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
+                 sequence_parallel=fam.sp)
+    lc = load_costs(profile, cluster, cfg, memo)
+    total = lc.layer_ns * profile.num_layers + lc.embed_ns + lc.head_ns
+    most = max(total / fam.p, lc.layer_ns + lc.embed_ns, lc.layer_ns + lc.head_ns)
+    V = max(v * SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+            for _, schedule, v, _, _ in fam.rows)
+    return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
+
+
+def _state_memo(profile: ModelProfile, cfg: Config, memo: dict) -> float:
+    # (sequence parallelism can change what the tensor-parallel pass replicates)
+    key = ("state", cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
+    if key not in memo:
+        memo[key] = state_bytes_lower_bound(profile, cfg)
+    return memo[key]
+
+
+def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict) -> float:
+    key = ("act", cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
+           cfg.num_microbatches, cfg.recompute, cfg.sequence_parallel, cfg.schedule,
+           cfg.microbatch_group)
+    if key not in memo:
+        memo[key] = activation_bytes_lower_bound(profile, cfg, memo)
+    return memo[key]
+
+
+def _memory_family(profile, cluster, fam: Family, memo: dict) -> _Evaluated | None:
+    """The family's least-memory member as a memory failure, if even its weights, gradients
+    and optimizer states overflow (then so do every member's); else None."""
+    cfgs = {}
+    for _, cfg in fam.configs():
+        cfgs.setdefault(cfg.zero, cfg)
+        if len(cfgs) == len(fam.zeros()):
+            break
+    least = min(cfgs.values(), key=lambda c: _state_memo(profile, c, memo))
+    state = _state_memo(profile, least, memo)
+    if state <= cluster.usable_memory_bytes:
+        return None
+    return _state_failure(cluster, least, 0.0, state)
+
+
+def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
+    return _Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=state, note=(
+        f"memory: weights, gradients and optimizer states alone need {state / GIB:.1f} GiB > "
+        f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
+
+
+def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need: int = 0,
+           stats: SolveStats | None = None
+           ) -> tuple[list[_Evaluated], list[_Evaluated], list[_Evaluated]]:
+    """(evaluated, memory failures, pruned): the combinations priced (with a heuristic split
+    where one fits), those that overflow memory, and those pruned by a bound (with its note),
+    the pruned ones including at least the `need` of least bound when that many exist (see the
+    module docstring)."""
+    stats = stats if stats is not None else SolveStats()
+    l = profile.num_layers
+    evaluated, memory_fail, pruned = [], [], []
+    memo: dict = {}
+    qmemo: dict = {}
+    heap: list[tuple] = []
+    stats.families += len(families)
+    for n, fam in enumerate(families):
+        failed = _memory_family(profile, cluster, fam, memo)
+        if failed is not None:
+            stats.families_memory += 1
+            memory_fail.append(failed)
+            continue
+        heap.append((family_bound_s(profile, cluster, fam, memo), 0, fam.key + fam.sub, n))
+    heapq.heapify(heap)
+
+    def build(fam: Family) -> None:
+        stats.families_built += 1
+        for key, cfg in fam.configs():
+            stats.configs += 1
+            # the quick bound depends on the loads only: shared by ZeRO levels, and by the
+            # expert degrees (ep > 1 only adds its all-to-alls to every layer's load, so the
+            # bound of the ep = 1 twin bounds them too)
+            qkey = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size,
+                    cfg.recompute, cfg.sequence_parallel, bubble_div(cfg),
+                    cfg.microbatch_group)
+            if qkey not in qmemo:
+                stats.quick_bounds += 1
+                twin = cfg if cfg.ep == 1 else dataclasses.replace(cfg, ep=1)
+                qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
+                                    ) / cfg.v / 1e9
+            heapq.heappush(heap, (qmemo[qkey], 1, key, cfg))
+
+    best_ub = math.inf
+    while heap and heap[0][0] <= best_ub:
+        bound, kind, _, item = heapq.heappop(heap)
+        if kind == 0:
+            build(families[item])
+            continue
+        cfg = item
+        state = _state_memo(profile, cfg, memo)
+        if state > cluster.usable_memory_bytes:
+            memory_fail.append(_state_failure(cluster, cfg, bound, state))
+            continue
+        need_act = state + _activation_memo(profile, cluster, cfg, memo)
+        if need_act > cluster.usable_memory_bytes:
+            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need_act, note=(
+                f"memory: weights, optimizer states and the activations the schedule keeps "
+                f"need at least {need_act / GIB:.1f} GiB > "
+                f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU")))
+            continue
+        stats.priced += 1
+        cc = config_costs(profile, cluster, cfg, memo)
+        e = _Evaluated(cc=cc, cfg=cfg, lb_s=float(lower_bound_scaled(cc, l)) / cfg.v / 1e9)
+        if e.lb_s > best_ub:
+            e.note = f"slower: lower bound {e.lb_s:.4g} s > best {best_ub:.4g} s"
+            pruned.append(e)
+            continue
+        e.y = heuristic_partition(cc, l)
+        if e.y is not None:
+            e.ub_s = float(step_time_scaled(cc, e.y)) / cfg.v / 1e9
+            best_ub = min(best_ub, e.ub_s)
+        else:
+            e.mem_lb = memory_lower_bound(cc, l)
+            if e.mem_lb > cc.capacity_bytes:
+                e.note = (f"memory: needs at least {e.mem_lb / GIB:.1f} GiB > "
+                          f"{cc.capacity_bytes / GIB:.1f} GiB usable per GPU")
+                memory_fail.append(e)
+                continue
+        evaluated.append(e)
+    _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
+                    best_ub, need, memo)
+    return evaluated, memory_fail, pruned
+
+
+def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
+                    best_ub, need, memo) -> None:
+    """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
+    (every one left on the heap, or in a family not built, has a bound >= the heap's top)."""
+    known = sorted([e.lb_s for e in pruned] + [e.lb_s for e in evaluated if e.lb_s > best_ub])
+    popped = 0
+    while heap and bisect.bisect_right(known, heap[0][0]) + popped < need:
+        bound, kind, _, item = heapq.heappop(heap)
+        if kind == 0:
+            build(families[item])
+            continue
+        state = _state_memo(profile, item, memo)
+        if state > cluster.usable_memory_bytes:
+            memory_fail.append(_state_failure(cluster, item, bound, state))
+            continue
+        popped += 1
+        pruned.append(_Evaluated(cc=None, cfg=item, lb_s=bound, note=(
+            f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s")))
