@@ -47,10 +47,11 @@ def _plan(mode: str) -> Plan:
     return make_plan(**{"t2": {"t": 2}, "p2": {"p": 2}}[mode])
 
 
+# one model per mode (the suite's time budget); verified once beyond these, not kept: Qwen3-MoE
+# at t = 2, SmolLM3 at t = 2 and c = 2, Cohere2 at p = 2
 @pytest.mark.parametrize("name,mode", [
-    ("hf_qwen3_moe", "t2"), ("hf_qwen3_moe", "p2"), ("hf_qwen3_moe", "ep2d2"),
-    ("hf_smollm3", "t2"), ("hf_smollm3", "c2"),
-    ("hf_cohere2", "p2"), ("hf_cohere2", "c2"), ("hf_gpt_oss", "t2")])
+    ("hf_gpt_oss", "t2"), ("hf_qwen3_moe", "p2"), ("hf_cohere2", "c2"),
+    ("hf_qwen3_moe", "ep2d2")])
 def test_blocks_of_two_kinds_equal_one_device(name, mode):
     plan = _plan(mode)
     results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)
