@@ -310,6 +310,17 @@ def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
 # Encoder-decoder: two stacks of different blocks (the decoder's cross-attend to the encoder's
 # output); inputs (input_ids, attention_mask, decoder_input_ids), the models' own positional
 # order, and the targets are the decoder's next tokens.
+def hf_swin(*, layers: int = 2, heads: int = 2, hidden: int = 16, labels: int = 10,
+            **config: Any) -> Model:
+    """Swin: two stages of `layers` blocks (widths hidden, 2·hidden; the second block of a
+    stage shifts its windows with a roll), a patch-merging step between them; 16×16 pixels."""
+    from transformers import SwinConfig, SwinForImageClassification
+    return SwinForImageClassification(SwinConfig(
+        image_size=16, patch_size=2, embed_dim=hidden, depths=[layers, layers],
+        num_heads=[heads, 2 * heads], window_size=2, num_labels=labels, drop_path_rate=0.0,
+        **config))
+
+
 def hf_t5(*, vocab: int = 64, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
           **config: Any) -> Model:
     """T5: relative position bias computed by the first block of each stack and handed on,
@@ -439,7 +450,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
-    hf_gpt_oss)}
+    hf_gpt_oss, hf_swin)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

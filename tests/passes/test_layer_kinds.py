@@ -17,8 +17,8 @@ import models
 def test_stage_layers_cut_by_cost():
     """Chunks counted in mean layers become real layers by cumulative cost: 3 light then
     heavy layers (weights 1 and 3), 2 chunks of 4 mean layers: the cut is nearest half of
-    the total (12 of 24: after 3 light + 3 heavy layers = 12)."""
-    assert stage_layers([4, 4], [1, 1, 1, 3, 3, 3, 3, 3]) == [6, 2]
+    the total (9 of 18: after 3 light + 2 heavy layers), not after 4 layers."""
+    assert stage_layers([4, 4], [1, 1, 1, 3, 3, 3, 3, 3]) == [5, 3]
     assert stage_layers([0, 8, 0], [1] * 8) == [0, 8, 0]    # edge-only chunks stay empty
 
 
@@ -28,7 +28,7 @@ def _plan(name: str, layers: int, **config):
                              heads=16, kv_heads=4, ffn=5632, **config)
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     prog = parallelize(model, 1024, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
-                       global_batch_size=1024, cluster="dgx-h100-80gb", p=4, v=1)
+                       global_batch_size=1024, cluster="dgx-h100-80gb", p=4, v=1, t=2)
     return prog.plan, prog.profile
 
 
@@ -40,10 +40,15 @@ def _stage_times_ns(plan, profile) -> list[float]:
 
 
 def _check_balanced(plan, profile) -> None:
+    """Per-stage times (layers + embedding / head) within 10% of each other, or one layer
+    apart where a layer is more than 10% of a stage. The embedding's stage may be lighter:
+    the solver gives pipeline rank 0 less load for its tail (the embedding's gradient
+    reduction and optimizer step), as it does for a stack of one kind."""
     times = _stage_times_ns(plan, profile)
     layer_ns = max(st.layers_ms * 1e6 / st.num_layers for st in plan.stages if st.num_layers)
-    # within 10% of each other, or one layer apart where the layer granularity is coarser
-    assert max(times) - min(times) <= max(0.1 * max(times), layer_ns), times
+    rest = [x for x, st in zip(times, plan.stages) if not st.embedding]
+    assert max(rest) - min(rest) <= max(0.1 * max(rest), layer_ns), times
+    assert times[0] <= max(rest) + layer_ns, times
     assert all(st.kinds for st in plan.stages if st.num_layers)
 
 
