@@ -54,7 +54,8 @@ from ortools.sat.python import cp_model
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                activation_bytes_lower_bound, alltoall_heads_rule, bubble_div, config_costs,
+                                activation_bytes_lower_bound, alltoall_heads_rule,
+                                context_comm_s, rank_profile, bubble_div, config_costs,
                                 load_costs, predict, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
@@ -181,6 +182,7 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
     """All knob combinations the rules allow, and the rejected ones with reasons."""
     configs: list[Config] = []
     rejected: list[Rejection] = []
+    exchanges = _Exchanges(profile, cluster, pins, gpus, rejected)
     l = profile.num_layers
     for t in _divisors(gpus):
         if not pins.allows("t", t):
@@ -215,12 +217,57 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
                 where = {"t": t, "c": c, "p": p, "d": d}
                 for ep in _expert_degrees(profile, c * d, pins, rejected, where):
                     configs.extend(_inner_configs(profile, t, p, d, global_batch, pins,
-                                                  rejected, c, ep))
+                                                  rejected, c, ep, exchanges))
     return configs, rejected
 
 
+_NO_GATHER = ("ring", "all-to-all")   # context methods that save the same activations
+
+
+class _Exchanges:
+    """The context attention methods to enumerate at (t, c, b, sp, recompute): those
+    `_cp_attentions` allows, less a ring / all-to-all that the other of the pair beats there.
+    The two keep the same activations (no gathered K/V) and differ only in the exchange
+    (cost.model.context_comm_s), so one that costs no less in forward and in total can never
+    give a faster or smaller plan; weighed once per key, one Rejection per method dropped."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
+                 rejected: list) -> None:
+        self.profile, self.cluster, self.pins, self.gpus = profile, cluster, pins, gpus
+        self.rejected, self.memo = rejected, {}
+
+    def __call__(self, t: int, c: int, b: int, sp: bool, recompute: str) -> tuple[str, ...]:
+        key = (t, c, b, sp and t > 1, recompute)
+        if key not in self.memo:
+            self.memo[key] = self._undominated(*key)
+        return self.memo[key]
+
+    def _undominated(self, t, c, b, sp, recompute) -> tuple[str, ...]:
+        hows = _cp_attentions(self.profile, c, self.pins, t)
+        if not all(how in hows for how in _NO_GATHER):
+            return hows
+        cost = {}
+        for how in _NO_GATHER:
+            cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
+                         micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
+            cost[how] = context_comm_s(rank_profile(self.profile, self.cluster, cfg),
+                                       self.cluster, cfg)
+        (ring_f, ring_t), (a2a_f, a2a_t) = cost["ring"], cost["all-to-all"]
+        drop = ("all-to-all" if ring_f <= a2a_f and ring_t <= a2a_t else
+                "ring" if a2a_f <= ring_f and a2a_t <= ring_t else None)
+        if drop is None:
+            return hows
+        keep = _NO_GATHER[1 - _NO_GATHER.index(drop)]
+        self.rejected.append(Rejection(
+            {"t": t, "c": c, "cp_attention": drop, "micro_batch_size": b, "recompute": recompute,
+             "sequence_parallel": sp},
+            f"slower exchange: {drop} context attention {cost[drop][1] * 1e3:.3g} ms per layer "
+            f"vs {keep} {cost[keep][1] * 1e3:.3g} ms at the same knobs (the same memory)"))
+        return tuple(how for how in hows if how != drop)
+
+
 def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
-                   ep=1) -> Iterator[Config]:
+                   ep=1, exchanges: _Exchanges | None = None) -> Iterator[Config]:
     l = profile.num_layers
     per_replica = global_batch // d
     for b in _divisors(per_replica):
@@ -263,7 +310,9 @@ def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
                                 {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
                                 f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
                             continue
-                        for how in _cp_attentions(profile, c, pins, t):
+                        hows = (exchanges(t, c, b, sp, recompute) if exchanges is not None
+                                else _cp_attentions(profile, c, pins, t))
+                        for how in hows:
                             yield Config(t=t, p=p, d=d, c=c, cp_attention=how, ep=ep, v=v,
                                          micro_batch_size=b, num_microbatches=m,
                                          schedule=schedule, recompute=recompute,
