@@ -55,7 +55,7 @@ from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
                                 activation_bytes_lower_bound, alltoall_heads_rule,
-                                context_comm_s, rank_profile, bubble_div, config_costs,
+                                _rank_profile_memo, context_comm_s, bubble_div, config_costs,
                                 load_costs, predict, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                 scaled_step_ns, state_bytes_lower_bound, step_scale,
@@ -221,14 +221,11 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
     return configs, rejected
 
 
-_NO_GATHER = ("ring", "all-to-all")   # context methods that save the same activations
-
-
 class _Exchanges:
     """The context attention methods to enumerate at (t, c, b, sp, recompute): those
-    `_cp_attentions` allows, less a ring / all-to-all that the other of the pair beats there.
-    The two keep the same activations (no gathered K/V) and differ only in the exchange
-    (cost.model.context_comm_s), so one that costs no less in forward and in total can never
+    `_cp_attentions` allows, less any another one beats there (`_beats`). The methods differ
+    only in the exchange (cost.model.context_comm_s) and in whether the gathered K/V is saved,
+    so one whose exchange costs no less in forward and in total and saves no less can never
     give a faster or smaller plan; weighed once per key, one Rejection per method dropped."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
@@ -244,26 +241,37 @@ class _Exchanges:
 
     def _undominated(self, t, c, b, sp, recompute) -> tuple[str, ...]:
         hows = _cp_attentions(self.profile, c, self.pins, t)
-        if not all(how in hows for how in _NO_GATHER):
+        if len(hows) < 2:
             return hows
         cost = {}
-        for how in _NO_GATHER:
+        for how in hows:
             cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
                          micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
-            cost[how] = context_comm_s(rank_profile(self.profile, self.cluster, cfg),
-                                       self.cluster, cfg)
-        (ring_f, ring_t), (a2a_f, a2a_t) = cost["ring"], cost["all-to-all"]
-        drop = ("all-to-all" if ring_f <= a2a_f and ring_t <= a2a_t else
-                "ring" if a2a_f <= ring_f and a2a_t <= ring_t else None)
-        if drop is None:
-            return hows
-        keep = _NO_GATHER[1 - _NO_GATHER.index(drop)]
-        self.rejected.append(Rejection(
-            {"t": t, "c": c, "cp_attention": drop, "micro_batch_size": b, "recompute": recompute,
-             "sequence_parallel": sp},
-            f"slower exchange: {drop} context attention {cost[drop][1] * 1e3:.3g} ms per layer "
-            f"vs {keep} {cost[keep][1] * 1e3:.3g} ms at the same knobs (the same memory)"))
-        return tuple(how for how in hows if how != drop)
+            rank = _rank_profile_memo(self.profile, self.cluster, cfg, self.memo)
+            cost[how] = context_comm_s(rank, self.cluster, cfg)
+        kept = []
+        for x in hows:
+            by = next((y for y in hows if y != x and _beats(y, x, cost, hows)), None)
+            if by is None:
+                kept.append(x)
+                continue
+            self.rejected.append(Rejection(
+                {"t": t, "c": c, "cp_attention": x, "micro_batch_size": b,
+                 "recompute": recompute, "sequence_parallel": sp},
+                f"slower exchange: {x} context attention {cost[x][1] * 1e3:.3g} ms per layer "
+                f"vs {by} {cost[by][1] * 1e3:.3g} ms at the same knobs, with no more memory"))
+        return tuple(kept)
+
+
+def _beats(y: str, x: str, cost: dict, hows: tuple[str, ...]) -> bool:
+    """Context method y dominates x at the same knobs: it saves no more activations (the
+    all-gather keeps the gathered K/V, ring and all-to-all do not) and its exchange costs no
+    more in forward and in total; ties go to the smaller memory, then to the earlier method."""
+    mem = {how: how == "all-gather" for how in hows}
+    (yf, yt), (xf, xt) = cost[y], cost[x]
+    if mem[y] > mem[x] or yf > xf or yt > xt:
+        return False
+    return (yf, yt) != (xf, xt) or mem[y] < mem[x] or hows.index(y) < hows.index(x)
 
 
 def _inner_configs(profile, t, p, d, global_batch, pins, rejected, c=1,
