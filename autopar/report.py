@@ -306,7 +306,7 @@ def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[s
                        "notes)."]
     parts = [f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (its best plan {a.label()} "
              f"{_fmt_s(a.predicted.step_time_s)} per step)" if a.feasible else
-             f"{how} rejected ({a.reason}: {a.label()})" for how, a in best.items()]
+             f"with {how} not weighed: {a.reason} ({a.label()})" for how, a in best.items()]
     return [head + f"its context-parallel cost is {_fmt_s(plan.predicted.cp_comm_s)} per step "
                    f"(plan {_fmt_s(plan.predicted.step_time_s)}) vs " + "; ".join(parts) + "."]
 

@@ -54,8 +54,8 @@ from ortools.sat.python import cp_model
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                alltoall_heads_rule, config_costs, load_costs, predict,
-                                rank_layers, rank_load_ns,
+                                _rank_profile_memo, alltoall_heads_rule, config_costs,
+                                context_comm_s, load_costs, predict, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                 scaled_step_ns, step_scale, step_time_scaled, total_load_ns,
                                 total_tail_ns, v_step_ns)
@@ -243,6 +243,7 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
     (every rule checked, whether or not its family is ever built)."""
     families: list[Family] = []
     rejected: list[Rejection] = []
+    exchanges = _Exchanges(profile, cluster, pins, gpus, rejected)
     l = profile.num_layers
     for ti, t in enumerate(_divisors(gpus)):
         if not pins.allows("t", t):
@@ -277,12 +278,66 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
                 where = {"t": t, "c": c, "p": p, "d": d}
                 for ei, ep in enumerate(_expert_degrees(profile, c * d, pins, rejected, where)):
                     families.extend(_inner_families(profile, t, p, d, global_batch, pins,
-                                                    rejected, c, ep, (ti, ci, pi, ei)))
+                                                    rejected, c, ep, (ti, ci, pi, ei),
+                                                    exchanges))
     return families, rejected
 
 
+class _Exchanges:
+    """The context attention methods to enumerate at (t, c, b, sp, recompute): those
+    `_cp_attentions` allows, less any another one beats there (`_beats`). The methods differ
+    only in the exchange (cost.model.context_comm_s) and in whether the gathered K/V is saved,
+    so one whose exchange costs no less in forward and in total and saves no less can never
+    give a faster or smaller plan; weighed once per key, one Rejection per method dropped."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
+                 rejected: list) -> None:
+        self.profile, self.cluster, self.pins, self.gpus = profile, cluster, pins, gpus
+        self.rejected, self.memo = rejected, {}
+
+    def __call__(self, t: int, c: int, b: int, sp: bool, recompute: str) -> tuple[str, ...]:
+        key = (t, c, b, sp and t > 1, recompute)
+        if key not in self.memo:
+            self.memo[key] = self._undominated(*key)
+        return self.memo[key]
+
+    def _undominated(self, t, c, b, sp, recompute) -> tuple[str, ...]:
+        hows = _cp_attentions(self.profile, c, self.pins, t)
+        if len(hows) < 2:
+            return hows
+        cost = {}
+        for how in hows:
+            cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
+                         micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
+            rank = _rank_profile_memo(self.profile, self.cluster, cfg, self.memo)
+            cost[how] = context_comm_s(rank, self.cluster, cfg)
+        kept = []
+        for x in hows:
+            by = next((y for y in hows if y != x and _beats(y, x, cost, hows)), None)
+            if by is None:
+                kept.append(x)
+                continue
+            self.rejected.append(Rejection(
+                {"t": t, "c": c, "cp_attention": x, "micro_batch_size": b,
+                 "recompute": recompute, "sequence_parallel": sp},
+                f"slower exchange: {x} context attention costs no less than {by} at the same "
+                f"knobs (cost.model.context_comm_s), with no more memory"))
+        return tuple(kept)
+
+
+def _beats(y: str, x: str, cost: dict, hows: tuple[str, ...]) -> bool:
+    """Context method y dominates x at the same knobs: it saves no more activations (the
+    all-gather keeps the gathered K/V, ring and all-to-all do not) and its exchange costs no
+    more in forward and in total; ties go to the smaller memory, then to the earlier method."""
+    mem = {how: how == "all-gather" for how in hows}
+    (yf, yt), (xf, xt) = cost[y], cost[x]
+    if mem[y] > mem[x] or yf > xf or yt > xt:
+        return False
+    return (yf, yt) != (xf, xt) or mem[y] < mem[x] or hows.index(y) < hows.index(x)
+
+
 def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
-                    prefix) -> Iterator[Family]:
+                    prefix, exchanges: _Exchanges | None = None) -> Iterator[Family]:
     """The families of one (t, c, p, d, ep): per micro-batch size b, the (schedule, v, N,
     ZeRO levels) rows the rules allow, crossed with recompute, sp and the attention method.
     Each rule's rejection is recorded once per (t, c, p, d, ep, b, schedule) where it applies."""
@@ -317,7 +372,13 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
             continue
         for ri, recompute in recs:
             for spi, sp in sps:
+                # the methods no other one dominates at these knobs (_Exchanges), each keyed
+                # by its place among all of them so the search order is the flat one's
+                kept = (exchanges(t, c, b, sp, recompute) if exchanges is not None
+                        else tuple(how for _, how in hows))
                 for hi, how in hows:
+                    if how not in kept:
+                        continue
                     yield Family(key=prefix + (bi,), sub=(ri, spi, hi), t=t, c=c, p=p, d=d,
                                  ep=ep, b=b, m=m, recompute=recompute, sp=sp, how=how,
                                  rows=tuple(rows))
