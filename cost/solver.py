@@ -868,15 +868,17 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           max_alternatives: int = 50, zero_levels: tuple[int, ...] = ZERO_LEVELS,
           schedules: tuple[str, ...] | None = None, c: int | None = None,
           ep: int | None = None, cp_attention: str | None = None,
+          cp_attentions: tuple[str, ...] = CP_ATTENTION,
           stats: SolveStats | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
     `cp_attention`: pin how context parallelism's attention meets the other ranks' K/V
-    ("all-gather" | "ring"); None: the cheaper per configuration, as the cost model prices them.
-    `stats`: a SolveStats to fill with the search's work (families, configurations built,
-    bounds, configurations priced, CP-SAT candidates)."""
+    (autopar.plan.CP_ATTENTION); None: the cheapest per configuration, as the cost model
+    prices them, among `cp_attentions` (those the caller can build). `stats`: a SolveStats
+    to fill with the search's work (families, configurations built, bounds, configurations
+    priced, CP-SAT candidates)."""
     cluster = get_cluster(cluster)
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
