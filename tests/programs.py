@@ -28,6 +28,12 @@ TRAINING_LR = 1e-3   # check_training's AdamW (with weight decay 0.1)
 # gradient rounding, so the masters agree to atol 3e-3 after 3 steps.
 BF16_LOSS_RTOL = 2.0 ** -7
 BF16_WEIGHT_ATOL = 3e-3
+# When an element is past BF16_WEIGHT_ATOL (Adam amplifying bf16 rounding on a near-zero
+# gradient), the rest of the tensor's update must agree within this fraction of its norm:
+# bf16's unit roundoff is 2^-8 = 0.39% per operation, and the summation orders differ, so the
+# fp32 bound (reference.UPDATE_RTOL, 0.5%) is missed by bf16 noise alone (0.52% measured on an
+# AMD EPYC host: hf_llama's embedding at t=2); 1% still fails a learning rate 2% off.
+BF16_UPDATE_RTOL = 1e-2
 
 
 def loss_fn(output, targets):
@@ -162,8 +168,8 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), **tol,
                                    msg=lambda m: f"rank {r} losses: {m}")
     state = results[0][1]
-    wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0,
-                                                                        atol=BF16_WEIGHT_ATOL)
+    wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(
+        rtol=0, atol=BF16_WEIGHT_ATOL, update_rtol=BF16_UPDATE_RTOL)
     init = runtime_model(name, plan.num_layers).state_dict()
     assert_weights_match(state, ref.state, init, **wtol)
     assert any(not torch.equal(init[k].float(), state[k].float()) for k in ref.state)

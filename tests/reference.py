@@ -156,16 +156,19 @@ def state_mismatches(got: State, want: State, *, exact: bool = False,
 # summation order, and so with the CPU's vector width (AVX2 vs AVX-512) — becomes a step of
 # up to lr of either sign, so one element may land 1e-5 off while every other agrees to 1e-7.
 # A tensor then passes when at most OUTLIERS_PER of its elements (at least 1) are outside the
-# elementwise tolerance, each by no more than the largest step the reference took on that
-# tensor, AND its update agrees in norm: |Δgot − Δref|₂ ≤ UPDATE_RTOL · |Δref|₂ (Δ = weights
-# − init). A learning rate 2% off shifts every update by 2% (4× UPDATE_RTOL) and fails, as
+# elementwise tolerance, each by no more than twice the largest step the reference took on
+# that tensor (the noise can flip the sign of an element's whole update: +s in one run, −s in
+# the other), AND its update agrees in norm over the other elements: |Δgot − Δref|₂ ≤ UPDATE_RTOL
+# · |Δref|₂ (Δ = weights − init, both over the elements inside the tolerance: in bf16 one
+# amplified element can carry several % of a sparse tensor's update norm by itself, as on an
+# AMD EPYC host: the embedding of hf_llama at t=2). A learning rate 2% off shifts every update by 2% (4× UPDATE_RTOL) and fails, as
 # test_weight_comparisons checks; a sharding error shifts rows or blocks, far beyond it.
 OUTLIERS_PER = 1000
 UPDATE_RTOL = 5e-3
 
 
 def weight_mismatches(got: State, want: State, init: State, *, rtol: float = 1e-4,
-                      atol: float = 1e-5) -> list[str]:
+                      atol: float = 1e-5, update_rtol: float = UPDATE_RTOL) -> list[str]:
     """The weights after training (`got`) against the reference's (`want`), both trained from
     `init`: elementwise at rtol / atol, robust to AdamW's amplified rounding (see above). One
     line per tensor that differs; empty when all agree."""
@@ -180,13 +183,17 @@ def weight_mismatches(got: State, want: State, init: State, *, rtol: float = 1e-
         if key in init:
             step_ref = ref - init[key].float()
             outliers = int((~close).sum())
-            update_err = ((value - ref).norm() / step_ref.norm().clamp_min(1e-30)).item()
+            # the update's agreement is measured over the elements inside the elementwise
+            # tolerance: the few outliers are bounded on their own (count, size), and a
+            # systematic error (a learning rate 2% off) moves every other element with them
+            update_err = ((value - ref)[close].norm()
+                          / step_ref[close].norm().clamp_min(1e-30)).item()
             if (outliers <= max(1, ref.numel() // OUTLIERS_PER)
-                    and diff.max() <= step_ref.abs().max() and update_err <= UPDATE_RTOL):
+                    and diff.max() <= 2 * step_ref.abs().max() and update_err <= update_rtol):
                 continue
             bad.append(f"{key}: {outliers} of {ref.numel()} values beyond rtol {rtol:g} / atol "
                        f"{atol:g}, max diff {diff.max().item():.3g}, update off by "
-                       f"{update_err:.2%} (Adam rounding allows {UPDATE_RTOL:.1%})")
+                       f"{update_err:.2%} (Adam rounding allows {update_rtol:.1%})")
         else:
             bad.append(f"{key}: max diff {diff.max().item():.3g}")
     return bad

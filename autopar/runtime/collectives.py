@@ -320,6 +320,9 @@ def _gather_then_project(x: torch.Tensor, group: Any, dim: int, ws: tuple, bs: t
     n, me = group_size(group), group_rank(group)
     dim = dim % x.dim()
     wait = start_all_gather(x, dim, group)                      # (.., n*S, ..) when done
+    if dim == x.dim() - 1:   # gathered along the contracted features: no block projects alone
+        full = wait()
+        return tuple(_project(full, w, b, lay) for w, b, lay in zip(ws, bs, layouts))
     own = [_project(x, w, b, lay) for w, b, lay in zip(ws, bs, layouts)]
     full = wait()
     per = x.shape[dim]

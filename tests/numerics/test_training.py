@@ -66,8 +66,8 @@ def test_zero3_with_a_split_backward_and_bad_precision_are_clear_errors(monkeypa
                                          r"zero=0/1"):
         prog.compile()
     prog, _ = make_program("gpt", make_plan(d=2, m=2, layers=2))
-    with pytest.raises(ValueError, match=r"precision='fp16'"):
-        prog.compile(precision="fp16")
+    with pytest.raises(ValueError, match=r"precision='fp64'"):
+        prog.compile(precision="fp64")
 
 
 def test_bf16_p2_interleaved_zero_bubble_clipping_active():
