@@ -46,7 +46,7 @@ from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.fp8 import fp8_pass
 from autopar.passes.loss_precision import fp32_loss_pass
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.overlap import OVERLAP_PASS
+from autopar.passes.overlap import OVERLAP_COLUMNS_PASS, OVERLAP_PASS
 from autopar.passes.pipeline import check_stages, chunk_attr_targets, count_layers, split_chunks
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.tensor_parallel import tensor_parallel_pass
@@ -151,7 +151,8 @@ class BuiltProgram:
         if self.plan.c > 1:   # after the tensor split: it keeps the sequence dims whole
             passes.append(context_parallel_pass(self.plan))
         if self.plan.t > 1 and self.plan.schedule not in SPLIT_BACKWARD:
-            passes.append(OVERLAP_PASS)
+            passes.append(OVERLAP_COLUMNS_PASS if self.precision in FP8_RECIPES
+                          else OVERLAP_PASS)
         if self.plan.ep > 1:   # group None: `ep_group`, bound by the runtime to its group
             passes.append(expert_parallel_pass(self.plan.ep, ep_rank))
         return passes + [DEVICE_PASS]

@@ -361,7 +361,7 @@ def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster
                   top=top, steps=steps, name=user.name)
     if dist.get_rank() != 0:
         return
-    print(result.table())
+    print(result.table(), flush=True)
     from pathlib import Path
     Path(out).write_text(result.best.to_json())
     record: dict[str, Any] = {}
@@ -383,7 +383,7 @@ def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster
                                 for tr in result.trials], "scales": list(result.scales)}
     save_cluster(result.refit, cluster_out, json.loads(json.dumps(record)))
     print(f"wrote {out} (the fastest measured: {pins_label(plan_pins(result.best))}) and the "
-          f"refitted cluster {cluster_out} (plan with --cluster {cluster_out})")
+          f"refitted cluster {cluster_out} (plan with --cluster {cluster_out})", flush=True)
 
 
 def _spawned(rank: int, world: int, kwargs: dict[str, Any]) -> None:

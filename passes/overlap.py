@@ -138,7 +138,7 @@ def _fuse_row(graph: fx.Graph, reduce: fx.Node) -> bool:
     return True
 
 
-def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
+def _fuse_entries(gm: fx.GraphModule, rows: bool = True) -> fx.GraphModule:
     fused = 0
     # positions of the original nodes, numbered once: fusing inserts nodes but never moves an
     # original one, and only originals (users, weights, biases) are compared
@@ -146,7 +146,7 @@ def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SOURCES:
             fused += _fuse(gm.graph, node, order)
-        elif node.op == "call_function" and node.target in _ROW_SINKS:
+        elif rows and node.op == "call_function" and node.target in _ROW_SINKS:
             fused += _fuse_row(gm.graph, node)
     gm.meta[K.OVERLAP] = fused
     return gm
@@ -154,6 +154,12 @@ def _fuse_entries(gm: fx.GraphModule) -> fx.GraphModule:
 
 OVERLAP_PASS = Pass("overlap_tp_backward", _fuse_entries, reads=(K.VAL,),
                     writes=(K.REGION, K.VAL, K.OVERLAP))
+# FP8 builds: the column-parallel fusion only. passes/fp8.py turns plain linears and
+# column-parallel groups into FP8 GEMMs; a row-parallel collective matmul in FP8 is not built,
+# so its projection stays a linear (an FP8 GEMM) followed by its reduction.
+OVERLAP_COLUMNS_PASS = Pass("overlap_tp_backward_columns",
+                            lambda gm: _fuse_entries(gm, rows=False), reads=(K.VAL,),
+                            writes=(K.REGION, K.VAL, K.OVERLAP))
 
 
 def overlap_tp_backward(gm: fx.GraphModule) -> fx.GraphModule:
