@@ -497,9 +497,9 @@ def _memory_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        from autopar.runtime.precision import MixedPrecision  # noqa: F401 - loaded already
+        from autopar.testing import peak_tensor_bytes
         static = sum(t.numel() * t.element_size() for t in _live_state(runner))
-        _, grown, _ = _cpu_peak(lambda: runner.train_step(x, y))
+        _, grown, _ = peak_tensor_bytes(lambda: runner.train_step(x, y))
         peak = static + grown
     mem = plan.predicted.memory
     predicted_static = mem.weights_bytes + mem.gradients_bytes + mem.optimizer_bytes
@@ -529,11 +529,6 @@ def _live_state(runner: Any) -> list[torch.Tensor]:
                 seen.add(id(t))
                 out.append(t)
     return out
-
-
-def _cpu_peak(fn: Callable[[], Any]) -> tuple[Any, int, int]:
-    from autopar.testing import peak_tensor_bytes
-    return peak_tensor_bytes(fn)
 
 
 # ---------------------------------------------------------------------------------------------
