@@ -3,6 +3,7 @@ the best predicted plans and a named one run for a step each, the fastest measur
 as plan.json, and the refitted cluster file records what was measured."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -24,14 +25,23 @@ def factory():
 '''
 
 
+def _tune_printing_to(rank: int, world: int, printed: str, kwargs: dict) -> None:
+    """What the CLI runs on every rank, its printout kept in a file per rank: the spawned ranks
+    fork from a server whose stdout is whatever pytest's capture was when it started (often an
+    earlier test's), so capfd cannot see what they print."""
+    with open(f"{printed}.{rank}", "w") as f, contextlib.redirect_stdout(f):
+        _spawned(rank, world, kwargs)
+
+
 @pytest.mark.distributed
-def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path, capfd):
+def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path):
     (tmp_path / "tiny.py").write_text(FACTORY)
     out, refit = tmp_path / "plan.json", tmp_path / "refit.json"
-    spawn(_spawned, 2, dict(spec=f"{tmp_path / 'tiny.py'}:factory", gpus=2, batch=4, seq=None,
-                            cluster="dgx-a100-80gb", top=2, steps=1, out=str(out),
-                            cluster_out=str(refit)), timeout_s=300)
-    printed = capfd.readouterr().out
+    spawn(_tune_printing_to, 2, str(tmp_path / "printed"),
+          dict(spec=f"{tmp_path / 'tiny.py'}:factory", gpus=2, batch=4, seq=None,
+               cluster="dgx-a100-80gb", top=2, steps=1, out=str(out), cluster_out=str(refit)),
+          timeout_s=300)
+    printed = (tmp_path / "printed.0").read_text()
     assert "<- fastest measured" in printed and "median |error|" in printed, printed
     cluster, record = read_cluster_file(refit)
     trials = record["tune"]["plans"]
@@ -39,8 +49,12 @@ def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path, capfd):
     assert all(t["measured_memory_bytes"] > 0 for t in trials)
     a, b = record["tune"]["scales"]
     assert a > 0 and b > 0
-    # an A100 is far faster than 2 CPU ranks: the refit slows compute down by orders
-    assert a > 100 and cluster.name == "dgx-a100-80gb"
+    # an A100 is far faster than 2 CPU ranks: the refit slows compute down by orders (how many
+    # depends on the host's CPU and load: 90-120x measured on two EPYC hosts), and every refitted
+    # prediction lands nearer the measurement than the A100's own
+    assert a > 10 and cluster.name == "dgx-a100-80gb"
+    assert all(abs(t["refit_s"] - t["measured_s"]) < abs(t["predicted_s"] - t["measured_s"])
+               for t in trials), trials
     assert "refitted by autopar tune" in cluster.sources[-1]
     best = autopar.load_plan(out)
     fastest = min(trials, key=lambda t: t["measured_s"])["plan"]
