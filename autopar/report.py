@@ -225,7 +225,7 @@ def _reason_in_unit(reason: str, unit: tuple[float, str]) -> str:
     return _SECONDS.sub(lambda m: _in_unit(float(m[1]), unit), reason)
 
 
-def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
+def _alt_row(rank: int, alt: "Alternative", best_s: float, chosen: bool = False) -> str:
     pr = alt.predicted
     unit = _table_unit(best_s)
     if pr is None:
@@ -233,7 +233,7 @@ def _alt_row(rank: int, alt: "Alternative", best_s: float) -> str:
     slower = (pr.step_time_s / best_s - 1.0) * 100 if best_s > 0 else 0.0
     terms = ", ".join(f"{k} {_in_unit(v, unit)}" for k, v in pr.terms().items() if v)
     reason = _reason_in_unit(alt.reason or "", unit)
-    verdict = "chosen" if abs(slower) < 1e-9 and alt.feasible else (
+    verdict = "chosen" if chosen else (
         f"+{slower:.1f}%" if alt.feasible else f"infeasible: {reason}")
     return (f"  {rank:>3}. {alt.label():<58} {_in_unit(pr.step_time_s, unit):>10}  "
             f"{_fmt_flops(pr.tflops_per_gpu):>15}/GPU  mem {_fmt_bytes(pr.memory_bytes_per_gpu):>10}  "
@@ -259,7 +259,8 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
                  "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
                  "ep > 1 divides both c·d and the experts per layer).")), "",
              "Ranked feasible alternatives (best per knob set):"]
-    lines += [_alt_row(i + 1, a, best) for i, a in enumerate(feasible[:top])]
+    lines += [_alt_row(i + 1, a, best, chosen=a is plan.alternatives[0])
+              for i, a in enumerate(feasible[:top])]
     if len(feasible) > top:
         lines.append(f"  … {len(feasible) - top} more feasible configurations, all slower")
     lines += _memory_by_rank(plan)

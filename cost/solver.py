@@ -920,9 +920,32 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     # CP-SAT fixed the rank totals; which of a rank's chunks holds its layers the step-time
     # formula cannot see, the schedule's simulation can (cost/layout.py)
     x = spread_layers(chosen.cc, chunks_from_ranks(rank_layers(x, p_), p_, v_))
+    chosen, x = _ties_to_less_memory(profile, cluster, chosen, x, survivors)
     solve_s = time.perf_counter() - t0
     return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
                        memory_fail, rejected, max_alternatives, optimal, solve_s)
+
+
+TIE_RTOL = 1e-9   # step times this close are one time (float noise of the ns-integer model)
+
+
+def _ties_to_less_memory(profile, cluster, chosen, x, survivors):
+    """(configuration, layer split): CP-SAT's choice, or a survivor whose heuristic split is as
+    fast and needs less memory per GPU — CP-SAT's objective is the step time alone, so among
+    equal times its pick is arbitrary (ZeRO-3 at p = 1 gathers the whole chunk: no faster than
+    ZeRO-1 and heavier). Only survivors whose upper bound reaches the chosen time are priced."""
+    def priced(e, xe):
+        pr = predict(profile, cluster, e.cc.cfg, xe, costs=e.cc)
+        return pr.step_time_s, pr.memory_bytes_per_gpu
+    best_t, best_m = priced(chosen, x)
+    for e in survivors:
+        if e is chosen or e.y is None or e.ub_s > best_t * (1 + TIE_RTOL):
+            continue
+        xe = spread_layers(e.cc, chunks_from_ranks(e.y, e.cc.cfg.p, e.cc.cfg.v))
+        t, m = priced(e, xe)
+        if t < best_t * (1 - TIE_RTOL) or (t <= best_t * (1 + TIE_RTOL) and m < best_m):
+            chosen, x, best_t, best_m = e, xe, t, m
+    return chosen, x
 
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
@@ -991,8 +1014,7 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
             pr = predict(profile, cluster, e.cc.cfg, x, costs=e.cc)
             ranked.append(Alternative(
                 config=_config_dict(e.cc.cfg), predicted=pr, feasible=True,
-                reason=f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s"
-                       + _why_slower(pr, pred)))
+                reason=_not_chosen_reason(pr, pred)))
         elif not e.note:
             ranked.append(Alternative(config=_config_dict(e.cfg), predicted=None,
                                       feasible=False, reason="memory: no stage split found "
@@ -1028,6 +1050,15 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
                                      reason=r.reason))
     rules = rules[: max(1, limit // 8)]
     return alts[: max(1, limit + 1 - len(rules))] + rules
+
+
+def _not_chosen_reason(pr: Prediction, pred: Prediction) -> str:
+    """Why a priced alternative lost to the chosen plan: slower, or as fast with more memory."""
+    if pr.step_time_s <= pred.step_time_s * (1 + TIE_RTOL):
+        return (f"as fast ({pr.step_time_s:.4g} s), more memory: "
+                f"{pr.memory_bytes_per_gpu / GIB:.2f} GiB vs {pred.memory_bytes_per_gpu / GIB:.2f}"
+                f" GiB per GPU (ties go to the smaller memory)")
+    return f"slower: {pr.step_time_s:.4g} s vs {pred.step_time_s:.4g} s" + _why_slower(pr, pred)
 
 
 def _no_config_message(profile, gpus, global_batch, pins, rejected) -> str:
