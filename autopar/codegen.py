@@ -10,6 +10,7 @@ parameter tensors to an instance and calls it: what runs is exactly this source
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import json
 import linecache
@@ -169,7 +170,8 @@ def _render_class(gm: torch.fx.GraphModule, cls: str, doc: str,
                   globals_: dict[str, Any]) -> list[str]:
     """Class sources for `gm` and, first, the graph submodules it calls (higher-order ops such
     as autocast / set_grad_enabled regions keep their body as a submodule)."""
-    code = gm.graph.python_code(root_module="self")
+    graph = _named_by_module(gm.graph)
+    code = graph.python_code(root_module="self")
     globals_.update(code.globals)
     out: list[str] = []
     init = []
@@ -181,13 +183,33 @@ def _render_class(gm: torch.fx.GraphModule, cls: str, doc: str,
         elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
             raise ValueError(f"codegen: chunk submodule {name} ({type(child).__name__}) holds "
                              f"state; only graph submodules can be emitted")
-    body = textwrap.indent(_with_source_comments(code.src.strip("\n"), gm.graph), "    ")
+    body = textwrap.indent(_with_source_comments(code.src.strip("\n"), graph), "    ")
     init_src = ("\n    def __init__(self):\n        super().__init__()\n" + "\n".join(init) + "\n"
                 if init else "")
     out.append(f'class {cls}(torch.nn.Module):\n    """{doc}"""\n{init_src}\n{body}\n')
     return out
 
 
+def _named_by_module(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of `graph` whose computed values are named after the module that computed them
+    and the op (`layers_0_attn_q_proj_linear`, not `linear_3`), from torch.export's
+    nn_module_stack; values made outside any submodule keep their names. Only local names of
+    the generated forward change: its inputs, outputs and attributes are the graph's."""
+    named = copy.deepcopy(graph)
+    for node in named.nodes:
+        stack = node.meta.get(K.NN_MODULE_STACK) if node.op == "call_function" else None
+        if not stack:
+            continue
+        path = list(stack.values())[-1][0]
+        path = path[len(MODEL_PREFIX):] if path.startswith(MODEL_PREFIX) else path
+        if path:
+            op = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            node._rename(f"{path}_{op}".replace(".", "_"))   # the namespace keeps names unique
+    return named
+
+
+# the loss wrapper's attribute holding the user's model (passes/capture.py)
+MODEL_PREFIX = "model."
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>\S+)\n\s*(?P<code>[^\n]*)')
 _TORCH_DIR = os.path.dirname(torch.__file__)
 

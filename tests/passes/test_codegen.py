@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 
 import torch
 
@@ -31,7 +32,10 @@ def test_chunk_source_is_valid_python_with_a_header():
 def test_generated_module_runs_like_the_graph():
     plan = make_plan(p=1, m=1, layers=2)
     prog, vocab = make_program("llama_style", plan)
-    mod = load_chunk_module(prog.source(chunk=0))
+    src = prog.source(chunk=0)
+    # values are named after the module that computed them (torch.export's nn_module_stack)
+    assert re.search(r"^ +layers_1_mlp_down_proj_\w+ = ", src, re.M), src
+    mod = load_chunk_module(src)
     net = mod.CHUNK_CLASS()
     sd = prog.model.state_dict()
     for attr, (qual, shape, _) in mod.PARAMETERS.items():
