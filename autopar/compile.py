@@ -37,6 +37,7 @@ from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
+from autopar.progress import Progress
 from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
@@ -137,26 +138,36 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
         check_saved_precision(program_dir, plan, precision)
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                              group=plan.microbatch_group)
+    # a bar on rank 0's terminal only (torchrun sets RANK; a lone process is rank 0)
+    bar = Progress(total=4 + torch_compile, desc="compile",
+                   enabled=os.environ.get("RANK", "0") == "0")
+    bar.start("capture (torch.export)")
     built = build_program(prog, precision)  # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
+    bar.start("process groups")
     backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
     device = backend_device if device is None else torch.device(device)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s)
     # only this rank's chunks hold weights (and of the experts, this expert rank's)
+    bar.start("this rank's chunks")
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
     chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
     params = _local_params(built, graphs, chunks, names, pg)
     if torch_compile:
+        bar.start("torch.compile")
         compile_chunks(chunks.values())
     built.release(pg.tp_rank, pg.pp_rank, pg.ep_rank)   # the runner owns its weights now
     dtype = PRECISIONS[precision]
     if dtype != torch.float32:
         _retype_boundaries(chunks, dtype)
     actions = schedule[pg.pp_rank]
+    bar.start("optimizer and gradient buckets")
     regime = make_regime(plan, params, pg, actions, optimizer=optimizer, compute_dtype=dtype,
                          bucket_bytes=bucket_bytes)
     scaler = (LossScaler(loss_scaling or LossScaling(), device) if dtype == torch.float16
               else None)
+    bar.start("done")
+    bar.close()
     return Runner(plan=plan, chunks=chunks, params=params, regime=regime, groups=pg,
                   actions=actions, device=device, max_grad_norm=max_grad_norm,
                   record_timeline=record_timeline, scaler=scaler,

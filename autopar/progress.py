@@ -1,5 +1,5 @@
-"""A progress display for long commands (`autopar scale`): tqdm's bar on stderr when stderr
-is a terminal, nothing otherwise (piped logs and tests stay clean)."""
+"""A progress display for long commands (`autopar scale`, each rank-0 compile): tqdm's bar on
+stderr when stderr is a terminal, nothing otherwise (piped logs and tests stay clean)."""
 from __future__ import annotations
 
 import sys
@@ -10,10 +10,10 @@ class Progress:
     """`start(label)` as each of `total` items begins (the previous one counts as done);
     `close()` at the end."""
 
-    def __init__(self, *, total: int, desc: str):
+    def __init__(self, *, total: int, desc: str, enabled: bool = True):
         self._bar: Any = None
         self._started = 0
-        if sys.stderr.isatty():
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:      # a dependency in pyproject; absent only in odd installs
