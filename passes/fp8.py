@@ -112,3 +112,26 @@ def _feeds_topk(node: torch.fx.Node, depth: int = 4) -> bool:
         if any(u.op == "call_function" and u.target in _TOPK for u in frontier):
             return True
     return False
+
+
+def fp8_only_weights(gm: torch.fx.GraphModule) -> set[str]:
+    """The attributes of `gm` that only tensorwise FP8 linears read, each as a weight (what a
+    ZeRO-3 FP8 all-gather may hand over cast: runtime/zero3.py Fp8Gather)."""
+    uses: dict[str, list[bool]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            uses.setdefault(n.target, []).extend(_as_fp8_weight(u, n) for u in n.users)
+    return {target for target, ok in uses.items() if ok and all(ok)}
+
+
+def _as_fp8_weight(user: torch.fx.Node, w: torch.fx.Node) -> bool:
+    """Whether `user` reads `w` only as the weight of a tensorwise FP8 GEMM."""
+    if user.op != "call_function":
+        return False
+    if user.target is fp8_linear:        # (x, w, b, recipe, ...)
+        x, weight, b, recipe = user.args[:4]
+        return weight is w and w is not x and w is not b and recipe == "tensorwise"
+    if user.target is fp8_column_parallel:   # (x, group, layouts, weights, biases, sp, recipe,
+        x, _, _, weights, biases, _, recipe = user.args[:7]            # context)
+        return (w in weights and w is not x and w not in biases and recipe == "tensorwise")
+    return False

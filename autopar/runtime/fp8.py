@@ -26,7 +26,7 @@ or casts its shards with the weight's all-reduced amax: `fp8_shard_cast`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from autopar.runtime.collectives import all_gather_sp, copy_to_tp, group_size
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 AMAX_EPS = 1e-12      # torchao.float8's EPS: an all-zero tensor gets a finite scale
+FP8_WEIGHT = "autopar_fp8_weight"   # a parameter's (W in e4m3, inverse scale) while gathered
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,19 +64,26 @@ def _cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype,
           pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in `dtype` scaled to fill its range, the fp32 inverse scale _scaled_mm takes)."""
     fmax = torch.finfo(dtype).max
-    scale = fmax / amax.clamp(min=AMAX_EPS)
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = _scale(amax, dtype, pow2)
     x8 = (x.float() * scale).clamp(-fmax, fmax).to(dtype)
     return x8, scale.reciprocal()
 
 
-def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype,
-                recipe: Fp8Recipe, a_groups: tuple = (), b_groups: tuple = ()) -> torch.Tensor:
+def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """What x is multiplied by before its cast to `dtype`: its range over amax."""
+    scale = torch.finfo(dtype).max / amax.clamp(min=AMAX_EPS)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor | tuple, a_dtype: torch.dtype,
+                b_dtype: torch.dtype, recipe: Fp8Recipe, a_groups: tuple = (),
+                b_groups: tuple = ()) -> torch.Tensor:
     """a·bᵀ (a: M×K, b: N×K, 2-D) as a scaled FP8 matmul in a's dtype (module docstring);
-    a_groups / b_groups: the groups each operand's amax is MAX-reduced over."""
+    a_groups / b_groups: the groups each operand's amax is MAX-reduced over. b may come cast
+    already: (b in FP8, its inverse scale), as a ZeRO-3 FP8 gather leaves a weight."""
     a8, sa = _cast(a, _amax(a, recipe.rowwise, a_groups), a_dtype, recipe.pow2_scales)
-    b8, sb = _cast(b, _amax(b, recipe.rowwise, b_groups), b_dtype, recipe.pow2_scales)
+    b8, sb = b if isinstance(b, tuple) else _cast(b, _amax(b, recipe.rowwise, b_groups),
+                                                  b_dtype, recipe.pow2_scales)
     if recipe.rowwise:
         sb = sb.t()                    # (1, N): one scale per column of bᵀ
     return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=a.dtype)
@@ -93,12 +101,13 @@ def _groups(r: Fp8Recipe, tp: Any, cp: Any, partial_fwd: bool,
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, recipe, group, partial_fwd, partial_dx, context):
+    def forward(ctx, x, w, recipe, group, partial_fwd, partial_dx, context, w8):
         r = RECIPES[recipe]
         cp = context.group if context is not None and context.c > 1 else None
         ctx.r, ctx.groups = r, _groups(r, group, cp, partial_fwd, partial_dx)
+        ctx.w8 = w8       # (W in e4m3, its inverse scale): gathered so, w's bytes are unread
         x2 = x.reshape(-1, x.shape[-1])
-        y = scaled_gemm(x2, w, E4M3, E4M3, r, *ctx.groups["y"])
+        y = scaled_gemm(x2, w if w8 is None else w8, E4M3, E4M3, r, *ctx.groups["y"])
         ctx.save_for_backward(x, w)
         return y.reshape(*x.shape[:-1], w.shape[0])
 
@@ -109,13 +118,14 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = gy.reshape(-1, gy.shape[-1]).to(x.dtype)
         dx = dw = None
         if ctx.needs_input_grad[0]:      # dX = dY·W: reduction over N
-            dx = scaled_gemm(g2, w.t().contiguous(), r.grad_dtype, E4M3, r,
-                             *groups["dx"]).reshape(x.shape)
+            wt = (w.t().contiguous() if ctx.w8 is None      # tensorwise: cast(Wᵀ) = cast(W)ᵀ
+                  else (ctx.w8[0].t().contiguous(), ctx.w8[1]))
+            dx = scaled_gemm(g2, wt, r.grad_dtype, E4M3, r, *groups["dx"]).reshape(x.shape)
         if ctx.needs_input_grad[1]:      # dW = dYᵀ·X: reduction over the tokens
             x2 = x.reshape(-1, x.shape[-1])
             dw = scaled_gemm(g2.t().contiguous(), x2.t().contiguous(), r.grad_dtype, E4M3, r,
                              *groups["dw"]).to(w.dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe: str,
@@ -124,8 +134,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recipe:
     """x·Wᵀ + b (aten.linear) with its three GEMMs in FP8 under `recipe` (RECIPES); group:
     the tensor group (None at t = 1); partial_fwd / partial_dx: the forward / input-gradient
     GEMM is a partial sum over the group (row- / column-parallel); context: this rank's
-    ContextShard (None without context parallelism: its group holds the other tokens)."""
-    y = _Fp8Linear.apply(x, w, recipe, group, partial_fwd, partial_dx, context)
+    ContextShard (None without context parallelism: its group holds the other tokens). A
+    weight a ZeRO-3 FP8 gather cast (its FP8_WEIGHT attribute, tensorwise only) is used as
+    cast."""
+    w8 = getattr(w, FP8_WEIGHT, None) if recipe == "tensorwise" else None
+    y = _Fp8Linear.apply(x, w, recipe, group, partial_fwd, partial_dx, context, w8)
     return y if b is None else y + b
 
 
@@ -137,3 +150,28 @@ def fp8_column_parallel(x: torch.Tensor, group: Any, layouts: tuple[str, ...], w
     full = copy_to_tp(x, group) if sp_dim is None else all_gather_sp(x, group, sp_dim)
     return tuple(fp8_linear(full, w, b, recipe, group, False, True, context)
                  for w, b in zip(weights, biases))
+
+
+def fp8_shard_cast(shard: torch.Tensor, segments: Sequence[Any], num_params: int,
+                   groups: Sequence[Any], amax: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ZeRO-3 shard (S,) of bf16 weights cast to e4m3 for an FP8 all-gather (torchao's
+    FSDP2 float8 all-gather, tensorwise): each weight's amax is the MAX of its segments'
+    (flat_shard.Segment: param, lo, hi, shard_lo) over `groups` (the data group its shards lie
+    in, the tensor group its splits lie in), so the bytes each rank casts are those
+    fp8_linear casts from the whole weight. amax: the (num_params,) amaxes of an earlier call
+    (the weights are unchanged), reused. Returns (the e4m3 shard, the amaxes, the inverse
+    scales); padding stays 0."""
+    if amax is None:
+        amax = torch.zeros(num_params, dtype=torch.float32, device=shard.device)
+        for s in segments:
+            piece = shard[s.shard_lo:s.shard_lo + s.hi - s.lo]
+            amax[s.param] = torch.maximum(amax[s.param], _amax(piece, False, ()))
+        for group in groups:
+            if group is not None and group_size(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    out = torch.zeros(shard.shape, dtype=E4M3, device=shard.device)
+    for s in segments:
+        lo, hi = s.shard_lo, s.shard_lo + s.hi - s.lo
+        out[lo:hi] = _cast(shard[lo:hi], amax[s.param], E4M3, False)[0]
+    return out, amax, _scale(amax, E4M3, False).reciprocal()

@@ -89,7 +89,8 @@ def sgd(params):
 
 
 def _train(rank, world, jobs):
-    """[(losses, full_state_dict, FP8 call sites)] of each (plan, precision, batches) job,
+    """[(losses, full_state_dict, (FP8 call sites, weights ZeRO-3 all-gathers in FP8))] of
+    each (plan, precision, batches) job,
     trained in turn on these ranks (batches None: make_data's, under SGD; a token file's
     under AdamW)."""
     out = []
@@ -104,7 +105,9 @@ def _train(rank, world, jobs):
                   for x, y in (batches or make_data(plan, vocab))]
         source = "".join(prog.source(chunk=c, precision=precision) for c in runner.chunks)
         fp8 = source.count("fp8_linear(") + source.count("fp8_column_parallel(")
-        out.append((losses, runner.full_state_dict(), fp8))
+        parts = getattr(getattr(runner.regime, "chunks", None), "parts", list)()
+        gathered8 = sum(len(part.params) for _, part in parts if part.shell is not None)
+        out.append((losses, runner.full_state_dict(), (fp8, gathered8)))
     return out
 
 
@@ -144,14 +147,17 @@ def test_fp8_t2_zero3_d2_p2_c2_equal_one_device_fp8(one_device):
     """Each plan and recipe against the single-device FP8 run (SGD: AdamW would turn rounding
     of near-zero gradients into full steps): losses at the bf16 tolerance, weights by their
     distance relative to the update (UPDATE_RTOL), and the FP8 call sites (the LM head
-    bf16)."""
+    bf16). Under ZeRO-3 the tensorwise run all-gathers the blocks' 8 weights in FP8 (each
+    shard cast with the weight's all-reduced amax), the rowwise one in bf16: both bit-exact."""
     ref = one_device[0]
     jobs = [(plan, r, None) for plan in PLANS.values() for r in RECIPES]
     results = spawn(_train, 2, jobs, timeout_s=400)
     init = make_program("gpt", make_plan())[0].model.state_dict()
     for j, (name, precision) in enumerate((n, r) for n in PLANS for r in RECIPES):
-        want_losses, want_state, fp8_calls = ref[precision]
+        want_losses, want_state, (fp8_calls, _) = ref[precision]
         assert fp8_calls == 8      # 2 blocks × (q/k/v, out, fc, proj); the LM head stays bf16
+        gathered8 = results[0][j][2][1]
+        assert gathered8 == (8 if (name, precision) == ("d2-zero3", "fp8") else 0), name
         for r, res in enumerate(results):
             torch.testing.assert_close(torch.tensor(res[j][0]), torch.tensor(want_losses),
                                        rtol=BF16_LOSS_RTOL, atol=0.0,
@@ -160,6 +166,8 @@ def test_fp8_t2_zero3_d2_p2_c2_equal_one_device_fp8(one_device):
         off = sum(float((state[k] - w).norm()) ** 2 for k, w in want_state.items()) ** 0.5
         moved = sum(float((w - init[k]).norm()) ** 2 for k, w in want_state.items()) ** 0.5
         assert off <= UPDATE_RTOL * moved, (name, precision, off / moved)
+        if name == "d2-zero3":
+            assert off == 0, (name, precision, off / moved)
 
 
 def test_fp8_trains_like_bf16(one_device):
