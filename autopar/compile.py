@@ -35,6 +35,7 @@ from autopar.codegen import (check_saved_precision, chunk_file_name, load_chunk_
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
+from autopar.passes.fp8 import fp8_only_weights
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
 from autopar.progress import Progress
@@ -162,8 +163,10 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
         _retype_boundaries(chunks, dtype)
     actions = schedule[pg.pp_rank]
     bar.start("optimizer and gradient buckets")
+    fp8_weights = frozenset(names[(c, a)] for c in chunks for a in fp8_only_weights(graphs[c])
+                            if (c, a) in names)      # ZeRO-2/3 gather them in FP8
     regime = make_regime(plan, params, pg, actions, optimizer=optimizer, compute_dtype=dtype,
-                         bucket_bytes=bucket_bytes)
+                         bucket_bytes=bucket_bytes, fp8_weights=fp8_weights)
     scaler = (LossScaler(loss_scaling or LossScaling(), device) if dtype == torch.float16
               else None)
     bar.start("done")

@@ -114,6 +114,7 @@ from typing import Callable, Sequence, TypeVar
 from autopar.cost.context import context_rank_profile
 from autopar.cost.hardware import Cluster
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
+from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import (NO_FALLBACK, AttentionCall, Gemm, ModelProfile, RegionProfile,
                                   TPRegionFallback)
 from autopar.plan import CP_ATTENTION, RECOMPUTE, SCHEDULES, ZERO_LEVELS, Memory, Plan, Prediction
@@ -1137,7 +1138,8 @@ def _dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict
         reduce = lambda n: allgather_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
     else:
         reduce = lambda n: allreduce_s(cluster, GRAD_REDUCE_BYTES * n, d, dp_inter)  # noqa
-    G, R = gather(block_p) - lat, reduce(block_p) - lat
+    f8 = gathered_bytes_ratio(profile, t, block_p, zt.sharded_weights)  # FP8 gathers: 1 B
+    G, R = gather(f8 * block_p) - lat, reduce(block_p) - lat
     if block_e and d // cfg.ep > 1:
         de, inter_e = d // cfg.ep, group_spans_nodes(cluster, stride=t * cfg.ep, size=d // cfg.ep,
                                                      gpus=cfg.gpus)
@@ -1289,7 +1291,8 @@ def _memory_coefficients(profile, cluster, cfg, sp, block_p, emb_p, head_p, memo
     chunk_w = chunk_g = edge_w = edge_g = 0.0
     if zt.sharded_weights:
         st = weight_gather_stats(cfg, memo)
-        chunk_w, chunk_g = 2.0 * st.peak_gathered / v, 4.0 * (st.peak_pending + 1) / v
+        f8 = gathered_bytes_ratio(profile, t, block_p, True)   # FP8 gathers: 1 B/elem
+        chunk_w, chunk_g = 2.0 * f8 * st.peak_gathered / v, 4.0 * (st.peak_pending + 1) / v
         edge_w, edge_g = 2.0, 4.0
     efix, hfix = _fallback(profile, "embedding", t, sp), _fallback(profile, "head", t, sp)
     emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t

@@ -5,8 +5,10 @@ Requires: a chunk graph after the tensor-parallel rewrite (and overlap), capture
 Guarantees: each linear the rule below picks calls `fp8_linear` (a column-parallel group
 `fp8_column_parallel`) with the recipe and, at t > 1, the tensor group and whether its forward
 (row-parallel: the weight split along its input features) or its input gradient
-(column-parallel: split along its output features) is a partial sum over the group; every
-other node is unchanged. Bad GEMM shapes raise one line (value, rule, fix).
+(column-parallel: split along its output features) is a partial sum over the group, and at
+c > 1 the context shard (a get_attr CP_ATTR added at the graph's top: its group holds the
+sequence's other tokens, over which the token operands' amaxes are reduced); every other node
+is unchanged. Bad GEMM shapes raise one line (value, rule, fix).
 Reads node.meta: VAL, REGION, TP_PARAM. Writes: nothing (the replaced nodes keep theirs).
 
 The rule, stated once (FP8_RULE): a linear runs in FP8 iff it lies in a transformer block
@@ -20,10 +22,13 @@ GPU) need them.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx
 
 from autopar.passes import meta as K
+from autopar.passes.context_parallel import CP_ATTR
 from autopar.passes.manager import Pass
 from autopar.runtime import collectives as C
 from autopar.runtime.fp8 import RECIPES, fp8_column_parallel, fp8_linear
@@ -46,6 +51,12 @@ def fp8_pass(recipe: str) -> Pass:
 def _rewrite(gm: torch.fx.GraphModule, recipe: str) -> torch.fx.GraphModule:
     group = next((n for n in gm.graph.nodes if n.op == "get_attr" and n.target == "tp_group"),
                  None)
+    context = None
+    if hasattr(gm, CP_ATTR):     # c > 1: a fresh get_attr before any linear
+        first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+        with gm.graph.inserting_before(first), warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # a plain attribute, as tp_group
+            context = gm.graph.get_attr(CP_ATTR)
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -54,12 +65,15 @@ def _rewrite(gm: torch.fx.GraphModule, recipe: str) -> torch.fx.GraphModule:
             split = w.meta.get(K.TP_PARAM)
             n.target = fp8_linear
             n.args = (x, w, b, recipe, group if split is not None else None,
-                      split is not None and split.dim == 1, split is not None and split.dim == 0)
+                      split is not None and split.dim == 1, split is not None and split.dim == 0,
+                      context)
         elif (n.target is C.column_parallel and len(n.args) == 6
               and all(lay == "linear" for lay in n.args[2])
               and _picked(n, n.args[0], list(n.args[3]))):
             n.target = fp8_column_parallel      # (x, group, layouts, weights, biases, sp_dim)
-            n.args = (*n.args, recipe)
+            n.args = (*n.args, recipe, context)
+    if context is not None and not context.users:
+        gm.graph.erase_node(context)
     return gm
 
 
@@ -97,4 +111,27 @@ def _feeds_topk(node: torch.fx.Node, depth: int = 4) -> bool:
         frontier = [u for f in frontier for u in f.users]
         if any(u.op == "call_function" and u.target in _TOPK for u in frontier):
             return True
+    return False
+
+
+def fp8_only_weights(gm: torch.fx.GraphModule) -> set[str]:
+    """The attributes of `gm` that only tensorwise FP8 linears read, each as a weight (what a
+    ZeRO-3 FP8 all-gather may hand over cast: runtime/zero3.py Fp8Gather)."""
+    uses: dict[str, list[bool]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            uses.setdefault(n.target, []).extend(_as_fp8_weight(u, n) for u in n.users)
+    return {target for target, ok in uses.items() if ok and all(ok)}
+
+
+def _as_fp8_weight(user: torch.fx.Node, w: torch.fx.Node) -> bool:
+    """Whether `user` reads `w` only as the weight of a tensorwise FP8 GEMM."""
+    if user.op != "call_function":
+        return False
+    if user.target is fp8_linear:        # (x, w, b, recipe, ...)
+        x, weight, b, recipe = user.args[:4]
+        return weight is w and w is not x and w is not b and recipe == "tensorwise"
+    if user.target is fp8_column_parallel:   # (x, group, layouts, weights, biases, sp, recipe,
+        x, _, _, weights, biases, _, recipe = user.args[:7]            # context)
+        return (w in weights and w is not x and w not in biases and recipe == "tensorwise")
     return False

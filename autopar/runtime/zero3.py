@@ -39,6 +39,16 @@ bf16 would round where the reference does not; in fp32 the two differ only by th
 fp32 additions. Memory: the gathered chunk costs 2 bytes per element, its unreduced gradient
 4 (the fp32 accumulation) while it runs backwards.
 
+FP8 all-gather (`fp8=Fp8Gather(...)`, tensorwise FP8 under bf16, torchao's FSDP2
+enable_fsdp_float8_all_gather): the weights only FP8 linears read form a second part of their
+chunk, with its own flat layout and masters. Its gather casts the bf16 shard to e4m3 with each
+weight's amax MAX-reduced over the data group and the groups its splits lie in (one all-reduce
+per group, cached until the step changes the masters), all-gathers the 1-byte elements (half
+bf16's traffic) and hands each parameter its (e4m3 view, inverse scale) under
+runtime.fp8.FP8_WEIGHT, which fp8_linear uses as cast: the same bytes it would cast from the
+bf16 weight, so the run is exactly the bf16-gathered one. The parameters view a bf16 buffer
+that is never filled (0 bytes): their gradients arrive and reduce as the other part's.
+
 How a chunk's weights are freed without breaking autograd (FSDP's trick): at construction
 every parameter is re-pointed (`p.data = flat[off:off+n].view(shape)`) into its chunk's flat
 buffer; `release` resizes that buffer's storage to 0 bytes and `gather` resizes it back and
@@ -65,6 +75,7 @@ from autopar.runtime.collectives import group_rank, group_size, start_reduce_sca
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.flat_shard import (FlatLayout, OptimState, Segment, gathered_state,
                                          load_state)
+from autopar.runtime.fp8 import E4M3, FP8_WEIGHT, fp8_shard_cast
 from autopar.weight_gathers import GATHER, REDUCE_SCATTER, RELEASE
 
 # ---- the runtime object ------------------------------------------------------------------
@@ -80,10 +91,22 @@ class _Chunk:
     pending: Any = None             # (work, send buffer) of an in-flight gather
     rs: Any = None                  # (wait, which parameters had gradients) of a reduce-scatter
     reduced: bool = False           # reduce-scattered at least once this step
+    fp8: "_Chunk | None" = None     # the part gathered in FP8 (Fp8Gather), if any
+    shell: torch.Tensor | None = None   # FP8 part: the bf16 buffer its parameters view (0 B)
+    amax: torch.Tensor | None = None    # FP8 part: its weights' amaxes, until the next step
 
     @property
     def segments(self) -> list[Segment]:
         return self.layout.segments
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Gather:
+    """Which parameters are all-gathered in FP8 (module docstring): `weights`, their ids (the
+    weights only tensorwise FP8 linears read), and `amax_groups`, the groups besides the data
+    group that hold parts of each (the tensor group)."""
+    weights: frozenset
+    amax_groups: tuple = ()
 
 
 def _all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Any, async_op: bool) -> Any:
@@ -134,6 +157,8 @@ class Zero3Chunks:
     be elementwise (SGD, Adam, AdamW) for the unsharded numbers. param_dtype: the dtype the
     parameters compute in and the all-gather moves (None: the parameters' own; bf16 for mixed
     precision — module doc); the masters are master_dtype, the reductions reduce_dtype.
+    fp8: the parameters gathered in FP8 (Fp8Gather; bf16 param_dtype only; a chunk whose
+    parameters are all FP8 ones gathers them in bf16).
     """
 
     def __init__(self, chunk_params: Mapping[int, Sequence[torch.nn.Parameter]]
@@ -142,7 +167,7 @@ class Zero3Chunks:
                  names: Mapping[int, Sequence[str]] | Sequence[Sequence[str]] | None = None,
                  master_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, fp8: Fp8Gather | None = None):
         cp = dict(chunk_params) if isinstance(chunk_params, Mapping) else dict(
             enumerate(chunk_params))
         nm = (dict(names) if isinstance(names, Mapping) else dict(enumerate(names))
@@ -154,6 +179,11 @@ class Zero3Chunks:
                              f"dtype (torch.bfloat16 for mixed precision), or None for the "
                              f"parameters' own")
         self.param_dtype = param_dtype
+        if fp8 is not None and fp8.weights and param_dtype != torch.bfloat16:
+            raise ValueError(f"Zero3Chunks: fp8 with param_dtype={param_dtype}: the FP8 gather "
+                             f"casts the bf16 weights; pass param_dtype=torch.bfloat16 (or "
+                             f"fp8=None)")
+        self.fp8 = fp8
         seen: dict[int, int] = {}
         for c, params in cp.items():    # validate everything before re-pointing anything
             for p in params:
@@ -170,12 +200,37 @@ class Zero3Chunks:
                                      f"Zero3Chunks and released?); pass parameters that hold "
                                      f"their weights")
         self.chunks: dict[int, _Chunk] = {
-            c: self._build(c, list(params), list(nm.get(c, []))) for c, params in cp.items()}
-        self.optimizer = optimizer_factory([m for ch in self.chunks.values() for m in ch.master])
+            c: self._build_parts(c, list(params), list(nm.get(c, []))) for c, params in cp.items()}
+        self.optimizer = optimizer_factory([m for _, ch in self.parts() for m in ch.master])
         self.num_gathers = 0          # all-gathers issued by this object (d > 1)
         self.num_reduce_scatters = 0
 
-    def _build(self, c: int, params: list[torch.nn.Parameter], names: list[str]) -> _Chunk:
+    def _build_parts(self, c: int, params: list[torch.nn.Parameter],
+                     names: list[str]) -> _Chunk:
+        """Chunk c, its FP8 weights (if some, not all) a second part (module docstring)."""
+        names = names if len(names) == len(params) else [f"chunk{c}.param{i}"
+                                                         for i in range(len(params))]
+        ids = self.fp8.weights if self.fp8 is not None else frozenset()
+        low = {i for i, p in enumerate(params) if id(p) in ids}
+        if not low or len(low) == len(params):
+            return self._build(c, params, names)
+        rest = [i for i in range(len(params)) if i not in low]
+        ch = self._build(c, [params[i] for i in rest], [names[i] for i in rest])
+        ch.fp8 = self._build(c, [params[i] for i in sorted(low)],
+                             [names[i] for i in sorted(low)], fp8=True)
+        return ch
+
+    def parts(self) -> list[tuple[int, _Chunk]]:
+        """(chunk id, part) of every chunk's parts: its bf16 (or own-dtype) one, then its FP8
+        one if it has one."""
+        return [(c, part) for c in sorted(self.chunks) for part in self._parts(self.chunks[c])]
+
+    @staticmethod
+    def _parts(ch: _Chunk) -> list[_Chunk]:
+        return [ch] if ch.fp8 is None else [ch, ch.fp8]
+
+    def _build(self, c: int, params: list[torch.nn.Parameter], names: list[str],
+               fp8: bool = False) -> _Chunk:
         if not params:
             raise ValueError(f"Zero3Chunks: chunk {c} has no parameters; leave it out")
         dtypes = {p.dtype for p in params}
@@ -195,6 +250,10 @@ class Zero3Chunks:
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)                # re-point into the flat buffer
         accumulates = flat.dtype != self.reduce_dtype     # fp32 accumulation (module doc)
+        shell = None
+        if fp8:            # the parameters view `shell` (never filled); gathers fill `flat`
+            shell, flat = flat, torch.zeros(flat.numel(), dtype=E4M3, device=flat.device)
+            shell.untyped_storage().resize_(0)
         if accumulates:
             for p in params:
                 p.main_grad = None
@@ -202,7 +261,7 @@ class Zero3Chunks:
                     p.register_post_accumulate_grad_hook(_accumulate_in(self.reduce_dtype))
         names = names if len(names) == len(params) else [f"chunk{c}.param{i}"
                                                          for i in range(len(params))]
-        ch = _Chunk(params, names, layout, flat, master, accumulates=accumulates)
+        ch = _Chunk(params, names, layout, flat, master, accumulates=accumulates, shell=shell)
         self._free(ch)
         return ch
 
@@ -221,14 +280,27 @@ class Zero3Chunks:
         if ch.gathered:
             raise ValueError(f"Zero3Chunks.gather({c}): chunk {c} is already gathered; release "
                              f"it first (each pass gathers once — see plan_gathers)")
-        mine = ch.layout.shard(ch.master, ch.flat.dtype, ch.flat.device)             # (S,)
+        return [self._gather(part, async_op) for part in self._parts(ch)][0]
+
+    def _gather(self, ch: _Chunk, async_op: bool) -> Any:
+        """All-gather one part (an FP8 one cast first: module docstring)."""
+        low = ch.shell.dtype if ch.shell is not None else ch.flat.dtype
+        mine = ch.layout.shard(ch.master, low, ch.flat.device)                      # (S,)
         ch.flat.untyped_storage().resize_(ch.flat.numel() * ch.flat.element_size())
         ch.gathered = True
+        out = ch.flat
+        if ch.shell is not None:
+            groups = (self.group, *(self.fp8.amax_groups if self.fp8 else ()))
+            mine, ch.amax, inv = fp8_shard_cast(mine, ch.segments, len(ch.params), groups,
+                                                ch.amax)
+            for i, (p, view) in enumerate(zip(ch.params, ch.layout.split(ch.flat))):
+                setattr(p, FP8_WEIGHT, (view.view(p.shape), inv[i]))
+            out, mine = ch.flat.view(torch.uint8), mine.view(torch.uint8)   # gloo: bytes
         if self.d == 1:
-            ch.flat.copy_(mine)
+            out.copy_(mine)
             return None
         with peer_guard("ZeRO-3 weight all-gather with", self.group):
-            work = _all_gather_into(ch.flat, mine, self.group, async_op)
+            work = _all_gather_into(out, mine, self.group, async_op)
         self.num_gathers += 1
         if not async_op:
             return None
@@ -243,10 +315,11 @@ class Zero3Chunks:
         if not ch.gathered:
             raise ValueError(f"Zero3Chunks: chunk {c}'s weights are released; gather({c}) "
                              f"must run before its compute (see plan_gathers)")
-        if ch.pending is not None:
-            with peer_guard("ZeRO-3 weight all-gather with", self.group):
-                ch.pending[0].wait()
-            ch.pending = None
+        for part in self._parts(ch):
+            if part.pending is not None:
+                with peer_guard("ZeRO-3 weight all-gather with", self.group):
+                    part.pending[0].wait()
+                part.pending = None
 
     def release(self, c: int) -> None:
         """Free chunk c's gathered weights (the local shard stays)."""
@@ -254,7 +327,8 @@ class Zero3Chunks:
         if not ch.gathered:
             raise ValueError(f"Zero3Chunks.release({c}): chunk {c} is not gathered")
         self.wait(c)      # a gather still in flight writes into the buffer: land it first
-        self._free(ch)
+        for part in self._parts(ch):
+            self._free(part)
 
     @staticmethod
     def _free(ch: _Chunk) -> None:
@@ -280,7 +354,10 @@ class Zero3Chunks:
         my shard's gradient — averaged over d, added to what this step's earlier
         reduce-scatters of c gave (a chunk released between visits is reduced once per
         visit) — and free the full gradients. async_op: finish_reduces waits for it."""
-        ch = self._get(c)
+        for part in self._parts(self._get(c)):
+            self._reduce_scatter(part, async_op)
+
+    def _reduce_scatter(self, ch: _Chunk, async_op: bool) -> None:
         if ch.rs is not None:
             self._finish_reduce(ch)                         # one in flight per chunk
         grads = [_grad_of(p) for p in ch.params]
@@ -314,10 +391,9 @@ class Zero3Chunks:
         A chunk never reduced this step is reduced now (a plan without its reduce-scatter).
         Idempotent within a step: chunks already finished are left alone, so a caller may
         finish the reduces, clip the shard gradients, then call step()."""
-        for c in sorted(self.chunks):
-            ch = self.chunks[c]
+        for _, ch in self.parts():
             if ch.rs is None and not ch.reduced:
-                self.reduce_scatter_grads(c)
+                self._reduce_scatter(ch, False)
             if ch.rs is not None:
                 self._finish_reduce(ch)
 
@@ -332,12 +408,12 @@ class Zero3Chunks:
                              f"releases every chunk after its last backward)")
         self.finish_reduces()
         self.optimizer.step()
-        for ch in self.chunks.values():
-            ch.reduced = False
+        for _, ch in self.parts():
+            ch.reduced, ch.amax = False, None          # new masters: new FP8 amaxes
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        for ch in self.chunks.values():
+        for _, ch in self.parts():
             ch.reduced = False
             for p in ch.params:
                 _free_grads(p, ch.accumulates)
@@ -346,17 +422,17 @@ class Zero3Chunks:
     def shard_bytes(self) -> int:
         """Bytes of this rank's master shards (what persists between steps, besides the
         optimizer state)."""
-        return sum(m.numel() * m.element_size() for ch in self.chunks.values() for m in ch.master)
+        return sum(m.numel() * m.element_size() for _, ch in self.parts() for m in ch.master)
 
     def gathered_bytes(self) -> int:
         """Bytes of full weights held right now (0 between steps)."""
-        return sum(_nbytes(ch.flat) for ch in self.chunks.values())
+        return sum(_nbytes(ch.flat) for _, ch in self.parts())
 
     def gathered_state(self) -> OptimState:
         """{name: {state name: tensor shaped like the parameter, or a scalar}} of every chunk's
         parameters: the unsharded optimizer state (all-gathers over dp; collective)."""
         out: OptimState = {}
-        for _, ch in sorted(self.chunks.items()):
+        for _, ch in self.parts():
             out.update(gathered_state(ch.layout, ch.master, self.optimizer,
                                       [p.shape for p in ch.params], ch.names, self.group,
                                       ch.flat.device))
@@ -367,7 +443,8 @@ class Zero3Chunks:
         its optimizer state from the unsharded state (no communication; inverse of
         full_parameters / gathered_state). Chunks must be released."""
         with torch.no_grad():
-            for ch in self.chunks.values():
+            for _, ch in self.parts():
+                ch.amax = None
                 for m, piece in zip(ch.master, ch.layout.pieces(
                         [weights[n].reshape(-1) for n in ch.names])):
                     m.copy_(piece)
@@ -380,7 +457,7 @@ class Zero3Chunks:
         gathered (the bf16 buffer is their rounding)."""
         out = {}
         if self.param_dtype not in (None, self.master_dtype):
-            for _, ch in sorted(self.chunks.items()):
+            for _, ch in self.parts():
                 full = ch.layout.gather(ch.master, self.group, self.master_dtype,
                                         ch.flat.device, [p.shape for p in ch.params])
                 out.update(zip(ch.names, full))

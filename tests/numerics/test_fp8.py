@@ -1,12 +1,16 @@
 """FP8 training (passes/fp8.py, autopar/runtime/fp8.py), tensorwise and rowwise scaling.
 
-- The split GEMMs equal the unsplit ones: on 2 gloo ranks, a row-parallel and a
-  column-parallel fp8_linear (fp32 operands, so the only difference can be the scales) give
-  the unsplit output and gradients to fp32 rounding — the amaxes are reduced over the
-  tensor group where the tensor (tensorwise) or the GEMM's reduction dimension (rowwise) is
-  split. Without that reduction the scales differ and so does every rounding.
-- t = 2, d = 2 ZeRO-3 and p = 2 runs of the tiny GPT equal the single-device FP8 run (the
-  same pass on one rank, the same micro-batches: b = 2, m = 4) at the bf16 tolerances.
+- The split GEMMs equal the unsplit ones: on 2 gloo ranks, a row-parallel, a
+  column-parallel and a context-parallel (the tokens split) fp8_linear (fp32 operands, so the
+  only difference can be the scales) give the unsplit output and gradients to fp32 rounding —
+  the amaxes are reduced over the tensor or context group where the tensor (tensorwise) or
+  the GEMM's reduction dimension (rowwise) is split. Without that reduction the scales differ
+  and so does every rounding (the end-to-end runs below cannot tell: an e4m3 rounding is
+  2^-4 of a value).
+- t = 2, d = 2 ZeRO-3, p = 2 and c = 2 runs of the tiny GPT equal the single-device FP8 run
+  (the same pass on one rank, the same micro-batches: b = 4, m = 2) at the bf16 tolerances;
+  at c = 2 each rank holds half of every sequence, so the token operands' amaxes are reduced
+  over the context group (without it every scale differs).
 - It trains: 30 steps on a token file, the FP8 losses within 3% of the bf16 run's
   (benchmarks/fp8.py runs 200 steps and draws the curves).
 """
@@ -16,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from autopar.plan import Plan
 from autopar.testing import spawn
 
 from programs import (BF16_LOSS_RTOL, adamw_decayed, make_data, make_plan, make_program,
@@ -34,19 +39,23 @@ SGD_LR = 0.5     # moves the tiny GPT's weights by ~1e-2 in 3 steps
 
 
 def _split_gemms(rank, world):
-    """(unsplit, row-parallel, column-parallel) outputs and gradients on this rank, per recipe."""
+    """(unsplit, row-parallel, column-parallel, context-parallel) outputs and gradients on
+    this rank, per recipe."""
     import torch.distributed as dist
+    from autopar.runtime.context import ContextShard
     from autopar.runtime.fp8 import fp8_linear
     torch.manual_seed(0)
     x = torch.randn(16, 64) * torch.linspace(0.1, 4, 64)      # uneven columns and rows
     w = torch.randn(32, 64) * torch.linspace(3, 0.2, 64)
     gy = torch.randn(16, 32)
     k, n = slice(32 * rank, 32 * (rank + 1)), slice(16 * rank, 16 * (rank + 1))
+    tokens = slice(8 * rank, 8 * (rank + 1))
     world_group = dist.group.WORLD
+    context = ContextShard(group=world_group, c=2, cp_rank=rank, seq_len=16)
 
-    def run(recipe, x_, w_, gy_, group, partial_fwd, partial_dx):
+    def run(recipe, x_, w_, gy_, group, partial_fwd, partial_dx, cp=None):
         xr, wr = x_.clone().requires_grad_(True), w_.clone().requires_grad_(True)
-        y = fp8_linear(xr, wr, None, recipe, group, partial_fwd, partial_dx)
+        y = fp8_linear(xr, wr, None, recipe, group, partial_fwd, partial_dx, cp)
         y.backward(gy_)
         return y.detach(), xr.grad, wr.grad
     out = {}
@@ -56,15 +65,20 @@ def _split_gemms(rank, world):
         dist.all_reduce(row[0])                                              # partial sums
         col = run(recipe, x, w[n], gy[:, n], world_group, False, True)      # N split
         dist.all_reduce(col[1])
-        out[recipe] = (full, row, col)
-    return out, k, n
+        ctx = run(recipe, x[tokens], w, gy[tokens], None, False, False, context)
+        dist.all_reduce(ctx[2])
+        out[recipe] = (full, row, col, ctx)
+    return out, k, n, tokens
 
 
 def test_split_fp8_gemms_equal_unsplit():
-    for rank, (res, k, n) in enumerate(spawn(_split_gemms, 2, timeout_s=120)):
-        for recipe, ((y, dx, dw), (yr, dxr, dwr), (yc, dxc, dwc)) in res.items():
-            pairs = {"row y": (yr, y), "row dx": (dxr, dx[:, k]), "row dw": (dwr, dw[:, k]),
-                     "column y": (yc, y[:, n]), "column dx": (dxc, dx), "column dw": (dwc, dw[n])}
+    for rank, (res, k, n, tk) in enumerate(spawn(_split_gemms, 2, timeout_s=120)):
+        for recipe, ((y, dx, dw), row, col, ctx) in res.items():
+            pairs = {"row y": (row[0], y), "row dx": (row[1], dx[:, k]),
+                     "row dw": (row[2], dw[:, k]), "column y": (col[0], y[:, n]),
+                     "column dx": (col[1], dx), "column dw": (col[2], dw[n]),
+                     "context y": (ctx[0], y[tk]), "context dx": (ctx[1], dx[tk]),
+                     "context dw": (ctx[2], dw)}
             for what, (got, want) in pairs.items():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"rank {rank} {recipe} {what}: {m}")
@@ -75,7 +89,8 @@ def sgd(params):
 
 
 def _train(rank, world, jobs):
-    """[(losses, full_state_dict, FP8 call sites)] of each (plan, precision, batches) job,
+    """[(losses, full_state_dict, (FP8 call sites, weights ZeRO-3 all-gathers in FP8))] of
+    each (plan, precision, batches) job,
     trained in turn on these ranks (batches None: make_data's, under SGD; a token file's
     under AdamW)."""
     out = []
@@ -90,7 +105,9 @@ def _train(rank, world, jobs):
                   for x, y in (batches or make_data(plan, vocab))]
         source = "".join(prog.source(chunk=c, precision=precision) for c in runner.chunks)
         fp8 = source.count("fp8_linear(") + source.count("fp8_column_parallel(")
-        out.append((losses, runner.full_state_dict(), fp8))
+        parts = getattr(getattr(runner.regime, "chunks", None), "parts", list)()
+        gathered8 = sum(len(part.params) for _, part in parts if part.shell is not None)
+        out.append((losses, runner.full_state_dict(), (fp8, gathered8)))
     return out
 
 
@@ -110,15 +127,15 @@ def _token_batches(tmp_path, plan, steps):
     return [data.next() for _ in range(steps)]
 
 
-PLANS = {"t2": make_plan(t=2, m=4), "d2-zero3": with_zero(make_plan(d=2), 3),
-         "p2": make_plan(p=2, m=4)}
+PLANS = {"t2": make_plan(t=2, b=4), "d2-zero3": with_zero(make_plan(d=2, b=4, m=1), 3),
+         "p2": make_plan(p=2, b=4), "c2": Plan.from_dict({**make_plan(b=4).to_dict(), "c": 2})}
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    """One rank: the single-device FP8 runs (3 steps, b = 2, m = 4: each plan's micro-batches)
+    """One rank: the single-device FP8 runs (3 steps, b = 4, m = 2: each plan's micro-batches)
     per recipe, then CURVE_STEPS steps on a token file in bf16 and both FP8 recipes."""
-    plan = make_plan(m=4)
+    plan = make_plan(b=4)
     batches = _token_batches(tmp_path_factory.mktemp("tokens"), plan, CURVE_STEPS)
     jobs = [(plan, r, None) for r in RECIPES] + [(plan, r, batches)
                                                  for r in ("bf16",) + RECIPES]
@@ -126,18 +143,21 @@ def one_device(tmp_path_factory):
     return dict(zip(RECIPES, res[:2])), dict(zip(("bf16",) + RECIPES, res[2:]))
 
 
-def test_fp8_t2_zero3_d2_p2_equal_one_device_fp8(one_device):
+def test_fp8_t2_zero3_d2_p2_c2_equal_one_device_fp8(one_device):
     """Each plan and recipe against the single-device FP8 run (SGD: AdamW would turn rounding
     of near-zero gradients into full steps): losses at the bf16 tolerance, weights by their
     distance relative to the update (UPDATE_RTOL), and the FP8 call sites (the LM head
-    bf16)."""
+    bf16). Under ZeRO-3 the tensorwise run all-gathers the blocks' 8 weights in FP8 (each
+    shard cast with the weight's all-reduced amax), the rowwise one in bf16: both bit-exact."""
     ref = one_device[0]
     jobs = [(plan, r, None) for plan in PLANS.values() for r in RECIPES]
     results = spawn(_train, 2, jobs, timeout_s=400)
     init = make_program("gpt", make_plan())[0].model.state_dict()
     for j, (name, precision) in enumerate((n, r) for n in PLANS for r in RECIPES):
-        want_losses, want_state, fp8_calls = ref[precision]
+        want_losses, want_state, (fp8_calls, _) = ref[precision]
         assert fp8_calls == 8      # 2 blocks × (q/k/v, out, fc, proj); the LM head stays bf16
+        gathered8 = results[0][j][2][1]
+        assert gathered8 == (8 if (name, precision) == ("d2-zero3", "fp8") else 0), name
         for r, res in enumerate(results):
             torch.testing.assert_close(torch.tensor(res[j][0]), torch.tensor(want_losses),
                                        rtol=BF16_LOSS_RTOL, atol=0.0,
@@ -146,6 +166,8 @@ def test_fp8_t2_zero3_d2_p2_equal_one_device_fp8(one_device):
         off = sum(float((state[k] - w).norm()) ** 2 for k, w in want_state.items()) ** 0.5
         moved = sum(float((w - init[k]).norm()) ** 2 for k, w in want_state.items()) ** 0.5
         assert off <= UPDATE_RTOL * moved, (name, precision, off / moved)
+        if name == "d2-zero3":
+            assert off == 0, (name, precision, off / moved)
 
 
 def test_fp8_trains_like_bf16(one_device):

@@ -1,7 +1,8 @@
 """The FP8 pass (passes/fp8.py) on the tiny GPT's chunks, one process: which GEMMs it picks
 (FP8_RULE: the blocks' linears; the LM head stays bf16), how it marks the tensor-parallel
 ones (a row-parallel forward and a column-parallel input gradient are partial sums over the
-tensor group), and its one-line refusal of GEMM dims that are not multiples of 16."""
+tensor group; at c = 2 every call gets the context shard, whose group holds the other
+tokens), and its one-line refusal of GEMM dims that are not multiples of 16."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 
 from autopar.api import ParallelProgram
 from autopar.build import build_program
+from autopar.passes.context_parallel import CP_ATTR
+from autopar.plan import Plan
 from autopar.runtime.fp8 import fp8_column_parallel, fp8_linear
 
 from models import gpt
@@ -30,14 +33,18 @@ def test_blocks_linears_in_fp8_head_in_bf16():
 
 
 def test_tensor_parallel_linears_marked_partial():
-    prog, _ = make_program("gpt", make_plan(t=2))
+    plan = Plan.from_dict({**make_plan(t=2, b=4).to_dict(), "c": 2})   # 16 tokens a rank
+    prog, _ = make_program("gpt", plan)
     (chunk,) = build_program(prog, "fp8-rowwise").chunks(0, weights=False)
     rows = _calls(chunk, fp8_linear)
     cols = _calls(chunk, fp8_column_parallel)
     assert len(rows) == 4 and len(cols) == 4          # out, proj / q·k·v, fc per block
     assert all(n.args[3] == "rowwise" and n.args[5] is True and n.args[6] is False
                for n in rows)                         # K split: the forward is a partial sum
-    assert all(n.args[-1] == "rowwise" for n in cols)
+    assert all(n.args[-2] == "rowwise" for n in cols)
+    assert all(n.args[-1].op == "get_attr" and n.args[-1].target == CP_ATTR
+               for n in rows + cols)                  # the context group: the other tokens
+    chunk.graph.lint()
 
 
 def test_gemm_dims_not_multiple_of_16_is_one_line():

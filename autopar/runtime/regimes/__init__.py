@@ -27,16 +27,20 @@ __all__ = ["Regime", "Replicated", "Zero1", "Zero3", "make_regime"]
 def make_regime(plan: Any, params: LocalParams, groups: Any, actions: Sequence[Action], *,
                 optimizer: OptimizerFactory | None = None,
                 compute_dtype: torch.dtype = torch.float32,
-                bucket_bytes: int | None = None) -> Regime:
+                bucket_bytes: int | None = None,
+                fp8_weights: frozenset = frozenset()) -> Regime:
     """The regime of plan.zero for this rank (plan.zero and the dtype were checked by
-    autopar.compile.check_program). compute_dtype: bf16 for mixed precision (fp32 masters)."""
+    autopar.compile.check_program). compute_dtype: bf16 for mixed precision (fp32 masters).
+    fp8_weights: the graph names of the weights only tensorwise FP8 linears read (ZeRO-2/3
+    all-gather them in FP8)."""
     make = optimizer or default_optimizer
     low = compute_dtype if compute_dtype != torch.float32 else None
     if plan.zero == 3:
-        return Zero3(params, groups, make, actions, keep=2, precision_dtype=low)
+        return Zero3(params, groups, make, actions, keep=2, precision_dtype=low,
+                     fp8_weights=fp8_weights)
     if plan.zero == 2:
         return Zero3(params, groups, make, actions, keep=max(1, len(params.first_chunk)),
-                     precision_dtype=low)
+                     precision_dtype=low, fp8_weights=fp8_weights)
     if plan.zero == 1:
         return Zero1(params, groups, make, actions,
                      breadth_first=plan.schedule == "breadth-first", precision_dtype=low)

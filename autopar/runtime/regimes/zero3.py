@@ -20,7 +20,9 @@ vocab × hidden per stage, like ZeRO-1's weights).
 bf16 (precision_dtype): the chunks' shards are the fp32 masters, gathered in bf16 and reduced
 in fp32 (runtime/zero3.py's mixed precision); the replicated parameters compute in bf16 with
 fp32 masters and main_grad (runtime/precision.py MixedPrecision, as under zero=0), which the
-optimizer steps and clipping reads. Checkpoints store the
+optimizer steps and clipping reads. fp8_weights (tensorwise FP8): the parameters only FP8
+linears read are all-gathered in e4m3 with their amax reduced over the data and tensor groups
+(runtime/zero3.py Fp8Gather), half bf16's gather traffic, the same numbers. Checkpoints store the
 gathered weights and the unsharded optimizer state, as every other regime does, so they load
 under any other plan.
 """
@@ -41,7 +43,7 @@ from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime, average_grads,
                                           sum_tied_grads)
-from autopar.runtime.zero3 import Zero3Chunks
+from autopar.runtime.zero3 import Fp8Gather, Zero3Chunks
 from autopar.weight_gathers import plan_gathers
 from autopar.schedules import Action
 
@@ -51,7 +53,8 @@ class Zero3(Regime):
 
     def __init__(self, params: LocalParams, groups: Any, make: OptimizerFactory,
                  actions: Sequence[Action], *, keep: int = 2,
-                 precision_dtype: torch.dtype | None = None):
+                 precision_dtype: torch.dtype | None = None,
+                 fp8_weights: frozenset = frozenset()):
         self.params, self.groups = params, groups
         shared = set(params.shared)
         self.replicated = [q for q in params.tensors
@@ -68,11 +71,15 @@ class Zero3(Regime):
         self.chunks = Zero3Chunks(
             {c: [params.tensors[q] for q in qs] for c, qs in names.items()}, groups.data,
             lambda masters: make(list(masters) + list(self.stepped.values())), names=names,
-            param_dtype=precision_dtype)
+            param_dtype=precision_dtype,
+            fp8=Fp8Gather(weights=frozenset(id(params.tensors[q]) for q in fp8_weights
+                                            if q not in self.replicated),
+                          amax_groups=(groups.tensor,))
+            if fp8_weights and precision_dtype == torch.bfloat16 else None)
         self.optimizer = self.chunks.optimizer
         # (master piece, ParamInfo of the parameter it is cut from, its flat span), for clipping
-        self.pieces = [(m, params.infos[names[c][s.param]], (s.lo, s.hi))
-                       for c, ch in self.chunks.chunks.items()
+        self.pieces = [(m, params.infos[ch.names[s.param]], (s.lo, s.hi))
+                       for _, ch in self.chunks.parts()
                        for s, m in zip(ch.segments, ch.master)]
         self.ops: dict[int, list[tuple[str, int]]] = {}   # action index -> ops before it
         for n, op, c in plan_gathers(list(actions), keep=keep):
@@ -153,7 +160,7 @@ class Zero3(Regime):
     def shard_state(self) -> list:
         """Every chunk's master segments and their optimizer state, and the replicated (tied)
         parameters whole (views)."""
-        out = [h for _, ch in sorted(self.chunks.chunks.items())
+        out = [h for _, ch in self.chunks.parts()
                for h in held_segments(ch.layout, ch.master, self.optimizer, ch.names)]
         return out + [held_range(q, 0, t.numel(), t, self.optimizer.state.get(t, {}), True)
                       for q, t in self.stepped.items()]
