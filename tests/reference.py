@@ -35,6 +35,7 @@ class Trained:
     states: list[State] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     loss_scales: list[float] = field(default_factory=list)   # fp16: the scale after each step
+    init: State = field(default_factory=dict)   # the state before the first step
 
 
 def train(model: torch.nn.Module, batches: Iterable[Batch],
@@ -72,6 +73,7 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
     if seed is not None:
         torch.manual_seed(seed)
     losses, states, norms = [], [], []
+    init = _state(model, mp)
     for x, y in batches:
         if mp is None:  # (mp.step zeroes main_grad; opt.zero_grad would unlink the masters' grads)
             opt.zero_grad(set_to_none=True)
@@ -100,7 +102,7 @@ def train(model: torch.nn.Module, batches: Iterable[Batch],
         losses.append(loss.item())
         if keep_states:
             states.append(_state(model, mp))
-    return Trained(model, opt, losses, _state(model, mp), states, norms, scales)
+    return Trained(model, opt, losses, _state(model, mp), states, norms, scales, init)
 
 
 def _fp32_logits(out):

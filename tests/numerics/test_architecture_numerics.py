@@ -16,7 +16,7 @@ from autopar.testing import spawn
 
 import models
 from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan, train_steps
-from reference import train
+from reference import train, weight_mismatches
 
 pytestmark = pytest.mark.distributed
 
@@ -160,9 +160,8 @@ def test_multi_query_pretrained_zero1_checkpoint_round_trip(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses),
                                    rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r}: {m}")
     state = results[0][1]
-    for key, want in ref.state.items():
-        torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+    assert not weight_mismatches(state, ref.state, ref.init), \
+        weight_mismatches(state, ref.state, ref.init)
     (_, reloaded), = spawn(_bigcode_rank, 1, make_plan(), "", ckpt, False, timeout_s=300)
     for key, value in state.items():
         assert torch.equal(reloaded[key], value), key

@@ -23,7 +23,7 @@ from autopar.data import BatchShape, TokenFile, TokenFileBatches
 from autopar.factory import load_factory
 from autopar.plan import Plan
 
-from reference import train
+from reference import train, weight_mismatches
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -103,7 +103,7 @@ def _reference(tmp_path: Path, plan: Plan) -> tuple[list[float], dict[str, torch
     ref = train(user.model, (data.next() for _ in range(STEPS)),
                 lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
                 loss_fn=user.loss(), max_grad_norm=1.0)
-    return ref.losses, ref.state
+    return ref.losses, ref.state, ref.init
 
 
 def test_transformers_model_build_train_kill_resume_on_fewer_ranks(tmp_path):
@@ -129,16 +129,16 @@ def test_transformers_model_build_train_kill_resume_on_fewer_ranks(tmp_path):
     assert got["world"] == 2 and 0 < got["start"] < STEPS, got   # resumed mid-run
 
     _check_metrics(tmp_path / "metrics.jsonl", got, log)
-    ref_losses, ref_state = _reference(tmp_path, plan)
+    ref_losses, ref_state, ref_init = _reference(tmp_path, plan)
     # the resumed steps see the batches the uninterrupted run saw at those steps
     torch.testing.assert_close(got["losses"], ref_losses[got["start"]:], rtol=1e-4, atol=1e-5)
     state = torch.load(tmp_path / "weights.pt")
     assert set(state) == set(ref_state)
-    # atol 5e-5: Adam divides by sqrt(v), so an element whose gradient is ~0 turns fp32
-    # reduction-order noise (4 and 2 data-parallel replicas vs one device) into a few % of one
-    # lr=1e-3 step; as in tests/numerics/test_checkpoint_runner.py
-    for key, ref in ref_state.items():
-        torch.testing.assert_close(state[key], ref, rtol=1e-4, atol=5e-5, msg=lambda m: f"{key}: {m}")
+    # Adam divides by sqrt(v): an element whose gradient is ~0 turns fp32 reduction-order
+    # noise (4 and 2 data-parallel replicas vs one device) into a share of one step, so the
+    # comparison is reference.weight_mismatches's (the update's agreement, outliers bounded)
+    assert not weight_mismatches(state, ref_state, ref_init), \
+        weight_mismatches(state, ref_state, ref_init)
 
 
 def _check_metrics(path: Path, got: dict, log: str) -> None:
