@@ -134,6 +134,7 @@ class Zero3Chunks:
     be elementwise (SGD, Adam, AdamW) for the unsharded numbers. param_dtype: the dtype the
     parameters compute in and the all-gather moves (None: the parameters' own; bf16 for mixed
     precision — module doc); the masters are master_dtype, the reductions reduce_dtype.
+    divide_by: the divisor of the summed gradients (None: the group's size d).
     """
 
     def __init__(self, chunk_params: Mapping[int, Sequence[torch.nn.Parameter]]
@@ -142,12 +143,15 @@ class Zero3Chunks:
                  names: Mapping[int, Sequence[str]] | Sequence[Sequence[str]] | None = None,
                  master_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, divide_by: int | None = None):
         cp = dict(chunk_params) if isinstance(chunk_params, Mapping) else dict(
             enumerate(chunk_params))
         nm = (dict(names) if isinstance(names, Mapping) else dict(enumerate(names))
               ) if names is not None else {}
         self.group, self.d, self.rank = group, group_size(group), group_rank(group)
+        # the summed gradient's divisor: d, or c·d for experts reduced over the c·d/ep ranks
+        # of their expert-data group (see autopar.runtime.data_parallel)
+        self.divisor = divide_by or self.d
         self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
         if param_dtype is not None and not param_dtype.is_floating_point:
             raise ValueError(f"Zero3Chunks: param_dtype={param_dtype}: must be a floating "
@@ -300,8 +304,8 @@ class Zero3Chunks:
     def _finish_reduce(self, ch: _Chunk) -> None:
         wait, has = ch.rs
         out = wait()
-        if self.d > 1:
-            out.div_(self.d)
+        if self.divisor > 1:
+            out.div_(self.divisor)
         for s, m in zip(ch.segments, ch.master):
             if has[s.param]:
                 piece = out[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype)
