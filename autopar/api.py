@@ -144,9 +144,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
 
     `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
     spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
-    number of experts; autopar/runtime/groups.py expert_groups); None lets the solver choose
-    among what compile() runs (ep > 1 with zero 0/1); a pinned ep may plan the rest,
-    which compile() refuses in one line (autopar.plan.expert_parallel_refusal).
+    number of experts; autopar/runtime/groups.py expert_groups; under ZeRO the experts are
+    sharded over the c·d/ep ranks holding the same ones); None lets the solver choose it with
+    the ZeRO level.
 
     `precision` prices the run's GEMMs: None / "fp32" / "bf16" / "fp16" at the 16-bit rate,
     "fp8" / "fp8-rowwise" the blocks' linear GEMMs at the cluster's FP8 rate (with their

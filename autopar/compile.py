@@ -37,7 +37,7 @@ from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.fp8 import fp8_only_weights
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
+from autopar.plan import ZERO_LEVELS, Plan, check_model
 from autopar.progress import Progress
 from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context import ContextShard
@@ -76,9 +76,6 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
             f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
             f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
             f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
-    why = expert_parallel_refusal(plan.ep, plan.zero)
-    if why:
-        raise ValueError(f"plan.{why} (parallelize(..., ep=1) / --ep 1)")
     if plan.c > 1 and plan.sequence_parallel and plan.t > 1 \
             and (plan.seq_len // plan.c) % plan.t:
         raise ValueError(

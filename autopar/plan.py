@@ -287,16 +287,6 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-def expert_parallel_refusal(ep: int, zero: int) -> str | None:
-    """Why the runtime cannot run expert parallelism `ep` with ZeRO level `zero` (None when it
-    can): compile refuses it in one line and the solver does not choose it for a free ep
-    (cost/solver.py), so a free plan always runs."""
-    if ep > 1 and zero > 1:
-        return (f"ep={ep} with zero={zero}: ZeRO-2/3 do not yet shard the expert weights over "
-                f"the expert-data group; use zero=0 or 1 with ep > 1, or ep=1")
-    return None
-
-
 def parameter_signature(model: Any) -> tuple[str, ...]:
     """What Plan.parameters records of a model: "name (d0, d1, ...)" per parameter (tied
     weights once), in named_parameters() order; shapes only, so a meta model gives the same."""

@@ -61,7 +61,7 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import (CP_ATTENTION, RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction,
-                          Stage, expert_parallel_refusal)
+                          Stage)
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
@@ -365,7 +365,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                    if t == 1 or pins.allows("sequence_parallel", sp)]
             if not sps:
                 continue
-            zeros = _zero_levels(schedule, t, p, d, c, ep, pins, rejected)
+            zeros = _zero_levels(schedule, t, p, d, pins, rejected)
             if zeros:
                 rows.append((si, schedule, v, group, zeros))
         if not rows:
@@ -384,8 +384,9 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                                  rows=tuple(rows))
 
 
-def _zero_levels(schedule, t, p, d, c, ep, pins, rejected) -> tuple[tuple[int, int], ...]:
-    """(index, level) of the ZeRO levels a (schedule, d, ep) may run, the others rejected."""
+def _zero_levels(schedule, t, p, d, pins, rejected) -> tuple[tuple[int, int], ...]:
+    """(index, level) of the ZeRO levels a (schedule, d) may run, the others rejected (every
+    level runs with expert parallelism: its experts sharded over the expert-data group)."""
     zeros = SCHEDULE_TRAITS[schedule].zero_levels if d > 1 else (pins.zero or 0,)
     if pins.zero is not None and pins.zero not in zeros:
         rejected.append(Rejection(
@@ -401,12 +402,6 @@ def _zero_levels(schedule, t, p, d, c, ep, pins, rejected) -> tuple[tuple[int, i
                 {"t": t, "p": p, "d": d, "schedule": schedule, "zero": zero},
                 f"zero={zero} is priced but not executed by this runtime yet "
                 f"(runnable: {pins.zero_levels}); pin zero={zero} to plan it"))
-            continue
-        why = expert_parallel_refusal(ep, zero)
-        if why and pins.ep is None:   # a free plan must run; pinned: refused by compile
-            rejected.append(Rejection(
-                {"t": t, "c": c, "ep": ep, "p": p, "d": d, "zero": zero},
-                f"not run by this runtime yet: {why}; pin ep={ep} to plan it"))
             continue
         out.append((zi, zero))
     return tuple(out)

@@ -159,6 +159,7 @@ class Zero3Chunks:
     precision — module doc); the masters are master_dtype, the reductions reduce_dtype.
     fp8: the parameters gathered in FP8 (Fp8Gather; bf16 param_dtype only; a chunk whose
     parameters are all FP8 ones gathers them in bf16).
+    divide_by: the divisor of the summed gradients (None: the group's size d).
     """
 
     def __init__(self, chunk_params: Mapping[int, Sequence[torch.nn.Parameter]]
@@ -167,12 +168,16 @@ class Zero3Chunks:
                  names: Mapping[int, Sequence[str]] | Sequence[Sequence[str]] | None = None,
                  master_dtype: torch.dtype = torch.float32,
                  reduce_dtype: torch.dtype = torch.float32,
-                 param_dtype: torch.dtype | None = None, fp8: Fp8Gather | None = None):
+                 param_dtype: torch.dtype | None = None, fp8: Fp8Gather | None = None,
+                 divide_by: int | None = None):
         cp = dict(chunk_params) if isinstance(chunk_params, Mapping) else dict(
             enumerate(chunk_params))
         nm = (dict(names) if isinstance(names, Mapping) else dict(enumerate(names))
               ) if names is not None else {}
         self.group, self.d, self.rank = group, group_size(group), group_rank(group)
+        # the summed gradient's divisor: d, or c·d for experts reduced over the c·d/ep ranks
+        # of their expert-data group (see autopar.runtime.data_parallel)
+        self.divisor = divide_by or self.d
         self.master_dtype, self.reduce_dtype = master_dtype, reduce_dtype
         if param_dtype is not None and not param_dtype.is_floating_point:
             raise ValueError(f"Zero3Chunks: param_dtype={param_dtype}: must be a floating "
@@ -377,8 +382,8 @@ class Zero3Chunks:
     def _finish_reduce(self, ch: _Chunk) -> None:
         wait, has = ch.rs
         out = wait()
-        if self.d > 1:
-            out.div_(self.d)
+        if self.divisor > 1:
+            out.div_(self.divisor)
         for s, m in zip(ch.segments, ch.master):
             if has[s.param]:
                 piece = out[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype)
@@ -401,13 +406,18 @@ class Zero3Chunks:
     def step(self) -> None:
         """Finish the reduce-scatters and run the optimizer on my shards. The new weights reach
         the parameters at each chunk's next gather; chunks must be released by now."""
+        self.finish_reduces()
+        self.optimizer.step()
+        self.stepped()
+
+    def stepped(self) -> None:
+        """The optimizer has stepped the masters (by step(), or by another Zero3Chunks sharing
+        the optimizer): chunks must be released by now; new masters, new FP8 amaxes."""
         live = [c for c, ch in self.chunks.items() if ch.gathered]
         if live:
             raise ValueError(f"Zero3Chunks.step: chunks {live} are still gathered; their "
                              f"weights would go stale — release them first (plan_gathers "
                              f"releases every chunk after its last backward)")
-        self.finish_reduces()
-        self.optimizer.step()
         for _, ch in self.parts():
             ch.reduced, ch.amax = False, None          # new masters: new FP8 amaxes
 

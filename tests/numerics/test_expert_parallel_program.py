@@ -17,7 +17,8 @@ from autopar.runtime.pretrained import SINGLE_FILE
 from autopar.testing import spawn
 
 import models
-from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan, train_steps
+from programs import (BF16_LOSS_RTOL, BF16_UPDATE_RTOL, BF16_WEIGHT_ATOL, MAX_NORM, STEPS, adamw,
+                      adamw_decayed, check_trained, loss_fn, make_plan, train_steps)
 from reference import assert_weights_match, train
 
 pytestmark = pytest.mark.distributed
@@ -166,3 +167,92 @@ def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path, t):
     assert list(state) == list(want)
     bad = [k for k, v in want.items() if not torch.equal(state[k], v)]
     assert not bad, bad
+
+
+# ---- sharded weights (ZeRO-2/3) with ep = 2, in one process group of 4 ranks ------------------
+ZERO_CASES = (("hf_mixtral", 3, "fp32"), ("hf_olmoe", 2, "fp32"), ("hf_qwen2_moe", 3, "fp32"),
+              ("hf_mixtral", 2, "bf16"))
+BF16_MAX_NORM = 0.05   # tests/programs.py check_training's bf16 setting (clipping active)
+
+
+def _zero_plan(zero: int, ep: int = 2):
+    return dataclasses.replace(make_plan(d=4, m=1), ep=ep, zero=zero)
+
+
+def sgd(params):
+    """fp32 cases: SGD with momentum (its buffer checkpointed), not AdamW, which divides out a
+    gradient wrong by a constant factor (the experts' divisor c·d against c·d/ep)."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+def _optim(precision: str) -> tuple:
+    """(optimizer, max_grad_norm) of a case: fp32 SGD, bf16 as check_training (AdamW lr 1e-3:
+    a wrong gradient moves a master past BF16_WEIGHT_ATOL)."""
+    return (sgd, MAX_NORM) if precision == "fp32" else (adamw_decayed, BF16_MAX_NORM)
+
+
+def _zero_rank(rank: int, world: int, path: str) -> list:
+    """Each ZERO_CASES case at d = 4 ep = 2 (expert groups [0, 1] [2, 3], expert-data groups
+    [0, 2] [1, 3]: the experts' shards over 2 ranks, the dense ones over 4), the first saving a
+    checkpoint before its last step; then Mixtral at ep = 1 ZeRO-1 loads it and trains the last
+    step. Per run: (losses, full_state_dict, (expert shard elements, local expert elements))."""
+    torch.set_num_threads(1)
+    out = []
+    runs = [(name, _zero_plan(zero), precision) for name, zero, precision in ZERO_CASES]
+    for i, (name, plan, precision) in enumerate(runs + [("hf_mixtral", _zero_plan(1, 1), "fp32")]):
+        x, y = _data(plan.micro_batch_size)[0]
+        prog = ParallelProgram(model=models.build(name, seed=0), plan=plan, profile=None,
+                               example_inputs=(x,), loss_fn=loss_fn, example_targets=y,
+                               cluster=None)
+        optimizer, max_norm = _optim(precision)
+        runner = prog.compile(optimizer=optimizer, max_grad_norm=max_norm, precision=precision,
+                              timeout_s=60)
+        batches = _data(plan.global_batch_size)
+        if i == len(runs):     # the resume: ep = 1, ZeRO-1
+            assert runner.load_checkpoint(path) == STEPS - 1
+            losses = train_steps(runner, plan, batches[-1:])
+        else:
+            losses = train_steps(runner, plan, batches[:-1])
+            if i == 0:
+                runner.save_checkpoint(path)
+            losses += train_steps(runner, plan, batches[-1:])
+        experts = [q for q, info in runner.params.infos.items() if info.expert]
+        shard = sum(m.numel() for part in getattr(runner.regime, "parts", [])[1:]
+                    for ch in part.chunks.values() for m in ch.master)
+        out.append((losses, runner.full_state_dict(),
+                    (shard, sum(runner.params.tensors[q].numel() for q in experts))))
+    return out
+
+
+def test_zero2_zero3_with_ep2_match_single_device_and_resume_at_ep1_zero1(tmp_path):
+    """ZeRO-3 and ZeRO-2 with ep = 2 on Mixtral, OLMoE and Qwen2-MoE (fp32), and Mixtral's
+    ZeRO-2 in bf16: each chunk's experts a flat buffer of their own, sharded, gathered and
+    reduce-scattered over the expert-data group (and divided by c·d), the dense weights over
+    the 4 data ranks (autopar/runtime/regimes/zero3.py), against one device; and the
+    checkpoint saved at ep = 2 ZeRO-3 (each rank writing its experts' shard pieces) resumed at
+    ep = 1 ZeRO-1: its last step equals the uninterrupted single-device run's."""
+    path = str(tmp_path / "ckpt")
+    results = spawn(_zero_rank, 4, path, timeout_s=600)
+    refs = {}
+    for i, (name, zero, precision) in enumerate(ZERO_CASES):
+        optimizer, max_norm = _optim(precision)
+        ref = refs.setdefault(i, train(models.build(name, seed=0), _data(8), optimizer,
+                                       loss_fn=loss_fn, max_grad_norm=max_norm,
+                                       precision=precision))
+        for r, per_rank in enumerate(results):
+            shard, local = per_rank[i][2]
+            assert local and 2 * shard - local in (0, 1), (name, r, shard, local)   # 1 chunk
+        init = models.build(name, seed=0).state_dict()
+        if precision == "fp32":
+            check_trained([per_rank[i] for per_rank in results], ref, init)
+            continue
+        for r, per_rank in enumerate(results):
+            torch.testing.assert_close(torch.tensor(per_rank[i][0]), torch.tensor(ref.losses),
+                                       rtol=BF16_LOSS_RTOL, atol=0.0)
+        assert_weights_match(results[0][i][1], ref.state, init, rtol=0, atol=BF16_WEIGHT_ATOL,
+                             update_rtol=BF16_UPDATE_RTOL)
+    resumed, ref = [per_rank[-1] for per_rank in results], refs[0]
+    for r, (losses, _, _) in enumerate(resumed):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[-1:]),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} loss: {m}")
+    assert_weights_match(resumed[0][1], ref.state, models.build("hf_mixtral", seed=0).state_dict())

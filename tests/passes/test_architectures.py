@@ -92,15 +92,11 @@ def test_mixtral_8x7b_like_plans_from_the_meta_device_with_its_experts_split():
 
 def test_mixtral_8x7b_like_plans_expert_parallelism_and_explains_it():
     """The same model, nothing pinned: the solver weighs ep (experts over the data-parallel
-    ranks) with the other degrees, but for a free ep only what the runtime runs (ep > 1 with
-    zero 0/1, autopar.plan.expert_parallel_refusal): the plan and every feasible
-    alternative run, the others are rejected with the reason, and the plan fits with its
-    experts split; pinning ep=8 gives a plan with 8 experts' ranks, priced (the all-to-alls in
-    the terms), printed and explained, that compile refuses in one line if the runtime cannot
-    run it."""
+    ranks) with the other degrees and the ZeRO level (every level runs with ep > 1): the plan
+    runs and fits with its experts split; pinning ep=8 gives a plan with 8 experts' ranks,
+    priced (the all-to-alls in the terms), printed and explained, that compile accepts."""
     from transformers import MixtralConfig, MixtralForCausalLM
     from autopar.compile import check_program
-    from autopar.plan import expert_parallel_refusal
     with torch.device("meta"):
         model = MixtralForCausalLM(MixtralConfig(use_cache=False, max_position_embeddings=4096))
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
@@ -110,18 +106,12 @@ def test_mixtral_8x7b_like_plans_expert_parallelism_and_explains_it():
     assert free.t <= 8 and free.predicted.memory_bytes_per_gpu <= 80e9
     assert free.t > 1 or free.ep > 1                 # the experts are split one way or both
     check_program(free)                              # a free plan runs
-    for a in free.alternatives:
-        runs = expert_parallel_refusal(a.config.get("ep", 1), a.config.get("zero", 0)) is None
-        assert runs or not a.feasible, a.label()
-        assert runs or "not run by this runtime yet: ep=" in a.reason, (a.label(), a.reason)
     pinned = autopar.parallelize(model, 64, ep=8, **kw).plan
     assert pinned.ep == 8 and (pinned.c * pinned.d) % 8 == 0 and pinned.t <= 8
     assert pinned.predicted.memory_bytes_per_gpu <= 80e9 and pinned.predicted.ep_comm_s > 0
     assert "ep=8 (experts over 8" in str(pinned) and "expert-parallel comm" in str(pinned)
     assert "Expert parallelism ep=8: " in pinned.explain()
-    with pytest.raises(ValueError, match=r"^plan.ep=8 with zero=[23]: ") as e:
-        check_program(pinned)
-    assert "\n" not in str(e.value)
+    check_program(pinned)
 
 
 def test_vit_h_like_plans_from_the_meta_device():

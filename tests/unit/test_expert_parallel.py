@@ -168,30 +168,46 @@ def test_solver_searches_ep_and_honours_a_pin():
     assert "ep=4" in str(pinned) and "Expert parallelism ep=4" in pinned.explain()
 
 
-def test_a_free_ep_plans_only_what_compile_runs():
-    """A free ep never gives a configuration compile refuses (ep > 1 with zero 2/3,
-    autopar.plan.expert_parallel_refusal): the plan and every alternative weighed run, the
-    refused ones are rejected with the reason; a pinned ep may plan them, and compile then
-    refuses in one line naming value, rule and fix."""
+def test_a_free_ep_is_chosen_with_every_zero_level():
+    """ep and the ZeRO level are free together (ZeRO-2/3 shard the experts over the expert-data
+    group, autopar/runtime/regimes/zero3.py): the configurations weighed include ep > 1 with
+    zero 2 and 3, none rejected for combining them, and a plan pinned ep=4 zero=3 passes
+    compile's checks."""
     from autopar.compile import check_program
     from autopar.cost.hardware import get_cluster
     from autopar.cost.solver import Pins, enumerate_configs, solve
-    from autopar.plan import expert_parallel_refusal
     prof = _moe(experts=8, layers=4, hidden=2048)
     a100 = get_cluster("dgx-a100-80gb")
     configs, rejected = enumerate_configs(prof, a100, 16, 64, Pins())
-    assert {c.ep for c in configs} > {1}                           # ep > 1 still searched
-    assert all(expert_parallel_refusal(c.ep, c.zero) is None for c in configs)
-    refused = [r for r in rejected if "not run by this runtime yet: ep=" in r.reason]
-    assert refused and all(r.config["ep"] > 1 and r.config["zero"] > 1 for r in refused)
+    assert {(c.ep > 1, c.zero) for c in configs} >= {(True, 2), (True, 3)}
+    assert not [r for r in rejected if "ep=" in r.reason and "zero=" in r.reason]
     assert any(c.t > 1 and c.ep > 1 for c in configs)              # experts over t and ep
-    free = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64)
-    check_program(free)
-    pinned, _ = enumerate_configs(prof, a100, 16, 64, Pins(ep=4))
-    assert any(expert_parallel_refusal(c.ep, c.zero) for c in pinned)
+    check_program(solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64))
     plan = solve(prof, "dgx-a100-80gb", gpus=16, global_batch_size=64, ep=4, zero=3)
-    with pytest.raises(ValueError, match=r"^plan.ep=4 with zero=3: .*use zero=0 or 1 with ep > 1"):
-        check_program(plan)
+    assert (plan.ep, plan.zero) == (4, 3)
+    check_program(plan)
+
+
+def test_zero3_prices_the_experts_sharded_over_the_expert_data_group():
+    """ZeRO-3 with ep: each rank holds E/ep experts, their fp32 shards and Adam states over the
+    c·d/ep ranks holding them — at rest E/(c·d) of the experts' state whatever ep, as at ep = 1
+    — but gathers only its E/ep experts (half the working set at ep = 2), and their
+    all-gathers and reduce-scatters move (c·d/ep − 1)/(c·d/ep) of E/ep experts instead of
+    (c·d − 1)/(c·d) of E."""
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import Config, config_costs, weight_gather_stats
+    a100 = get_cluster("dgx-a100-80gb")
+    prof = _moe()
+    base = Config(t=1, p=1, d=8, micro_batch_size=2, num_microbatches=4, zero=3)
+    one, two = (config_costs(prof, a100, dataclasses.replace(base, ep=ep)) for ep in (1, 2))
+    (w1, g1, o1, _), (w2, g2, o2, _) = one.mem_parts[0], two.mem_parts[0]
+    assert o1 == pytest.approx(o2)                            # Adam's m, v, master: E/(c·d)
+    st = weight_gather_stats(base)
+    half = prof.block.expert_params_elems / 2
+    assert w1 - w2 == pytest.approx(2.0 * st.peak_gathered * half)          # 16-bit gathered
+    assert g1 - g2 == pytest.approx(4.0 * (st.peak_pending + 1) * half)     # fp32 accumulation
+    assert one.dp_layer_ns > two.dp_layer_ns > config_costs(
+        prof, a100, dataclasses.replace(base, ep=8)).dp_layer_ns > 0
 
 
 @pytest.mark.parametrize("kw, words", [

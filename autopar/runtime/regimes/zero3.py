@@ -25,6 +25,15 @@ linears read are all-gathered in e4m3 with their amax reduced over the data and 
 (runtime/zero3.py Fp8Gather), half bf16's gather traffic, the same numbers. Checkpoints store the
 gathered weights and the unsharded optimizer state, as every other regime does, so they load
 under any other plan.
+
+Expert parallelism (torchtitan's expert FSDP over its dp_mod_ep mesh; Megatron-Core's expert
+buffers over the expert-data-parallel group): each chunk's expert weights (this rank's E/ep
+experts) are a second flat buffer, sharded over the expert-data group — the c·d/ep ranks
+holding the same experts — while the dense weights are sharded over the c·d; each has its own
+all-gather and reduce-scatter at the same points of the plan, and the experts' summed
+gradients are divided by c·d, not c·d/ep (see autopar.runtime.data_parallel). Two Zero3Chunks
+(`parts`: dense, experts) share one optimizer; clipping needs nothing more (every element of
+either is held by one rank of its group, the world all-reduce adds them once).
 """
 from __future__ import annotations
 
@@ -59,49 +68,74 @@ class Zero3(Regime):
         shared = set(params.shared)
         self.replicated = [q for q in params.tensors
                            if q in shared or len(params.used_by.get(q, ())) > 1]
-        names = {c: [q for q in qs if q not in self.replicated]
-                 for c, qs in params.first_chunk.items()}
-        names = {c: qs for c, qs in names.items() if qs}
         replicated = [params.tensors[q] for q in self.replicated]
         self.mp = (MixedPrecision(replicated, compute_dtype=precision_dtype)
                    if precision_dtype is not None and replicated else None)
         # the replicated tensors the optimizer steps, by graph name (fp32 masters under bf16)
         self.stepped = OrderedDict(zip(self.replicated, self.mp.master_params)
                                    if self.mp is not None else zip(self.replicated, replicated))
-        self.chunks = Zero3Chunks(
-            {c: [params.tensors[q] for q in qs] for c, qs in names.items()}, groups.data,
-            lambda masters: make(list(masters) + list(self.stepped.values())), names=names,
-            param_dtype=precision_dtype,
-            fp8=Fp8Gather(weights=frozenset(id(params.tensors[q]) for q in fp8_weights
-                                            if q not in self.replicated),
-                          amax_groups=(groups.tensor,))
-            if fp8_weights and precision_dtype == torch.bfloat16 else None)
-        self.optimizer = self.chunks.optimizer
+        self.parts = self._parts(params, groups, precision_dtype, fp8_weights)
+        self.optimizer = make([m for part in self.parts for _, ch in part.parts()
+                               for m in ch.master] + list(self.stepped.values()))
+        for part in self.parts:
+            part.optimizer = self.optimizer
         # (master piece, ParamInfo of the parameter it is cut from, its flat span), for clipping
         self.pieces = [(m, params.infos[ch.names[s.param]], (s.lo, s.hi))
-                       for _, ch in self.chunks.parts()
+                       for part in self.parts for _, ch in part.parts()
                        for s, m in zip(ch.segments, ch.master)]
+        self.sharded = {c for part in self.parts for c in part.chunks}
         self.ops: dict[int, list[tuple[str, int]]] = {}   # action index -> ops before it
         for n, op, c in plan_gathers(list(actions), keep=keep):
-            if c in self.chunks.chunks:        # not a chunk whose weights are all replicated
+            if c in self.sharded:              # not a chunk whose weights are all replicated
                 self.ops.setdefault(n, []).append((op, c))
         self.after = len(actions)              # plan_gathers' index of "after the schedule"
         self._shared = [params.tensors[q] for q in params.shared]
 
+    def _parts(self, params: LocalParams, groups: Any, precision_dtype: torch.dtype | None,
+               fp8_weights: frozenset) -> list[Zero3Chunks]:
+        """The dense weights' Zero3Chunks over the data group and, under expert parallelism,
+        the experts' over the expert-data group (module doc); without an optimizer yet. The
+        dense part gathers fp8_weights in FP8 (tensorwise FP8 under bf16; experts are not FP8
+        linears)."""
+        fp8 = (Fp8Gather(weights=frozenset(id(params.tensors[q]) for q in fp8_weights
+                                           if q not in self.replicated),
+                         amax_groups=(groups.tensor,))
+               if fp8_weights and precision_dtype == torch.bfloat16 else None)
+        kinds = {False: (groups.data, None), True: (groups.expert_data, groups.d)}
+        experts = {q for q, info in params.infos.items() if info.expert}
+        parts = []
+        for expert in ((False, True) if experts else (False,)):
+            names = {c: [q for q in qs if q not in self.replicated and (q in experts) == expert]
+                     for c, qs in params.first_chunk.items()}
+            names = {c: qs for c, qs in names.items() if qs}
+            if not names and expert:
+                continue
+            group, divide_by = kinds[expert]
+            parts.append(Zero3Chunks(
+                {c: [params.tensors[q] for q in qs] for c, qs in names.items()}, group,
+                lambda _masters: None, names=names, param_dtype=precision_dtype,
+                divide_by=divide_by, fp8=None if expert else fp8))
+        return parts
+
     def before_action(self, n: int, action: Action) -> None:
         self._run_ops(n)
-        if action.kind in ("F", "B") and action.chunk in self.chunks.chunks:
-            self.chunks.wait(action.chunk)
+        if action.kind in ("F", "B") and action.chunk in self.sharded:
+            for part in self.parts:
+                if action.chunk in part.chunks:
+                    part.wait(action.chunk)
 
     def after_run(self) -> None:
         self._run_ops(self.after)
 
     def _run_ops(self, n: int) -> None:
         for op, c in self.ops.get(n, ()):
-            self.chunks.run(op, c)
+            for part in self.parts:   # dense, then experts: the same order on every rank
+                if c in part.chunks:
+                    part.run(op, c)
 
     def zero_grad(self) -> None:
-        self.chunks.zero_grad()
+        for part in self.parts:
+            part.zero_grad()
         if self.mp is not None:
             self.mp.zero_grad()
         for q in self.replicated:
@@ -110,7 +144,8 @@ class Zero3(Regime):
     def finish(self) -> None:
         """Land the per-chunk reduce-scatters, average the replicated (tied) gradients over
         d and sum them over the embedding group."""
-        self.chunks.finish_reduces()
+        for part in self.parts:
+            part.finish_reduces()
         average_grads([self.params.tensors[q] for q in self.replicated], self.groups.data,
                       self.groups.d)
         sum_tied_grads(self._shared, self.groups.embedding)
@@ -137,15 +172,21 @@ class Zero3(Regime):
         return norm
 
     def step(self) -> None:
-        """Step the shards (new weights reach each chunk at its next gather)."""
-        self.chunks.step()
-        self.chunks.zero_grad()
+        """Step the shards (new weights reach each chunk at its next gather): the last part's
+        step() steps the optimizer every part shares, once the others' reductions landed."""
+        for part in self.parts[:-1]:
+            part.finish_reduces()
+        self.parts[-1].step()
+        for part in self.parts[:-1]:
+            part.stepped()                 # released, and their FP8 amaxes renewed
+        for part in self.parts:
+            part.zero_grad()
         if self.mp is not None:
             self.mp.to_compute()           # the replicated bf16 copies of the new masters
             self.mp.zero_grad()            # relinks the masters' .grad the optimizer unset
 
     def fp32_weights(self) -> "OrderedDict[str, torch.Tensor]":
-        full = self.chunks.full_parameters()
+        full = {q: w for part in self.parts for q, w in part.full_parameters().items()}
         return OrderedDict((q, full[q] if q in full else self.stepped[q].detach())
                            for q in self.params.tensors)
 
@@ -153,14 +194,15 @@ class Zero3(Regime):
         """The unsharded state by user key: the chunks' gathered over dp (collective), the
         replicated (tied) parameters' as they are."""
         infos = self.params.infos
-        out = {infos[q].key: st for q, st in self.chunks.gathered_state().items()}
+        out = {infos[q].key: st for part in self.parts
+               for q, st in part.gathered_state().items()}
         out.update(optimizer_state_by_key(self.optimizer, self._replicated_by_key()))
         return out
 
     def shard_state(self) -> list:
         """Every chunk's master segments and their optimizer state, and the replicated (tied)
         parameters whole (views)."""
-        out = [h for _, ch in self.chunks.parts()
+        out = [h for part in self.parts for _, ch in part.parts()
                for h in held_segments(ch.layout, ch.master, self.optimizer, ch.names)]
         return out + [held_range(q, 0, t.numel(), t, self.optimizer.state.get(t, {}), True)
                       for q, t in self.stepped.items()]
@@ -177,7 +219,8 @@ class Zero3(Regime):
         by_name = ({q: optimizer_state[infos[q].key] for q in self.params.tensors
                     if q not in reps and infos[q].key in optimizer_state}
                    if optimizer_state else {})
-        self.chunks.load({q: w for q, w in weights.items() if q not in reps}, by_name)
+        for part in self.parts:
+            part.load({q: w for q, w in weights.items() if q not in reps}, by_name)
         load_optimizer_state(self.optimizer, self._replicated_by_key(), optimizer_state)
 
     def _replicated_by_key(self) -> dict[str, torch.Tensor]:
