@@ -55,6 +55,7 @@ class ParallelProgram:
         self.pins = dict(pins or {})   # the knobs the caller pinned (save() records them)
         self.precision: str | None = None   # the precision planned with (parallelize's)
         self.input_keywords: tuple[str, ...] = ()   # inputs passed by name (documents.KEYWORDS)
+        self.documents: Any = None   # the PackedDocuments planned with (build.json records it)
 
     def __repr__(self) -> str:
         cp = f"c{self.plan.c}·" if self.plan.c > 1 else ""
@@ -206,7 +207,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         prog = ParallelProgram(model=model, plan=plan, profile=None,
                                example_inputs=example_inputs, loss_fn=loss_fn,
                                example_targets=example_targets, cluster=cl, init=init)
-        prog.input_keywords = keywords
+        prog.input_keywords, prog.documents = keywords, documents
         return prog
     _check_context_pins(gpus, seq_len=seq_len, t=t, c=c, p=p, d=d)
     if cp_attention is not None and cp_attention not in CP_ATTENTION:
@@ -289,7 +290,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                            example_targets=example_targets, cluster=cl, init=init,
                            pins={k: x for k, x in pins.items() if x is not None})
     prog.precision = chosen
-    prog.input_keywords = keywords
+    prog.input_keywords, prog.documents = keywords, documents
     return prog
 
 

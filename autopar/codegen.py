@@ -381,7 +381,8 @@ def save_program(prog: Any, directory: Path, *, model: str | None = None,
     cluster = getattr(prog, "cluster", None)
     (directory / BUILD_FILE).write_text(build_info(
         model, getattr(prog, "pins", {}), precision,
-        cluster_to_dict(cluster) if isinstance(cluster, Cluster) else None))
+        cluster_to_dict(cluster) if isinstance(cluster, Cluster) else None,
+        getattr(prog, "documents", None)))
     nnodes, per_node = _nodes(plan, getattr(prog, "cluster", None))
     model = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in str(plan.model))
     scripts = {

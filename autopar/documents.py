@@ -168,7 +168,20 @@ def program_inputs(model: torch.nn.Module, example_inputs: tuple,
     return document_example(first), KEYWORDS
 
 
-def eod_fraction(tokens: Any, eod: int) -> float:
-    """EOD tokens per token of a token array (numpy or torch)."""
-    n = len(tokens)
-    return float((tokens == eod).sum()) / n if n else 0.0
+# tokens read from the start of a token file to measure its mean document length
+MEASURE_TOKENS = 1 << 24
+
+
+def mean_doc_len(source: Any, eod: int, *, dtype: str | None = None,
+                 vocab_size: int | None = None) -> float | None:
+    """Tokens per EOD over the first MEASURE_TOKENS tokens of the token file `source` (a
+    document longer than what was read counts as that long); None for another source
+    ("random", a data function)."""
+    from pathlib import Path
+    if not isinstance(source, str) or not Path(source).is_file():
+        return None
+    from autopar.data import TokenFile
+    file = TokenFile(source, dtype=dtype or ("uint16" if vocab_size is None else None),
+                     vocab_size=vocab_size)
+    head = file.tokens[:MEASURE_TOKENS]
+    return len(head) / max(1, int((head == eod).sum()))
