@@ -220,6 +220,7 @@ class IterableBatches:
 
     def __init__(self, make: Callable[[], Iterable], shape: BatchShape, *, name: str = "data"):
         self.make, self.shape, self.name = make, shape, name
+        self.doc_ids = True    # a third item (doc_ids) allowed: packed documents
         self.position = 0
         self._it: Iterator | None = None
 
@@ -251,6 +252,10 @@ class IterableBatches:
                              f"must be an (inputs, targets) pair of tensors shaped {want} "
                              f"(global batch size, sequence length), or (inputs, targets, "
                              f"doc_ids) for packed documents")
+        if len(batch) == 3 and not self.doc_ids:
+            raise ValueError(f"{self.name}: global batch {self.position} has a third item "
+                             f"(doc_ids: packed documents); pass --documents (launch.py) / "
+                             f"documents=True, or yield (inputs, targets) pairs")
         return tuple(batch)
 
     def state_dict(self) -> dict[str, Any]:
@@ -305,6 +310,8 @@ def open_batches(source: str | Callable[..., Iterable], shape: BatchShape, *,
     (DocumentBatches, balanced over `context` ranks)."""
     batches = _open(source, shape, vocab_size=vocab_size, seed=seed, dtype=dtype)
     if not (documents or eod is not None):
+        if isinstance(batches, IterableBatches):
+            batches.doc_ids = False
         return batches
     if eod is not None and vocab_size is not None and not 0 <= eod < vocab_size:
         raise ValueError(f"--eod {eod}: not a token id of the model's vocabulary [0, "

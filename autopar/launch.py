@@ -173,7 +173,7 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
     _check_inputs(args, user, saved)      # before the process group and the ~20 s compile
-    documents = _documents(args, build)
+    documents = _documents(args, build, args.vocab or _model_vocab(user.model))
     init_distributed(timeout_s=args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan, chunk_dir = saved, program_dir
@@ -300,7 +300,7 @@ def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | N
         context=runner.pg.c)
 
 
-def _documents(args: argparse.Namespace, build: dict[str, Any]) -> Any:
+def _documents(args: argparse.Namespace, build: dict[str, Any], vocab: int | None) -> Any:
     """The packed documents this job trains on (module doc), or None."""
     from autopar.documents import PackedDocuments, mean_doc_len
     built = build.get("documents")
@@ -312,7 +312,7 @@ def _documents(args: argparse.Namespace, build: dict[str, Any]) -> Any:
         return None
     mean = (built or {}).get("mean_doc_len") or args.mean_doc_len
     if mean is None and args.eod is not None:
-        mean = mean_doc_len(args.data, args.eod, dtype=args.data_dtype, vocab_size=args.vocab)
+        mean = mean_doc_len(args.data, args.eod, dtype=args.data_dtype, vocab_size=vocab)
     return PackedDocuments(mean_doc_len=mean)
 
 

@@ -142,6 +142,8 @@ def test_packed_documents_from_eod_tokens_and_from_a_functions_doc_ids(tmp_path)
     (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 9), torch.zeros(8, 9))]),
                             _shape()).next(), ["(8, 9)", "(8, 10)"]),
     (lambda p: open_batches("random", _shape(), vocab_size=9, eod=9), ["--eod 9", "[0, 9)"]),
+    (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10),) * 3]), _shape()).next(),
+     ["third item", "--documents"]),
     (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10), torch.zeros(8, 10))]),
                             _shape(), documents=True).next(), ["--eod ID", "doc_ids"]),
     (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10), torch.zeros(8, 10),

@@ -49,3 +49,22 @@ def test_documents_lower_the_fused_attention_price_only(attention, cheaper):
 def test_bad_mean_length_is_one_line():
     with pytest.raises(ValueError, match=r"mean_doc_len=0: must be a number of tokens >= 1"):
         PackedDocuments(mean_doc_len=0)
+
+
+def test_models_that_cannot_take_documents_are_refused_in_one_line():
+    """Documents reach the model as transformers' keywords: a forward without them, or
+    transformers' eager attention (which would add the boolean mask), is refused."""
+    import torch
+
+    from autopar.documents import program_inputs
+    from models import gpt, hf_llama
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    cases = ((gpt(), (ids,), ["GPT.forward takes no position_ids, attention_mask"]),
+             (hf_llama(attn_implementation="eager"), (ids,), ["attn_implementation='sdpa'"]),
+             (hf_llama(), (ids, ids), ["example_inputs must be (input_ids,)"]))
+    for model, inputs, words in cases:
+        with pytest.raises(ValueError) as err:
+            program_inputs(model, inputs, PackedDocuments())
+        assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
+    inputs, keywords = program_inputs(hf_llama(), (ids,), PackedDocuments())
+    assert keywords == ("position_ids", "attention_mask") and inputs[2].shape == (1, 1, 16, 16)
