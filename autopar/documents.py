@@ -19,14 +19,17 @@ with doc_ids (B, T) the index of each token's document, non-decreasing along a r
 
 Under context parallelism (c > 1) each context rank holds chunks r and 2c−1−r of a row
 (runtime/context.py). With documents, that cut would give a rank whole short documents and
-another the costly ends of long ones, so the row is first reordered (`balance_order`) — the
-rule of TransformerEngine's THD load balancing (Megatron-Core `get_batch_on_this_cp_rank`,
-`thd_get_partitioned_indices`), which cuts every document into 2c pieces and gives rank r
-pieces r and 2c−1−r of each: piece j of a document of L tokens is its offsets
-[⌊j·L/2c⌋, ⌊(j+1)·L/2c⌋); the row is sorted by (piece, document, offset), so the standard cut
-hands rank r pieces r and 2c−1−r of every document (TE pads each document to a multiple of 2c
-instead; a fixed-length row cannot grow, so up to one token per document crosses into the
-neighbouring chunk). The model is indifferent to the order: its positions and mask come with
+another the costly ends of long ones, so the row is first reordered (`balance_order`) by the
+rule of TransformerEngine's THD load balancing (`thd_partition_indices_kernel`, what
+Megatron-Core runs for packed sequences under CP) and of PyTorch's context parallelism for
+document masks (`torch.distributed.tensor.experimental._attention.
+_PerDocumentHeadTailLoadBalancer`, torchtitan's FlexAttention path, which rearranges the input
+the same way): every document is cut into 2c pieces and rank r holds pieces r and 2c−1−r of
+each. Piece j of a document of L tokens is its offsets o with ⌊2c·o / L⌋ = j; the row is sorted
+by (piece, document, offset), so the standard cut hands rank r pieces r and 2c−1−r of every
+document. Both references require every length divisible by 2c (TE pads each document); a
+fixed-length row cannot grow, so here up to one token per document crosses into the
+neighbouring chunk. The model is indifferent to the order: its positions and mask come with
 the tokens (both computed from the reordered doc ids and positions), and the token-mean loss
 is a sum over tokens, so the reordered row trains exactly the model the row does.
 """
