@@ -68,3 +68,18 @@ def test_models_that_cannot_take_documents_are_refused_in_one_line():
         assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), err.value
     inputs, keywords = program_inputs(hf_llama(), (ids,), PackedDocuments())
     assert keywords == ("position_ids", "attention_mask") and inputs[2].shape == (1, 1, 16, 16)
+
+
+def test_parallelize_with_documents_prices_the_block_mask_and_takes_its_inputs():
+    import torch
+
+    import autopar
+    from models import hf_llama
+    ids = torch.zeros(1, 512, dtype=torch.long)
+    prog = autopar.parallelize(hf_llama(seq=512), 1, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, cluster="dgx-a100-80gb",
+                               documents=PackedDocuments(mean_doc_len=128))
+    call = prog.profile.block.fused.calls[0]
+    assert call.active_fraction == document_tile_fraction(512, 512, 128) == 0.25
+    assert prog.input_keywords == ("position_ids", "attention_mask")
+    assert [tuple(x.shape) for x in prog.example_inputs] == [(1, 512), (1, 512), (1, 1, 512, 512)]
