@@ -16,16 +16,16 @@ import torch
 
 from autopar.build import build_program
 from autopar.codegen import chunk_source, save_program
-from autopar.cost.documents import with_documents
-from autopar.documents import program_inputs
 from autopar.cost.critical_batch import (check_training_inputs,
                                          critical_batch_tokens_from_params,
                                          loss_nats_from_params)
+from autopar.cost.documents import with_documents
 from autopar.cost.hardware import get_cluster
 from autopar.cost.kinds import (kind_layer_ns, kinds_in, layer_weights, mixed_profile,
                                 plan_config, stage_layers)
 from autopar.cost.layout import layers_over_kinds
 from autopar.cost.time_to_train import plan_for_tokens
+from autopar.documents import program_inputs
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LAYERS_PASS
