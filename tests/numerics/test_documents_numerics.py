@@ -24,7 +24,7 @@ def with_c(plan: Plan, c: int, **over) -> Plan:
     return Plan.from_dict({**plan.to_dict(), "c": c, **over})
 
 
-# (c = 2 with cp_attention="ring" and "all-to-all" passed too when run; left out for time)
+# (c = 2 with the ring and all-to-all, t = 2, t = 2 with SP passed too when run; out for time)
 PLANS = (make_plan(d=2, m=1), with_c(make_plan(), 2))
 
 
