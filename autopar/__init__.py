@@ -9,7 +9,7 @@ from autopar.plan import Alternative, Memory, Plan, Prediction, Stage
 
 __all__ = ["parallelize", "ParallelProgram", "Plan", "Stage", "Prediction", "Memory",
            "Alternative", "Cluster", "meta_init", "cross_entropy", "load_plan", "get_cluster",
-           "scale_sweep", "load_cluster", "save_cluster", "tune"]
+           "scale_sweep", "load_cluster", "save_cluster", "tune", "PackedDocuments"]
 __version__ = "0.1.0"
 
 
@@ -25,6 +25,9 @@ def __getattr__(name: str):
     if name == "meta_init":
         from autopar.runtime.shard import meta_init
         return meta_init
+    if name == "PackedDocuments":
+        from autopar.documents import PackedDocuments
+        return PackedDocuments
     if name == "tune":
         from autopar.tuning import tune
         return tune

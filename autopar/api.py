@@ -19,11 +19,13 @@ from autopar.codegen import chunk_source, save_program
 from autopar.cost.critical_batch import (check_training_inputs,
                                          critical_batch_tokens_from_params,
                                          loss_nats_from_params)
+from autopar.cost.documents import with_documents
 from autopar.cost.hardware import get_cluster
 from autopar.cost.kinds import (kind_layer_ns, kinds_in, layer_weights, mixed_profile,
                                 plan_config, stage_layers)
 from autopar.cost.layout import layers_over_kinds
 from autopar.cost.time_to_train import plan_for_tokens
+from autopar.documents import program_inputs
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LAYERS_PASS
@@ -52,6 +54,8 @@ class ParallelProgram:
         self.init = init  # re-runs the model's own init on meta parameters, one module at a time
         self.pins = dict(pins or {})   # the knobs the caller pinned (save() records them)
         self.precision: str | None = None   # the precision planned with (parallelize's)
+        self.input_keywords: tuple[str, ...] = ()   # inputs passed by name (documents.KEYWORDS)
+        self.documents: Any = None   # the PackedDocuments planned with (build.json records it)
 
     def __repr__(self) -> str:
         cp = f"c{self.plan.c}·" if self.plan.c > 1 else ""
@@ -117,7 +121,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 critical_batch_tokens: float | None = None,
                 c: int | None = None, ep: int | None = None,
                 cp_attention: str | None = None,
-                precision: str | None = None) -> ParallelProgram:
+                precision: str | None = None, documents: Any = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
 
     `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
@@ -152,6 +156,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     "fp8" / "fp8-rowwise" the blocks' linear GEMMs at the cluster's FP8 rate (with their
     casts; a cluster without one refuses), "auto" plans both and keeps the faster
     (`prog.precision` says which; compile(precision=prog.precision) runs it).
+
+    `documents=autopar.PackedDocuments(mean_doc_len=...)`: the rows are packed documents
+    (autopar/documents.py): the program takes (input_ids, position_ids, attention_mask), the
+    last two passed to the model by those keywords, and prices attention at the tiles the
+    block-diagonal mask leaves (cost/documents.py).
     """
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
@@ -160,6 +169,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         raise ValueError("parallelize: example_inputs must be a non-empty tuple of model inputs, "
                          "e.g. example_inputs=(input_ids,)")
     example_inputs = tuple(example_inputs)
+    example_inputs, keywords = program_inputs(model, example_inputs, documents)
     _check_pins(global_batch_size=global_batch_size, t=t, p=p, d=d, v=v, ep=ep,
                 micro_batch_size=micro_batch_size, microbatch_group=microbatch_group)
     if ep is not None and d is not None:
@@ -194,9 +204,11 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         if plan.gpus != gpus:
             raise ValueError(f"parallelize: plan is for t·c·p·d = {plan.gpus} GPUs but "
                              f"gpus={gpus}; pass gpus={plan.gpus} or re-plan")
-        return ParallelProgram(model=model, plan=plan, profile=None,
+        prog = ParallelProgram(model=model, plan=plan, profile=None,
                                example_inputs=example_inputs, loss_fn=loss_fn,
                                example_targets=example_targets, cluster=cl, init=init)
+        prog.input_keywords, prog.documents = keywords, documents
+        return prog
     _check_context_pins(gpus, seq_len=seq_len, t=t, c=c, p=p, d=d)
     if cp_attention is not None and cp_attention not in CP_ATTENTION:
         raise ValueError(f"parallelize: cp_attention={cp_attention!r}: must be one of "
@@ -204,7 +216,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     c_pinned = c
     captured, profile = plan_profile(model, example_inputs, loss_fn, example_targets, cl,
                                      gpu_counts=(gpus,), t=t, sequence_parallel=sequence_parallel,
-                                     name=name)
+                                     name=name, keywords=keywords)
+    profile = with_documents(profile, documents)   # attention at the block mask's tiles
     cp_refused = _context_refusal(captured.gm, seq_len, c)
     if cp_refused is not None and c is not None and c > 1:
         raise ValueError(f"parallelize: c={c}: {cp_refused}") from None
@@ -277,6 +290,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                            example_targets=example_targets, cluster=cl, init=init,
                            pins={k: x for k, x in pins.items() if x is not None})
     prog.precision = chosen
+    prog.input_keywords, prog.documents = keywords, documents
     return prog
 
 
@@ -305,12 +319,13 @@ def precision_profiles(profile: Any, cluster: Any, precision: str | None) -> dic
 def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None,
                  example_targets: Any, cluster: Any, *, gpu_counts: tuple[int, ...],
                  t: int | None = None, sequence_parallel: bool | None = None,
-                 name: str | None = None) -> tuple[Any, Any]:
+                 name: str | None = None, keywords: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """The planning capture and the cost model's profile of `model`, with the tensor-parallel
     pass priced at every t the solver may pick for any of `gpu_counts` (one capture serves a
     sweep over GPU counts and batches: autopar/scale.py)."""
     cl = get_cluster(cluster)
-    captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
+    captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2,
+                       keywords=keywords)
     structure = run_passes(captured.gm, [LAYERS_PASS]).meta[K.LAYERS]
     name = name or type(model).__name__
     sp = (False, True) if sequence_parallel is None else (sequence_parallel,)

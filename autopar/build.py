@@ -212,7 +212,8 @@ def build_program(prog: Any, precision: str = "fp32") -> BuiltProgram:
     inputs = tuple(_resize_batch(x, b) for x in prog.example_inputs)
     targets = _resize_batch(prog.example_targets, b)
     captured = capture(prog.model, inputs, prog.loss_fn, targets,
-                       compute_dtype=PRECISIONS[precision])
+                       compute_dtype=PRECISIONS[precision],
+                       keywords=getattr(prog, "input_keywords", ()))
     # fp32: the graph export made, as it always was; 16-bit: without export's dtype checks
     low = [DROP_METADATA_ASSERTS] if precision != "fp32" else []
     gm = run_passes(captured.gm, low + [LAYERS_PASS])

@@ -50,11 +50,20 @@ def _plan_from_args(args: argparse.Namespace):
                                global_batch_size=batch, cluster=cluster, name=user.name,
                                tokens=tokens,
                                critical_batch_tokens=getattr(args, "critical_batch", None),
-                               precision=getattr(args, "precision", None), **pins)
+                               precision=getattr(args, "precision", None),
+                               documents=_documents(args), **pins)
     return prog, time.perf_counter() - start
 
 
 DEFAULT_CLUSTER = "dgx-a100-80gb"
+
+
+def _documents(args: argparse.Namespace):
+    """--mean-doc-len N: the rows are packed documents of that mean length (autopar/documents.py)."""
+    if getattr(args, "mean_doc_len", None) is None:
+        return None
+    from autopar.documents import PackedDocuments
+    return PackedDocuments(mean_doc_len=args.mean_doc_len)
 
 
 def _note_defaults(args: argparse.Namespace, batch: int, inputs: tuple) -> None:
@@ -255,6 +264,10 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
                     help="pin how context parallelism's attention meets the other ranks' K/V "
                          "(default: the cheaper as priced)")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
+    sp.add_argument("--mean-doc-len", type=float, dest="mean_doc_len",
+                    help="packed documents of this mean length in tokens: the model gets "
+                         "per-document positions and a block-diagonal causal mask, attention "
+                         "priced at the tiles it leaves; train with launch.py --eod ID")
     sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
                                                "interleaved-zb"])
     sp.add_argument("--recompute", choices=["none", "selective", "full"])

@@ -306,7 +306,8 @@ count re-plans for it with the same global batch, and resumes from the checkpoin
 {model_line}
 --data: a flat uint16/uint32 token file (nanoGPT's train.bin, a Megatron .bin), each
 data-parallel replica reading its rows of every global batch; 'file.py:function' for any other
-source (an iterable of global batches); 'random' for random tokens. The chunk_*.py files next
+source (an iterable of global batches); 'random' for random tokens. --eod ID: rows of packed
+documents (per-document positions, block-diagonal causal mask). The chunk_*.py files next
 to this script are what runs on the planned rank count (edit them and the change takes
 effect). `python launch.py --help` lists the options; the loop is autopar/launch.py.
 """
@@ -403,7 +404,8 @@ def save_program(prog: Any, directory: Path, *, model: str | None = None,
     cluster = getattr(prog, "cluster", None)
     (directory / BUILD_FILE).write_text(build_info(
         model, getattr(prog, "pins", {}), precision,
-        cluster_to_dict(cluster) if isinstance(cluster, Cluster) else None))
+        cluster_to_dict(cluster) if isinstance(cluster, Cluster) else None,
+        getattr(prog, "documents", None)))
     nnodes, per_node = _nodes(plan, getattr(prog, "cluster", None))
     model = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in str(plan.model))
     scripts = {

@@ -9,6 +9,11 @@ Three sources, one interface (`Batches`: `next()` → this replica's (inputs, ta
                     write, and the `.bin` of a Megatron-LM indexed dataset.
   RandomBatches     random tokens (launch.py --data random), for smoke tests and timing.
   IterableBatches   any other source: a function returning an iterable of global batches.
+  DocumentBatches   any of them as packed documents (launch.py --eod ID / --documents): each
+                    row's documents from its end-of-document tokens, or the doc ids a data
+                    function yields as a third item; next() → ((input_ids, position_ids,
+                    attention_mask), targets), reordered over the context ranks
+                    (autopar/documents.py).
 
 Samples of a token file: the file is cut into N = (tokens − 1) // seq windows of seq + 1
 tokens, window w = tokens [w·seq, w·seq + seq + 1) (inputs its first seq tokens, targets its
@@ -215,10 +220,11 @@ class IterableBatches:
 
     def __init__(self, make: Callable[[], Iterable], shape: BatchShape, *, name: str = "data"):
         self.make, self.shape, self.name = make, shape, name
+        self.doc_ids = True    # a third item (doc_ids) allowed: packed documents
         self.position = 0
         self._it: Iterator | None = None
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self) -> tuple[torch.Tensor, ...]:
         if self._it is None:
             self._it = iter(self.make())
             for _ in range(self.position):
@@ -228,7 +234,7 @@ class IterableBatches:
         rows = self.shape.rows
         return tuple(x[rows.start:rows.stop] for x in batch)  # type: ignore[return-value]
 
-    def _take(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take(self) -> tuple[torch.Tensor, ...]:
         try:
             batch = next(self._it)  # type: ignore[arg-type]
         except StopIteration:
@@ -236,7 +242,7 @@ class IterableBatches:
                              f"batches; make it yield at least one batch per training step "
                              f"(cycle it, or train fewer steps)") from None
         want = (self.shape.global_batch_size, self.shape.seq_len)
-        ok = (isinstance(batch, (tuple, list)) and len(batch) == 2
+        ok = (isinstance(batch, (tuple, list)) and len(batch) in (2, 3)
               and all(isinstance(x, torch.Tensor) and tuple(x.shape[:2]) == want
                       for x in batch))
         if not ok:
@@ -244,8 +250,13 @@ class IterableBatches:
                     for x in batch] if isinstance(batch, (tuple, list)) else type(batch).__name__)
             raise ValueError(f"{self.name}: global batch {self.position} is {got}; each item "
                              f"must be an (inputs, targets) pair of tensors shaped {want} "
-                             f"(global batch size, sequence length)")
-        return batch[0], batch[1]
+                             f"(global batch size, sequence length), or (inputs, targets, "
+                             f"doc_ids) for packed documents")
+        if len(batch) == 3 and not self.doc_ids:
+            raise ValueError(f"{self.name}: global batch {self.position} has a third item "
+                             f"(doc_ids: packed documents); pass --documents (launch.py) / "
+                             f"documents=True, or yield (inputs, targets) pairs")
+        return tuple(batch)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "iterable", "position": self.position}
@@ -258,12 +269,60 @@ class IterableBatches:
         self.position, self._it = int(state["position"]), None
 
 
+class DocumentBatches:
+    """A source's batches as packed documents (autopar/documents.py): the documents of each row
+    from its EOD tokens (`eod`), or from the doc ids a data function yields as a third item
+    (they win over eod); next() → ((input_ids, position_ids, attention_mask), targets), the
+    row reordered by balance_order over `context` ranks. The read position is the source's."""
+
+    def __init__(self, source: Any, *, eod: int | None, context: int = 1, name: str = "data"):
+        self.source, self.eod, self.context, self.name = source, eod, context, name
+
+    def next(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        from autopar.documents import check_doc_ids, doc_ids_from_eod, document_inputs
+        batch = self.source.next()
+        ids, targets = batch[0], batch[1]
+        if len(batch) == 3:
+            doc_ids = batch[2]
+            check_doc_ids(doc_ids, tuple(ids.shape[:2]), self.name)
+        elif self.eod is None:
+            raise ValueError(f"{self.name}: packed documents need each row's boundaries; pass "
+                             f"--eod ID (the end-of-document token), or yield (inputs, "
+                             f"targets, doc_ids) from the data function")
+        else:
+            doc_ids = doc_ids_from_eod(ids, self.eod)
+        return document_inputs(ids, targets, doc_ids, self.context)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.source.load_state_dict(state)
+
+
 def open_batches(source: str | Callable[..., Iterable], shape: BatchShape, *,
                  vocab_size: int | None = None, seed: int = 0,
-                 dtype: str | None = None) -> Batches:
+                 dtype: str | None = None, documents: bool = False, eod: int | None = None,
+                 context: int = 1) -> Any:
     """The data source `source` names: "random", a token file's path, "file.py:function"
     (function(global_batch_size=, seq_len=) returns an iterable of global batches), or such a
-    function itself."""
+    function itself; with documents (or an eod token id) as packed documents
+    (DocumentBatches, balanced over `context` ranks)."""
+    batches = _open(source, shape, vocab_size=vocab_size, seed=seed, dtype=dtype)
+    if not (documents or eod is not None):
+        if isinstance(batches, IterableBatches):
+            batches.doc_ids = False
+        return batches
+    if eod is not None and vocab_size is not None and not 0 <= eod < vocab_size:
+        raise ValueError(f"--eod {eod}: not a token id of the model's vocabulary [0, "
+                         f"{vocab_size}); pass the tokenizer's end-of-document id (GPT-2's "
+                         f"<|endoftext|> is 50256)")
+    return DocumentBatches(batches, eod=eod, context=context,
+                           name=getattr(batches, "name", str(source)))
+
+
+def _open(source: str | Callable[..., Iterable], shape: BatchShape, *,
+          vocab_size: int | None, seed: int, dtype: str | None) -> Batches:
     name = getattr(source, "__name__", "data")
     if isinstance(source, str) and source.rpartition(":")[0].endswith(".py"):
         source, name = import_function(source, role="data function",

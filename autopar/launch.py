@@ -23,6 +23,14 @@
    (autopar.runtime.preempt.CheckpointSaver).
 5. --export PATH: the trained weights as the single-device state dict (torch.save, rank 0).
 
+Packed documents (autopar/documents.py): `--eod ID` cuts every row at its end-of-document
+tokens (`--documents`: the data function yields (inputs, targets, doc_ids) instead); the model
+then receives per-document position_ids and the block-diagonal causal mask, each row's
+documents balanced over the context ranks. A program built without documents is compiled
+again in memory with them (its saved chunks take input_ids alone); one `autopar build
+--mean-doc-len N` wrote needs --eod or --documents. A re-plan prices the documents at
+build.json's mean length, else --mean-doc-len, else the --data file's (tokens per EOD).
+
 Bad input ends in one line, `launch.py: error: ...` (exit code 2), naming the value, the rule
 and the fix.
 """
@@ -55,7 +63,7 @@ DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
 
 
 def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32",
-               cluster: dict[str, Any] | None = None) -> str:
+               cluster: dict[str, Any] | None = None, documents: Any = None) -> str:
     """The JSON of build.json: the factory `autopar build` was given (absolute path), the
     pins it planned with, the precision its chunks were generated for and the cluster it
     planned for (every field: a re-plan prices the same hardware, a cluster file's too)."""
@@ -65,6 +73,8 @@ def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32",
     info = {"model": model, "pins": pins, "precision": precision}
     if cluster is not None:
         info["cluster"] = cluster
+    if documents is not None:   # the chunks take packed documents' inputs
+        info["documents"] = dataclasses.asdict(documents)
     return json.dumps(info, indent=2)
 
 
@@ -82,6 +92,15 @@ def parse_args(argv: list[str] | None, default_model: str | None,
     ap.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
                     help="token dtype of the file (default: uint16 if the vocabulary fits)")
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the sample order")
+    ap.add_argument("--eod", type=int, default=None,
+                    help="packed documents: the end-of-document token id (each row's documents "
+                         "get their own positions and a block-diagonal causal mask)")
+    ap.add_argument("--documents", action="store_true",
+                    help="packed documents whose boundaries the data function yields: "
+                         "(inputs, targets, doc_ids) per global batch")
+    ap.add_argument("--mean-doc-len", type=float, default=None,
+                    help="mean document length in tokens, priced when the job re-plans "
+                         "(default: build.json's, else measured on --data with --eod)")
     ap.add_argument("--vocab", type=int, default=None,
                     help="vocabulary size (default: model.config.vocab_size)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps in all")
@@ -154,11 +173,15 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
     _check_inputs(args, user, saved)      # before the process group and the ~20 s compile
+    documents = _documents(args, build, args.vocab or _model_vocab(user.model))
     init_distributed(timeout_s=args.timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     plan, chunk_dir = saved, program_dir
+    if documents is not None and not build.get("documents"):
+        chunk_dir = None   # the saved chunks take input_ids alone: generated again with them
     if world != saved.gpus:
-        plan = replan(saved, user, world, build.get("pins", {}), build.get("cluster"))
+        plan = replan(saved, user, world, build.get("pins", {}), build.get("cluster"),
+                      documents)
         chunk_dir = None
         if rank == 0:
             print(f"launch.py: {world} ranks, plan.json is for {saved.gpus}: re-planned for "
@@ -169,14 +192,15 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
               f"global batch {plan.global_batch_size} × sequence {plan.seq_len}, steps "
               f"{args.steps}, data {args.data}; compiling the program…", flush=True)
     began = time.perf_counter()
-    runner = _compile(plan, user, args, chunk_dir)
+    runner = _compile(plan, user, args, chunk_dir, documents)
     if rank == 0:
         print(f"launch.py: compiled in {time.perf_counter() - began:.1f} s", flush=True)
     vocab = args.vocab or getattr(getattr(user.model, "config", None), "vocab_size", None)
     data = open_batches(args.data, BatchShape(
         global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
         dp_rank=runner.dp_rank, dp_size=runner.dp_size),
-        vocab_size=vocab, seed=args.data_seed, dtype=args.data_dtype)
+        vocab_size=vocab, seed=args.data_seed, dtype=args.data_dtype,
+        documents=documents is not None, eod=args.eod, context=runner.pg.c)
     start = _resume(runner, data, args.checkpoint, rank)
     if start == 0 and args.pretrained:
         runner.load_pretrained(args.pretrained)
@@ -184,7 +208,8 @@ def _run(program_dir: Path, argv: list[str] | None) -> int:
             print(f"loaded pretrained weights from {args.pretrained}", flush=True)
     saver = CheckpointSaver(runner, args.checkpoint, every=args.save_every, last=args.steps,
                             keep=args.keep, async_save=args.async_save)
-    losses = _train(runner, plan, data, _eval_data(args, plan, runner, vocab), args, start,
+    losses = _train(runner, plan, data, _eval_data(args, plan, runner, vocab, documents),
+                    args, start,
                     rank, saver)
     state = runner.full_state_dict() if args.export else None
     if rank == 0:
@@ -244,7 +269,7 @@ def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None
             open_batches(source, BatchShape(global_batch_size=plan.global_batch_size,
                                             seq_len=plan.seq_len),
                          vocab_size=args.vocab or model_vocab, seed=args.data_seed,
-                         dtype=args.data_dtype)
+                         dtype=args.data_dtype, eod=args.eod)
     if args.pretrained:
         from autopar.runtime.pretrained import weight_files
         weight_files(args.pretrained)
@@ -263,14 +288,32 @@ def _degrees(plan: Plan) -> str:
     return " ".join(f"{k}={getattr(plan, k)}" for k in ("t", "c", "p", "d", "v"))
 
 
-def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | None) -> Any:
+def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | None,
+               documents: Any = None) -> Any:
     """The --eval-data batches (this replica's rows, in file order), or None."""
     if args.eval_data is None:
         return None
     return open_batches(args.eval_data, BatchShape(
         global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
         dp_rank=runner.dp_rank, dp_size=runner.dp_size), vocab_size=vocab, seed=args.data_seed,
-        dtype=args.data_dtype)
+        dtype=args.data_dtype, documents=documents is not None, eod=args.eod,
+        context=runner.pg.c)
+
+
+def _documents(args: argparse.Namespace, build: dict[str, Any], vocab: int | None) -> Any:
+    """The packed documents this job trains on (module doc), or None."""
+    from autopar.documents import PackedDocuments, mean_doc_len
+    built = build.get("documents")
+    if not (args.eod is not None or args.documents):
+        if built:
+            raise ValueError(f"this program was built for packed documents (build.json: "
+                             f"{built}); pass --eod ID (the end-of-document token), or "
+                             f"--documents when the data function yields doc ids")
+        return None
+    mean = (built or {}).get("mean_doc_len") or args.mean_doc_len
+    if mean is None and args.eod is not None:
+        mean = mean_doc_len(args.data, args.eod, dtype=args.data_dtype, vocab_size=vocab)
+    return PackedDocuments(mean_doc_len=mean)
 
 
 def _read_build(program_dir: Path) -> dict[str, Any]:
@@ -293,7 +336,7 @@ def _example(user: UserModel, plan: Plan) -> tuple[tuple, Any]:
 
 
 def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
-           cluster: dict[str, Any] | None = None) -> Plan:
+           cluster: dict[str, Any] | None = None, documents: Any = None) -> Plan:
     """The plan for `world` ranks with saved's global batch, sequence, cluster (build.json's
     fields when given, else the plan's cluster name) and attention kernel and the non-degree
     pins: solved on rank 0, the same on every rank (a planning error is raised on every
@@ -301,7 +344,8 @@ def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
     message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            message[0] = ("plan", _solve(saved, user, world, pins, cluster).to_json())
+            message[0] = ("plan", _solve(saved, user, world, pins, cluster,
+                                         documents).to_json())
         except ValueError as err:
             message[0] = ("error", str(err))
     dist.broadcast_object_list(message, src=0)
@@ -313,7 +357,7 @@ def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
 
 
 def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
-           fields: dict[str, Any] | None) -> Plan:
+           fields: dict[str, Any] | None, documents: Any = None) -> Plan:
     from autopar.cost.hardware import cluster_from_dict
     cluster = (cluster_from_dict(fields, "build.json's cluster") if fields is not None
                else autopar.get_cluster(saved.cluster))
@@ -324,14 +368,16 @@ def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
     prog = autopar.parallelize(user.model, gpus=world, example_inputs=inputs,
                                loss_fn=user.loss(), example_targets=targets,
                                global_batch_size=saved.global_batch_size, cluster=cluster,
-                               name=saved.model, **keep)
+                               name=saved.model, documents=documents, **keep)
     return prog.plan
 
 
-def _compile(plan: Plan, user: UserModel, args: argparse.Namespace, chunk_dir: Path | None):
+def _compile(plan: Plan, user: UserModel, args: argparse.Namespace, chunk_dir: Path | None,
+             documents: Any = None):
     inputs, targets = _example(user, plan)
     prog = autopar.parallelize(user.model, gpus=plan.gpus, example_inputs=inputs,
-                               loss_fn=user.loss(), example_targets=targets, plan=plan)
+                               loss_fn=user.loss(), example_targets=targets, plan=plan,
+                               documents=documents)
     lr, wd = args.lr, args.weight_decay
     return prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=wd),
                         max_grad_norm=args.max_grad_norm or None, precision=args.precision,

@@ -56,16 +56,19 @@ class CaptureError(ValueError):
 class _WithLoss(torch.nn.Module):
     """Wraps model + loss_fn so the exported graph ends in the scalar loss."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None):
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
+                 keywords: tuple[str, ...] = ()):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
+        self.keywords = tuple(keywords)   # the last inputs go to the model by these names
 
     def forward(self, *args: Any) -> Any:
-        if self.loss_fn is None:
-            return self.model(*args)
-        *inputs, targets = args
-        return self.loss_fn(self.model(*inputs), targets)
+        inputs, targets = (args, None) if self.loss_fn is None else (args[:-1], args[-1])
+        k = len(self.keywords)
+        named = dict(zip(self.keywords, inputs[len(inputs) - k:]))
+        out = self.model(*inputs[:len(inputs) - k], **named)
+        return out if self.loss_fn is None else self.loss_fn(out, targets)
 
 
 @dataclass
@@ -93,8 +96,12 @@ class Captured:
 
 def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
             targets: torch.Tensor | None = None, *, repeat_limit: int | None = None,
-            compute_dtype: torch.dtype | None = None) -> Captured:
+            compute_dtype: torch.dtype | None = None, keywords: tuple[str, ...] = ()) -> Captured:
     """torch.export (non-strict) of `model` (+ `loss_fn(model(*inputs), targets)`).
+
+    keywords: the last len(keywords) example inputs are passed to the model by these names
+    (packed documents' position_ids and attention_mask, autopar/documents.py); the graph takes
+    them as positional inputs in the same order.
 
     If loss_fn is given without targets, language-model targets are made: zeros shaped like the
     first input (token ids), which is all the graph needs (shapes, not values).
@@ -106,7 +113,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
                              f"dtype (torch.bfloat16 for mixed precision) or None")
         with parameters_as(model, compute_dtype) as originals:
             captured = capture(model, example_inputs, loss_fn, targets,
-                               repeat_limit=repeat_limit)
+                               repeat_limit=repeat_limit, keywords=keywords)
         _rebind_parameters(captured.gm, originals)
         return captured
     example_inputs = _check_inputs(model, example_inputs, loss_fn, targets, repeat_limit)
@@ -116,7 +123,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
         targets = targets.to("meta")
     if targets is not None and any(targets is a for a in example_inputs):
         targets = targets.clone()  # export would merge the two into one graph input
-    wrapper = _WithLoss(model, loss_fn)
+    wrapper = _WithLoss(model, loss_fn, keywords)
     args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
     kept: dict[str, tuple[str, ...]] = {}
     if repeat_limit is not None:

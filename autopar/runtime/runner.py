@@ -156,7 +156,7 @@ class Runner:
         if self.pg.c > 1:   # this context rank's tokens: chunks i and 2c-1-i of every sequence
             cp = ContextShard(group=self.pg.context, c=self.pg.c, cp_rank=self.pg.cp_rank,
                               seq_len=plan.seq_len)
-            xs = tuple(context_cut(x, cp) for x in xs)
+            xs = tuple(x if _whole_mask(x, plan.seq_len) else context_cut(x, cp) for x in xs)
             targets = context_cut(targets, cp)
         b = plan.micro_batch_size
         return [tuple(x[i * b:(i + 1) * b] for x in xs) + (targets[i * b:(i + 1) * b],)
@@ -283,6 +283,13 @@ class Runner:
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
         dist.destroy_process_group()
+
+
+def _whole_mask(x: torch.Tensor, seq_len: int) -> bool:
+    """A (B, 1 or heads, T, T) attention mask input (packed documents' block mask): every
+    context rank takes it whole and the graph selects its query rows (the sharding engine
+    seeds an input split only where its dim 1 is the sequence)."""
+    return x.dim() == 4 and tuple(x.shape[2:]) == (seq_len, seq_len) and x.shape[1] != seq_len
 
 
 def _gather_experts(local: torch.Tensor, group: Any) -> torch.Tensor:

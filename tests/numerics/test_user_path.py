@@ -157,14 +157,35 @@ def _check_metrics(path: Path, got: dict, log: str) -> None:
     assert "launch.py: training" in log and "compiled in" in log
 
 
+EOD = 95
+
+
+def _first_loss(tmp_path: Path, model: torch.nn.Module) -> tuple[float, float]:
+    """One device's loss on the job's first global batch (4 × 16): with the documents'
+    positions and mask, and without."""
+    from autopar.documents import doc_ids_from_eod, document_inputs
+    from autopar.losses import cross_entropy
+    x, y = TokenFileBatches(TokenFile(tmp_path / "tokens.bin", dtype="uint16", vocab_size=96),
+                            BatchShape(global_batch_size=4, seq_len=16)).next()
+    (ids, pos, mask), _ = document_inputs(x, y, doc_ids_from_eod(x, EOD))
+    with torch.no_grad():
+        return (float(cross_entropy(model(ids, attention_mask=mask, position_ids=pos), y)),
+                float(cross_entropy(model(x), y)))
+
+
 def test_launch_starts_from_pretrained_weights(tmp_path):
     """`launch.py --pretrained DIR` (a save_pretrained directory of the same architecture,
     other weights): with no checkpoint to resume, the job starts from those weights — exported
     after one step at learning rate 0 they are the saved ones exactly, not the factory's
-    seeded init."""
+    seeded init. The file holds packed documents (`--eod 95`, 15% of the tokens): the step's
+    loss at p = 2 (the program built without documents, compiled again with them) is the
+    single-device model's given per-document positions and the block mask, not its loss
+    without them."""
     (tmp_path / "my_model.py").write_text(MODEL_FILE)
-    np.random.default_rng(0).integers(0, 96, 5_000).astype(np.uint16).tofile(
-        tmp_path / "tokens.bin")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 95, 5_000)
+    tokens[rng.random(5_000) < 0.15] = EOD
+    tokens.astype(np.uint16).tofile(tmp_path / "tokens.bin")
     torch.manual_seed(123)
     pretrained = load_factory(f"{tmp_path / 'my_model.py'}:factory").model
     pretrained.save_pretrained(tmp_path / "released")
@@ -176,8 +197,12 @@ def test_launch_starts_from_pretrained_weights(tmp_path):
          tmp_path, env, 400)
     log = _run(_torchrun(2) + ["--data", "tokens.bin", "--steps", "1", "--lr", "0",
                                "--weight-decay", "0", "--pretrained", "released",
-                               "--export", "weights.pt"], tmp_path, env, 400)
+                               "--export", "weights.pt", "--eod", str(EOD),
+                               "--losses-out", "losses.json"], tmp_path, env, 400)
     assert "loaded pretrained weights from released" in log, log[-4000:]
+    loss = json.loads((tmp_path / "losses.json").read_text())["losses"][0]
+    packed, plain = _first_loss(tmp_path, pretrained)
+    assert abs(loss - packed) < 1e-5 < abs(packed - plain), (loss, packed, plain)
     state = torch.load(tmp_path / "weights.pt")
     want = pretrained.state_dict()
     assert set(state) == set(want)

@@ -96,6 +96,38 @@ def test_random_and_iterable_sources(tmp_path):
     assert open_batches(f"{hook}:batches", _shape()).next()[0].shape == (8, 10)
 
 
+def test_packed_documents_from_eod_tokens_and_from_a_functions_doc_ids(tmp_path):
+    """--eod: each row's positions restart after every EOD and the mask keeps attention
+    inside documents, for this replica's rows; a data function's (inputs, targets, doc_ids)
+    give the boundaries themselves; the read position is the source's."""
+    path, ids = _token_file(tmp_path, vocab=20)
+    data = open_batches(str(path), _shape(d=2, r=1), vocab_size=20, eod=7)
+    plain = open_batches(str(path), _shape(d=2, r=1), vocab_size=20)
+    (x, pos, mask), y = data.next()
+    x0, y0 = plain.next()
+    assert torch.equal(x, x0) and torch.equal(y, y0) and mask.shape == (4, 1, 10, 10)
+    for row in range(4):
+        want, at = [], 0
+        for tok in x[row].tolist():
+            want.append(at)
+            at = 0 if tok == 7 else at + 1
+        assert pos[row].tolist() == want
+        ends = (x[row] == 7).nonzero().flatten().tolist()
+        if ends and ends[0] + 1 < 10:   # the token after an EOD sees only itself
+            k = ends[0] + 1
+            assert mask[row, 0, k].nonzero().flatten().tolist() == [k]
+    assert data.state_dict() == plain.state_dict()
+
+    def batches(global_batch_size, seq_len):
+        while True:
+            t = torch.arange(seq_len + 1).expand(global_batch_size, -1)
+            yield t[:, :-1], t[:, 1:], (torch.arange(seq_len) // 4).expand(global_batch_size, -1)
+    (x, pos, mask), _ = open_batches(batches, _shape(), documents=True).next()
+    assert pos[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    (x2, _, mask2), _ = open_batches(batches, _shape(), documents=True, context=2).next()
+    assert sorted(x2[0].tolist()) == x[0].tolist() and mask2.sum() == mask.sum()
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda p: TokenFile(p / "none.bin", dtype="uint16"), ["does not exist", "'random'"]),
     (lambda p: TokenFile(p / "tokens.bin", dtype="int8"), ["'int8'", "uint16"]),
@@ -109,6 +141,14 @@ def test_random_and_iterable_sources(tmp_path):
     (lambda p: open_batches(lambda **kw: iter([]), _shape()).next(), ["ended after 0"]),
     (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 9), torch.zeros(8, 9))]),
                             _shape()).next(), ["(8, 9)", "(8, 10)"]),
+    (lambda p: open_batches("random", _shape(), vocab_size=9, eod=9), ["--eod 9", "[0, 9)"]),
+    (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10),) * 3]), _shape()).next(),
+     ["third item", "--documents"]),
+    (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10), torch.zeros(8, 10))]),
+                            _shape(), documents=True).next(), ["--eod ID", "doc_ids"]),
+    (lambda p: open_batches(lambda **kw: iter([(torch.zeros(8, 10), torch.zeros(8, 10),
+                                                torch.arange(10).flip(0).expand(8, -1))]),
+                            _shape(), documents=True).next(), ["decrease along a row"]),
     (lambda p: open_batches("random", _shape(), vocab_size=9).load_state_dict(
         {"kind": "tokens", "position": 8}), ["other data", "kind 'tokens'"]),
 ])
