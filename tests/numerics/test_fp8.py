@@ -105,7 +105,8 @@ def _train(rank, world, jobs):
                   for x, y in (batches or make_data(plan, vocab))]
         source = "".join(prog.source(chunk=c, precision=precision) for c in runner.chunks)
         fp8 = source.count("fp8_linear(") + source.count("fp8_column_parallel(")
-        parts = getattr(getattr(runner.regime, "chunks", None), "parts", list)()
+        # the ZeRO-2/3 regime's Zero3Chunks (dense, then experts), each chunk's parts
+        parts = [pc for z in getattr(runner.regime, "parts", []) for pc in z.parts()]
         gathered8 = sum(len(part.params) for _, part in parts if part.shell is not None)
         out.append((losses, runner.full_state_dict(), (fp8, gathered8)))
     return out
