@@ -47,6 +47,7 @@ from autopar.passes.fp8 import fp8_pass
 from autopar.passes.loss_precision import fp32_loss_pass
 from autopar.passes.manager import Pass, run_passes
 from autopar.passes.overlap import OVERLAP_COLUMNS_PASS, OVERLAP_PASS
+from autopar.passes.router_stats import router_stats_pass
 from autopar.passes.pipeline import check_stages, chunk_attr_targets, count_layers, split_chunks
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.tensor_parallel import tensor_parallel_pass
@@ -155,6 +156,8 @@ class BuiltProgram:
                           else OVERLAP_PASS)
         if self.plan.ep > 1:   # group None: `ep_group`, bound by the runtime to its group
             passes.append(expert_parallel_pass(self.plan.ep, ep_rank))
+        if self.plan.d * self.plan.c > 1:   # load-balancing counts over the c·d data group
+            passes.append(router_stats_pass(self.plan.d * self.plan.c))
         return passes + [DEVICE_PASS]
 
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
+from autopar.losses import bind_aux_loss
 from autopar.passes import meta as K
 
 
@@ -116,7 +117,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
         targets = targets.to("meta")
     if targets is not None and any(targets is a for a in example_inputs):
         targets = targets.clone()  # export would merge the two into one graph input
-    wrapper = _WithLoss(model, loss_fn)
+    wrapper = _WithLoss(model, bind_aux_loss(model, loss_fn))   # + the router's loss
     args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
     kept: dict[str, tuple[str, ...]] = {}
     if repeat_limit is not None:
