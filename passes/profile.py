@@ -563,7 +563,7 @@ def _gemm(n: torch.fx.Node, batch: int, name: str, split: Any) -> Gemm:
         # of the k experts each token is routed to, not of all E; the weights (all E experts)
         # are charged as parameters
         M, K, N = _numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
-        return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split)
+        return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split, expert=True)
     if b.dim() == 2:  # (…, M, K) · (K, N): a linear layer written as mm / matmul
         M, K, N = _numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
         return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split,
