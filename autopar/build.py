@@ -18,7 +18,9 @@ per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after ea
                         with its projections (the input gradient's all-reduce overlaps the
                         weight gradients), and the expert-parallel rewrite (plan.ep > 1,
                         passes/expert_parallel.py: this expert rank's E/ep experts, tokens
-                        exchanged by all-to-all)
+                        exchanged by all-to-all), and with c·d > 1 the router load-balancing
+                        loss's token counts averaged over the data group
+                        (passes/router_stats.py)
     split_chunks        the plan's p·v chunks
     chunk_passes        per chunk, the loss in fp32 (passes/loss_precision.py: a no-op under
                         fp32, fp32 logits under bf16), then recompute per plan.recompute (whole

@@ -106,9 +106,9 @@ def expert_gemm_extra_s(profile: Any, ep: int, recompute: str,
     """Seconds per layer per micro-batch the most loaded expert rank spends on its expert
     GEMMs beyond the balanced price: (rank_factor − 1) × the block's expert GEMMs (forward
     `gemm_s(g)` each; backward twice that, full recompute once more)."""
-    f = _rank_factor(profile, ep)
-    if f == 1.0:
+    if profile.expert_load is None or ep <= 1:   # the dense / balanced fast path
         return 0.0
+    f = _rank_factor(profile, ep)
     fwd = sum(gemm_s(g) for g in profile.block.gemms if g.expert)
     return (f - 1.0) * fwd * (4 if recompute == "full" else 3)
 

@@ -5,7 +5,8 @@ GraphModule -> GraphModule (passes/manager.py).
 
 Requires: an nn.Module on real or meta tensors, example inputs on the same device, optionally
   loss_fn(model_output, targets) and targets (the output is passed to loss_fn as is, so a
-  transformers ModelOutput works).
+  transformers ModelOutput works). loss_fn autopar.cross_entropy on a model that returns its
+  router's load-balancing loss gets the model's coefficient bound (autopar.losses.bind_aux_loss).
 Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes carry
   meta[VAL] (FakeTensor: shape/dtype), meta[NN_MODULE_STACK] (the module path of the
   user's code, prefixed by `Captured.prefix`), meta[STACK_TRACE] (user source line) — torch's
