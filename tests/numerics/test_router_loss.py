@@ -1,13 +1,14 @@
-"""The router's load-balancing loss (issue 32 item 3): transformers' Mixtral and Qwen2-MoE
-(routed experts plus a shared expert behind a sigmoid gate) built with
-output_router_logits=True return `aux_loss`; autopar.cross_entropy adds
+"""The router's load-balancing loss (issue 32 item 3): transformers' Mixtral and GPT-OSS
+(biased experts: each row's gathered bias is dispatched with it, passes/expert_parallel.py)
+built with output_router_logits=True return `aux_loss`; autopar.cross_entropy adds
 router_aux_loss_coef · aux_loss (bound from the model's config where autopar captures model and
 loss), and the parallel run trains with the same loss as one device (3 AdamW steps with
 clipping, losses and full_state_dict at rtol 1e-4 / atol 1e-5). The loss's token fractions are
 a nonlinear function of the micro-batch's routing, so at d = 2 with ep = 2 each rank's counts
 are averaged over the data group (passes/router_stats.py); at t = 2 every tensor rank routes
-the whole micro-batch (without the averaging the ep = 2 × d = 2 losses are 4e-4 off, 4× the
-tolerance: checked once). One micro-batch per step (m = 1): the statistics are per micro-batch.
+the whole micro-batch (without the averaging the ep = 2 × d = 2 losses are 7e-4 off, 7× the
+tolerance: checked once). One micro-batch per step (m = 1): the statistics are per
+micro-batch.
 The coefficient is raised to 4 so the router loss moves the weights well past the tolerance
 (the reference without it differs: checked below)."""
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _rank(rank: int, world: int, name: str, plan) -> tuple:
 
 # one model per mode (the suite's time budget); verified once beyond these, not kept: p = 2
 # (m = 2) against one device accumulating the two micro-batches' losses
-@pytest.mark.parametrize("name, mode", [("hf_mixtral", "t2"), ("hf_qwen2_moe", "ep2d2")])
+@pytest.mark.parametrize("name, mode", [("hf_mixtral", "t2"), ("hf_gpt_oss", "ep2d2")])
 def test_router_loss_trains_as_on_one_device(name, mode):
     plan = (make_plan(t=2, b=4, m=1) if mode == "t2"
             else dataclasses.replace(make_plan(d=2, b=2, m=1), ep=2))
