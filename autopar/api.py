@@ -21,6 +21,7 @@ from autopar.cost.critical_batch import (check_training_inputs,
                                          loss_nats_from_params)
 from autopar.cost.documents import with_documents
 from autopar.cost.hardware import get_cluster
+from autopar.cost.imbalance import with_expert_load
 from autopar.cost.kinds import (kind_layer_ns, kinds_in, layer_weights, mixed_profile,
                                 plan_config, stage_layers)
 from autopar.cost.layout import layers_over_kinds
@@ -121,8 +122,14 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                 critical_batch_tokens: float | None = None,
                 c: int | None = None, ep: int | None = None,
                 cp_attention: str | None = None,
-                precision: str | None = None, documents: Any = None) -> ParallelProgram:
+                precision: str | None = None, documents: Any = None,
+                moe_imbalance: Any = None) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
+
+    `moe_imbalance=` (a mixture of experts): the most loaded expert's tokens over the mean
+    expert's (e.g. 1.3), or an ExpertLoad measured by autopar.expert_load.measure_expert_load;
+    the expert GEMMs and all-to-alls are priced at the most loaded expert rank
+    (cost/imbalance.py). None: balanced routing.
 
     `init=` (the model's per-module init, e.g. GPT.init_weights) is applied, with each
     module's own reset_parameters(), when a meta-device model's local shards are materialised
@@ -218,6 +225,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
                                      gpu_counts=(gpus,), t=t, sequence_parallel=sequence_parallel,
                                      name=name, keywords=keywords)
     profile = with_documents(profile, documents)   # attention at the block mask's tiles
+    profile = with_expert_load(profile, moe_imbalance)   # uneven routing, priced
     cp_refused = _context_refusal(captured.gm, seq_len, c)
     if cp_refused is not None and c is not None and c > 1:
         raise ValueError(f"parallelize: c={c}: {cp_refused}") from None
@@ -271,6 +279,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
         plan = dataclasses.replace(solve_at(plan.global_batch_size), training=plan.training)
     chosen = won["precision"]
     notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
+    if profile.expert_load is not None:
+        notes.append(profile.expert_load.describe(plan.ep, profile.block.experts))
     if precision is not None:
         notes.append(f"precision: {chosen}" + (
             f" (priced faster than {sorted(set(profiles) - {chosen})})"

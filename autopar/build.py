@@ -18,7 +18,9 @@ per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after ea
                         with its projections (the input gradient's all-reduce overlaps the
                         weight gradients), and the expert-parallel rewrite (plan.ep > 1,
                         passes/expert_parallel.py: this expert rank's E/ep experts, tokens
-                        exchanged by all-to-all)
+                        exchanged by all-to-all), and with c·d > 1 the router load-balancing
+                        loss's token counts averaged over the data group
+                        (passes/router_stats.py)
     split_chunks        the plan's p·v chunks
     chunk_passes        per chunk, the loss in fp32 (passes/loss_precision.py: a no-op under
                         fp32, fp32 logits under bf16), then recompute per plan.recompute (whole
@@ -47,6 +49,7 @@ from autopar.passes.fp8 import fp8_pass
 from autopar.passes.loss_precision import fp32_loss_pass
 from autopar.passes.manager import Pass, run_passes
 from autopar.passes.overlap import OVERLAP_COLUMNS_PASS, OVERLAP_PASS
+from autopar.passes.router_stats import router_stats_pass
 from autopar.passes.pipeline import check_stages, chunk_attr_targets, count_layers, split_chunks
 from autopar.passes.recompute import recompute_pass
 from autopar.passes.tensor_parallel import tensor_parallel_pass
@@ -155,6 +158,8 @@ class BuiltProgram:
                           else OVERLAP_PASS)
         if self.plan.ep > 1:   # group None: `ep_group`, bound by the runtime to its group
             passes.append(expert_parallel_pass(self.plan.ep, ep_rank))
+        if self.plan.d * self.plan.c > 1:   # load-balancing counts over the c·d data group
+            passes.append(router_stats_pass(self.plan.d * self.plan.c))
         return passes + [DEVICE_PASS]
 
 

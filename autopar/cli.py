@@ -37,6 +37,12 @@ def _plan_from_args(args: argparse.Namespace):
             if getattr(args, k, None) is not None}
     if args.micro_batch is not None:
         pins["micro_batch_size"] = args.micro_batch
+    if getattr(args, "data", None) is not None:   # the routers' load on a batch of the data
+        from autopar.expert_load import load_from_token_file
+        real, _ = load_model(args.model, seq_len=args.seq, device="cpu")   # weights to route
+        pins["moe_imbalance"] = load_from_token_file(real.model, real.example_inputs, args.data)
+    elif getattr(args, "moe_imbalance", None) is not None:
+        pins["moe_imbalance"] = args.moe_imbalance
     cluster = args.cluster
     kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
              if getattr(args, k) is not None}
@@ -260,6 +266,14 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(f"--{knob}", type=int, help=f"pin {knob}")
     sp.add_argument("--ep", type=int, help="pin the expert-parallel degree (a mixture of "
                                            "experts: experts over ep of the c·d ranks)")
+    sp.add_argument("--moe-imbalance", dest="moe_imbalance", type=float,
+                    help="a mixture of experts: the most loaded expert's tokens over the mean "
+                         "expert's (e.g. 1.3); expert GEMMs and all-to-alls priced at the most "
+                         "loaded expert rank (default: balanced)")
+    sp.add_argument("--data", help="a flat token file (uint16/uint32): one example batch of "
+                                   "it is run through the model's routers on this machine and "
+                                   "the measured expert load priced (instead of "
+                                   "--moe-imbalance)")
     sp.add_argument("--cp-attention", dest="cp_attention", choices=list(CP_ATTENTION),
                     help="pin how context parallelism's attention meets the other ranks' K/V "
                          "(default: the cheaper as priced)")

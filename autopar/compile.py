@@ -36,6 +36,7 @@ from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.fp8 import fp8_only_weights
+from autopar.passes.router_stats import DATA_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model
 from autopar.progress import Progress
@@ -189,7 +190,7 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
     owned: dict[str, torch.nn.Parameter] = {}   # one tensor per name (tied weights share it)
     names: dict[tuple[int, str], str] = {}
     objects = {"tp_group": pg.tensor, "tp_rng": DropoutStreams(pg.tp_rank, pg.cp_rank),
-               EP_GROUP_ATTR: pg.expert,
+               EP_GROUP_ATTR: pg.expert, DATA_GROUP_ATTR: pg.data,
                RANK_DEVICE: device,
                "cp": ContextShard(group=pg.context, c=pg.c, cp_rank=pg.cp_rank,
                                   seq_len=plan.seq_len)}

@@ -113,6 +113,7 @@ from typing import Callable, Sequence, TypeVar
 
 from autopar.cost.context import context_rank_profile
 from autopar.cost.hardware import Cluster
+from autopar.cost.imbalance import alltoall_factor, expert_gemm_extra_s
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import (NO_FALLBACK, AttentionCall, Gemm, ModelProfile, RegionProfile,
@@ -962,7 +963,7 @@ def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple
         return 0.0, 0.0
     inter = group_spans_nodes(cluster, stride=cfg.t, size=cfg.ep, gpus=cfg.gpus)
     one = alltoall_s(cluster, cfg.micro_batch_size * elems * profile.activation_bytes_per_elem,
-                     cfg.ep, inter)
+                     cfg.ep, inter) * alltoall_factor(profile, cfg.ep)   # the busiest rank
     return 2 * one, (6 if cfg.recompute == "full" else 4) * one
 
 
@@ -1011,6 +1012,8 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     comp_s, tp_s, _ = _block_times_memo(profile, cluster, cfg, memo)
     cp_s = _context_comm_memo(profile, cluster, cfg, memo)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
+    comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: _local_gemm_time_s(
+        cluster, g, t, b, profile.activation_bytes_per_elem))   # the most loaded expert rank
     key = ("edge", t, b, sp, tp_inter, cfg.c, cfg.cp_attention)
     if key not in memo:
         memo[key] = _edge_times_s(profile, cluster, t, b, sp, tp_inter)

@@ -32,7 +32,10 @@ and writes its output, and autograd keeps every tensor an op saves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from autopar.cost.imbalance import ExpertLoad
 
 # Which dimension of a GEMM is divided by the tensor-parallel degree t:
 #   "n"     column-parallel (output features split), e.g. qkv / fc1 / LM head (vocab)
@@ -59,6 +62,7 @@ class Gemm:
     tp_split: TpSplit = None
     batch_scales: bool = False
     has_weight_grad: bool = True  # False for activation-activation products (attention)
+    expert: bool = False          # an experts' grouped matmul (its rows follow the routing)
 
     @property
     def fwd_flops(self) -> int:
@@ -342,6 +346,8 @@ class ModelProfile:
     # the precision the blocks' linear GEMMs run in: "bf16" or "fp8" (passes/fp8.py's rule:
     # the blocks' weight GEMMs; the embedding's and head's stay 16-bit), `with_gemm_precision`
     gemm_precision: str = "bf16"
+    # how unevenly the routers load the experts (cost/imbalance.py ExpertLoad); None: evenly
+    expert_load: "ExpertLoad | None" = None
 
     def with_gemm_precision(self, precision: str, cluster) -> "ModelProfile":
         """This profile priced with its blocks' linear GEMMs in `precision` ("bf16" or "fp8";

@@ -5,7 +5,8 @@ GraphModule -> GraphModule (passes/manager.py).
 
 Requires: an nn.Module on real or meta tensors, example inputs on the same device, optionally
   loss_fn(model_output, targets) and targets (the output is passed to loss_fn as is, so a
-  transformers ModelOutput works).
+  transformers ModelOutput works). loss_fn autopar.cross_entropy on a model that returns its
+  router's load-balancing loss gets the model's coefficient bound (autopar.losses.bind_aux_loss).
 Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes carry
   meta[VAL] (FakeTensor: shape/dtype), meta[NN_MODULE_STACK] (the module path of the
   user's code, prefixed by `Captured.prefix`), meta[STACK_TRACE] (user source line) — torch's
@@ -46,6 +47,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx
 
+from autopar.losses import bind_aux_loss
 from autopar.passes import meta as K
 
 
@@ -123,7 +125,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
         targets = targets.to("meta")
     if targets is not None and any(targets is a for a in example_inputs):
         targets = targets.clone()  # export would merge the two into one graph input
-    wrapper = _WithLoss(model, loss_fn, keywords)
+    wrapper = _WithLoss(model, bind_aux_loss(model, loss_fn), keywords)   # + the router's loss
     args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
     kept: dict[str, tuple[str, ...]] = {}
     if repeat_limit is not None:

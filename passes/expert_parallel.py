@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
-from autopar.passes.sharding import is_grouped_mm
+from autopar.passes.sharding import ancestors, is_grouped_mm
 from autopar.runtime import experts as X
 from autopar.runtime.shard import UnboundGroup
 
@@ -123,6 +123,7 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
             x = g.call_function(X.dispatch, (first.args[0], r, grp))
         x.meta[K.VAL] = first.args[0].meta.get(K.VAL)
         local_offs.meta[K.VAL] = offs.meta.get(K.VAL)
+        _dispatch_row_operands(g, first, last, r, grp)
         for mm in {first, last}:
             mm.args = (x if mm is first else mm.args[0], mm.args[1], local_offs) + mm.args[3:]
             mm.kwargs = {k: v for k, v in mm.kwargs.items() if k != "offs"}
@@ -147,6 +148,35 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
     g.lint()
     gm.recompile()
     return gm
+
+
+def _dispatch_row_operands(g: fx.Graph, first: fx.Node, last: fx.Node, r: fx.Node,
+                           grp: fx.Node) -> None:
+    """Per-row operands the chain reads but did not compute (GPT-OSS's per-expert bias
+    gathered for each of the rank's sorted rows, added to the gate/up product) are dispatched
+    with the rows, so they meet the rows of this rank's experts; their gradient comes back by
+    the reverse exchange."""
+    val = first.args[0].meta.get(K.VAL)
+    rows = val.shape[0] if val is not None and val.dim() == 2 else None
+    chain, todo = set(), list(first.users)
+    while todo:   # the ops from the first grouped matmul to the last
+        n = todo.pop()
+        if n in chain or n.op != "call_function":
+            continue
+        chain.add(n)
+        if n is not last:
+            todo.extend(n.users)
+    chain &= ancestors(last)
+    for n in [x for x in g.nodes if x in chain and x is not last]:
+        for a in n.all_input_nodes:
+            v = a.meta.get(K.VAL)
+            if (a in chain or a is first or a.op != "call_function" or not isinstance(
+                    v, torch.Tensor) or v.dim() != 2 or v.shape[0] != rows):
+                continue
+            with g.inserting_before(n):
+                moved = g.call_function(X.dispatch, (a, r, grp))
+            moved.meta[K.VAL] = v
+            n.replace_input_with(a, moved)
 
 
 def expert_parallel_pass(ep: int, ep_rank: int, group: Any = None) -> Pass:

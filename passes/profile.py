@@ -300,6 +300,16 @@ class _GraphFacts:
                 "ffn": max(mlp, default=4 * self.hidden)}
 
     def _kv_heads(self, hd: int, heads: int) -> int:
+        kv = self._kv_heads_from_widths(hd, heads)
+        if kv > 0 and heads % kv == 0:
+            return kv
+        # not a grouping of the heads (multi-head latent attention: a fused k/v projection
+        # whose k and v head dims differ, the rotary part of k from another projection):
+        # the heads the attention's key holds
+        k = _val(self._attention()[1])
+        return int(k.shape[-3]) if k is not None and k.dim() == 4 else heads
+
+    def _kv_heads_from_widths(self, hd: int, heads: int) -> int:
         attn = self._attention()
         if attn is None:
             return heads
@@ -563,7 +573,7 @@ def _gemm(n: torch.fx.Node, batch: int, name: str, split: Any) -> Gemm:
         # of the k experts each token is routed to, not of all E; the weights (all E experts)
         # are charged as parameters
         M, K, N = _numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
-        return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split)
+        return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split, expert=True)
     if b.dim() == 2:  # (…, M, K) · (K, N): a linear layer written as mm / matmul
         M, K, N = _numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
         return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split,

@@ -296,6 +296,25 @@ def hf_gpt_oss(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 
          * max(1, layers // 2), **config}))
 
 
+def hf_deepseek_v3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                   hidden: int = 32, ffn: int = 64, experts: int = 4, top_k: int = 2,
+                   dense: int = 1, **config: Any) -> Model:
+    """DeepSeek-V3: the first `dense` layers a dense MLP, then MoE layers of routed experts
+    (sigmoid scores plus a score-correction bias, group-limited top-k: 2 groups, the best 1)
+    and a shared expert; multi-head latent attention (low-rank q and kv projections with their
+    own RMSNorm, each head's q/k split into a rotary and a no-rotary part, one rotary key
+    shared by the heads)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**_no_cache({
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": ffn,
+        "moe_intermediate_size": ffn // 4, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "n_shared_experts": 1,
+        "n_routed_experts": experts, "num_experts_per_tok": top_k, "n_group": 2,
+        "topk_group": 1, "first_k_dense_replace": dense, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+        "max_position_embeddings": seq, **config})))
+
+
 def hf_vit(*, layers: int = 2, heads: int = 4, hidden: int = 32, ffn: int = 64,
            image: int = 16, patch: int = 4, labels: int = 10, **config: Any) -> Model:
     """ViT image classification: pixels in, no vocabulary; (image/patch)² + 1 tokens."""
@@ -450,7 +469,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
-    hf_gpt_oss, hf_swin)}
+    hf_gpt_oss, hf_swin, hf_deepseek_v3)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

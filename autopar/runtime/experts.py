@@ -134,3 +134,15 @@ def dispatch(x: torch.Tensor, r: Route, group: Any) -> torch.Tensor:
 def combine(y: torch.Tensor, r: Route, group: Any) -> torch.Tensor:
     """The experts' results `y` (grouped by local expert) back to their rows' ranks."""
     return y if group_size(group) == 1 else _Combine.apply(y, r, group)
+
+
+def mean_over(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The mean of `x` over `group`, for values without a gradient (the router's per-expert
+    token counts, passes/router_stats.py); a new tensor. None / one rank: x itself."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    out = x.detach().clone().contiguous()
+    with peer_guard("the router's token counts (all-reduce)", group):
+        dist.all_reduce(out, group=group)
+    return out / n

@@ -6,7 +6,11 @@ with a sliding-window layer with rotary and a full-attention layer without. Each
 layers are of two kinds, so p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2:
 its per-head attention sinks split with the heads. Swin (hierarchical): two stages of blocks
 of different widths, the second block of each shifting its windows (a roll), a patch-merging
-step between them (counted in the block before it); p = 2 cuts between the two stages."""
+step between them (counted in the block before it); p = 2 cuts between the two stages.
+DeepSeek-V3 (issue 32 item 2) at t = 2 and at ep = 2 × d = 2: a dense first layer, then routed
+experts chosen by sigmoid scores plus a score-correction bias within the best of 2 groups, a
+shared expert, and multi-head latent attention (low-rank q and kv projections, heads split
+into rotary and no-rotary parts, one rotary key for all heads)."""
 from __future__ import annotations
 
 import dataclasses
@@ -64,7 +68,8 @@ def _plan(mode: str) -> Plan:
 # at t = 2, SmolLM3 at t = 2 and c = 2, Cohere2 at p = 2, Swin at t = 2
 @pytest.mark.parametrize("name,mode", [
     ("hf_gpt_oss", "t2"), ("hf_qwen3_moe", "p2"), ("hf_cohere2", "c2"),
-    ("hf_qwen3_moe", "ep2d2"), ("hf_swin", "p2-hier")])
+    ("hf_qwen3_moe", "ep2d2"), ("hf_swin", "p2-hier"), ("hf_deepseek_v3", "t2"),
+    ("hf_deepseek_v3", "ep2d2")])
 def test_blocks_of_two_kinds_equal_one_device(name, mode):
     plan = _plan(mode)
     results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)

@@ -1,0 +1,40 @@
+"""The experts' load measured on one device (autopar/expert_load.py) and handed to the planner
+(parallelize(moe_imbalance=...), autopar plan --moe-imbalance / --data; issue 32 item 4)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import autopar
+from autopar.expert_load import load_from_token_file
+
+import models
+
+
+def test_measured_rows_per_expert_are_the_routers_top_k_choices(tmp_path):
+    """Mixtral (4 experts, top-2, 2 layers) on 2 × 8 tokens read from a flat uint16 token
+    file: each layer's measured rows per expert equal the bincount of the top-2 of the router
+    logits transformers returns for the same batch."""
+    model = models.build("hf_mixtral", seed=0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "tokens.bin"
+    ids.numpy().astype(np.uint16).tofile(path)
+    load = load_from_token_file(model, (torch.zeros_like(ids),), path)
+    with torch.no_grad():
+        logits = model(ids, output_router_logits=True).router_logits
+    want = tuple(tuple(float(x) for x in torch.bincount(
+        torch.topk(layer, 2, dim=-1).indices.reshape(-1), minlength=4)) for layer in logits)
+    assert load.counts == want and all(sum(c) == 32 for c in load.counts)
+    assert load.rank_factor(1, 4) == 1.0 and load.rank_factor(2, 4) >= 1.0
+    assert "measured on 32 routed rows" in load.source
+
+
+def test_parallelize_prices_and_explains_a_given_imbalance():
+    model = models.build("hf_mixtral", seed=0)
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    prog = autopar.parallelize(model, 4, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
+                               global_batch_size=8, cluster="dgx-a100-80gb", ep=2, d=4,
+                               moe_imbalance=1.3)
+    assert prog.profile.expert_load.factor == 1.3
+    assert "expert load imbalance: the most loaded expert gets 1.30×" in prog.plan.explain()
+    assert "(this plan: ep=2, 1.15×)" in prog.plan.explain()
