@@ -144,13 +144,13 @@ def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
     block = M.shard_params_elems(prof, 1)[0]
     for zero in (2, 3):
         cfg = M.Config(zero=zero, **kw)
-        st = M.weight_gather_stats(cfg, {})
+        st = M.weight_gather_stats(cfg)
         w, g, o, _ = M.config_costs(prof, A100, cfg).mem_parts[0]
         assert w / block == pytest.approx(2 * st.peak_gathered / v)       # gathered bf16 only
         assert g / block == pytest.approx(4 / d + 4 * (st.peak_pending + 1) / v)
         assert o / block == pytest.approx(12 / d)                         # master, m, v
-    assert (M.weight_gather_stats(M.Config(zero=3, **kw), {}).peak_gathered
-            < M.weight_gather_stats(M.Config(zero=2, **kw), {}).peak_gathered == v)
+    assert (M.weight_gather_stats(M.Config(zero=3, **kw)).peak_gathered
+            < M.weight_gather_stats(M.Config(zero=2, **kw)).peak_gathered == v)
 
 
 def test_prediction_terms_add_up_and_flops_definitions():
