@@ -36,7 +36,7 @@ from autopar.cost.profile import LayerKind
 from autopar.cost.simulate import simulate
 from autopar.schedules import Action, make_schedule
 
-# cost.model._edge_times_s prices the embedding and the head as one forward plus a backward
+# cost.compute.edge_times_s prices the embedding and the head as one forward plus a backward
 # of twice its work (GEMMs: dX and dW, each of the forward's size; elementwise: 2x the
 # traffic), so a third of each is forward.
 EDGE_FORWARD_SHARE = 1 / 3

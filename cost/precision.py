@@ -7,7 +7,7 @@ weight that only FP8 GEMMs read to e4m3 and all-gathers 1 byte per element where
 the gathered copy the chunk computes from is that 1-byte tensor. So a block's gather traffic and
 its gathered working set are (2 − f)/2 of bf16's, f the fraction of the block's parameters on a
 tensor rank that are FP8 GEMM weights: the weight GEMMs cost/model.py prices at the FP8 rate
-(_local_gemm_time_s: passes/fp8.py's rule, local n and k >= 16). The amax all-reduce of a
+(cost/compute.py local_gemm_time_s: passes/fp8.py's rule, local n and k >= 16). The amax all-reduce of a
 gather (one fp32 per weight) is latency only: not priced. The embedding and head stay 16-bit.
 """
 from __future__ import annotations

@@ -32,6 +32,7 @@ import heapq
 import math
 
 from autopar.cost.hardware import Cluster
+from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_bound,
                                 bubble_div, config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
@@ -45,7 +46,8 @@ from autopar.cost.solver import (GIB, Family, SolveStats, _Evaluated, heuristic_
 _SLACK = 1 - 1e-9
 
 
-def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family, memo: dict) -> float:
+def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
+                   memo: CostMemo) -> float:
     """A lower bound of the step time (s) of every member of `fam`.
 
     A member's step is m·max τ + (Σ τ − max τ)/V + tail (cost.model.scaled_step_ns, V = v ·
@@ -64,24 +66,25 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family, memo: d
     return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
 
 
-def _state_memo(profile: ModelProfile, cfg: Config, memo: dict) -> float:
+def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
     # (sequence parallelism can change what the tensor-parallel pass replicates)
-    key = ("state", cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
-    if key not in memo:
-        memo[key] = state_bytes_lower_bound(profile, cfg)
-    return memo[key]
+    key = (cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
+    if key not in memo.state_bytes:
+        memo.state_bytes[key] = state_bytes_lower_bound(profile, cfg)
+    return memo.state_bytes[key]
 
 
-def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: dict) -> float:
-    key = ("act", cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
+def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                     memo: CostMemo) -> float:
+    key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
            cfg.num_microbatches, cfg.recompute, cfg.sequence_parallel, cfg.schedule,
            cfg.microbatch_group)
-    if key not in memo:
-        memo[key] = activation_bytes_lower_bound(profile, cfg, memo)
-    return memo[key]
+    if key not in memo.activation_bytes:
+        memo.activation_bytes[key] = activation_bytes_lower_bound(profile, cfg, memo)
+    return memo.activation_bytes[key]
 
 
-def _memory_family(profile, cluster, fam: Family, memo: dict) -> _Evaluated | None:
+def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
     and optimizer states overflow (then so do every member's); else None."""
     cfgs = {}
@@ -112,7 +115,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
     evaluated, memory_fail, pruned = [], [], []
-    memo: dict = {}
+    memo = CostMemo()
     qmemo: dict = {}
     heap: list[tuple] = []
     stats.families += len(families)

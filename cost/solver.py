@@ -53,8 +53,9 @@ from ortools.sat.python import cp_model
 
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.layout import spread_layers
+from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
-                                _rank_profile_memo, alltoall_heads_rule, config_costs,
+                                alltoall_heads_rule, config_costs,
                                 context_comm_s, load_costs, predict, rank_layers, rank_load_ns,
                                 rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                 scaled_step_ns, step_scale, step_time_scaled, total_load_ns,
@@ -293,13 +294,15 @@ class _Exchanges:
     def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
                  rejected: list) -> None:
         self.profile, self.cluster, self.pins, self.gpus = profile, cluster, pins, gpus
-        self.rejected, self.memo = rejected, {}
+        self.rejected = rejected
+        self.kept: dict[tuple, tuple[str, ...]] = {}   # (t, c, b, sp, recompute) -> methods
+        self.costs = CostMemo()
 
     def __call__(self, t: int, c: int, b: int, sp: bool, recompute: str) -> tuple[str, ...]:
         key = (t, c, b, sp and t > 1, recompute)
-        if key not in self.memo:
-            self.memo[key] = self._undominated(*key)
-        return self.memo[key]
+        if key not in self.kept:
+            self.kept[key] = self._undominated(*key)
+        return self.kept[key]
 
     def _undominated(self, t, c, b, sp, recompute) -> tuple[str, ...]:
         hows = _cp_attentions(self.profile, c, self.pins, t)
@@ -309,7 +312,7 @@ class _Exchanges:
         for how in hows:
             cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
                          micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
-            rank = _rank_profile_memo(self.profile, self.cluster, cfg, self.memo)
+            rank = self.costs.rank_profile(self.profile, self.cluster, cfg)
             cost[how] = context_comm_s(rank, self.cluster, cfg)
         kept = []
         for x in hows:
@@ -944,7 +947,7 @@ def _ties_to_less_memory(profile, cluster, chosen, x, survivors):
 
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                             memo: dict) -> int | Fraction:
+                             memo: CostMemo) -> int | Fraction:
     """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
     split, so their max is at least ceil(S/p), and at least any rank's load with v layers (the
     first and the last rank's are the largest: they add the embedding and the head)."""

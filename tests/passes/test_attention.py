@@ -117,8 +117,8 @@ def test_flash_drops_the_score_memory_and_traffic():
 def test_selective_recompute_under_flash_saves_little_and_costs_a_kernel_forward():
     prof = _gpt().with_attention("flash")
     kw = dict(t=1, b=1, sp=False, tp_inter=False)
-    none = M._block_times_s(prof, H100, kw["t"], kw["b"], "none", kw["sp"], kw["tp_inter"])
-    sel = M._block_times_s(prof, H100, kw["t"], kw["b"], "selective", kw["sp"], kw["tp_inter"])
+    none = M.block_times_s(prof, H100, kw["t"], kw["b"], "none", kw["sp"], kw["tp_inter"])
+    sel = M.block_times_s(prof, H100, kw["t"], kw["b"], "selective", kw["sp"], kw["tp_inter"])
     (call,) = prof.block.fused.calls
     k_fwd = M.fused_attention_time_s(H100, call, 1, 1)[0]
     assert sel[0] - none[0] == pytest.approx(k_fwd, rel=0.01)  # + rewriting the logsumexp

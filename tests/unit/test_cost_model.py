@@ -145,20 +145,20 @@ def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
     block = M.shard_params_elems(prof, 1)[0]
     for zero in (2, 3):
         cfg = M.Config(zero=zero, **kw)
-        st = M.weight_gather_stats(cfg, {})
+        st = M.weight_gather_stats(cfg)
         w, g, o, _ = M.config_costs(prof, A100, cfg).mem_parts[0]
         assert w / block == pytest.approx(2 * st.peak_gathered / v)       # gathered bf16 only
         assert g / block == pytest.approx(4 / d + 4 * (st.peak_pending + 1) / v)
         assert o / block == pytest.approx(12 / d)                         # master, m, v
-    assert (M.weight_gather_stats(M.Config(zero=3, **kw), {}).peak_gathered
-            < M.weight_gather_stats(M.Config(zero=2, **kw), {}).peak_gathered == v)
+    assert (M.weight_gather_stats(M.Config(zero=3, **kw)).peak_gathered
+            < M.weight_gather_stats(M.Config(zero=2, **kw)).peak_gathered == v)
     # FP8 (cost/precision.py): the blocks' FP8 weights gathered in 1 byte, in memory and on
     # the wire (runtime/zero3.py Fp8Gather); the rest (norms, biases) in 2
     h100 = get_cluster("dgx-h100-80gb")
     fp8, cfg = prof.with_gemm_precision("fp8", h100), M.Config(zero=3, **kw)
     share = fp8_weight_elems(fp8, 1) / block
     assert 0.99 < share < 1                                        # a GPT block's linears
-    st = M.weight_gather_stats(cfg, {})
+    st = M.weight_gather_stats(cfg)
     bf16_cc, fp8_cc = M.config_costs(prof, h100, cfg), M.config_costs(fp8, h100, cfg)
     assert fp8_cc.mem_parts[0][0] / block == pytest.approx((2 - share) * st.peak_gathered / v)
     assert bf16_cc.mem_parts[0][0] / block == pytest.approx(2 * st.peak_gathered / v)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.cost.model import Config, _pending_zero_bubble, inflight
+from autopar.cost.config import Config, _pending_zero_bubble, inflight
 from autopar.schedules import (SCHEDULE_NAMES, compute_order, make_schedule, peak_held,
                                peak_inflight)
 

@@ -62,7 +62,7 @@ def test_imbalance_prices_the_expert_gemms_and_all_to_alls_of_the_hot_rank():
         1.25 * expert_comm_s(prof, a100, cfg)[0])
     extra = uneven[0] - even[0]
     assert extra > 0 and uneven[1:6] == even[1:6]
-    from autopar.cost.model import _local_gemm_time_s
+    from autopar.cost.model import local_gemm_time_s as _local_gemm_time_s
     fwd = sum(_local_gemm_time_s(a100, g, 1, 1, prof.activation_bytes_per_elem)
               for g in prof.block.gemms if g.expert)
     assert extra == pytest.approx(0.25 * 3 * fwd)

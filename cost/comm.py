@@ -1,0 +1,130 @@
+"""Communication in the cost model: the collectives on a link, and the pipeline's p2p.
+
+- Collectives (`allreduce_s`, `allgather_s`, `alltoall_s`, `p2p_s`): latency + bytes /
+  bandwidth of the link the group lives on (Megatron rank order, `group_spans_nodes`): ring
+  all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n. Nothing is overlapped with
+  compute except the data-parallel reduction (see DP_OVERLAP) — Megatron-LM ran TP
+  collectives and p2p on the compute stream.
+  autopar's runtime does hide the backward reduction of each column-parallel input gradient
+  under the weight-gradient GEMMs (passes/overlap.py), and under SP the re-gather of the saved
+  shard under the dx GEMMs; the model does not credit either. The published runs it is
+  calibrated against predate Megatron's asynchronous TP all-reduce, and with full credit
+  (Σ min(c, dW) per block) the model, already a few % optimistic, put 2104.04473's 76B–1T rows
+  at +10–12.5%; on a GPU the overlapped NCCL kernels also slow the GEMMs they share SMs and
+  memory bandwidth with, by an amount no source here gives. Predicted step times are thus
+  an upper bound by at most that backward communication.
+- Pipeline p2p: each chunk boundary sends the activation forward and its gradient back, on
+  the pipeline link (each tensor rank 1/t, all-gathered in-node: the scatter/gather of
+  2104.04473 §4.1), charged per micro-batch in the load; an interleaved order with groups of
+  N > p micro-batches per chunk visit hides part of it (`_grouped_p2p_s`).
+
+`inserted_collectives_s` prices the collectives the tensor-parallel pass inserts where it keeps
+a value whole (cost/shares.py `tp_fallback`); the blocks' own tensor-parallel collectives are
+priced with their compute (cost/compute.py `block_times_s`), the context and expert exchanges
+in cost/exchanges.py, the data-parallel ones in cost/dp_terms.py.
+"""
+from __future__ import annotations
+
+from autopar.cost.config import Config
+from autopar.cost.hardware import Cluster
+from autopar.cost.profile import ModelProfile, TPRegionFallback
+
+
+def group_spans_nodes(cluster: Cluster, *, stride: int, size: int, gpus: int) -> bool:
+    """Whether a rank group {base + j*stride, j < size} leaves a node (Megatron rank order).
+
+    Example: 8-GPU nodes, t=8, d=4: a data group has stride 8, size 4 -> spans 32 ranks -> True;
+    t=2, d=4: stride 2, size 4 -> 8 ranks inside one node -> False.
+    """
+    if size <= 1 or gpus <= cluster.gpus_per_node:
+        return False
+    span = stride * size
+    return not (span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0)
+
+
+def link(cluster: Cluster, inter: bool) -> tuple[float, float]:
+    """(bandwidth B/s, latency s) of the inter-node or the intra-node link."""
+    if inter:
+        return cluster.inter_node_bandwidth_Bps, cluster.inter_node_latency_s
+    return cluster.intra_node_bandwidth_Bps, cluster.intra_node_latency_s
+
+
+def allreduce_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """Ring all-reduce of nbytes over n ranks: 2(n-1)/n · bytes / bandwidth + latency."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link(cluster, inter)
+    return lat + 2.0 * (n - 1) / n * nbytes / bw
+
+
+def allgather_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """Ring all-gather (or reduce-scatter) whose full result is nbytes: (n-1)/n · bytes / bw."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link(cluster, inter)
+    return lat + (n - 1) / n * nbytes / bw
+
+
+def alltoall_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """All-to-all in which each of n ranks holds nbytes and keeps 1/n of them: (n-1)/n · bytes /
+    bandwidth + latency (every rank sends and receives at once, pairwise exchanges)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw, lat = link(cluster, inter)
+    return lat + (n - 1) / n * nbytes / bw
+
+
+def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bw, lat = link(cluster, inter)
+    return lat + nbytes / bw
+
+
+def inserted_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int, e: int,
+                           tp_inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives the tensor-parallel pass inserts in a
+    region, per micro-batch (e: bytes per activation element)."""
+    fwd = bwd = 0.0
+    for c in fix.collectives:
+        coll = allgather_s if c.kind == "all-gather" else allreduce_s
+        sec = coll(cluster, b * c.elems * e, t, tp_inter)
+        if c.backward:
+            bwd += sec
+        else:
+            fwd += sec
+    return fwd, bwd
+
+
+def pipeline_p2p_s(profile: ModelProfile, cluster: Cluster, cfg: Config, layer_s: float) -> float:
+    """Pipeline p2p per micro-batch of one rank, all its chunks' sends and receives: the
+    activation (b·s·h) leaves each chunk forward and its gradient comes back; scatter/gather:
+    each tensor rank sends 1/t and the receiver all-gathers in-node. layer_s: a layer's load
+    per micro-batch (what an interleaved group of N > p hides part of it under)."""
+    t, p, v = cfg.t, cfg.p, cfg.v
+    if p <= 1:
+        return 0.0
+    tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
+    pp_inter = group_spans_nodes(cluster, stride=t * cfg.c * cfg.d, size=p, gpus=cfg.gpus)
+    act = cfg.micro_batch_size * profile.block.input_bytes
+    one = p2p_s(cluster, act / t, pp_inter)
+    if not (cfg.sequence_parallel and t > 1):
+        one += allgather_s(cluster, act, t, tp_inter)
+    if cfg.microbatch_group is not None and cfg.microbatch_group > p:
+        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,
+                              layer_s * profile.num_layers / (p * v))
+    return 2 * v * one
+
+
+def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float) -> float:
+    """Exposed p2p per micro-batch of the interleaved order with groups of N > p.
+
+    With N = p (Megatron's order) a chunk's first micro-batch of a group comes back round the
+    ring just when the rank needs it: each of the 2·v·m/N chunk visits per step waits for the
+    ring's p hops, 2·v·one per micro-batch — what the p2p term charges for every schedule.
+    A group of N > p leaves the rank N − p more micro-batches of the chunk (chunk_s each, its
+    forward + backward) to compute before it needs the first one back, which hide as much of
+    the ring's latency: max(0, p·one − (N − p)·chunk_s) per visit.
+    """
+    return 2 * v * max(0.0, p * one_s - (group - p) * chunk_s) / group
+

@@ -1,0 +1,185 @@
+"""Data-parallel terms of the step (`dp_terms_s`): the gradient reduction over the replicas
+(the c·d ranks holding the same weights), ZeRO's weight all-gathers, and how much of them
+the schedule hides. Per-layer terms are bandwidth only; each rank's collective latency is
+counted once in the edge terms (bucketed, pipelined collectives).
+
+- Data parallel, 1F1B / interleaved / GPipe: one gradient reduction per step per pipeline rank
+  (ZeRO-1: reduce-scatter of gradients + all-gather of 16-bit weights, the same volume), of which
+  at most DP_OVERLAP of the last micro-batch's backward can hide it. Then the optimizer step
+  (Adam, memory bound).
+- Data parallel, breadth-first (chunk-major: each pass runs all m micro-batches of a chunk back
+  to back): chunk k's reduction R (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter) starts when its
+  last backward ends, on a separate stream, and runs under the m backwards of the next chunk
+  (W_b = m · backward of a chunk). Per rank with v equal chunks the stream exposes
+      R/v (the last chunk's) + (v-1)/v · max(0, R - W_b)   (per-layer form, linear in y_r)
+  ZeRO-1 adds the all-gather of updated weights after the optimizer, exposed.
+- Sharded weights (ZeRO-3: at most two chunks gathered at once; zero=2, FSDP without
+  resharding after forward: every chunk gathered once per step and kept until its last
+  backward), every schedule with an unsplit backward: the weight-gather plan of the schedule's
+  own lists (autopar.weight_gathers, what the runtime runs) gives the all-gathers G and
+  reduce-scatters R of a rank per step — breadth-first about 2 per chunk, interleaved orders one
+  per visit of a group of N micro-batches each way, 1F1B one — and how many computes each one
+  is issued ahead of (a prefetched gather) or runs under (a reduce-scatter before the next):
+      exposed = Σ_gathers max(0, G − lead·forward) + Σ_reduces max(0, R − lead·backward)
+  per chunk, i.e. per layer / v (`_sharded_layer_s`).
+- Expert parallelism: a rank's E/ep experts are reduced / gathered over the c·d/ep ranks
+  holding the same experts (stride t·ep: `expert_data_groups`), the rest over c·d.
+- Tied embeddings: the first and the last pipeline stage sum the shared embedding's gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cost.comm import allgather_s, allreduce_s, group_spans_nodes, link
+from autopar.cost.config import SCHEDULE_TRAITS, ZERO_TRAITS, Config
+from autopar.cost.hardware import Cluster
+from autopar.cost.precision import gathered_bytes_ratio
+from autopar.cost.profile import ModelProfile
+from autopar.cost.shares import RankParams, tied_table_elems
+from autopar.schedules import compute_order
+from autopar.weight_gathers import GatherStats, gather_stats
+
+# Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
+# gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
+GRAD_REDUCE_BYTES = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradGroup:
+    """The collectives of a gradient group: `size` ranks on one link; gradients reduced in
+    16-bit (a reduce-scatter where the optimizer is sharded, else an all-reduce), weights
+    all-gathered in 16-bit."""
+    cluster: Cluster
+    size: int
+    inter: bool
+    sharded_optimizer: bool
+
+    @property
+    def latency_s(self) -> float:
+        return link(self.cluster, self.inter)[1]
+
+    def gather_s(self, params: float) -> float:
+        """All-gather of `params` 16-bit weights."""
+        return allgather_s(self.cluster, 2 * params, self.size, self.inter)
+
+    def reduce_s(self, params: float) -> float:
+        """Reduction of `params` gradients."""
+        coll = allgather_s if self.sharded_optimizer else allreduce_s
+        return coll(self.cluster, GRAD_REDUCE_BYTES * params, self.size, self.inter)
+
+
+def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: RankParams,
+               block_s: tuple[float, float, float], layer_compute_s: float,
+               gathers: GatherStats | None = None) -> tuple[float, float, float, float]:
+    """Data-parallel seconds per step: (per layer of the rank, hidden per layer, rank 0 extra,
+    rank p-1 extra). Exposed per layer = first - second (see the module docstring).
+
+    profile: the rank's (`rank_profile`); params: what the rank holds (`rank_params`; its
+    experts reduced / gathered over the c·d/ep ranks holding the same ones); block_s: a
+    layer's (compute, TP comm, forward) seconds per micro-batch (compute.block_times_s);
+    layer_compute_s: the layer's compute per micro-batch as the load rounds it; gathers: the
+    weight-gather plan (`weight_gather_stats`, computed here if not given) when the weights
+    are sharded.
+    """
+    # the gradient group: the c·d ranks holding the same weights (context innermost of data,
+    # autopar/runtime/groups.py gradient_groups: stride t, c·d ranks)
+    t, p, d, v, m = cfg.t, cfg.p, cfg.replicas, cfg.v, cfg.num_microbatches
+    sched, zt = SCHEDULE_TRAITS[cfg.schedule], ZERO_TRAITS[cfg.zero]
+    tied_sync = tied_sync_s(profile, cluster, cfg)
+    if d <= 1:
+        return 0.0, 0.0, tied_sync, tied_sync
+    grp = GradGroup(cluster=cluster, size=d, sharded_optimizer=zt.sharded_optimizer,
+                    inter=group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus))
+    lat = grp.latency_s
+    f8 = gathered_bytes_ratio(profile, t, params.block, zt.sharded_weights)  # FP8: 1 B
+    G, R = _layer_sync_s(grp, _expert_group(cluster, cfg) if params.experts else None, params,
+                         f8)
+    comp, tp, fwd = block_s
+    if zt.sharded_weights:
+        st = gathers if gathers is not None else weight_gather_stats(cfg)
+        dp_layer, hidden = _sharded_layer_s(st, G, R, fwd, comp + tp - fwd, v)
+        edge = lambda n: (st.gathers * (grp.gather_s(n) - lat)  # noqa: E731
+                          + st.reduce_scatters * (grp.reduce_s(n) - lat)) / v + lat
+    else:
+        after_step = G if zt.sharded_optimizer else 0.0  # ZeRO-1 weight gather, exposed
+        dp_layer = R + after_step
+        if not sched.chunk_major:
+            hidden = sched.dp_overlap * layer_compute_s * (2.0 / 3.0)
+        else:  # chunk-major: a chunk's m backwards (W_b) hide the next chunk's reduction
+            w_b = m * (comp + tp - fwd)
+            hidden = dp_layer - (R / v + (v - 1) / v * max(0.0, R - w_b) + after_step)
+        # ZeRO-1: reduce-scatter grads + all-gather 16-bit weights
+        edge = ((lambda n: grp.reduce_s(n) + grp.gather_s(n) - lat)  # noqa: E731
+                if zt.sharded_optimizer else grp.reduce_s)
+    dp_first = edge(params.embedding) + tied_sync
+    dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
+    return dp_layer, hidden, dp_first, dp_last
+
+
+def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
+    """The first and the last stage's all-reduce of the tied embedding's gradient (0 when the
+    embeddings are not tied or p = 1)."""
+    t, p, d = cfg.t, cfg.p, cfg.replicas
+    if not (profile.tied_embeddings and p > 1):
+        return 0.0
+    pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
+    return allreduce_s(cluster, GRAD_REDUCE_BYTES * tied_table_elems(
+        profile, t, cfg.sequence_parallel and t > 1), 2, pp_inter)
+
+
+def _expert_group(cluster: Cluster, cfg: Config) -> GradGroup | None:
+    """The group the rank's experts are reduced over: the c·d/ep ranks holding the same ones
+    (stride t·ep); None when that is the rank alone."""
+    de = cfg.replicas // cfg.ep
+    if de <= 1:
+        return None
+    return GradGroup(cluster=cluster, size=de,
+                     sharded_optimizer=ZERO_TRAITS[cfg.zero].sharded_optimizer,
+                     inter=group_spans_nodes(cluster, stride=cfg.t * cfg.ep, size=de,
+                                             gpus=cfg.gpus))
+
+
+def _layer_sync_s(grp: GradGroup, experts: GradGroup | None, params: RankParams,
+                  gather_ratio: float = 1.0) -> tuple[float, float]:
+    """(G, R): the all-gather of a layer's 16-bit weights and the reduction of its gradients,
+    bandwidth only (without each collective's latency); gather_ratio: the dense block's
+    gathered bytes over bf16's (cost/precision.py: FP8 weights gathered in 1 byte)."""
+    lat = grp.latency_s
+    G, R = grp.gather_s(gather_ratio * params.block) - lat, grp.reduce_s(params.block) - lat
+    if experts is not None:
+        lat_e = experts.latency_s
+        G += experts.gather_s(params.experts) - lat_e
+        R += experts.reduce_s(params.experts) - lat_e
+    return G, R
+
+
+def weight_gather_stats(cfg: Config) -> GatherStats:
+    """The weight-gather plan of a sharded-weight configuration (zero 2 / 3) on its busiest
+    rank: autopar.weight_gathers on the schedule's compute order, elementwise the most of
+    pipeline ranks 0 and p − 1 (the longest and shortest warm-up)."""
+    keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
+    orders = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                           group=cfg.microbatch_group, ranks=sorted({0, cfg.p - 1}))
+    stats = [gather_stats(o, keep=keep) for o in orders]
+    worst = max(stats, key=lambda st: (st.gathers + st.reduce_scatters, st.peak_pending))
+    return GatherStats(gather_leads=worst.gather_leads, reduce_leads=worst.reduce_leads,
+                       peak_gathered=max(st.peak_gathered for st in stats),
+                       peak_pending=max(st.peak_pending for st in stats))
+
+
+def _sharded_layer_s(st: GatherStats, G: float, R: float, fwd: float, bwd: float,
+                     v: int) -> tuple[float, float]:
+    """Data-parallel seconds per layer of sharded weights (zero 2 / 3), (traffic, hidden),
+    from the schedule's own weight-gather plan (weight_gather_stats).
+
+    A rank gathers its chunks n_g times and reduce-scatters them n_r times per step; a chunk
+    holds 1/v of its layers, so per layer the traffic is (n_g·G + n_r·R)/v. Each gather is
+    prefetched `lead` computes before its chunk is needed, and hides under them: exposed
+    max(0, G − lead·forward) per layer (0 computes: exposed whole); each reduce-scatter runs
+    under the computes before the next one starts: max(0, R − lead·backward), the step's last
+    one exposed whole. The embedding and the head are gathered and reduced with the first /
+    last chunk, not hidden (as ZeRO-1's edge traffic: `dp_terms_s`)."""
+    dp_layer = (st.gathers * G + st.reduce_scatters * R) / v
+    exposed = (sum(max(0.0, G - lead * fwd) for lead in st.gather_leads)
+               + sum(max(0.0, R - lead * bwd) for lead in st.reduce_leads)) / v
+    return dp_layer, dp_layer - exposed

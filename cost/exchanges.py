@@ -1,0 +1,180 @@
+"""The exchanges context and expert parallelism add: the K/V exchange of context-parallel
+attention (all-gather, ring or all-to-all: `context_comm_s`) and the experts' token
+all-to-alls (`expert_comm_s`), per layer per micro-batch on one rank.
+
+- Context parallelism (cost/context.py restates the profile for one of c context ranks; this
+  module prices what crossing ranks costs): Llama 3's all-gather of K and V exposed, ring
+  attention's hops exposed only past the attention step each overlaps (`ring_attention_s`),
+  or DeepSpeed-Ulysses' all-to-alls of q, k, v and the output (`alltoall_attention_s`).
+- Expert parallelism (ep > 1, a mixture of experts): each of ep ranks of a gradient group
+  holds E/ep of every layer's experts (their weights, gradients and Adam states / ep; ZeRO
+  shards them over the c·d/ep ranks holding the same experts), and the expert gradients are
+  reduced over those c·d/ep ranks (`expert_data_groups`, stride t·ep), the rest over c·d.
+  Tokens reach their experts' rank by an all-to-all and come back by another, per MoE layer:
+  2 in forward, 2 in backward (the reverse exchanges of the gradients), 2 more forward under
+  full recompute, each of micro-batch · tokens · top-k · hidden elements per rank, (ep−1)/ep
+  of them leaving the rank (`alltoall_s`), exposed (Megatron-Core's dispatcher runs them on
+  the compute stream), on the link the expert group spans (stride t, ep ranks). Routing is
+  priced balanced: every rank computes tokens · k expert rows, as without ep.
+"""
+from __future__ import annotations
+
+from autopar.cost.comm import allgather_s, alltoall_s, group_spans_nodes, link, p2p_s
+from autopar.cost.compute import attention_core_s, elementwise_time_s
+from autopar.cost.config import Config
+from autopar.cost.hardware import Cluster
+from autopar.cost.imbalance import alltoall_factor
+from autopar.cost.profile import ModelProfile
+
+
+def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
+    """(forward, forward + backward + recompute) seconds per layer per micro-batch of the
+    context-parallel K/V exchange, on a profile restated for cfg.c (`rank_profile`).
+
+    cfg.cp_attention "all-gather": Llama 3's all-gather of K and V along the sequence before
+    attention, exposed on the critical path (2407.21783 §3.3.2), and in backward the
+    reduce-scatter of their gradients (the same bytes), again in forward under full recompute;
+    ring all-gather over the c context ranks on their link (context groups: stride t, inside a
+    node when t·c <= GPUs per node). "ring": `ring_attention_s`, the blocks' transfers exposed
+    only where they outlast the attention step they overlap, plus the ring's own overheads.
+    Each tensor rank moves its kv heads: 1/t of them, or one when t exceeds kv_heads (the
+    tensor-parallel pass replicates kv heads then)."""
+    c, t = cfg.c, cfg.t
+    elems = profile.block.cp_gather_elems
+    if c <= 1 or not elems:
+        return 0.0, 0.0
+    local = elems / min(t, max(1, profile.kv_heads))
+    cp_inter = group_spans_nodes(cluster, stride=t, size=c, gpus=cfg.gpus)
+    kv_bytes = cfg.micro_batch_size * local * profile.activation_bytes_per_elem
+    if cfg.cp_attention == "ring":
+        fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    if cfg.cp_attention == "all-to-all":
+        fwd, bwd = alltoall_attention_s(profile, cluster, cfg, cp_inter)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    one = allgather_s(cluster, kv_bytes, c, cp_inter)
+    return one, (3 if cfg.recompute == "full" else 2) * one
+
+
+def ring_exposed_s(hop_s: float, step_s: float, steps: int) -> float:
+    """Exposed seconds of `steps` ring transfers of hop_s each, every one started before and
+    overlapped with an attention step of step_s: only what outlasts the step shows."""
+    return steps * max(0.0, hop_s - step_s)
+
+
+def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_bytes: float,
+                     inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per layer per micro-batch that ring attention adds to the
+    rank's attention (autopar/runtime/ring_attention.py), on the rank's profile; kv_bytes: the
+    whole sequence's K and V on one tensor rank, so one context rank's block is kv_bytes / c.
+
+    Transfers: forward, c − 1 hops of a block (the first step computes on the rank's own block
+    while the next one travels); backward, c − 1 steps each sending a block and a dK/dV
+    accumulator of the same size (2 blocks a hop), then the last accumulator's hop home, which
+    nothing overlaps. A ring hop crosses nodes when the context group does (its slowest link).
+    Each hop overlaps one step's attention: the rank's attention (forward / backward,
+    `attention_core_s`) / c, the balanced causal split's equal steps.
+    Overheads (not communication, charged here because only the ring has them): each step is a
+    kernel over kv_len / c keys (the fused kernel's efficiency falls for short keys:
+    Cluster.flash_half_len), c launches where the all-gather's attention has one, and c − 1
+    online-softmax merges (read the running output and the step's, write the merged one, fp32,
+    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward."""
+    c = cfg.c
+    fwd_s, bwd_s = attention_core_s(profile, cluster, cfg)
+    block = kv_bytes / c
+    fwd = ring_exposed_s(p2p_s(cluster, block, inter), fwd_s / c, c - 1)
+    bwd = (ring_exposed_s(p2p_s(cluster, 2 * block, inter), bwd_s / c, c - 1)
+           + p2p_s(cluster, block, inter))
+    step_f, step_b = attention_core_s(profile, cluster, cfg, keys_over=c)
+    # fp32 (4 B), read twice and written once: the merged outputs with their lse, the dK/dV
+    merges = 3 * 4 * cfg.micro_batch_size * _ring_output_elems(profile, cfg.t)
+    accum = 3 * 4 * kv_bytes / profile.activation_bytes_per_elem / c
+    fwd += c * step_f - fwd_s + (c - 1) * elementwise_time_s(cluster, merges)
+    bwd += c * step_b - bwd_s + (c - 1) * elementwise_time_s(cluster, accum)
+    return fwd, bwd
+
+
+def alltoall_heads_rule(heads: int, kv_heads: int, t: int, c: int) -> str | None:
+    """Why all-to-all context attention cannot split `heads` query heads over c context ranks
+    under t tensor ranks, or None: each tensor rank's heads (heads / t) go heads/(t·c) to each
+    context rank, so t·c must divide heads. kv heads need not: with fewer per tensor rank than
+    c (or not a multiple) they are repeated up to the query heads before the exchange."""
+    if heads % (t * c):
+        return (f"all-to-all attention gives each of the c={c} context ranks heads/c of each "
+                f"tensor rank's {heads}/{t} heads; t·c = {t * c} does not divide the {heads} "
+                f"query heads")
+    return None
+
+
+def alltoall_exchange_elems(profile: ModelProfile, t: int) -> tuple[float, float, float]:
+    """(q, k + v, output) elements one context rank holds of its tokens per sequence on one
+    tensor rank: what the all-to-alls around its attention exchange (heads over t; kv heads
+    over t, or one when t exceeds them, as the tensor-parallel pass replicates them; repeated
+    up to the query heads when they do not divide by c: autopar/runtime/ulysses.py)."""
+    c = profile.context
+    q = kv = out = 0.0
+    for x in (profile.block.fused.calls if profile.block.fused is not None else ()):
+        heads = x.heads / min(t, max(1, x.heads))
+        kv_heads = max(1, x.kv_heads // t)
+        if kv_heads % c:
+            kv_heads = heads
+        q += heads * x.q_len * x.head_dim
+        kv += kv_heads * x.q_len * (x.head_dim + x.v_head_dim)
+        out += heads * x.q_len * x.v_head_dim
+    return q, kv, out
+
+
+def alltoall_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                         inter: bool) -> tuple[float, float]:
+    """(forward, backward) seconds per layer per micro-batch of all-to-all context attention
+    (DeepSpeed-Ulysses, 2309.14509 §3; autopar/runtime/ulysses.py) on the rank's profile.
+
+    Forward: q, k and v traded tokens-for-heads (three all-to-alls over the c context ranks)
+    and the output traded back (one); backward the four conjugates (dq, dk, dv, d-output), the
+    same bytes. Each all-to-all is exposed (nothing overlaps it: attention needs its result)
+    and each rank keeps 1/c of what it holds (`alltoall_s`), so its volume does not grow with c.
+    Plus the reorder to global token order and back (the runtime's index_select: one read and
+    one write of q, k, v after the exchange and of the output before it, forward; of their
+    gradients, backward), charged at elementwise bandwidth. The attention kernel itself is the
+    rank profile's: heads/c heads over the whole sequence run the same causal tiles as the
+    local queries against every key."""
+    q, kv, out = alltoall_exchange_elems(profile, cfg.t)
+    e, b, c = profile.activation_bytes_per_elem, cfg.micro_batch_size, cfg.c
+    moved = sum(alltoall_s(cluster, b * x * e, c, inter) for x in (q, kv, out))
+    if kv:       # k and v are two all-to-alls: the second one's latency
+        moved += link(cluster, inter)[1]
+    reorder = elementwise_time_s(cluster, 2 * b * (q + kv + out) * e)
+    one = moved + reorder
+    return one, one
+
+
+def _ring_output_elems(profile: ModelProfile, t: int) -> float:
+    """Elements of a block's attention outputs and their log-sum-exps per sequence on one
+    tensor rank (heads split over t): what each online-softmax merge reads and writes."""
+    heads_t = min(t, max(1, profile.heads))
+    blk = profile.block
+    if blk.fused is not None and blk.fused.calls:
+        return sum(x.heads * x.q_len * (x.v_head_dim + 1) for x in blk.fused.calls) / heads_t
+    whole = profile.seq_len * profile.context
+    return sum(g.batch * g.m * (g.n + 1) for g in blk.gemms
+               if g.batch_scales and g.k == whole) / heads_t
+
+
+def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
+    """(forward, forward + backward + recompute) seconds per layer per micro-batch of the
+    experts' token exchange under expert parallelism, on a profile restated for cfg.c.
+
+    Per MoE layer the dispatch all-to-all sends each token's hidden vector to the ranks of its
+    k experts and the combine brings the results back: 2 in forward, their reverses in
+    backward, 2 more under full recompute (Megatron-Core's alltoall token dispatcher, exposed).
+    Each rank exchanges micro-batch · its tokens · k · hidden elements
+    (`RegionProfile.expert_dispatch_elems`; every tensor rank of a replicated token stream
+    sends them for its expert shards), (ep−1)/ep of them leaving it, over the expert group:
+    ep ranks at stride t (groups.expert_groups), inside a node when t·ep <= GPUs per node."""
+    elems = profile.block.expert_dispatch_elems
+    if cfg.ep <= 1 or not elems:
+        return 0.0, 0.0
+    inter = group_spans_nodes(cluster, stride=cfg.t, size=cfg.ep, gpus=cfg.gpus)
+    one = alltoall_s(cluster, cfg.micro_batch_size * elems * profile.activation_bytes_per_elem,
+                     cfg.ep, inter) * alltoall_factor(profile, cfg.ep)   # the busiest rank
+    return 2 * one, (6 if cfg.recompute == "full" else 4) * one

@@ -1,0 +1,232 @@
+"""Memory in the cost model: activations saved per layer and per micro-batch, the bytes per
+pipeline rank the solver constrains (`memory_coefficients`, affine in the rank's layer count),
+the exact schedule walk `predict` reports (`schedule_activation_bytes`), and the lower bounds
+the search prunes with.
+
+- Memory per pipeline rank: weights/grads/optimizer per ZERO_TRAITS, activations per layer per
+  recompute mode (2205.05198) times the micro-batches the schedule keeps in flight
+  (SCHEDULE_TRAITS, equal to autopar.schedules.peak_inflight on the action lists:
+  breadth-first all m micro-batches of all v chunks, v·m; interleaved
+  2(p−r−1) + (v−1)·N + 1; interleaved-zb torch's ZeroBubble bound (v−1)·N + p, a micro-batch in flight until its W),
+  embedding on the first and head (+ tied embedding copy) on the last rank, and the cluster's
+  reserve. Sharded weights keep no 16-bit weights at rest (the fp32 master shard is cast for
+  each gather) and add the plan's gathered working set: its most chunks gathered at once
+  (16-bit) and the fp32 gradient accumulators of its most chunks with unreduced gradients plus
+  one fp32 reduce-scatter buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autopar.cost.config import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts, inflight,
+                                 pending_weight_grads)
+from autopar.cost.context import context_rank_profile
+from autopar.cost.dp_terms import weight_gather_stats
+from autopar.cost.hardware import Cluster
+from autopar.cost.precision import gathered_bytes_ratio
+from autopar.cost.profile import ModelProfile, RegionProfile
+from autopar.cost.shares import (RankParams, expert_params_elems, rank_attention_bytes,
+                                 shard_params_elems, tp_fallback, vocab_pad_ratio)
+from autopar.plan import Memory
+from autopar.schedules import GROUPED, compute_order, peak_held
+from autopar.weight_gathers import GatherStats
+
+if TYPE_CHECKING:
+    from autopar.cost.memo import CostMemo
+
+
+def _gemm_output_bytes(profile: ModelProfile, region: RegionProfile, t: int, b: int) -> float:
+    """Bytes of the outputs of the region's weight GEMMs for b sequences: the gradients at
+    those outputs are what a deferred W keeps (split_backward's recorded gradients)."""
+    total = 0.0
+    for g in region.gemms:
+        if g.has_weight_grad:
+            total += g.batch * g.m * g.n / (t if g.tp_split == "n" else 1)
+    return b * total * profile.activation_bytes_per_elem
+
+
+def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int) -> float:
+    """Per layer per micro-batch, what a deferred W keeps besides the layer's saved
+    activations (held until the W, counted by `inflight`): the recorded output gradients of
+    its weight GEMMs. Recomputed activations are not kept from B to W: a checkpointed region
+    recomputes again in the W (torch.utils.checkpoint unpacks each recomputed tensor once)."""
+    return _gemm_output_bytes(profile, profile.block, t, b)
+
+
+def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str,
+                           sp: bool) -> float:
+    """Activations kept per layer per micro-batch (2205.05198 §4 per recompute mode)."""
+    blk = profile.block
+    if recompute == "full":
+        return b * blk.input_bytes / (t if sp else 1)
+    fix = tp_fallback(profile, "block", t, sp)
+    repl = blk.act_replicated_bytes / (t if sp else 1)
+    kept = (blk.act_split_bytes - fix.act_split_bytes) / t + repl + fix.act_split_bytes
+    if recompute == "none":
+        kept += rank_attention_bytes(blk, t, fix)
+    return b * kept
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobatchActivations:
+    """Bytes one micro-batch keeps on one rank of a configuration (`microbatch_activations`):
+    per layer (under its recompute mode), in the embedding and in the head regions; under a
+    split backward what a deferred W keeps per layer and in the head; and `work`, what one
+    layer's backward needs besides (its activations recomputed: full; its attention tensors:
+    selective)."""
+    layer: float
+    embedding: float
+    head: float
+    pending_layer: float = 0.0
+    pending_head: float = 0.0
+    work: float = 0.0
+
+
+def microbatch_activations(profile: ModelProfile, cfg: Config) -> MicrobatchActivations:
+    """The activation bytes of one micro-batch of cfg; `profile` is the rank's."""
+    t, b = cfg.t, cfg.micro_batch_size
+    sp = cfg.sequence_parallel and t > 1
+    act_layer = layer_activation_bytes(profile, t, b, cfg.recompute, sp)
+    full_layer = layer_activation_bytes(profile, t, b, "none", sp)
+    # working memory while one layer runs its backward: its full activations when recomputed
+    # (full) or its attention tensors (selective)
+    work = {"full": full_layer, "selective": rank_attention_bytes(
+        profile.block, t, tp_fallback(profile, "block", t, sp), b), "none": 0.0}[cfg.recompute]
+    efix, hfix = tp_fallback(profile, "embedding", t, sp), tp_fallback(profile, "head", t, sp)
+    emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t
+                   + profile.embedding.act_replicated_bytes / (t if sp else 1)
+                   + efix.act_split_bytes)
+    vpad_ratio = vocab_pad_ratio(profile.vocab, t)
+    head_act = b * ((profile.head.act_split_bytes - hfix.act_split_bytes) * vpad_ratio / t
+                    + profile.head.act_replicated_bytes / (t if sp else 1)
+                    + hfix.act_split_bytes)
+    # deferred weight gradients (split backward): held on top, per pending chunk-micro-batch
+    pend_layer = pend_head = 0.0
+    if SCHEDULE_TRAITS[cfg.schedule].pending is not None:
+        pend_layer = pending_w_layer_bytes(profile, t, b)
+        pend_head = _gemm_output_bytes(profile, profile.head, t, b) * vpad_ratio
+    return MicrobatchActivations(layer=act_layer, embedding=emb_act, head=head_act,
+                                 pending_layer=pend_layer, pending_head=pend_head, work=work)
+
+
+def _gathered_bytes_per_param(cfg: Config,
+                              gathers: GatherStats | None) -> tuple[float, float, float, float]:
+    """Sharded weights (zero 2 / 3): the gathered working set of the weight-gather plan, bytes
+    per parameter (per layer: weights, gradients; embedding / head: weights, gradients). Per
+    layer of the rank: its most chunks gathered at once in 16-bit (2·gathered/v B per
+    parameter), and the fp32 gradient accumulators of the chunks holding unreduced gradients
+    plus one fp32 reduce-scatter buffer ((4·pending + 4)/v: the runtime reduces in fp32, as
+    FSDP2's reduce_dtype=fp32); the embedding / head are gathered whole (2 B weights + 4 B
+    grads). At d = 1 the runtime still gathers (copies) and releases each chunk. Zeros when
+    the weights are not sharded; gathers: `weight_gather_stats(cfg)`, computed if not given."""
+    if not ZERO_TRAITS[cfg.zero].sharded_weights:
+        return 0.0, 0.0, 0.0, 0.0
+    st = gathers if gathers is not None else weight_gather_stats(cfg)
+    return 2.0 * st.peak_gathered / cfg.v, 4.0 * (st.peak_pending + 1) / cfg.v, 2.0, 4.0
+
+
+def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                        params: RankParams, gathers: GatherStats | None = None
+                        ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...],
+                                   tuple[tuple[float, ...], ...], MicrobatchActivations]:
+    """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown
+    ((weights, grads, optimizer, activations) per layer; (weights, grads, optimizer,
+    activations, recompute, reserve) fixed), and the micro-batch's activations they count.
+    profile: the rank's; params: `rank_params` (the experts' ZeRO shards over the c·d/ep
+    ranks holding the same experts); gathers: the weight-gather plan of sharded weights."""
+    p, d, v = cfg.p, cfg.replicas, cfg.v
+    zt = ZERO_TRAITS[cfg.zero]
+    wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
+    de = d // cfg.ep
+    wbe, gbe, obe = zt.weight_bytes(de), zt.grad_bytes(de), zt.optimizer_bytes(de)
+    acts = microbatch_activations(profile, cfg)
+    chunk_w, chunk_g, edge_w, edge_g = _gathered_bytes_per_param(cfg, gathers)
+    block_p, block_e = params.block, params.experts
+    chunk_w *= gathered_bytes_ratio(profile, cfg.t, block_p, True)   # FP8 gathers: 1 B/elem
+    mem_layer, mem_fixed, parts, fparts = [], [], [], []
+    for r in range(p):
+        held, pending = inflight(cfg, r), pending_weight_grads(cfg, r)
+        mb = -(-held // v)  # micro-batches of the edge regions in flight
+        a = (acts.layer * held + acts.pending_layer * pending) / v
+        parts.append(((wb + chunk_w) * block_p + (wbe + chunk_w) * block_e,
+                      (gb + chunk_g) * block_p + (gbe + chunk_g) * block_e,
+                      ob * block_p + obe * block_e, a))
+        edge_p = (params.embedding if r == 0 else 0.0) + (params.head if r == p - 1 else 0.0)
+        edge_a = ((acts.embedding * mb if r == 0 else 0.0)
+                  + ((acts.head * mb + acts.pending_head * -(-pending // v))
+                     if r == p - 1 else 0.0))
+        fparts.append(((wb + edge_w) * edge_p, (gb + edge_g) * edge_p, ob * edge_p, edge_a,
+                       acts.work, cluster.reserved_bytes))
+        mem_layer.append(int(math.ceil(sum(parts[-1]))))
+        mem_fixed.append(int(math.ceil(sum(fparts[-1][:5]))))
+    return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts), acts
+
+
+def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
+    """Weights + grads + optimizer bytes per GPU if the layers were spread perfectly evenly
+    (embedding and head included): no partition of this configuration needs less."""
+    zt = ZERO_TRAITS[cfg.zero]
+    per_param = lambda n: zt.weight_bytes(n) + zt.grad_bytes(n) + zt.optimizer_bytes(n)  # noqa
+    n = cfg.replicas
+    block_p, emb_p, head_p = shard_params_elems(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
+    experts = 0.0
+    if cfg.ep > 1:   # the experts over ep ranks, their ZeRO shards over c·d/ep
+        block_p -= expert_params_elems(profile, cfg.t)
+        experts = per_param(n // cfg.ep) * expert_params_elems(profile, cfg.t, cfg.ep)
+    return (per_param(n) * (block_p * profile.num_layers + emb_p + head_p)
+            + experts * profile.num_layers) / cfg.p
+
+
+def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config,
+                                 memo: CostMemo | None = None) -> float:
+    """Block activations per GPU that no partition avoids: the busiest rank holds at least the
+    average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
+    rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk). `memo`
+    (optional) caches the context rank's profile (one per c and method)."""
+    sp = cfg.sequence_parallel and cfg.t > 1
+    if memo is None:
+        profile = context_rank_profile(profile, cfg.c, cfg.cp_attention)
+    else:
+        profile = memo.context_profile(profile, cfg)
+    act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
+    # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
+    least = min(inflight(cfg, r) for r in (0, cfg.p - 1))
+    return act * least / cfg.v * profile.num_layers / cfg.p
+
+
+def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],
+                              *, deferred: bool = True) -> list[float]:
+    """Per pipeline rank, the activation bytes at its peak, found by walking the schedule's
+    compute order (the lists the runtime executes) with each chunk's own size: its layers ×
+    the per-layer bytes, plus the embedding's (chunk 0) and the head's (last chunk). Exact
+    where the solver's linear form `mem_parts` (in-flight chunk-micro-batches × the rank's
+    mean layers per chunk, `inflight`) approximates: with uneven chunks, or an edge chunk
+    held for fewer micro-batches than the rank's other chunks under interleaving, and a
+    split backward's deferred W's (the linear form bounds their count by
+    `pending_weight_grads`). With one chunk per rank (v = 1) and no split backward the linear
+    form is exact and no schedule is built. `deferred=False`: without the deferred W's
+    recorded gradients (the saved tensors alone, what a saved-tensor hook sees)."""
+    cfg = cc.cfg
+    if cfg.v == 1 and SCHEDULE_TRAITS[cfg.schedule].pending is None:
+        return [cc.mem_parts[r][3] * n + cc.mem_fixed_parts[r][3]
+                for r, n in enumerate(layers_per_chunk)]
+    order = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                          group=cfg.microbatch_group if cfg.schedule in GROUPED else None)
+    last = len(layers_per_chunk) - 1
+    weight = [cc.act_layer_bytes * n + (cc.act_embed_bytes if c == 0 else 0.0)
+              + (cc.act_head_bytes if c == last else 0.0) for c, n in enumerate(layers_per_chunk)]
+    # chunk 0 receives no input gradient: its B is empty and its W the whole backward
+    pending = [0.0 if c == 0 else cc.pending_layer_bytes * n
+               + (cc.pending_head_bytes if c == last else 0.0)
+               for c, n in enumerate(layers_per_chunk)]
+    return peak_held(order, weight, pending if deferred else None)
+
+
+def rank_memory_parts(cc: ConfigCosts, r: int, y_r: int) -> Memory:
+    """Pipeline rank r's predicted memory, by part, holding y_r layers."""
+    lp, fp = cc.mem_parts[r], cc.mem_fixed_parts[r]
+    return Memory(weights_bytes=lp[0] * y_r + fp[0], gradients_bytes=lp[1] * y_r + fp[1],
+                  optimizer_bytes=lp[2] * y_r + fp[2], activations_bytes=lp[3] * y_r + fp[3],
+                  recompute_bytes=fp[4], other_bytes=fp[5])
