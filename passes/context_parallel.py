@@ -80,7 +80,7 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass
-from autopar.passes.sharding import (_NO_VALUE, MATMUL_OPS, Shard, context_layouts,
+from autopar.passes.sharding import (MATMUL_OPS, NO_VALUE, Shard, context_layouts,
                                      context_refusal, packet)
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
@@ -279,7 +279,7 @@ class _Propagation:
             src = self.dim.get(n.args[0])
             return self.mark(n, d if d is not None else src) if (d is not None or
                                                                  src is not None) else None
-        if op in _NO_VALUE:
+        if op in NO_VALUE:
             self.g.erase_node(n)
             return
         if op in _SDPA:
