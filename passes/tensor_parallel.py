@@ -464,7 +464,7 @@ class _Rewriter:
             with self.graph.inserting_after(self.group), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a plain attribute, as tp_group
                 self.streams = self.graph.get_attr("tp_rng")
-            self.streams.meta["tp_layout"] = Replicate()
+            self.streams.meta[K.TP_LAYOUT] = Replicate()
             self.made.add(self.streams)
         return self.streams
 
