@@ -52,6 +52,7 @@ The package, one job per module:
   ops.py          what a node is: its op, shape, tensor operands, op families, graph queries
   rules.py        the op-rule table (ATen op -> rule); the rules by family in elementwise.py,
                   views.py, reductions.py and products.py
+  partials.py     which ops keep a Partial unreduced, and the Partial they make
   propagator.py   the propagator (one forward pass under fixed disabled candidates)
   context.py      the context mode (ContextPropagator, context_layouts, context_refusal)
 """

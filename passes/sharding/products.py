@@ -56,25 +56,7 @@ def matmul_rule(p: Propagator, node: fx.Node) -> Layout:
         and node.name not in p.refine
     if node.name not in p.off and not (isinstance(xl, Shard) and not xl.seq) \
             and not is_router(node) and not narrow:
-        n_size = shape(w)[w_n]
-        blocks = p.refine.get(node.name, (n_size,))
-        whole = p.whole.get(node.name, ())
-        padded = 0
-        if len(blocks) == 1 and n_size % p.t:
-            padded = round_up(n_size, p.vocab_multiple * p.t)
-        elif any(b % p.t for b, held in zip(blocks, whole or (False,) * len(blocks))
-                 if not held):
-            raise Conflict(frozenset({node.name}), node,
-                           f"{node.name}: output blocks {blocks} do not divide by t={p.t}",
-                           indivisible=True)
-        lay = Shard(w_n, blocks, padded, origins=frozenset({node.name}), whole=whole,
-                    src=tuple(range(len(blocks))))
-        p.demand(node, x, R)
-        p.demand(node, w, lay)
-        if bias is not None:
-            p.demand(node, bias, replace(lay, dim=0))
-        p.role[node] = "column"
-        return replace(lay, dim=out_nd - 1)
+        return _column(p, node, (x, w, bias), w_n)
     p.demand(node, w, R)
     if bias is not None:
         p.demand(node, bias, R)
@@ -88,6 +70,32 @@ def matmul_rule(p: Propagator, node: fx.Node) -> Layout:
     if isinstance(xl, Shard):
         return replace(xl, dim=xl.dim + out_nd - len(shape(x)))
     return R
+
+
+def _column(p: Propagator, node: fx.Node, xwb: tuple, w_n: int) -> Layout:
+    """Weight matmul `node` of a replicated input as a column-parallel candidate: the weight
+    split along its output dim `w_n` in the seed's blocks (refined / held whole by the driver;
+    one indivisible block padded to a multiple of t, as a vocabulary), the output split along
+    its last dim."""
+    x, w, bias = xwb
+    n_size = shape(w)[w_n]
+    blocks = p.refine.get(node.name, (n_size,))
+    whole = p.whole.get(node.name, ())
+    padded = 0
+    if len(blocks) == 1 and n_size % p.t:
+        padded = round_up(n_size, p.vocab_multiple * p.t)
+    elif any(b % p.t for b, held in zip(blocks, whole or (False,) * len(blocks)) if not held):
+        raise Conflict(frozenset({node.name}), node,
+                       f"{node.name}: output blocks {blocks} do not divide by t={p.t}",
+                       indivisible=True)
+    lay = Shard(w_n, blocks, padded, origins=frozenset({node.name}), whole=whole,
+                src=tuple(range(len(blocks))))
+    p.demand(node, x, R)
+    p.demand(node, w, lay)
+    if bias is not None:
+        p.demand(node, bias, replace(lay, dim=0))
+    p.role[node] = "column"
+    return replace(lay, dim=len(shape(node)) - 1)
 
 
 def grouped_mm_rule(p: Propagator, node: fx.Node) -> Layout:
