@@ -3,6 +3,9 @@ small ATen graphs built by hand with meta tensors (no capture, no process group)
 views, reductions, products, and the context mode's rules."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 import torch.fx as fx
@@ -220,3 +223,15 @@ def test_context_mode_reads_keys_and_values_whole_at_attention():
     p.visit(attn)
     assert p.layout[q] == Shard(2, (T,), seq=True) == p.layout[attn]
     assert p.gathered[attn] == [kv, kv] and p.convert[attn] == {kv: R}
+
+
+def test_no_module_imports_a_private_name_of_the_engine():
+    """The package's modules talk through public names only (and so does every importer)."""
+    root = Path(__file__).resolve().parents[2]
+    private = [f"{path.relative_to(root)}:{node.lineno}: {a.name}"
+               for d in ("passes", "autopar", "cost", "tests") for path in (root / d).rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                   "autopar.passes.sharding")
+               for a in node.names if a.name.startswith("_")]
+    assert private == []
