@@ -30,7 +30,7 @@ A layout says how the tensor-parallel ranks 0..t-1 hold a value of the single-de
 Propagation runs forward in topological order. A weight matmul whose input is replicated is a
 column-parallel *candidate*: its output is seeded Shard(last) with the candidate's name as
 `origin`. Rules carry shards through elementwise ops, reshapes (the split dim is mapped through
-the reshape; see `_map_reshape`), transposes, split/chunk/cat, attention, reductions over other
+the reshape; see `map_reshape`), transposes, split/chunk/cat, attention, reductions over other
 dims, until a matmul contracts over the split dim (row-parallel → Partial). A value that would
 have to be gathered back raises `Conflict(origins)`: the driver turns those candidates off and
 runs again (replicated fallback), so only regions that close cheaply stay split. A split that

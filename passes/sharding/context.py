@@ -2,7 +2,7 @@
 
 The same engine over the context "mesh dim" (t := c), on the captured single-device graph:
 the inputs' token dims are seeded Shard(1, (T,), seq=True), no column candidates are offered
-(every weight stays whole), and the rules above carry the split through token-wise ops,
+(every weight stays whole), and the table's rules (rules.py) carry the split through token-wise ops,
 reshapes (blocks of T per row of a merged (B·T) dim), transposes, split / cat, norms and
 reductions over other dims. Three resolutions differ from the tensor-parallel ones:
   a whole operand that meets the rank's tokens (a rotary table, a position embedding, a mask
