@@ -231,7 +231,7 @@ def _user_frame(stack_trace: str | None) -> str | None:
 def _with_source_comments(src: str, graph: torch.fx.Graph) -> str:
     """`src` with a `# file:line in fn: code` comment above each run of statements that
     came from the same line of the user's model (node.meta["stack_trace"])."""
-    where = {n.name: _user_frame(n.meta.get("stack_trace")) for n in graph.nodes}
+    where = {n.name: _user_frame(n.meta.get(K.STACK_TRACE)) for n in graph.nodes}
     out, last = [], None
     for line in src.splitlines():
         name = line.strip().split(" = ", 1)[0] if " = " in line else None

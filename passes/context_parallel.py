@@ -2,7 +2,7 @@
 
 Two steps around the tensor-parallel pass. `record_context_layouts` (pass `context_layout`,
 before the tensor split) runs the sharding engine in its context mode on the captured graph
-(passes/sharding.py `context_layouts`, docs/DESIGN.md §6.1) and writes its layouts into node
+(passes/sharding/context.py `context_layouts`, docs/DESIGN.md §6.1) and writes its layouts into node
 meta; `apply_context_parallel` (pass `context_parallel`, after the tensor split) is a rewrite
 that reads them, as passes/tensor_parallel.py reads the tensor-parallel ones.
 
@@ -79,8 +79,8 @@ import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
-from autopar.passes.manager import Pass
-from autopar.passes.sharding import (_NO_VALUE, MATMUL_OPS, Shard, context_layouts,
+from autopar.passes.manager import Pass, run_passes
+from autopar.passes.sharding import (MATMUL_OPS, NO_VALUE, Shard, context_layouts,
                                      context_refusal, packet)
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
@@ -125,370 +125,28 @@ def _shape(node: Any) -> tuple[int, ...] | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
-class _Propagation:
-    """The rewrite of one graph for one context rank, reading the engine's layouts (meta
-    CP_SEQ_DIM / CP_SELECT); `dim` holds the sequence dim of each value rewritten so far;
-    `method`: how scaled-dot-product attention meets the other ranks' tokens
-    (plan.cp_attention: "all-gather", "ring" or "all-to-all")."""
+class _RankGraph:
+    """The graph being rewritten for one context rank, and what the rewrite knows of it: the
+    sequence dim of each value rewritten so far (`dim`), every value's single-device shape
+    (`full`), and the nodes it inserts — the `cp` and `tp_rng` get_attrs, selections at the
+    rank's positions, gathers of the rank's tokens."""
 
-    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int, method: str = "all-gather"):
-        self.gm, self.g, self.c, self.T, self.method = gm, gm.graph, c, seq_len, method
+    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int):
+        self.gm, self.g, self.c, self.T = gm, gm.graph, c, seq_len
         self.dim: dict[fx.Node, int] = {}            # value -> its sequence dim
         self.full: dict[fx.Node, tuple[int, ...]] = {n: s for n in gm.graph.nodes
                                                      if (s := _shape(n)) is not None}
         self.cp: fx.Node | None = None
         self.streams: fx.Node | None = None   # the DropoutStreams get_attr
 
-    # ----- helpers --------------------------------------------------------------------
     def cp_node(self) -> fx.Node:
+        """The get_attr of the rank's ContextShard (`cp`), made once, before the first op."""
         if self.cp is None:
             first = next(n for n in self.g.nodes if n.op != "placeholder")
             with self.g.inserting_before(first), warnings.catch_warnings():
                 warnings.simplefilter("ignore")   # a plain attribute, as tp_group
                 self.cp = self.g.get_attr(CP_ATTR)
         return self.cp
-
-    def _new(self, before: fx.Node, fn: Any, args: tuple, like: fx.Node,
-             val: torch.Tensor | None) -> fx.Node:
-        with self.g.inserting_before(before):
-            n = self.g.call_function(fn, args)
-        n.meta = {k: v for k, v in like.meta.items() if k != K.CP_SEQ_DIM}
-        n.meta[K.VAL] = val
-        return n
-
-    def _meta(self, shape: tuple[int, ...], like: Any) -> torch.Tensor:
-        dtype = like.dtype if isinstance(like, torch.Tensor) else torch.float32
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def select(self, x: fx.Node, dim: int, user: fx.Node) -> fx.Node:
-        """x (whole along `dim`, of length T) cut at this rank's positions, before `user`."""
-        shape = list(self.full[x])
-        if shape[dim] != self.T:
-            raise _refuse(user, f"its operand {x.name} of shape {tuple(shape)} meets the "
-                                f"rank's tokens along dim {dim} with a length other than the "
-                                f"sequence's {self.T}")
-        shape[dim] = self.T // self.c
-        return self._new(user, context_select, (x, self.cp_node(), dim), user,
-                         self._meta(tuple(shape), x.meta.get(K.VAL)))
-
-    def gather(self, x: fx.Node, user: fx.Node) -> fx.Node:
-        """x (the rank's tokens along its sequence dim) gathered whole, in global order.
-        When x is grouped-query attention's head repeat of smaller keys / values (repeat_kv's
-        unsqueeze → expand → reshape, or repeat_interleave: `_repeat_chain`), the smaller
-        tensor is gathered and the repeat re-applied to it: the exchange moves kv_heads,
-        not heads, as cost/context.py prices it."""
-        src, chain = self._repeat_chain(x)
-        g = self._new(user, context_gather, (src, self.cp_node(), self.dim[src]), user,
-                      self._meta(self.full[src], src.meta.get(K.VAL)))
-        for node in chain:              # the head repeat again, on whole sequences
-            args = (g,) + tuple(node.args[1:])
-            if packet(node) in _RESIZES:
-                args = (g, list(self.full[node])) + tuple(node.args[2:])
-            g = self._new(user, node.target, args, node,
-                          self._meta(self.full[node], node.meta.get(K.VAL)))
-            g.kwargs = dict(node.kwargs)
-        return g
-
-    def _repeat_chain(self, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
-        """(the smallest value x is a token-wise data movement of, the movements from it to x
-        in order): back through single-input ops that move or repeat elements within each
-        token (_MOVES: never along the sequence dim, which the engine refused); (x, [])
-        when nothing smaller feeds it."""
-        path, cur = [], x
-        while (cur.op == "call_function" and packet(cur) in _MOVES
-               and [a for a in cur.all_input_nodes] == [cur.args[0]]
-               and cur.args[0] in self.dim and self._whole_slice(cur)):
-            path.append(cur)
-            cur = cur.args[0]
-        nodes = path + [cur] if path else [x]
-        best = min(nodes, key=lambda n: math.prod(self.full[n]))   # the nearest of the smallest
-        return best, nodes[:nodes.index(best)][::-1]
-
-    def _whole_slice(self, n: fx.Node) -> bool:
-        """Not a slice, or a slice that keeps its whole dim (export's `x[:, :, None]`)."""
-        if packet(n) is not aten.slice:
-            return True
-        dim = n.args[1] if len(n.args) > 1 else 0
-        start = n.args[2] if len(n.args) > 2 else 0
-        end = n.args[3] if len(n.args) > 3 else None
-        step = n.args[4] if len(n.args) > 4 else 1
-        return (start in (0, None) and step == 1
-                and (end is None or end >= self.full[n.args[0]][dim]))
-
-    def mark(self, n: fx.Node, d: int) -> None:
-        """n holds the rank's tokens along dim d: its VAL made local."""
-        self.dim[n] = d
-        n.meta[K.CP_SEQ_DIM] = d
-        v = n.meta.get(K.VAL)
-        if isinstance(v, torch.Tensor):
-            shape = list(v.shape)
-            if shape[d] % self.c:
-                raise _refuse(n, f"its sequence dim {d} has length {shape[d]}, not divisible "
-                                 f"by c={self.c}")
-            shape[d] //= self.c
-            n.meta[K.VAL] = self._meta(tuple(shape), v)
-
-    # ----- the rewrite ------------------------------------------------------------------
-    def run(self) -> None:
-        """Each node in order, its sequence dim read from CP_SEQ_DIM (the engine's, recorded
-        on the captured graph and carried by the tensor-parallel pass onto the nodes it makes
-        from their input)."""
-        for n in list(self.g.nodes):
-            d = n.meta.get(K.CP_SEQ_DIM)
-            if n.op == "placeholder":
-                if d is not None:
-                    self.mark(n, d)
-            elif n.op == "call_module":
-                if any(a in self.dim for a in n.all_input_nodes):
-                    if n.users:
-                        raise _refuse(n, "a submodule call on the rank's tokens")
-                    self.g.erase_node(n)   # torch.export's input guards: shapes are local now
-            elif n.op == "call_function":
-                self.select_inputs(n)
-                if d is not None or any(a in self.dim for a in n.all_input_nodes):
-                    self.visit(n, d)
-
-    def select_inputs(self, n: fx.Node) -> None:
-        """The engine's selection edges (CP_SELECT): whole operands that meet the rank's tokens
-        cut at its positions. Attention and baddbmm select their mask / bias themselves. An
-        operand the tensor-parallel pass converted (a head slice) is selected after it: the
-        conversions keep its dims."""
-        edges = n.meta.get(K.CP_SELECT) or {}
-        if not edges or packet(n) in _SDPA or packet(n) is aten.baddbmm:
-            return
-        for name, dim in edges.items():
-            arg = next((a for a in n.all_input_nodes if self._derives(a, name)), None)
-            if arg is None or arg in self.dim:
-                continue
-            n.replace_input_with(arg, self.select(arg, dim, n))
-
-    @staticmethod
-    def _derives(a: fx.Node, name: str) -> bool:
-        """a is the node `name`, or the tensor-parallel pass's conversion of it."""
-        for _ in range(4):
-            if a.name == name:
-                return True
-            if a.op != "call_function" or not a.args or not isinstance(a.args[0], fx.Node):
-                return False
-            a = a.args[0]
-        return False
-
-    def visit(self, n: fx.Node, d: int | None) -> None:
-        op = packet(n)
-        if op is operator.getitem:
-            src = self.dim.get(n.args[0])
-            return self.mark(n, d if d is not None else src) if (d is not None or
-                                                                 src is not None) else None
-        if op in _NO_VALUE:
-            self.g.erase_node(n)
-            return
-        if op in _SDPA:
-            return self.attention(n)
-        if op is aten.dropout and n.args[0] in self.dim:
-            return self.dropout(n)
-        if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
-            return self.loss(n)
-        if op is aten.baddbmm:
-            return self.baddbmm(n)
-        if op in MATMUL_OPS and op is not aten.linear and op is not aten.addmm \
-                and n.args[1] in self.dim:   # attention written out: keys / values gathered
-            return self.matmul(n)
-        self.resize(n, d)
-        if d is not None:
-            self.mark(n, d)
-        elif isinstance(n.meta.get(K.VAL), torch.Tensor) and n.meta[K.VAL].dim() > 0:
-            # split inputs, a whole output the engine never decided: a node the tensor-parallel
-            # pass made from an input without a layout; stop here rather than run it on the
-            # wrong shapes
-            raise _refuse(n, "no sequence layout recorded for a value computed from the "
-                             "rank's tokens")
-
-    def resize(self, n: fx.Node, d: int | None) -> None:
-        """Shape constants that name the sequence become the rank's: a view / expand's sizes
-        are its local value's (T -> T/c at its sequence dim, -1 kept); the tensor-parallel
-        pass's per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become T/c."""
-        op = packet(n)
-        if op in _BLOCKS:
-            x = n.args[0]
-            if x in self.dim and n.args[2] % len(self.full[x]) == self.dim[x]:
-                n.args = n.args[:3] + ([b // self.c for b in n.args[3]],) + n.args[4:]
-            return
-        if d is None or op not in _SIZED:
-            return
-        local = list(self.full[n])
-        local[d] //= self.c
-        if op is aten.unflatten:      # (x, dim, sizes): the sizes of the unflattened dims
-            at = n.args[1] % len(self.full[n.args[0]])
-            sizes = [s if s == -1 else local[at + k] for k, s in enumerate(n.args[2])]
-            n.args = (n.args[0], n.args[1], sizes) + tuple(n.args[3:])
-            return
-        lead = len(local) - len(n.args[1])
-        sizes = [s if s == -1 else local[lead + k] for k, s in enumerate(n.args[1])]
-        n.args = (n.args[0], sizes) + tuple(n.args[2:])
-
-    def matmul(self, n: fx.Node, at: int = 0) -> None:
-        """a @ b with a = args[at], b = args[at + 1]: queries (a) stay local, keys / values
-        (b, split) are gathered whole."""
-        a, b = n.args[at], n.args[at + 1]
-        ra, rb = len(self.full[a]), len(self.full[b])
-        da = self.dim.get(a)
-        db = self.dim.get(b)
-        out = len(self.full[n])
-        if db is not None:
-            if da is None and not (ra >= 2 and self.full[a][-1] == self.T and db == rb - 2):
-                raise _refuse(n, "a product whose right operand holds the rank's tokens")
-            if db not in (rb - 1, rb - 2):
-                raise _refuse(n, "a product split along a batch dim of its right operand")
-            # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
-            g = self.gather(b, n)
-            n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]
-        if da is None:
-            raise _refuse(n, "a product whose queries are whole but keys split")
-        if da == ra - 1:
-            raise _refuse(n, "a product contracting the rank's tokens")
-        self.mark(n, out - (ra - da))
-
-    def baddbmm(self, n: fx.Node) -> None:
-        """bias + a @ b (BLOOM's ALiBi scores): the product as `matmul`; a whole bias that
-        reaches the queries' dim with length T is cut at the rank's positions."""
-        bias = n.args[0]
-        self.matmul(n, at=1)
-        od, out = self.dim[n], self.full[n]
-        if bias in self.dim:
-            if len(out) - len(self.full[bias]) + self.dim[bias] != od:
-                raise _refuse(n, "a bias split along another dim than the product")
-            return
-        k = od - (len(out) - len(self.full[bias]))
-        if k >= 0 and self.full[bias][k] != 1:
-            n.replace_input_with(bias, self.select(bias, k, n))
-
-    def attention(self, n: fx.Node) -> None:
-        """Keys and values gathered, the mask's query rows selected, is_causal run chunk by
-        chunk; attention dropout drawn from this context rank's stream (`streams`)."""
-        heads_split = n.target is shard_rt.tp_sdpa     # the tensor-parallel pass's, per tp rank
-        names = (_SDPA_ARGS[:3] + ("streams", "seed") + _SDPA_ARGS[3:] if heads_split
-                 else _SDPA_ARGS)
-        a = {**dict(zip(names, n.args)), **n.kwargs}
-        q, k, v = a["query"], a["key"], a["value"]
-        if any(x not in self.dim for x in (q, k, v)):
-            raise _refuse(n, "attention whose queries, keys and values are not all split")
-        mask, causal = a.get("attn_mask"), a.get("is_causal", False)
-        dropout = a.get("dropout_p", 0.0)
-        if not isinstance(dropout, (int, float)):
-            raise _refuse(n, "an attention dropout probability computed in the graph")
-        streams, seed = a.get("streams"), a.get("seed", _SEED)
-        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
-        if self.method == "ring":
-            return self.ring_attention(n, q, k, v, mask, causal, dropout, extra)
-        if self.method == "all-to-all":
-            return self.alltoall_attention(n, (q, k, v), mask, causal, dropout, extra,
-                                           (streams, seed, heads_split))
-        if dropout and streams is None:
-            streams = self.streams_node()
-        kg, vg = self.gather(k, n), self.gather(v, n)
-        if isinstance(mask, fx.Node):
-            mask = self.mask_rows(mask, n)
-        elif causal:
-            # each query chunk against its key prefix (runtime/context.py): the rank computes
-            # its share of the causal tiles, not a masked (T/c) × T block
-            n.target = context_causal_attention
-            n.args = (q, kg, vg, self.cp_node(), extra.get("scale"),
-                      extra.get("enable_gqa", False), dropout, streams, seed, heads_split)
-            n.kwargs = {}
-            return self.mark(n, self.dim[q])
-        if dropout or heads_split:
-            n.target = shard_rt.tp_sdpa
-            n.args = (q, kg, vg, streams, seed, mask, dropout, causal)
-            n.kwargs = {**extra, "per_tensor_rank": heads_split}
-        else:
-            n.args, n.kwargs = (q, kg, vg, mask, dropout, causal), extra
-        self.mark(n, self.dim[q])
-
-    def ring_attention(self, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
-                       causal: bool, dropout: float, extra: dict) -> None:
-        """Attention as `context_ring_attention` (plan.cp_attention == "ring"): q, k, v stay
-        local, the runtime passes the K/V blocks round the context group; the mask's query rows
-        are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
-        the kv heads travel."""
-        if dropout:
-            raise _refuse_method(n, f"ring attention with attention dropout {dropout} (the ring "
-                                  f"kernel draws no dropout)")
-        if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in (q, k, v)):
-            raise _refuse_method(n, "ring attention needs (batch, heads, tokens, head_dim) "
-                                  "operands")
-        if isinstance(mask, fx.Node):
-            mask = self.mask_rows(mask, n)
-        group = self._kv_group(k)
-        if self._kv_group(v) != group:
-            group = 1
-        n.target = context_ring_attention
-        n.args = (q, k, v, self.cp_node(), mask, bool(causal), extra.get("scale"),
-                  bool(extra.get("enable_gqa", False)), group)
-        n.kwargs = {}
-        self.mark(n, self.dim[q])
-
-    def alltoall_attention(self, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
-                           dropout: float, extra: dict, rng: tuple) -> None:
-        """Attention as `context_alltoall_attention` (plan.cp_attention == "all-to-all",
-        DeepSpeed-Ulysses): q, k, v stay local, the runtime trades tokens for heads around
-        attention; the mask is read whole (every query row, in global order). Under a
-        grouped-query head repeat in the graph (`_kv_group`) only the kv heads are exchanged
-        when they divide by c. The heads (this tensor rank's) must divide by c."""
-        q, k, v = qkv
-        if any(len(self.full[x]) != 4 or self.dim[x] != 2 for x in qkv):
-            raise _refuse_method(n, "all-to-all attention needs (batch, heads, tokens, head_dim) "
-                                  "operands")
-        heads = self.full[q][1]
-        if heads % self.c:
-            raise _refuse_method(n, f"all-to-all attention with {heads} heads (per tensor rank) "
-                                  f"over c={self.c} context ranks: each rank takes heads/c of "
-                                  f"them, so c must divide {heads}")
-        if isinstance(mask, fx.Node) and mask in self.dim:
-            raise _refuse(n, "a mask that depends on the rank's tokens")
-        group = self._kv_group(k)
-        if self._kv_group(v) != group:
-            group = 1
-        streams, seed, heads_split = rng
-        if dropout and streams is None:
-            streams = self.streams_node()
-        n.target = context_alltoall_attention
-        n.args = (q, k, v, self.cp_node(), mask, bool(causal), extra.get("scale"),
-                  bool(extra.get("enable_gqa", False)), group, float(dropout), streams, seed,
-                  heads_split)
-        n.kwargs = {}
-        self.mark(n, self.dim[q])
-
-    def mask_rows(self, mask: fx.Node, n: fx.Node) -> fx.Node:
-        """An attention mask (whole: a function of positions, not of the rank's tokens) with
-        this rank's query rows; its key columns stay whole, in global order."""
-        if mask in self.dim:
-            raise _refuse(n, "a mask that depends on the rank's tokens")
-        rows = len(self.full[mask]) - 2
-        return self.select(mask, rows, n) if self.full[mask][rows] != 1 else mask
-
-    def _kv_group(self, x: fx.Node) -> int:
-        """g > 1 when x (B, H, T, E) is a head repeat in which every head of a smaller tensor
-        appears g times consecutively (repeat_kv's expand + reshape, repeat_interleave): the
-        repeat (`_repeat_chain`) replayed on one token of distinct numbers shows it; else 1."""
-        src, chain = self._repeat_chain(x)
-        if not chain:
-            return 1
-        shape = list(self.full[src])
-        shape[self.dim[src]] = 1
-        y = torch.arange(math.prod(shape)).reshape(shape)
-        for node in chain:
-            args = tuple(node.args[1:])
-            if packet(node) in _RESIZES:
-                sizes = list(self.full[node])
-                sizes[self.dim[node]] = 1
-                args = (sizes,) + tuple(node.args[2:])
-            y = node.target(y, *args, **node.kwargs)
-        heads = y.shape[1]
-        for g in range(heads, 1, -1):
-            grouped = y.unflatten(1, (heads // g, g)) if heads % g == 0 else None
-            if grouped is not None and bool((grouped == grouped[:, :, :1]).all()):
-                return g
-        return 1
 
     def streams_node(self) -> fx.Node:
         """The get_attr of the program's DropoutStreams (`tp_rng`, bound by the runtime with
@@ -505,15 +163,319 @@ class _Propagation:
                 self.streams = self.g.get_attr(STREAMS_ATTR)
         return self.streams
 
+    def new(self, before: fx.Node, fn: Any, args: tuple, like: fx.Node,
+            val: torch.Tensor | None) -> fx.Node:
+        """A call of `fn` before `before`, with `like`'s meta (no sequence dim) and VAL `val`."""
+        with self.g.inserting_before(before):
+            n = self.g.call_function(fn, args)
+        n.meta = {k: v for k, v in like.meta.items() if k != K.CP_SEQ_DIM}
+        n.meta[K.VAL] = val
+        return n
+
+    @staticmethod
+    def meta(shape: tuple[int, ...], like: Any) -> torch.Tensor:
+        dtype = like.dtype if isinstance(like, torch.Tensor) else torch.float32
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def mark(self, n: fx.Node, d: int) -> None:
+        """n holds the rank's tokens along dim d: its VAL made local."""
+        self.dim[n] = d
+        n.meta[K.CP_SEQ_DIM] = d
+        v = n.meta.get(K.VAL)
+        if isinstance(v, torch.Tensor):
+            shape = list(v.shape)
+            if shape[d] % self.c:
+                raise _refuse(n, f"its sequence dim {d} has length {shape[d]}, not divisible "
+                                 f"by c={self.c}")
+            shape[d] //= self.c
+            n.meta[K.VAL] = self.meta(tuple(shape), v)
+
+    def select(self, x: fx.Node, dim: int, user: fx.Node) -> fx.Node:
+        """x (whole along `dim`, of length T) cut at this rank's positions, before `user`."""
+        shape = list(self.full[x])
+        if shape[dim] != self.T:
+            raise _refuse(user, f"its operand {x.name} of shape {tuple(shape)} meets the "
+                                f"rank's tokens along dim {dim} with a length other than the "
+                                f"sequence's {self.T}")
+        shape[dim] = self.T // self.c
+        return self.new(user, context_select, (x, self.cp_node(), dim), user,
+                        self.meta(tuple(shape), x.meta.get(K.VAL)))
+
+    def gather(self, x: fx.Node, user: fx.Node) -> fx.Node:
+        """x (the rank's tokens along its sequence dim) gathered whole, in global order.
+        When x is grouped-query attention's head repeat of smaller keys / values (repeat_kv's
+        unsqueeze → expand → reshape, or repeat_interleave: `_repeat_chain`), the smaller
+        tensor is gathered and the repeat re-applied to it: the exchange moves kv_heads,
+        not heads, as cost/context.py prices it."""
+        src, chain = _repeat_chain(self, x)
+        g = self.new(user, context_gather, (src, self.cp_node(), self.dim[src]), user,
+                     self.meta(self.full[src], src.meta.get(K.VAL)))
+        for node in chain:              # the head repeat again, on whole sequences
+            args = (g,) + tuple(node.args[1:])
+            if packet(node) in _RESIZES:
+                args = (g, list(self.full[node])) + tuple(node.args[2:])
+            g = self.new(user, node.target, args, node,
+                         self.meta(self.full[node], node.meta.get(K.VAL)))
+            g.kwargs = dict(node.kwargs)
+        return g
+
+    def mask_rows(self, mask: fx.Node, n: fx.Node) -> fx.Node:
+        """An attention mask (whole: a function of positions, not of the rank's tokens) with
+        this rank's query rows; its key columns stay whole, in global order."""
+        if mask in self.dim:
+            raise _refuse(n, "a mask that depends on the rank's tokens")
+        rows = len(self.full[mask]) - 2
+        return self.select(mask, rows, n) if self.full[mask][rows] != 1 else mask
+
+
+def _repeat_chain(rg: _RankGraph, x: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the smallest value x is a token-wise data movement of, the movements from it to x
+    in order): back through single-input ops that move or repeat elements within each
+    token (_MOVES: never along the sequence dim, which the engine refused); (x, [])
+    when nothing smaller feeds it."""
+    path, cur = [], x
+    while (cur.op == "call_function" and packet(cur) in _MOVES
+           and [a for a in cur.all_input_nodes] == [cur.args[0]]
+           and cur.args[0] in rg.dim and _whole_slice(rg, cur)):
+        path.append(cur)
+        cur = cur.args[0]
+    nodes = path + [cur] if path else [x]
+    best = min(nodes, key=lambda n: math.prod(rg.full[n]))   # the nearest of the smallest
+    return best, nodes[:nodes.index(best)][::-1]
+
+
+def _whole_slice(rg: _RankGraph, n: fx.Node) -> bool:
+    """Not a slice, or a slice that keeps its whole dim (export's `x[:, :, None]`)."""
+    if packet(n) is not aten.slice:
+        return True
+    dim = n.args[1] if len(n.args) > 1 else 0
+    start = n.args[2] if len(n.args) > 2 else 0
+    end = n.args[3] if len(n.args) > 3 else None
+    step = n.args[4] if len(n.args) > 4 else 1
+    return (start in (0, None) and step == 1
+            and (end is None or end >= rg.full[n.args[0]][dim]))
+
+
+def _kv_group(rg: _RankGraph, x: fx.Node) -> int:
+    """g > 1 when x (B, H, T, E) is a head repeat in which every head of a smaller tensor
+    appears g times consecutively (repeat_kv's expand + reshape, repeat_interleave): the
+    repeat (`_repeat_chain`) replayed on one token of distinct numbers shows it; else 1."""
+    src, chain = _repeat_chain(rg, x)
+    if not chain:
+        return 1
+    shape = list(rg.full[src])
+    shape[rg.dim[src]] = 1
+    y = torch.arange(math.prod(shape)).reshape(shape)
+    for node in chain:
+        args = tuple(node.args[1:])
+        if packet(node) in _RESIZES:
+            sizes = list(rg.full[node])
+            sizes[rg.dim[node]] = 1
+            args = (sizes,) + tuple(node.args[2:])
+        y = node.target(y, *args, **node.kwargs)
+    heads = y.shape[1]
+    for g in range(heads, 1, -1):
+        grouped = y.unflatten(1, (heads // g, g)) if heads % g == 0 else None
+        if grouped is not None and bool((grouped == grouped[:, :, :1]).all()):
+            return g
+    return 1
+
+
+class _ContextRewrite:
+    """The rewrite of one graph for one context rank, op by op, reading the engine's layouts
+    (meta CP_SEQ_DIM / CP_SELECT) and making its nodes through the `_RankGraph`; `method`: how
+    scaled-dot-product attention meets the other ranks' tokens (plan.cp_attention:
+    "all-gather", "ring" or "all-to-all")."""
+
+    def __init__(self, rg: _RankGraph, method: str = "all-gather"):
+        self.rg, self.g, self.method = rg, rg.g, method
+
+    def run(self) -> None:
+        """Each node in order, its sequence dim read from CP_SEQ_DIM (the engine's, recorded
+        on the captured graph and carried by the tensor-parallel pass onto the nodes it makes
+        from their input)."""
+        for n in list(self.g.nodes):
+            d = n.meta.get(K.CP_SEQ_DIM)
+            if n.op == "placeholder":
+                if d is not None:
+                    self.rg.mark(n, d)
+            elif n.op == "call_module":
+                if any(a in self.rg.dim for a in n.all_input_nodes):
+                    if n.users:
+                        raise _refuse(n, "a submodule call on the rank's tokens")
+                    self.g.erase_node(n)   # torch.export's input guards: shapes are local now
+            elif n.op == "call_function":
+                self.select_inputs(n)
+                if d is not None or any(a in self.rg.dim for a in n.all_input_nodes):
+                    self.visit(n, d)
+
+    def select_inputs(self, n: fx.Node) -> None:
+        """The engine's selection edges (CP_SELECT): whole operands that meet the rank's tokens
+        cut at its positions. Attention and baddbmm select their mask / bias themselves. An
+        operand the tensor-parallel pass converted (a head slice) is selected after it: the
+        conversions keep its dims."""
+        edges = n.meta.get(K.CP_SELECT) or {}
+        if not edges or packet(n) in _SDPA or packet(n) is aten.baddbmm:
+            return
+        for name, dim in edges.items():
+            arg = next((a for a in n.all_input_nodes if self._derives(a, name)), None)
+            if arg is None or arg in self.rg.dim:
+                continue
+            n.replace_input_with(arg, self.rg.select(arg, dim, n))
+
+    @staticmethod
+    def _derives(a: fx.Node, name: str) -> bool:
+        """a is the node `name`, or the tensor-parallel pass's conversion of it."""
+        for _ in range(4):
+            if a.name == name:
+                return True
+            if a.op != "call_function" or not a.args or not isinstance(a.args[0], fx.Node):
+                return False
+            a = a.args[0]
+        return False
+
+    def visit(self, n: fx.Node, d: int | None) -> None:
+        op = packet(n)
+        if op is operator.getitem:
+            src = self.rg.dim.get(n.args[0])
+            if d is not None or src is not None:
+                self.rg.mark(n, d if d is not None else src)
+            return
+        if op in NO_VALUE:
+            self.g.erase_node(n)
+            return
+        if op in _SDPA:
+            return self.attention(n)
+        if op is aten.dropout and n.args[0] in self.rg.dim:
+            return self.dropout(n)
+        if op in _LOSSES or op is shard_rt.vocab_parallel_cross_entropy:
+            return self.loss(n)
+        if op is aten.baddbmm:
+            return self.baddbmm(n)
+        if op in MATMUL_OPS and op is not aten.linear and op is not aten.addmm \
+                and n.args[1] in self.rg.dim:   # attention written out: keys / values gathered
+            return self.matmul(n)
+        self.resize(n, d)
+        if d is not None:
+            self.rg.mark(n, d)
+        elif isinstance(n.meta.get(K.VAL), torch.Tensor) and n.meta[K.VAL].dim() > 0:
+            # split inputs, a whole output the engine never decided: a node the tensor-parallel
+            # pass made from an input without a layout; stop here rather than run it on the
+            # wrong shapes
+            raise _refuse(n, "no sequence layout recorded for a value computed from the "
+                             "rank's tokens")
+
+    def resize(self, n: fx.Node, d: int | None) -> None:
+        """Shape constants that name the sequence become the rank's: a view / expand's sizes
+        are its local value's (T -> T/c at its sequence dim, -1 kept); the tensor-parallel
+        pass's per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become T/c."""
+        op = packet(n)
+        if op in _BLOCKS:
+            x = n.args[0]
+            if x in self.rg.dim and n.args[2] % len(self.rg.full[x]) == self.rg.dim[x]:
+                n.args = n.args[:3] + ([b // self.rg.c for b in n.args[3]],) + n.args[4:]
+            return
+        if d is None or op not in _SIZED:
+            return
+        local = list(self.rg.full[n])
+        local[d] //= self.rg.c
+        if op is aten.unflatten:      # (x, dim, sizes): the sizes of the unflattened dims
+            at = n.args[1] % len(self.rg.full[n.args[0]])
+            sizes = [s if s == -1 else local[at + k] for k, s in enumerate(n.args[2])]
+            n.args = (n.args[0], n.args[1], sizes) + tuple(n.args[3:])
+            return
+        lead = len(local) - len(n.args[1])
+        sizes = [s if s == -1 else local[lead + k] for k, s in enumerate(n.args[1])]
+        n.args = (n.args[0], sizes) + tuple(n.args[2:])
+
+    def matmul(self, n: fx.Node, at: int = 0) -> None:
+        """a @ b with a = args[at], b = args[at + 1]: queries (a) stay local, keys / values
+        (b, split) are gathered whole."""
+        a, b = n.args[at], n.args[at + 1]
+        ra, rb = len(self.rg.full[a]), len(self.rg.full[b])
+        da = self.rg.dim.get(a)
+        db = self.rg.dim.get(b)
+        out = len(self.rg.full[n])
+        if db is not None:
+            if da is None and not (ra >= 2 and self.rg.full[a][-1] == self.rg.T
+                                   and db == rb - 2):
+                raise _refuse(n, "a product whose right operand holds the rank's tokens")
+            if db not in (rb - 1, rb - 2):
+                raise _refuse(n, "a product split along a batch dim of its right operand")
+            # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
+            g = self.rg.gather(b, n)
+            n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]
+        if da is None:
+            raise _refuse(n, "a product whose queries are whole but keys split")
+        if da == ra - 1:
+            raise _refuse(n, "a product contracting the rank's tokens")
+        self.rg.mark(n, out - (ra - da))
+
+    def baddbmm(self, n: fx.Node) -> None:
+        """bias + a @ b (BLOOM's ALiBi scores): the product as `matmul`; a whole bias that
+        reaches the queries' dim with length T is cut at the rank's positions."""
+        bias = n.args[0]
+        self.matmul(n, at=1)
+        od, out = self.rg.dim[n], self.rg.full[n]
+        if bias in self.rg.dim:
+            if len(out) - len(self.rg.full[bias]) + self.rg.dim[bias] != od:
+                raise _refuse(n, "a bias split along another dim than the product")
+            return
+        k = od - (len(out) - len(self.rg.full[bias]))
+        if k >= 0 and self.rg.full[bias][k] != 1:
+            n.replace_input_with(bias, self.rg.select(bias, k, n))
+
+    def attention(self, n: fx.Node) -> None:
+        """Keys and values gathered, the mask's query rows selected, is_causal run chunk by
+        chunk; attention dropout drawn from this context rank's stream (`streams`)."""
+        heads_split = n.target is shard_rt.tp_sdpa     # the tensor-parallel pass's, per tp rank
+        names = (_SDPA_ARGS[:3] + ("streams", "seed") + _SDPA_ARGS[3:] if heads_split
+                 else _SDPA_ARGS)
+        a = {**dict(zip(names, n.args)), **n.kwargs}
+        q, k, v = a["query"], a["key"], a["value"]
+        if any(x not in self.rg.dim for x in (q, k, v)):
+            raise _refuse(n, "attention whose queries, keys and values are not all split")
+        mask, causal = a.get("attn_mask"), a.get("is_causal", False)
+        dropout = a.get("dropout_p", 0.0)
+        if not isinstance(dropout, (int, float)):
+            raise _refuse(n, "an attention dropout probability computed in the graph")
+        streams, seed = a.get("streams"), a.get("seed", _SEED)
+        extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
+        if self.method == "ring":
+            return _ring_attention(self.rg, n, q, k, v, mask, causal, dropout, extra)
+        if self.method == "all-to-all":
+            return _alltoall_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra,
+                                       (streams, seed, heads_split))
+        if dropout and streams is None:
+            streams = self.rg.streams_node()
+        kg, vg = self.rg.gather(k, n), self.rg.gather(v, n)
+        if isinstance(mask, fx.Node):
+            mask = self.rg.mask_rows(mask, n)
+        elif causal:
+            # each query chunk against its key prefix (runtime/context.py): the rank computes
+            # its share of the causal tiles, not a masked (T/c) × T block
+            n.target = context_causal_attention
+            n.args = (q, kg, vg, self.rg.cp_node(), extra.get("scale"),
+                      extra.get("enable_gqa", False), dropout, streams, seed, heads_split)
+            n.kwargs = {}
+            return self.rg.mark(n, self.rg.dim[q])
+        if dropout or heads_split:
+            n.target = shard_rt.tp_sdpa
+            n.args = (q, kg, vg, streams, seed, mask, dropout, causal)
+            n.kwargs = {**extra, "per_tensor_rank": heads_split}
+        else:
+            n.args, n.kwargs = (q, kg, vg, mask, dropout, causal), extra
+        self.rg.mark(n, self.rg.dim[q])
+
     def dropout(self, n: fx.Node) -> None:
         """aten.dropout on the rank's tokens (whole over the tensor group: split values already
         draw from tp_dropout's per-tensor-rank streams): this context rank's own mask."""
         x, p, train = (list(n.args) + [n.kwargs.get("p", 0.5), n.kwargs.get("train", True)])[:3]
         if isinstance(p, (int, float)) and p and train:
             n.target = shard_rt.tp_dropout
-            n.args, n.kwargs = (x, p, train, self.streams_node(), _SEED), {
+            n.args, n.kwargs = (x, p, train, self.rg.streams_node(), _SEED), {
                 "per_tensor_rank": False}
-        self.mark(n, self.dim[x])
+        self.rg.mark(n, self.rg.dim[x])
 
     def loss(self, n: fx.Node) -> None:
         """A token-mean loss becomes c · (the rank's token sum) / (tokens counted on every
@@ -521,7 +483,7 @@ class _Propagation:
         the mean over every counted token of the whole sequence, however unevenly ignored
         targets (ignore_index) fall between the rank's chunks."""
         x, y = n.args[0], n.args[1]
-        if self.dim.get(x) != 0 or self.dim.get(y) != 0:
+        if self.rg.dim.get(x) != 0 or self.rg.dim.get(y) != 0:
             raise _refuse(n, "a loss over values not split along their token dim 0")
         vocab = packet(n) is shard_rt.vocab_parallel_cross_entropy
         at, ignore_at, weight_at = (5, 4, None) if vocab else (3, 4, 2)
@@ -543,19 +505,74 @@ class _Propagation:
                                          if k not in _LOSS_KW[vocab].values()}
         users = list(n.users)
         with self.g.inserting_after(n):
-            mean = self.g.call_function(context_loss_mean, (n, y, self.cp_node(), ignore))
+            mean = self.g.call_function(context_loss_mean, (n, y, self.rg.cp_node(), ignore))
         mean.meta = {k: v for k, v in n.meta.items() if k != K.CP_SEQ_DIM}
         for u in users:
             u.replace_input_with(n, mean)
 
 
-def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
-    """The engine's sequence split of the captured graph (passes/sharding.py
-    `context_layouts`) written into node meta, before the tensor-parallel pass: CP_SEQ_DIM on
-    every value that holds the rank's tokens, CP_SELECT on every op that reads a whole
-    operand along them. Raises the one-line refusal where the split cannot run."""
-    if c == 1:
-        return gm
+def _ring_attention(rg: _RankGraph, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
+                    causal: bool, dropout: float, extra: dict) -> None:
+    """Attention as `context_ring_attention` (plan.cp_attention == "ring"): q, k, v stay
+    local, the runtime passes the K/V blocks round the context group; the mask's query rows
+    are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
+    the kv heads travel."""
+    if dropout:
+        raise _refuse_method(n, f"ring attention with attention dropout {dropout} (the ring "
+                              f"kernel draws no dropout)")
+    if any(len(rg.full[x]) != 4 or rg.dim[x] != 2 for x in (q, k, v)):
+        raise _refuse_method(n, "ring attention needs (batch, heads, tokens, head_dim) "
+                              "operands")
+    if isinstance(mask, fx.Node):
+        mask = rg.mask_rows(mask, n)
+    group = _kv_group(rg, k)
+    if _kv_group(rg, v) != group:
+        group = 1
+    n.target = context_ring_attention
+    n.args = (q, k, v, rg.cp_node(), mask, bool(causal), extra.get("scale"),
+              bool(extra.get("enable_gqa", False)), group)
+    n.kwargs = {}
+    rg.mark(n, rg.dim[q])
+
+
+def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
+                        dropout: float, extra: dict, rng: tuple) -> None:
+    """Attention as `context_alltoall_attention` (plan.cp_attention == "all-to-all",
+    DeepSpeed-Ulysses): q, k, v stay local, the runtime trades tokens for heads around
+    attention; the mask is read whole (every query row, in global order). Under a
+    grouped-query head repeat in the graph (`_kv_group`) only the kv heads are exchanged
+    when they divide by c. The heads (this tensor rank's) must divide by c."""
+    q, k, v = qkv
+    if any(len(rg.full[x]) != 4 or rg.dim[x] != 2 for x in qkv):
+        raise _refuse_method(n, "all-to-all attention needs (batch, heads, tokens, head_dim) "
+                              "operands")
+    heads = rg.full[q][1]
+    if heads % rg.c:
+        raise _refuse_method(n, f"all-to-all attention with {heads} heads (per tensor rank) "
+                              f"over c={rg.c} context ranks: each rank takes heads/c of "
+                              f"them, so c must divide {heads}")
+    if isinstance(mask, fx.Node) and mask in rg.dim:
+        raise _refuse(n, "a mask that depends on the rank's tokens")
+    group = _kv_group(rg, k)
+    if _kv_group(rg, v) != group:
+        group = 1
+    streams, seed, heads_split = rng
+    if dropout and streams is None:
+        streams = rg.streams_node()
+    n.target = context_alltoall_attention
+    n.args = (q, k, v, rg.cp_node(), mask, bool(causal), extra.get("scale"),
+              bool(extra.get("enable_gqa", False)), group, float(dropout), streams, seed,
+              heads_split)
+    n.kwargs = {}
+    rg.mark(n, rg.dim[q])
+
+
+def _record(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
+    """Pass `context_layout`: the engine's sequence split of the captured graph
+    (passes/sharding/context.py `context_layouts`) written into node meta, before the
+    tensor-parallel pass: CP_SEQ_DIM on every value that holds the rank's tokens, CP_SELECT on
+    every op that reads a whole operand along them. Raises the one-line refusal where the
+    split cannot run."""
     engine = context_layouts(gm, c, seq_len)
     for n in gm.graph.nodes:
         n.meta.pop(K.CP_SEQ_DIM, None)
@@ -570,6 +587,36 @@ def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> fx.Graph
     return gm
 
 
+def _rewrite(gm: fx.GraphModule, c: int, seq_len: int, attention: str) -> fx.GraphModule:
+    """Pass `context_parallel`: the rewrite for one of c context ranks (the module docstring),
+    reading the layouts `_record` wrote."""
+    if not hasattr(gm, CP_ATTR):
+        # bound by the runtime (compile.py) to this rank's ContextShard; this one, on rank 0
+        # with no group, stands in for inspection and code generation (set before the rewrite
+        # inserts its get_attr, so the graph never references a missing attribute)
+        setattr(gm, CP_ATTR, ContextShard(group=None, c=c, cp_rank=0, seq_len=seq_len))
+    _ContextRewrite(_RankGraph(gm, c, seq_len), attention).run()
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _layout_pass(c: int, seq_len: int) -> Pass:
+    return Pass(name="context_layout", run=lambda gm: _record(gm, c, seq_len),
+                reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.CP_SELECT))
+
+
+def _rewrite_pass(c: int, seq_len: int, attention: str) -> Pass:
+    return Pass(name="context_parallel", run=lambda gm: _rewrite(gm, c, seq_len, attention),
+                reads=(K.VAL, K.STACK_TRACE, K.CP_SEQ_DIM, K.CP_SELECT),
+                writes=(K.CP_SEQ_DIM, K.VAL))
+
+
+def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
+    """Pass `context_layout` on `gm` (in place) through run_passes (linted, recompiled); c = 1
+    leaves it as it is."""
+    return gm if c == 1 else run_passes(gm, [_layout_pass(c, seq_len)])
+
+
 def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
                            attention: str = "all-gather") -> fx.GraphModule:
     """Rewrite `gm` (in place) for one of c context ranks; see the module docstring. The
@@ -577,33 +624,20 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
     on a graph without them (the captured one) they are recorded first. attention:
     "all-gather" (K/V gathered before attention), "ring" (every scaled-dot-product attention
     a `context_ring_attention`) or "all-to-all" (a `context_alltoall_attention`;
-    autopar.plan CP_ATTENTION)."""
+    autopar.plan CP_ATTENTION). Runs through run_passes (linted, recompiled after each)."""
     if c == 1:
         return gm
-    if not any(K.CP_SEQ_DIM in n.meta for n in gm.graph.nodes if n.op == "placeholder"):
-        record_context_layouts(gm, c, seq_len)
-    if not hasattr(gm, CP_ATTR):
-        # bound by the runtime (compile.py) to this rank's ContextShard; this one, on rank 0
-        # with no group, stands in for inspection and code generation (set before the rewrite
-        # inserts its get_attr, so the graph never references a missing attribute)
-        setattr(gm, CP_ATTR, ContextShard(group=None, c=c, cp_rank=0, seq_len=seq_len))
-    _Propagation(gm, c, seq_len, attention).run()
-    gm.graph.eliminate_dead_code()
-    return gm
+    recorded = any(K.CP_SEQ_DIM in n.meta for n in gm.graph.nodes if n.op == "placeholder")
+    passes = [] if recorded else [_layout_pass(c, seq_len)]
+    return run_passes(gm, passes + [_rewrite_pass(c, seq_len, attention)])
 
 
 def context_layout_pass(plan: Any) -> Pass:
     """The engine's sequence layouts of `plan` (c, seq_len), recorded before the tensor
     split (autopar/build.py)."""
-    return Pass(name="context_layout",
-                run=lambda gm: record_context_layouts(gm, plan.c, plan.seq_len),
-                reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.CP_SELECT))
+    return _layout_pass(plan.c, plan.seq_len)
 
 
 def context_parallel_pass(plan: Any) -> Pass:
-    """The pass of `plan` (c, seq_len) for the pass pipeline (autopar/build.py)."""
-    return Pass(name="context_parallel",
-                run=lambda gm: apply_context_parallel(gm, plan.c, plan.seq_len,
-                                                      plan.cp_attention),
-                reads=(K.VAL, K.STACK_TRACE, K.CP_SEQ_DIM, K.CP_SELECT),
-                writes=(K.CP_SEQ_DIM, K.VAL))
+    """The pass of `plan` (c, seq_len, cp_attention) for the pass pipeline (autopar/build.py)."""
+    return _rewrite_pass(plan.c, plan.seq_len, plan.cp_attention)

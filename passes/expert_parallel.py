@@ -1,7 +1,7 @@
 """Expert parallelism in the graph: each rank keeps E/ep of every layer's experts and sends its
 tokens to their experts' ranks by all-to-all (autopar/runtime/experts.py).
 
-The experts are found as the tensor-parallel pass finds them (passes/sharding.py): a chain of
+The experts are found as the tensor-parallel pass finds them (passes/sharding/): a chain of
 grouped matmuls over 3-D expert parameters (transformers' grouped-matmul path: the gate/up
 product of the rows sorted by expert, an elementwise gate, the down product), the first fed
 by tokens, the last by the first, both grouped by one `offs` (cumulative rows per expert).
@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
-from autopar.passes.manager import Pass
+from autopar.passes.manager import Pass, run_passes
 from autopar.passes.sharding import ancestors, is_grouped_mm
 from autopar.runtime import experts as X
 from autopar.runtime.shard import UnboundGroup
@@ -91,6 +91,13 @@ def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> 
 
 def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
                           group: object = None) -> fx.GraphModule:
+    """`expert_parallel_pass` on `gm` (in place) through run_passes (linted, recompiled); with
+    ep = 1 the graph is returned unchanged."""
+    return gm if ep == 1 else run_passes(gm, [expert_parallel_pass(ep, ep_rank, group)])
+
+
+def _spread_experts(gm: fx.GraphModule, ep: int, ep_rank: int,
+                    group: object = None) -> fx.GraphModule:
     """Spread the experts of `gm` over ep ranks (this one is `ep_rank`); see the module doc.
 
     Requires: a captured graph (meta "val" on every node); experts as grouped matmul chains
@@ -145,8 +152,6 @@ def apply_expert_parallel(gm: fx.GraphModule, ep: int, ep_rank: int,
     for n in g.nodes:
         if n.op == "get_attr" and n.target in sliced:
             n.meta[K.EP_PARAM] = sliced[n.target]
-    g.lint()
-    gm.recompile()
     return gm
 
 
@@ -183,7 +188,7 @@ def expert_parallel_pass(ep: int, ep_rank: int, group: Any = None) -> Pass:
     """The pass for the pass pipeline (autopar/build.py): group None leaves the graph attribute
     `ep_group` for the runtime to bind to this rank's expert group."""
     return Pass(name="expert_parallel",
-                run=lambda gm: apply_expert_parallel(gm, ep, ep_rank, group),
+                run=lambda gm: _spread_experts(gm, ep, ep_rank, group),
                 reads=(K.VAL,), writes=(K.VAL, K.EP_PARAM))
 
 

@@ -5,8 +5,11 @@ autopar writes follow one scheme, `autopar_<concept>[_<detail>]`; torch's own ke
 names torch gives them and are listed as inputs (writer "torch.export").
 
 `KEYS` is the registry: per key its scope ("node": `node.meta`, "graph": `gm.meta`), value
-type, meaning, the pass that writes it and the modules that read it. `passes.manager.Pass`
-declares its reads and writes with these constants and checks them against the registry.
+type, meaning, the module that writes it (and those that rewrite or copy it onto nodes they
+make) and the modules that read it — exactly the modules whose source does, by module path
+(tests/unit/test_meta_keys.py scans the source with `ast` and holds the lists to the code; "tests"
+as a reader: only tests read it). `passes.manager.Pass` declares its reads and writes with
+these constants and checks them against the registry.
 """
 from __future__ import annotations
 
@@ -17,13 +20,17 @@ from typing import Literal
 
 @dataclass(frozen=True, kw_only=True)
 class MetaKey:
-    """One declared key: where it lives, what it holds, who writes and who reads it."""
+    """One declared key: where it lives, what it holds, who writes and who reads it.
+    `writer`: the module that makes it ("torch.export" for torch's keys); `rewritten_by`: the
+    other modules that write it (a rewrite that changes it, a pass that copies it onto the
+    nodes it makes); `readers`: the modules that read it."""
     name: str
     scope: Literal["node", "graph"]
     type: str
     meaning: str
     writer: str
     readers: tuple[str, ...]
+    rewritten_by: tuple[str, ...] = ()
 
 
 # ----- torch's keys (inputs; capture guarantees them) ------------------------------------------
@@ -67,17 +74,26 @@ KEYS: tuple[MetaKey, ...] = (
     MetaKey(name=VAL, scope="node", type="FakeTensor | tensor on meta | tuple of them",
             meaning="shape and dtype of the node's value (local shapes after the "
                     "tensor-parallel rewrite)",
-            writer="torch.export (passes.capture); passes.tensor_parallel makes it local",
-            readers=("passes.layers", "passes.profile", "passes.sharding",
+            writer="torch.export",
+            rewritten_by=("passes.tensor_parallel", "passes.context_parallel",
+                          "passes.expert_parallel", "passes.overlap", "passes.recompute",
+                          "passes.loss_precision", "passes.router_stats"),
+            readers=("passes.layers", "passes.profile", "passes.sharding.ops",
+                     "passes.sharding.propagator", "passes.sharding.views",
                      "passes.tensor_parallel", "passes.tp_cost", "passes.overlap",
-                     "passes.pipeline", "passes.recompute", "autopar.compile")),
+                     "passes.pipeline", "passes.recompute", "passes.context_parallel",
+                     "passes.expert_parallel", "passes.fp8", "passes.loss_precision",
+                     "passes.router_stats")),
     MetaKey(name=NN_MODULE_STACK, scope="node", type="dict[str, tuple[str, type | str]]",
             meaning="module path of the user's code that made the node",
-            writer="torch.export (passes.capture)", readers=("passes.layers", "passes.profile")),
+            writer="torch.export", rewritten_by=("passes.tensor_parallel",),
+            readers=("passes.layers", "passes.profile", "passes.tensor_parallel",
+                     "autopar.codegen")),
     MetaKey(name=STACK_TRACE, scope="node", type="str",
             meaning="the user's source lines that made the node (named in errors)",
-            writer="torch.export (passes.capture)",
-            readers=("passes.sharding", "passes.pipeline", "passes.recompute")),
+            writer="torch.export", rewritten_by=("passes.tensor_parallel",),
+            readers=("passes.sharding.ops", "passes.sharding.context", "passes.pipeline",
+                     "passes.recompute", "passes.tensor_parallel", "autopar.codegen")),
     MetaKey(name=REPEATS, scope="graph", type="dict[str, int]",
             meaning="true child count of each repeated block container capture truncated, "
                     "by its path in NN_MODULE_STACK; empty for a full capture",
@@ -88,12 +104,12 @@ KEYS: tuple[MetaKey, ...] = (
             writer="passes.capture", readers=("passes.layers",)),
     MetaKey(name=REGION, scope="node", type="tuple[str, int | None]",
             meaning='("embedding", None) | ("block", i) | ("head", None)',
-            writer="passes.layers (overlap and recompute copy it onto the nodes they make)",
+            writer="passes.layers", rewritten_by=("passes.recompute", "passes.loss_precision"),
             readers=("passes.profile", "passes.pipeline", "passes.recompute",
-                     "passes.fp8")),
+                     "passes.fp8", "passes.loss_precision")),
     MetaKey(name=LAYERS, scope="graph", type="passes.layers.LayerStructure",
             meaning="the blocks, embedding and head regions and the values crossing blocks",
-            writer="passes.layers", readers=("passes.layers.find_layers", "autopar.api")),
+            writer="passes.layers", readers=("passes.layers", "autopar.api")),
     MetaKey(name=GEMM, scope="node", type="cost.profile.Gemm",
             meaning="the GEMM of a weight matmul node, as the cost model prices it",
             writer="passes.profile", readers=("passes.tp_cost",)),
@@ -117,7 +133,7 @@ KEYS: tuple[MetaKey, ...] = (
             meaning="the dim of the node's value that holds this context rank's tokens (absent: "
                     "the value is whole on every context rank); recorded by the engine before "
                     "the tensor split, copied by it onto the nodes it makes from their input",
-            writer="passes.context_parallel",
+            writer="passes.context_parallel", rewritten_by=("passes.tensor_parallel",),
             readers=("passes.context_parallel", "passes.tensor_parallel")),
     MetaKey(name=CP_SELECT, scope="node", type="dict[str, int]",
             meaning="operands (by name) this node reads whole along a dim that meets the "
@@ -139,11 +155,11 @@ KEYS: tuple[MetaKey, ...] = (
     MetaKey(name=TP_PARAM, scope="node", type="autopar.runtime.shard.ParamSplit",
             meaning="the split of a get_attr parameter (split ones only)",
             writer="passes.tensor_parallel",
-            readers=("passes.tensor_parallel", "autopar.compile", "passes.fp8")),
+            readers=("passes.tensor_parallel", "passes.fp8")),
     MetaKey(name=TP_GLOBAL_VAL, scope="node", type="tensor on meta | tuple of them",
             meaning="the single-device value shape of a node whose VAL the rewrite made local",
             writer="passes.tensor_parallel",
-            readers=("passes.tensor_parallel", "autopar.compile")),
+            readers=("passes.tensor_parallel",)),
     MetaKey(name=EP_PARAM, scope="node", type="passes.expert_parallel.ExpertSlice",
             meaning="the experts a get_attr expert parameter keeps on this expert rank (dim 0)",
             writer="passes.expert_parallel", readers=("autopar.compile",)),
@@ -157,7 +173,7 @@ KEYS: tuple[MetaKey, ...] = (
             writer="passes.overlap", readers=("tests",)),
     MetaKey(name=CHUNK, scope="graph", type="passes.pipeline.ChunkSpec",
             meaning="what the runtime needs to know about a chunk besides its code",
-            writer="passes.pipeline.split_chunks",
+            writer="passes.pipeline",
             readers=("autopar.codegen", "autopar.compile")),
     MetaKey(name=RECOMPUTE, scope="graph", type='dict: {"mode": str, "regions": list[str]}',
             meaning="the recompute mode and the checkpointed submodules of a chunk",

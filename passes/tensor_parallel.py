@@ -3,7 +3,7 @@
 Two passes over the captured ATen graph:
 
 `propagate_sharding(gm, t)`  (analysis) gives every node a layout — Replicate, Shard(dim,
-    blocks) or Partial — with the rules of `passes/sharding.py`, and every parameter its split.
+    blocks) or Partial — with the rules of `passes/sharding/`, and every parameter its split.
     The Megatron pattern is found, not named: each weight matmul with a replicated input is a
     column-parallel candidate; a candidate stays split only if its output can be carried
     (through elementwise ops, head reshapes, rotary arithmetic, attention, ...) to matmuls that
@@ -464,7 +464,7 @@ class _Rewriter:
             with self.graph.inserting_after(self.group), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a plain attribute, as tp_group
                 self.streams = self.graph.get_attr("tp_rng")
-            self.streams.meta["tp_layout"] = Replicate()
+            self.streams.meta[K.TP_LAYOUT] = Replicate()
             self.made.add(self.streams)
         return self.streams
 

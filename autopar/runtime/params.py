@@ -14,7 +14,7 @@ An expert parameter under expert parallelism (passes/expert_parallel.py) is spli
 way, along dim 0 (the experts), but over the expert group instead of the tensor group:
 `split_over="expert"`. Mixtral's w1 of 8 experts at ep = 2: expert rank 1 holds experts
 [4, 8), split_dim=0, start=4, stop=8; the ranks of one expert-data group hold the same
-experts. With t > 1 each expert's FFN is also split over the tensor ranks (passes/sharding.py):
+experts. With t > 1 each expert's FFN is also split over the tensor ranks (passes/sharding/):
 replicated_over_tp=False, the tensor split in LocalParams.splits, and checkpoints gather it
 over the tensor group first (as a fused q/k/v), keeping the experts' slice.
 """

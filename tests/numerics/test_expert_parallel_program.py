@@ -62,7 +62,7 @@ def test_ep2_d2_program_matches_single_device(name):
 @pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True)])
 def test_t2_ep2_program_splits_experts_both_ways(name, sp):
     """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split
-    over the 2 tensor ranks (passes/sharding.py); full_state_dict gathers over both. With
+    over the 2 tensor ranks (passes/sharding/); full_state_dict gathers over both. With
     sequence parallelism the tokens are gathered before the routing, so each tensor rank
     dispatches all of its replica's rows to the expert group."""
     _check(name, dataclasses.replace(make_plan(t=2, d=2), ep=2, sequence_parallel=sp))

@@ -233,7 +233,7 @@ def _architecture(name):
 
 @pytest.mark.parametrize("name", ENGINE_MODELS)
 def test_rewrite_applies_the_engine_layouts(name):
-    """The sharding engine in its context mode (passes/sharding.py `context_layouts`: the
+    """The sharding engine in its context mode (passes/sharding/context.py `context_layouts`: the
     inputs' tokens seeded as a sequence Shard over t := c, no column candidates) decides; the
     pass rewrites exactly that: every value's sequence dim, a selection at the rank's
     positions on each edge the engine marked, a gather for each key / value attention reads."""

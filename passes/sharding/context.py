@@ -1,0 +1,247 @@
+"""The context mode of the engine: the sequence split as a layout (docs/DESIGN.md §6.1).
+
+The same engine over the context "mesh dim" (t := c), on the captured single-device graph:
+the inputs' token dims are seeded Shard(1, (T,), seq=True), no column candidates are offered
+(every weight stays whole), and the table's rules (rules.py) carry the split through token-wise ops,
+reshapes (blocks of T per row of a merged (B·T) dim), transposes, split / cat, norms and
+reductions over other dims. Three resolutions differ from the tensor-parallel ones:
+  a whole operand that meets the rank's tokens (a rotary table, a position embedding, a mask
+    built from arange(T)) is selected at the rank's global positions: a convert edge
+    R -> Shard(seq) (context_select), never a communication;
+  attention (sdpa, or written out as q·kᵀ / p·v products) keeps its queries local and reads
+    its keys and values whole: convert edges Shard(seq) -> R recorded in `gathered`
+    (context_gather), the only place the rank needs other ranks' tokens;
+  anything the tensor-parallel engine would gather (an op with no rule, a softmax / norm /
+    cumulative op / sort along the tokens) or reduce (a sum over them) is refused in one line
+    naming the node and the user's source line.
+A token-mean loss over the rank's tokens keeps role "context_loss" (context_loss_mean).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.passes import meta as K
+from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
+from autopar.passes.sharding.ops import (MATMUL_OPS, SOFTMAX, is_tensor, like, matmul_operands,
+                                         norm_dim, packet, shape, tensor_args)
+from autopar.passes.sharding.propagator import Propagator
+from autopar.passes.sharding.views import cat_rule
+
+aten = torch.ops.aten
+
+
+_CONTEXT_FIX = ("the pass splits token-wise ops and attention (scaled_dot_product_attention, "
+                "or q·kᵀ / p·v matmuls) only — run this model with c=1")
+
+
+def context_refusal(node: fx.Node, why: str, fix: str = _CONTEXT_FIX) -> ValueError:
+    """The one-line ValueError of a model the sequence split cannot run: the node, its op, the
+    user's source line (the last frame of its stack trace and that frame's code) and `fix`."""
+    trace = node.meta.get(K.STACK_TRACE) or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    files = [ln for ln in lines if ln.startswith("File ")]
+    where = "(no source line recorded)"
+    if files:
+        i = lines.index(files[-1])
+        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        where = files[-1] + (f": {code}" if code else "")
+    return ValueError(f"context parallelism: node {node.name} ({packet(node)}) at {where}: "
+                      f"{why}; {fix}")
+
+
+_LOSS_OPS = frozenset({aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd})
+_ALONG = frozenset({aten.topk, aten.sort, aten.argsort})   # per-token picks along another dim
+
+
+class ContextPropagator(Propagator):
+    """Propagator in the context mode (see above): `layout[node]` is Shard(dim, blocks, seq)
+    where the node holds the rank's tokens along `dim`, R where it is whole on every context
+    rank; `convert[node][arg]` = Shard(seq) marks a selection at the rank's positions,
+    `gathered[node]` the keys / values attention reads whole."""
+
+    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int):
+        names = {n.name for n in gm.graph.nodes}
+        super().__init__(gm, c, off=names, refine={}, sequence_parallel=False,
+                         seq_len=seq_len, vocab_multiple=1)
+        self.gathered: dict[fx.Node, list[fx.Node]] = {}
+
+    def visit(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            s = shape(node)
+            self.layout[node] = (Shard(1, (self.seq_len,), seq=True)
+                                 if s is not None and len(s) >= 2 and s[1] == self.seq_len
+                                 else R)
+            return
+        super().visit(node)
+        lay = self.layout.get(node)
+        if any(isinstance(x, Partial) for x in (lay if isinstance(lay, tuple) else (lay,))):
+            raise context_refusal(node, "a reduction over the sequence inside the model")
+
+    def rule(self, node: fx.Node) -> Any:
+        op = packet(node)
+        if not any(isinstance(self.eff(node, a), Shard) for a in tensor_args(node)):
+            return super().rule(node)
+        handler = CONTEXT_RULES.get(op)
+        if handler is not None:
+            return handler(self, node)
+        return super().rule(node)
+
+    def demand(self, consumer: fx.Node, arg: Any, want: Layout) -> None:
+        """Whole operands meeting the rank's tokens are selected (an edge R -> Shard(seq));
+        a split operand demanded whole is refused (attention's gathers do not come here)."""
+        if not is_tensor(arg):
+            return
+        cur = self.get(arg)
+        if cur is None:
+            self.assign(arg, R)
+            cur = R
+        cur = self.convert.get(consumer, {}).get(arg, cur)
+        if isinstance(cur, Shard) and isinstance(want, Shard) and cur.dim == want.dim:
+            return
+        if isinstance(cur, Replicate) and isinstance(want, Replicate):
+            return
+        if isinstance(cur, Replicate) and isinstance(want, Shard):
+            if shape(arg)[want.dim] != self.seq_len:
+                raise context_refusal(consumer, f"its operand {arg.name} of shape "
+                                                f"{shape(arg)} meets the rank's tokens along "
+                                                f"dim {want.dim} with a length other than the "
+                                                f"sequence's {self.seq_len}")
+            self.convert.setdefault(consumer, {})[arg] = replace(want, blocks=(self.seq_len,))
+            return
+        raise context_refusal(consumer, f"it needs {arg.name} ({cur}) as {want}: an op the "
+                                        f"sequence split has no rule for")
+
+    def gather(self, consumer: fx.Node, arg: fx.Node) -> None:
+        """Attention reads `arg` (the rank's tokens) whole: context_gather on this edge."""
+        self.convert.setdefault(consumer, {})[arg] = R
+        self.gathered.setdefault(consumer, []).append(arg)
+
+    def gather_inputs(self, node: fx.Node, why: Conflict) -> Any:
+        """Where the tensor-parallel engine would gather a sequence split and compute whole
+        (a softmax, norm or cumulative op over it): refused, the tokens stay where they are."""
+        raise context_refusal(node, why.reason.split(": ", 1)[-1].replace("split dim",
+                                                                         "sequence"))
+
+
+def _context_matmul(p: ContextPropagator, node: fx.Node) -> Layout:
+    """A weight product is token-wise unless it contracts the tokens; an activation product
+    is attention's (`_context_product`)."""
+    x, w, bias, _, _ = matmul_operands(node)
+    if w is None:
+        return _context_product(p, node, node.args[0], node.args[1])
+    p.demand(node, w, R)
+    if bias is not None:
+        p.demand(node, bias, R)
+    xl = p.eff(node, x)
+    if xl.dim == len(shape(x)) - 1:
+        raise context_refusal(node, "a projection contracting the rank's tokens")
+    return replace(xl, dim=xl.dim + len(shape(node)) - len(shape(x)))
+
+
+def _context_product(p: ContextPropagator, node: fx.Node, a: Any, b: Any) -> Layout:
+    """a @ b written out (q·kᵀ, p·v): the queries (a) stay local, split keys / values (b, the
+    rank's tokens along one of its last two dims) are read whole."""
+    la, lb = p.eff(node, a), p.eff(node, b)
+    na, nb, nd = len(shape(a)), len(shape(b)), len(shape(node))
+    if isinstance(lb, Shard):
+        if not isinstance(la, Shard):
+            raise context_refusal(node, "a product whose right operand holds the rank's tokens")
+        if lb.dim not in (nb - 1, nb - 2):
+            raise context_refusal(node, "a product split along a batch dim of its right "
+                                        "operand")
+        p.gather(node, b)
+    if not isinstance(la, Shard):
+        raise context_refusal(node, "a product whose queries are whole but keys split")
+    if la.dim == na - 1:
+        raise context_refusal(node, "a product contracting the rank's tokens")
+    return replace(la, dim=nd - (na - la.dim))
+
+
+def _context_baddbmm(p: ContextPropagator, node: fx.Node) -> Layout:
+    """bias + a @ b (BLOOM's ALiBi): the product as attention's; the bias follows it."""
+    bias = node.args[0]
+    lay = _context_product(p, node, node.args[1], node.args[2])
+    i = lay.dim - (len(shape(node)) - len(shape(bias)))
+    p.demand(node, bias, R if i < 0 or shape(bias)[i] == 1 else replace(lay, dim=i))
+    return lay
+
+
+def _context_sdpa(p: ContextPropagator, node: fx.Node) -> Layout:
+    """Queries local, keys and values read whole, the mask's query rows selected."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    rows = len(shape(q)) - 2
+    for arg in (q, k, v):
+        lay = p.eff(node, arg)
+        if not isinstance(lay, Shard) or lay.dim != len(shape(arg)) - 2:
+            raise context_refusal(node, "attention whose queries, keys and values are not "
+                                        "all split along their tokens")
+    p.gather(node, k)
+    p.gather(node, v)
+    if isinstance(mask, fx.Node):
+        if isinstance(p.eff(node, mask), Shard):
+            raise context_refusal(node, "a mask that depends on the rank's tokens")
+        i = rows - (len(shape(q)) - len(shape(mask)))
+        p.demand(node, mask, R if i < 0 or shape(mask)[i] == 1
+                 else Shard(i, (p.seq_len,), seq=True))
+    return p.eff(node, q)
+
+
+def _context_loss(p: ContextPropagator, node: fx.Node) -> Layout:
+    """A token-mean loss over (B·T, V) logits and (B·T,) targets split along their token dim
+    0: the rank's share (context_loss_mean), whole."""
+    if any(not isinstance(p.eff(node, a), Shard) or p.eff(node, a).dim != 0
+           for a in node.args[:2]):
+        raise context_refusal(node, "a loss over values not split along their token dim 0")
+    p.role[node] = "context_loss"
+    return R
+
+
+def _context_along(p: ContextPropagator, node: fx.Node) -> Any:
+    """topk / sort / argsort along another dim than the tokens (a router's pick of experts)."""
+    lay = p.eff(node, node.args[0])
+    nd = len(shape(node.args[0]))
+    at = 2 if packet(node) is aten.topk else 1
+    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", -1)
+    if norm_dim(dim, nd) == lay.dim:
+        raise context_refusal(node, "a sort along the sequence")
+    return like(node, lay)
+
+
+def _context_softmax(p: ContextPropagator, node: fx.Node) -> Layout:
+    """softmax / cumsum along another dim than the tokens."""
+    lay = p.eff(node, node.args[0])
+    if norm_dim(node.args[1], len(shape(node))) == lay.dim:
+        raise context_refusal(node, "a softmax / cumulative op along the sequence")
+    return lay
+
+
+def _context_cat(p: ContextPropagator, node: fx.Node) -> Layout:
+    """An empty key / value cache (transformers' DynamicCache with nothing cached)
+    concatenated with the new tokens is the new tokens."""
+    pieces = [a for a in node.args[0] if not (shape(a) and 0 in shape(a))]
+    if len(pieces) == 1 and isinstance(p.eff(node, pieces[0]), Shard):
+        return p.eff(node, pieces[0])
+    return cat_rule(p, node)
+
+
+CONTEXT_RULES = {
+    **{op: _context_matmul for op in MATMUL_OPS},
+    aten.baddbmm: _context_baddbmm,   # (bmm is in MATMUL_OPS)
+    aten.scaled_dot_product_attention: _context_sdpa,
+    **{op: _context_loss for op in _LOSS_OPS},
+    **{op: _context_along for op in _ALONG},
+    **{op: _context_softmax for op in SOFTMAX},
+    aten.cat: _context_cat,
+}
+
+
+def context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> ContextPropagator:
+    """The sequence split of the captured single-device graph `gm` over c context ranks, as
+    the engine's layouts (ContextPropagator); raises context_refusal's ValueError where the
+    split cannot run."""
+    return ContextPropagator(gm, c, seq_len).run()
