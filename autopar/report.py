@@ -241,6 +241,15 @@ def _alt_row(rank: int, alt: "Alternative", best_s: float, chosen: bool = False)
                                                reason else ""))
 
 
+def _is_plan(plan: "Plan", alt: "Alternative") -> bool:
+    """The alternative is the plan's own configuration: every knob it names equal, and its
+    predicted step time the plan's."""
+    return (alt.feasible and alt.predicted is not None
+            and abs(alt.predicted.step_time_s - plan.predicted.step_time_s)
+            <= 1e-9 * plan.predicted.step_time_s
+            and all(getattr(plan, k, None) == v for k, v in alt.config.items()))
+
+
 def format_explain(plan: "Plan", top: int = 10) -> str:
     best = plan.predicted.step_time_s
     feasible = [a for a in plan.alternatives if a.feasible and a.predicted is not None]
@@ -259,7 +268,7 @@ def format_explain(plan: "Plan", top: int = 10) -> str:
                  "no plan with another ep was weighed (ep pinned, no mixture of experts, or no "
                  "ep > 1 divides both c·d and the experts per layer).")), "",
              "Ranked feasible alternatives (best per knob set):"]
-    lines += [_alt_row(i + 1, a, best, chosen=a is plan.alternatives[0])
+    lines += [_alt_row(i + 1, a, best, chosen=_is_plan(plan, a))
               for i, a in enumerate(feasible[:top])]
     if len(feasible) > top:
         lines.append(f"  … {len(feasible) - top} more feasible configurations, all slower")
