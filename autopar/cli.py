@@ -114,7 +114,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     precision = {None: "fp32", "auto": prog.precision}.get(args.precision, args.precision)
     out = prog.save(args.out, model=args.model, precision=precision)
     if args.compile:   # launch.py's default --compile
-        from autopar.launch import BUILD_FILE
+        from autopar.saved_program import BUILD_FILE
         info = json.loads((out / BUILD_FILE).read_text())
         (out / BUILD_FILE).write_text(json.dumps({**info, "compile": True}, indent=2))
     print(prog.plan)
@@ -140,7 +140,8 @@ def _check_out_dir(out: Path) -> None:
 
 def cmd_timeline(args: argparse.Namespace) -> int:
     prog, _ = _plan_from_args(args)
-    path = prog.plan.timeline(args.out)
+    from autopar.timeline import plan_timeline
+    path = plan_timeline(prog.plan, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -30,8 +30,7 @@ import torch.distributed as dist
 import torch.fx
 
 from autopar.build import PRECISIONS, BuiltProgram, build_program
-from autopar.codegen import (check_saved_precision, chunk_file_name, load_chunk_module,
-                             render_chunk)
+from autopar.codegen import load_chunk_module, render_chunk
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
@@ -46,6 +45,7 @@ from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, descri
 from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
+from autopar.saved_program import check_saved_precision, chunk_file_name
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, SPLIT_BACKWARD, make_schedule
 
 def _launched_world_size() -> int | None:

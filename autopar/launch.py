@@ -47,25 +47,11 @@ from autopar.plan import Plan
 from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
 from autopar.runtime.preempt import DEFAULT_SAVE_EVERY, CheckpointSaver
+from autopar.saved_program import check_saved_precision, read_build
 from autopar.user_errors import quiet_torch_warnings, report
 
-BUILD_FILE = "build.json"
 # pins that depend on the GPU count: solved again when the job re-plans for another count
 DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
-
-
-def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32",
-               cluster: dict[str, Any] | None = None) -> str:
-    """The JSON of build.json: the factory `autopar build` was given (absolute path), the
-    pins it planned with, the precision its chunks were generated for and the cluster it
-    planned for (every field: a re-plan prices the same hardware, a cluster file's too)."""
-    if model is not None:
-        path, _, fn = model.rpartition(":")
-        model = f"{Path(path).resolve()}:{fn}"
-    info = {"model": model, "pins": pins, "precision": precision}
-    if cluster is not None:
-        info["cluster"] = cluster
-    return json.dumps(info, indent=2)
 
 
 def parse_args(argv: list[str] | None, default_model: str | None,
@@ -144,12 +130,11 @@ def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
 
 
 def _run(program_dir: Path, argv: list[str] | None) -> int:
-    build = _read_build(program_dir)
+    build = read_build(program_dir)
     args = parse_args(argv, build.get("model"), build.get("precision", "fp32"))
     args.compile = bool(build.get("compile")) if args.compile is None else args.compile
     saved = autopar.load_plan(program_dir / "plan.json")   # a bad file: one line naming it
     if os.environ.get("WORLD_SIZE", str(saved.gpus)) == str(saved.gpus):   # the saved chunks
-        from autopar.codegen import check_saved_precision  # run (codegen imports this module)
         check_saved_precision(program_dir, saved, args.precision)
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
@@ -271,17 +256,6 @@ def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | N
         global_batch_size=plan.global_batch_size, seq_len=plan.seq_len,
         dp_rank=runner.dp_rank, dp_size=runner.dp_size), vocab_size=vocab, seed=args.data_seed,
         dtype=args.data_dtype)
-
-
-def _read_build(program_dir: Path) -> dict[str, Any]:
-    file = program_dir / BUILD_FILE
-    if not file.is_file():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc}); rewrite it with autopar build, or "
-                         f"delete it and pass --model") from exc
 
 
 def _example(user: UserModel, plan: Plan) -> tuple[tuple, Any]:

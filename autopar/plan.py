@@ -10,6 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
@@ -22,23 +23,6 @@ ZERO_LEVELS = (0, 1, 2, 3)
 CP_ATTENTION = ("all-gather", "ring", "all-to-all")
 
 GB = 1024 ** 3
-
-# "bubble" means one ratio everywhere (the plan's table, explain(), the timeline's title):
-# Prediction.bubble_fraction, the pipeline's idle time over the compute time of the busiest
-# rank — the papers' t_pb / t_id (2104.04473 §2.2), (p−1)/m for GPipe and 1F1B.
-BUBBLE_MEANING = "idle ÷ compute time of the busiest rank, the papers' (p-1)/m"
-
-
-def bubble_text(fraction: float) -> str:
-    """'bubble 2.2% (idle ÷ compute ...)': how every printed output names the bubble."""
-    return f"bubble {fraction * 100:.1f}% ({BUBBLE_MEANING})"
-
-
-def layer_range(first: int, last: int) -> str:
-    """Layer ranges are half-open everywhere, text and JSON alike: [first_layer, last_layer),
-    last exclusive (Stage's fields; '[0, 12)' = layers 0 … 11)."""
-    return f"layers [{first}, {last})"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
@@ -239,7 +223,8 @@ class Plan:
     def gpus(self) -> int:
         return self.t * self.c * self.p * self.d
 
-    # ----- presentation ------------------------------------------------------------------
+    # ----- presentation (autopar/report.py, which reads the fields and imports nothing of
+    # this module at run time; the schedule's Gantt chart: autopar.timeline.plan_timeline) ----
     def __str__(self) -> str:
         from autopar.report import format_plan
         return format_plan(self)
@@ -247,11 +232,6 @@ class Plan:
     def explain(self, top: int = 10) -> str:
         from autopar.report import format_explain
         return format_explain(self, top=top)
-
-    def timeline(self, path: str) -> str:
-        """Draw the simulated schedule of this plan as a Gantt chart at `path` (PNG)."""
-        from autopar.timeline import plan_timeline
-        return plan_timeline(self, path)
 
     # ----- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

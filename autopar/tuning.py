@@ -193,10 +193,10 @@ class PlanRun:
     def __init__(self, model_fn: Callable[[], torch.nn.Module], plan: Plan, *,
                  example_inputs: tuple, loss_fn: Callable | None, vocab: int,
                  device: torch.device, optimizer: Callable | None = None) -> None:
-        import autopar
+        from autopar.api import parallelize
         torch.manual_seed(0)
-        prog = autopar.parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
-                                   loss_fn=loss_fn, plan=plan)
+        prog = parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
+                          loss_fn=loss_fn, plan=plan)
         self.runner = prog.compile(
             optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))
         self.batch = _batch_for(plan, vocab, self.runner)
