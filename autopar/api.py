@@ -2,7 +2,7 @@
 
 The planning path is the front of the compiler's pipeline (passes/manager.py): capture (the
 entry, Module -> GraphModule), the layers pass, then two analyses that return results rather
-than graphs: the cost model's profile (passes/profile.py) and the price of the tensor-parallel
+than graphs: the cost model's profile (passes/graph_profile.py) and the price of the tensor-parallel
 pass's decisions (passes/tp_cost.py).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.manager import run_passes
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 from autopar.passes.tensor_parallel import tp_report
 from autopar.passes.tp_cost import with_tp_corrections
 from autopar.losses import cross_entropy

@@ -37,7 +37,7 @@ from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
 from autopar.runtime.compiled import compile_chunks
-from autopar.runtime.context import ContextShard
+from autopar.runtime.context_shard import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
 from autopar.runtime.loss_scale import LossScaler, LossScaling

@@ -11,7 +11,7 @@ import autopar
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context import (context_causal_attention, context_gather, context_loss_mean,
+from autopar.runtime.context_shard import (context_causal_attention, context_gather, context_loss_mean,
                                      context_select)
 from models import gpt, llama_style
 
@@ -72,7 +72,7 @@ def test_keys_values_gathered_positions_selected_shapes_local(builder):
 
 def test_causal_attention_of_the_rank_chunks_equals_the_whole_sequence_rows():
     import torch.nn.functional as F
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -84,7 +84,7 @@ def test_causal_attention_of_the_rank_chunks_equals_the_whole_sequence_rows():
 
 
 def test_rank_positions_and_selection_of_whole_values():
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     cp = ContextShard(group=None, c=2, cp_rank=0, seq_len=8)
     assert cp.positions.tolist() == [0, 1, 6, 7]
     x = torch.arange(8.0)
@@ -182,7 +182,7 @@ def test_context_attention_dropout_is_unbiased_and_per_rank():
     """The rank's rows of causal attention with dropout 0.5, averaged over 4,000 draws, are the
     rows without dropout (within 5 standard errors); the stream is the context rank's: shared
     by its tensor ranks, another on the other context rank, replayable."""
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.shard import DropoutStreams
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))

@@ -133,7 +133,7 @@ def test_memory_per_zero_level_and_inflight():
 
 
 def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
-    """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3.py): at rest only the fp32 master
+    """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3_chunks.py): at rest only the fp32 master
     shard, its fp32 gradient and Adam's m, v (16/d B per parameter, no 16-bit weight copy);
     while running, the plan's gathered chunks in bf16 (2 B) and the fp32 gradient accumulators
     of its chunks with unreduced gradients plus one fp32 reduce-scatter buffer (4 B each)."""

@@ -103,7 +103,7 @@ def test_fused_tile_kernel_equals_the_written_out_one(diagonal, masked):
 def _ring_rank(rank, world, case):
     import torch.distributed as dist
 
-    from autopar.runtime.context import ContextShard, context_cut, context_gather
+    from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
     from autopar.runtime.ring_attention import context_ring_attention
     torch.manual_seed(0)
     B, Hq, Hk, T, E = 2, 4, case["kv_heads"], case["T"], 8
@@ -154,7 +154,7 @@ def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
 def test_one_context_rank_is_plain_sdpa():
     """c = 1 (a group of one): scaled_dot_product_attention itself, the kv_group's repeat read
     as grouped-query attention."""
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.ring_attention import context_ring_attention
     torch.manual_seed(0)
     q = torch.randn(2, 4, 8, 8)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 def _a2a_rank(rank, world, case):
     import torch.distributed as dist
 
-    from autopar.runtime.context import ContextShard, context_cut, context_gather
+    from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
     from autopar.runtime.ulysses import context_alltoall_attention
     torch.manual_seed(0)
     B, Hq, Hk, T, E = 2, 4, case["kv_heads"], 4 * world, 8
@@ -61,7 +61,7 @@ def test_alltoall_equals_single_device_sdpa_forward_and_backward(world, case):
 
 
 def test_one_context_rank_is_plain_sdpa():
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.ulysses import context_alltoall_attention
     torch.manual_seed(0)
     q = torch.randn(2, 4, 8, 8)
