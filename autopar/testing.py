@@ -25,6 +25,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 from multiprocessing import connection
@@ -35,7 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
-_PRELOAD = ["torch", "torch.distributed", "autopar.api"]
+# autopar.compile pulls in the runtime and torch.distributed.pipelining (DTensor, dynamo): ~4 s
+# of imports a rank would otherwise pay at its first compile()
+_PRELOAD = ["torch", "torch.distributed", "autopar.api", "autopar.compile"]
 
 
 def preload(*modules: str) -> None:
@@ -114,10 +117,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     ctx.set_forkserver_preload(list(_PRELOAD))
     port = free_port()
     procs, conns = [], []
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")}
     # inherited by the fork server (started by the first call) and handed to the children
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env = dict(os.environ)
+    # the fork server ignores the sys.path multiprocessing hands it (Python 3.11): without
+    # this it cannot preload modules found through the caller's sys.path (a test folder)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)

@@ -13,7 +13,8 @@ preload(*(f"transformers.models.{m}.modeling_{m}" for m in (
     "gpt2", "llama", "bert", "gpt_neox", "falcon", "gptj", "bloom", "olmo2", "phi", "mistral",
     "mixtral", "olmoe", "qwen2_moe", "qwen3", "gemma", "vit", "gpt_bigcode", "phi3", "t5",
     "bart", "mbart", "umt5", "whisper", "qwen3_moe", "cohere2", "gpt_oss", "swin")),
-    "torch.export", "autopar.examples.gpt", "autopar.examples.llama", "models")
+    "torch.export", "autopar.examples.gpt", "autopar.examples.llama", "models", "programs",
+    "fork_warmup")
 
 
 @pytest.fixture(params=PASS_MODELS)
