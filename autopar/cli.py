@@ -17,9 +17,19 @@ from pathlib import Path
 from autopar.plan import CP_ATTENTION
 
 
+def _pins_from_args(args: argparse.Namespace) -> "Pins":
+    """The flags that pin a knob (--micro-batch is micro_batch_size) as the request's Pins."""
+    from autopar.request import Pins
+    pins = {k: getattr(args, k, None) for k in ("t", "c", "cp_attention", "ep", "p", "d", "v",
+                                                "schedule", "recompute", "zero")}
+    return Pins(**pins, micro_batch_size=getattr(args, "micro_batch", None))
+
+
 def _plan_from_args(args: argparse.Namespace):
     import autopar
+    from autopar.api import plan_program
     from autopar.presets import load_model
+    from autopar.request import PlanRequest
 
     if args.cluster is None:           # named among the defaults the user did not set
         args.cluster, args.cluster_defaulted = DEFAULT_CLUSTER, True
@@ -32,11 +42,6 @@ def _plan_from_args(args: argparse.Namespace):
     else:
         batch = args.batch or (defaults.global_batch_size if defaults else inputs[0].shape[0])
         _note_defaults(args, batch, inputs)
-    pins = {k: getattr(args, k) for k in ("t", "c", "cp_attention", "ep", "p", "d", "v",
-                                          "schedule", "recompute", "zero")
-            if getattr(args, k, None) is not None}
-    if args.micro_batch is not None:
-        pins["micro_batch_size"] = args.micro_batch
     cluster = args.cluster
     kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
              if getattr(args, k) is not None}
@@ -44,13 +49,17 @@ def _plan_from_args(args: argparse.Namespace):
         kinds["elementwise"] = "fused"   # Inductor fuses the chunks' elementwise chains
     if kinds:  # the cluster's attention kernel / elementwise execution, overridden
         cluster = dataclasses.replace(autopar.get_cluster(cluster), **kinds)
+    try:
+        request = PlanRequest(gpus=args.gpus, pins=_pins_from_args(args),
+                              global_batch_size=batch, cluster=cluster, name=user.name,
+                              tokens=tokens,
+                              critical_batch_tokens=getattr(args, "critical_batch", None),
+                              precision=getattr(args, "precision", None))
+    except ValueError as exc:
+        raise ValueError(f"parallelize: {exc}") from None
     start = time.perf_counter()
-    prog = autopar.parallelize(user.model, gpus=args.gpus, example_inputs=inputs,
-                               loss_fn=user.loss(), example_targets=user.example_targets,
-                               global_batch_size=batch, cluster=cluster, name=user.name,
-                               tokens=tokens,
-                               critical_batch_tokens=getattr(args, "critical_batch", None),
-                               precision=getattr(args, "precision", None), **pins)
+    prog = plan_program(user.model, request, example_inputs=inputs, loss_fn=user.loss(),
+                        example_targets=user.example_targets)
     return prog, time.perf_counter() - start
 
 

@@ -35,7 +35,8 @@ from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import ZERO_LEVELS, Plan, check_model, expert_parallel_refusal
+from autopar.plan import Plan, check_model
+from autopar.rules import ZERO_LEVELS, expert_parallel_refusal
 from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context_shard import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed

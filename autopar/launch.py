@@ -288,17 +288,19 @@ def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
 
 def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
            fields: dict[str, Any] | None) -> Plan:
+    from autopar.api import plan_program
     from autopar.cost.hardware import cluster_from_dict
+    from autopar.request import Pins, PlanRequest
     cluster = (cluster_from_dict(fields, "build.json's cluster") if fields is not None
                else autopar.get_cluster(saved.cluster))
     if saved.predicted.attention and saved.predicted.attention != cluster.attention:
         cluster = dataclasses.replace(cluster, attention=saved.predicted.attention)
     inputs, targets = _example(user, saved)
-    keep = {k: v for k, v in pins.items() if k not in DEGREE_PINS}
-    prog = autopar.parallelize(user.model, gpus=world, example_inputs=inputs,
-                               loss_fn=user.loss(), example_targets=targets,
-                               global_batch_size=saved.global_batch_size, cluster=cluster,
-                               name=saved.model, **keep)
+    keep = Pins.of(pins, "build.json's pins").without(*DEGREE_PINS)
+    request = PlanRequest(gpus=world, pins=keep, global_batch_size=saved.global_batch_size,
+                          cluster=cluster, name=saved.model)
+    prog = plan_program(user.model, request, example_inputs=inputs, loss_fn=user.loss(),
+                        example_targets=targets)
     return prog.plan
 
 

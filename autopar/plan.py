@@ -11,16 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
+# what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
+from autopar.rules import (CP_ATTENTION, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
+                           expert_degree_refusal, expert_parallel_refusal, knob_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
-RECOMPUTE = ("none", "selective", "full")
-ZERO_LEVELS = (0, 1, 2, 3)
-# how context parallelism's attention reads the other ranks' keys and values: all-gathered
-# before attention (Llama 3's method), or passed round the context ranks block by block while
-# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
-# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py
-CP_ATTENTION = ("all-gather", "ring", "all-to-all")
 
 GB = 1024 ** 3
 
@@ -267,16 +263,6 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-def expert_parallel_refusal(ep: int, zero: int) -> str | None:
-    """Why the runtime cannot run expert parallelism `ep` with ZeRO level `zero` (None when it
-    can): compile refuses it in one line and the solver does not choose it for a free ep
-    (cost/solver.py), so a free plan always runs."""
-    if ep > 1 and zero > 1:
-        return (f"ep={ep} with zero={zero}: ZeRO-2/3 do not yet shard the expert weights over "
-                f"the expert-data group; use zero=0 or 1 with ep > 1, or ep=1")
-    return None
-
-
 def parameter_signature(model: Any) -> tuple[str, ...]:
     """What Plan.parameters records of a model: "name (d0, d1, ...)" per parameter (tied
     weights once), in named_parameters() order; shapes only, so a meta model gives the same."""
@@ -320,29 +306,20 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
 
 
 def _validate_plan(plan: Plan) -> None:
-    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches"):
+    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches",
+                 "cp_attention", "schedule", "recompute", "zero"):
         value = getattr(plan, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Plan.{name}={value!r}: must be a positive integer")
-    if (plan.c * plan.d) % plan.ep:
-        raise ValueError(f"Plan.ep={plan.ep} with c·d = {plan.c}·{plan.d} = {plan.c * plan.d}: "
-                         f"the expert-parallel ranks are drawn from the c·d ranks that hold "
-                         f"the same dense weights, so ep must divide {plan.c * plan.d}; pick an "
-                         f"ep that divides it (ep=1 for none)")
-    if plan.cp_attention not in CP_ATTENTION:
-        raise ValueError(f"Plan.cp_attention={plan.cp_attention!r}: must be one of {CP_ATTENTION}")
+        why = knob_refusal("v" if name == "num_microbatches" else name, value, free=False)
+        if why or value is None:
+            raise ValueError(f"Plan.{name}={value!r}: " + (why.split(": ", 1)[1] if why else
+                                                           "must be set"))
+    if why := expert_degree_refusal(plan.ep, plan.c, plan.d):
+        raise ValueError(f"Plan.{why}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "
                          f"each sequence into 2c = {2 * plan.c} equal chunks; use a sequence "
                          f"length divisible by {2 * plan.c} or a smaller c")
-    if plan.schedule not in SCHEDULES:
-        raise ValueError(f"Plan.schedule={plan.schedule!r}: must be one of {SCHEDULES}")
-    if plan.recompute not in RECOMPUTE:
-        raise ValueError(f"Plan.recompute={plan.recompute!r}: must be one of {RECOMPUTE}")
-    if plan.zero not in ZERO_LEVELS:
-        raise ValueError(f"Plan.zero={plan.zero!r}: must be one of {ZERO_LEVELS}")
-    if plan.v > 1 and plan.schedule not in ("interleaved-1f1b", "interleaved-zb",
-                                            "breadth-first"):
+    if plan.v > 1 and plan.schedule not in MULTI_CHUNK:
         raise ValueError(f"Plan.v={plan.v} with schedule={plan.schedule!r}: several chunks per "
                          f"pipeline rank need schedule 'interleaved-1f1b', 'interleaved-zb' or "
                          f"'breadth-first'; set v=1 or change the schedule")

@@ -63,8 +63,10 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
                                 total_tail_ns, v_step_ns)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import (CP_ATTENTION, RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction,
-                          Stage, expert_parallel_refusal)
-from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
+                          Stage)
+from autopar.request import Pins as RequestPins
+from autopar.rules import degrees_refusal, expert_parallel_refusal
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
 # `schedules=`): its bubble is priced (a third of interleaved 1F1B's) but not the cost of
@@ -78,20 +80,9 @@ SOLVER_TIME_LIMIT_S = 20.0
 
 # ----- enumeration of knob combinations --------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class Pins:
-    t: int | None = None
-    c: int | None = None
-    cp_attention: str | None = None
-    ep: int | None = None
-    p: int | None = None
-    d: int | None = None
-    v: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    zero: int | None = None
-    sequence_parallel: bool | None = None
-    microbatch_group: int | None = None
+class Pins(RequestPins):
+    """The request's pins (autopar.request.Pins: the knobs, validated by autopar.rules) and
+    what the caller can build, which bounds the free knobs."""
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
     zero_levels: tuple[int, ...] = ZERO_LEVELS
@@ -608,16 +599,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"solve: global_batch_size={global_batch!r} must be a positive integer "
                          f"(sequences per optimizer step)")
-    if pins.microbatch_group is not None and pins.schedule is not None \
-            and pins.schedule not in GROUPED:
-        raise ValueError(f"solve: microbatch_group={pins.microbatch_group} with schedule="
-                         f"{pins.schedule!r}: only the interleaved schedules {GROUPED} run "
-                         f"micro-batches in groups; unpin one of them")
-    for name in ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "microbatch_group"):
-        value = getattr(pins, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"solve: {name}={value!r} must be a positive integer or None")
     if pins.ep is not None and pins.ep > 1:
         experts = profile.block.experts
         if not experts:
@@ -628,9 +609,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: ep={pins.ep} with {experts} experts per layer: each "
                              f"expert-parallel rank holds experts/ep whole experts, so ep must "
                              f"divide {experts}; pick an ep that divides {experts}")
-    if pins.cp_attention is not None and pins.cp_attention not in CP_ATTENTION:
-        raise ValueError(f"solve: cp_attention={pins.cp_attention!r} must be one of "
-                         f"{CP_ATTENTION} or None (the solver prices both)")
     if pins.cp_attention in ("ring", "all-to-all") and (why := cp_attention_rule(
             profile, pins.cp_attention, pins.c or 1, pins.t or 1)):
         raise ValueError(f"solve: cp_attention={pins.cp_attention!r}: {why}; pin "
@@ -640,13 +618,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
         if why:
             raise ValueError(f"solve: c={pins.c}: {why}; pad the sequence to a multiple of "
                              f"{2 * pins.c} or pick a c with 2c dividing {profile.seq_len}")
-    if pins.schedule is not None and pins.schedule not in SCHEDULE_TRAITS:
-        raise ValueError(f"solve: schedule={pins.schedule!r}: the cost model supports "
-                         f"{sorted(SCHEDULE_TRAITS)}; leave it None to let the solver choose")
-    if pins.recompute is not None and pins.recompute not in RECOMPUTE:
-        raise ValueError(f"solve: recompute={pins.recompute!r} must be one of {RECOMPUTE}")
-    if pins.zero is not None and pins.zero not in ZERO_TRAITS:
-        raise ValueError(f"solve: zero={pins.zero!r} must be one of {sorted(ZERO_TRAITS)}")
     if pins.t is not None:
         why = _tensor_rule(profile, pins.t)
         if why:
@@ -658,14 +629,8 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
                              f"parallelism needs the sequence length ({profile.seq_len}) "
                              f"divisible by t={pins.t}; pick a t that divides it or pad the "
                              f"sequence")
-    pinned = [(n, getattr(pins, n)) for n in ("t", "c", "p", "d")
-              if getattr(pins, n) is not None]
-    prod = math.prod(v for _, v in pinned)
-    if pinned and (gpus % prod or (len(pinned) == 4 and prod != gpus)):
-        text = "·".join(f"{n}={v}" for n, v in pinned)
-        raise ValueError(f"solve: pins {text} multiply to {prod}, "
-                         + ("which does not divide" if gpus % prod else "not") + f" gpus={gpus}; "
-                         f"t·c·p·d must equal the GPU count: change a pin or gpus")
+    if why := degrees_refusal(gpus, t=pins.t, c=pins.c, p=pins.p, d=pins.d):
+        raise ValueError(f"solve: {why}")
     if pins.d is not None and global_batch % pins.d:
         raise ValueError(f"solve: global_batch_size={global_batch} is not divisible by d="
                          f"{pins.d}; every data-parallel replica needs the same number of "
@@ -677,11 +642,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: global_batch_size={global_batch} does not split into "
                              f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
                              f"{b * dd}); change global_batch_size or micro_batch_size")
-    if pins.v is not None and pins.v > 1 and pins.schedule is not None \
-            and not SCHEDULE_TRAITS[pins.schedule].multi_chunk:
-        multi = " or ".join(repr(s) for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk)
-        raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
-                         f"rank need schedule={multi}; set v=1 or change schedule")
     if pins.schedules is not None and set(pins.schedules) - set(SCHEDULE_TRAITS):
         raise ValueError(f"solve: schedules={pins.schedules!r}: unknown "
                          f"{sorted(set(pins.schedules) - set(SCHEDULE_TRAITS))}; the cost model "
@@ -711,10 +671,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
         c = 1   # t, p and d pinned: the layout the caller wrote (before c existed) is t·p·d
-    pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
-                recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
-                cp_attentions=tuple(cp_attentions), schedules=None if schedules is None else tuple(schedules))
+    try:
+        pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v,
+                    micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
+                    zero=zero, sequence_parallel=sequence_parallel,
+                    microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
+                    cp_attentions=tuple(cp_attentions),
+                    schedules=None if schedules is None else tuple(schedules))
+    except ValueError as exc:
+        raise ValueError(f"solve: {exc}") from None
     _validate(profile, cluster, gpus, global_batch_size, pins)
     from autopar.cost.search import search   # (search imports this module's bounds)
     t0 = time.perf_counter()
