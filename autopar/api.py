@@ -315,7 +315,7 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
                  name: str | None = None) -> tuple[Any, Any]:
     """The planning capture and the cost model's profile of `model`, with the tensor-parallel
     pass priced at every t the solver may pick for any of `gpu_counts` (one capture serves a
-    sweep over GPU counts and batches: autopar/scale.py)."""
+    sweep over GPU counts and batches: autopar/scaling.py)."""
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2)
     structure = run_passes(captured.gm, [LAYERS_PASS]).meta[K.LAYERS]

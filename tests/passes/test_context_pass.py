@@ -131,8 +131,8 @@ def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(c=3), r"c=3 with sequence length 16: .*2c = 6"),
-    (dict(c=2, t=1, p=1, d=2), r"t·c·p·d = 1·2·1·2 = 4 != gpus=2"),
-    (dict(c=0), r"c=0: the context-parallel degree must be a positive int"),
+    (dict(c=2, t=1, p=1, d=2), r"t=1·c=2·p=1·d=2 multiply to 4, not gpus=2; t·c·p·d must"),
+    (dict(c=0), r"^parallelize: c=0: must be a positive integer; pass c=1 or more"),
 ])
 def test_bad_c_one_line_errors(kw, match):
     ids = torch.zeros(2, SEQ, dtype=torch.long)
