@@ -11,8 +11,8 @@ import autopar
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context_shard import (context_causal_attention, context_gather, context_loss_mean,
-                                     context_select)
+from autopar.runtime.context_shard import (context_causal_attention, context_gather,
+                                           context_loss_mean, context_select)
 from models import gpt, llama_style
 
 SEQ = 16
@@ -131,7 +131,8 @@ def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(c=3), r"c=3 with sequence length 16: .*2c = 6"),
-    (dict(c=2, t=1, p=1, d=2), r"t=1·c=2·p=1·d=2 multiply to 4, not gpus=2; t·c·p·d must"),
+    (dict(c=2, t=1, p=1, d=2),
+     r"pins t=1·c=2·p=1·d=2 multiply to 4, which does not divide gpus=2; t·c·p·d must"),
     (dict(c=0), r"^parallelize: c=0: must be a positive integer; pass c=1 or more"),
 ])
 def test_bad_c_one_line_errors(kw, match):

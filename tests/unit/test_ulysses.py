@@ -1,5 +1,6 @@
 """All-to-all (DeepSpeed-Ulysses) context attention with c = 1 is plain SDPA; on gloo ranks
-(equal to single-device SDPA, output and gradients): tests/numerics/test_context_attention_ranks.py."""
+(equal to single-device SDPA, output and gradients):
+tests/numerics/test_context_attention_ranks.py."""
 from __future__ import annotations
 
 import torch
