@@ -2,7 +2,7 @@
 
 The planning path is the front of the compiler's pipeline (passes/manager.py): capture (the
 entry, Module -> GraphModule), the layers pass, then two analyses that return results rather
-than graphs: the cost model's profile (passes/profile.py) and the price of the tensor-parallel
+than graphs: the cost model's profile (passes/graph_profile.py) and the price of the tensor-parallel
 pass's decisions (passes/tp_cost.py).
 """
 from __future__ import annotations
@@ -31,11 +31,13 @@ from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.manager import run_passes
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 from autopar.passes.tensor_parallel import tp_report
 from autopar.passes.tp_cost import with_tp_corrections
 from autopar.losses import cross_entropy
-from autopar.plan import CP_ATTENTION, Plan, layer_range, parameter_signature
+from autopar.plan import Plan, layer_range, parameter_signature
+from autopar.request import Pins, PlanRequest
+from autopar.rules import CP_ATTENTION, knob_refusal
 
 
 class ParallelProgram:
@@ -110,21 +112,19 @@ def _default_targets(example_inputs: tuple) -> torch.Tensor:
 
 
 def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
-                loss_fn: Callable | None = None, global_batch_size: int | None = None,
-                cluster: Any = "dgx-a100-80gb", example_targets: Any = None,
-                t: int | None = None, p: int | None = None, d: int | None = None,
-                v: int | None = None, micro_batch_size: int | None = None,
-                schedule: str | None = None, recompute: str | None = None,
-                zero: int | None = None, sequence_parallel: bool | None = None,
-                microbatch_group: int | None = None, name: str | None = None,
+                loss_fn: Callable | None = None, example_targets: Any = None,
+                global_batch_size: int | None = None, cluster: Any = "dgx-a100-80gb",
+                tokens: float | None = None, critical_batch_tokens: float | None = None,
+                precision: str | None = None, name: str | None = None,
                 plan: Plan | None = None, init: Callable | None = None,
-                tokens: float | None = None,
-                critical_batch_tokens: float | None = None,
-                c: int | None = None, ep: int | None = None,
-                cp_attention: str | None = None,
-                precision: str | None = None, documents: Any = None,
-                moe_imbalance: Any = None) -> ParallelProgram:
+                documents: Any = None, moe_imbalance: Any = None,
+                **pins: Any) -> ParallelProgram:
     """Plan `model` for `gpus` GPUs; see docs/DESIGN.md §2. Anything not pinned is solved for.
+
+    `**pins`: the knobs to fix, by name (autopar.request.Pins: t, c, cp_attention, ep, p, d,
+    v, micro_batch_size, schedule, recompute, zero, sequence_parallel, microbatch_group);
+    together with gpus, the batch, cluster, tokens, precision, documents and moe_imbalance they
+    make the `PlanRequest` that `plan_program` plans (validated once: autopar/rules.py).
 
     `moe_imbalance=` (a mixture of experts): the most loaded expert's tokens over the mean
     expert's (e.g. 1.3), or an ExpertLoad measured by autopar.expert_load.measure_expert_load;
@@ -151,7 +151,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     attention, Llama 3's method), "ring" (blocks passed round the context ranks while
     attending, autopar/runtime/ring_attention.py) or "all-to-all" (tokens traded for heads
     around attention, DeepSpeed-Ulysses, autopar/runtime/ulysses.py: heads divisible by t·c);
-    None: the cheapest, as the cost model prices them (cost.model.context_comm_s), among those the context-parallel pass can build.
+    None: the cheapest, as the cost model prices them (cost.model.context_comm_s), among those
+    the context-parallel pass can build.
 
     `ep` pins the expert-parallel degree of a mixture of experts: the experts of every layer
     spread over ep of the c·d ranks that hold the same dense weights (ep divides c·d and the
@@ -169,150 +170,158 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     last two passed to the model by those keywords, and prices attention at the tiles the
     block-diagonal mask leaves (cost/documents.py).
     """
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"parallelize: gpus={gpus!r} must be a positive integer "
-                         f"(the number of GPUs / torchrun ranks to plan for)")
-    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
-        raise ValueError("parallelize: example_inputs must be a non-empty tuple of model inputs, "
-                         "e.g. example_inputs=(input_ids,)")
-    example_inputs = tuple(example_inputs)
-    example_inputs, keywords = program_inputs(model, example_inputs, documents)
-    _check_pins(global_batch_size=global_batch_size, t=t, p=p, d=d, v=v, ep=ep,
-                micro_batch_size=micro_batch_size, microbatch_group=microbatch_group)
-    if ep is not None and d is not None:
-        from autopar.runtime.groups import check_expert_degree
-        try:
-            check_expert_degree(ep, c=c or 1, d=d)
-        except ValueError as exc:
-            raise ValueError(f"parallelize: {exc}") from None
-    _check_context(model, example_inputs)
-    if loss_fn is cross_entropy:
-        _check_language_model(model)
-    batch = example_inputs[0].shape[0] if isinstance(example_inputs[0], torch.Tensor) else 1
-    seq_len = _seq_len(example_inputs)
-    if tokens is not None or critical_batch_tokens is not None:
-        if tokens is None:
-            raise ValueError(f"parallelize: critical_batch_tokens={critical_batch_tokens!r} "
-                             f"without tokens=; pass tokens=<training tokens> to plan for the "
-                             f"time to train, or drop critical_batch_tokens")
-        check_training_inputs(tokens, critical_batch_tokens, seq_len, "parallelize")
-        if plan is not None:
-            raise ValueError("parallelize: tokens= with plan=: a given plan is not re-planned; "
-                             "drop tokens= (the plan keeps its time to train) or drop plan=")
-    batch_pinned = global_batch_size is not None
-    if global_batch_size is None:
-        global_batch_size = batch
-    if loss_fn is not None and example_targets is None:
-        example_targets = _default_targets(example_inputs)
-    cl = get_cluster(cluster)
+    try:
+        request = PlanRequest(gpus=gpus, pins=Pins.of(pins, "parallelize"),
+                              global_batch_size=global_batch_size, cluster=cluster,
+                              tokens=tokens, critical_batch_tokens=critical_batch_tokens,
+                              precision=precision, name=name, documents=documents,
+                              moe_imbalance=moe_imbalance)
+    except ValueError as exc:
+        raise ValueError(f"parallelize: {exc}") from None
     if plan is not None:
-        # A plan made earlier (plan.json on every torchrun rank): nothing to solve, so no
-        # planning capture; compile() captures the full model itself.
-        if plan.gpus != gpus:
-            raise ValueError(f"parallelize: plan is for t·c·p·d = {plan.gpus} GPUs but "
-                             f"gpus={gpus}; pass gpus={plan.gpus} or re-plan")
-        prog = ParallelProgram(model=model, plan=plan, profile=None,
-                               example_inputs=example_inputs, loss_fn=loss_fn,
-                               example_targets=example_targets, cluster=cl, init=init)
-        prog.input_keywords, prog.documents = keywords, documents
-        return prog
-    _check_context_pins(gpus, seq_len=seq_len, t=t, c=c, p=p, d=d)
-    if cp_attention is not None and cp_attention not in CP_ATTENTION:
-        raise ValueError(f"parallelize: cp_attention={cp_attention!r}: must be one of "
-                         f"{CP_ATTENTION}, or None to let the solver choose")
-    c_pinned = c
-    captured, profile = plan_profile(model, example_inputs, loss_fn, example_targets, cl,
-                                     gpu_counts=(gpus,), t=t, sequence_parallel=sequence_parallel,
-                                     name=name, keywords=keywords)
-    profile = with_documents(profile, documents)   # attention at the block mask's tiles
-    profile = with_expert_load(profile, moe_imbalance)   # uneven routing, priced
-    cp_refused = _context_refusal(captured.gm, seq_len, c)
-    if cp_refused is not None and c is not None and c > 1:
-        raise ValueError(f"parallelize: c={c}: {cp_refused}") from None
-    if cp_refused is not None and c is None:
-        c = 1   # the solver may not choose a sequence split the pass cannot build
-    buildable = CP_ATTENTION   # the methods the pass builds for this model (at c or 2)
-    refused: dict[str, str | None] = {}
-    if c != 1 and cp_attention != "all-gather":
-        refused = {how: _context_refusal(captured.gm, seq_len, c, how)
-                   for how in CP_ATTENTION if how != "all-gather"
-                   and cp_attention in (None, how)}
-        if cp_attention is not None and refused.get(cp_attention) is not None:
-            raise ValueError(f"parallelize: cp_attention={cp_attention!r}: "
-                             f"{refused[cp_attention]}") from None
-        buildable = tuple(how for how in CP_ATTENTION if refused.get(how) is None)
-    if p is not None and p > profile.num_layers:
-        raise ValueError(f"parallelize: p={p} pipeline stages but the model has "
+        return program_of_plan(model, plan, request, example_inputs=example_inputs,
+                               loss_fn=loss_fn, example_targets=example_targets, init=init)
+    return plan_program(model, request, example_inputs=example_inputs, loss_fn=loss_fn,
+                        example_targets=example_targets, init=init)
+
+
+def plan_program(model: torch.nn.Module, request: PlanRequest, *, example_inputs: tuple,
+                 loss_fn: Callable | None = None, example_targets: Any = None,
+                 init: Callable | None = None) -> ParallelProgram:
+    """The planning pipeline: the inputs checked against the model and the request → the
+    planning capture and its profile → the context-parallel split and methods the pass can
+    build → the solve (per precision; under a token budget, per batch) → the plan's notes."""
+    inputs = _checked_inputs(model, request, example_inputs, loss_fn, example_targets)
+    cl = get_cluster(request.cluster)
+    pins = request.pins
+    captured, profile = plan_profile(model, inputs.example_inputs, loss_fn, inputs.targets, cl,
+                                     gpu_counts=(request.gpus,), t=pins.t,
+                                     sequence_parallel=pins.sequence_parallel,
+                                     name=request.name, keywords=inputs.keywords)
+    profile = with_documents(profile, request.documents)   # attention at the mask's tiles
+    profile = with_expert_load(profile, request.moe_imbalance)   # uneven routing, priced
+    offer = context_offer(captured.gm, inputs.seq_len, pins)
+    if pins.p is not None and pins.p > profile.num_layers:
+        raise ValueError(f"parallelize: p={pins.p} pipeline stages but the model has "
                          f"{profile.num_layers} layers; a stage holds at least one layer — "
                          f"pin p <= {profile.num_layers} (or leave p to the solver)")
-
-    # imported here: a plan made earlier (plan=) needs no solver, so a machine without
-    # ortools (the GPU image benchmarks/gpu.py runs on) can still compile and train it
-    from autopar.cost.solver import solve
-
-    profiles = precision_profiles(profile, cl, precision)
-
-    won: dict[str, str] = {}   # the precision of solve_at's last plan
-
-    def solve_at(batch_size: int, max_alternatives: int = 50) -> Plan:
-        plans = {name: over_kinds(solve(
-            prof, cl, gpus=gpus, global_batch_size=batch_size, t=t, p=p, d=d, v=v,
-            micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
-            zero=zero, sequence_parallel=sequence_parallel, microbatch_group=microbatch_group,
-            max_alternatives=max_alternatives, c=c, ep=ep, cp_attention=cp_attention,
-            cp_attentions=buildable), prof)
-            for name, prof in profiles.items()}
-        won["precision"] = min(plans, key=lambda k: plans[k].predicted.step_time_s)
-        return plans[won["precision"]]
-
-    if tokens is None:
-        plan = solve_at(global_batch_size)
-    else:
-        crit, source = critical_batch(profile, critical_batch_tokens)
-        # the batch search weighs no alternatives; the chosen batch is solved once more with
-        # them, for explain()
-        plan = plan_for_tokens(lambda b: solve_at(b, 0), tokens=tokens,
-                               critical_batch_tokens=crit, critical_batch_source=source,
-                               seq_len=profile.seq_len, gpus=gpus,
-                               pinned_batch=global_batch_size if batch_pinned else None,
-                               multiple=(d or 1) * (micro_batch_size or 1))
-        plan = dataclasses.replace(solve_at(plan.global_batch_size), training=plan.training)
-    chosen = won["precision"]
+    profiles = precision_profiles(profile, cl, request.precision)
+    plan, chosen = _solve(request, profiles, cl, offer, inputs.batch, profile)
     notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
     if profile.expert_load is not None:
         notes.append(profile.expert_load.describe(plan.ep, profile.block.experts))
-    if precision is not None:
+    if request.precision is not None:
         notes.append(f"precision: {chosen}" + (
             f" (priced faster than {sorted(set(profiles) - {chosen})})"
-            if precision == "auto" and len(profiles) > 1 else ""))
-    if cp_refused is not None and seq_len > 1:
-        notes.append(f"context parallelism not offered (c=1): {cp_refused}")
-    if plan.c > 1:
-        notes += [f"{how} attention not offered: {why}" for how, why in refused.items()
-                  if why is not None]
+            if request.precision == "auto" and len(profiles) > 1 else ""))
+    notes += offer.notes(plan.c, inputs.seq_len)
     plan = dataclasses.replace(plan, notes=tuple(notes), parameters=parameter_signature(model))
-    pins = {"t": t, "c": c_pinned, "cp_attention": cp_attention, "ep": ep, "p": p, "d": d,
-            "v": v, "micro_batch_size": micro_batch_size,
-            "schedule": schedule, "recompute": recompute, "zero": zero,
-            "sequence_parallel": sequence_parallel, "microbatch_group": microbatch_group}
     prog = ParallelProgram(model=model, plan=plan, profile=profiles[chosen],
-                           example_inputs=example_inputs, loss_fn=loss_fn,
-                           example_targets=example_targets, cluster=cl, init=init,
-                           pins={k: x for k, x in pins.items() if x is not None})
+                           example_inputs=inputs.example_inputs, loss_fn=loss_fn,
+                           example_targets=inputs.targets, cluster=cl, init=init,
+                           pins=pins.as_dict())
     prog.precision = chosen
-    prog.input_keywords, prog.documents = keywords, documents
+    prog.input_keywords, prog.documents = inputs.keywords, request.documents
     return prog
 
 
-PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "auto")
+def program_of_plan(model: torch.nn.Module, plan: Plan, request: PlanRequest, *,
+                    example_inputs: tuple, loss_fn: Callable | None = None,
+                    example_targets: Any = None, init: Callable | None = None) -> ParallelProgram:
+    """A plan made earlier (plan.json on every torchrun rank): nothing to solve, so no
+    planning capture; compile() captures the full model itself."""
+    inputs = _checked_inputs(model, request, example_inputs, loss_fn, example_targets)
+    if request.tokens is not None:
+        raise ValueError("parallelize: tokens= with plan=: a given plan is not re-planned; "
+                         "drop tokens= (the plan keeps its time to train) or drop plan=")
+    if plan.gpus != request.gpus:
+        raise ValueError(f"parallelize: plan is for t·c·p·d = {plan.gpus} GPUs but "
+                         f"gpus={request.gpus}; pass gpus={plan.gpus} or re-plan")
+    prog = ParallelProgram(model=model, plan=plan, profile=None,
+                           example_inputs=inputs.example_inputs, loss_fn=loss_fn,
+                           example_targets=inputs.targets, cluster=get_cluster(request.cluster),
+                           init=init)
+    prog.input_keywords, prog.documents = inputs.keywords, request.documents
+    return prog
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Inputs:
+    example_inputs: tuple
+    targets: Any          # example_targets, or the language-model default
+    batch: int            # the example batch (the global batch when the request has none)
+    seq_len: int
+    keywords: tuple[str, ...] = ()   # the last inputs passed by name (packed documents)
+
+
+def _checked_inputs(model: Any, request: PlanRequest, example_inputs: Any,
+                    loss_fn: Callable | None, example_targets: Any) -> _Inputs:
+    """The example inputs checked against the model (its context length, a language model
+    under cross_entropy) and the request (the sequence a pinned c splits, the token budget)."""
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise ValueError("parallelize: example_inputs must be a non-empty tuple of model inputs, "
+                         "e.g. example_inputs=(input_ids,)")
+    example_inputs, keywords = program_inputs(model, tuple(example_inputs), request.documents)
+    _check_context(model, example_inputs)
+    if loss_fn is cross_entropy:
+        _check_language_model(model)
+    seq_len = _seq_len(example_inputs)
+    if request.tokens is not None:
+        check_training_inputs(request.tokens, request.critical_batch_tokens, seq_len,
+                              "parallelize")
+    try:
+        request.check_sequence(seq_len)
+    except ValueError as exc:
+        raise ValueError(f"parallelize: {exc}") from None
+    if loss_fn is not None and example_targets is None:
+        example_targets = _default_targets(example_inputs)
+    first = example_inputs[0]
+    return _Inputs(example_inputs=example_inputs, targets=example_targets, seq_len=seq_len,
+                   batch=first.shape[0] if isinstance(first, torch.Tensor) else 1,
+                   keywords=keywords)
+
+
+def _solve(request: PlanRequest, profiles: dict[str, Any], cluster: Any, offer: "ContextOffer",
+           example_batch: int, profile: Any) -> tuple[Plan, str]:
+    """The fastest plan over the priced precisions (and, under a token budget, the batch that
+    trains the tokens soonest), and the precision it won at."""
+    # imported here: a plan made earlier (plan=) needs no solver, so a machine without
+    # ortools (the GPU image benchmarks/gpu.py runs on) can still compile and train it
+    from autopar.cost.solver import solve
+    knobs = {**request.pins.as_dict(), "cp_attentions": offer.methods}
+    if offer.c is not None:
+        knobs["c"] = offer.c
+    won: dict[str, str] = {}
+
+    def solve_at(batch_size: int, max_alternatives: int = 50) -> Plan:
+        plans = {name: over_kinds(solve(prof, cluster, gpus=request.gpus,
+                                        global_batch_size=batch_size,
+                                        max_alternatives=max_alternatives, **knobs), prof)
+                 for name, prof in profiles.items()}
+        won["precision"] = min(plans, key=lambda k: plans[k].predicted.step_time_s)
+        return plans[won["precision"]]
+
+    batch = request.global_batch_size or example_batch
+    if request.tokens is None:
+        return solve_at(batch), won["precision"]
+    crit, source = critical_batch(profile, request.critical_batch_tokens)
+    # the batch search weighs no alternatives; the chosen batch is solved once more with
+    # them, for explain()
+    pins = request.pins
+    plan = plan_for_tokens(lambda b: solve_at(b, 0), tokens=request.tokens,
+                           critical_batch_tokens=crit, critical_batch_source=source,
+                           seq_len=profile.seq_len, gpus=request.gpus,
+                           pinned_batch=request.global_batch_size,
+                           multiple=(pins.d or 1) * (pins.micro_batch_size or 1))
+    plan = dataclasses.replace(solve_at(plan.global_batch_size), training=plan.training)
+    return plan, won["precision"]
 
 
 def precision_profiles(profile: Any, cluster: Any, precision: str | None) -> dict[str, Any]:
     """precision -> the profile priced for it: the one asked for, or under "auto" bf16 and,
     where the cluster has an FP8 rate, fp8 (the solver compares them only then)."""
-    if precision is not None and precision not in PLAN_PRECISIONS:
-        raise ValueError(f"parallelize: precision={precision!r}: must be one of "
-                         f"{PLAN_PRECISIONS} (or None: priced as bf16)")
+    if why := knob_refusal("precision", precision):
+        raise ValueError(f"parallelize: {why}")
     if precision == "auto":
         out = {"bf16": profile.with_gemm_precision("bf16", cluster)}
         if cluster.fp8_flops:
@@ -332,7 +341,7 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
                  name: str | None = None, keywords: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """The planning capture and the cost model's profile of `model`, with the tensor-parallel
     pass priced at every t the solver may pick for any of `gpu_counts` (one capture serves a
-    sweep over GPU counts and batches: autopar/scale.py)."""
+    sweep over GPU counts and batches: autopar/scaling.py)."""
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2,
                        keywords=keywords)
@@ -423,33 +432,53 @@ def _seq_len(example_inputs: tuple) -> int:
     return int(first.shape[1]) if isinstance(first, torch.Tensor) and first.dim() > 1 else 1
 
 
-def _check_context_pins(gpus: int, *, seq_len: int, t: int | None, c: int | None,
-                        p: int | None, d: int | None) -> None:
-    """The one-line errors of a pinned context-parallel degree, before any capture."""
-    if c is None:
-        return
-    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-        raise ValueError(f"parallelize: c={c!r}: the context-parallel degree must be a positive "
-                         f"int; pass c=1 for none, or leave c=None to let the solver choose")
-    pins = {"t": t, "c": c, "p": p, "d": d}
-    if all(isinstance(v, int) for v in pins.values()) and t * c * p * d != gpus:
-        raise ValueError(f"parallelize: t·c·p·d = {t}·{c}·{p}·{d} = {t * c * p * d} != "
-                         f"gpus={gpus}; the four degrees must multiply to the GPU count: "
-                         f"change a pin or gpus")
-    if gpus % c:
-        raise ValueError(f"parallelize: c={c} does not divide gpus={gpus}; the world is "
-                         f"t·c·p·d ranks: pick a c that divides {gpus}")
-    if c > 1 and seq_len % (2 * c):
-        raise ValueError(f"parallelize: c={c} with sequence length {seq_len}: context "
-                         f"parallelism cuts each sequence into 2c = {2 * c} equal chunks; pad "
-                         f"the sequence to a multiple of {2 * c} or pick a smaller c")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContextOffer:
+    """What the context-parallel pass can build for this model: `c` for the solver (the pin;
+    1 when the sequence cannot be split and c is free; None: free), the attention `methods`
+    it builds (autopar.rules.CP_ATTENTION) and why the others are not offered."""
+    c: int | None
+    methods: tuple[str, ...]
+    split_refused: str | None = None
+    refused: dict = dataclasses.field(default_factory=dict)
+
+    def notes(self, planned_c: int, seq_len: int) -> list[str]:
+        out = []
+        if self.split_refused is not None and seq_len > 1:
+            out.append(f"context parallelism not offered (c=1): {self.split_refused}")
+        if planned_c > 1:
+            out += [f"{how} attention not offered: {why}" for how, why in self.refused.items()
+                    if why is not None]
+        return out
+
+
+def context_offer(gm: Any, seq_len: int, pins: Pins) -> ContextOffer:
+    """The context split and attention methods the pass can build for the planning graph `gm`
+    (at the pinned c, or c = 2); a pinned c or cp_attention it cannot build is a one-line
+    ValueError naming the node and the user's source line."""
+    c, how = pins.c, pins.cp_attention
+    split = _context_refusal(gm, seq_len, c)
+    if split is not None and c is not None and c > 1:
+        raise ValueError(f"parallelize: c={c}: {split}") from None
+    if split is not None and c is None:
+        c = 1   # the solver may not choose a sequence split the pass cannot build
+    if c == 1 or how == "all-gather":
+        return ContextOffer(c=c, methods=CP_ATTENTION, split_refused=split)
+    refused = {m: _context_refusal(gm, seq_len, c, m) for m in CP_ATTENTION
+               if m != "all-gather" and how in (None, m)}
+    if how is not None and refused.get(how) is not None:
+        raise ValueError(f"parallelize: cp_attention={how!r}: {refused[how]}") from None
+    return ContextOffer(c=c, methods=tuple(m for m in CP_ATTENTION if refused.get(m) is None),
+                        split_refused=split, refused=refused)
 
 
 def _context_refusal(gm: Any, seq_len: int, c: int | None,
                      attention: str = "all-gather") -> str | None:
     """Why the context-parallel pass cannot split this model's sequences with `attention`
     (its one-line ValueError: the node and the user's source line), or None; tried on a copy
-    of the planning graph at the pinned c, or c = 2."""
+    of the planning graph at the pinned c, or c = 2. (The rewrite's own refusals — beyond the
+    sharding engine's `context_layouts` — are what the trial finds; once the engine states
+    them all, this asks the engine alone.)"""
     import copy
     from autopar.passes.context_parallel import apply_context_parallel
     trial = c if c is not None and c > 1 else 2
@@ -498,16 +527,6 @@ def load_plan(path: str | Path) -> Plan:
 
 
 _CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "block_size", "n_ctx")
-
-
-def _check_pins(**pins: Any) -> None:
-    """Every integer knob given must be a positive int (bool is not)."""
-    for name, value in pins.items():
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"parallelize: {name}={value!r} must be a positive integer; "
-                             f"pass {name}=1 or more, or leave it out for the solver to choose")
 
 
 def _check_context(model: Any, example_inputs: tuple) -> None:

@@ -17,9 +17,19 @@ from pathlib import Path
 from autopar.plan import CP_ATTENTION
 
 
+def _pins_from_args(args: argparse.Namespace) -> "Pins":
+    """The flags that pin a knob (--micro-batch is micro_batch_size) as the request's Pins."""
+    from autopar.request import Pins
+    pins = {k: getattr(args, k, None) for k in ("t", "c", "cp_attention", "ep", "p", "d", "v",
+                                                "schedule", "recompute", "zero")}
+    return Pins(**pins, micro_batch_size=getattr(args, "micro_batch", None))
+
+
 def _plan_from_args(args: argparse.Namespace):
     import autopar
+    from autopar.api import plan_program
     from autopar.presets import load_model
+    from autopar.request import PlanRequest
 
     if args.cluster is None:           # named among the defaults the user did not set
         args.cluster, args.cluster_defaulted = DEFAULT_CLUSTER, True
@@ -32,17 +42,11 @@ def _plan_from_args(args: argparse.Namespace):
     else:
         batch = args.batch or (defaults.global_batch_size if defaults else inputs[0].shape[0])
         _note_defaults(args, batch, inputs)
-    pins = {k: getattr(args, k) for k in ("t", "c", "cp_attention", "ep", "p", "d", "v",
-                                          "schedule", "recompute", "zero")
-            if getattr(args, k, None) is not None}
-    if args.micro_batch is not None:
-        pins["micro_batch_size"] = args.micro_batch
+    moe_imbalance = getattr(args, "moe_imbalance", None)
     if getattr(args, "data", None) is not None:   # the routers' load on a batch of the data
         from autopar.expert_load import load_from_token_file
         real, _ = load_model(args.model, seq_len=args.seq, device="cpu")   # weights to route
-        pins["moe_imbalance"] = load_from_token_file(real.model, real.example_inputs, args.data)
-    elif getattr(args, "moe_imbalance", None) is not None:
-        pins["moe_imbalance"] = args.moe_imbalance
+        moe_imbalance = load_from_token_file(real.model, real.example_inputs, args.data)
     cluster = args.cluster
     kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
              if getattr(args, k) is not None}
@@ -50,14 +54,18 @@ def _plan_from_args(args: argparse.Namespace):
         kinds["elementwise"] = "fused"   # Inductor fuses the chunks' elementwise chains
     if kinds:  # the cluster's attention kernel / elementwise execution, overridden
         cluster = dataclasses.replace(autopar.get_cluster(cluster), **kinds)
+    try:
+        request = PlanRequest(gpus=args.gpus, pins=_pins_from_args(args),
+                              global_batch_size=batch, cluster=cluster, name=user.name,
+                              tokens=tokens,
+                              critical_batch_tokens=getattr(args, "critical_batch", None),
+                              precision=getattr(args, "precision", None),
+                              documents=_documents(args), moe_imbalance=moe_imbalance)
+    except ValueError as exc:
+        raise ValueError(f"parallelize: {exc}") from None
     start = time.perf_counter()
-    prog = autopar.parallelize(user.model, gpus=args.gpus, example_inputs=inputs,
-                               loss_fn=user.loss(), example_targets=user.example_targets,
-                               global_batch_size=batch, cluster=cluster, name=user.name,
-                               tokens=tokens,
-                               critical_batch_tokens=getattr(args, "critical_batch", None),
-                               precision=getattr(args, "precision", None),
-                               documents=_documents(args), **pins)
+    prog = plan_program(user.model, request, example_inputs=inputs, loss_fn=user.loss(),
+                        example_targets=user.example_targets)
     return prog, time.perf_counter() - start
 
 
@@ -129,7 +137,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     precision = {None: "fp32", "auto": prog.precision}.get(args.precision, args.precision)
     out = prog.save(args.out, model=args.model, precision=precision)
     if args.compile:   # launch.py's default --compile
-        from autopar.launch import BUILD_FILE
+        from autopar.saved_program import BUILD_FILE
         info = json.loads((out / BUILD_FILE).read_text())
         (out / BUILD_FILE).write_text(json.dumps({**info, "compile": True}, indent=2))
     print(prog.plan)
@@ -155,7 +163,8 @@ def _check_out_dir(out: Path) -> None:
 
 def cmd_timeline(args: argparse.Namespace) -> int:
     prog, _ = _plan_from_args(args)
-    path = prog.plan.timeline(args.out)
+    from autopar.timeline import plan_timeline
+    path = plan_timeline(prog.plan, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -27,16 +27,12 @@ import torch.fx
 
 from autopar.build import build_program
 from autopar.cost.hardware import Cluster, cluster_to_dict
-from autopar.launch import BUILD_FILE, build_info
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE, uses_rank_device
 from autopar.passes.pipeline import ChunkSpec
+from autopar.saved_program import BUILD_FILE, build_info, chunk_file_name
 
 _COLLECTIVE_MODULES = ("autopar.runtime.collectives", "autopar.runtime.shard", "torch.distributed")
-
-
-def chunk_file_name(chunk: int, tp_rank: int, t: int) -> str:
-    return f"chunk_{chunk:02d}.py" if t == 1 else f"chunk_{chunk:02d}_tp{tp_rank}.py"
 
 
 def _import_lines(globals_: dict[str, Any]) -> list[str]:
@@ -253,33 +249,6 @@ def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0, precision: str = "
                          f"{prog.plan.p}·{prog.plan.v}); pass 0 <= chunk < {len(chunks)}")
     return render_chunk(chunks[chunk], prog.plan, tp_rank, model_name=prog.plan.model,
                         precision=precision)
-
-
-def saved_precision(source: str) -> str:
-    """The PRECISION a chunk source was generated for ("fp32" for files written before chunks
-    recorded it: those were all captured in fp32)."""
-    for line in source.splitlines():
-        if line.startswith("PRECISION = "):
-            return ast.literal_eval(line[len("PRECISION = "):].strip())
-    return "fp32"
-
-
-def check_saved_precision(directory: str | Path, plan: Any, precision: str) -> None:
-    """ValueError (one line) unless every chunk file `prog.save` wrote into `directory` for
-    `plan` was generated for `precision`: a graph captured in fp32 cannot tell a norm's fp32
-    upcast from its input (so it cannot run in bf16), one captured in bf16 casts to bf16.
-    Missing files are left to the loader, which names them."""
-    for tp in range(plan.t):
-        for c in range(plan.p * plan.v):
-            path = Path(directory) / chunk_file_name(c, tp, plan.t)
-            saved = saved_precision(path.read_text()) if path.is_file() else precision
-            if saved != precision:
-                raise ValueError(
-                    f"{path} was generated for precision={saved!r} but the run asks for "
-                    f"precision={precision!r}; run it with precision={saved!r} (launch.py "
-                    f"--precision {saved}), or save it again for {precision} "
-                    f"(prog.save(..., precision={precision!r}), autopar build --precision "
-                    f"{precision})")
 
 
 def load_chunk_module(source: str, filename: str = "<autopar chunk>") -> types.ModuleType:

@@ -30,18 +30,18 @@ import torch.distributed as dist
 import torch.fx
 
 from autopar.build import PRECISIONS, BuiltProgram, build_program
-from autopar.codegen import (check_saved_precision, chunk_file_name, load_chunk_module,
-                             render_chunk)
+from autopar.codegen import load_chunk_module, render_chunk
 from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.fp8 import fp8_only_weights
 from autopar.passes.router_stats import DATA_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import ZERO_LEVELS, Plan, check_model
+from autopar.plan import Plan, check_model
 from autopar.progress import Progress
+from autopar.rules import ZERO_LEVELS
 from autopar.runtime.compiled import compile_chunks
-from autopar.runtime.context import ContextShard
+from autopar.runtime.context_shard import ContextShard
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
 from autopar.runtime.loss_scale import LossScaler, LossScaling
@@ -49,6 +49,7 @@ from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, descri
 from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
+from autopar.saved_program import check_saved_precision, chunk_file_name
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, SPLIT_BACKWARD, make_schedule
 
 def _launched_world_size() -> int | None:

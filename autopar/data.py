@@ -338,3 +338,17 @@ def _open(source: str | Callable[..., Iterable], shape: BatchShape, *,
         return RandomBatches(shape, vocab_size=vocab_size, seed=seed)
     return TokenFileBatches(TokenFile(source, dtype=dtype, vocab_size=vocab_size), shape,
                             seed=seed)
+
+
+def mean_doc_len(source: Any, eod: int, *, dtype: str | None = None,
+                 vocab_size: int | None = None) -> float | None:
+    """Tokens per EOD over the first MEASURE_TOKENS tokens of the token file `source` (a
+    document longer than what was read counts as that long); None for another source
+    ("random", a data function)."""
+    from autopar.documents import MEASURE_TOKENS
+    if not isinstance(source, str) or not Path(source).is_file():
+        return None
+    file = TokenFile(source, dtype=dtype or ("uint16" if vocab_size is None else None),
+                     vocab_size=vocab_size)
+    head = file.tokens[:MEASURE_TOKENS]
+    return len(head) / max(1, int((head == eod).sum()))

@@ -18,7 +18,7 @@ A data function may give the boundaries itself: its global batch (inputs, target
 with doc_ids (B, T) the index of each token's document, non-decreasing along a row.
 
 Under context parallelism (c > 1) each context rank holds chunks r and 2c−1−r of a row
-(runtime/context.py). With documents, that cut would give a rank whole short documents and
+(runtime/context_shard.py). With documents, that cut would give a rank whole short documents and
 another the costly ends of long ones, so the row is first reordered (`balance_order`) by the
 rule of TransformerEngine's THD load balancing (`thd_partition_indices_kernel`, what
 Megatron-Core runs for packed sequences under CP) and of PyTorch's context parallelism for
@@ -175,18 +175,3 @@ def program_inputs(model: torch.nn.Module, example_inputs: tuple,
 
 # tokens read from the start of a token file to measure its mean document length
 MEASURE_TOKENS = 1 << 24
-
-
-def mean_doc_len(source: Any, eod: int, *, dtype: str | None = None,
-                 vocab_size: int | None = None) -> float | None:
-    """Tokens per EOD over the first MEASURE_TOKENS tokens of the token file `source` (a
-    document longer than what was read counts as that long); None for another source
-    ("random", a data function)."""
-    from pathlib import Path
-    if not isinstance(source, str) or not Path(source).is_file():
-        return None
-    from autopar.data import TokenFile
-    file = TokenFile(source, dtype=dtype or ("uint16" if vocab_size is None else None),
-                     vocab_size=vocab_size)
-    head = file.tokens[:MEASURE_TOKENS]
-    return len(head) / max(1, int((head == eod).sum()))

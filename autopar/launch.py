@@ -55,27 +55,11 @@ from autopar.plan import Plan
 from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
 from autopar.runtime.preempt import DEFAULT_SAVE_EVERY, CheckpointSaver
+from autopar.saved_program import check_saved_precision, read_build
 from autopar.user_errors import quiet_torch_warnings, report
 
-BUILD_FILE = "build.json"
 # pins that depend on the GPU count: solved again when the job re-plans for another count
 DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
-
-
-def build_info(model: str | None, pins: dict[str, Any], precision: str = "fp32",
-               cluster: dict[str, Any] | None = None, documents: Any = None) -> str:
-    """The JSON of build.json: the factory `autopar build` was given (absolute path), the
-    pins it planned with, the precision its chunks were generated for and the cluster it
-    planned for (every field: a re-plan prices the same hardware, a cluster file's too)."""
-    if model is not None:
-        path, _, fn = model.rpartition(":")
-        model = f"{Path(path).resolve()}:{fn}"
-    info = {"model": model, "pins": pins, "precision": precision}
-    if cluster is not None:
-        info["cluster"] = cluster
-    if documents is not None:   # the chunks take packed documents' inputs
-        info["documents"] = dataclasses.asdict(documents)
-    return json.dumps(info, indent=2)
 
 
 def parse_args(argv: list[str] | None, default_model: str | None,
@@ -163,12 +147,11 @@ def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
 
 
 def _run(program_dir: Path, argv: list[str] | None) -> int:
-    build = _read_build(program_dir)
+    build = read_build(program_dir)
     args = parse_args(argv, build.get("model"), build.get("precision", "fp32"))
     args.compile = bool(build.get("compile")) if args.compile is None else args.compile
     saved = autopar.load_plan(program_dir / "plan.json")   # a bad file: one line naming it
     if os.environ.get("WORLD_SIZE", str(saved.gpus)) == str(saved.gpus):   # the saved chunks
-        from autopar.codegen import check_saved_precision  # run (codegen imports this module)
         check_saved_precision(program_dir, saved, args.precision)
     torch.manual_seed(args.init_seed)
     user = load_factory(args.model)
@@ -302,7 +285,8 @@ def _eval_data(args: argparse.Namespace, plan: Plan, runner: Any, vocab: int | N
 
 def _documents(args: argparse.Namespace, build: dict[str, Any], vocab: int | None) -> Any:
     """The packed documents this job trains on (module doc), or None."""
-    from autopar.documents import PackedDocuments, mean_doc_len
+    from autopar.data import mean_doc_len
+    from autopar.documents import PackedDocuments
     built = build.get("documents")
     if not (args.eod is not None or args.documents):
         if built:
@@ -314,17 +298,6 @@ def _documents(args: argparse.Namespace, build: dict[str, Any], vocab: int | Non
     if mean is None and args.eod is not None:
         mean = mean_doc_len(args.data, args.eod, dtype=args.data_dtype, vocab_size=vocab)
     return PackedDocuments(mean_doc_len=mean)
-
-
-def _read_build(program_dir: Path) -> dict[str, Any]:
-    file = program_dir / BUILD_FILE
-    if not file.is_file():
-        return {}
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file}: not valid JSON ({exc}); rewrite it with autopar build, or "
-                         f"delete it and pass --model") from exc
 
 
 def _example(user: UserModel, plan: Plan) -> tuple[tuple, Any]:
@@ -358,17 +331,19 @@ def replan(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
 
 def _solve(saved: Plan, user: UserModel, world: int, pins: dict[str, Any],
            fields: dict[str, Any] | None, documents: Any = None) -> Plan:
+    from autopar.api import plan_program
     from autopar.cost.hardware import cluster_from_dict
+    from autopar.request import Pins, PlanRequest
     cluster = (cluster_from_dict(fields, "build.json's cluster") if fields is not None
                else autopar.get_cluster(saved.cluster))
     if saved.predicted.attention and saved.predicted.attention != cluster.attention:
         cluster = dataclasses.replace(cluster, attention=saved.predicted.attention)
     inputs, targets = _example(user, saved)
-    keep = {k: v for k, v in pins.items() if k not in DEGREE_PINS}
-    prog = autopar.parallelize(user.model, gpus=world, example_inputs=inputs,
-                               loss_fn=user.loss(), example_targets=targets,
-                               global_batch_size=saved.global_batch_size, cluster=cluster,
-                               name=saved.model, documents=documents, **keep)
+    keep = Pins.of(pins, "build.json's pins").without(*DEGREE_PINS)
+    request = PlanRequest(gpus=world, pins=keep, global_batch_size=saved.global_batch_size,
+                          cluster=cluster, name=saved.model, documents=documents)
+    prog = plan_program(user.model, request, example_inputs=inputs, loss_fn=user.loss(),
+                        example_targets=targets)
     return prog.plan
 
 

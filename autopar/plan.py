@@ -10,35 +10,15 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
+# what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
+from autopar.rules import (CP_ATTENTION, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
+                           expert_degree_refusal, knob_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
-RECOMPUTE = ("none", "selective", "full")
-ZERO_LEVELS = (0, 1, 2, 3)
-# how context parallelism's attention reads the other ranks' keys and values: all-gathered
-# before attention (Llama 3's method), or passed round the context ranks block by block while
-# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
-# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py
-CP_ATTENTION = ("all-gather", "ring", "all-to-all")
 
 GB = 1024 ** 3
-
-# "bubble" means one ratio everywhere (the plan's table, explain(), the timeline's title):
-# Prediction.bubble_fraction, the pipeline's idle time over the compute time of the busiest
-# rank — the papers' t_pb / t_id (2104.04473 §2.2), (p−1)/m for GPipe and 1F1B.
-BUBBLE_MEANING = "idle ÷ compute time of the busiest rank, the papers' (p-1)/m"
-
-
-def bubble_text(fraction: float) -> str:
-    """'bubble 2.2% (idle ÷ compute ...)': how every printed output names the bubble."""
-    return f"bubble {fraction * 100:.1f}% ({BUBBLE_MEANING})"
-
-
-def layer_range(first: int, last: int) -> str:
-    """Layer ranges are half-open everywhere, text and JSON alike: [first_layer, last_layer),
-    last exclusive (Stage's fields; '[0, 12)' = layers 0 … 11)."""
-    return f"layers [{first}, {last})"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Stage:
@@ -239,7 +219,8 @@ class Plan:
     def gpus(self) -> int:
         return self.t * self.c * self.p * self.d
 
-    # ----- presentation ------------------------------------------------------------------
+    # ----- presentation (autopar/report.py, which reads the fields and imports nothing of
+    # this module at run time; the schedule's Gantt chart: autopar.timeline.plan_timeline) ----
     def __str__(self) -> str:
         from autopar.report import format_plan
         return format_plan(self)
@@ -247,11 +228,6 @@ class Plan:
     def explain(self, top: int = 10) -> str:
         from autopar.report import format_explain
         return format_explain(self, top=top)
-
-    def timeline(self, path: str) -> str:
-        """Draw the simulated schedule of this plan as a Gantt chart at `path` (PNG)."""
-        from autopar.timeline import plan_timeline
-        return plan_timeline(self, path)
 
     # ----- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -330,29 +306,20 @@ def _prediction_from_dict(d: dict[str, Any] | None) -> Prediction | None:
 
 
 def _validate_plan(plan: Plan) -> None:
-    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches"):
+    for name in ("t", "p", "d", "c", "ep", "v", "micro_batch_size", "num_microbatches",
+                 "cp_attention", "schedule", "recompute", "zero"):
         value = getattr(plan, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Plan.{name}={value!r}: must be a positive integer")
-    if (plan.c * plan.d) % plan.ep:
-        raise ValueError(f"Plan.ep={plan.ep} with c·d = {plan.c}·{plan.d} = {plan.c * plan.d}: "
-                         f"the expert-parallel ranks are drawn from the c·d ranks that hold "
-                         f"the same dense weights, so ep must divide {plan.c * plan.d}; pick an "
-                         f"ep that divides it (ep=1 for none)")
-    if plan.cp_attention not in CP_ATTENTION:
-        raise ValueError(f"Plan.cp_attention={plan.cp_attention!r}: must be one of {CP_ATTENTION}")
+        why = knob_refusal("v" if name == "num_microbatches" else name, value, free=False)
+        if why or value is None:
+            raise ValueError(f"Plan.{name}={value!r}: " + (why.split(": ", 1)[1] if why else
+                                                           "must be set"))
+    if why := expert_degree_refusal(plan.ep, plan.c, plan.d):
+        raise ValueError(f"Plan.{why}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "
                          f"each sequence into 2c = {2 * plan.c} equal chunks; use a sequence "
                          f"length divisible by {2 * plan.c} or a smaller c")
-    if plan.schedule not in SCHEDULES:
-        raise ValueError(f"Plan.schedule={plan.schedule!r}: must be one of {SCHEDULES}")
-    if plan.recompute not in RECOMPUTE:
-        raise ValueError(f"Plan.recompute={plan.recompute!r}: must be one of {RECOMPUTE}")
-    if plan.zero not in ZERO_LEVELS:
-        raise ValueError(f"Plan.zero={plan.zero!r}: must be one of {ZERO_LEVELS}")
-    if plan.v > 1 and plan.schedule not in ("interleaved-1f1b", "interleaved-zb",
-                                            "breadth-first"):
+    if plan.v > 1 and plan.schedule not in MULTI_CHUNK:
         raise ValueError(f"Plan.v={plan.v} with schedule={plan.schedule!r}: several chunks per "
                          f"pipeline rank need schedule 'interleaved-1f1b', 'interleaved-zb' or "
                          f"'breadth-first'; set v=1 or change the schedule")

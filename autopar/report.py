@@ -1,13 +1,17 @@
 """Text rendering of a Plan: the table `print(plan)` shows and `plan.explain()`.
 
 Pure string functions over the Plan dataclasses; no cost-model calls here (the numbers were
-computed by the solver with the cost model and travel inside the Plan).
+computed by the solver with the cost model and travel inside the Plan). This module imports
+autopar.plan for types only: Plan's `__str__`/`explain()` call it (imported inside them, so
+the runtime, which reads plans, never loads this), and a run-time import back would be a loop
+(tests/unit/test_import_cycles.py).
 """
 from __future__ import annotations
 
 import re
-
 from typing import TYPE_CHECKING, Any
+
+from autopar.words import bubble_text, layer_range
 
 if TYPE_CHECKING:
     from autopar.plan import Alternative, Memory, Plan, Prediction, TrainingEstimate
@@ -16,13 +20,7 @@ GIB = 1024 ** 3
 
 
 def _bubble(fraction: float) -> str:
-    from autopar.plan import bubble_text
     return bubble_text(fraction)
-
-
-def layer_range(first: int, last: int) -> str:
-    from autopar.plan import layer_range as text
-    return text(first, last)
 
 
 def _fmt_s(seconds: float) -> str:

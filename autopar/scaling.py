@@ -22,6 +22,7 @@ from typing import Any, Callable
 from autopar.cost.solver import solve
 from autopar.cost.time_to_train import plan_for_tokens
 from autopar.plan import Plan
+from autopar.request import Pins
 from autopar.progress import Progress
 
 PAYING_EFFICIENCY = 0.5   # see the module docstring
@@ -129,6 +130,7 @@ def sweep(profile: Any, cluster: Any, *, tokens: float, critical_batch_tokens: f
           solve_fn: Callable[..., Plan] = solve, **pins: Any) -> ScaleResult:
     """Plan every (GPU count, family) for the shortest time to train `tokens`. `families`:
     names of FAMILIES, or Family objects."""
+    pins = Pins.of(pins, "scale").as_dict()   # one line per bad knob (autopar.rules)
     unknown = [f for f in families if isinstance(f, str) and f not in FAMILIES]
     if unknown:
         raise ValueError(f"scale: unknown schedule families {unknown}; pick from "
@@ -201,6 +203,7 @@ def scale_sweep(model: Any, *, example_inputs: tuple, tokens: float, gpus_max: i
     from autopar.cost.critical_batch import check_training_inputs
     from autopar.cost.hardware import get_cluster
 
+    pins = Pins.of(pins, "scale").as_dict()
     example_inputs = tuple(example_inputs)
     first = example_inputs[0]
     seq_len = int(first.shape[1]) if isinstance(first, torch.Tensor) and first.dim() > 1 else 1

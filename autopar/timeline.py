@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from autopar.cost.simulate import simulate
-from autopar.plan import bubble_text
+from autopar.words import bubble_text
 from autopar.schedules import Action, interleaved_zb, make_schedule, parse_action
 
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
@@ -135,7 +135,7 @@ def plan_timeline(plan, path: str) -> str:
         per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                                  group=plan.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
         res = simulate(per_rank, fwd, bwd)
-    # the bubble is the plan's number under the plan's definition (autopar.plan.BUBBLE_MEANING)
+    # the bubble is the plan's number under the plan's definition (autopar.words.BUBBLE_MEANING)
     # — this drawing's simulation has no p2p time, so its own idle share would be another number
     fraction = plan.predicted.bubble_fraction if plan.predicted is not None \
         else res.bubble_over_compute

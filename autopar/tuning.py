@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.plan import Plan
+from autopar.request import Pins
 
-PIN_KEYS = ("t", "c", "cp_attention", "ep", "p", "d", "v", "micro_batch_size", "schedule",
-            "recompute", "zero", "sequence_parallel", "microbatch_group")
+PIN_KEYS = tuple(f.name for f in dataclasses.fields(Pins))   # the request's knobs
 _COMPUTE_TERMS = ("compute_s", "bubble_s", "optimizer_s")
 _COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
 
@@ -134,7 +134,7 @@ def pins_label(pins: dict[str, Any]) -> str:
 
 def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
                     loss_fn: Callable | None, example_targets: Any, global_batch_size: int,
-                    cluster: Cluster, top: int, named: tuple[dict, ...] = (),
+                    cluster: Cluster, top: int, named: tuple["Pins | dict", ...] = (),
                     name: str | None = None) -> tuple[list[Plan], Callable[[Cluster, dict], Plan]]:
     """The `top` best predicted plans and the named ones (each solved with every knob
     pinned), and a function that solves pins on another cluster (the same profile)."""
@@ -146,9 +146,10 @@ def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
                               gpu_counts=(gpus,), name=name)
     signature = parameter_signature(model)
 
-    def solve_pins(cl: Cluster, pins: dict[str, Any], alternatives: int = 0) -> Plan:
+    def solve_pins(cl: Cluster, pins: "Pins | dict[str, Any]", alternatives: int = 0) -> Plan:
+        knobs = Pins.of(pins, "tune").as_dict()
         plan = over_kinds(solve(profile, cl, gpus=gpus, global_batch_size=global_batch_size,
-                                max_alternatives=alternatives, **pins), profile)
+                                max_alternatives=alternatives, **knobs), profile)
         return dataclasses.replace(plan, parameters=signature)
 
     free = solve_pins(cluster, {}, alternatives=max(50, 4 * top))
@@ -163,7 +164,7 @@ def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
             seen.add(pins_label(plan_pins(plan)))
             plans.append(plan)
     for pins in named:
-        plan = solve_pins(cluster, dict(pins))
+        plan = solve_pins(cluster, pins)
         if pins_label(plan_pins(plan)) not in seen:
             seen.add(pins_label(plan_pins(plan)))
             plans.append(plan)
@@ -193,10 +194,10 @@ class PlanRun:
     def __init__(self, model_fn: Callable[[], torch.nn.Module], plan: Plan, *,
                  example_inputs: tuple, loss_fn: Callable | None, vocab: int,
                  device: torch.device, optimizer: Callable | None = None) -> None:
-        import autopar
+        from autopar.api import parallelize
         torch.manual_seed(0)
-        prog = autopar.parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
-                                   loss_fn=loss_fn, plan=plan)
+        prog = parallelize(model_fn(), gpus=plan.gpus, example_inputs=example_inputs,
+                          loss_fn=loss_fn, plan=plan)
         self.runner = prog.compile(
             optimizer=optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4)))
         self.batch = _batch_for(plan, vocab, self.runner)
@@ -303,6 +304,7 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
         raise ValueError(f"tune: gpus={gpus} but the process group has "
                          f"{dist.get_world_size() if dist.is_initialized() else 'no'} ranks; "
                          f"run under torchrun --nproc-per-node={gpus} (or autopar tune)")
+    plans = tuple(Pins.of(pins, "tune: plans=") for pins in plans)   # one line per bad knob
     cl = get_cluster(cluster)
     model = model_fn()
     vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or int(

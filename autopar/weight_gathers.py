@@ -2,7 +2,7 @@
 
 A schedule is data (autopar.schedules); so is the plan of the weight all-gathers, releases and
 gradient reduce-scatters that sharded data parallelism (Plan.zero 2 and 3) runs around it. The
-runtime carries it out (autopar.runtime.zero3.Zero3Chunks, from the regime's executor hooks)
+runtime carries it out (autopar.runtime.zero3_chunks.Zero3Chunks, from the regime's executor hooks)
 and the cost model counts it (cost/model.py): one plan for both, as for the schedule.
 """
 from __future__ import annotations

@@ -234,7 +234,7 @@ ZERO_TRAITS: dict[int, ZeroTraits] = {
     1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),
     # ZeRO-2 in FSDP's terms (reshard_after_forward=False, torchtitan): fp32 grads and
     # optimizer states sharded at rest, and no 16-bit weights: the runtime
-    # (autopar/runtime/zero3.py) keeps only the fp32 master shard (4 of the optimizer's 12 B:
+    # (autopar/runtime/zero3_chunks.py) keeps only the fp32 master shard (4 of the optimizer's 12 B:
     # master, m, v) and casts it to 16-bit for each all-gather, as FSDP2's
     # MixedPrecisionPolicy(param_dtype=bf16); each chunk gathered once per step and kept until
     # its last backward. The gathered working set is added in memory.memory_coefficients.

@@ -3,7 +3,7 @@ rotary, local and global attention whose graphs differ (issue 31).
 
 The layer finder (passes/layers.py) groups the blocks of a stack by their graph into kinds and
 gives every model layer its kind (`LayerStructure.pattern`, true counts). Each kind is profiled
-on its own, as a one-kind model (passes/profile.py on its first block, its tensor-parallel
+on its own, as a one-kind model (passes/graph_profile.py on its first block, its tensor-parallel
 fallbacks priced by passes/tp_cost.py): `LayerKind.profile`. The planner sees:
 
   - `mixed_profile`: the model as `num_layers` = L layers of one *mean layer*, each kind's block

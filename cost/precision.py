@@ -1,7 +1,7 @@
 """Precision priced beyond the GEMM rate: the FP8 weights sharded-weight plans gather in 8 bits.
 
 Under FP8 (tensorwise: what the planner's "fp8" prices) with sharded weights (zero 2 / 3), the
-runtime (autopar/runtime/zero3.py Fp8Gather; torchao's FSDP2 float8 all-gather, torchtitan's
+runtime (autopar/runtime/zero3_chunks.py Fp8Gather; torchao's FSDP2 float8 all-gather, torchtitan's
 `--float8.enable_fsdp_float8_all_gather`, on in its published Float8 runs) casts each shard of a
 weight that only FP8 GEMMs read to e4m3 and all-gathers 1 byte per element where bf16 moves 2;
 the gathered copy the chunk computes from is that 1-byte tensor. So a block's gather traffic and

@@ -1,7 +1,7 @@
 """The cost model's view of a model: per-region GEMMs, parameters and activations.
 
 A `ModelProfile` is what the planner knows about a model. It is built either from a captured
-graph (`autopar.passes.profile.profile_from_graph`, the real path: shapes come from torch.export
+graph (`autopar.passes.graph_profile.profile_from_graph`, the real path: shapes come from torch.export
 and the repeated block is analysed once) or analytically from transformer dimensions
 (`transformer_profile`, used by tests and for checking the graph path against the textbook).
 
@@ -200,7 +200,7 @@ class RegionProfile:
     # heads, one sequence's attention gathers from the other context ranks; 0 until the
     # profile is restated for c > 1
     cp_gather_elems: int = 0
-    # a mixture of experts (passes/profile.py _charge_experts): the experts' weights (part of
+    # a mixture of experts (passes/graph_profile.py _charge_experts): the experts' weights (part of
     # params_split_elems), the experts per layer, and the elements one token dispatch moves per
     # sequence (tokens · top-k · hidden, summed over the region's expert chains); 0 without
     expert_params_elems: int = 0

@@ -37,7 +37,7 @@ from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_
                                 bubble_div, config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.profile import ModelProfile
-from autopar.cost.solver import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
+from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
                                  quick_lower_bound_scaled)
 

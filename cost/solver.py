@@ -40,18 +40,20 @@ integer costs.
 """
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import re
 import time
-from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from ortools.sat.python import cp_model
 
 from autopar.cost.hardware import Cluster, get_cluster
+# the search's types and bounds (cost/bounds.py, shared with cost/search.py); chunk_minimums and
+# chunks_from_ranks are re-exported for cost/bruteforce.py and the tests
+from autopar.cost.bounds import (GIB, Family, SolveStats, chunk_minimums, chunks_from_ranks,
+                                 heuristic_partition)
 from autopar.cost.layout import spread_layers
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts,
@@ -63,7 +65,9 @@ from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCost
 from autopar.cost.profile import ModelProfile
 from autopar.plan import (CP_ATTENTION, RECOMPUTE, ZERO_LEVELS, Alternative, Plan, Prediction,
                           Stage)
-from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, GROUPED
+from autopar.request import Pins as RequestPins
+from autopar.rules import degrees_refusal
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS
 
 # Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
 # `schedules=`): its bubble is priced (a third of interleaved 1F1B's) but not the cost of
@@ -73,25 +77,13 @@ AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
 MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
 MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble
 SOLVER_TIME_LIMIT_S = 20.0
-GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
 
 
 # ----- enumeration of knob combinations --------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
-class Pins:
-    t: int | None = None
-    c: int | None = None
-    cp_attention: str | None = None
-    ep: int | None = None
-    p: int | None = None
-    d: int | None = None
-    v: int | None = None
-    micro_batch_size: int | None = None
-    schedule: str | None = None
-    recompute: str | None = None
-    zero: int | None = None
-    sequence_parallel: bool | None = None
-    microbatch_group: int | None = None
+class Pins(RequestPins):
+    """The request's pins (autopar.request.Pins: the knobs, validated by autopar.rules) and
+    what the caller can build, which bounds the free knobs."""
     # ZeRO levels the caller can run (parallelize: those the runtime executes); a pinned
     # zero is always allowed.
     zero_levels: tuple[int, ...] = ZERO_LEVELS
@@ -113,56 +105,6 @@ class Pins:
 class Rejection:
     config: dict[str, Any]
     reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Family:
-    """Knob combinations that share one load-only lower bound (cost/search.py family_bound_s):
-    one (t, c, p, d, ep, micro-batch b, recompute, sp, attention method) and its `rows`, each
-    (index, schedule, v, N, ((index, zero), ...)). `key` + `sub` place its members in
-    enumeration order: a member's order is key + (schedule index, *sub[:2], zero index,
-    sub[2]), the loops' order (t, c, p, ep, b, schedule, recompute, sp, zero, attention)."""
-    key: tuple[int, ...]
-    sub: tuple[int, int, int]
-    t: int
-    c: int
-    p: int
-    d: int
-    ep: int
-    b: int
-    m: int
-    recompute: str
-    sp: bool
-    how: str
-    rows: tuple
-
-    def configs(self) -> Iterator[tuple[tuple[int, ...], Config]]:
-        """(enumeration order, configuration) of every member."""
-        ri, spi, hi = self.sub
-        for si, schedule, v, group, zeros in self.rows:
-            for zi, zero in zeros:
-                yield self.key + (si, ri, spi, zi, hi), Config(
-                    t=self.t, p=self.p, d=self.d, c=self.c, cp_attention=self.how, ep=self.ep,
-                    v=v, micro_batch_size=self.b, num_microbatches=self.m, schedule=schedule,
-                    recompute=self.recompute, sequence_parallel=self.sp, zero=zero,
-                    microbatch_group=group)
-
-    def zeros(self) -> set[int]:
-        return {z for *_, zeros in self.rows for _, z in zeros}
-
-
-@dataclass
-class SolveStats:
-    """The work of one solve, in counts (deterministic, unlike seconds): tests bound it so a
-    new degree cannot silently multiply the search; benchmarks/planner.py prints it. Pass
-    one to `solve(..., stats=)` to have it filled."""
-    families: int = 0            # families enumerated (each bounded before it is built)
-    families_built: int = 0      # of them, built: their bound did not exceed the best plan
-    families_memory: int = 0     # of them, skipped: weights and optimizer states alone overflow
-    configs: int = 0             # configurations built (Config objects)
-    quick_bounds: int = 0        # load-only lower bounds computed (the rest shared, memoised)
-    priced: int = 0              # configurations fully priced (cost.model.config_costs)
-    candidates: int = 0          # configurations handed to CP-SAT
 
 
 def _divisors(n: int) -> list[int]:
@@ -538,117 +480,6 @@ def _groups(p: int, m: int, pins: Pins) -> list[int | None]:
     return [None] + sorted(n for n in wider if p < n <= m and m % n == 0)
 
 
-# ----- bounds and a heuristic partition -----------------------------------------------------
-def chunk_minimums(p: int, v: int, num_layers: int) -> list[int]:
-    """Least layers of each chunk: one, except that with more chunk slots than layers
-    (p·v = l + 1 or l + 2) the first and the last chunk may hold none: they still hold the
-    embedding and the head + loss (Llama 3's layout, 2407.21783 §3.3.2: 126 layers in 16 × 8
-    chunks, the first only the embedding, the last only the output projection and loss)."""
-    mins = [1] * (p * v)
-    if p * v > num_layers:
-        mins[0] = mins[-1] = 0
-    return mins
-
-
-def rank_minimums(p: int, v: int, num_layers: int) -> list[int]:
-    """Least layers of each pipeline rank (the sum of its chunks' `chunk_minimums`)."""
-    return rank_layers(chunk_minimums(p, v, num_layers), p)
-
-
-def balance(fixed: list[int], slope: int, num_layers: int, v: "int | list[int]",
-            caps: list[int],
-            tie: "Callable[[int, int], int] | None" = None) -> list[int] | None:
-    """Integer y_r in [lo_r, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None
-    (lo_r = v, or v[r] when v is a list of per-rank minimums).
-
-    Start every rank at or below the continuous water level (which no integer solution beats),
-    then hand out the remaining layers one by one to the rank whose level grows least (ties:
-    smallest `tie(r, y_r + 1)`); this greedy is exact for a max of increasing linear loads.
-    """
-    p = len(fixed)
-    lo = list(v) if isinstance(v, list) else [v] * p
-    if any(caps[r] < lo[r] for r in range(p)) or sum(caps) < num_layers:
-        return None
-    s = max(slope, 1)
-    level = (s * num_layers + sum(fixed)) / p
-    y = [max(lo[r], min(caps[r], int((level - fixed[r]) // s))) for r in range(p)]
-    if sum(y) > num_layers:
-        y = list(lo)
-    tie = tie or (lambda r, n: 0)
-    heap = [(fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r) for r in range(p) if y[r] < caps[r]]
-    heapq.heapify(heap)
-    for _ in range(num_layers - sum(y)):
-        _, _, r = heapq.heappop(heap)
-        y[r] += 1
-        if y[r] < caps[r]:
-            heapq.heappush(heap, (fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r))
-    return y
-
-
-def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int | Fraction:
-    """A lower bound of v·step time over all partitions (memory ignored): the least max load
-    and the least max tail, each minimised on its own over integer rank layer counts (every
-    rank holds at least v layers, one per chunk)."""
-    p, v = cc.cfg.p, cc.cfg.v
-    lo = rank_minimums(p, v, num_layers)
-    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
-    y = balance(fixed, cc.layer_ns, num_layers, lo, [num_layers] * p)
-    max_load = max(rank_load_ns(cc, r, y[r]) for r in range(p))
-    # the exposed tails sum to the same for every split: their max is at least their mean
-    tail = max(-(-total_tail_ns(cc, num_layers) // p),
-               max(rank_tail_ns(cc, r, lo[r]) for r in range(p)))
-    return v_step_ns(cc.cfg, max_load, total_load_ns(cc, num_layers), tail)
-
-
-def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
-    """min over fractional rank layer counts y_r >= v (sum l) of max_r memory_r(y_r).
-
-    Every rank holds >= v layers, so the level is at least L0 = max_r (c_r + a_r·v); above L0
-    rank r holds (L - c_r)/a_r layers, linear in L, so L* = max(L0, (l + Σ c/a) / Σ 1/a).
-    """
-    p, v = cc.cfg.p, cc.cfg.v
-    a, c = cc.mem_layer_bytes, cc.mem_fixed_bytes
-    lo = rank_minimums(p, v, num_layers)
-    floor = max(c[r] + a[r] * lo[r] for r in range(p))
-    if not all(a):
-        return float(floor)
-    level = (num_layers + sum(c[r] / a[r] for r in range(p))) / sum(1 / a[r] for r in range(p))
-    return max(float(floor), level)
-
-
-def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
-    """Rank layer counts that fit in memory with the least max load (ties: least tail), or
-    None when the greedy finds no split that fits. An upper bound for pruning, and the split
-    shown for alternatives; CP-SAT decides the chosen plan's split."""
-    p, v = cc.cfg.p, cc.cfg.v
-    if sum(chunk_minimums(p, v, num_layers)) > num_layers:
-        return None
-    caps = []
-    for r in range(p):
-        room = cc.capacity_bytes - cc.mem_fixed_bytes[r]
-        caps.append(num_layers if cc.mem_layer_bytes[r] == 0 else
-                    max(0, min(num_layers, room // cc.mem_layer_bytes[r])))
-    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
-    return balance(fixed, cc.layer_ns, num_layers, rank_minimums(p, v, num_layers), caps,
-                   tie=lambda r, n: rank_tail_ns(cc, r, n))
-
-
-def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
-    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank,
-    the earlier chunks taking the remainder; a rank with fewer layers than chunks leaves the
-    first / last chunk of the pipeline (embedding / head) empty first."""
-    C = p * v
-    x = [0] * C
-    for r in range(p):
-        q, rem = divmod(y[r], v)
-        order = list(range(v))
-        if q == 0:  # middle chunks first: only an edge chunk may be empty
-            order.sort(key=lambda j: j * p + r in (0, C - 1))
-        for k, j in enumerate(order):
-            x[j * p + r] = q + (1 if k < rem else 0)
-    return x
-
-
 # ----- the CP-SAT model ---------------------------------------------------------------------
 class _PlanModel:
     """One CP-SAT model over the surviving combinations; see the module docstring."""
@@ -751,18 +582,6 @@ class _PlanModel:
 
 
 # ----- public entry point -------------------------------------------------------------------
-@dataclass
-class _Evaluated:
-    cc: ConfigCosts | None   # None when pruned before costing
-    cfg: Config
-    lb_s: float
-    y: list[int] | None = None
-    ub_s: float = math.inf
-    mem_lb: float = 0.0
-    note: str = ""
-    extra: dict = field(default_factory=dict)
-
-
 def _config_dict(cfg: Config) -> dict[str, Any]:
     return {"t": cfg.t, "c": cfg.c, "cp_attention": cfg.cp_attention, "ep": cfg.ep, "p": cfg.p, "d": cfg.d, "v": cfg.v,
             "micro_batch_size": cfg.micro_batch_size, "num_microbatches": cfg.num_microbatches,
@@ -778,16 +597,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
     if not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"solve: global_batch_size={global_batch!r} must be a positive integer "
                          f"(sequences per optimizer step)")
-    if pins.microbatch_group is not None and pins.schedule is not None \
-            and pins.schedule not in GROUPED:
-        raise ValueError(f"solve: microbatch_group={pins.microbatch_group} with schedule="
-                         f"{pins.schedule!r}: only the interleaved schedules {GROUPED} run "
-                         f"micro-batches in groups; unpin one of them")
-    for name in ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "microbatch_group"):
-        value = getattr(pins, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"solve: {name}={value!r} must be a positive integer or None")
     if pins.ep is not None and pins.ep > 1:
         experts = profile.block.experts
         if not experts:
@@ -798,9 +607,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: ep={pins.ep} with {experts} experts per layer: each "
                              f"expert-parallel rank holds experts/ep whole experts, so ep must "
                              f"divide {experts}; pick an ep that divides {experts}")
-    if pins.cp_attention is not None and pins.cp_attention not in CP_ATTENTION:
-        raise ValueError(f"solve: cp_attention={pins.cp_attention!r} must be one of "
-                         f"{CP_ATTENTION} or None (the solver prices both)")
     if pins.cp_attention in ("ring", "all-to-all") and (why := cp_attention_rule(
             profile, pins.cp_attention, pins.c or 1, pins.t or 1)):
         raise ValueError(f"solve: cp_attention={pins.cp_attention!r}: {why}; pin "
@@ -810,13 +616,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
         if why:
             raise ValueError(f"solve: c={pins.c}: {why}; pad the sequence to a multiple of "
                              f"{2 * pins.c} or pick a c with 2c dividing {profile.seq_len}")
-    if pins.schedule is not None and pins.schedule not in SCHEDULE_TRAITS:
-        raise ValueError(f"solve: schedule={pins.schedule!r}: the cost model supports "
-                         f"{sorted(SCHEDULE_TRAITS)}; leave it None to let the solver choose")
-    if pins.recompute is not None and pins.recompute not in RECOMPUTE:
-        raise ValueError(f"solve: recompute={pins.recompute!r} must be one of {RECOMPUTE}")
-    if pins.zero is not None and pins.zero not in ZERO_TRAITS:
-        raise ValueError(f"solve: zero={pins.zero!r} must be one of {sorted(ZERO_TRAITS)}")
     if pins.t is not None:
         why = _tensor_rule(profile, pins.t)
         if why:
@@ -828,14 +627,8 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
                              f"parallelism needs the sequence length ({profile.seq_len}) "
                              f"divisible by t={pins.t}; pick a t that divides it or pad the "
                              f"sequence")
-    pinned = [(n, getattr(pins, n)) for n in ("t", "c", "p", "d")
-              if getattr(pins, n) is not None]
-    prod = math.prod(v for _, v in pinned)
-    if pinned and (gpus % prod or (len(pinned) == 4 and prod != gpus)):
-        text = "·".join(f"{n}={v}" for n, v in pinned)
-        raise ValueError(f"solve: pins {text} multiply to {prod}, "
-                         + ("which does not divide" if gpus % prod else "not") + f" gpus={gpus}; "
-                         f"t·c·p·d must equal the GPU count: change a pin or gpus")
+    if why := degrees_refusal(gpus, t=pins.t, c=pins.c, p=pins.p, d=pins.d):
+        raise ValueError(f"solve: {why}")
     if pins.d is not None and global_batch % pins.d:
         raise ValueError(f"solve: global_batch_size={global_batch} is not divisible by d="
                          f"{pins.d}; every data-parallel replica needs the same number of "
@@ -847,11 +640,6 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: global_batch_size={global_batch} does not split into "
                              f"micro-batches of {b} × d={dd} replicas (needs a multiple of "
                              f"{b * dd}); change global_batch_size or micro_batch_size")
-    if pins.v is not None and pins.v > 1 and pins.schedule is not None \
-            and not SCHEDULE_TRAITS[pins.schedule].multi_chunk:
-        multi = " or ".join(repr(s) for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk)
-        raise ValueError(f"solve: v={pins.v} with schedule={pins.schedule!r}: several chunks per "
-                         f"rank need schedule={multi}; set v=1 or change schedule")
     if pins.schedules is not None and set(pins.schedules) - set(SCHEDULE_TRAITS):
         raise ValueError(f"solve: schedules={pins.schedules!r}: unknown "
                          f"{sorted(set(pins.schedules) - set(SCHEDULE_TRAITS))}; the cost model "
@@ -881,10 +669,15 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     profile = profile.for_cluster(cluster)  # the cluster's kernels
     if c is None and None not in (t, p, d):
         c = 1   # t, p and d pinned: the layout the caller wrote (before c existed) is t·p·d
-    pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v, micro_batch_size=micro_batch_size, schedule=schedule,
-                recompute=recompute, zero=zero, sequence_parallel=sequence_parallel,
-                microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
-                cp_attentions=tuple(cp_attentions), schedules=None if schedules is None else tuple(schedules))
+    try:
+        pins = Pins(t=t, c=c, cp_attention=cp_attention, ep=ep, p=p, d=d, v=v,
+                    micro_batch_size=micro_batch_size, schedule=schedule, recompute=recompute,
+                    zero=zero, sequence_parallel=sequence_parallel,
+                    microbatch_group=microbatch_group, zero_levels=tuple(zero_levels),
+                    cp_attentions=tuple(cp_attentions),
+                    schedules=None if schedules is None else tuple(schedules))
+    except ValueError as exc:
+        raise ValueError(f"solve: {exc}") from None
     _validate(profile, cluster, gpus, global_batch_size, pins)
     from autopar.cost.search import search   # (search imports this module's bounds)
     t0 = time.perf_counter()
@@ -944,19 +737,6 @@ def _ties_to_less_memory(profile, cluster, chosen, x, survivors):
         if t < best_t * (1 - TIE_RTOL) or (t <= best_t * (1 + TIE_RTOL) and m < best_m):
             chosen, x, best_t, best_m = e, xe, t, m
     return chosen, x
-
-
-def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                             memo: CostMemo) -> int | Fraction:
-    """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
-    split, so their max is at least ceil(S/p), and at least any rank's load with v layers (the
-    first and the last rank's are the largest: they add the embedding and the head)."""
-    lc = load_costs(profile, cluster, cfg, memo)
-    total = total_load_ns(lc, profile.num_layers)
-    lo = rank_minimums(cfg.p, cfg.v, profile.num_layers)
-    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, lo[0]),
-                   rank_load_ns(lc, cfg.p - 1, lo[-1]))
-    return v_step_ns(cfg, max_load, total, 0)
 
 
 def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,

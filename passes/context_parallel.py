@@ -11,7 +11,7 @@ shapes; plan.c > 1 and plan.seq_len the graph's sequence length; for the rewrite
 CP_SELECT recorded before the tensor-parallel pass (which copies CP_SEQ_DIM onto the nodes it
 makes from their input) — on a graph without them (the captured one) it records them first.
 Guarantees: a graph that, run on one context rank with this rank's tokens of every input
-(autopar/runtime/context.py `context_cut`; chunks i and 2c−1−i, local order), computes the
+(autopar/runtime/context_shard.py `context_cut`; chunks i and 2c−1−i, local order), computes the
 rank's share of the single-device program: its tokens' activations and its share of the loss
 (c · its token sum / the tokens counted on every context rank, whose mean over the c ranks is
 the single device's). Reads meta VAL, STACK_TRACE, CP_SEQ_DIM, CP_SELECT; writes CP_SEQ_DIM
@@ -83,8 +83,8 @@ from autopar.passes.manager import Pass, run_passes
 from autopar.passes.sharding import (MATMUL_OPS, NO_VALUE, Shard, context_layouts,
                                      context_refusal, packet)
 from autopar.runtime import shard as shard_rt
-from autopar.runtime.context import (ContextShard, context_causal_attention, context_gather,
-                                     context_loss_mean, context_select)
+from autopar.runtime.context_shard import (ContextShard, context_causal_attention,
+                                           context_gather, context_loss_mean, context_select)
 from autopar.runtime.ring_attention import context_ring_attention
 from autopar.runtime.ulysses import context_alltoall_attention
 
@@ -452,7 +452,7 @@ class _ContextRewrite:
         if isinstance(mask, fx.Node):
             mask = self.rg.mask_rows(mask, n)
         elif causal:
-            # each query chunk against its key prefix (runtime/context.py): the rank computes
+            # each query chunk against its key prefix (runtime/context_shard.py): the rank computes
             # its share of the causal tiles, not a masked (T/c) × T block
             n.target = context_causal_attention
             n.args = (q, kg, vg, self.rg.cp_node(), extra.get("scale"),

@@ -116,7 +116,7 @@ def _feeds_topk(node: torch.fx.Node, depth: int = 4) -> bool:
 
 def fp8_only_weights(gm: torch.fx.GraphModule) -> set[str]:
     """The attributes of `gm` that only tensorwise FP8 linears read, each as a weight (what a
-    ZeRO-3 FP8 all-gather may hand over cast: runtime/zero3.py Fp8Gather)."""
+    ZeRO-3 FP8 all-gather may hand over cast: runtime/zero3_chunks.py Fp8Gather)."""
     uses: dict[str, list[bool]] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":

@@ -143,7 +143,7 @@ class LayerStructure:
     @property
     def mixed(self) -> bool:
         """The kinds are graph kinds interleaved in one stack (dense and MoE layers, ...): each
-        kind is profiled on its own and the stack is priced layer by layer (passes/profile.py
+        kind is profiled on its own and the stack is priced layer by layer (passes/graph_profile.py
         `kinds_profile`), not as units of one layer of each kind."""
         return any(k.layers for k in self.kinds)
 

@@ -4,8 +4,8 @@ Under bf16 training every stack computes the loss on fp32 logits: torch.autocast
 holds log_softmax and nll_loss, Megatron-LM's cross-entropy converts the logits to float, and
 torchtitan's loss calls `.float()` on them. A bf16 log-softmax over a large vocabulary loses
 the small probabilities, and the cost model prices the saved log-probabilities at 4 bytes
-(passes/profile.py LOSS_BYTES_PER_ELEM). This pass makes the graph say so: the floating input of
-each log-softmax / cross-entropy node is cast with `aten.to.dtype(x, torch.float32)`, which
+(passes/graph_profile.py LOSS_BYTES_PER_ELEM). This pass makes the graph say so: the floating
+input of each log-softmax / cross-entropy node is cast with `aten.to.dtype(x, torch.float32)`, which
 returns its input itself when it already is fp32 (an fp32 run is unchanged: no copy, nothing more
 saved) and an fp32 copy under bf16 (its backward casts the gradient back). The same for the
 tensor-parallel pass's vocabulary-parallel cross-entropy (autopar.runtime.shard), which

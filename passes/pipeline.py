@@ -32,7 +32,7 @@ import torch.fx
 
 from autopar.passes import meta as K
 from autopar.plan import Plan, layer_range
-from autopar.runtime.context import context_loss_mean
+from autopar.runtime.context_shard import context_loss_mean
 from autopar.runtime.shard import vocab_parallel_cross_entropy
 
 

@@ -48,7 +48,7 @@ import torch.utils.checkpoint
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.runtime.context import context_causal_attention
+from autopar.runtime.context_shard import context_causal_attention
 from autopar.runtime.shard import DropoutStreams, tp_dropout, tp_sdpa
 
 MODES = ("none", "selective", "full")

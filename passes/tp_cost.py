@@ -61,7 +61,7 @@ from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPReg
 from autopar.passes import meta as K
 from autopar.passes.capture import Captured
 from autopar.passes.layers import LayerStructure
-from autopar.passes.profile import VIEW_OPS, batch_dependent, param_identity
+from autopar.passes.graph_profile import VIEW_OPS, batch_dependent, param_identity
 from autopar.passes.sharding import (Partial, Replicate, Shard, Whole, is_grouped_mm, is_split,
                                      is_tensor)
 from autopar.passes.tensor_parallel import (PropagationError, nodes_requiring_grad,

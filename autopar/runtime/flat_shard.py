@@ -10,8 +10,8 @@ elements [lo, hi) of the flattened tensor, at `shard_lo` in my shard.
     rank 1 owns [8, 16): tensor 1 [3, 7) at 0, tensor 2 [0, 3) at 4, then 1 padding element
 
 ZeroOptimizer (runtime/zero.py) lays out all of a rank's parameters this way, Zero3Chunks
-(runtime/zero3.py) each chunk's. The optimizer runs on one fp32 "master" piece per segment, so
-its state is per segment too; `gathered_state` / `load_state` convert it to and from
+(runtime/zero3_chunks.py) each chunk's. The optimizer runs on one fp32 "master" piece per
+segment, so its state is per segment too; `gathered_state` / `load_state` convert it to and from
 per-tensor state shaped like the tensors (what checkpoints store, plan-independent).
 """
 from __future__ import annotations

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from autopar.runtime.checkpoint import (load_program_version, read_user_state,
                                         save_program_checkpoint, wait_for_save)
 from autopar.runtime.collectives import all_gather, all_reduce_
-from autopar.runtime.context import ContextShard, context_cut
+from autopar.runtime.context_shard import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.executor import LoadedChunk, PipelineExecutor
 from autopar.runtime.loss_scale import STATE_KEY as SCALER_KEY, LossScaler

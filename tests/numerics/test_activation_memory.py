@@ -28,6 +28,8 @@ import torch
 import autopar
 from autopar.testing import spawn
 
+import models
+
 SEQ, VOCAB, HIDDEN, LAYERS = 96, 256, 64, 4   # seq ≠ hidden: the profile tells them apart by shape
 RTOL = 0.05
 # (schedule, v, micro-batch size, micro-batches, recompute)
@@ -76,10 +78,8 @@ def _unpack(h):
 
 
 def _program(schedule, v, b, m, recompute):
-    from autopar.examples.gpt import GPT, GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=4,
-                          n_embd=HIDDEN, dropout=0.0))
+    model = models.gpt(vocab=VOCAB, seq=SEQ, layers=LAYERS, heads=4, hidden=HIDDEN)
     return autopar.parallelize(
         model, gpus=2, example_inputs=(torch.zeros(b, SEQ, dtype=torch.long),),
         loss_fn=autopar.cross_entropy, global_batch_size=b * m, cluster="local-cpu",

@@ -42,7 +42,7 @@ def _split_gemms(rank, world):
     """(unsplit, row-parallel, column-parallel, context-parallel) outputs and gradients on
     this rank, per recipe."""
     import torch.distributed as dist
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.fp8 import fp8_linear
     torch.manual_seed(0)
     x = torch.randn(16, 64) * torch.linspace(0.1, 4, 64)      # uneven columns and rows

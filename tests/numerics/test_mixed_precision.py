@@ -7,7 +7,7 @@ loss on fp32 logits), 3 AdamW steps with clipping active, at the bf16 tolerances
 tests/programs.py (BF16_LOSS_RTOL, BF16_WEIGHT_ATOL). They run because build captures the
 model in bf16 (passes/capture.py compute_dtype): traced on fp32 weights the upcast is x itself
 and the graph cannot tell it apart from x. Sharded weights (ZeRO-2/3) under bf16 too: fp32
-master shards gathered in bf16, gradients reduced in fp32 (autopar/runtime/zero3.py; the
+master shards gathered in bf16, gradients reduced in fp32 (autopar/runtime/zero3_chunks.py; the
 collectives' dtypes and the fp32 exactness of the shard gradient: test_zero3.py). (GPT's bf16
 runs: test_training.py; context parallelism's: test_context_parallel_numerics.py.)"""
 from __future__ import annotations

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.zero3 import Zero3Chunks
+from autopar.runtime.zero3_chunks import Zero3Chunks
 from autopar.schedules import breadth_first, interleaved_1f1b
 from autopar.testing import spawn
 from autopar.weight_gathers import gather_stats, plan_gathers

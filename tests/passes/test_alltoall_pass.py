@@ -13,7 +13,8 @@ import torch
 import autopar
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context import context_causal_attention, context_gather, context_select
+from autopar.runtime.context_shard import (context_causal_attention, context_gather,
+                                           context_select)
 from autopar.runtime.ulysses import context_alltoall_attention
 from models import gpt, hf_llama, llama_style
 

@@ -48,7 +48,7 @@ def _moe_profile(top_k: int):
     from autopar.examples.gpt import lm_cross_entropy
     from autopar.passes.capture import capture
     from autopar.passes.layers import find_layers
-    from autopar.passes.profile import profile_from_graph
+    from autopar.passes.graph_profile import profile_from_graph
     model = models.build("hf_mixtral", seed=0, experts=4, top_k=top_k)
     ids = torch.randint(0, 64, (2, 8))
     captured = capture(model, (ids,), lm_cross_entropy, ids)
@@ -199,7 +199,7 @@ def test_encoder_decoder_profile_prices_each_stack_at_its_own_length():
     and cross-attention outputs and fc2 at 12; the kinds' FLOPs put the decoder heavier."""
     from autopar.passes.capture import capture
     from autopar.passes.layers import find_layers
-    from autopar.passes.profile import profile_from_graph
+    from autopar.passes.graph_profile import profile_from_graph
     (x, mask, dec), y = models.seq2seq_batches(64, (2, 12), 1, seed=0, features=(8, 16))[0]
     cap = capture(models.build("hf_whisper", seed=0), (x, mask, dec), autopar.cross_entropy,
                   y, repeat_limit=2)

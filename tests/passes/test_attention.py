@@ -15,7 +15,7 @@ from autopar.cost.profile import (ATTENTION_KINDS, AttentionCall, causal_tile_fr
 from autopar.cost.solver import solve
 from autopar.passes.capture import capture
 from autopar.passes.layers import find_layers
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 from autopar.plan import Plan
 
 H100 = get_cluster("dgx-h100-80gb")

@@ -25,6 +25,8 @@ from autopar.cost.model import Config, predict
 from autopar.cost.profile import transformer_profile
 from autopar.cost.solver import solve
 
+import models
+
 V = 51200
 
 
@@ -80,9 +82,8 @@ def build_model(kind: str, *, heads: int, h: int, l: int, s: int, vocab: int = V
     """A GPT of these dimensions on the meta device: the examples' GPT or transformers GPT-2."""
     with torch.device("meta"):
         if kind == "gpt":
-            from autopar.examples.gpt import GPT, GPTConfig
-            return GPT(GPTConfig(vocab_size=vocab, block_size=s, n_layer=l, n_head=heads,
-                                 n_embd=h, dropout=dropout))
+            return models.gpt(vocab=vocab, seq=s, layers=l, heads=heads, hidden=h,
+                              dropout=dropout)
         from transformers import GPT2Config, GPT2LMHeadModel
         return GPT2LMHeadModel(GPT2Config(
             vocab_size=vocab, n_positions=s, n_embd=h, n_layer=l, n_head=heads,

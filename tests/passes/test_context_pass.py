@@ -11,8 +11,8 @@ import autopar
 from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import apply_context_parallel
-from autopar.runtime.context import (context_causal_attention, context_gather, context_loss_mean,
-                                     context_select)
+from autopar.runtime.context_shard import (context_causal_attention, context_gather,
+                                           context_loss_mean, context_select)
 from models import gpt, llama_style
 
 SEQ = 16
@@ -72,7 +72,7 @@ def test_keys_values_gathered_positions_selected_shapes_local(builder):
 
 def test_causal_attention_of_the_rank_chunks_equals_the_whole_sequence_rows():
     import torch.nn.functional as F
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -84,7 +84,7 @@ def test_causal_attention_of_the_rank_chunks_equals_the_whole_sequence_rows():
 
 
 def test_rank_positions_and_selection_of_whole_values():
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     cp = ContextShard(group=None, c=2, cp_rank=0, seq_len=8)
     assert cp.positions.tolist() == [0, 1, 6, 7]
     x = torch.arange(8.0)
@@ -131,8 +131,9 @@ def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(c=3), r"c=3 with sequence length 16: .*2c = 6"),
-    (dict(c=2, t=1, p=1, d=2), r"t·c·p·d = 1·2·1·2 = 4 != gpus=2"),
-    (dict(c=0), r"c=0: the context-parallel degree must be a positive int"),
+    (dict(c=2, t=1, p=1, d=2),
+     r"pins t=1·c=2·p=1·d=2 multiply to 4, which does not divide gpus=2; t·c·p·d must"),
+    (dict(c=0), r"^parallelize: c=0: must be a positive integer; pass c=1 or more"),
 ])
 def test_bad_c_one_line_errors(kw, match):
     ids = torch.zeros(2, SEQ, dtype=torch.long)
@@ -182,7 +183,7 @@ def test_context_attention_dropout_is_unbiased_and_per_rank():
     """The rank's rows of causal attention with dropout 0.5, averaged over 4,000 draws, are the
     rows without dropout (within 5 standard errors); the stream is the context rank's: shared
     by its tensor ranks, another on the other context rank, replayable."""
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.shard import DropoutStreams
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))

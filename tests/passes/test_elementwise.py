@@ -19,7 +19,7 @@ from autopar.cost.profile import transformer_profile
 from autopar.passes.loss_precision import LOSS_OPS, fp32_loss_pass
 from autopar.passes.manager import run_passes
 from autopar.passes.layers import find_layers
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 
 from models import captured
 

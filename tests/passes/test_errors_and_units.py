@@ -179,9 +179,10 @@ def test_load_plan_on_a_missing_file(tmp_path):
 
 
 def test_timeline_says_how_to_get_matplotlib(monkeypatch, tmp_path):
+    from autopar.timeline import plan_timeline
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib fails
     with pytest.raises(ValueError) as info:
-        make_plan(p=2, layers=2).timeline(str(tmp_path / "x.png"))
+        plan_timeline(make_plan(p=2, layers=2), str(tmp_path / "x.png"))
     assert "pip install matplotlib" in _one_line(info.value)
     assert isinstance(info.value.__cause__, ImportError)
 
@@ -211,7 +212,7 @@ def test_bubble_is_one_number_in_plan_explain_and_timeline(monkeypatch, tmp_path
     import autopar.timeline as timeline
     monkeypatch.setattr(timeline, "draw_timeline",
                         lambda events, p, path, title="": titles.append(title) or path)
-    plan.timeline(str(tmp_path / "x.png"))
+    timeline.plan_timeline(plan, str(tmp_path / "x.png"))
     assert want in titles[0]
     # the simulation's own idle share of this drawing (no p2p) is another number: not shown
     assert "bubble" not in titles[0].replace(want, "")

@@ -1,6 +1,6 @@
 """Graph profile vs the textbook profile (2104.04473 / 2205.05198), and planning speed.
 
-Both price a GPU stack: elementwise chains fused into single kernels (passes/profile.py
+Both price a GPU stack: elementwise chains fused into single kernels (passes/graph_profile.py
 `_Fusion`; the twin's bytes are stated the same way, cost/profile.py `transformer_profile`),
 the loss in fp32, attention materialized (region fields) or as one fused kernel
 (`RegionProfile.fused`). Differences the graph measures and the textbook omits, each asserted
@@ -29,7 +29,7 @@ from autopar.cost.profile import transformer_profile
 from autopar.examples.gpt import GPT, gpt_preset, lm_cross_entropy
 from autopar.passes.capture import capture
 from autopar.passes.layers import find_layers
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 
 from models import (HEADS, HIDDEN, LAYERS, SEQ, VOCAB, captured, hf_bloom, hf_gpt2, pass_batch,
                     pass_model)

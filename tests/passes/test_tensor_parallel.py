@@ -101,7 +101,7 @@ def test_parallel_attention_and_mlp_branches_reduce_once(sp, name):
     reduces its parallel residual once too), not two; the cost model's correction drops the
     merged all-reduce."""
     from autopar.passes.layers import find_layers
-    from autopar.passes.profile import profile_from_graph
+    from autopar.passes.graph_profile import profile_from_graph
     from autopar.passes.tp_cost import tp_corrections
     ids = torch.randint(0, 64, (2, 8))
     layers = 3 if name == "hf_falcon" else 2

@@ -20,7 +20,7 @@ from autopar.cost.solver import solve, tensor_degrees
 from autopar.examples.gpt import lm_cross_entropy
 from autopar.passes.capture import capture
 from autopar.passes.layers import find_layers
-from autopar.passes.profile import profile_from_graph
+from autopar.passes.graph_profile import profile_from_graph
 from autopar.passes.tp_cost import tp_corrections, with_tp_corrections
 
 import models

@@ -134,7 +134,7 @@ def test_memory_per_zero_level_and_inflight():
 
 
 def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
-    """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3.py): at rest only the fp32 master
+    """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3_chunks.py): at rest only the fp32 master
     shard, its fp32 gradient and Adam's m, v (16/d B per parameter, no 16-bit weight copy);
     while running, the plan's gathered chunks in bf16 (2 B) and the fp32 gradient accumulators
     of its chunks with unreduced gradients plus one fp32 reduce-scatter buffer (4 B each)."""
@@ -153,7 +153,7 @@ def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
     assert (M.weight_gather_stats(M.Config(zero=3, **kw)).peak_gathered
             < M.weight_gather_stats(M.Config(zero=2, **kw)).peak_gathered == v)
     # FP8 (cost/precision.py): the blocks' FP8 weights gathered in 1 byte, in memory and on
-    # the wire (runtime/zero3.py Fp8Gather); the rest (norms, biases) in 2
+    # the wire (runtime/zero3_chunks.py Fp8Gather); the rest (norms, biases) in 2
     h100 = get_cluster("dgx-h100-80gb")
     fp8, cfg = prof.with_gemm_precision("fp8", h100), M.Config(zero=3, **kw)
     share = fp8_weight_elems(fp8, 1) / block

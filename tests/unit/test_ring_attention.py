@@ -1,7 +1,7 @@
 """Ring attention (issue 15's optional part): the online-softmax merge of partial attentions
 equals full attention (one process, causal chunk masks included), the causal tiles cover
-exactly the (query, key) pairs the mask keeps, and on gloo ranks the ring's output and its
-gradients (q, k, v; kv heads only under grouped-query attention) equal single-device SDPA."""
+exactly the (query, key) pairs the mask keeps, c = 1 is plain SDPA. On gloo ranks:
+tests/numerics/test_context_attention_ranks.py."""
 from __future__ import annotations
 
 import pytest
@@ -99,62 +99,10 @@ def test_fused_tile_kernel_equals_the_written_out_one(diagonal, masked):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-# ----- on gloo ranks ----------------------------------------------------------------------------
-def _ring_rank(rank, world, case):
-    import torch.distributed as dist
-
-    from autopar.runtime.context import ContextShard, context_cut, context_gather
-    from autopar.runtime.ring_attention import context_ring_attention
-    torch.manual_seed(0)
-    B, Hq, Hk, T, E = 2, 4, case["kv_heads"], case["T"], 8
-    q = torch.randn(B, Hq, T, E, dtype=torch.float64)
-    k = torch.randn(B, Hk, T, E, dtype=torch.float64)
-    v = torch.randn(B, Hk, T, E, dtype=torch.float64)
-    dout = torch.randn(B, Hq, T, E, dtype=torch.float64)
-    mask = None
-    if case["mask"]:    # a sliding window of 3 (causal): rows' key sets not a prefix
-        i = torch.arange(T)
-        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
-    ref = [x.clone().requires_grad_() for x in (q, k, v)]
-    g = Hq // Hk
-    rk, rv = (x.repeat_interleave(g, 1) for x in ref[1:])
-    full = F.scaled_dot_product_attention(ref[0], rk, rv, attn_mask=mask,
-                                          is_causal=mask is None)
-    full.backward(dout)
-    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T)
-    mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
-    lq, lk, lv = mine
-    if case["repeat"]:      # repeat_kv in the graph: the ring reads every g-th head
-        lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
-    lmask = None if mask is None else context_cut(mask, cp, 0)
-    out = context_ring_attention(lq, lk, lv, cp, attn_mask=lmask, is_causal=mask is None,
-                                 enable_gqa=not case["repeat"] and Hk < Hq,
-                                 kv_group=g if case["repeat"] else 1)
-    assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
-    out.backward(context_cut(dout, cp, 2))
-    whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
-    return [w.numpy() for w in whole], [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
-
-
-@pytest.mark.parametrize("world, case", [
-    (2, {"kv_heads": 4, "T": 8, "mask": False, "repeat": False}),      # MHA, causal
-    (2, {"kv_heads": 2, "T": 8, "mask": False, "repeat": True}),       # GQA via repeat_kv
-    (2, {"kv_heads": 1, "T": 8, "mask": True, "repeat": False}),       # MQA + explicit mask
-    (3, {"kv_heads": 2, "T": 12, "mask": False, "repeat": False}),     # c = 3, enable_gqa
-    (4, {"kv_heads": 4, "T": 16, "mask": True, "repeat": False}),      # c = 4, window mask
-])
-def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
-    from autopar.testing import spawn
-    for got, want in spawn(_ring_rank, world, case, timeout_s=120):
-        for a, b in zip(got, want):
-            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
-                                       rtol=1e-10, atol=1e-10)
-
-
 def test_one_context_rank_is_plain_sdpa():
     """c = 1 (a group of one): scaled_dot_product_attention itself, the kv_group's repeat read
     as grouped-query attention."""
-    from autopar.runtime.context import ContextShard
+    from autopar.runtime.context_shard import ContextShard
     from autopar.runtime.ring_attention import context_ring_attention
     torch.manual_seed(0)
     q = torch.randn(2, 4, 8, 8)

@@ -87,7 +87,7 @@ def test_pins_and_bad_values_one_line():
     prof = _model(8192, kv_heads=8, layers=2)
     plan = solve(prof, H100, gpus=8, global_batch_size=8, c=2, t=4, cp_attention="ring")
     assert plan.cp_attention == "ring"
-    with pytest.raises(ValueError, match=r"^solve: cp_attention='rings' must be one of"):
+    with pytest.raises(ValueError, match=r"^solve: cp_attention='rings': must be one of"):
         solve(prof, H100, gpus=8, global_batch_size=8, cp_attention="rings")
     with pytest.raises(ValueError, match=r"^Plan.cp_attention='x': must be one of"):
         Plan.from_dict({**plan.to_dict(), "cp_attention": "x"})

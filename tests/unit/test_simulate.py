@@ -83,7 +83,8 @@ def test_plan_timeline(tmp_path):
     plan = Plan(t=1, p=2, d=1, v=2, micro_batch_size=1, num_microbatches=4,
                 schedule="breadth-first", recompute="none", sequence_parallel=False, zero=0,
                 stages=stages, predicted=pred, global_batch_size=4, seq_len=8, cluster="local-cpu")
-    out = plan.timeline(str(tmp_path / "plan.png"))
+    from autopar.timeline import plan_timeline
+    out = plan_timeline(plan, str(tmp_path / "plan.png"))
     assert (tmp_path / "plan.png").stat().st_size > 1000 and out.endswith("plan.png")
 
 

@@ -1,7 +1,7 @@
 """zero=3 and zero=2: weights, gradients and optimizer states sharded over the data group,
 per chunk (ZeRO-3 / FSDP), under every schedule but interleaved-zb.
 
-The mechanism is autopar.runtime.zero3 (Zero3Chunks: each chunk's flat buffer, gathered and
+The mechanism is autopar.runtime.zero3_chunks (Zero3Chunks: each chunk's flat buffer, gathered and
 released) and autopar.weight_gathers (`plan_gathers`: where on the action list the gathers, releases and gradient
 reduce-scatters go, with at most `keep` chunks gathered at once: 2 for zero=3, every local
 chunk for zero=2, the FSDP variant that keeps a chunk from its first forward to its last
@@ -18,11 +18,11 @@ summed over the embedding group, and the same optimizer steps them (full copies,
 vocab × hidden per stage, like ZeRO-1's weights).
 
 bf16 (precision_dtype): the chunks' shards are the fp32 masters, gathered in bf16 and reduced
-in fp32 (runtime/zero3.py's mixed precision); the replicated parameters compute in bf16 with
+in fp32 (runtime/zero3_chunks.py's mixed precision); the replicated parameters compute in bf16 with
 fp32 masters and main_grad (runtime/precision.py MixedPrecision, as under zero=0), which the
 optimizer steps and clipping reads. fp8_weights (tensorwise FP8): the parameters only FP8
 linears read are all-gathered in e4m3 with their amax reduced over the data and tensor groups
-(runtime/zero3.py Fp8Gather), half bf16's gather traffic, the same numbers. Checkpoints store the
+(runtime/zero3_chunks.py Fp8Gather), half bf16's gather traffic, the same numbers. Checkpoints store the
 gathered weights and the unsharded optimizer state, as every other regime does, so they load
 under any other plan.
 
@@ -52,7 +52,7 @@ from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime, average_grads,
                                           sum_tied_grads)
-from autopar.runtime.zero3 import Fp8Gather, Zero3Chunks
+from autopar.runtime.zero3_chunks import Fp8Gather, Zero3Chunks
 from autopar.weight_gathers import plan_gathers
 from autopar.schedules import Action
 

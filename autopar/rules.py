@@ -1,0 +1,114 @@
+"""What combines with what: the rules of a planning request, stated once.
+
+Every rule is a pure function returning why a value or a combination is refused (one line:
+the value, the rule, the fix; None when allowed), so each caller raises it under its own name:
+the request (`autopar.request.Pins` / `PlanRequest`, built by parallelize, the CLI, tune,
+scale and launch's re-plan), the Plan (`autopar.plan`), the solver (`cost/solver.py`, which
+also uses them to skip combinations it may not choose) and compile (`autopar/compile.py`).
+
+Rules that read the model (the heads t must divide, the sequence a context split needs on a
+profile, the experts ep must divide, the attention methods the context-parallel pass builds)
+live with the facts they read: cost/solver.py (`_tensor_rule`, `_context_rule`,
+`cp_attention_rule`) and autopar/api.py `context_methods` (the pass tried on the graph).
+
+A new rule (a new knob, a new pair that cannot run together) goes here, with its test in
+tests/unit/test_rules.py. A leaf module: it imports only autopar.schedules.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.schedules import GROUPED, SCHEDULE_NAMES
+
+RECOMPUTE = ("none", "selective", "full")
+ZERO_LEVELS = (0, 1, 2, 3)
+# how context parallelism's attention reads the other ranks' keys and values: all-gathered
+# before attention (Llama 3's method), or passed round the context ranks block by block while
+# attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
+# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py
+CP_ATTENTION = ("all-gather", "ring", "all-to-all")
+# the schedules that run several chunks per pipeline rank (v > 1); cost.model's
+# SCHEDULE_TRAITS[...].multi_chunk says the same (tests/unit/test_rules.py)
+MULTI_CHUNK = ("interleaved-1f1b", "interleaved-zb", "breadth-first")
+# what parallelize prices the GEMMs at: "auto" plans bf16 and (where the cluster has an FP8
+# rate) fp8 and keeps the faster
+PLAN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "auto")
+# the knobs that are counts (degrees and sizes): positive ints
+COUNTS = ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "microbatch_group",
+          "global_batch_size")
+# the knobs that name one of a few choices
+CHOICES: dict[str, tuple] = {"schedule": SCHEDULE_NAMES, "recompute": RECOMPUTE,
+                             "zero": ZERO_LEVELS, "cp_attention": CP_ATTENTION,
+                             "precision": PLAN_PRECISIONS}
+
+
+def knob_refusal(name: str, value: Any, free: bool = True) -> str | None:
+    """Why `value` is not a value of the knob `name` (None: it is, or it is None = free).
+    free: the fix offers leaving the knob to the solver (a request; not a Plan's field)."""
+    if value is None:
+        return None
+    leave = ", or leave it None for the solver to choose" if free else ""
+    if name in COUNTS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name}={value!r}: must be a positive integer; pass {name}=1 or more{leave}"
+        return None
+    if name == "sequence_parallel":
+        if not isinstance(value, bool):
+            return f"sequence_parallel={value!r}: must be True or False{leave}"
+        return None
+    choices = CHOICES.get(name)
+    if choices is not None and (value not in choices or isinstance(value, bool)):
+        return f"{name}={value!r}: must be one of {choices}{leave}"
+    return None
+
+
+def schedule_refusal(schedule: str | None, v: int | None,
+                     microbatch_group: int | None) -> str | None:
+    """A pinned schedule against the pins only some schedules run: v > 1 chunks per rank,
+    micro-batch groups N (the interleaved schedules)."""
+    if schedule is None:
+        return None
+    if v is not None and v > 1 and schedule not in MULTI_CHUNK:
+        return (f"v={v} with schedule={schedule!r}: several chunks per pipeline rank need "
+                f"schedule {' or '.join(map(repr, MULTI_CHUNK))}; set v=1 or change the "
+                f"schedule")
+    if microbatch_group is not None and schedule not in GROUPED:
+        return (f"microbatch_group={microbatch_group} with schedule={schedule!r}: only the "
+                f"interleaved schedules {GROUPED} run micro-batches in groups; unpin one of "
+                f"them")
+    return None
+
+
+def expert_degree_refusal(ep: int, c: int, d: int) -> str | None:
+    """ep must divide c·d: the expert-parallel ranks are drawn from the ranks that hold the
+    same dense weights (Megatron-Core's rule; the rank math: autopar/runtime/groups.py)."""
+    if (c * d) % ep:
+        return (f"ep={ep} with c·d = {c}·{d} = {c * d}: the expert-parallel ranks are drawn "
+                f"from the c·d data-and-context-parallel ranks, so ep must divide {c * d}; "
+                f"pick an ep that divides it (ep=1 for none)")
+    return None
+
+
+def degrees_refusal(gpus: int, *, t: int | None, c: int | None, p: int | None,
+                    d: int | None) -> str | None:
+    """The pinned degrees against the GPU count: the world is t·c·p·d ranks."""
+    pinned = {n: x for n, x in (("t", t), ("c", c), ("p", p), ("d", d)) if x is not None}
+    prod = 1
+    for x in pinned.values():
+        prod *= x
+    if not pinned or (gpus % prod == 0 and (len(pinned) < 4 or prod == gpus)):
+        return None
+    text = "·".join(f"{n}={x}" for n, x in pinned.items())
+    return (f"pins {text} multiply to {prod}, "
+            + ("which does not divide" if gpus % prod else "not") + f" gpus={gpus}; "
+            f"t·c·p·d must equal the GPU count: change a pin or gpus")
+
+
+def context_split_refusal(seq_len: int, c: int | None) -> str | None:
+    """Context parallelism cuts each sequence into 2c equal chunks (rank i holds chunks i and
+    2c-1-i: the causal work balanced)."""
+    if c is None or c == 1 or seq_len % (2 * c) == 0:
+        return None
+    return (f"c={c} with sequence length {seq_len}: context parallelism cuts each sequence "
+            f"into 2c = {2 * c} equal chunks; pad the sequence to a multiple of {2 * c} or pick "
+            f"a smaller c")

@@ -1,0 +1,206 @@
+"""The solver's search vocabulary and bounds, below both cost/solver.py (which enumerates and
+solves) and cost/search.py (which bounds families before building them): the family and
+work-count types, the lower bounds of a combination's step time and memory, and the greedy
+partition that is the pruning's upper bound. Pure functions of cost.model's ConfigCosts.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Callable, Iterator
+
+from autopar.cost.hardware import Cluster
+from autopar.cost.memo import CostMemo
+from autopar.cost.model import (Config, ConfigCosts, load_costs, rank_layers, rank_load_ns,
+                                rank_tail_ns, total_load_ns, total_tail_ns, v_step_ns)
+from autopar.cost.profile import ModelProfile
+
+GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """Knob combinations that share one load-only lower bound (cost/search.py family_bound_s):
+    one (t, c, p, d, ep, micro-batch b, recompute, sp, attention method) and its `rows`, each
+    (index, schedule, v, N, ((index, zero), ...)). `key` + `sub` place its members in
+    enumeration order: a member's order is key + (schedule index, *sub[:2], zero index,
+    sub[2]), the loops' order (t, c, p, ep, b, schedule, recompute, sp, zero, attention)."""
+    key: tuple[int, ...]
+    sub: tuple[int, int, int]
+    t: int
+    c: int
+    p: int
+    d: int
+    ep: int
+    b: int
+    m: int
+    recompute: str
+    sp: bool
+    how: str
+    rows: tuple
+
+    def configs(self) -> Iterator[tuple[tuple[int, ...], Config]]:
+        """(enumeration order, configuration) of every member."""
+        ri, spi, hi = self.sub
+        for si, schedule, v, group, zeros in self.rows:
+            for zi, zero in zeros:
+                yield self.key + (si, ri, spi, zi, hi), Config(
+                    t=self.t, p=self.p, d=self.d, c=self.c, cp_attention=self.how, ep=self.ep,
+                    v=v, micro_batch_size=self.b, num_microbatches=self.m, schedule=schedule,
+                    recompute=self.recompute, sequence_parallel=self.sp, zero=zero,
+                    microbatch_group=group)
+
+    def zeros(self) -> set[int]:
+        return {z for *_, zeros in self.rows for _, z in zeros}
+
+
+@dataclass
+class SolveStats:
+    """The work of one solve, in counts (deterministic, unlike seconds): tests bound it so a
+    new degree cannot silently multiply the search; benchmarks/planner.py prints it. Pass
+    one to `solve(..., stats=)` to have it filled."""
+    families: int = 0            # families enumerated (each bounded before it is built)
+    families_built: int = 0      # of them, built: their bound did not exceed the best plan
+    families_memory: int = 0     # of them, skipped: weights and optimizer states alone overflow
+    configs: int = 0             # configurations built (Config objects)
+    quick_bounds: int = 0        # load-only lower bounds computed (the rest shared, memoised)
+    priced: int = 0              # configurations fully priced (cost.model.config_costs)
+    candidates: int = 0          # configurations handed to CP-SAT
+
+
+@dataclass
+class _Evaluated:
+    cc: ConfigCosts | None   # None when pruned before costing
+    cfg: Config
+    lb_s: float
+    y: list[int] | None = None
+    ub_s: float = math.inf
+    mem_lb: float = 0.0
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ----- bounds and a heuristic partition -----------------------------------------------------
+def chunk_minimums(p: int, v: int, num_layers: int) -> list[int]:
+    """Least layers of each chunk: one, except that with more chunk slots than layers
+    (p·v = l + 1 or l + 2) the first and the last chunk may hold none: they still hold the
+    embedding and the head + loss (Llama 3's layout, 2407.21783 §3.3.2: 126 layers in 16 × 8
+    chunks, the first only the embedding, the last only the output projection and loss)."""
+    mins = [1] * (p * v)
+    if p * v > num_layers:
+        mins[0] = mins[-1] = 0
+    return mins
+
+
+def rank_minimums(p: int, v: int, num_layers: int) -> list[int]:
+    """Least layers of each pipeline rank (the sum of its chunks' `chunk_minimums`)."""
+    return rank_layers(chunk_minimums(p, v, num_layers), p)
+
+
+def balance(fixed: list[int], slope: int, num_layers: int, v: "int | list[int]",
+            caps: list[int],
+            tie: "Callable[[int, int], int] | None" = None) -> list[int] | None:
+    """Integer y_r in [lo_r, caps_r] with sum l minimising max_r (fixed_r + slope·y_r), or None
+    (lo_r = v, or v[r] when v is a list of per-rank minimums).
+
+    Start every rank at or below the continuous water level (which no integer solution beats),
+    then hand out the remaining layers one by one to the rank whose level grows least (ties:
+    smallest `tie(r, y_r + 1)`); this greedy is exact for a max of increasing linear loads.
+    """
+    p = len(fixed)
+    lo = list(v) if isinstance(v, list) else [v] * p
+    if any(caps[r] < lo[r] for r in range(p)) or sum(caps) < num_layers:
+        return None
+    s = max(slope, 1)
+    level = (s * num_layers + sum(fixed)) / p
+    y = [max(lo[r], min(caps[r], int((level - fixed[r]) // s))) for r in range(p)]
+    if sum(y) > num_layers:
+        y = list(lo)
+    tie = tie or (lambda r, n: 0)
+    heap = [(fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r) for r in range(p) if y[r] < caps[r]]
+    heapq.heapify(heap)
+    for _ in range(num_layers - sum(y)):
+        _, _, r = heapq.heappop(heap)
+        y[r] += 1
+        if y[r] < caps[r]:
+            heapq.heappush(heap, (fixed[r] + s * (y[r] + 1), tie(r, y[r] + 1), r))
+    return y
+
+
+def lower_bound_scaled(cc: ConfigCosts, num_layers: int) -> int | Fraction:
+    """A lower bound of v·step time over all partitions (memory ignored): the least max load
+    and the least max tail, each minimised on its own over integer rank layer counts (every
+    rank holds at least v layers, one per chunk)."""
+    p, v = cc.cfg.p, cc.cfg.v
+    lo = rank_minimums(p, v, num_layers)
+    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
+    y = balance(fixed, cc.layer_ns, num_layers, lo, [num_layers] * p)
+    max_load = max(rank_load_ns(cc, r, y[r]) for r in range(p))
+    # the exposed tails sum to the same for every split: their max is at least their mean
+    tail = max(-(-total_tail_ns(cc, num_layers) // p),
+               max(rank_tail_ns(cc, r, lo[r]) for r in range(p)))
+    return v_step_ns(cc.cfg, max_load, total_load_ns(cc, num_layers), tail)
+
+
+def memory_lower_bound(cc: ConfigCosts, num_layers: int) -> float:
+    """min over fractional rank layer counts y_r >= v (sum l) of max_r memory_r(y_r).
+
+    Every rank holds >= v layers, so the level is at least L0 = max_r (c_r + a_r·v); above L0
+    rank r holds (L - c_r)/a_r layers, linear in L, so L* = max(L0, (l + Σ c/a) / Σ 1/a).
+    """
+    p, v = cc.cfg.p, cc.cfg.v
+    a, c = cc.mem_layer_bytes, cc.mem_fixed_bytes
+    lo = rank_minimums(p, v, num_layers)
+    floor = max(c[r] + a[r] * lo[r] for r in range(p))
+    if not all(a):
+        return float(floor)
+    level = (num_layers + sum(c[r] / a[r] for r in range(p))) / sum(1 / a[r] for r in range(p))
+    return max(float(floor), level)
+
+
+def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
+    """Rank layer counts that fit in memory with the least max load (ties: least tail), or
+    None when the greedy finds no split that fits. An upper bound for pruning, and the split
+    shown for alternatives; CP-SAT decides the chosen plan's split."""
+    p, v = cc.cfg.p, cc.cfg.v
+    if sum(chunk_minimums(p, v, num_layers)) > num_layers:
+        return None
+    caps = []
+    for r in range(p):
+        room = cc.capacity_bytes - cc.mem_fixed_bytes[r]
+        caps.append(num_layers if cc.mem_layer_bytes[r] == 0 else
+                    max(0, min(num_layers, room // cc.mem_layer_bytes[r])))
+    fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
+    return balance(fixed, cc.layer_ns, num_layers, rank_minimums(p, v, num_layers), caps,
+                   tie=lambda r, n: rank_tail_ns(cc, r, n))
+
+
+def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
+    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank,
+    the earlier chunks taking the remainder; a rank with fewer layers than chunks leaves the
+    first / last chunk of the pipeline (embedding / head) empty first."""
+    C = p * v
+    x = [0] * C
+    for r in range(p):
+        q, rem = divmod(y[r], v)
+        order = list(range(v))
+        if q == 0:  # middle chunks first: only an edge chunk may be empty
+            order.sort(key=lambda j: j * p + r in (0, C - 1))
+        for k, j in enumerate(order):
+            x[j * p + r] = q + (1 if k < rem else 0)
+    return x
+
+
+def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                             memo: "CostMemo") -> int | Fraction:
+    """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
+    split, so their max is at least ceil(S/p), and at least any rank's load with v layers (the
+    first and the last rank's are the largest: they add the embedding and the head)."""
+    lc = load_costs(profile, cluster, cfg, memo)
+    total = total_load_ns(lc, profile.num_layers)
+    lo = rank_minimums(cfg.p, cfg.v, profile.num_layers)
+    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, lo[0]),
+                   rank_load_ns(lc, cfg.p - 1, lo[-1]))
+    return v_step_ns(cfg, max_load, total, 0)

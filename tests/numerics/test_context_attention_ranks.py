@@ -1,0 +1,118 @@
+"""Context attention on gloo ranks equals single-device SDPA, output and gradients (q, k, v).
+Ring attention (autopar/runtime/ring_attention.py): the ring's output and its gradients (kv
+heads only under grouped-query attention), causal and with an explicit mask. All-to-all
+(DeepSpeed-Ulysses, autopar/runtime/ulysses.py): causal (the 2c-chunk layout reordered to
+global positions), an explicit per-head mask read whole and cut to the rank's heads,
+grouped-query K/V through a repeat in the graph (only the kv heads exchanged) and with fewer kv
+heads than ranks (repeated first). The one-process parts: tests/unit/test_ring_attention.py,
+tests/unit/test_ulysses.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.distributed
+
+
+# ----- ring attention ---------------------------------------------------------------------------
+def _ring_rank(rank, world, case):
+    import torch.distributed as dist
+
+    from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
+    from autopar.runtime.ring_attention import context_ring_attention
+    torch.manual_seed(0)
+    B, Hq, Hk, T, E = 2, 4, case["kv_heads"], case["T"], 8
+    q = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    k = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    v = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    dout = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    mask = None
+    if case["mask"]:    # a sliding window of 3 (causal): rows' key sets not a prefix
+        i = torch.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    g = Hq // Hk
+    rk, rv = (x.repeat_interleave(g, 1) for x in ref[1:])
+    full = F.scaled_dot_product_attention(ref[0], rk, rv, attn_mask=mask,
+                                          is_causal=mask is None)
+    full.backward(dout)
+    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T)
+    mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+    lq, lk, lv = mine
+    if case["repeat"]:      # repeat_kv in the graph: the ring reads every g-th head
+        lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
+    lmask = None if mask is None else context_cut(mask, cp, 0)
+    out = context_ring_attention(lq, lk, lv, cp, attn_mask=lmask, is_causal=mask is None,
+                                 enable_gqa=not case["repeat"] and Hk < Hq,
+                                 kv_group=g if case["repeat"] else 1)
+    assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
+    out.backward(context_cut(dout, cp, 2))
+    whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
+    return [w.numpy() for w in whole], [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
+
+
+@pytest.mark.parametrize("world, case", [
+    (2, {"kv_heads": 4, "T": 8, "mask": False, "repeat": False}),      # MHA, causal
+    (2, {"kv_heads": 2, "T": 8, "mask": False, "repeat": True}),       # GQA via repeat_kv
+    (2, {"kv_heads": 1, "T": 8, "mask": True, "repeat": False}),       # MQA + explicit mask
+    (3, {"kv_heads": 2, "T": 12, "mask": False, "repeat": False}),     # c = 3, enable_gqa
+    (4, {"kv_heads": 4, "T": 16, "mask": True, "repeat": False}),      # c = 4, window mask
+])
+def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
+    from autopar.testing import spawn
+    for got, want in spawn(_ring_rank, world, case, timeout_s=120):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
+                                       rtol=1e-10, atol=1e-10)
+
+
+# ----- all-to-all attention ---------------------------------------------------------------------
+def _a2a_rank(rank, world, case):
+    import torch.distributed as dist
+
+    from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
+    from autopar.runtime.ulysses import context_alltoall_attention
+    torch.manual_seed(0)
+    B, Hq, Hk, T, E = 2, 4, case["kv_heads"], 4 * world, 8
+    q = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    k = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    v = torch.randn(B, Hk, T, E, dtype=torch.float64)
+    dout = torch.randn(B, Hq, T, E, dtype=torch.float64)
+    mask = None
+    if case["mask"]:    # per-head additive bias (ALiBi-like) on a causal window
+        i = torch.arange(T)
+        keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+        slopes = torch.arange(1, Hq + 1, dtype=torch.float64)[:, None, None] / 4
+        mask = (-(i[:, None] - i[None, :]).abs() * slopes).masked_fill(~keep, float("-inf"))
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    g = Hq // Hk
+    rk, rv = (x.repeat_interleave(g, 1) for x in ref[1:])
+    full = F.scaled_dot_product_attention(ref[0], rk, rv, attn_mask=mask,
+                                          is_causal=mask is None)
+    full.backward(dout)
+    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T)
+    mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+    lq, lk, lv = mine
+    if case["repeat"]:      # repeat_kv in the graph: every g-th head is exchanged
+        lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
+    out = context_alltoall_attention(lq, lk, lv, cp, attn_mask=mask, is_causal=mask is None,
+                                     enable_gqa=not case["repeat"] and Hk < Hq,
+                                     kv_group=g if case["repeat"] else 1)
+    assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
+    out.backward(context_cut(dout, cp, 2))
+    whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
+    return [w.numpy() for w in whole], [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
+
+
+@pytest.mark.parametrize("world, case", [
+    (2, {"kv_heads": 2, "mask": False, "repeat": True}),     # GQA via repeat_kv, causal
+    (2, {"kv_heads": 4, "mask": True, "repeat": False}),     # MHA, per-head mask
+    (4, {"kv_heads": 2, "mask": False, "repeat": False}),    # c = 4 > kv heads: repeated
+])
+def test_alltoall_equals_single_device_sdpa_forward_and_backward(world, case):
+    from autopar.testing import spawn
+    for got, want in spawn(_a2a_rank, world, case, timeout_s=120):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
+                                       rtol=1e-10, atol=1e-10)

@@ -1,0 +1,88 @@
+"""The planning request as data (autopar/request.py) under the rules stated once
+(autopar/rules.py): every bad value is one ValueError line naming the value, the rule and the
+fix, raised when the request is built — the same for parallelize, the CLI, the solver and the
+Plan; the rules agree with the cost model's schedule and ZeRO tables."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import autopar
+from autopar import rules
+from autopar.cost.model import SCHEDULE_TRAITS, ZERO_TRAITS
+from autopar.request import Pins, PlanRequest
+from autopar.schedules import SCHEDULE_NAMES
+
+
+def test_the_rules_agree_with_the_cost_models_tables():
+    assert set(SCHEDULE_TRAITS) == set(SCHEDULE_NAMES)
+    assert set(rules.MULTI_CHUNK) == {s for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk}
+    assert set(ZERO_TRAITS) == set(rules.ZERO_LEVELS)
+    assert autopar.plan.CP_ATTENTION is rules.CP_ATTENTION   # one tuple, re-exported
+
+
+@pytest.mark.parametrize("pins, words", [
+    (dict(t=0), ["t=0", "positive integer", "t=1 or more"]),
+    (dict(d=True), ["d=True", "positive integer"]),
+    (dict(schedule="zigzag"), ["schedule='zigzag'", "must be one of", "1f1b"]),
+    (dict(zero=4), ["zero=4", "(0, 1, 2, 3)"]),
+    (dict(cp_attention="rings"), ["cp_attention='rings'", "all-to-all"]),
+    (dict(sequence_parallel=1), ["sequence_parallel=1", "True or False"]),
+    (dict(v=2, schedule="1f1b"), ["v=2", "'1f1b'", "set v=1"]),
+    (dict(microbatch_group=4, schedule="gpipe"), ["microbatch_group=4", "interleaved"]),
+    (dict(ep=3, c=1, d=4), ["ep=3", "must divide 4"]),
+])
+def test_bad_pins_are_one_line_naming_value_rule_and_fix(pins, words):
+    with pytest.raises(ValueError) as err:
+        Pins(**pins)
+    msg = str(err.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_a_request_checks_the_pins_against_the_gpus_and_the_budget():
+    with pytest.raises(ValueError, match=r"^pins t=2·c=2·p=1·d=1 multiply to 4, not gpus=8"):
+        PlanRequest(gpus=8, pins=Pins(t=2, c=2, p=1, d=1))
+    with pytest.raises(ValueError, match=r"^pins t=3 multiply to 3, which does not divide"):
+        PlanRequest(gpus=8, pins={"t": 3})
+    with pytest.raises(ValueError, match=r"^gpus=0 must be a positive integer"):
+        PlanRequest(gpus=0)
+    with pytest.raises(ValueError, match=r"critical_batch_tokens=.* without tokens="):
+        PlanRequest(gpus=8, critical_batch_tokens=1e6)
+    with pytest.raises(ValueError, match=r"^precision='fp4': must be one of"):
+        PlanRequest(gpus=8, precision="fp4")
+    with pytest.raises(ValueError, match=r"^launch: unknown knob\(s\) \['tt'\]; the knobs are"):
+        Pins.of({"tt": 2}, "launch")
+    request = PlanRequest(gpus=8, pins={"t": 2, "zero": 1})
+    assert request.pins == Pins(t=2, zero=1) and request.pins.as_dict() == {"t": 2, "zero": 1}
+    assert request.pins.without("t") == Pins(zero=1)
+    with pytest.raises(Exception):    # frozen
+        request.pins.t = 4
+
+
+def test_ep_combines_with_every_zero_level():
+    """ep runs with every ZeRO level (ZeRO-2/3 shard the experts over the expert-data group,
+    autopar/runtime/regimes/zero3.py): no rule refuses the pair."""
+    for zero in (0, 1, 2, 3):
+        assert Pins(ep=2, zero=zero).as_dict() == {"ep": 2, "zero": zero}
+    assert not hasattr(rules, "expert_parallel_refusal")
+
+
+def test_parallelize_and_the_cli_build_the_same_request_and_refuse_before_capturing():
+    ids = torch.zeros(1, 8, dtype=torch.long)
+
+    class Unused(torch.nn.Module):    # never captured: the request is refused first
+        def forward(self, x):
+            raise AssertionError("captured")
+
+    for kw, words in [(dict(tt=2), ["parallelize: unknown knob(s) ['tt']"]),
+                      (dict(t=0), ["parallelize: t=0: must be a positive integer"]),
+                      (dict(c=3), ["parallelize: c=3 with sequence length 8", "2c = 6"])]:
+        with pytest.raises(ValueError) as err:
+            autopar.parallelize(Unused(), gpus=6, example_inputs=(ids,), **kw)
+        assert all(w in str(err.value) for w in words), str(err.value)
+    from autopar.cli import _pins_from_args
+    args = argparse.Namespace(t=2, c=None, cp_attention=None, ep=None, p=None, d=None, v=None,
+                              schedule="1f1b", recompute=None, zero=1, micro_batch=4)
+    assert _pins_from_args(args) == Pins(t=2, schedule="1f1b", zero=1, micro_batch_size=4)
