@@ -44,6 +44,7 @@ def test_search_work_is_bounded(dims, cluster, gpus, batch, most):
     assert stats.quick_bounds <= quick and stats.priced <= priced
     assert stats.families_built < stats.families / 5      # most families are never built
     assert 1 <= stats.candidates <= stats.priced
+    assert plan.t <= 8                                     # tensor groups stay in a node
 
 
 def _instance(rng: random.Random):
