@@ -329,8 +329,9 @@ def precision_profiles(profile: Any, cluster: Any, precision: str | None) -> dic
         return out
     name = precision or "bf16"
     gemm = "fp8" if name.startswith("fp8") else "bf16"
+    recipe = "rowwise" if name == "fp8-rowwise" else "tensorwise"   # build.FP8_RECIPES
     try:
-        return {name: profile.with_gemm_precision(gemm, cluster)}
+        return {name: profile.with_gemm_precision(gemm, cluster, recipe)}
     except ValueError as exc:
         raise ValueError(f"parallelize: {exc}") from None
 

@@ -34,8 +34,10 @@ def gathered_bytes_ratio(profile: ModelProfile, t: int, block_elems: float,
                          sharded: bool) -> float:
     """A block's gathered bytes (traffic and working set) over bf16's: (2 − f)/2 with f its
     FP8 weights' share of block_elems (its parameters on a tensor rank) when `sharded` weights
-    are gathered under FP8; 1 otherwise."""
-    if not sharded or profile.gemm_precision != "fp8" or block_elems <= 0:
+    are gathered under tensorwise FP8; 1 otherwise (rowwise FP8 gathers in bf16:
+    `ModelProfile.fp8_gathers`)."""
+    if (not sharded or profile.gemm_precision != "fp8" or not profile.fp8_gathers
+            or block_elems <= 0):
         return 1.0
     f = min(1.0, fp8_weight_elems(profile, t) / block_elems)
     return (BF16_BYTES - f * (BF16_BYTES - FP8_BYTES)) / BF16_BYTES

@@ -346,12 +346,18 @@ class ModelProfile:
     # the precision the blocks' linear GEMMs run in: "bf16" or "fp8" (passes/fp8.py's rule:
     # the blocks' weight GEMMs; the embedding's and head's stay 16-bit), `with_gemm_precision`
     gemm_precision: str = "bf16"
+    # FP8 weights all-gathered in 8 bits under ZeRO-2/3 (tensorwise FP8: runtime/zero3_chunks.py
+    # Fp8Gather); False for rowwise FP8, whose weights are cast along two axes and gathered in
+    # bf16 (`with_gemm_precision(..., recipe="rowwise")`)
+    fp8_gathers: bool = True
     # how unevenly the routers load the experts (cost/imbalance.py ExpertLoad); None: evenly
     expert_load: "ExpertLoad | None" = None
 
-    def with_gemm_precision(self, precision: str, cluster) -> "ModelProfile":
+    def with_gemm_precision(self, precision: str, cluster,
+                            recipe: str = "tensorwise") -> "ModelProfile":
         """This profile priced with its blocks' linear GEMMs in `precision` ("bf16" or "fp8";
-        "fp8" needs the cluster's FP8 rate, Cluster.fp8_flops)."""
+        "fp8" needs the cluster's FP8 rate, Cluster.fp8_flops); recipe: the FP8 scaling
+        (autopar/build.py FP8_RECIPES), whether ZeRO-2/3 gather the weights in FP8."""
         if precision not in GEMM_PRECISIONS:
             raise ValueError(f"precision={precision!r}: the planner prices {GEMM_PRECISIONS} "
                              f"(fp32, bf16 and fp16 runs are priced as 16-bit GEMMs)")
@@ -360,7 +366,7 @@ class ModelProfile:
                              f"(Cluster.fp8_flops = 0: no FP8 tensor cores, e.g. A100, V100); "
                              f"plan in bf16, pick an FP8 cluster (dgx-h100-80gb, "
                              f"dgx-h200-141gb), or give the Cluster an fp8_flops")
-        return replace(self, gemm_precision=precision)
+        return replace(self, gemm_precision=precision, fp8_gathers=recipe == "tensorwise")
 
     @property
     def mixed(self) -> bool:

@@ -163,6 +163,9 @@ def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
     assert fp8_cc.mem_parts[0][0] / block == pytest.approx((2 - share) * st.peak_gathered / v)
     assert bf16_cc.mem_parts[0][0] / block == pytest.approx(2 * st.peak_gathered / v)
     assert 0 < fp8_cc.dp_layer_ns < 0.8 * bf16_cc.dp_layer_ns      # gathers halved, not R
+    # rowwise FP8 gathers its weights in bf16 (cast along two axes): priced as bf16's
+    rowwise = M.config_costs(prof.with_gemm_precision("fp8", h100, "rowwise"), h100, cfg)
+    assert rowwise.mem_parts[0][0] / block == pytest.approx(2 * st.peak_gathered / v)
 
 
 def test_prediction_terms_add_up_and_flops_definitions():
