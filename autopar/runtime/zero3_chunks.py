@@ -406,20 +406,24 @@ class Zero3Chunks:
     def step(self) -> None:
         """Finish the reduce-scatters and run the optimizer on my shards. The new weights reach
         the parameters at each chunk's next gather; chunks must be released by now."""
+        self.check_released()
         self.finish_reduces()
         self.optimizer.step()
         self.stepped()
 
-    def stepped(self) -> None:
-        """The optimizer has stepped the masters (by step(), or by another Zero3Chunks sharing
-        the optimizer): chunks must be released by now; new masters, new FP8 amaxes."""
+    def check_released(self) -> None:
+        """Before the optimizer steps the masters: no chunk may still be gathered."""
         live = [c for c, ch in self.chunks.items() if ch.gathered]
         if live:
             raise ValueError(f"Zero3Chunks.step: chunks {live} are still gathered; their "
                              f"weights would go stale — release them first (plan_gathers "
                              f"releases every chunk after its last backward)")
+
+    def stepped(self) -> None:
+        """The optimizer has stepped the masters (by step(), or by the regime that shares one
+        optimizer between Zero3Chunks): new masters, new FP8 amaxes."""
         for _, ch in self.parts():
-            ch.reduced, ch.amax = False, None          # new masters: new FP8 amaxes
+            ch.reduced, ch.amax = False, None
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -172,13 +172,14 @@ class Zero3(Regime):
         return norm
 
     def step(self) -> None:
-        """Step the shards (new weights reach each chunk at its next gather): the last part's
-        step() steps the optimizer every part shares, once the others' reductions landed."""
-        for part in self.parts[:-1]:
+        """Step the shards (new weights reach each chunk at its next gather): Zero3Chunks.step
+        for the parts together, the optimizer they share stepped once."""
+        for part in self.parts:
+            part.check_released()
             part.finish_reduces()
-        self.parts[-1].step()
-        for part in self.parts[:-1]:
-            part.stepped()                 # released, and their FP8 amaxes renewed
+        self.optimizer.step()
+        for part in self.parts:
+            part.stepped()                 # their FP8 amaxes renewed
         for part in self.parts:
             part.zero_grad()
         if self.mp is not None:
