@@ -18,7 +18,7 @@
 4. Train until --steps optimizer steps in all (counted from the first run of the job), each
    data-parallel replica reading its rows of every global batch from --data; print each
    step's loss (rank 0); save every --save-every steps (default 500) and after the last,
-   each rank writing its own shard on a background thread (--async-save, --keep versions);
+   each rank writing its own shard from a background process (--async-save, --keep versions);
    SIGTERM / SIGUSR1 on any rank: every rank saves after the same step and exits 0
    (autopar.runtime.preempt.CheckpointSaver).
 5. --export PATH: the trained weights as the single-device state dict (torch.save, rank 0).
@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None, default_model: str | None,
                     help="checkpoint versions kept; a load falls back to an older one when the "
                          "newest is damaged")
     ap.add_argument("--async-save", default=True, action=argparse.BooleanOptionalAction,
-                    help="write checkpoints on a background thread while training goes on")
+                    help="write checkpoints from a background process per rank while training goes on")
     ap.add_argument("--export", default=None,
                     help="write the trained single-device state dict here (torch.save)")
     ap.add_argument("--losses-out", default=None, help="write the losses as JSON (rank 0)")

@@ -127,7 +127,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_child, daemon=True, name=f"autopar-rank{rank}",
+            # not daemonic: a rank may start children (its checkpoint writer process); every
+            # rank is killed in the `finally` below if it outlives the run
+            proc = ctx.Process(target=_child, daemon=False, name=f"autopar-rank{rank}",
                                args=(child_end, fn, rank, world_size, port, pg_timeout_s,
                                      backend, env, args, kwargs))
             proc.start()

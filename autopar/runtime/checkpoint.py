@@ -31,7 +31,8 @@ regime holds (`Regime.shard_state()`: ZeRO segments, or whole tensors the replic
 between them) — nothing is gathered; autopar.runtime.ckpt_pieces turns flat ranges into boxes
 (fused q/k/v slices, padded rows and expert slices included) and bounds each piece to 1/16 of
 the rank's shard, the staging DCP's writer does one piece at a time. Synchronous, or
-asynchronous (async_save: a host copy, written on a background thread).
+asynchronous (async_save: a shared host copy, written by a background process of the rank:
+autopar.runtime.ckpt_writer).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with
@@ -45,6 +46,7 @@ import os
 import pickle
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +56,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from autopar.runtime.ckpt_pieces import sharded_entries
-from autopar.runtime.ckpt_store import (LAYOUT_FILE, WRITER, adopt_copy, checkpoint_group,
-                                        choose_version, commit, file_records, own_files, stage)
+from autopar.runtime.ckpt_store import (LAYOUT_FILE, adopt_copy, checkpoint_group,
+                                        choose_version, commit, file_records, own_files)
+from autopar.runtime.ckpt_writer import WRITER
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.params import LocalParams, ParamInfo
 from autopar.runtime.shard import gather_unshard, local_shard
@@ -197,6 +200,27 @@ def save_checkpoint(path: str | os.PathLike, tensors: Tensors,
     save_entries(path, state_dict, records, step, groups, plan_json, user_state)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WriteJob:
+    """One save of one rank: where it goes (`path`, its temporary version `tmp`, the shared
+    `uid`, `keep` versions), who writes (`rank` of `world`), and what the layout records
+    (`records`: this rank's pieces, `step`, `plan_json`, rank 0's `user_state`). Picklable:
+    an asynchronous save hands it to the writer process (autopar.runtime.ckpt_writer).
+    `fault`: a test hook (AUTOPAR_CKPT_FAULT=exit-after-files in the saving rank's
+    environment: the writer dies once this rank's files are written, before the commit)."""
+    path: Path
+    tmp: Path
+    uid: str
+    keep: int
+    rank: int
+    world: int
+    records: list
+    step: int
+    plan_json: str
+    user_state: dict | None
+    fault: str = ""
+
+
 def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
                  records: list[dict], step: int, groups: Any, plan_json: str = "{}",
                  user_state: dict | None = None, *, keep: int = 1,
@@ -205,8 +229,9 @@ def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
     records) as a new version of `path` and commit it (autopar.runtime.ckpt_store): after
     every rank's files are complete, rank 0 writes the layout (with each file's size and
     CRC-32), repoints the link and keeps the `keep` newest versions. async_save: stage the
-    pieces in host memory and write on a background thread (returns at once; the next save
-    or `wait_for_save` waits). Collective: every rank calls it with the same path."""
+    pieces in shared host memory and hand them to this rank's writer process
+    (autopar.runtime.ckpt_writer; returns at once, the next save or `wait_for_save` waits).
+    Collective: every rank calls it with the same path."""
     path = Path(path)
     _check_json(user_state)
     WRITER.wait()                                     # one save in flight at a time
@@ -220,38 +245,57 @@ def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
     group = checkpoint_group(groups) if multi else None
     if multi:
         dist.barrier(group=groups.world)
+    job = WriteJob(path=path, tmp=tmp, uid=uid, keep=keep, rank=rank,
+                   world=groups.world_size if multi else 1, records=records, step=step,
+                   plan_json=plan_json, user_state=user_state,
+                   fault=os.environ.get("AUTOPAR_CKPT_FAULT", ""))
     if async_save:
-        state_dict = stage(state_dict)
-
-    def write() -> None:
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(tmp)),
-                 process_group=group, no_dist=not multi)
-        mine = (records, file_records(tmp, own_files(tmp, rank)))
-        parts: list[Any] | None = [None] * groups.world_size if rank == 0 and multi else None
-        if multi:   # rank 0 hears from every rank only once its files are complete
-            dist.gather_object(mine, parts, dst=0, group=group)
-        if rank == 0:
-            parts = parts or [mine]
-            layout = _merge_layout([r for r, _ in parts], step, plan_json, user_state)
-            _check_coverage(layout)
-            _write_json(tmp / PLAN_FILE, json.loads(plan_json))   # the saving plan, readable
-            files = {n: v for _, f in parts for n, v in f.items()}
-            layout["files"] = {**files, **file_records(tmp, [".metadata", PLAN_FILE])}
-            _write_json(tmp / LAYOUT_FILE, layout)
-            commit(path, tmp, uid, keep)
-        if multi:
-            dist.barrier(group=group)
-
-    if async_save:
-        WRITER.start(write)
+        WRITER.start(write_version, job, WRITER.stage(state_dict), groups)
     else:
         with peer_guard("checkpoint save with", group):
-            write()
+            write_version(job, state_dict, group)
+
+
+def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any = None
+                  ) -> None:
+    """Write `state_dict` (this rank's pieces) into `job.tmp` with DCP, checksum this rank's
+    files, and — on rank 0, once every rank's records arrived — write the layout and commit.
+    Collective over `group` (None: the default group; the writer process's own)."""
+    multi = job.world > 1
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(job.tmp)),
+             process_group=group, no_dist=not multi)
+    if job.fault == "exit-after-files":
+        os._exit(9)                                   # tests: files written, never committed
+    mine = (job.records, file_records(job.tmp, own_files(job.tmp, job.rank)))
+    parts: list[Any] | None = [None] * job.world if job.rank == 0 and multi else None
+    if multi:   # rank 0 hears from every rank only once its files are complete
+        dist.gather_object(mine, parts, dst=_global(group, 0), group=group)
+    if job.rank == 0:
+        parts = parts or [mine]
+        layout = _merge_layout([r for r, _ in parts], job.step, job.plan_json, job.user_state)
+        _check_coverage(layout)
+        _write_json(job.tmp / PLAN_FILE, json.loads(job.plan_json))   # the saving plan
+        files = {n: v for _, f in parts for n, v in f.items()}
+        layout["files"] = {**files, **file_records(job.tmp, [".metadata", PLAN_FILE])}
+        _write_json(job.tmp / LAYOUT_FILE, layout)
+        commit(job.path, job.tmp, job.uid, job.keep)
+    if multi:
+        dist.barrier(group=group)
+
+
+def _global(group: Any, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (the default group's when group is None)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def wait_for_save() -> None:
     """Block until this process's background save (if any) is committed; raise its error."""
     WRITER.wait()
+
+
+def close_writer() -> None:
+    """Wait for this process's background save (if any), then stop its writer process."""
+    WRITER.close()
 
 
 def _write_json(file: Path, obj: dict) -> None:

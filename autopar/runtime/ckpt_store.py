@@ -14,11 +14,11 @@ the newest version is bad, the previous complete one (`keep` > 1) is used instea
 (`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
 link) loads as it is and is adopted at the first save: renamed to a version and linked.
 
-Asynchronous save (`Writer`): the caller stages the pieces into host memory (pinned when they
-are on a GPU), then a background thread writes them with DCP over a gloo group of its own, each
-rank checksums its files, the records meet on rank 0, and rank 0 commits only after a barrier
-that every rank reaches once its files are complete. The next save (and Runner.close) waits for
-the previous one; a rank that dies mid-write leaves the previous version current.
+Asynchronous save (autopar.runtime.ckpt_writer): the rank stages its pieces in shared host
+memory and a background process of its own writes them with DCP over the writer processes'
+gloo group, each checksums its files, the records meet on rank 0's writer, which commits only
+after every writer's files are complete. The next save (and Runner.close) waits for the
+previous one; a rank that dies mid-write leaves the previous version current.
 """
 from __future__ import annotations
 
@@ -26,12 +26,10 @@ import datetime
 import json
 import os
 import shutil
-import threading
 import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 LAYOUT_FILE = "autopar_layout.json"
@@ -180,64 +178,3 @@ def choose_version(path: Path, read_layout: Callable[[Path], dict], group: Any =
     raise ValueError(f"load_checkpoint: no sound version of {path}: {skipped[0]}"
                      + (f" (and {len(skipped) - 1} older kept versions are bad too)"
                         if len(skipped) > 1 else ""))
-
-
-# ---- the background writer -------------------------------------------------------------------
-
-class Writer:
-    """At most one save in flight per process (module docstring): `start(fn)` runs fn on a
-    background thread after waiting for the previous one; `wait()` re-raises its error."""
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, fn: Callable[[], None]) -> None:
-        self.wait()
-
-        def run() -> None:
-            try:
-                _lower_priority()
-                fn()
-            except BaseException as exc:   # handed to the next wait() on the main thread
-                self._error = exc
-        self._thread = threading.Thread(target=run, name="autopar-checkpoint", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-
-WRITER = Writer()
-
-
-def _lower_priority() -> None:
-    """Run the calling thread at the lowest CPU priority (Linux: a thread id is a process id
-    to setpriority), so the background write takes the cores training leaves idle."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):    # not Linux, or not permitted: write at the same priority
-        pass
-
-
-def stage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of the pieces (pinned when they live on a GPU) for a background write."""
-    out = {}
-    for key, value in tensors.items():
-        if value.is_cuda:
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            out[key] = host.copy_(value, non_blocking=True)
-        else:
-            out[key] = value.detach().clone()
-    if any(v.is_cuda for v in tensors.values()):
-        torch.cuda.synchronize()
-    return out

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.checkpoint import (load_program_version, read_user_state,
-                                        save_program_checkpoint, wait_for_save)
+                                        save_program_checkpoint, wait_for_save,
+                                        close_writer)
 from autopar.runtime.collectives import all_gather, all_reduce_
 from autopar.runtime.context_shard import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
@@ -237,8 +238,8 @@ class Runner:
         loop (e.g. the data's read position, autopar.data), rank 0's committed with the
         tensors; read it back with autopar.runtime.checkpoint.read_user_state(path). keep:
         the newest versions kept (a load falls back to an older one when the newest is
-        damaged). async_save: returns once the pieces are copied to host memory; a background
-        thread writes and commits them (the next save, a load and close() wait for it).
+        damaged). async_save: returns once the pieces are copied to shared host memory; a
+        background process of this rank writes and commits them (the next save, a load and close() wait for it).
         Collective: every rank calls it."""
         if self.scaler is not None:   # the same on every rank: rank 0's is saved
             user_state = {**(user_state or {}), SCALER_KEY: self.scaler.state_dict()}
@@ -279,7 +280,7 @@ class Runner:
         peer that vanishes mid-exchange is a failure of the job); a dead rank is a PeerError."""
         if not dist.is_initialized():
             return
-        wait_for_save()
+        close_writer()
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
         dist.destroy_process_group()

@@ -1,8 +1,9 @@
 """Checkpoints under failure (issue 27): a rank killed during an asynchronous write, a
 preemption signal to one rank, and damaged or copied checkpoint directories.
 
-- async: rank 1 dies once its background write is done but before the commit; the link still
-  names the previous version, whose files all match their checksums;
+- async: rank 1's writer process dies once its files are written, before the commit: both
+  ranks' waits raise, and the link still names the previous version, whose files all match
+  their checksums;
 - SIGTERM to rank 1 mid-step: both ranks save at the same step and return; the job resumed
   from that checkpoint ends with the losses and weights of the uninterrupted run;
 - a truncated file, a missing file: one line naming the file (and the previous kept version is
@@ -49,32 +50,26 @@ def _share(runner, plan, x, y):
 
 
 def _dies_in_async_write(rank, world, path):
-    import torch.distributed.checkpoint as dcp
     runner, batches = _runner()
     runner.train_step(*_share(runner, PLAN, *batches[0]))
     runner.save_checkpoint(path, async_save=True)
     runner.wait_for_checkpoint()                           # step 1: committed
     runner.train_step(*_share(runner, PLAN, *batches[1]))
-    if rank == 1:
-        real = dcp.FileSystemWriter.write_data
-
-        def write_then_die(self, plan, planner):
-            real(self, plan, planner).wait()
-            os._exit(9)                                    # files written, never committed
-        dcp.FileSystemWriter.write_data = write_then_die
+    if rank == 1:       # its writer process dies once its files are written, before the commit
+        os.environ["AUTOPAR_CKPT_FAULT"] = "exit-after-files"
     runner.save_checkpoint(path, async_save=True)          # returns once staged
     try:
         runner.wait_for_checkpoint()
-    except Exception as exc:  # noqa: BLE001 - the dead peer's error, reported to the test
-        return type(exc).__name__
-    return "committed"
+    except Exception as exc:  # noqa: BLE001 - the writer's (or its dead peer's) error
+        return type(exc).__name__, str(exc)
+    return "committed", ""
 
 
 def test_rank_killed_mid_async_write_leaves_previous_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
-    out = spawn(_dies_in_async_write, 2, str(path), timeout_s=200, pg_timeout_s=15,
-                allow_exit=[1])
-    assert out[1] is None and out[0] != "committed", out
+    out = spawn(_dies_in_async_write, 2, str(path), timeout_s=200, pg_timeout_s=15)
+    assert out[1][0] == "CheckpointWriteError" and "writer process of rank 1 died" in out[1][1]
+    assert out[0][0] == "CheckpointWriteError", out
     version, skipped = ckpt_store.choose_version(path, read_layout)
     assert read_layout(version)["step"] == 1 and not skipped
     assert any(p.name.startswith("ckpt.tmp-") for p in tmp_path.iterdir())   # the torn one
