@@ -1,11 +1,11 @@
 """Published vs predicted: the calibration rows planned from captured models (the product path).
 
 The 2021-22 Megatron-LM rows (2104.04473 Table 1, 2205.05198 Table 5, 1909.08053; A100 / V100,
-attention materialized) and Llama 3 405B on 8,192 H100 (2407.21783 Table 4, flash attention),
-each from its meta-device model (the examples' GPT, transformers GPT-2 / Llama) with every knob
+attention materialized), Llama 3 405B on 8,192 H100 (2407.21783 Table 4, flash attention) and
+Megatron-Core 0.9's Mixtral 8x7B on 64 H100 (bf16, expert parallel), each from its meta-device model (the examples' GPT, transformers GPT-2 / Llama) with every knob
 pinned as published. The rows, their sources and what is pinned live in
-tests/passes/test_calibration.py and tests/passes/test_llama3_calibration.py (which assert ±10%); this
-prints them side by side.
+tests/passes/test_calibration.py, test_llama3_calibration.py and test_moe_calibration.py (which
+assert ±10%); this prints them side by side.
 
     python benchmarks/calibration.py
 """
@@ -20,6 +20,7 @@ sys.path[:0] = [str(ROOT / "tests" / "passes"), str(ROOT / "tests")]
 
 import test_calibration as early  # noqa: E402
 import test_llama3_calibration as llama  # noqa: E402
+import test_moe_calibration as moe  # noqa: E402
 
 
 def main() -> int:
@@ -44,6 +45,14 @@ def main() -> int:
           f"{llama.PUBLISHED_TFLOPS:>10.1f}{tflops:>10.1f}{-err / (1 + err) * 100:>7.1f}%"
           f"{pred.memory_bytes_per_gpu / 1e9:>8.1f}   (step {pred.step_time_s:.2f} s vs "
           f"{llama.PUBLISHED_STEP_S:.2f} s published, no recompute)")
+    pred = moe.planned().plan.predicted
+    tflops = moe.megatron_flops_per_step() / (moe.GPUS * pred.step_time_s) / 1e12
+    err = tflops / moe.PUBLISHED_TFLOPS - 1
+    worst = max(worst, abs(err))
+    print(f"{'MCore 0.9 Mixtral 8x7B':<28}{'dgx-h100-80gb':<17}{'flash':<14}"
+          f"{moe.PUBLISHED_TFLOPS:>10.1f}{tflops:>10.1f}{err * 100:>7.1f}%"
+          f"{pred.memory_bytes_per_gpu / 1e9:>8.1f}   (step {pred.step_time_s:.2f} s vs "
+          f"{moe.PUBLISHED_STEP_S:.2f} s published; t1 p4 v8 ep8 d16, bf16)")
     print(f"worst |error| {worst * 100:.1f}% (goal 10%); {time.perf_counter() - start:.0f} s")
     return 0 if worst <= 0.10 else 1
 
