@@ -1,6 +1,7 @@
 """fp16 with dynamic loss scaling (autopar/runtime/loss_scale.py) against one device trained
 in fp16 under torch.amp.GradScaler (tests/reference.py), at t = 2, p = 2 and d = 2 under
-ZeRO 0, 1 and 3 (one spawn of 2 ranks trains the five plans in turn).
+ZeRO 0, 1 and 3 (one spawn of 2 ranks trains the five plans in turn), and at t = 2, p = 2,
+d = 2 ZeRO-3 together (8 ranks).
 
 The scaler is set so that its schedule covers growth, an overflow and backoff in 3 steps:
 2^16 at step 1 (clean: ×2^20 after one clean step), 2^36 at step 2 (the fp16 logit
@@ -63,6 +64,13 @@ def test_fp16_loss_scaling_equals_one_device_gradscaler(tmp_path):
     results = spawn(_train_fp16, 2, jobs, timeout_s=400)
     for j, (name, plan) in enumerate(PLANS.items()):
         _check(name, plan, [res[j] for res in results])
+
+
+def test_fp16_loss_scaling_t2_p2_d2_zero3_together_equals_one_device(tmp_path):
+    """All three splits and ZeRO-3 in one 8-rank run: one scale, one skipped step everywhere."""
+    plan = with_zero(make_plan(t=2, p=2, d=2), 3)
+    results = spawn(_train_fp16, 8, [(plan, str(tmp_path / "t2p2d2"))], timeout_s=400)
+    _check("t2-p2-d2-zero3", plan, [res[0] for res in results])
 
 
 def _check(name, plan, results):
