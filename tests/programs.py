@@ -34,6 +34,14 @@ BF16_WEIGHT_ATOL = 3e-3
 # fp32 bound (reference.UPDATE_RTOL, 0.5%) is missed by bf16 noise alone (0.52% measured on an
 # AMD EPYC host: hf_llama's embedding at t=2); 1% still fails a learning rate 2% off.
 BF16_UPDATE_RTOL = 1e-2
+# The median over tensors of each tensor's update error (reference.median_update_error): bf16
+# noise 0.3 - 0.8% on the tiny GPT and Llama-style models (their masters perturbed by 1e-6, a
+# stand-in for another summation order), a learning rate 2% off 2.1%. Checked where the plan
+# splits no matmul (t = c = 1: data, pipeline, ZeRO): at t = 2 the row-parallel partial sums
+# are rounded to bf16 before their all-reduce and the median tensor's update is 1.8 - 2.9% off
+# the single device's (measured on test_mixed_precision's t = 2 models), as far as a 2% learning
+# rate: there the fp32 twin of each plan is what catches a learning-rate error.
+BF16_MEDIAN_UPDATE_RTOL = 1.4e-2
 
 
 def loss_fn(output, targets):
@@ -169,7 +177,8 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
                                    msg=lambda m: f"rank {r} losses: {m}")
     state = results[0][1]
     wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(
-        rtol=0, atol=BF16_WEIGHT_ATOL, update_rtol=BF16_UPDATE_RTOL)
+        rtol=0, atol=BF16_WEIGHT_ATOL, update_rtol=BF16_UPDATE_RTOL,
+        median_update_rtol=BF16_MEDIAN_UPDATE_RTOL if plan.t == plan.c == 1 else None)
     init = runtime_model(name, plan.num_layers).state_dict()
     assert_weights_match(state, ref.state, init, **wtol)
     assert any(not torch.equal(init[k].float(), state[k].float()) for k in ref.state)
