@@ -49,6 +49,8 @@ class ParallelProgram:
                  example_inputs: tuple, loss_fn: Callable | None, example_targets: Any,
                  cluster: Any, init: Callable | None = None,
                  pins: dict[str, Any] | None = None):
+        """Why this size: ParallelProgram holds what compile and save need (model, plan, profile,
+        inputs, loss, targets, cluster, init, pins); keyword-only."""
         self.model = model
         self.plan = plan
         self.profile = profile
@@ -171,6 +173,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     (autopar/documents.py): the program takes (input_ids, position_ids, attention_mask), the
     last two passed to the model by those keywords, and prices attention at the tiles the
     block-diagonal mask leaves (cost/documents.py).
+    Why this size: the public entry point: every planning knob is a keyword (the names of `Pins`
+    and the CLI flags, docs/DESIGN.md §2); the body builds one PlanRequest and reads as the
+    pipeline it runs (capture, profile, context offer, solve, notes).
     """
     try:
         request = PlanRequest(gpus=gpus, pins=Pins.of(pins, "parallelize"),
@@ -344,7 +349,9 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
                  name: str | None = None, keywords: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """The planning capture and the cost model's profile of `model`, with the tensor-parallel
     pass priced at every t the solver may pick for any of `gpu_counts` (one capture serves a
-    sweep over GPU counts and batches: autopar/scaling.py)."""
+    sweep over GPU counts and batches: autopar/scaling.py).
+    Why this size: the planning capture's inputs (model, example inputs, loss, targets, cluster,
+    sequence, precision, documents, init) are the caller's, passed through unchanged."""
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2,
                        keywords=keywords)

@@ -441,7 +441,7 @@ class _ContextRewrite:
         streams, seed = a.get("streams"), a.get("seed", _SEED)
         extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if self.method == "ring":
-            return _ring_attention(self.rg, n, q, k, v, mask, causal, dropout, extra)
+            return _ring_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra)
         if self.method == "all-to-all":
             return _alltoall_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra,
                                        (streams, seed, heads_split))
@@ -508,13 +508,14 @@ class _ContextRewrite:
             u.replace_input_with(n, mean)
 
 
-def _ring_attention(rg: _RankGraph, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
-                    causal: bool, dropout: float, extra: dict) -> None:
+def _ring_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
+                    dropout: float, extra: dict) -> None:
     """Attention as `context_ring_attention` (plan.cp_attention == "ring"): q, k, v stay
     local, the runtime passes the K/V blocks round the context group; the mask's query rows
     are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
     the kv heads travel."""
-    if (why := method_refusal("ring", [(rg.full[x], rg.dim[x]) for x in (q, k, v)], dropout,
+    q, k, v = qkv
+    if (why := method_refusal("ring", [(rg.full[x], rg.dim[x]) for x in qkv], dropout,
                               rg.c)) is not None:
         raise _refuse_method(n, why)
     if isinstance(mask, fx.Node):
