@@ -1,5 +1,5 @@
 """The propagator: one forward pass of layout propagation over an ATen graph under a fixed set of
-disabled column candidates (the driver, passes/tensor_parallel.py `propagate_sharding`, reruns
+disabled column candidates (the driver, passes/tp_layouts.py `propagate_sharding`, reruns
 it on Conflict / Refine). It reads and demands layouts, keeps a Partial where the op is linear in
 it, gathers what no candidate can be turned off for, and dispatches every other op to the rule
 table (passes/sharding/rules.py).
