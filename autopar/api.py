@@ -31,11 +31,13 @@ from autopar.passes import meta as K
 from autopar.passes.capture import capture
 from autopar.passes.layers import LAYERS_PASS
 from autopar.passes.manager import run_passes
+from autopar.passes.sharding import ContextVerdict, context_verdict
 from autopar.passes.graph_profile import profile_from_graph
 from autopar.passes.tensor_parallel import tp_report
 from autopar.passes.tp_cost import with_tp_corrections
 from autopar.losses import cross_entropy
 from autopar.plan import Plan, layer_range, parameter_signature
+from autopar import report as _report  # noqa: F401 (registers print(plan) / plan.explain())
 from autopar.request import Pins, PlanRequest
 from autopar.rules import CP_ATTENTION, knob_refusal
 
@@ -47,6 +49,8 @@ class ParallelProgram:
                  example_inputs: tuple, loss_fn: Callable | None, example_targets: Any,
                  cluster: Any, init: Callable | None = None,
                  pins: dict[str, Any] | None = None):
+        """Why this size: ParallelProgram holds what compile and save need (model, plan, profile,
+        inputs, loss, targets, cluster, init, pins); keyword-only."""
         self.model = model
         self.plan = plan
         self.profile = profile
@@ -169,6 +173,9 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     (autopar/documents.py): the program takes (input_ids, position_ids, attention_mask), the
     last two passed to the model by those keywords, and prices attention at the tiles the
     block-diagonal mask leaves (cost/documents.py).
+    Why this size: the public entry point: every planning knob is a keyword (the names of `Pins`
+    and the CLI flags, docs/DESIGN.md §2); the body builds one PlanRequest and reads as the
+    pipeline it runs (capture, profile, context offer, solve, notes).
     """
     try:
         request = PlanRequest(gpus=gpus, pins=Pins.of(pins, "parallelize"),
@@ -342,7 +349,9 @@ def plan_profile(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callabl
                  name: str | None = None, keywords: tuple[str, ...] = ()) -> tuple[Any, Any]:
     """The planning capture and the cost model's profile of `model`, with the tensor-parallel
     pass priced at every t the solver may pick for any of `gpu_counts` (one capture serves a
-    sweep over GPU counts and batches: autopar/scaling.py)."""
+    sweep over GPU counts and batches: autopar/scaling.py).
+    Why this size: the planning capture's inputs (model, example inputs, loss, targets, cluster,
+    sequence, precision, documents, init) are the caller's, passed through unchanged."""
     cl = get_cluster(cluster)
     captured = capture(model, example_inputs, loss_fn, example_targets, repeat_limit=2,
                        keywords=keywords)
@@ -455,43 +464,26 @@ class ContextOffer:
 
 def context_offer(gm: Any, seq_len: int, pins: Pins) -> ContextOffer:
     """The context split and attention methods the pass can build for the planning graph `gm`
-    (at the pinned c, or c = 2); a pinned c or cp_attention it cannot build is a one-line
-    ValueError naming the node and the user's source line."""
+    (at the pinned c, or c = 2), asked of the sharding engine alone (`context_verdict`: one
+    walk, the graph neither copied nor changed); a pinned c or cp_attention it cannot build is
+    a one-line ValueError naming the node and the user's source line."""
     c, how = pins.c, pins.cp_attention
-    split = _context_refusal(gm, seq_len, c)
+    trial = c if c is not None and c > 1 else 2
+    verdict = (ContextVerdict(split=None) if c == 1 or seq_len % (2 * trial)   # refused apart
+               else context_verdict(gm, trial, seq_len))
+    split = verdict.split
     if split is not None and c is not None and c > 1:
         raise ValueError(f"parallelize: c={c}: {split}") from None
     if split is not None and c is None:
         c = 1   # the solver may not choose a sequence split the pass cannot build
     if c == 1 or how == "all-gather":
         return ContextOffer(c=c, methods=CP_ATTENTION, split_refused=split)
-    refused = {m: _context_refusal(gm, seq_len, c, m) for m in CP_ATTENTION
+    refused = {m: verdict.refusal(m) for m in CP_ATTENTION
                if m != "all-gather" and how in (None, m)}
     if how is not None and refused.get(how) is not None:
         raise ValueError(f"parallelize: cp_attention={how!r}: {refused[how]}") from None
     return ContextOffer(c=c, methods=tuple(m for m in CP_ATTENTION if refused.get(m) is None),
                         split_refused=split, refused=refused)
-
-
-def _context_refusal(gm: Any, seq_len: int, c: int | None,
-                     attention: str = "all-gather") -> str | None:
-    """Why the context-parallel pass cannot split this model's sequences with `attention`
-    (its one-line ValueError: the node and the user's source line), or None; tried on a copy
-    of the planning graph at the pinned c, or c = 2. (The rewrite's own refusals — beyond the
-    sharding engine's `context_layouts` — are what the trial finds; once the engine states
-    them all, this asks the engine alone.)"""
-    import copy
-    from autopar.passes.context_parallel import apply_context_parallel
-    trial = c if c is not None and c > 1 else 2
-    if c == 1 or seq_len % (2 * trial):
-        return None
-    try:
-        shared = {id(x): x for x in list(gm.parameters()) + list(gm.buffers())}
-        apply_context_parallel(copy.deepcopy(gm, shared), trial, seq_len,   # weights shared
-                               attention)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def _graph_notes(plan: Plan, captured: Any) -> list[str]:

@@ -313,6 +313,7 @@ def _add_tokens_args(sp: argparse.ArgumentParser, *, required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Why this size: declarations only: one add_argument per flag of every subcommand."""
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
     ap.add_argument("--verbose", action="store_true",
                     help="on an error, also print its cause's traceback (anywhere on the line)")

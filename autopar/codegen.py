@@ -82,7 +82,9 @@ def _collectives(gm: torch.fx.GraphModule) -> list[str]:
 def render_chunk(gm: torch.fx.GraphModule, plan: Any, tp_rank: int = 0,
                  model_name: str = "model", precision: str = "fp32") -> str:
     """The Python source of one chunk GraphModule (from passes.pipeline.split_chunks), built
-    for `precision` (autopar.build: the graph was captured in its compute dtype)."""
+    for `precision` (autopar.build: the graph was captured in its compute dtype).
+    Why this size: one template of the generated module (imports, parameter table, forward, its
+    nested formatting helpers) read top to bottom; split, the template would be in pieces."""
     spec: ChunkSpec = gm.meta[K.CHUNK]
     collectives = _collectives(gm)
     cls = f"Chunk{spec.chunk:02d}"

@@ -129,6 +129,9 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     torch_compile: compile each
     chunk's forward and backward with torch.compile (Inductor; graph breaks at the
     collectives; autopar.runtime.compiled).
+    Why this size: the public run-time entry point: its keywords are the user's run options
+    (optimizer, clipping, timeout, precision, program directory, timeline, buckets, device,
+    torch.compile, loss scaling); the body reads as the build of one Runner.
     """
     plan: Plan = prog.plan
     check_program(plan)

@@ -64,6 +64,7 @@ DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
 
 def parse_args(argv: list[str] | None, default_model: str | None,
                default_precision: str = "fp32") -> argparse.Namespace:
+    """Why this size: declarations only: one add_argument per flag of launch.py."""
     ap = argparse.ArgumentParser(prog="launch.py", description="Train this saved autopar "
                                  "program under torchrun (see autopar/launch.py).",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

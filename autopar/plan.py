@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
 # what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
@@ -17,6 +17,15 @@ from autopar.rules import (CP_ATTENTION, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  #
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
+
+# Plan's text ("table": print(plan), "explain": plan.explain()), registered by autopar/report.py
+_RENDERERS: dict[str, Callable[..., str]] = {}
+
+
+def present(*, table: Callable[..., str], explain: Callable[..., str]) -> None:
+    """Register the renderers of `print(plan)` and `plan.explain()` (autopar/report.py calls
+    this once, when imported: presentation sits above the plan type)."""
+    _RENDERERS.update(table=table, explain=explain)
 
 GB = 1024 ** 3
 
@@ -219,15 +228,22 @@ class Plan:
     def gpus(self) -> int:
         return self.t * self.c * self.p * self.d
 
-    # ----- presentation (autopar/report.py, which reads the fields and imports nothing of
-    # this module at run time; the schedule's Gantt chart: autopar.timeline.plan_timeline) ----
+    # ----- presentation: autopar/report.py, above this module, renders the text and registers
+    # its renderers here when imported (`present`); this module imports nothing of it. The
+    # schedule's Gantt chart: autopar.timeline.plan_timeline ---------------------------------
     def __str__(self) -> str:
-        from autopar.report import format_plan
-        return format_plan(self)
+        render = _RENDERERS.get("table")
+        return render(self) if render is not None else repr(self)
 
     def explain(self, top: int = 10) -> str:
-        from autopar.report import format_explain
-        return format_explain(self, top=top)
+        """Why this plan: the ranked alternatives the solver weighed, each with its cost terms
+        or the rule that rejected it (autopar/report.py `format_explain`)."""
+        render = _RENDERERS.get("explain")
+        if render is None:
+            raise RuntimeError("Plan.explain: the plan text lives in autopar.report, which is "
+                               "not loaded; import autopar.report (parallelize, load_plan, the "
+                               "solver and the CLI load it)")
+        return render(self, top=top)
 
     # ----- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -1,16 +1,18 @@
 """Text rendering of a Plan: the table `print(plan)` shows and `plan.explain()`.
 
 Pure string functions over the Plan dataclasses; no cost-model calls here (the numbers were
-computed by the solver with the cost model and travel inside the Plan). This module imports
-autopar.plan for types only: Plan's `__str__`/`explain()` call it (imported inside them, so
-the runtime, which reads plans, never loads this), and a run-time import back would be a loop
-(tests/unit/test_import_cycles.py).
+computed by the solver with the cost model and travel inside the Plan). Presentation sits above
+the plan type: this module registers its renderers with autopar.plan when imported
+(`present`), and plan.py imports nothing of it (tests/unit/test_import_cycles.py). Whatever
+hands a user a Plan loads it: autopar.api (parallelize, load_plan), the cost package (the
+solver's plans) and the CLI; the runtime, which reads plans, never does.
 """
 from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING, Any
 
+from autopar.plan import present
 from autopar.words import bubble_text, layer_range
 
 if TYPE_CHECKING:
@@ -346,3 +348,6 @@ def _group(plan: Plan) -> str:
     if plan.microbatch_group is None:
         return ""
     return f" (N={plan.microbatch_group} micro-batches per chunk visit)"
+
+
+present(table=format_plan, explain=format_explain)

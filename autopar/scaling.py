@@ -129,7 +129,9 @@ def sweep(profile: Any, cluster: Any, *, tokens: float, critical_batch_tokens: f
           families: tuple[str | Family, ...] = DEFAULT_FAMILIES,
           solve_fn: Callable[..., Plan] = solve, **pins: Any) -> ScaleResult:
     """Plan every (GPU count, family) for the shortest time to train `tokens`. `families`:
-    names of FAMILIES, or Family objects."""
+    names of FAMILIES, or Family objects.
+    Why this size: the sweep's request (profile, GPU counts, families, tokens, cluster, batch,
+    precision, seq) passed to each solve."""
     pins = Pins.of(pins, "scale").as_dict()   # one line per bad knob (autopar.rules)
     unknown = [f for f in families if isinstance(f, str) and f not in FAMILIES]
     if unknown:
@@ -196,7 +198,9 @@ def scale_sweep(model: Any, *, example_inputs: tuple, tokens: float, gpus_max: i
                 families: tuple[str, ...] = DEFAULT_FAMILIES, name: str | None = None,
                 **pins: Any) -> ScaleResult:
     """`autopar scale` from Python: capture `model` once, then sweep GPU counts (powers of two
-    from gpus_min to gpus_max, or `gpu_counts`) for each schedule family."""
+    from gpus_min to gpus_max, or `gpu_counts`) for each schedule family.
+    Why this size: the planning keywords of parallelize plus the sweep's range and token
+    budget."""
     import torch
 
     from autopar.api import _default_targets, critical_batch, plan_profile

@@ -68,6 +68,8 @@ def free_port() -> int:
 
 def _child(conn, fn, rank, world_size, port, pg_timeout_s, backend, env_at_call, args,
            kwargs) -> None:
+    """Why this size: the spawned rank's entry point: its arguments are what multiprocessing passes
+    it (pipe, function, rank, world, port, timeout, backend, environment, args, kwargs)."""
     # the fork server's environment is the one of its start: take the caller's of this call
     os.environ.clear()
     os.environ.update(env_at_call)

@@ -137,7 +137,9 @@ def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
                     cluster: Cluster, top: int, named: tuple["Pins | dict", ...] = (),
                     name: str | None = None) -> tuple[list[Plan], Callable[[Cluster, dict], Plan]]:
     """The `top` best predicted plans and the named ones (each solved with every knob
-    pinned), and a function that solves pins on another cluster (the same profile)."""
+    pinned), and a function that solves pins on another cluster (the same profile).
+    Why this size: the planning request's parts (profile, cluster, gpus, batch, pins, precision,
+    top, named plans) passed to the solver for each candidate."""
     from autopar.api import over_kinds, plan_profile
     from autopar.cost.solver import solve
     from autopar.plan import parameter_signature
@@ -299,7 +301,9 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
          name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Plan, measure, choose, refit (module doc); call on every rank of an initialised
     process group of `gpus` ranks. `model_fn()` builds the model (each trial compiles a fresh
-    one, same seed on every rank); rank 0 logs each trial as it is measured."""
+    one, same seed on every rank); rank 0 logs each trial as it is measured.
+    Why this size: the public entry point of `autopar tune`: the planning keywords of
+    parallelize plus the trial budget, measured steps and refit switch."""
     if not dist.is_initialized() or dist.get_world_size() != gpus:
         raise ValueError(f"tune: gpus={gpus} but the process group has "
                          f"{dist.get_world_size() if dist.is_initialized() else 'no'} ranks; "
@@ -340,7 +344,8 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
 
 def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster: str,
             top: int, steps: int, out: str, cluster_out: str | None) -> None:
-    """`autopar tune` on every rank (torchrun's, or local CPU ranks the CLI spawned)."""
+    """`autopar tune` on every rank (torchrun's, or local CPU ranks the CLI spawned).
+    Why this size: the CLI's parsed flags, passed through to `tune` on every rank."""
     import json
 
     from autopar.cost.hardware import (CLUSTER_NAMES, local_cluster_path, read_cluster_file,

@@ -80,8 +80,10 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.sharding import (MATMUL_OPS, NO_VALUE, Shard, context_layouts,
-                                     context_refusal, packet)
+from autopar.passes.sharding import (MATMUL_OPS, METHOD_FIX, NO_LAYOUT, NO_VALUE,
+                                     SUBMODULE_CALL, Shard, context_layouts, context_refusal,
+                                     dropout_refusal, loss_refusal, method_refusal, packet,
+                                     seq_dim_refusal)
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context_shard import (ContextShard, context_causal_attention,
                                            context_gather, context_loss_mean, context_select)
@@ -116,8 +118,7 @@ _refuse = context_refusal   # the one-line refusal: node, op, the user's source 
 
 
 def _refuse_method(node: fx.Node, why: str) -> ValueError:
-    return context_refusal(node, why, fix="plan cp_attention='all-gather' (parallelize's free "
-                                          "choice offers only what the pass builds)")
+    return context_refusal(node, why, fix=METHOD_FIX)
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
@@ -184,9 +185,8 @@ class _RankGraph:
         v = n.meta.get(K.VAL)
         if isinstance(v, torch.Tensor):
             shape = list(v.shape)
-            if shape[d] % self.c:
-                raise _refuse(n, f"its sequence dim {d} has length {shape[d]}, not divisible "
-                                 f"by c={self.c}")
+            if (why := seq_dim_refusal(shape[d], d, self.c)) is not None:
+                raise _refuse(n, why)
             shape[d] //= self.c
             n.meta[K.VAL] = self.meta(tuple(shape), v)
 
@@ -302,7 +302,7 @@ class _ContextRewrite:
             elif n.op == "call_module":
                 if any(a in self.rg.dim for a in n.all_input_nodes):
                     if n.users:
-                        raise _refuse(n, "a submodule call on the rank's tokens")
+                        raise _refuse(n, SUBMODULE_CALL)
                     self.g.erase_node(n)   # torch.export's input guards: shapes are local now
             elif n.op == "call_function":
                 self.select_inputs(n)
@@ -362,8 +362,7 @@ class _ContextRewrite:
             # split inputs, a whole output the engine never decided: a node the tensor-parallel
             # pass made from an input without a layout; stop here rather than run it on the
             # wrong shapes
-            raise _refuse(n, "no sequence layout recorded for a value computed from the "
-                             "rank's tokens")
+            raise _refuse(n, NO_LAYOUT)
 
     def resize(self, n: fx.Node, d: int | None) -> None:
         """Shape constants that name the sequence become the rank's: a view / expand's sizes
@@ -437,12 +436,12 @@ class _ContextRewrite:
             raise _refuse(n, "attention whose queries, keys and values are not all split")
         mask, causal = a.get("attn_mask"), a.get("is_causal", False)
         dropout = a.get("dropout_p", 0.0)
-        if not isinstance(dropout, (int, float)):
-            raise _refuse(n, "an attention dropout probability computed in the graph")
+        if (why := dropout_refusal(dropout)) is not None:
+            raise _refuse(n, why)
         streams, seed = a.get("streams"), a.get("seed", _SEED)
         extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if self.method == "ring":
-            return _ring_attention(self.rg, n, q, k, v, mask, causal, dropout, extra)
+            return _ring_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra)
         if self.method == "all-to-all":
             return _alltoall_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra,
                                        (streams, seed, heads_split))
@@ -488,12 +487,10 @@ class _ContextRewrite:
         vocab = packet(n) is shard_rt.vocab_parallel_cross_entropy
         at, ignore_at, weight_at = (5, 4, None) if vocab else (3, 4, 2)
         reduction = n.args[at] if len(n.args) > at else n.kwargs.get("reduction", 1)
-        if reduction != 1:
-            raise _refuse(n, "a loss not reduced by its mean")
         weight = None if weight_at is None else (
             n.args[weight_at] if len(n.args) > weight_at else n.kwargs.get("weight"))
-        if weight is not None:
-            raise _refuse(n, "a class-weighted loss (its mean divides by the targets' weights)")
+        if (why := loss_refusal(reduction, weight)) is not None:
+            raise _refuse(n, why)
         ignore = n.args[ignore_at] if len(n.args) > ignore_at else n.kwargs.get("ignore_index",
                                                                               -100)
         args = list(n.args) + [None] * (at + 1 - len(n.args))
@@ -511,18 +508,16 @@ class _ContextRewrite:
             u.replace_input_with(n, mean)
 
 
-def _ring_attention(rg: _RankGraph, n: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: Any,
-                    causal: bool, dropout: float, extra: dict) -> None:
+def _ring_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
+                    dropout: float, extra: dict) -> None:
     """Attention as `context_ring_attention` (plan.cp_attention == "ring"): q, k, v stay
     local, the runtime passes the K/V blocks round the context group; the mask's query rows
     are this rank's. Under a grouped-query head repeat in the graph (`_kv_group`) only
     the kv heads travel."""
-    if dropout:
-        raise _refuse_method(n, f"ring attention with attention dropout {dropout} (the ring "
-                              f"kernel draws no dropout)")
-    if any(len(rg.full[x]) != 4 or rg.dim[x] != 2 for x in (q, k, v)):
-        raise _refuse_method(n, "ring attention needs (batch, heads, tokens, head_dim) "
-                              "operands")
+    q, k, v = qkv
+    if (why := method_refusal("ring", [(rg.full[x], rg.dim[x]) for x in qkv], dropout,
+                              rg.c)) is not None:
+        raise _refuse_method(n, why)
     if isinstance(mask, fx.Node):
         mask = rg.mask_rows(mask, n)
     group = _kv_group(rg, k)
@@ -543,14 +538,9 @@ def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causa
     grouped-query head repeat in the graph (`_kv_group`) only the kv heads are exchanged
     when they divide by c. The heads (this tensor rank's) must divide by c."""
     q, k, v = qkv
-    if any(len(rg.full[x]) != 4 or rg.dim[x] != 2 for x in qkv):
-        raise _refuse_method(n, "all-to-all attention needs (batch, heads, tokens, head_dim) "
-                              "operands")
-    heads = rg.full[q][1]
-    if heads % rg.c:
-        raise _refuse_method(n, f"all-to-all attention with {heads} heads (per tensor rank) "
-                              f"over c={rg.c} context ranks: each rank takes heads/c of "
-                              f"them, so c must divide {heads}")
+    if (why := method_refusal("all-to-all", [(rg.full[x], rg.dim[x]) for x in qkv], dropout,
+                              rg.c)) is not None:
+        raise _refuse_method(n, why)
     if isinstance(mask, fx.Node) and mask in rg.dim:
         raise _refuse(n, "a mask that depends on the rank's tokens")
     group = _kv_group(rg, k)
@@ -567,13 +557,14 @@ def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causa
     rg.mark(n, rg.dim[q])
 
 
-def _record(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
+def _record(gm: fx.GraphModule, c: int, seq_len: int, attention: str) -> fx.GraphModule:
     """Pass `context_layout`: the engine's sequence split of the captured graph
     (passes/sharding/context.py `context_layouts`) written into node meta, before the
     tensor-parallel pass: CP_SEQ_DIM on every value that holds the rank's tokens, CP_SELECT on
     every op that reads a whole operand along them. Raises the one-line refusal where the
-    split cannot run."""
-    engine = context_layouts(gm, c, seq_len)
+    split (with `attention`, plan.cp_attention) cannot run: the engine states every refusal
+    of the rewrite (autopar/api.py asks the same engine, `context_verdict`)."""
+    engine = context_layouts(gm, c, seq_len, attention)
     for n in gm.graph.nodes:
         n.meta.pop(K.CP_SEQ_DIM, None)
         n.meta.pop(K.CP_SELECT, None)
@@ -600,8 +591,8 @@ def _rewrite(gm: fx.GraphModule, c: int, seq_len: int, attention: str) -> fx.Gra
     return gm
 
 
-def _layout_pass(c: int, seq_len: int) -> Pass:
-    return Pass(name="context_layout", run=lambda gm: _record(gm, c, seq_len),
+def _layout_pass(c: int, seq_len: int, attention: str) -> Pass:
+    return Pass(name="context_layout", run=lambda gm: _record(gm, c, seq_len, attention),
                 reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.CP_SELECT))
 
 
@@ -611,10 +602,11 @@ def _rewrite_pass(c: int, seq_len: int, attention: str) -> Pass:
                 writes=(K.CP_SEQ_DIM, K.VAL))
 
 
-def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> fx.GraphModule:
+def record_context_layouts(gm: fx.GraphModule, c: int, seq_len: int,
+                           attention: str = "all-gather") -> fx.GraphModule:
     """Pass `context_layout` on `gm` (in place) through run_passes (linted, recompiled); c = 1
     leaves it as it is."""
-    return gm if c == 1 else run_passes(gm, [_layout_pass(c, seq_len)])
+    return gm if c == 1 else run_passes(gm, [_layout_pass(c, seq_len, attention)])
 
 
 def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
@@ -628,14 +620,14 @@ def apply_context_parallel(gm: fx.GraphModule, c: int, seq_len: int,
     if c == 1:
         return gm
     recorded = any(K.CP_SEQ_DIM in n.meta for n in gm.graph.nodes if n.op == "placeholder")
-    passes = [] if recorded else [_layout_pass(c, seq_len)]
+    passes = [] if recorded else [_layout_pass(c, seq_len, attention)]
     return run_passes(gm, passes + [_rewrite_pass(c, seq_len, attention)])
 
 
 def context_layout_pass(plan: Any) -> Pass:
     """The engine's sequence layouts of `plan` (c, seq_len), recorded before the tensor
     split (autopar/build.py)."""
-    return _layout_pass(plan.c, plan.seq_len)
+    return _layout_pass(plan.c, plan.seq_len, plan.cp_attention)
 
 
 def context_parallel_pass(plan: Any) -> Pass:

@@ -261,7 +261,9 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
     """The kinds of repeated block, in execution order, without their counts filled in: the
     best run of repeated siblings (most nodes), opened up while its members are stacks of
     blocks themselves, and every further run outside it whose blocks are at least a quarter
-    as large (a second stack: the encoder of an encoder-decoder model)."""
+    as large (a second stack: the encoder of an encoder-decoder model).
+    Why this size: one walk over the module stacks that keeps the candidate repeats, their order
+    and the second stack of an encoder-decoder together; the steps share its tables."""
     first_seen: dict[str, int] = {}
     last_seen: dict[str, int] = {}
     count: dict[str, int] = defaultdict(int)

@@ -272,6 +272,9 @@ def attr_name(qualified: str) -> str:
 
 
 def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModule:
+    """Why this size: one chunk's graph built in order (received values, its nodes copied with
+    their parameters, buffers and objects, the values it sends, the output); the steps share the
+    copy's environment."""
     plan, gm = analysis.plan, analysis.gm
     st = plan.stages[c]
     last = c == len(plan.stages) - 1

@@ -59,13 +59,16 @@ import torch.fx as fx
 
 from autopar.cost.profile import ModelProfile, TPCollective, TPCorrection, TPRegionFallback
 from autopar.passes import meta as K
+from autopar.passes.activation_meter import batch_dependent
 from autopar.passes.capture import Captured
+from autopar.passes.fusion import VIEW_OPS
+from autopar.passes.graph_profile import param_identity
 from autopar.passes.layers import LayerStructure
-from autopar.passes.graph_profile import VIEW_OPS, batch_dependent, param_identity
 from autopar.passes.sharding import (Partial, Replicate, Shard, Whole, is_grouped_mm, is_split,
                                      is_tensor)
-from autopar.passes.tensor_parallel import (PropagationError, nodes_requiring_grad,
-                                            propagate_sharding, sequence_parallel_fits)
+from autopar.passes.tensor_parallel import nodes_requiring_grad
+from autopar.passes.tp_layouts import (PropagationError, propagate_sharding,
+                                       sequence_parallel_fits)
 
 _REGIONS = ("embedding", "block", "head")
 _SPLITS = ("n", "k", "batch")

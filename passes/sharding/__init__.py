@@ -54,12 +54,16 @@ The package, one job per module:
                   views.py, reductions.py and products.py
   partials.py     which ops keep a Partial unreduced, and the Partial they make
   propagator.py   the propagator (one forward pass under fixed disabled candidates)
-  context.py      the context mode (ContextPropagator, context_layouts, context_refusal)
+  context.py      the context mode (ContextPropagator, context_layouts, context_refusal) and
+                  its rules as pure functions; context_verdict, the feasibility query
 """
 from __future__ import annotations
 
-from autopar.passes.sharding.context import (CONTEXT_RULES, ContextPropagator, context_layouts,
-                                             context_refusal)
+from autopar.passes.sharding.context import (CONTEXT_RULES, METHOD_FIX, METHODS, NO_LAYOUT,
+                                             SUBMODULE_CALL, ContextPropagator, ContextVerdict,
+                                             context_layouts, context_refusal, context_verdict,
+                                             dropout_refusal, loss_refusal, method_refusal,
+                                             seq_dim_refusal)
 from autopar.passes.sharding.layout import (R, Conflict, Layout, Partial, Refine, Replicate,
                                             Shard, Whole, is_split, map_reshape,
                                             unflattened_sizes)
@@ -72,7 +76,9 @@ from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import RULES, rule_for
 
 __all__ = [
-    "CONTEXT_RULES", "ContextPropagator", "context_layouts", "context_refusal",
+    "CONTEXT_RULES", "METHOD_FIX", "METHODS", "NO_LAYOUT", "SUBMODULE_CALL",
+    "ContextPropagator", "ContextVerdict", "context_layouts", "context_refusal",
+    "context_verdict", "dropout_refusal", "loss_refusal", "method_refusal", "seq_dim_refusal",
     "R", "Conflict", "Layout", "Partial", "Refine", "Replicate", "Shard", "Whole", "is_split",
     "map_reshape", "unflattened_sizes",
     "GROUPED_MM", "MATMUL_OPS", "NLL_OPS", "NO_VALUE", "SIZE_ARG_OPS", "SPLIT_OPS", "ancestors",

@@ -15,19 +15,27 @@ reductions over other dims. Three resolutions differ from the tensor-parallel on
     cumulative op / sort along the tokens) or reduce (a sum over them) is refused in one line
     naming the node and the user's source line.
 A token-mean loss over the rank's tokens keeps role "context_loss" (context_loss_mean).
+
+The engine states every refusal of the context-parallel pass (passes/context_parallel.py) on
+the captured graph: its rules are the pure functions below (`seq_dim_refusal`,
+`dropout_refusal`, `method_refusal`, `loss_refusal`), which the pass's rewrite calls again on
+the graph after the tensor split. `context_verdict` asks the engine alone, in one walk that
+copies and writes nothing, what the split can build (autopar/api.py `context_offer`).
 """
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
-from autopar.passes.sharding.ops import (MATMUL_OPS, SOFTMAX, is_tensor, like, matmul_operands,
-                                         norm_dim, packet, shape, tensor_args)
+from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, is_tensor, like,
+                                         matmul_operands, norm_dim, packet, shape, tensor_args)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.views import cat_rule
 
@@ -53,6 +61,58 @@ def context_refusal(node: fx.Node, why: str, fix: str = _CONTEXT_FIX) -> ValueEr
                       f"{why}; {fix}")
 
 
+METHOD_FIX = ("plan cp_attention='all-gather' (parallelize's free choice offers only what "
+              "the pass builds)")
+METHODS = ("ring", "all-to-all")   # the attention methods beyond the all-gather (rules.py)
+SUBMODULE_CALL = "a submodule call on the rank's tokens"
+NO_LAYOUT = "no sequence layout recorded for a value computed from the rank's tokens"
+
+
+def seq_dim_refusal(length: int, dim: int, c: int) -> str | None:
+    """Why a value cannot hold the rank's tokens along `dim` of `length` (c must divide it)."""
+    if length % c:
+        return f"its sequence dim {dim} has length {length}, not divisible by c={c}"
+    return None
+
+
+def dropout_refusal(dropout: Any) -> str | None:
+    """Why an attention's dropout cannot be drawn per context rank: a probability the graph
+    computes (the rewrite reads it as a constant)."""
+    if not isinstance(dropout, (int, float)):
+        return "an attention dropout probability computed in the graph"
+    return None
+
+
+def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...], int]],
+                   dropout: float, c: int) -> str | None:
+    """Why `method` (plan.cp_attention) cannot replace a scaled-dot-product attention whose q,
+    k, v have `operands` (shape, sequence dim) — heads read from q's dim 1 — and constant
+    `dropout`: ring draws no dropout; ring and all-to-all need (batch, heads, tokens, head_dim)
+    operands; all-to-all gives each rank heads/c heads. None for the all-gather (no rule)."""
+    if method not in METHODS:
+        return None
+    if method == "ring" and dropout:
+        return (f"ring attention with attention dropout {dropout} (the ring kernel draws no "
+                f"dropout)")
+    if any(len(s) != 4 or d != 2 for s, d in operands):
+        return f"{method} attention needs (batch, heads, tokens, head_dim) operands"
+    heads = operands[0][0][1]
+    if method == "all-to-all" and heads % c:
+        return (f"all-to-all attention with {heads} heads (per tensor rank) over c={c} context "
+                f"ranks: each rank takes heads/c of them, so c must divide {heads}")
+    return None
+
+
+def loss_refusal(reduction: Any, weight: Any) -> str | None:
+    """Why a token loss cannot become the rank's share of the mean (context_loss_mean): it is
+    not reduced by its mean (reduction 1), or its mean divides by class weights."""
+    if reduction != 1:
+        return "a loss not reduced by its mean"
+    if weight is not None:
+        return "a class-weighted loss (its mean divides by the targets' weights)"
+    return None
+
+
 _LOSS_OPS = frozenset({aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd})
 _ALONG = frozenset({aten.topk, aten.sort, aten.argsort})   # per-token picks along another dim
 
@@ -61,13 +121,20 @@ class ContextPropagator(Propagator):
     """Propagator in the context mode (see above): `layout[node]` is Shard(dim, blocks, seq)
     where the node holds the rank's tokens along `dim`, R where it is whole on every context
     rank; `convert[node][arg]` = Shard(seq) marks a selection at the rank's positions,
-    `gathered[node]` the keys / values attention reads whole."""
+    `gathered[node]` the keys / values attention reads whole.
 
-    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int):
+    attention: the method the pass builds (plan.cp_attention); its refusals raise as the
+    others do. None: every method — their refusals are collected in `refused` (method -> the
+    first one-line refusal, in graph order) and nothing but the split's own refusals raise."""
+
+    def __init__(self, gm: fx.GraphModule, c: int, seq_len: int,
+                 attention: str | None = "all-gather"):
         names = {n.name for n in gm.graph.nodes}
         super().__init__(gm, c, off=names, refine={}, sequence_parallel=False,
                          seq_len=seq_len, vocab_multiple=1)
         self.gathered: dict[fx.Node, list[fx.Node]] = {}
+        self.attention = attention
+        self.refused: dict[str, str] = {}
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -75,11 +142,38 @@ class ContextPropagator(Propagator):
             self.layout[node] = (Shard(1, (self.seq_len,), seq=True)
                                  if s is not None and len(s) >= 2 and s[1] == self.seq_len
                                  else R)
-            return
-        super().visit(node)
+        elif node.op == "call_module" and node.users and any(
+                isinstance(self.get(a), Shard) for a in node.all_input_nodes):
+            raise context_refusal(node, SUBMODULE_CALL)
+        else:
+            super().visit(node)
         lay = self.layout.get(node)
         if any(isinstance(x, Partial) for x in (lay if isinstance(lay, tuple) else (lay,))):
             raise context_refusal(node, "a reduction over the sequence inside the model")
+        if isinstance(lay, Shard):
+            s = shape(node)
+            if s is not None and (why := seq_dim_refusal(s[lay.dim], lay.dim, self.t)):
+                raise context_refusal(node, why)
+        elif self._whole_from_tokens(node):
+            raise context_refusal(node, NO_LAYOUT)
+
+    def _whole_from_tokens(self, node: fx.Node) -> bool:
+        """A value (not a scalar, not a loss) computed whole from the rank's tokens: the rewrite
+        would run it on the wrong shapes."""
+        return (node.op == "call_function" and bool(shape(node))
+                and packet(node) not in NO_VALUE and node.target is not operator.getitem
+                and self.role.get(node) != "context_loss"
+                and any(isinstance(self.get(a), Shard) for a in tensor_args(node)))
+
+    def method(self, node: fx.Node, why: str | None, method: str) -> None:
+        """A refusal of attention method `method` at `node`: raised when the pass builds that
+        method, recorded (the first per method) when every method is asked."""
+        if why is None:
+            return
+        if self.attention is None:
+            self.refused.setdefault(method, str(context_refusal(node, why, fix=METHOD_FIX)))
+        elif self.attention == method:
+            raise context_refusal(node, why, fix=METHOD_FIX)
 
     def rule(self, node: fx.Node) -> Any:
         op = packet(node)
@@ -180,6 +274,13 @@ def _context_sdpa(p: ContextPropagator, node: fx.Node) -> Layout:
         if not isinstance(lay, Shard) or lay.dim != len(shape(arg)) - 2:
             raise context_refusal(node, "attention whose queries, keys and values are not "
                                         "all split along their tokens")
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    dropout = {**dict(zip(names, node.args)), **node.kwargs}.get("dropout_p", 0.0)
+    if (why := dropout_refusal(dropout)) is not None:
+        raise context_refusal(node, why)
+    for method in METHODS:
+        p.method(node, method_refusal(method, [(shape(x), len(shape(x)) - 2) for x in (q, k, v)],
+                                      dropout, p.t), method)
     p.gather(node, k)
     p.gather(node, v)
     if isinstance(mask, fx.Node):
@@ -197,6 +298,10 @@ def _context_loss(p: ContextPropagator, node: fx.Node) -> Layout:
     if any(not isinstance(p.eff(node, a), Shard) or p.eff(node, a).dim != 0
            for a in node.args[:2]):
         raise context_refusal(node, "a loss over values not split along their token dim 0")
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", 1)
+    if (why := loss_refusal(reduction, weight)) is not None:
+        raise context_refusal(node, why)
     p.role[node] = "context_loss"
     return R
 
@@ -240,8 +345,34 @@ CONTEXT_RULES = {
 }
 
 
-def context_layouts(gm: fx.GraphModule, c: int, seq_len: int) -> ContextPropagator:
+def context_layouts(gm: fx.GraphModule, c: int, seq_len: int,
+                    attention: str = "all-gather") -> ContextPropagator:
     """The sequence split of the captured single-device graph `gm` over c context ranks, as
     the engine's layouts (ContextPropagator); raises context_refusal's ValueError where the
-    split cannot run."""
-    return ContextPropagator(gm, c, seq_len).run()
+    split (with attention method `attention`, plan.cp_attention) cannot run."""
+    return ContextPropagator(gm, c, seq_len, attention).run()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContextVerdict:
+    """What the sequence split of one graph over c ranks can build: `split`, the one-line
+    refusal of the split itself (None: it runs), and `methods`, the first refusal of each
+    attention method beyond the all-gather met before it (METHODS; absent: it builds)."""
+    split: str | None
+    methods: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def refusal(self, attention: str = "all-gather") -> str | None:
+        """The pass's refusal under `attention` (its ValueError's text), or None: the first in
+        graph order, as the pass raises it."""
+        return self.methods.get(attention) or self.split
+
+
+def context_verdict(gm: fx.GraphModule, c: int, seq_len: int) -> ContextVerdict:
+    """The engine's verdict on splitting `gm`'s sequences over c ranks with every attention
+    method, in one walk of the graph: nothing is copied, rewritten or written into meta."""
+    engine = ContextPropagator(gm, c, seq_len, attention=None)
+    try:
+        engine.run()
+    except ValueError as exc:
+        return ContextVerdict(split=str(exc), methods=dict(engine.refused))
+    return ContextVerdict(split=None, methods=dict(engine.refused))

@@ -1,5 +1,5 @@
 """The propagator: one forward pass of layout propagation over an ATen graph under a fixed set of
-disabled column candidates (the driver, passes/tensor_parallel.py `propagate_sharding`, reruns
+disabled column candidates (the driver, passes/tp_layouts.py `propagate_sharding`, reruns
 it on Conflict / Refine). It reads and demands layouts, keeps a Partial where the op is linear in
 it, gathers what no candidate can be turned off for, and dispatches every other op to the rule
 table (passes/sharding/rules.py).
@@ -36,6 +36,9 @@ class Propagator:
     def __init__(self, gm: fx.GraphModule, t: int, *, off: set[str], refine: dict,
                  sequence_parallel: bool, seq_len: int | None, vocab_multiple: int,
                  flop_per_byte: float = float("inf"), whole: dict | None = None):
+        """Why this size: one run's fixed inputs — the driver's state (disabled candidates,
+        refined and whole seeds) and the mode (sequence parallelism, its length, vocabulary
+        padding, machine balance) — keyword-only, set by tp_layouts._settle or the context mode."""
         self.gm, self.t, self.off, self.refine = gm, t, off, refine
         self.whole = whole if whole is not None else {}   # origin -> its seed's whole flags
         self.sp, self.seq_len, self.vocab_multiple = sequence_parallel, seq_len, vocab_multiple

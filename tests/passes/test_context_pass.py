@@ -301,3 +301,58 @@ def test_layouts_recorded_before_the_tensor_split_reach_its_new_nodes(name):
                 and K.CP_SEQ_DIM in n.args[0].meta \
                 and n.args[2] % n.args[0].meta[K.VAL].dim() == n.args[0].meta[K.CP_SEQ_DIM]:
             assert set(n.args[3]) == {SEQ // 2}, n.name
+
+
+def _sum_loss(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _weighted_loss(logits, y):
+    weight = torch.ones(logits.shape[-1])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), weight=weight)
+
+
+@pytest.mark.parametrize("model, loss, c, method, refused", [
+    (RunningSum, None, 2, "all-gather", "cumsum"),                  # the engine's op rules
+    (lambda: gpt(seq=SEQ, dropout=0.1), None, 2, "ring", "attention dropout 0.1"),
+    (lambda: gpt(seq=SEQ), None, 8, "all-to-all", "with 4 heads"),   # heads over c
+    (lambda: gpt(seq=SEQ), _sum_loss, 2, "all-gather", "not reduced by its mean"),
+    (lambda: gpt(seq=SEQ), _weighted_loss, 2, "all-gather", "class-weighted"),
+    (lambda: gpt(seq=SEQ), None, 2, "ring", None),                   # builds
+])
+def test_the_engine_s_verdict_is_the_pass_s(model, loss, c, method, refused):
+    """Per refusal family, the feasibility query (`context_verdict`, the engine alone) and the
+    pass (record + rewrite) say the same: the same one-line refusal, or both build."""
+    from autopar.passes.sharding import context_verdict
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    gm = capture(model(), (ids,), loss or autopar.cross_entropy, ids.clone()).gm
+    said = context_verdict(gm, c, SEQ).refusal(method)
+    if refused is None:
+        apply_context_parallel(copy.deepcopy(gm), c, SEQ, method)
+        assert said is None
+        return
+    with pytest.raises(ValueError) as err:
+        apply_context_parallel(copy.deepcopy(gm), c, SEQ, method)
+    assert refused in str(err.value) and said == str(err.value)
+    assert context_verdict(gm, c, SEQ).refusal("all-gather") == (
+        None if method != "all-gather" else said)
+
+
+def test_the_feasibility_query_does_not_run_the_pass(monkeypatch):
+    """parallelize's context offer asks the engine alone: the pass is never called, the graph
+    neither copied nor changed (no node, argument or meta key added)."""
+    import autopar.api as api
+    import autopar.passes.context_parallel as cp
+    from autopar.request import Pins
+
+    def never(*args, **kwargs):
+        raise AssertionError("the context-parallel pass ran, or the graph was copied")
+    gm = _captured(gpt(seq=SEQ, dropout=0.1))
+    for name in ("apply_context_parallel", "record_context_layouts", "_record", "_rewrite"):
+        monkeypatch.setattr(cp, name, never)
+    monkeypatch.setattr(copy, "deepcopy", never)
+    before = [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes]
+    offer = api.context_offer(gm, SEQ, Pins())
+    assert offer.methods == ("all-gather", "all-to-all")        # ring refused: its dropout
+    assert "attention dropout 0.1" in offer.refused["ring"]
+    assert [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes] == before
