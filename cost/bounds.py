@@ -1,5 +1,5 @@
-"""The solver's search vocabulary and bounds, below both cost/solver.py (which enumerates and
-solves) and cost/search.py (which bounds families before building them): the family and
+"""The solver's search vocabulary and bounds, below cost/families.py (which enumerates),
+cost/solver.py (which solves) and cost/search.py (which bounds families before building them): the family and
 work-count types, the lower bounds of a combination's step time and memory, and the greedy
 partition that is the pruning's upper bound. Pure functions of cost.model's ConfigCosts.
 """

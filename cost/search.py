@@ -1,15 +1,15 @@
 """The planner's branch and bound: which knob combinations get priced, in which order.
 
-cost/solver.py enumerates the combinations the rules allow in families (solver.Family: one
+cost/families.py enumerates the combinations the rules allow in families (bounds.Family: one
 (t, c, p, d, ep, b, recompute, sp, attention method) with its schedules, v, N and ZeRO levels),
 without building them. `search` then works best-first on one heap of families and
 combinations, keyed by a lower bound of their step time:
   - a family's bound (`family_bound_s`) holds for every member: from the loads alone, with
     the largest v·bubble_div of its rows (the bubble shrinks with it) and no tail;
-  - a combination's is solver.quick_lower_bound_scaled (its own v, N and bubble divisor),
+  - a combination's is bounds.quick_lower_bound_scaled (its own v, N and bubble divisor),
     shared through a memo by the combinations with the same loads (ZeRO levels, ep);
   - a combination popped is priced in full (cost.model.config_costs), bounded again over
-    every partition (solver.lower_bound_scaled), and split by the heuristic (an upper bound
+    every partition (bounds.lower_bound_scaled), and split by the heuristic (an upper bound
     that lowers `best`).
 A family is built only when popped, i.e. when its bound does not exceed the best plan found
 so far; the search stops when the smallest bound left exceeds it (branch and bound:
