@@ -64,15 +64,15 @@ class Family:
                       num_microbatches=self.m, schedule=schedule, recompute=self.recompute,
                       sequence_parallel=self.sp, zero=zero, microbatch_group=group)
 
-    def first_of_each_zero(self) -> list[tuple[tuple[int, ...], Config]]:
-        """The first member (in `configs` order) of each ZeRO level the family offers, in
-        that order, without building the others."""
+    def first_of_each_zero(self) -> list[tuple[str, int, int | None, int]]:
+        """(schedule, v, N, zero) of the first member (in `configs` order) of each ZeRO level
+        the family offers, in that order (`config` builds one)."""
         out, seen = [], set()
-        for si, schedule, v, group, zeros in self.rows:
-            for zi, zero in zeros:
+        for _, schedule, v, group, zeros in self.rows:
+            for _, zero in zeros:
                 if zero not in seen:
                     seen.add(zero)
-                    out.append(self._member(si, schedule, v, group, zi, zero))
+                    out.append((schedule, v, group, zero))
         return out
 
     def _member(self, si: int, schedule: str, v: int, group: int | None, zi: int,

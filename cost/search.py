@@ -66,7 +66,8 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
 
 
 def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
-    # (sequence parallelism can change what the tensor-parallel pass replicates)
+    # (sequence parallelism can change what the tensor-parallel pass replicates; the key is
+    # a family's and a ZeRO level's: _memory_family builds it from those)
     key = (cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
     if key not in memo.state_bytes:
         memo.state_bytes[key] = state_bytes_lower_bound(profile, cfg)
@@ -86,12 +87,15 @@ def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
 def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
     and optimizer states overflow (then so do every member's); else None."""
-    cfgs = [cfg for _, cfg in fam.first_of_each_zero()]
-    least = min(cfgs, key=lambda c: _state_memo(profile, c, memo))
-    state = _state_memo(profile, least, memo)
-    if state <= cluster.usable_memory_bytes:
+    def state(member: tuple) -> float:   # _state_memo's, its Config built on a miss only
+        key = (fam.t, fam.c, fam.ep, fam.p, fam.d, member[3], fam.sp)
+        if key not in memo.state_bytes:
+            return _state_memo(profile, fam.config(*member), memo)
+        return memo.state_bytes[key]
+    least = min(fam.first_of_each_zero(), key=state)
+    if state(least) <= cluster.usable_memory_bytes:
         return None
-    return _state_failure(cluster, least, 0.0, state)
+    return _state_failure(cluster, fam.config(*least), 0.0, state(least))
 
 
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
