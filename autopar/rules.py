@@ -8,7 +8,7 @@ also uses them to skip combinations it may not choose) and compile (`autopar/com
 
 Rules that read the model (the heads t must divide, the sequence a context split needs on a
 profile, the experts ep must divide, the attention methods the context-parallel pass builds)
-live with the facts they read: cost/solver.py (`_tensor_rule`, `_context_rule`,
+live with the facts they read: cost/families.py (`tensor_rule`, `context_rule`,
 `cp_attention_rule`) and autopar/api.py `context_methods` (the pass tried on the graph).
 
 A new rule (a new knob, a new pair that cannot run together) goes here, with its test in

@@ -222,8 +222,14 @@ def _microbatch_groups(p: int, m: int, group: int | None = None) -> list[range]:
 
 def first_group_size(p: int, m: int, group: int | None = None) -> int:
     """g₀, the size of the first micro-batch group of the interleaved orders: what their
-    warm-up (and so the micro-batches a rank holds) is made of."""
-    return len(_microbatch_groups(p, m, group)[0])
+    warm-up (and so the micro-batches a rank holds) is made of (`_microbatch_groups`' first,
+    in closed form: the cost model asks for it per rank of every configuration it prices)."""
+    if m < 1:
+        return len(_microbatch_groups(p, m, group)[0])
+    if group is not None:
+        return group
+    base, extra = divmod(m, max(1, m // p))
+    return base + (extra > 0)
 
 
 def _interleaved_ops(p: int, v: int, m: int, group: int | None = None, hop: int = 2,
@@ -574,12 +580,26 @@ def compute_order(name: str, p: int, v: int, m: int, *, group: int | None = None
     if name in SPLIT_BACKWARD:      # W placement needs the list-scheduling simulation
         acts = make_schedule(name, p, v, m, group=group)
         return [[a for a in acts[r] if a.kind in COMPUTE] for r in ranks]
+    return [[Action(*op) for op in rank_ops]
+            for rank_ops in compute_ops(name, p, v, m, group=group, ranks=ranks)]
+
+
+def compute_ops(name: str, p: int, v: int, m: int, *, group: int | None = None,
+                ranks: Sequence[int] | None = None) -> list[list[Op]]:
+    """`compute_order` as (kind, chunk, micro-batch) tuples, for the schedules whose F/B order
+    needs no simulation (not SPLIT_BACKWARD): what the cost model's weight-gather statistics
+    walk per priced configuration, without building an Action per compute."""
+    _check_schedule(name, p, v, group)
+    _check_dims(p, v, m, name)
+    if name in SPLIT_BACKWARD:
+        raise ValueError(f"compute_ops: schedule {name!r} places its W's by simulation; use "
+                         f"compute_order for it")
+    ranks = list(range(p) if ranks is None else ranks)
     check_group(p, m, group)
-    ops = {"gpipe": lambda: _gpipe_ops(p, m, ranks),
-           "1f1b": lambda: _one_f_one_b_ops(p, m, ranks),
-           "interleaved-1f1b": lambda: _interleaved_ops(p, v, m, group, ranks=ranks),
-           "breadth-first": lambda: _breadth_first_ops(p, v, m, ranks)}[name]()
-    return [[Action(*op) for op in rank_ops] for rank_ops in ops]
+    return {"gpipe": lambda: _gpipe_ops(p, m, ranks),
+            "1f1b": lambda: _one_f_one_b_ops(p, m, ranks),
+            "interleaved-1f1b": lambda: _interleaved_ops(p, v, m, group, ranks=ranks),
+            "breadth-first": lambda: _breadth_first_ops(p, v, m, ranks)}[name]()
 
 
 # ----- checks -----------------------------------------------------------------------------

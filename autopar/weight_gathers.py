@@ -52,66 +52,119 @@ def plan_gathers(actions: Sequence[Any], *, keep: int = 2,
         AG0 AG1 F0.0 F0.1 FREE0 AG2 F1.0 F1.1 F2.0 F2.1 B2.0 B2.1 RS2 FREE2 R2 AG0 B1.0 B1.1 RS1
         FREE1 R1 B0.0 B0.1 RS0 FREE0 R0
     """
+    _check_keep(keep)
+    index = [n for n, a in enumerate(actions) if a.kind in ("F", "B")]
+    walk = _Walk([actions[n].chunk for n in index], [actions[n].kind for n in index], keep,
+                 lookahead, record=True)
+    # a compute-list position k is before compute k (index[k]); `after`: right after it
+    return [(index[k] + after, op, c) for k, after, op, c in walk.ops]
+
+
+def _check_keep(keep: Any) -> None:
     if not isinstance(keep, int) or keep < 1:
         raise ValueError(f"plan_gathers: keep={keep!r} must be a positive integer (chunks "
                          f"gathered at once)")
-    computes = [(n, a.chunk, a.kind) for n, a in enumerate(actions) if a.kind in ("F", "B")]
-    uses: dict[int, list[int]] = {}
-    for k, (_, c, _) in enumerate(computes):
-        uses.setdefault(c, []).append(k)
-    # run_end[k]: the first compute after k of another chunk; the prefetch scan below skips a
-    # run of one chunk at once (its computes are all gathered or none is), which keeps it
-    # linear in the runs rather than the computes (breadth-first runs m of one chunk in a row)
-    run_end = [len(computes)] * len(computes)
-    for k in range(len(computes) - 2, -1, -1):
-        run_end[k] = k + 1 if computes[k + 1][1] != computes[k][1] else run_end[k + 1]
 
-    def next_missing(k: int) -> int | None:
-        """The first compute within `lookahead` after k whose chunk is not gathered."""
-        j, stop = k + 1, min(k + 1 + lookahead, len(computes))
-        while j < stop:
-            if computes[j][1] not in live:
-                return j
-            j = run_end[j]
-        return None
 
-    def next_use(c: int, k: int) -> float:
-        i = bisect.bisect_right(uses[c], k)
-        return uses[c][i] if i < len(uses[c]) else math.inf
+class _Walk:
+    """`plan_gathers` on a rank's computes (chunks[k], kinds[k]), run once at construction,
+    with what `gather_stats` reads counted on the way (no plan list needed for it).
 
-    ops: list[tuple[int, str, int]] = []
-    live: list[int] = []
-    pending: set[int] = set()           # chunks with backward gradients not reduce-scattered
+    Positions are compute positions: an op at (k, 0) runs before compute k, one at (k, 1)
+    right after it. Ops are made in non-decreasing position, so the list is already in the
+    order plan_gathers returns. Incremental where the rule allows: a chunk's next use is a
+    pointer that moves with k (not a search), and the first missing compute ahead is reused
+    while the gathered chunks have not changed (its window only slides by one)."""
 
-    def free(c: int, at: int) -> None:
-        if c in pending:
-            ops.append((at, REDUCE_SCATTER, c))
-            pending.discard(c)
-        ops.append((at, RELEASE, c))
-        live.remove(c)
+    def __init__(self, chunks: list[int], kinds: list[str], keep: int, lookahead: int,
+                 record: bool = False) -> None:
+        n = len(chunks)
+        self.n, self.keep, self.record = n, keep, record
+        self.ops: list[tuple[int, int, str, int]] = []
+        self.gather_leads: list[int] = []
+        self.reduce_at: list[int] = []               # positions of the reduce-scatters, in order
+        self.peak_gathered = self.peak_pending = 0
+        inf = math.inf
+        after: list[float] = [inf] * n                # next compute of the same chunk
+        first: dict[int, float] = {}
+        for k in range(n - 1, -1, -1):
+            c = chunks[k]
+            after[k] = first.get(c, inf)
+            first[c] = k
+        # run_end[k]: the first compute after k of another chunk; the prefetch scan skips a
+        # run of one chunk at once (its computes are all gathered or none is)
+        run_end = [n] * n
+        for k in range(n - 2, -1, -1):
+            run_end[k] = k + 1 if chunks[k + 1] != chunks[k] else run_end[k + 1]
+        self.next_use = first                        # chunk -> its next compute at or after k
+        self.live: list[int] = []
+        self.pending: set[int] = set()    # chunks with backward gradients not reduce-scattered
+        self.version = 0                  # counts the changes to `live`
+        live, pending, next_use = self.live, self.pending, first
+        seen_version, seen = -1, None     # the last scan: (from k, its answer), at that version
+        for k in range(n):
+            c = chunks[k]
+            next_use[c] = after[k]
+            if c not in live:
+                self._gather(c, k, 0, c, c, k)
+            # the first compute in (k, k + lookahead] whose chunk is not gathered
+            version = self.version
+            stop = min(k + 1 + lookahead, n)
+            if version == seen_version and seen is not None and seen[1] is not None \
+                    and seen[1] > k:
+                upcoming = seen[1]
+            else:
+                j = k + 1
+                if version == seen_version and seen is not None and seen[1] is None:
+                    j = max(j, seen[0] + 1 + lookahead)   # all before it were gathered
+                upcoming = None
+                while j < stop:
+                    if chunks[j] not in live:
+                        upcoming = j
+                        break
+                    j = run_end[j]
+            seen, seen_version = (k, upcoming), version
+            if upcoming is not None:                                 # prefetch
+                up = chunks[upcoming]
+                self._gather(up, k, upcoming - k, c, up, upcoming)
+            if kinds[k] == "B":
+                pending.add(c)
+                if len(pending) > self.peak_pending:
+                    self.peak_pending = len(pending)
+            if after[k] == inf:
+                self._free(c, k + 1, 1)
 
-    def gather(c: int, at: int, k: int, busy: set[int], before: float) -> bool:
-        """Gather c at `at`, freeing a slot if needed by a chunk not needed before `before`."""
-        if len(live) >= keep:
-            victims = [x for x in live if x not in busy and next_use(x, k) > before]
-            if not victims:
-                return False
-            free(max(victims, key=lambda x: next_use(x, k)), at)
-        ops.append((at, GATHER, c))
+    def _free(self, c: int, k: int, after: int) -> None:
+        if c in self.pending:
+            if self.record:
+                self.ops.append((k - after, after, REDUCE_SCATTER, c))
+            self.reduce_at.append(k)
+            self.pending.discard(c)
+        if self.record:
+            self.ops.append((k - after, after, RELEASE, c))
+        self.live.remove(c)
+        self.version += 1
+
+    def _gather(self, c: int, k: int, lead: int, busy1: int, busy2: int, before: int) -> None:
+        """Gather c before compute k (its use `lead` computes later), freeing a slot if
+        needed by a chunk other than busy1/busy2 not needed before `before`: the one whose
+        next use is furthest (Belady's rule); nothing if there is none."""
+        live = self.live
+        if len(live) >= self.keep:
+            victim, far = None, before
+            for x in live:
+                if x != busy1 and x != busy2 and self.next_use[x] > far:
+                    victim, far = x, self.next_use[x]
+            if victim is None:
+                return
+            self._free(victim, k, 0)
+        if self.record:
+            self.ops.append((k, 0, GATHER, c))
+        self.gather_leads.append(lead)
         live.append(c)
-        return True
-
-    for k, (n, c, kind) in enumerate(computes):
-        if c not in live:
-            gather(c, n, k, {c}, k)
-        upcoming = next_missing(k)
-        if upcoming is not None:                                     # prefetch
-            gather(computes[upcoming][1], n, k, {c, computes[upcoming][1]}, upcoming)
-        if kind == "B":
-            pending.add(c)
-        if next_use(c, k) == math.inf:
-            free(c, n + 1)
-    return sorted(ops, key=lambda op: op[0])   # stable: ops at one index keep their order
+        self.version += 1
+        if len(live) > self.peak_gathered:
+            self.peak_gathered = len(live)
 
 
 def format_with_gathers(actions: Sequence[Any], plan: Sequence[tuple[int, str, int]] | None
@@ -166,34 +219,17 @@ class GatherStats:
 def gather_stats(actions: Sequence[Any], *, keep: int = 2) -> GatherStats:
     """The GatherStats of `plan_gathers(actions, keep=keep)` (only F/B actions matter: a
     rank's compute order, e.g. autopar.schedules.compute_order, is enough)."""
-    actions = list(actions)
-    plan = plan_gathers(actions, keep=keep)
-    done = [0] * (len(actions) + 1)               # computes before each index
-    for n, a in enumerate(actions):
-        done[n + 1] = done[n] + (a.kind in ("F", "B"))
-    at_chunk: dict[int, list[int]] = {}             # chunk -> indices of its computes
-    for n, a in enumerate(actions):
-        if a.kind in ("F", "B"):
-            at_chunk.setdefault(a.chunk, []).append(n)
-    gathers, reduces = [], []
-    for n, op, c in plan:
-        if op == GATHER:
-            use = at_chunk[c][bisect.bisect_left(at_chunk[c], n)]
-            gathers.append(done[use] - done[n])
-        elif op == REDUCE_SCATTER:
-            reduces.append(n)
-    leads = [done[b] - done[a] for a, b in zip(reduces, reduces[1:] + [len(actions)])]
-    pending: set[int] = set()
-    peak = 0
-    at: dict[int, list[tuple[str, int]]] = {}
-    for n, op, c in plan:
-        at.setdefault(n, []).append((op, c))
-    for n, a in enumerate(actions + [None]):
-        for op, c in at.get(n, ()):
-            if op == REDUCE_SCATTER:
-                pending.discard(c)
-        if a is not None and a.kind == "B":
-            pending.add(a.chunk)
-            peak = max(peak, len(pending))
-    return GatherStats(gather_leads=tuple(gathers), reduce_leads=tuple(leads),
-                       peak_gathered=max_gathered(actions, plan), peak_pending=peak)
+    computes = [a for a in actions if a.kind in ("F", "B")]
+    return compute_gather_stats([a.chunk for a in computes], [a.kind for a in computes],
+                                keep=keep)
+
+
+def compute_gather_stats(chunks: list[int], kinds: list[str], *, keep: int = 2) -> GatherStats:
+    """`gather_stats` of a rank's computes given as their chunks and kinds ('F' / 'B'), e.g.
+    from autopar.schedules.compute_ops: what the cost model asks per configuration."""
+    _check_keep(keep)
+    walk = _Walk(chunks, kinds, keep, LOOKAHEAD)
+    ends = walk.reduce_at[1:] + [walk.n]
+    return GatherStats(gather_leads=tuple(walk.gather_leads),
+                       reduce_leads=tuple(b - a for a, b in zip(walk.reduce_at, ends)),
+                       peak_gathered=walk.peak_gathered, peak_pending=walk.peak_pending)

@@ -1,10 +1,11 @@
-"""The solver's search vocabulary and bounds, below both cost/solver.py (which enumerates and
-solves) and cost/search.py (which bounds families before building them): the family and
+"""The solver's search vocabulary and bounds, below cost/families.py (which enumerates),
+cost/solver.py (which solves) and cost/search.py (which bounds families before building them): the family and
 work-count types, the lower bounds of a combination's step time and memory, and the greedy
 partition that is the pruning's upper bound. Pure functions of cost.model's ConfigCosts.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -43,14 +44,41 @@ class Family:
 
     def configs(self) -> Iterator[tuple[tuple[int, ...], Config]]:
         """(enumeration order, configuration) of every member."""
+        for si, schedule, v, group, zeros in self.rows:
+            for zi, zero in zeros:
+                yield self._member(si, schedule, v, group, zi, zero)
+
+    def members(self) -> Iterator[tuple[tuple[int, ...], str, int, int | None, int]]:
+        """(enumeration order, schedule, v, N, zero) of every member, in `configs` order,
+        without building its Config (`config` does, for the few the search pops)."""
         ri, spi, hi = self.sub
         for si, schedule, v, group, zeros in self.rows:
             for zi, zero in zeros:
-                yield self.key + (si, ri, spi, zi, hi), Config(
-                    t=self.t, p=self.p, d=self.d, c=self.c, cp_attention=self.how, ep=self.ep,
-                    v=v, micro_batch_size=self.b, num_microbatches=self.m, schedule=schedule,
-                    recompute=self.recompute, sequence_parallel=self.sp, zero=zero,
-                    microbatch_group=group)
+                yield self.key + (si, ri, spi, zi, hi), schedule, v, group, zero
+
+    def config(self, schedule: str, v: int, group: int | None, zero: int,
+               ep: int | None = None) -> Config:
+        """The member (schedule, v, N, zero) as a Config (`ep`: another expert degree)."""
+        return Config(t=self.t, p=self.p, d=self.d, c=self.c, cp_attention=self.how,
+                      ep=self.ep if ep is None else ep, v=v, micro_batch_size=self.b,
+                      num_microbatches=self.m, schedule=schedule, recompute=self.recompute,
+                      sequence_parallel=self.sp, zero=zero, microbatch_group=group)
+
+    def first_of_each_zero(self) -> list[tuple[str, int, int | None, int]]:
+        """(schedule, v, N, zero) of the first member (in `configs` order) of each ZeRO level
+        the family offers, in that order (`config` builds one)."""
+        out, seen = [], set()
+        for _, schedule, v, group, zeros in self.rows:
+            for _, zero in zeros:
+                if zero not in seen:
+                    seen.add(zero)
+                    out.append((schedule, v, group, zero))
+        return out
+
+    def _member(self, si: int, schedule: str, v: int, group: int | None, zi: int,
+                zero: int) -> tuple[tuple[int, ...], Config]:
+        ri, spi, hi = self.sub
+        return self.key + (si, ri, spi, zi, hi), self.config(schedule, v, group, zero)
 
     def zeros(self) -> set[int]:
         return {z for *_, zeros in self.rows for _, z in zeros}
@@ -64,7 +92,7 @@ class SolveStats:
     families: int = 0            # families enumerated (each bounded before it is built)
     families_built: int = 0      # of them, built: their bound did not exceed the best plan
     families_memory: int = 0     # of them, skipped: weights and optimizer states alone overflow
-    configs: int = 0             # configurations built (Config objects)
+    configs: int = 0             # configurations enumerated (pushed on the search's heap)
     quick_bounds: int = 0        # load-only lower bounds computed (the rest shared, memoised)
     priced: int = 0              # configurations fully priced (cost.model.config_costs)
     candidates: int = 0          # configurations handed to CP-SAT
@@ -96,7 +124,13 @@ def chunk_minimums(p: int, v: int, num_layers: int) -> list[int]:
 
 def rank_minimums(p: int, v: int, num_layers: int) -> list[int]:
     """Least layers of each pipeline rank (the sum of its chunks' `chunk_minimums`)."""
-    return rank_layers(chunk_minimums(p, v, num_layers), p)
+    return list(_rank_minimums(p, v, num_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_minimums(p: int, v: int, num_layers: int) -> tuple[int, ...]:
+    # every bound of every configuration asks; a handful of (p, v) per solve
+    return tuple(rank_layers(chunk_minimums(p, v, num_layers), p))
 
 
 def balance(fixed: list[int], slope: int, num_layers: int, v: "int | list[int]",

@@ -36,8 +36,8 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile
 from autopar.cost.shares import RankParams, tied_table_elems
-from autopar.schedules import compute_order
-from autopar.weight_gathers import GatherStats, gather_stats
+from autopar.schedules import SPLIT_BACKWARD, compute_ops, compute_order
+from autopar.weight_gathers import GatherStats, compute_gather_stats, gather_stats
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
 # gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
@@ -158,9 +158,15 @@ def weight_gather_stats(cfg: Config) -> GatherStats:
     rank: autopar.weight_gathers on the schedule's compute order, elementwise the most of
     pipeline ranks 0 and p − 1 (the longest and shortest warm-up)."""
     keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
-    orders = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
-                           group=cfg.microbatch_group, ranks=sorted({0, cfg.p - 1}))
-    stats = [gather_stats(o, keep=keep) for o in orders]
+    ranks = sorted({0, cfg.p - 1})
+    if cfg.schedule in SPLIT_BACKWARD:
+        orders = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                               group=cfg.microbatch_group, ranks=ranks)
+        stats = [gather_stats(o, keep=keep) for o in orders]
+    else:       # the (kind, chunk, micro-batch) tuples: no Action per compute
+        stats = [compute_gather_stats([op[1] for op in ops], [op[0] for op in ops], keep=keep)
+                 for ops in compute_ops(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                                        group=cfg.microbatch_group, ranks=ranks)]
     worst = max(stats, key=lambda st: (st.gathers + st.reduce_scatters, st.peak_pending))
     return GatherStats(gather_leads=worst.gather_leads, reduce_leads=worst.reduce_leads,
                        peak_gathered=max(st.peak_gathered for st in stats),

@@ -9,6 +9,7 @@ pure function's, so a result never depends on whether it came from a cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from autopar.cost.comm import group_spans_nodes
 from autopar.cost.compute import block_times_s, edge_times_s, flops_per_seq
@@ -37,6 +38,7 @@ class CostMemo:
     context_comm: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     gathers: dict[tuple, GatherStats] = field(default_factory=dict)
     flops: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    loads: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
     # the search's bounds (cost/search.py): state and activation bytes per configuration
     state_bytes: dict[tuple, float] = field(default_factory=dict)
     activation_bytes: dict[tuple, float] = field(default_factory=dict)
@@ -101,6 +103,18 @@ class CostMemo:
         out = self.gathers.get(key)
         if out is None:
             out = self.gathers[key] = weight_gather_stats(cfg)
+        return out
+
+    def load_parts(self, cfg: Config,
+                   compute: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+        """`model.load_parts_s` of cfg (`compute()` on a miss), keyed by what it reads: every
+        field but the schedule, the ZeRO level and m (the loads are per micro-batch; the
+        ZeRO levels and schedules of one (t, c, p, d, ep, b, v, N, ...) share them)."""
+        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v,
+               cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
+        out = self.loads.get(key)
+        if out is None:
+            out = self.loads[key] = compute()
         return out
 
     def flops_per_seq(self, profile: ModelProfile, cfg: Config) -> tuple[float, float]:

@@ -72,7 +72,13 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     `memo` (optional) caches the parts shared by many configurations within one solve; the
     result does not depend on it.
     """
-    memo = CostMemo() if memo is None else memo
+    if memo is None:
+        return _load_parts_s(profile, cluster, cfg, CostMemo())
+    return memo.load_parts(cfg, lambda: _load_parts_s(profile, cluster, cfg, memo))
+
+
+def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
+                  ) -> tuple[float, float, float, float, float, float, float]:
     profile = memo.rank_profile(profile, cluster, cfg)
     comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
     comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(

@@ -31,6 +31,7 @@ and writes its output, and autograd keeps every tensor an op saves.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -254,8 +255,9 @@ class TPRegionFallback:
     allreduce_elems_removed: int = 0
     collectives: tuple[TPCollective, ...] = ()
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
+        # cached (frozen: the fields never change): the cost model asks per priced configuration
         return self == NO_FALLBACK
 
 
@@ -273,7 +275,7 @@ class TPCorrection:
     head: TPRegionFallback = NO_FALLBACK
     fallbacks: tuple[str, ...] = ()  # the pass's replicated candidates (node: reason)
 
-    @property
+    @functools.cached_property
     def empty(self) -> bool:
         return self.embedding.empty and self.block.empty and self.head.empty
 

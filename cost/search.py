@@ -1,15 +1,15 @@
 """The planner's branch and bound: which knob combinations get priced, in which order.
 
-cost/solver.py enumerates the combinations the rules allow in families (solver.Family: one
+cost/families.py enumerates the combinations the rules allow in families (bounds.Family: one
 (t, c, p, d, ep, b, recompute, sp, attention method) with its schedules, v, N and ZeRO levels),
 without building them. `search` then works best-first on one heap of families and
 combinations, keyed by a lower bound of their step time:
   - a family's bound (`family_bound_s`) holds for every member: from the loads alone, with
     the largest v·bubble_div of its rows (the bubble shrinks with it) and no tail;
-  - a combination's is solver.quick_lower_bound_scaled (its own v, N and bubble divisor),
+  - a combination's is bounds.quick_lower_bound_scaled (its own v, N and bubble divisor),
     shared through a memo by the combinations with the same loads (ZeRO levels, ep);
   - a combination popped is priced in full (cost.model.config_costs), bounded again over
-    every partition (solver.lower_bound_scaled), and split by the heuristic (an upper bound
+    every partition (bounds.lower_bound_scaled), and split by the heuristic (an upper bound
     that lowers `best`).
 A family is built only when popped, i.e. when its bound does not exceed the best plan found
 so far; the search stops when the smallest bound left exceeds it (branch and bound:
@@ -27,14 +27,13 @@ built: each is reported as one memory failure (its least-memory member).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 import math
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_bound,
-                                bubble_div, config_costs, load_costs, state_bytes_lower_bound,
+                                config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.profile import ModelProfile
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
@@ -67,7 +66,8 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
 
 
 def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
-    # (sequence parallelism can change what the tensor-parallel pass replicates)
+    # (sequence parallelism can change what the tensor-parallel pass replicates; the key is
+    # a family's and a ZeRO level's: _memory_family builds it from those)
     key = (cfg.t, cfg.c, cfg.ep, cfg.p, cfg.d, cfg.zero, cfg.sequence_parallel)
     if key not in memo.state_bytes:
         memo.state_bytes[key] = state_bytes_lower_bound(profile, cfg)
@@ -87,16 +87,15 @@ def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
 def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
     and optimizer states overflow (then so do every member's); else None."""
-    cfgs = {}
-    for _, cfg in fam.configs():
-        cfgs.setdefault(cfg.zero, cfg)
-        if len(cfgs) == len(fam.zeros()):
-            break
-    least = min(cfgs.values(), key=lambda c: _state_memo(profile, c, memo))
-    state = _state_memo(profile, least, memo)
-    if state <= cluster.usable_memory_bytes:
+    def state(member: tuple) -> float:   # _state_memo's, its Config built on a miss only
+        key = (fam.t, fam.c, fam.ep, fam.p, fam.d, member[3], fam.sp)
+        if key not in memo.state_bytes:
+            return _state_memo(profile, fam.config(*member), memo)
+        return memo.state_bytes[key]
+    least = min(fam.first_of_each_zero(), key=state)
+    if state(least) <= cluster.usable_memory_bytes:
         return None
-    return _state_failure(cluster, least, 0.0, state)
+    return _state_failure(cluster, fam.config(*least), 0.0, state(least))
 
 
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
@@ -130,20 +129,24 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
 
     def build(fam: Family) -> None:
         stats.families_built += 1
-        for key, cfg in fam.configs():
+        divs = {}
+        for key, schedule, v, group, zero in fam.members():
             stats.configs += 1
             # the quick bound depends on the loads only: shared by ZeRO levels, and by the
             # expert degrees (ep > 1 only adds its all-to-alls to every layer's load, so the
             # bound of the ep = 1 twin bounds them too)
-            qkey = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.v, cfg.micro_batch_size,
-                    cfg.recompute, cfg.sequence_parallel, bubble_div(cfg),
-                    cfg.microbatch_group)
+            if schedule not in divs:
+                divs[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, v, fam.b, fam.recompute, fam.sp,
+                    divs[schedule], group)
             if qkey not in qmemo:
                 stats.quick_bounds += 1
-                twin = cfg if cfg.ep == 1 else dataclasses.replace(cfg, ep=1)
+                twin = fam.config(schedule, v, group, zero, ep=1)
                 qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
-                                    ) / cfg.v / 1e9
-            heapq.heappush(heap, (qmemo[qkey], 1, key, cfg))
+                                    ) / v / 1e9
+            # (keys are unique: the member itself is never compared; its Config is built
+            # only if popped)
+            heapq.heappush(heap, (qmemo[qkey], 1, key, (fam, schedule, v, group, zero)))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -151,7 +154,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         if kind == 0:
             build(families[item])
             continue
-        cfg = item
+        cfg = _config(item)
         state = _state_memo(profile, cfg, memo)
         if state > cluster.usable_memory_bytes:
             memory_fail.append(_state_failure(cluster, cfg, bound, state))
@@ -187,6 +190,11 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     return evaluated, memory_fail, pruned
 
 
+def _config(member: tuple) -> Config:
+    fam, schedule, v, group, zero = member
+    return fam.config(schedule, v, group, zero)
+
+
 def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
                     best_ub, need, memo) -> None:
     """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
@@ -198,6 +206,7 @@ def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_f
         if kind == 0:
             build(families[item])
             continue
+        item = _config(item)
         state = _state_memo(profile, item, memo)
         if state > cluster.usable_memory_bytes:
             memory_fail.append(_state_failure(cluster, item, bound, state))

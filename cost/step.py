@@ -23,7 +23,7 @@ and `scaled_step_ns`, the one statement of the formula (the pipeline bubble incl
 
 The pieces only add and multiply by int constants, so y_r (and the loads and tails passed to
 scaled_step_ns) may be plain ints (predict, the brute force, the bounds) or CP-SAT linear
-expressions (cost/solver.py's constraints and objective): the solver restates none of them.
+expressions (cost/cpsat.py's constraints and objective): the solver restates none of them.
 """
 from __future__ import annotations
 

@@ -102,3 +102,52 @@ def test_interleaved_gathers_per_group_visit(p, v, m):
         assert counts[-1] <= 2 * v * m // (group or p) + v
     assert counts == sorted(counts, reverse=True)
     assert gather_stats(one_f_one_b(4, 8)[0]).gathers == 1      # one chunk: kept all step
+
+
+def _stats_from_plan(actions, plan):
+    """GatherStats read off a plan's list (how gather_stats read them before it counted them
+    during the walk): each gather's lead to its chunk's next compute, each reduce-scatter's
+    computes until the next, the most chunks gathered and holding unreduced gradients."""
+    done = [0]
+    for a in actions:
+        done.append(done[-1] + (a.kind in ("F", "B")))
+    gathers, reduces, live, most, pending, peak = [], [], set(), 0, set(), 0
+    for n, op, c in plan:
+        if op == GATHER:
+            use = next(i for i in range(n, len(actions))
+                       if actions[i].kind in ("F", "B") and actions[i].chunk == c)
+            gathers.append(done[use] - done[n])
+            live.add(c)
+            most = max(most, len(live))
+        elif op == RELEASE:
+            live.discard(c)
+        else:
+            reduces.append(n)
+    at = {}
+    for n, op, c in plan:
+        at.setdefault(n, []).append((op, c))
+    for n in range(len(actions) + 1):
+        pending -= {c for op, c in at.get(n, ()) if op == REDUCE_SCATTER}
+        if n < len(actions) and actions[n].kind == "B":
+            pending.add(actions[n].chunk)
+            peak = max(peak, len(pending))
+    leads = [done[b] - done[a] for a, b in zip(reduces, reduces[1:] + [len(actions)])]
+    return tuple(gathers), tuple(leads), most, peak
+
+
+@pytest.mark.parametrize("name, p, v, m, group", [
+    ("breadth-first", 2, 3, 4, None), ("interleaved-1f1b", 2, 3, 4, None),
+    ("interleaved-1f1b", 2, 2, 8, 4), ("interleaved-1f1b", 3, 4, 6, None), ("1f1b", 4, 1, 6, None)])
+def test_counted_stats_match_the_plan(name, p, v, m, group):
+    """The cost model's path (compute_gather_stats on compute_ops tuples, counted during the
+    walk) gives what the plan's list says, on full action lists (messages included) and for
+    every slot count."""
+    from autopar.schedules import compute_ops, make_schedule
+    from autopar.weight_gathers import compute_gather_stats
+    ops = compute_ops(name, p, v, m, group=group)
+    for r, acts in enumerate(make_schedule(name, p, v, m, group=group)):
+        for keep in (1, 2, v + 1):
+            st = compute_gather_stats([o[1] for o in ops[r]], [o[0] for o in ops[r]], keep=keep)
+            want = _stats_from_plan(acts, plan_gathers(acts, keep=keep))
+            assert (st.gather_leads, st.reduce_leads, st.peak_gathered, st.peak_pending) == want
+            assert gather_stats(acts, keep=keep) == st
