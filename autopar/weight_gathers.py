@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 GATHER, RELEASE, REDUCE_SCATTER = "GATHER", "RELEASE", "REDUCE_SCATTER"
 # computes ahead a prefetch may look: a gather issued farther ahead hides no more (it overlaps
@@ -214,6 +214,82 @@ class GatherStats:
     @property
     def reduce_scatters(self) -> int:
         return len(self.reduce_leads)
+
+
+@dataclass(frozen=True)
+class GatherCounts:
+    """GatherStats with equal leads counted: ((lead, how many), ...) sorted by lead, for
+    gathers and reduce-scatters, and the same peaks: what the cost model reads (its terms sum
+    over the leads), small whatever m. `GatherCounts.of(stats)`; `extrapolated` for long
+    schedules."""
+    gather_leads: tuple[tuple[int, int], ...]
+    reduce_leads: tuple[tuple[int, int], ...]
+    peak_gathered: int
+    peak_pending: int
+
+    @classmethod
+    def of(cls, st: GatherStats) -> "GatherCounts":
+        return cls(gather_leads=_counted(st.gather_leads), reduce_leads=_counted(st.reduce_leads),
+                   peak_gathered=st.peak_gathered, peak_pending=st.peak_pending)
+
+    @property
+    def gathers(self) -> int:
+        return sum(n for _, n in self.gather_leads)
+
+    @property
+    def reduce_scatters(self) -> int:
+        return sum(n for _, n in self.reduce_leads)
+
+
+def _counted(leads: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    out: dict[int, int] = {}
+    for lead in leads:
+        out[lead] = out.get(lead, 0) + 1
+    return tuple(sorted(out.items()))
+
+
+def extrapolated(counts_at: Callable[[int], GatherCounts], m: int, period: int,
+                 start: int) -> GatherCounts | None:
+    """The GatherCounts of a schedule of m micro-batches from three short ones, or None (walk
+    it whole). After its warm-up a schedule repeats every `period` micro-batches (a multiple of
+    its own period: p·N serves every schedule here), so its counts grow by the same lead
+    counts per period while the warm-up, the cool-down and the peaks stay: counts(m) =
+    counts(m0) + k·(counts(m0 + period) − counts(m0)), m = m0 + k·period, m0 ≡ m (mod period)
+    from `start` on (or, breadth-first, the same gathers with leads longer by the same computes
+per period: `_grown`). Exact where it is used: the three walks (m0, m0 + period, m0 + 2·period)
+    must show the same growth and the same peaks, else None. counts_at(m): the walked counts
+    at m micro-batches (m ≡ the given m modulo period, so any divisibility m obeys holds)."""
+    m0 = start + (m - start) % period
+    if m < m0 + 3 * period:
+        return None
+    a, b, c = (counts_at(m0 + i * period) for i in range(3))
+    if not (a.peak_gathered == b.peak_gathered == c.peak_gathered
+            and a.peak_pending == b.peak_pending == c.peak_pending):
+        return None
+    k = (m - m0) // period
+    leads = [_grown(*(getattr(st, f) for st in (a, b, c)), k)
+             for f in ("gather_leads", "reduce_leads")]
+    if None in leads:
+        return None
+    return GatherCounts(gather_leads=leads[0], reduce_leads=leads[1],
+                        peak_gathered=a.peak_gathered, peak_pending=a.peak_pending)
+
+
+def _grown(x: tuple, y: tuple, z: tuple, k: int) -> tuple[tuple[int, int], ...] | None:
+    """Lead counts x, y, z at m0, m0 + period, m0 + 2·period grown k periods, or None. Either
+    the same leads recur more often (depth-first: each period adds the same counts), or the
+    same gathers see longer leads (breadth-first: a reduce-scatter hides under the next
+    chunk's pass of m micro-batches: each period adds the same computes to its lead)."""
+    dx, dy, dz = dict(x), dict(y), dict(z)
+    keys = set(dx) | set(dy) | set(dz)
+    grow = {key: dy.get(key, 0) - dx.get(key, 0) for key in keys}
+    if all(dz.get(key, 0) - dy.get(key, 0) == grow[key] for key in keys):
+        return tuple(sorted((key, n) for key in keys
+                            if (n := dx.get(key, 0) + k * grow[key])))
+    if len(x) == len(y) == len(z) and all(
+            nx == ny == nz and ly - lx == lz - ly for (lx, nx), (ly, ny), (lz, nz) in zip(x, y, z)):
+        return tuple((lx + k * (ly - lx), nx) for (lx, nx), (ly, _) in zip(x, y))
+    return None
 
 
 def gather_stats(actions: Sequence[Any], *, keep: int = 2) -> GatherStats:

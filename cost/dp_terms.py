@@ -37,7 +37,8 @@ from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile
 from autopar.cost.shares import RankParams, tied_table_elems
 from autopar.schedules import SPLIT_BACKWARD, compute_ops, compute_order
-from autopar.weight_gathers import GatherStats, compute_gather_stats, gather_stats
+from autopar.weight_gathers import (GatherCounts, GatherStats, compute_gather_stats,
+                                    extrapolated, gather_stats)
 
 # Gradients are reduced in 16-bit (Megatron-LM's fp16 runs of 2104.04473 reduce the fp16
 # gradient buffer); they are kept and accumulated in fp32 (the 4 gradient bytes of the 18).
@@ -70,7 +71,7 @@ class GradGroup:
 
 def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: RankParams,
                block_s: tuple[float, float, float], layer_compute_s: float,
-               gathers: GatherStats | None = None) -> tuple[float, float, float, float]:
+               gathers: GatherCounts | None = None) -> tuple[float, float, float, float]:
     """Data-parallel seconds per step: (per layer of the rank, hidden per layer, rank 0 extra,
     rank p-1 extra). Exposed per layer = first - second (see the module docstring).
 
@@ -153,27 +154,43 @@ def _layer_sync_s(grp: GradGroup, experts: GradGroup | None, params: RankParams,
     return G, R
 
 
-def weight_gather_stats(cfg: Config) -> GatherStats:
+# Schedules of more micro-batches than this many periods (p·N) past EXTRAPOLATE_START have
+# their gather counts extrapolated from three short walks (weight_gathers.extrapolated,
+# self-checking): planning a batch of millions of sequences would otherwise walk every one.
+EXTRAPOLATE_START = 64
+
+
+def weight_gather_stats(cfg: Config) -> GatherCounts:
     """The weight-gather plan of a sharded-weight configuration (zero 2 / 3) on its busiest
-    rank: autopar.weight_gathers on the schedule's compute order, elementwise the most of
-    pipeline ranks 0 and p − 1 (the longest and shortest warm-up)."""
+    rank, counted: autopar.weight_gathers on the schedule's compute order, elementwise the most
+    of pipeline ranks 0 and p − 1 (the longest and shortest warm-up); long schedules
+    extrapolated from short ones where exact (`extrapolated`)."""
+    period = cfg.p * (cfg.microbatch_group or 1)
+    start = EXTRAPOLATE_START + period
+    long = extrapolated(lambda m: _walked_counts(cfg, m), cfg.num_microbatches, period, start)
+    return long if long is not None else _walked_counts(cfg, cfg.num_microbatches)
+
+
+def _walked_counts(cfg: Config, m: int) -> GatherCounts:
+    """weight_gather_stats of cfg's schedule at m micro-batches, walked whole."""
     keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
     ranks = sorted({0, cfg.p - 1})
     if cfg.schedule in SPLIT_BACKWARD:
-        orders = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
-                               group=cfg.microbatch_group, ranks=ranks)
+        orders = compute_order(cfg.schedule, cfg.p, cfg.v, m, group=cfg.microbatch_group,
+                               ranks=ranks)
         stats = [gather_stats(o, keep=keep) for o in orders]
     else:       # the (kind, chunk, micro-batch) tuples: no Action per compute
         stats = [compute_gather_stats([op[1] for op in ops], [op[0] for op in ops], keep=keep)
-                 for ops in compute_ops(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                 for ops in compute_ops(cfg.schedule, cfg.p, cfg.v, m,
                                         group=cfg.microbatch_group, ranks=ranks)]
     worst = max(stats, key=lambda st: (st.gathers + st.reduce_scatters, st.peak_pending))
-    return GatherStats(gather_leads=worst.gather_leads, reduce_leads=worst.reduce_leads,
-                       peak_gathered=max(st.peak_gathered for st in stats),
-                       peak_pending=max(st.peak_pending for st in stats))
+    return GatherCounts.of(GatherStats(
+        gather_leads=worst.gather_leads, reduce_leads=worst.reduce_leads,
+        peak_gathered=max(st.peak_gathered for st in stats),
+        peak_pending=max(st.peak_pending for st in stats)))
 
 
-def _sharded_layer_s(st: GatherStats, G: float, R: float, fwd: float, bwd: float,
+def _sharded_layer_s(st: GatherCounts, G: float, R: float, fwd: float, bwd: float,
                      v: int) -> tuple[float, float]:
     """Data-parallel seconds per layer of sharded weights (zero 2 / 3), (traffic, hidden),
     from the schedule's own weight-gather plan (weight_gather_stats).
@@ -186,6 +203,6 @@ def _sharded_layer_s(st: GatherStats, G: float, R: float, fwd: float, bwd: float
     one exposed whole. The embedding and the head are gathered and reduced with the first /
     last chunk, not hidden (as ZeRO-1's edge traffic: `dp_terms_s`)."""
     dp_layer = (st.gathers * G + st.reduce_scatters * R) / v
-    exposed = (sum(max(0.0, G - lead * fwd) for lead in st.gather_leads)
-               + sum(max(0.0, R - lead * bwd) for lead in st.reduce_leads)) / v
+    exposed = (sum(n * max(0.0, G - lead * fwd) for lead, n in st.gather_leads)
+               + sum(n * max(0.0, R - lead * bwd) for lead, n in st.reduce_leads)) / v
     return dp_layer, dp_layer - exposed

@@ -20,7 +20,7 @@ from autopar.cost.exchanges import context_comm_s
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import ModelProfile
 from autopar.cost.shares import rank_profile
-from autopar.weight_gathers import GatherStats
+from autopar.weight_gathers import GatherCounts
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,7 +36,7 @@ class CostMemo:
     blocks: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
     edges: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     context_comm: dict[tuple, tuple[float, float]] = field(default_factory=dict)
-    gathers: dict[tuple, GatherStats] = field(default_factory=dict)
+    gathers: dict[tuple, GatherCounts] = field(default_factory=dict)
     flops: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     loads: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
     # the search's bounds (cost/search.py): state and activation bytes per configuration
@@ -96,7 +96,7 @@ class CostMemo:
             out = self.context_comm[key] = context_comm_s(profile, cluster, cfg)
         return out
 
-    def weight_gathers(self, cfg: Config) -> GatherStats:
+    def weight_gathers(self, cfg: Config) -> GatherCounts:
         """`dp_terms.weight_gather_stats` of cfg's schedule, p, v, m, group and kept chunks."""
         key = (cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches, cfg.microbatch_group,
                ZERO_TRAITS[cfg.zero].keep(cfg.v))

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from autopar.cost.config import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts, inflight,
                                  pending_weight_grads)
 from autopar.cost.context import context_rank_profile
-from autopar.cost.dp_terms import weight_gather_stats
+from autopar.cost.dp_terms import EXTRAPOLATE_START, weight_gather_stats
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile, RegionProfile
@@ -31,7 +31,7 @@ from autopar.cost.shares import (RankParams, expert_params_elems, rank_attention
                                  shard_params_elems, tp_fallback, vocab_pad_ratio)
 from autopar.plan import Memory
 from autopar.schedules import GROUPED, compute_order, peak_held
-from autopar.weight_gathers import GatherStats
+from autopar.weight_gathers import GatherCounts
 
 if TYPE_CHECKING:
     from autopar.cost.memo import CostMemo
@@ -112,7 +112,7 @@ def microbatch_activations(profile: ModelProfile, cfg: Config) -> MicrobatchActi
 
 
 def _gathered_bytes_per_param(cfg: Config,
-                              gathers: GatherStats | None) -> tuple[float, float, float, float]:
+                              gathers: GatherCounts | None) -> tuple[float, float, float, float]:
     """Sharded weights (zero 2 / 3): the gathered working set of the weight-gather plan, bytes
     per parameter (per layer: weights, gradients; embedding / head: weights, gradients). Per
     layer of the rank: its most chunks gathered at once in 16-bit (2·gathered/v B per
@@ -128,7 +128,7 @@ def _gathered_bytes_per_param(cfg: Config,
 
 
 def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                        params: RankParams, gathers: GatherStats | None = None
+                        params: RankParams, gathers: GatherCounts | None = None
                         ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[float, ...], ...],
                                    tuple[tuple[float, ...], ...], MicrobatchActivations]:
     """Per rank: bytes per layer held and fixed bytes (rounded up), with their breakdown
@@ -212,8 +212,6 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     if cfg.v == 1 and SCHEDULE_TRAITS[cfg.schedule].pending is None:
         return [cc.mem_parts[r][3] * n + cc.mem_fixed_parts[r][3]
                 for r, n in enumerate(layers_per_chunk)]
-    order = compute_order(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
-                          group=cfg.microbatch_group if cfg.schedule in GROUPED else None)
     last = len(layers_per_chunk) - 1
     weight = [cc.act_layer_bytes * n + (cc.act_embed_bytes if c == 0 else 0.0)
               + (cc.act_head_bytes if c == last else 0.0) for c, n in enumerate(layers_per_chunk)]
@@ -221,7 +219,31 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     pending = [0.0 if c == 0 else cc.pending_layer_bytes * n
                + (cc.pending_head_bytes if c == last else 0.0)
                for c, n in enumerate(layers_per_chunk)]
-    return peak_held(order, weight, pending if deferred else None)
+    group = cfg.microbatch_group if cfg.schedule in GROUPED else None
+
+    def peaks(m: int) -> list[float]:
+        order = compute_order(cfg.schedule, cfg.p, cfg.v, m, group=group)
+        return peak_held(order, weight, pending if deferred else None)
+    period = cfg.p * (group or 1)
+    return _extrapolated_peaks(peaks, cfg.num_microbatches, period,
+                               EXTRAPOLATE_START + period)
+
+
+def _extrapolated_peaks(peaks: Callable[[int], list[float]], m: int, period: int,
+                        start: int) -> list[float]:
+    """peaks(m), from three short walks where the schedule has settled (as
+    weight_gathers.extrapolated: m0 ≡ m mod period, m0 + period, m0 + 2·period): a depth-first
+    rank's peak stops growing after its warm-up, a breadth-first one grows by the same bytes
+    per period; walked whole when m is short or the three disagree (to 1e-12)."""
+    m0 = start + (m - start) % period
+    if m < m0 + 3 * period:
+        return peaks(m)
+    a, b, c = (peaks(m0 + i * period) for i in range(3))
+    if not all(math.isclose(z - y, y - x, rel_tol=1e-9, abs_tol=1e-12 * max(1.0, abs(z)))
+               for x, y, z in zip(a, b, c)):
+        return peaks(m)
+    k = (m - m0) // period
+    return [x + k * (y - x) for x, y in zip(a, b)]
 
 
 def rank_memory_parts(cc: ConfigCosts, r: int, y_r: int) -> Memory:

@@ -151,3 +151,53 @@ def test_counted_stats_match_the_plan(name, p, v, m, group):
             want = _stats_from_plan(acts, plan_gathers(acts, keep=keep))
             assert (st.gather_leads, st.reduce_leads, st.peak_gathered, st.peak_pending) == want
             assert gather_stats(acts, keep=keep) == st
+
+
+@pytest.mark.parametrize("name, p, v, group", [
+    ("1f1b", 4, 1, None), ("interleaved-1f1b", 2, 3, None), ("interleaved-1f1b", 4, 2, 4),
+    ("breadth-first", 2, 3, None), ("interleaved-zb", 2, 2, None), ("gpipe", 2, 1, None)])
+def test_long_schedules_extrapolated_exactly(name, p, v, group):
+    """The cost model's gather counts of a long schedule, extrapolated from three short walks
+    (weight_gathers.extrapolated), equal the whole walk's, at every ZeRO slot count; below
+    four periods past the start it walks."""
+    from dataclasses import replace as dc_replace
+    from autopar.cost.dp_terms import _walked_counts, weight_gather_stats
+    from autopar.weight_gathers import extrapolated
+    cfg = _config(name, p, v, group)
+    period = p * (group or 1)
+    for zero in (2, 3):
+        for m in (period * 40, period * 40 + period * 13, period * 97):
+            c = dc_replace(cfg, zero=zero, num_microbatches=m)
+            walked = _walked_counts(c, m)
+            calls = []
+            got = extrapolated(lambda k: calls.append(k) or _walked_counts(c, k), m, period,
+                               64 + period)
+            assert got == walked == weight_gather_stats(c), (zero, m)
+            assert len(calls) == 3 and max(calls) < m
+    c = dc_replace(cfg, num_microbatches=4 * period)
+    assert extrapolated(lambda k: _walked_counts(c, k), 4 * period, period, 64 + period) is None
+
+
+def _config(name, p, v, group):
+    from autopar.cost.config import Config
+    return Config(t=1, p=p, d=2, v=v, micro_batch_size=1, num_microbatches=8 * p,
+                  schedule=name, recompute="none", zero=3, microbatch_group=group)
+
+
+@pytest.mark.parametrize("name, p, v, group", [
+    ("interleaved-1f1b", 2, 3, None), ("interleaved-1f1b", 4, 2, 4), ("breadth-first", 2, 3, None),
+    ("interleaved-zb", 2, 2, None)])
+def test_long_schedules_activation_peaks_extrapolated(name, p, v, group):
+    """The activation peak of a long schedule from three short walks (cost/memory.py
+    _extrapolated_peaks) equals the whole walk's: constant after a depth-first warm-up,
+    growing with m breadth-first."""
+    from autopar.cost.memory import _extrapolated_peaks
+    from autopar.schedules import compute_order, peak_held
+    weight, pending = [1.5 + c for c in range(p * v)], [0.25 * c for c in range(p * v)]
+    period = p * (group or 1)
+
+    def peaks(m):
+        return peak_held(compute_order(name, p, v, m, group=group), weight, pending)
+    for m in (period * 40, period * 53):
+        got = _extrapolated_peaks(peaks, m, period, 64 + period)
+        assert got == pytest.approx(peaks(m), rel=1e-12), m
