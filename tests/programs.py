@@ -148,6 +148,44 @@ def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
     assert all(r[1] == {} for r in results[1:])
 
 
+def _train_cases(rank: int, world: int, cases: list[tuple]) -> list:
+    """train_rank of each (label, name, plan, train_rank keyword arguments) case in turn on
+    this rank's process group; a case that raises is named in the error."""
+    out = []
+    for label, name, plan, kwargs in cases:
+        try:
+            out.append(train_rank(rank, world, name, plan, **kwargs))
+        except Exception as exc:
+            raise RuntimeError(f"case {label} raised on rank {rank}: {exc!r}") from exc
+    return out
+
+
+def check_cases_against_reference(cases: dict[str, tuple], optimizer: Callable = adamw) -> None:
+    """check_against_reference of every case (label -> (name, plan) or (name, plan, global
+    batches)): ONE spawn per world size among the plans trains its cases in turn (a fresh
+    compile() each), and each case is compared with its own single-device run at the same
+    tolerances; every differing case is named in the assertion (a case that raises on a rank,
+    in the SpawnError). Saves a fork, a process group and the ranks' cold caches per case."""
+    jobs = [(label, c[0], c[1], dict(optimizer=optimizer, batches=c[2] if len(c) > 2 else None))
+            for label, c in cases.items()]
+    results: dict[str, list] = {}
+    for world in sorted({job[2].gpus for job in jobs}):
+        group = [job for job in jobs if job[2].gpus == world]
+        per_rank = spawn(_train_cases, world, group, timeout_s=120 + 60 * len(group))
+        results.update({job[0]: [res[j] for res in per_rank] for j, job in enumerate(group)})
+    failures = []
+    for label, name, plan, kwargs in jobs:
+        try:
+            ref = train_single_device(name, plan, optimizer, batches=kwargs["batches"],
+                                      max_grad_norm=MAX_NORM)
+            check_trained(results[label], ref, runtime_model(name, plan.num_layers).state_dict())
+            assert all(r[1] == {} for r in results[label][1:]), "ranks > 0 returned weights"
+        except AssertionError as exc:
+            failures.append(f"{label}: {exc}")
+    assert not failures, f"{len(failures)} of {len(jobs)} cases differ from one device:\n" + \
+        "\n".join(failures)
+
+
 def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
                    precision: str = "fp32", timeout_s: float = 300.0,
                    program_dir: str | None = None):
