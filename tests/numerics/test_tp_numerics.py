@@ -22,6 +22,7 @@ from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_st
 from autopar.testing import spawn
 
 import models
+from programs import spawn_cases
 from reference import state_mismatches, tp_batches, tp_train
 
 pytestmark = pytest.mark.distributed
@@ -95,30 +96,18 @@ def _check_tp(results: list[dict], label: str = "") -> None:
             f"{label} rank {r} losses", res["losses"], r0["ref_losses"])
 
 
-def _tp_cases_worker(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict]:
-    """_tp_worker on each (label, keyword arguments) case in turn on this rank's group; a
-    case that raises is named in the error."""
-    out = []
-    for label, kw in cases:
-        try:
-            out.append(_tp_worker(rank, world, **kw))
-        except Exception as exc:
-            raise RuntimeError(f"case {label} raised on rank {rank}: {exc!r}") from exc
-    return out
-
-
 def run_tp_cases(t: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
     """run_tp of every case (label -> run_tp's keyword arguments but t) on ONE spawn of t
     ranks (no process group and no fork per case): {label: per-rank results}, each case
     checked as run_tp checks it; every failing case is named in the assertion."""
-    jobs = [(label, {"name": kw.pop("name"), "sp": kw.pop("sp", False),
-                     "loss": kw.pop("loss", "ce"), "cluster": kw.pop("cluster", None),
-                     "overlap": kw.pop("overlap", True), "kwargs": kw})
-            for label, kw in ((label, dict(kw)) for label, kw in cases.items())]
-    per_rank = spawn(_tp_cases_worker, t, jobs, timeout_s=120 + 60 * len(jobs))
-    out, failures = {}, []
-    for j, (label, _) in enumerate(jobs):
-        out[label] = [res[j] for res in per_rank]
+    jobs = {}
+    for label, kw in cases.items():
+        kw = dict(kw)
+        jobs[label] = ((), {"name": kw.pop("name"), "sp": kw.pop("sp", False),
+                            "loss": kw.pop("loss", "ce"), "cluster": kw.pop("cluster", None),
+                            "overlap": kw.pop("overlap", True), "kwargs": kw})
+    out, failures = spawn_cases(_tp_worker, t, jobs), []
+    for label in jobs:
         try:
             _check_tp(out[label], label)
         except AssertionError as exc:
