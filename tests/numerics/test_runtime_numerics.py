@@ -12,167 +12,121 @@ import pytest
 from autopar.plan import Plan
 from autopar.testing import spawn
 
-from programs import (check_against_reference, failed_step, make_data, make_plan, make_program,
-                      TrainedCases)
+from programs import (check_against_reference, failed_step, make_data, make_plan,
+                      make_program)
 
-# the first test of a world size trains all its cases (`trained`): up to ~17 runs
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.distributed
 
 
 # ---- numerics ---------------------------------------------------------------------------
-# Each numerics test below checks one case against its own single-device run
-# (programs.check_case: losses and weights at rtol 1e-4 / atol 1e-5). The cases are trained by
-# the module's `trained` fixture the first time a test of their world size asks: ONE spawn per
-# world size trains all of them in turn (programs.TrainedCases), not one spawn per test.
-CASES = {
-    "gpt_p2[gpipe]": ("gpt", make_plan(p=2, m=4, schedule="gpipe", layers=2)),
-    "gpt_p2[1f1b]": ("gpt", make_plan(p=2, m=4, schedule="1f1b", layers=2)),
-    "gpt_p2_interleaved_v2":
-        ("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b", layers=4)),
-    "gpt_p2_interleaved_microbatch_group":
-        ("gpt", dataclasses.replace(make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b",
-                                              layers=4), microbatch_group=4)),
-    "gpt_p2_fewer_microbatches_than_ranks[gpipe]":
-        ("gpt", make_plan(p=2, m=1, schedule="gpipe", layers=2)),
-    "gpt_p2_fewer_microbatches_than_ranks[1f1b]":
-        ("gpt", make_plan(p=2, m=1, schedule="1f1b", layers=2)),
-    "gpt_p2_interleaved_zero_bubble_v2":
-        ("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-zb", layers=4)),
-    "gpt_p2_zero_bubble_v1_uneven":
-        ("gpt", make_plan(p=2, m=3, schedule="interleaved-zb", layers=3)),
-    "llama_p2_d2_interleaved_zero_bubble":
-        ("llama_style", make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-zb", layers=4)),
-    "gpt_uneven_chunks_3_layers_p2": ("gpt", make_plan(p=2, m=3, schedule="1f1b", layers=3)),
-    "gpt_p2_interleaved_head_only_last_chunk":
-        ("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b", layers=4,
-                          split=[1, 2, 1, 0])),
-    "llama_p2_embedding_only_first_chunk":
-        ("llama_style", make_plan(p=2, m=2, schedule="1f1b", layers=2, split=[0, 2])),
-    "gpt_p2_d2": ("gpt", make_plan(p=2, d=2, m=2, schedule="1f1b", layers=2)),
-    "gpt_d2_only": ("gpt", make_plan(d=2, m=2, layers=2)),
-    "gpt_p4[gpipe]": ("gpt", make_plan(p=4, m=4, schedule="gpipe", layers=4)),
-    "gpt_p4[1f1b]": ("gpt", make_plan(p=4, m=4, schedule="1f1b", layers=4)),
-    "gpt_p4_interleaved_uneven":
-        ("gpt", make_plan(p=4, v=2, m=5, schedule="interleaved-1f1b", layers=9)),
-    "llama_p2": ("llama_style", make_plan(p=2, m=2, schedule="1f1b", layers=2)),
-    "untied_gpt_p2_breadth_first":
-        ("gpt_untied", make_plan(p=2, v=2, m=2, schedule="breadth-first", layers=4)),
-    "hf_gpt2_p2": ("hf_gpt2", make_plan(p=2, m=2, schedule="1f1b", layers=2)),
-    "hf_llama_p2": ("hf_llama", make_plan(p=2, m=2, schedule="1f1b", layers=2)),
-    "hf_falcon_t2_p2_interleaved":
-        ("hf_falcon", make_plan(t=2, p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4)),
-    "hf_bloom_p2_uneven": ("hf_bloom", make_plan(p=2, m=2, schedule="1f1b", layers=3)),
-    "gpt_t2_p2": ("gpt", make_plan(t=2, p=2, m=2, schedule="1f1b", layers=2)),
-    "llama_t2_p2_interleaved":
-        ("llama_style", make_plan(t=2, p=2, v=2, m=2, schedule="interleaved-1f1b", layers=4)),
-    "llama_t2_p2_interleaved_zero_bubble":
-        ("llama_style", make_plan(t=2, p=2, v=2, m=2, schedule="interleaved-zb", layers=4,
-                                  split=[0, 2, 2, 0])),
-    "llama_t2_p2_partial_sum_crosses_the_cut":
-        ("llama_style", make_plan(t=2, p=2, m=2, schedule="1f1b", layers=2)),
-}
-
-
-@pytest.fixture(scope="module")
-def trained() -> TrainedCases:
-    return TrainedCases(CASES)
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gpt_p2(schedule, trained):
-    trained.check(f"gpt_p2[{schedule}]")
+def test_gpt_p2(schedule):
+    check_against_reference("gpt", make_plan(p=2, m=4, schedule=schedule, layers=2))
 
 
-def test_gpt_p2_interleaved_v2(trained):
-    trained.check("gpt_p2_interleaved_v2")
+def test_gpt_p2_interleaved_v2():
+    check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b",
+                                             layers=4))
 
 
-def test_gpt_p2_interleaved_microbatch_group(trained):
+def test_gpt_p2_interleaved_microbatch_group():
     """N = 4 micro-batches per chunk visit (Megatron's N = p = 2 would alternate chunks
     every two)."""
-    trained.check("gpt_p2_interleaved_microbatch_group")
+    plan = make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b", layers=4)
+    check_against_reference("gpt", dataclasses.replace(plan, microbatch_group=4))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gpt_p2_fewer_microbatches_than_ranks(schedule, trained):
-    trained.check(f"gpt_p2_fewer_microbatches_than_ranks[{schedule}]")
+def test_gpt_p2_fewer_microbatches_than_ranks(schedule):
+    check_against_reference("gpt", make_plan(p=2, m=1, schedule=schedule, layers=2))
 
 
-def test_gpt_p2_interleaved_zero_bubble_v2(trained):
+def test_gpt_p2_interleaved_zero_bubble_v2():
     """B / W split backwards (tied embeddings: chunk 0's backward is all W)."""
-    trained.check("gpt_p2_interleaved_zero_bubble_v2")
+    check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-zb",
+                                             layers=4))
 
 
-def test_gpt_p2_zero_bubble_v1_uneven(trained):
+def test_gpt_p2_zero_bubble_v1_uneven():
     """v = 1 is ZB-H1 on the 1F1B order; 3 layers over 2 stages."""
-    trained.check("gpt_p2_zero_bubble_v1_uneven")
+    check_against_reference("gpt", make_plan(p=2, m=3, schedule="interleaved-zb", layers=3))
 
 
-def test_llama_p2_d2_interleaved_zero_bubble(trained):
+def test_llama_p2_d2_interleaved_zero_bubble():
     """Data-parallel buckets armed before the last W (weight gradients accumulate there)."""
-    trained.check("llama_p2_d2_interleaved_zero_bubble")
+    check_against_reference("llama_style", make_plan(p=2, d=2, v=2, m=2, schedule="interleaved-zb",
+                                                     layers=4))
 
 
-def test_gpt_uneven_chunks_3_layers_p2(trained):
-    trained.check("gpt_uneven_chunks_3_layers_p2")
+def test_gpt_uneven_chunks_3_layers_p2():
+    check_against_reference("gpt", make_plan(p=2, m=3, schedule="1f1b", layers=3))
 
 
-def test_gpt_p2_interleaved_head_only_last_chunk(trained):
+def test_gpt_p2_interleaved_head_only_last_chunk():
     """The planner's layout may leave the last chunk with the head + loss alone (a tied one:
     its weight is the embedding's, on the other pipeline rank)."""
-    trained.check("gpt_p2_interleaved_head_only_last_chunk")
+    check_against_reference("gpt", make_plan(p=2, v=2, m=4, schedule="interleaved-1f1b",
+                                             layers=4, split=[1, 2, 1, 0]))
 
 
-def test_llama_p2_embedding_only_first_chunk(trained):
-    trained.check("llama_p2_embedding_only_first_chunk")
+def test_llama_p2_embedding_only_first_chunk():
+    check_against_reference("llama_style", make_plan(p=2, m=2, schedule="1f1b", layers=2,
+                                                     split=[0, 2]))
 
 
-def test_gpt_p2_d2(trained):
-    trained.check("gpt_p2_d2")
+def test_gpt_p2_d2():
+    check_against_reference("gpt", make_plan(p=2, d=2, m=2, schedule="1f1b", layers=2))
 
 
-def test_gpt_d2_only(trained):
-    trained.check("gpt_d2_only")
+def test_gpt_d2_only():
+    check_against_reference("gpt", make_plan(d=2, m=2, layers=2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gpt_p4(schedule, trained):
-    trained.check(f"gpt_p4[{schedule}]")
+def test_gpt_p4(schedule):
+    check_against_reference("gpt", make_plan(p=4, m=4, schedule=schedule, layers=4))
 
 
 @pytest.mark.slow
-def test_gpt_p4_interleaved_uneven(trained):
+def test_gpt_p4_interleaved_uneven():
     # 9 layers over p·v = 8 chunks (one chunk gets two), m=5 not a multiple of p
-    trained.check("gpt_p4_interleaved_uneven")
+    check_against_reference("gpt", make_plan(p=4, v=2, m=5, schedule="interleaved-1f1b",
+                                             layers=9), timeout_s=400)
 
 
-def test_llama_p2(trained):
-    trained.check("llama_p2")
+def test_llama_p2():
+    check_against_reference("llama_style", make_plan(p=2, m=2, schedule="1f1b", layers=2))
 
 
-def test_untied_gpt_p2_breadth_first(trained):
-    trained.check("untied_gpt_p2_breadth_first")
-
-
-@pytest.mark.slow
-def test_hf_gpt2_p2(trained):
-    trained.check("hf_gpt2_p2")
+def test_untied_gpt_p2_breadth_first():
+    check_against_reference("gpt_untied", make_plan(p=2, v=2, m=2, schedule="breadth-first",
+                                                    layers=4))
 
 
 @pytest.mark.slow
-def test_hf_llama_p2(trained):
-    trained.check("hf_llama_p2")
+def test_hf_gpt2_p2():
+    pytest.importorskip("transformers")
+    check_against_reference("hf_gpt2", make_plan(p=2, m=2, schedule="1f1b", layers=2))
 
 
 @pytest.mark.slow
-def test_hf_falcon_t2_p2_interleaved(trained):
-    trained.check("hf_falcon_t2_p2_interleaved")
+def test_hf_llama_p2():
+    pytest.importorskip("transformers")
+    check_against_reference("hf_llama", make_plan(p=2, m=2, schedule="1f1b", layers=2))
 
 
 @pytest.mark.slow
-def test_hf_bloom_p2_uneven(trained):
-    trained.check("hf_bloom_p2_uneven")
+def test_hf_falcon_t2_p2_interleaved():
+    pytest.importorskip("transformers")
+    check_against_reference("hf_falcon", make_plan(t=2, p=2, v=2, m=2,
+                                                   schedule="interleaved-1f1b", layers=4))
+
+
+@pytest.mark.slow
+def test_hf_bloom_p2_uneven():
+    pytest.importorskip("transformers")
+    check_against_reference("hf_bloom", make_plan(p=2, m=2, schedule="1f1b", layers=3))
 
 
 # ---- bad input --------------------------------------------------------------------------
@@ -282,21 +236,25 @@ def test_close_waits_for_every_rank_then_destroys_the_groups():
 
 
 # ---- with tensor parallelism (passes/tensor_parallel.py) ----------------------------------
-def test_gpt_t2_p2(trained):
-    trained.check("gpt_t2_p2")
+def test_gpt_t2_p2():
+    check_against_reference("gpt", make_plan(t=2, p=2, m=2, schedule="1f1b", layers=2),
+                            timeout_s=400)
 
 
 @pytest.mark.slow
-def test_llama_t2_p2_interleaved(trained):
-    trained.check("llama_t2_p2_interleaved")
+def test_llama_t2_p2_interleaved():
+    check_against_reference("llama_style", make_plan(t=2, p=2, v=2, m=2,
+                                                     schedule="interleaved-1f1b", layers=4),
+                            timeout_s=400)
 
 
 @pytest.mark.slow
-def test_llama_t2_p2_interleaved_zero_bubble(trained):
+def test_llama_t2_p2_interleaved_zero_bubble():
     """Tensor-parallel collectives sit on the input-gradient path: B runs them, W none. The
     edge chunks hold no layers: the vocab-parallel embedding alone (its backward is all W) and
     the vocab-parallel head + cross-entropy alone."""
-    trained.check("llama_t2_p2_interleaved_zero_bubble")
+    check_against_reference("llama_style", make_plan(t=2, p=2, v=2, m=2, schedule="interleaved-zb",
+                                                     layers=4, split=[0, 2, 2, 0]))
 
 
 def test_gpt_t2_p2_d2():
@@ -304,7 +262,8 @@ def test_gpt_t2_p2_d2():
                             timeout_s=600)
 
 
-def test_llama_t2_p2_partial_sum_crosses_the_cut(trained):
+def test_llama_t2_p2_partial_sum_crosses_the_cut():
     # the tensor-parallel pass leaves the residual as a partial sum at the cut: each tensor
     # rank must send its own value whole (no scatter/gather of a non-replicated value)
-    trained.check("llama_t2_p2_partial_sum_crosses_the_cut")
+    check_against_reference("llama_style", make_plan(t=2, p=2, m=2, schedule="1f1b", layers=2),
+                            timeout_s=400)
