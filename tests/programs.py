@@ -156,6 +156,92 @@ def check_against_reference(name: str, plan: Plan, timeout_s: float = 240.0,
     assert all(r[1] == {} for r in results[1:])
 
 
+def run_cases(rank: int, world: int, fn: Callable, cases: list[tuple]) -> list:
+    """fn(rank, world, *args, **kwargs) of each (label, args, kwargs) case in turn on this
+    rank's process group (spawn_cases' target); a case that raises is named in the error."""
+    out = []
+    for label, args, kwargs in cases:
+        try:
+            out.append(fn(rank, world, *args, **kwargs))
+        except Exception as exc:
+            raise RuntimeError(f"case {label} raised on rank {rank}: {exc!r}") from exc
+    return out
+
+
+def spawn_cases(fn: Callable, world: int, cases: dict[str, tuple[tuple, dict]],
+                case_timeout_s: float = 90.0) -> dict[str, list]:
+    """{label: per-rank results} of fn(rank, world, *args, **kwargs) for every case (label ->
+    (args, kwargs)), all on ONE spawn of `world` ranks, in turn: no fork, process group or
+    cold caches per case. The deadline is 120 s + case_timeout_s per case."""
+    jobs = [(label, args, kwargs) for label, (args, kwargs) in cases.items()]
+    per_rank = spawn(run_cases, world, fn, jobs, timeout_s=120 + case_timeout_s * len(jobs))
+    return {label: [res[j] for res in per_rank] for j, label in enumerate(cases)}
+
+
+def train_cases(cases: dict[str, tuple], optimizer: Callable = adamw,
+                case_timeout_s: float = 90.0) -> dict[str, list]:
+    """{label: per-rank train_rank results} of every case (label -> (name, plan) or (name,
+    plan, global batches)): ONE spawn per world size among the plans trains its cases in turn
+    (spawn_cases), a fresh compile() each."""
+    results: dict[str, list] = {}
+    for world in sorted({c[1].gpus for c in cases.values()}):
+        results.update(spawn_cases(train_rank, world, {
+            label: ((c[0], c[1]), dict(optimizer=optimizer, batches=c[2] if len(c) > 2 else None))
+            for label, c in cases.items() if c[1].gpus == world}, case_timeout_s))
+    return results
+
+
+def check_case(label: str, case: tuple, results: list, optimizer: Callable = adamw) -> None:
+    """check_against_reference's check of one case of train_cases (`results`: its per-rank
+    results) against its own single-device run; the assertion names `label`."""
+    name, plan = case[:2]
+    try:
+        ref = train_single_device(name, plan, optimizer, batches=case[2] if len(case) > 2
+                                  else None, max_grad_norm=MAX_NORM)
+        check_trained(results, ref, runtime_model(name, plan.num_layers).state_dict())
+        assert all(r[1] == {} for r in results[1:]), "ranks > 0 returned weights"
+    except AssertionError as exc:
+        raise AssertionError(f"case {label}: {exc}") from exc
+
+
+class TrainedCases:
+    """The cases of a test module (label -> train_cases' case), trained a world size at a time
+    the first time a test asks for one of them; `check(label)` is check_case of that case. Held
+    by a module-scoped fixture, it lets each test keep its name and its own reference check
+    while one spawn per world size trains every case."""
+
+    def __init__(self, cases: dict[str, tuple], case_timeout_s: float = 90.0) -> None:
+        self.cases, self.case_timeout_s = cases, case_timeout_s
+        self.results: dict[str, list] = {}
+
+    def __getitem__(self, label: str) -> list:
+        if label not in self.results:
+            world = self.cases[label][1].gpus
+            self.results.update(train_cases(
+                {k: c for k, c in self.cases.items()
+                 if c[1].gpus == world and k not in self.results},
+                case_timeout_s=self.case_timeout_s))
+        return self.results[label]
+
+    def check(self, label: str) -> None:
+        check_case(label, self.cases[label], self[label])
+
+
+def check_cases_against_reference(cases: dict[str, tuple], optimizer: Callable = adamw) -> None:
+    """check_against_reference of every case (label -> (name, plan) or (name, plan, global
+    batches)) trained by train_cases, each against its own single-device run at the same
+    tolerances; every differing case is named in the assertion."""
+    results = train_cases(cases, optimizer)
+    failures = []
+    for label, case in cases.items():
+        try:
+            check_case(label, case, results[label], optimizer)
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, f"{len(failures)} of {len(cases)} cases differ from one device:\n" + \
+        "\n".join(failures)
+
+
 def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
                    precision: str = "fp32", timeout_s: float = 300.0,
                    program_dir: str | None = None):

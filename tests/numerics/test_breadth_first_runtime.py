@@ -17,9 +17,10 @@ from autopar.plan import Plan
 from autopar.schedules import compute_order
 from autopar.testing import spawn
 from autopar.weight_gathers import gather_stats
-from programs import check_against_reference, make_data, make_plan, make_program, with_zero
+from programs import TrainedCases, make_data, make_plan, make_program, with_zero
 
-pytestmark = pytest.mark.distributed
+# whichever numerics test runs first trains all nine cases (`trained`)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1800)]
 
 
 def bf_plan(*, v: int, zero: int, m: int = 2, p: int = 2, d: int = 2) -> Plan:
@@ -29,37 +30,50 @@ def bf_plan(*, v: int, zero: int, m: int = 2, p: int = 2, d: int = 2) -> Plan:
 
 
 # ---- numerics -----------------------------------------------------------------------------
+# Each test checks its case against its own single-device run (programs.check_case); one spawn
+# of 4 ranks trains all of them in turn the first time a test asks (programs.TrainedCases).
+CASES = {
+    **{f"gpt_v2_zero{z}": ("gpt", bf_plan(v=2, zero=z)) for z in (1, 3)},
+    "gpt_edge_chunks_without_layers_zero3": ("gpt", with_zero(make_plan(
+        p=2, d=2, v=2, m=2, schedule="breadth-first", layers=4, split=[0, 2, 2, 0]), 3)),
+    **{f"gpt_v4_zero{z}": ("gpt", bf_plan(v=4, zero=z)) for z in (1, 3)},
+    **{f"hf_llama_v2_zero{z}": ("hf_llama", bf_plan(v=2, zero=z)) for z in (1, 3)},
+    **{f"hf_llama_v4_zero{z}": ("hf_llama", bf_plan(v=4, zero=z)) for z in (1, 3)},
+}
+
+
+@pytest.fixture(scope="module")
+def trained() -> TrainedCases:
+    return TrainedCases(CASES, case_timeout_s=300)
+
+
 @pytest.mark.parametrize("zero", [1, 3])
-def test_gpt_breadth_first_v2_d2(zero):
-    check_against_reference("gpt", bf_plan(v=2, zero=zero), timeout_s=400)
+def test_gpt_breadth_first_v2_d2(zero, trained):
+    trained.check(f"gpt_v2_zero{zero}")
 
 
-def test_gpt_breadth_first_edge_chunks_without_layers_zero3():
+def test_gpt_breadth_first_edge_chunks_without_layers_zero3(trained):
     """The planner's layout may leave the first chunk the embedding alone and the last the head
     + loss alone (cost/layout.py): under ZeRO-3 their (tied) weight is all they gather."""
-    plan = make_plan(p=2, d=2, v=2, m=2, schedule="breadth-first", layers=4,
-                     split=[0, 2, 2, 0])
-    check_against_reference("gpt", with_zero(plan, 3), timeout_s=400)
+    trained.check("gpt_edge_chunks_without_layers_zero3")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
-def test_gpt_breadth_first_v4_one_layer_per_chunk_d2(zero):
-    check_against_reference("gpt", bf_plan(v=4, zero=zero), timeout_s=500)
+def test_gpt_breadth_first_v4_one_layer_per_chunk_d2(zero, trained):
+    trained.check(f"gpt_v4_zero{zero}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
-def test_hf_llama_breadth_first_v2_d2(zero):
-    pytest.importorskip("transformers")
-    check_against_reference("hf_llama", bf_plan(v=2, zero=zero), timeout_s=500)
+def test_hf_llama_breadth_first_v2_d2(zero, trained):
+    trained.check(f"hf_llama_v2_zero{zero}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [1, 3])
-def test_hf_llama_breadth_first_v4_one_layer_per_chunk_d2(zero):
-    pytest.importorskip("transformers")
-    check_against_reference("hf_llama", bf_plan(v=4, zero=zero), timeout_s=500)
+def test_hf_llama_breadth_first_v4_one_layer_per_chunk_d2(zero, trained):
+    trained.check(f"hf_llama_v4_zero{zero}")
 
 
 # ---- collectives per step -----------------------------------------------------------------

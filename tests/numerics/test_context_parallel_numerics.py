@@ -11,48 +11,55 @@ import torch
 from autopar.plan import Plan
 from autopar.testing import spawn
 from models import runtime_model
-from programs import (MAX_NORM, SEQ, adamw, check_against_reference, check_trained,
-                      check_training, make_plan, train_rank, train_single_device)
+from programs import (MAX_NORM, SEQ, adamw, check_against_reference,
+                      check_cases_against_reference, check_trained, check_training, make_plan,
+                      train_rank, train_single_device)
 
 
 def with_c(plan: Plan, c: int, **over) -> Plan:
     return Plan.from_dict({**plan.to_dict(), "c": c, **over})
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_style"])
-def test_c2_equals_one_device(name):
-    check_against_reference(name, with_c(make_plan(), 2))
+# Each test below trains its cases in turn on one spawn per world size
+# (programs.check_cases_against_reference), each against its own single-device run.
+
+def test_c2_equals_one_device():
+    check_cases_against_reference({n: (n, with_c(make_plan(), 2)) for n in ("gpt", "llama_style")})
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_style"])
-def test_c2_d2_zero1_equals_one_device(name):
-    check_against_reference(name, with_c(make_plan(d=2), 2, zero=1))
+def test_c2_d2_zero1_equals_one_device():
+    check_cases_against_reference({n: (n, with_c(make_plan(d=2), 2, zero=1))
+                                   for n in ("gpt", "llama_style")})
 
 
-@pytest.mark.parametrize("schedule, v", [("interleaved-1f1b", 2), ("gpipe", 1), ("1f1b", 1),
-                                         ("breadth-first", 2), ("interleaved-zb", 2)])
-def test_c2_p2_every_schedule_equals_one_device(schedule, v):
+@pytest.mark.timeout(900)
+def test_c2_p2_every_schedule_equals_one_device():
     """Every pipeline schedule: the K/V all-gathers run inside each chunk's forward, their
     reduce-scatters inside its backward (B, and W's weight gradients apart under zero-bubble)."""
-    plan = make_plan(p=2, v=v, m=2, schedule=schedule, layers=4)
-    check_against_reference("llama_style", with_c(plan, 2))
+    schedules = [("interleaved-1f1b", 2), ("gpipe", 1), ("1f1b", 1), ("breadth-first", 2),
+                 ("interleaved-zb", 2)]
+    check_cases_against_reference({
+        f"{schedule}-v{v}": ("llama_style", with_c(make_plan(p=2, v=v, m=2, schedule=schedule,
+                                                             layers=4), 2))
+        for schedule, v in schedules})
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_c2_recompute_equals_one_device(mode):
-    check_against_reference("llama_style", with_c(make_plan(), 2, recompute=mode))
+def test_c2_recompute_equals_one_device():
+    check_cases_against_reference({mode: ("llama_style", with_c(make_plan(), 2, recompute=mode))
+                                   for mode in ("selective", "full")})
 
 
 def test_c2_t2_equals_one_device():
     check_against_reference("llama_style", with_c(make_plan(t=2), 2))
 
 
-@pytest.mark.parametrize("name", ["hf_llama", "hf_mistral", "hf_neox"])
-def test_c2_unmodified_transformers_models_equal_one_device(name):
+@pytest.mark.timeout(600)
+def test_c2_unmodified_transformers_models_equal_one_device():
     """Llama (its DynamicCache's empty concatenation, rotary from position ids = arange(T)),
     Mistral (a causal sliding-window mask of 4 over 8 tokens, built by transformers from
     arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP)."""
-    check_against_reference(name, with_c(make_plan(), 2))
+    check_cases_against_reference({n: (n, with_c(make_plan(), 2))
+                                   for n in ("hf_llama", "hf_mistral", "hf_neox")})
 
 
 ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2",
@@ -60,10 +67,13 @@ ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", 
                  "torch_encoder")
 
 
-@pytest.mark.parametrize("name, t, sp", [(name, 1, False) for name in ARCHITECTURES] + [
+ARCHITECTURE_CASES = [(name, 1, False) for name in ARCHITECTURES] + [
     ("hf_falcon_mq", 2, False), ("hf_phi3", 2, False), ("hf_bigcode", 2, False),
-    ("hf_bloom", 2, False), ("hf_gpt2", 2, True), ("hf_opt", 2, True)])
-def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
+    ("hf_bloom", 2, False), ("hf_gpt2", 2, True), ("hf_opt", 2, True)]
+
+
+@pytest.mark.timeout(1200)
+def test_c2_every_decoder_architecture_equals_one_device():
     """Every decoder we build, each writing attention and positions its own way, found
     through propagation: Conv1D's addmm on merged (B·T, C) tokens (GPT-2), k / v heads indexed
     out of a fused projection and broadcast (Falcon, multi-query Falcon-7B), interleaved rotary
@@ -75,16 +85,22 @@ def test_c2_every_decoder_architecture_equals_one_device(name, t, sp):
     sequence parallelism on its (B·T, C) rows (the tensor-parallel cut per row of T tokens
     becomes a cut per row of the rank's T/c), and OPT with sequence parallelism: its residual
     adds on (B·T, C) rows reduce-scatter the row-parallel sum per row of T/c tokens."""
-    plan = with_c(make_plan(t=t), 2, sequence_parallel=sp)
-    if name != "torch_encoder":
-        return check_against_reference(name, plan)
+    check_cases_against_reference({
+        f"{name}-t{t}" + "-sp" * sp: (name, with_c(make_plan(t=t), 2, sequence_parallel=sp))
+        for name, t, sp in ARCHITECTURE_CASES if name != "torch_encoder"})
+
+
+def test_c2_torch_encoder_equals_one_device():
+    """PyTorch's encoder (nn.MultiheadAttention's (T·B, E) with a float causal mask; one of
+    ARCHITECTURES, apart for its optimizer)."""
+    plan = with_c(make_plan(), 2)
     # MultiheadAttention's key bias shifts every score of a query alike, which softmax ignores:
     # its gradient is 0 up to rounding (~1e-9), and AdamW's normalisation turns that noise
     # into lr-sized steps of arbitrary sign on any run that sums in another order; plain SGD
     # (lr 0.1) keeps it at rest and still moves every other weight by ~1e-3
-    results = spawn(train_rank, plan.gpus, name, plan, sgd, timeout_s=240)
-    ref = train_single_device(name, plan, sgd, max_grad_norm=MAX_NORM)
-    check_trained(results, ref, runtime_model(name, plan.num_layers).state_dict())
+    results = spawn(train_rank, plan.gpus, "torch_encoder", plan, sgd, timeout_s=240)
+    ref = train_single_device("torch_encoder", plan, sgd, max_grad_norm=MAX_NORM)
+    check_trained(results, ref, runtime_model("torch_encoder", plan.num_layers).state_dict())
 
 
 def sgd(params):
@@ -134,19 +150,21 @@ def test_checkpoint_saved_under_c2_loads_under_d2_and_back(tmp_path):
             torch.testing.assert_close(losses, ref[1:], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox"])
-def test_c2_t2_sequence_parallel_equals_one_device(name):
+@pytest.mark.timeout(900)
+def test_c2_t2_sequence_parallel_equals_one_device():
     """Each context rank's tokens cut again between its tensor ranks (local order) between
     the tensor-parallel regions; the K/V all-gather runs on the regathered local tokens."""
-    check_against_reference(name, with_c(make_plan(t=2), 2, sequence_parallel=True))
+    check_cases_against_reference({
+        n: (n, with_c(make_plan(t=2), 2, sequence_parallel=True))
+        for n in ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox")})
 
 
-@pytest.mark.parametrize("name, d, zero", [("llama_style", 1, 2), ("llama_style", 1, 3),
-                                           ("gpt", 2, 3)])
-def test_c2_zero_sharded_weights_equal_one_device(name, d, zero):
+def test_c2_zero_sharded_weights_equal_one_device():
     """ZeRO-2/3 shard weights, gradients and Adam's state over the c·d ranks that hold the
     same weights: the c = 2 context ranks, and with d = 2 all four."""
-    check_against_reference(name, with_c(make_plan(d=d), 2, zero=zero))
+    cases = [("llama_style", 1, 2), ("llama_style", 1, 3), ("gpt", 2, 3)]
+    check_cases_against_reference({f"{name}-d{d}-zero{zero}": (
+        name, with_c(make_plan(d=d), 2, zero=zero)) for name, d, zero in cases})
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama_style"])

@@ -11,10 +11,9 @@ import torch
 
 from autopar.api import ParallelProgram
 from autopar.plan import Plan
-from autopar.testing import spawn
 
 import models
-from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan
+from programs import MAX_NORM, STEPS, adamw, check_trained, loss_fn, make_plan, spawn_cases
 from reference import train
 
 pytestmark = pytest.mark.distributed
@@ -45,37 +44,55 @@ def _rank(rank: int, world: int, name: str, plan, layers: int) -> tuple:
 
 
 def _check(name: str, plan, layers: int) -> list:
-    results = spawn(_rank, plan.gpus, name, plan, layers, timeout_s=300)
-    ref = train(_model(name, layers), _data(plan.global_batch_size, name), adamw, loss_fn=loss_fn,
-                max_grad_norm=MAX_NORM)
-    check_trained(results, ref, _model(name, layers).state_dict())
-    return results
+    return _check_cases({name: (name, plan)}, layers)[name]
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart", "hf_mbart", "hf_umt5", "hf_whisper",
-                                  "hf_bert2bert"])
-def test_tp2_splits_both_stacks_and_matches_single_device(name):
-    """t = 2: rank 0 holds at most 75% of the weights (both stacks' attention and MLPs split)."""
-    results = _check(name, make_plan(t=2, layers=4), layers=2)
-    total = sum(p.numel() for p in _model(name, 2).parameters())
-    assert results[0][2] <= 0.75 * total, (results[0][2], total)
+def _check_cases(cases: dict[str, tuple], layers: int) -> dict[str, list]:
+    """Every case (label -> (name, plan), one world size) trained in turn on ONE spawn, each
+    against its own single-device run; every differing case named: {label: per-rank results}."""
+    world, = {plan.gpus for _, plan in cases.values()}
+    out = spawn_cases(_rank, world, {label: ((name, plan, layers), {})
+                                     for label, (name, plan) in cases.items()}, 150)
+    failures = []
+    for label, (name, plan) in cases.items():
+        ref = train(_model(name, layers), _data(plan.global_batch_size, name), adamw,
+                    loss_fn=loss_fn, max_grad_norm=MAX_NORM)
+        try:
+            check_trained(out[label], ref, _model(name, layers).state_dict())
+        except AssertionError as exc:
+            failures.append(f"{label}: {exc}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
+    return out
 
 
-@pytest.mark.parametrize("name,split", [("hf_t5", [1, 3]), ("hf_bart", [3, 1]),
-                                        ("hf_mbart", [1, 3]), ("hf_umt5", [3, 1]),
-                                        ("hf_whisper", [1, 3]), ("hf_bert2bert", [3, 1])])
-def test_pp2_cut_inside_a_stack_matches_single_device(name, split):
+NAMES = ["hf_t5", "hf_bart", "hf_mbart", "hf_umt5", "hf_whisper", "hf_bert2bert"]
+
+
+@pytest.mark.timeout(900)
+def test_tp2_splits_both_stacks_and_matches_single_device():
+    """t = 2: rank 0 holds at most 75% of the weights (both stacks' attention and MLPs split);
+    the six models on one spawn."""
+    runs = _check_cases({n: (n, make_plan(t=2, layers=4)) for n in NAMES}, layers=2)
+    for name, results in runs.items():
+        total = sum(p.numel() for p in _model(name, 2).parameters())
+        assert results[0][2] <= 0.75 * total, (name, results[0][2], total)
+
+
+@pytest.mark.timeout(900)
+def test_pp2_cut_inside_a_stack_matches_single_device():
     """p = 2 cut inside the encoder (T5: the position bias block 0 computed crosses the cut)
     or inside the decoder (BART: the encoder's output and the source mask travel with the
-    decoder's residual stream to the second stage)."""
-    _check(name, make_plan(p=2, layers=4, split=split), layers=2)
+    decoder's residual stream to the second stage); the six models on one spawn."""
+    splits = [[1, 3], [3, 1]] * 3
+    _check_cases({f"{n}-{s}": (n, make_plan(p=2, layers=4, split=s))
+                  for n, s in zip(NAMES, splits)}, layers=2)
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
-def test_pp2_interleaved_matches_single_device(name):
+def test_pp2_interleaved_matches_single_device():
     """p = 2, v = 2: one layer a chunk, so every cut but one is inside a stack and the
     encoder's output passes through a chunk of the other rank to reach the last one."""
-    _check(name, make_plan(p=2, v=2, m=4, layers=4, schedule="interleaved-1f1b"), layers=2)
+    plan = make_plan(p=2, v=2, m=4, layers=4, schedule="interleaved-1f1b")
+    _check_cases({n: (n, plan) for n in ("hf_t5", "hf_bart")}, layers=2)
 
 
 def test_tp2_pp2_t5_matches_single_device():
@@ -83,22 +100,23 @@ def test_tp2_pp2_t5_matches_single_device():
     _check("hf_t5", make_plan(t=2, p=2, layers=4, split=[1, 3]), layers=2)
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
-def test_planned_pp2_program_matches_single_device(name):
+def test_planned_pp2_program_matches_single_device():
     """The planner's own plan (p = 2 pinned on local-cpu): the solver's split of repeat units
     mapped to the model's four layers compiles and trains as one device does."""
     import autopar
     x, y = _data(2)[0]
-    plan = autopar.parallelize(_model(name, 2), 2, example_inputs=x, loss_fn=loss_fn,
-                               example_targets=y, global_batch_size=4, micro_batch_size=2,
-                               p=2, cluster="local-cpu").plan
-    assert plan.p == 2 and plan.num_layers == 4 and plan.stages[-1].last_layer == 4
-    _check(name, plan, layers=2)
+    cases = {}
+    for name in ("hf_t5", "hf_bart"):
+        plan = autopar.parallelize(_model(name, 2), 2, example_inputs=x, loss_fn=loss_fn,
+                                   example_targets=y, global_batch_size=4, micro_batch_size=2,
+                                   p=2, cluster="local-cpu").plan
+        assert plan.p == 2 and plan.num_layers == 4 and plan.stages[-1].last_layer == 4, name
+        cases[name] = (name, plan)
+    _check_cases(cases, layers=2)
 
 
-@pytest.mark.parametrize("name", ["hf_t5", "hf_bart"])
-def test_tp2_sequence_parallel_matches_single_device(name):
+def test_tp2_sequence_parallel_matches_single_device():
     """t = 2 with sequence parallelism (the planner's usual choice at scale): both stacks'
     residual streams split by tokens, the encoder's output gathered for cross-attention."""
-    plan = make_plan(t=2, layers=4)
-    _check(name, Plan.from_dict({**plan.to_dict(), "sequence_parallel": True}), layers=2)
+    plan = Plan.from_dict({**make_plan(t=2, layers=4).to_dict(), "sequence_parallel": True})
+    _check_cases({n: (n, plan) for n in ("hf_t5", "hf_bart")}, layers=2)

@@ -22,6 +22,7 @@ from autopar.passes.tensor_parallel import apply_tensor_parallel, gather_full_st
 from autopar.testing import spawn
 
 import models
+from programs import spawn_cases
 from reference import state_mismatches, tp_batches, tp_train
 
 pytestmark = pytest.mark.distributed
@@ -82,41 +83,69 @@ def _tp_worker(rank: int, world: int, name: str, kwargs: dict, sp: bool,
 def run_tp(name: str, t: int, sp: bool = False, loss: str = "ce", cluster=None,
            overlap: bool = True, **kwargs) -> list[dict]:
     results = spawn(_tp_worker, t, name, kwargs, sp, loss, cluster, overlap, timeout_s=240)
-    r0 = results[0]
-    assert r0["mismatch"] == [], r0["mismatch"]
-    for r in results:
-        assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-4), (r["losses"],
-                                                                          r0["ref_losses"])
+    _check_tp(results)
     return results
+
+
+def _check_tp(results: list[dict], label: str = "") -> None:
+    """Rank 0's gathered weights equal the single-device model's, every rank's losses its."""
+    r0 = results[0]
+    assert r0["mismatch"] == [], f"{label} weights: {r0['mismatch']}"
+    for r, res in enumerate(results):
+        assert res["losses"] == pytest.approx(r0["ref_losses"], rel=1e-4), (
+            f"{label} rank {r} losses", res["losses"], r0["ref_losses"])
+
+
+def run_tp_cases(t: int, cases: dict[str, dict]) -> dict[str, list[dict]]:
+    """run_tp of every case (label -> run_tp's keyword arguments but t) on ONE spawn of t
+    ranks (no process group and no fork per case): {label: per-rank results}, each case
+    checked as run_tp checks it; every failing case is named in the assertion."""
+    jobs = {}
+    for label, kw in cases.items():
+        kw = dict(kw)
+        jobs[label] = ((), {"name": kw.pop("name"), "sp": kw.pop("sp", False),
+                            "loss": kw.pop("loss", "ce"), "cluster": kw.pop("cluster", None),
+                            "overlap": kw.pop("overlap", True), "kwargs": kw})
+    out, failures = spawn_cases(_tp_worker, t, jobs), []
+    for label in jobs:
+        try:
+            _check_tp(out[label], label)
+        except AssertionError as exc:
+            failures.append(f"{label}: {exc}")
+    assert not failures, f"{len(failures)} of {len(jobs)} cases:\n" + "\n".join(failures)
+    return out
 
 
 CASES = [("gpt", 2, {}), ("llama_style", 2, {}), ("hf_gpt2", 2, {}), ("hf_llama", 2, {}),
          ("hf_bert", 2, {})]
 
 
-@pytest.mark.parametrize("name,t,kwargs", CASES, ids=[c[0] for c in CASES])
-def test_tp2_matches_single_device(name, t, kwargs):
-    results = run_tp(name, t, **kwargs)
-    # every block's two column-parallel entries (+ the LM head's) run with overlap
-    assert results[0]["fused"] >= 2 * 2
+@pytest.mark.timeout(600)
+def test_tp2_matches_single_device():
+    """Each of CASES (one spawn of 2 ranks trains them in turn); GPT's ranks each hold its
+    replicated + split/2 parameter elements."""
+    runs = run_tp_cases(2, {n: dict(name=n, **kw) for n, _, kw in CASES})
+    for label, results in runs.items():
+        # every block's two column-parallel entries (+ the LM head's) run with overlap
+        assert results[0]["fused"] >= 2 * 2, label
+    _check_parameter_elements(runs["gpt"])
 
 
 # GPT-NeoX, Falcon, GPT-J and Phi: parallel attention + MLP, one reduction per layer
 MORE = ["hf_neox", "hf_falcon", "hf_gptj", "hf_bloom", "hf_olmo2", "hf_phi", "torch_encoder"]
 
 
-@pytest.mark.parametrize("name", MORE)
-def test_tp2_more_transformers_architectures_match_single_device(name):
-    results = run_tp(name, 2)
-    assert not results[0]["info"].fallbacks   # split, not a silent replicated fallback
-    # at least one overlapped entry per block (GPT-J / parallel blocks share one): Falcon's
-    # x @ w.T and BLOOM's biased projections included
-    assert results[0]["fused"] >= 2
+@pytest.mark.timeout(600)
+def test_tp2_more_transformers_architectures_match_single_device():
+    for label, results in run_tp_cases(2, {n: dict(name=n) for n in MORE}).items():
+        assert not results[0]["info"].fallbacks, label   # split, not a replicated fallback
+        # at least one overlapped entry per block (GPT-J / parallel blocks share one):
+        # Falcon's x @ w.T and BLOOM's biased projections included
+        assert results[0]["fused"] >= 2, label
 
 
-@pytest.mark.parametrize("name,sp", [("hf_falcon", False), ("hf_neox", False),
-                                     ("hf_neox", True), ("hf_gpt2", False), ("hf_opt", True)])
-def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
+@pytest.mark.timeout(600)
+def test_dropout_on_merged_partial_sums_matches_single_device():
     """Falcon's dropout on the summed attention + MLP outputs runs before their one reduction,
     on the replicated RNG stream: every rank draws the single device's mask, and the mask of
     the summands is the mask of the sum, so even with dropout 0.3 the losses and weights match
@@ -125,44 +154,44 @@ def test_dropout_on_merged_partial_sums_matches_single_device(name, sp):
     reduction as bias·noise (with SP: each rank's sequence slice of it); GPT-2's residual
     dropouts after its biased projections take the same path, and OPT's after fc2 on its
     (B·T, C) rows, where the slice is T/t tokens of every row."""
-    results = run_tp(name, 2, sp=sp, dropout=0.3)
-    assert not results[0]["info"].fallbacks
+    cases = [("hf_falcon", False), ("hf_neox", False), ("hf_neox", True), ("hf_gpt2", False),
+             ("hf_opt", True)]
+    runs = run_tp_cases(2, {f"{n}-sp{sp:d}": dict(name=n, sp=sp, dropout=0.3)
+                            for n, sp in cases})
+    for label, results in runs.items():
+        assert not results[0]["info"].fallbacks, label
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_olmo2", "hf_neox", "hf_opt"])
-def test_tp2_sequence_parallel_more_architectures(name):
+@pytest.mark.timeout(600)
+def test_tp2_sequence_parallel_more_architectures():
     """OPT: residual adds on (B·T, C) rows around its MLP, whose Partial sum is reduce-scattered
     per row of T tokens (each rank's T/t of every row, the residual's order), not per half of
     the flattened rows."""
-    results = run_tp(name, 2, sp=True)
-    assert not results[0]["info"].fallbacks
+    names = ["hf_falcon", "hf_olmo2", "hf_neox", "hf_opt"]
+    for label, results in run_tp_cases(2, {n: dict(name=n, sp=True) for n in names}).items():
+        assert not results[0]["info"].fallbacks, label
 
 
-@pytest.mark.parametrize("name,t,kwargs", CASES, ids=[c[0] for c in CASES])
-def test_tp2_sequence_parallel_matches_single_device(name, t, kwargs):
-    run_tp(name, t, sp=True, **kwargs)
+@pytest.mark.timeout(600)
+def test_tp2_sequence_parallel_matches_single_device():
+    run_tp_cases(2, {n: dict(name=n, sp=True, **kw) for n, _, kw in CASES})
+
+
+# t = 4 (overlap off), one spawn of 4 ranks for all: llama_style and hf_llama at kv_heads = 2
+# < t: k/v projections stay replicated, attention split by query heads
+TP4 = {"gpt": dict(name="gpt"), "llama_style_mha": dict(name="llama_style", kv_heads=4),
+       "hf_gpt2": dict(name="hf_gpt2"), "hf_llama_gqa_kv2": dict(name="hf_llama", kv_heads=2),
+       "hf_bert": dict(name="hf_bert"), "llama_style_gqa_kv2": dict(name="llama_style",
+                                                                     kv_heads=2),
+       "gpt-sp": dict(name="gpt", sp=True),
+       "llama_style_gqa_kv2-sp": dict(name="llama_style", kv_heads=2, sp=True),
+       "hf_llama_gqa_kv2-sp": dict(name="hf_llama", kv_heads=2, sp=True)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv_heads": 4}),
-                                         ("hf_gpt2", {}), ("hf_llama", {"kv_heads": 2}),
-                                         ("hf_bert", {})],
-                         ids=["gpt", "llama_style_mha", "hf_gpt2", "hf_llama_gqa_kv2", "hf_bert"])
-def test_tp4_matches_single_device(name, kwargs):
-    run_tp(name, 4, overlap=False, **kwargs)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name,kwargs", [("gpt", {}), ("llama_style", {"kv_heads": 2}),
-                                         ("hf_llama", {"kv_heads": 2})],
-                         ids=["gpt", "llama_style_gqa_kv2", "hf_llama_gqa_kv2"])
-def test_tp4_sequence_parallel_matches_single_device(name, kwargs):
-    run_tp(name, 4, sp=True, overlap=False, **kwargs)
-
-
-def test_gqa_kv_heads_fewer_than_t_replicates_kv():
-    """t=4 > kv_heads=2: k/v projections stay replicated, attention split by query heads."""
-    run_tp("llama_style", 4, kv_heads=2, overlap=False)
+@pytest.mark.timeout(900)
+def test_tp4_with_and_without_sequence_parallel_matches_single_device():
+    run_tp_cases(4, {label: dict(kw, overlap=False) for label, kw in TP4.items()})
 
 
 def test_padded_vocab_is_invisible():
@@ -172,9 +201,8 @@ def test_padded_vocab_is_invisible():
     assert results[0]["local_elems"] > rows_per_rank * embd
 
 
-def test_parameter_elements_per_rank():
+def _check_parameter_elements(results: list[dict]) -> None:
     """Each rank holds replicated + split/t parameter elements (GPT, t=2)."""
-    results = run_tp("gpt", 2)
     model = _build("gpt", {})
     ids, tgt = tp_batches()[0]
     from autopar.passes.tensor_parallel import propagate_sharding
@@ -202,10 +230,21 @@ def _dropout_worker(rank: int, world: int, dropout: float = 0.2) -> dict:
     return {"losses": losses, "replicated": replicated}
 
 
-def test_dropout_streams_agree_in_replicated_regions():
+@pytest.fixture(scope="module")
+def dropout_runs() -> list[dict]:
+    """Per rank: two runs of GPT at dropout 0.2 and one at 0 on one spawn of 2 ranks."""
+    return spawn(_dropout_runs_worker, 2, timeout_s=240)
+
+
+def _dropout_runs_worker(rank: int, world: int) -> dict:
+    return {"runs": [_dropout_worker(rank, world) for _ in range(2)],
+            "no_dropout": _dropout_worker(rank, world, dropout=0.0)}
+
+
+def test_dropout_streams_agree_in_replicated_regions(dropout_runs):
     """With dropout on, replicated regions draw identical masks on all tensor ranks: the loss
     and every replicated parameter stay bit-identical across ranks after 3 steps."""
-    r0, r1 = spawn(_dropout_worker, 2, timeout_s=240)
+    r0, r1 = (r["runs"][0] for r in dropout_runs)
     assert r0["losses"] == r1["losses"]
     assert r0["replicated"].keys() == r1["replicated"].keys() and r0["replicated"]
     for name, value in r0["replicated"].items():
@@ -215,13 +254,11 @@ def test_dropout_streams_agree_in_replicated_regions():
 # ----- loss forms and logits without a loss ------------------------------------------------------
 
 def test_log_softmax_nll_with_ignore_index_matches_single_device():
-    """nll_loss(log_softmax(x), ignore_index=-1) runs as the vocab-parallel cross-entropy."""
-    results = run_tp("gpt", 2, loss="nll_ignore")
-    assert results[0]["info"].vocab and not results[0]["info"].fallbacks
-
-
-def test_hf_llama_nll_with_ignore_index_matches_single_device():
-    run_tp("hf_llama", 2, loss="nll_ignore")
+    """nll_loss(log_softmax(x), ignore_index=-1) runs as the vocab-parallel cross-entropy
+    (GPT; and hf_llama, on the same spawn)."""
+    runs = run_tp_cases(2, {n: dict(name=n, loss="nll_ignore") for n in ("gpt", "hf_llama")})
+    info = runs["gpt"][0]["info"]
+    assert info.vocab and not info.fallbacks
 
 
 def test_logits_returned_column_parallel_and_gathered_match_single_device():
@@ -262,43 +299,37 @@ def test_attention_dropout_masks_differ_in_split_regions_and_agree_in_replicated
     assert torch.equal(r0["replicated"], r1["replicated"])
 
 
-def _dropout_twice_worker(rank: int, world: int) -> dict:
-    runs = [_dropout_worker(rank, world)["losses"] for _ in range(2)]
-    return {"runs": runs}
-
-
-def test_dropout_losses_are_deterministic_across_runs():
+def test_dropout_losses_are_deterministic_across_runs(dropout_runs):
     """Same seeds, same program: identical losses (the rank streams restart with each
     compilation). Equality with the single-device model is impossible with dropout on: the
     split regions draw their masks from per-rank streams the single device does not have;
     the numerics tests above run with dropout 0."""
-    r0, r1 = spawn(_dropout_twice_worker, 2, timeout_s=240)
-    assert r0["runs"][0] == r0["runs"][1] == r1["runs"][0]
-    ref = spawn(_no_dropout_worker, 2, timeout_s=240)[0]
-    assert r0["runs"][0] != ref["losses"]                 # dropout (incl. attention) is on
-
-
-def _no_dropout_worker(rank: int, world: int) -> dict:
-    return _dropout_worker(rank, world, dropout=0.0)
+    r0, r1 = dropout_runs
+    assert r0["runs"][0]["losses"] == r0["runs"][1]["losses"] == r1["runs"][0]["losses"]
+    # dropout (incl. attention) is on
+    assert r0["runs"][0]["losses"] != r0["no_dropout"]["losses"]
 
 
 # ----- mixture of experts (issue 17): the experts split, the router replicated ---------------
 
-@pytest.mark.parametrize("name,sp", [("hf_mixtral", False), ("hf_mixtral", True),
-                                     ("hf_olmoe", False), ("hf_qwen2_moe", True)])
-def test_tp2_mixture_of_experts_splits_the_experts(name, sp):
+@pytest.mark.timeout(600)
+def test_tp2_mixture_of_experts_splits_the_experts():
     """transformers' Mixtral / OLMoE / Qwen2-MoE (+ a shared expert) run the experts as grouped matmuls over 3-D parameters
     (experts.gate_up_proj, experts.down_proj): each expert's FFN is column/row split, the
     top-k router stays replicated, the expert outputs are reduced once (with sequence
     parallelism: the sequence gathered before the routing, reduce-scattered after)."""
-    results = run_tp(name, 2, sp=sp)
-    r0 = results[0]
-    info = r0["info"]
-    assert not info.fallbacks
-    assert any(k.endswith("experts.gate_up_proj") for k in info.params)
-    assert any(k.endswith("experts.down_proj") for k in info.params)
-    assert not any(k.endswith("gate.weight") for k in info.params)    # the router
-    assert r0["local_elems"] <= 0.75 * r0["ref_elems"], (r0["local_elems"], r0["ref_elems"])
+    cases = [("hf_mixtral", False), ("hf_mixtral", True), ("hf_olmoe", False),
+             ("hf_qwen2_moe", True)]
+    runs = run_tp_cases(2, {f"{n}-sp{sp:d}": dict(name=n, sp=sp) for n, sp in cases})
+    for label, results in runs.items():
+        r0 = results[0]
+        info = r0["info"]
+        assert not info.fallbacks, label
+        assert any(k.endswith("experts.gate_up_proj") for k in info.params), label
+        assert any(k.endswith("experts.down_proj") for k in info.params), label
+        assert not any(k.endswith("gate.weight") for k in info.params), label   # the router
+        assert r0["local_elems"] <= 0.75 * r0["ref_elems"], (label, r0["local_elems"],
+                                                             r0["ref_elems"])
 
 
 def test_bert_mlm_head_transform_split_with_its_layernorm_distributed():
