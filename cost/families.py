@@ -236,7 +236,9 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                     prefix, exchanges: _Exchanges | None = None) -> Iterator[Family]:
     """The families of one (t, c, p, d, ep): per micro-batch size b, the (schedule, v, N,
     ZeRO levels) rows the rules allow, crossed with recompute, sp and the attention method.
-    Each rule's rejection is recorded once per (t, c, p, d, ep, b, schedule) where it applies."""
+    Each rule's rejection is recorded once per (t, c, p, d, ep, b, schedule) where it applies.
+    Why this size: the degrees of one outer family (t, c, p, d, ep), the pins, the rejection
+    record and the prefix are what every row reads; bundling them would only rename them."""
     l = profile.num_layers
     per_replica = global_batch // d
     recs = [(ri, r) for ri, r in enumerate(RECOMPUTE) if pins.allows("recompute", r)]

@@ -511,6 +511,9 @@ def transformer_profile(*, name: str = "gpt", num_layers: int, hidden: int, head
                         tied_embeddings: bool = True,
                         bytes_per_elem: int = 2) -> ModelProfile:
     """Textbook GPT/Llama profile from dimensions (2104.04473 §3, 2205.05198 §4).
+    Why this size: one keyword per published model dimension (layers, hidden, heads, kv heads,
+    ffn, vocab, sequence, gating, tying, element size), and the formulas below read as the
+    papers' equations, one region after another.
 
     Per layer and sequence, forward: qkv s·h·(h+2·h_kv), scores + context 2·a·s²·(h/a),
     proj s·h², MLP 2·s·h·f (3·s·h·f gated). Activations (16-bit), following 2205.05198 Eq. 2

@@ -110,7 +110,8 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     """(evaluated, memory failures, pruned): the combinations priced (with a heuristic split
     where one fits), those that overflow memory, and those pruned by a bound (with its note),
     the pruned ones including at least the `need` of least bound when that many exist (see the
-    module docstring)."""
+    module docstring). Why this size: the best-first loop keeps its heap, bound and memo in
+    locals (the hot path of planning: attribute lookups cost measurable time here)."""
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
     evaluated, memory_fail, pruned = [], [], []
@@ -198,7 +199,8 @@ def _config(member: tuple) -> Config:
 def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
                     best_ub, need, memo) -> None:
     """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
-    (every one left on the heap, or in a family not built, has a bound >= the heap's top)."""
+    (every one left on the heap, or in a family not built, has a bound >= the heap's top).
+    Why this size: it continues `search`'s loop on `search`'s own state (heap, lists, memo)."""
     known = sorted([e.lb_s for e in pruned] + [e.lb_s for e in evaluated if e.lb_s > best_ub])
     popped = 0
     while heap and bisect.bisect_right(known, heap[0][0]) + popped < need:

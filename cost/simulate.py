@@ -127,7 +127,8 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
     of bwd_s (used only by lists with W actions; default bwd_s / 2). check=False skips the
     validation (autopar.schedules.validate) for lists already validated, e.g. the same lists
     timed with many different chunk times (cost/layout.py); an invalid list is then not caught
-    and simulates to nonsense (the simulation still ends).
+    and simulates to nonsense (the simulation still ends). Why this size: the lists and the
+    per-chunk times, then one keyword per communication model knob (keyword-only, defaulted).
     """
     if check:
         validate(per_rank, *infer_dims(per_rank))

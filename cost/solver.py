@@ -124,6 +124,9 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
           cp_attentions: tuple[str, ...] = CP_ATTENTION,
           stats: SolveStats | None = None) -> Plan:
     """The predicted-fastest plan that fits in memory, with ranked alternatives.
+    Why this size: one keyword per plan knob a user may pin (the Pins of autopar.request,
+    validated there), plus the solver's own limits; the body validates, searches, solves and
+    assembles, each a call.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
     cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
@@ -208,6 +211,9 @@ def _ties_to_less_memory(profile, cluster, chosen, x, survivors):
 
 def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,
                 max_alternatives, optimal, solve_s) -> Plan:
+    """The Plan of the chosen configuration `cc` at layer split `x`, with its alternatives.
+    Why this size: it hands `solve`'s results (the others priced, the memory failures, the
+    rejections, the solve status) through to `_alternatives` unchanged."""
     cfg = cc.cfg
     pred = predict(profile, cluster, cfg, x, costs=cc)
     stages, first = [], 0
@@ -246,6 +252,9 @@ def _why_slower(alt: Prediction, chosen: Prediction, top: int = 2) -> str:
 
 def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, limit, optimal,
                   solve_s) -> list[Alternative]:
+    """The chosen configuration first, then the other priced ones ranked by step time, then
+    memory failures and rejections, at most `limit`. Why this size: one list per kind of
+    alternative, each built in its own short loop."""
     chosen_key = _config_dict(cc.cfg)
     status = "optimal" if optimal else "best found within the time limit"
     alts = [Alternative(config=chosen_key, predicted=pred, feasible=True,

@@ -61,7 +61,8 @@ def plan_for_tokens(solve_at: Callable[[int], Plan], *, tokens: float,
     only one planned. `start`: the batch to start the walk from (a sweep passes the batch chosen
     at the previous GPU count). `refine`: also plan the 3·2^k neighbours of the best power of
     two (a sweep over powers of two skips them: a few % of time for half the solves). Raises
-    ValueError when no candidate batch has a plan.
+    ValueError when no candidate batch has a plan. Why this size: the walk over batches (up,
+    then down, then the refinement) keeps its trials in one place so each is solved once.
     """
     trials: dict[int, BatchTrial] = {}
     plans: dict[int, Plan] = {}

@@ -231,7 +231,8 @@ def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
     CRC-32), repoints the link and keeps the `keep` newest versions. async_save: stage the
     pieces in shared host memory and hand them to this rank's writer process
     (autopar.runtime.ckpt_writer; returns at once, the next save or `wait_for_save` waits).
-    Collective: every rank calls it with the same path."""
+    Collective: every rank calls it with the same path.
+    Why this size: save_checkpoint's pieces and layout inputs, then the two save options."""
     path = Path(path)
     _check_json(user_state)
     WRITER.wait()                                     # one save in flight at a time
@@ -556,7 +557,9 @@ def save_program_checkpoint(path: str | os.PathLike, params: LocalParams, regime
     program's optimizer regime (autopar.runtime.regimes): each rank writes the pieces it holds
     (`regime.shard_state()`, autopar.runtime.ckpt_pieces), nothing gathered; a regime without
     a sharded form is gathered as before. keep: versions kept (the newest `keep`); async_save:
-    written on a background thread (ckpt_store). Collective: every rank calls it."""
+    written by the rank's background writer process (ckpt_writer). Collective: every rank calls it.
+    Why this size: what a program checkpoint records (params, regime, groups, step, plan, the
+    loop's state) plus the two save options."""
     held = regime.shard_state()
     if held is not None:
         state_dict, records = sharded_entries(held, params, groups)

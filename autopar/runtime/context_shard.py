@@ -138,7 +138,9 @@ def context_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal scaled-dot-product attention of this rank's queries (local order: chunk i, then
     chunk 2c−1−i, along dim −2) against the whole sequence's keys and values (global order).
     Attention dropout draws from this rank's stream of `streams` (a shard.DropoutStreams:
-    the context rank's, or with per_tensor_rank the tensor rank's too under split heads)."""
+    the context rank's, or with per_tensor_rank the tensor rank's too under split heads).
+    Why this size: the sdpa arguments (q, k, v, mask, dropout, causal, scale, gqa) plus the rank's
+    context and split-heads facts."""
     if dropout_p:
         with as_default_stream(streams.generator(seed, q.device, per_tensor_rank), q.device):
             return _causal(q, k, v, cp, scale, enable_gqa, dropout_p)

@@ -102,6 +102,9 @@ def _groups(r: Fp8Recipe, tp: Any, cp: Any, partial_fwd: bool,
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, recipe, group, partial_fwd, partial_dx, context, w8):
+        """x @ w.T in FP8 under `recipe`. Why this size: autograd.Function.apply takes the
+        operands and every fact the backward needs (the amax groups, the partial sums, the
+        context group, a weight already gathered in FP8) positionally."""
         r = RECIPES[recipe]
         cp = context.group if context is not None and context.c > 1 else None
         ctx.r, ctx.groups = r, _groups(r, group, cp, partial_fwd, partial_dx)

@@ -96,6 +96,7 @@ def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int
     experts: (E, start, stop) of an expert parameter spread over the expert group (dim 0);
     when it is also tensor-split (`split`), replicated_over_tp=False and the tensor split is
     LocalParams.splits'.
+    Why this size: the facts a ParamInfo records, each given by the pass that knows it.
     """
     shared_with = "embedding" if shared else None
     if experts is not None:

@@ -156,7 +156,9 @@ def _tile_forward(q, k, v, bias, diagonal, scale, fused=None):
 def _tile_backward(dout, q, k, v, out, lse, bias, diagonal, scale, fused=None):
     """(dq, dk, dv) of one tile given the merged output and lse of its query rows: with them
     exp(s − lse) is the tile's share of the whole softmax, so the fused kernel's backward (or
-    the written-out one) gives exactly the tile's terms of the whole gradient."""
+    the written-out one) gives exactly the tile's terms of the whole gradient.
+    Why this size: one tile's inputs and the merged output, lse and output gradient the exact tile
+    gradient needs."""
     if _fused(q, fused):   # lse is the kernel's dtype: fp32, or fp64 for fp64 inputs
         return _FLASH_CPU_BWD(dout.contiguous(), q.contiguous(), k, v, out.contiguous(),
                               lse.contiguous(), 0.0, diagonal, attn_mask=bias, scale=scale)
@@ -310,7 +312,8 @@ def context_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp
     docstring). attn_mask: its query rows this rank's, its key columns in global order
     (…, T/c or 1, T). kv_group: k and v are a grouped-query head repeat, each kv head repeated
     kv_group times consecutively (repeat_kv's layout): only every kv_group-th head travels.
-    enable_gqa: k and v already hold Hk < Hq heads. Output in the fused kernels' layout."""
+    enable_gqa: k and v already hold Hk < Hq heads. Output in the fused kernels' layout.
+    Why this size: the sdpa arguments plus the rank's context group facts."""
     if kv_group > 1:      # the repeat's copies carry no information: the gradient of the one
         k, v = k[:, ::kv_group], v[:, ::kv_group]   # read sums as the repeat's backward would
     scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale

@@ -56,6 +56,8 @@ class Runner:
                  state_dict: StateDictSpec, device: torch.device,
                  max_grad_norm: float | None = None, record_timeline: bool = False,
                  scaler: LossScaler | None = None):
+        """Built by autopar.compile. Why this size: the compiled program's parts (plan, chunks,
+        parameters, regime, groups, actions, state-dict spec, device) and its three options."""
         self.plan, self.chunks, self.params, self.regime = plan, chunks, params, regime
         self.scaler = scaler     # fp16's dynamic loss scale (autopar.runtime.loss_scale)
         self.pg, self.device = groups, device

@@ -521,7 +521,8 @@ def tp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, streams: DropoutS
     """scaled_dot_product_attention on this rank's heads whose attention-dropout mask comes
     from this tensor rank's stream (per_tensor_rank False: its tensor ranks' shared one): the
     default generator is swapped for the stream's state around the call (sdpa takes no
-    generator argument) and restored after."""
+    generator argument) and restored after.
+    Why this size: the sdpa arguments plus the tensor rank whose dropout stream it draws."""
     if dropout_p == 0.0:
         return F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal, **kwargs)
     gen = streams.generator(seed, q.device, per_tensor_rank)

@@ -121,7 +121,9 @@ def context_alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     whole sequence by two all-to-alls (module docstring). attn_mask: whole, (…, T, T), global
     order. kv_group: k and v are a head repeat in the graph (only every kv_group-th head is
     read). Attention dropout draws from this rank's stream of `streams` (shard.DropoutStreams).
-    Output in the fused kernels' layout."""
+    Output in the fused kernels' layout.
+    Why this size: the sdpa arguments plus the context group, the heads' split and the exchange's
+    facts."""
     if kv_group > 1:     # the repeat's copies carry no information (its backward sums them)
         k, v = k[:, ::kv_group], v[:, ::kv_group]
     n = 1 if cp.group is None else cp.c

@@ -170,6 +170,8 @@ class Zero3Chunks:
                  reduce_dtype: torch.dtype = torch.float32,
                  param_dtype: torch.dtype | None = None, fp8: Fp8Gather | None = None,
                  divide_by: int | None = None):
+        """Why this size: the chunks' parameters, group and optimizer, then keyword options of
+        the sharding (names, master / reduce dtypes, FP8 gathers, the divisor) ZeRO-2/3 read."""
         cp = dict(chunk_params) if isinstance(chunk_params, Mapping) else dict(
             enumerate(chunk_params))
         nm = (dict(names) if isinstance(names, Mapping) else dict(enumerate(names))
