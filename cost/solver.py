@@ -174,6 +174,8 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     stats.candidates = len(survivors)
     pm = PlanModel([e.cc for e in survivors], profile.num_layers, hint)
     k, x, _, optimal = pm.solve()
+    if k < 0 and hint is not None:   # CP-SAT gave up (e.g. step times of ~1e8 s at a batch of
+        (k, x), optimal = hint, False  # 10^9 overflow its integer model): the heuristic's split
     if k < 0:
         raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail + survivors))
     chosen = survivors[k]

@@ -173,3 +173,21 @@ def test_ties_go_to_the_smaller_memory():
     for a in ties:
         assert a.predicted.memory_bytes_per_gpu >= best.memory_bytes_per_gpu, a.label()
         assert a.reason.startswith("as fast") and "more memory" in a.reason, a.reason
+
+
+def test_a_global_batch_of_a_billion_sequences_plans_in_bounded_work():
+    """A typo-sized batch (10^9 sequences, 5·10^8 micro-batches per rank) plans in bounded
+    work: the micro-batch sizes come from O(sqrt n) divisors (a walk over 10^9 integers
+    before), the long schedule's activation peaks and gather counts from three short walks.
+    (Where CP-SAT's integer model gives up on such step times, the solver keeps the heuristic
+    split of the best configuration: `autopar plan gpt3-175b --gpus 64 --batch 1000000000`
+    takes that path, too slow for this rung.)"""
+    from autopar.cost.families import _divisors
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    for n in (1, 12, 97, 1536, 3 ** 7 * 2 ** 5):
+        assert _divisors(n) == [k for k in range(1, n + 1) if n % k == 0]
+    prof = transformer_profile(num_layers=24, hidden=2048, heads=16, seq_len=2048, vocab=51200)
+    plan = solve(prof, "dgx-a100-80gb", gpus=64, global_batch_size=10 ** 9, t=4, p=16, d=1,
+                 micro_batch_size=2)
+    assert plan.global_batch_size == 10 ** 9 and plan.predicted.step_time_s > 1e5
