@@ -14,7 +14,7 @@ import torch.fx
 from autopar.passes import meta as K
 from autopar.passes.fusion import VIEW_OPS, Fusion
 from autopar.passes.loss_precision import LOSS_OPS
-from autopar.passes.sharding import fed_by_grouped_mm, is_grouped_mm
+from autopar.passes.sharding import fed_by_grouped_mm, is_grouped_mm, reaches
 
 aten = torch.ops.aten
 
@@ -299,17 +299,7 @@ def _activation_of(n: torch.fx.Node) -> Any:
 
 def _reaches(n: torch.fx.Node, stream: set, gemms: set) -> bool:
     """Does n's output reach a residual-stream node without passing through another GEMM?"""
-    frontier, seen = list(n.users), set()
-    while frontier:
-        u = frontier.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if u in stream:
-            return True
-        if u not in gemms:
-            frontier.extend(u.users)
-    return False
+    return reaches(n, lambda u: u in stream, lambda u: u not in gemms)
 
 
 def unrepeated(n: Any) -> Any:

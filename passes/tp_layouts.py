@@ -214,15 +214,6 @@ def _check_lost_regions(gm: fx.GraphModule, info: TPInfo) -> None:
 
 
 def _feeds_split_work(start: fx.Node) -> bool:
-    todo, seen = list(start.users), set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if is_split(node.meta.get(K.TP_LAYOUT)) and node.op != "output":
-            return True
-        if node.meta.get(K.TP_ROLE) or packet(node) in S.MATMUL_OPS or S.is_grouped_mm(node):
-            continue
-        todo.extend(node.users)
-    return False
+    return S.reaches(
+        start, lambda n: is_split(n.meta.get(K.TP_LAYOUT)) and n.op != "output",
+        lambda n: not (n.meta.get(K.TP_ROLE) or packet(n) in S.MATMUL_OPS or S.is_grouped_mm(n)))

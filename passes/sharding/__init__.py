@@ -70,8 +70,8 @@ from autopar.passes.sharding.layout import (R, Conflict, Layout, Partial, Refine
 from autopar.passes.sharding.ops import (GROUPED_MM, MATMUL_OPS, NLL_OPS, NO_VALUE, SIZE_ARG_OPS,
                                          SPLIT_OPS, ancestors, dropout_is_identity,
                                          fed_by_grouped_mm, is_grouped_mm, is_pointwise,
-                                         is_router, is_tensor, norm_dim, packet, reduce_dims,
-                                         selected_range, shape, source_line)
+                                         is_router, is_tensor, norm_dim, packet, reaches,
+                                         reduce_dims, selected_range, shape, source_line)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import RULES, rule_for
 
@@ -83,6 +83,6 @@ __all__ = [
     "map_reshape", "unflattened_sizes",
     "GROUPED_MM", "MATMUL_OPS", "NLL_OPS", "NO_VALUE", "SIZE_ARG_OPS", "SPLIT_OPS", "ancestors",
     "dropout_is_identity", "fed_by_grouped_mm", "is_grouped_mm", "is_pointwise", "is_router",
-    "is_tensor", "norm_dim", "packet", "reduce_dims", "selected_range", "shape", "source_line",
+    "is_tensor", "norm_dim", "packet", "reaches", "reduce_dims", "selected_range", "shape", "source_line",
     "Propagator", "RULES", "rule_for",
 ]

@@ -231,23 +231,29 @@ def fed_by_grouped_mm(node: fx.Node) -> bool:
             todo.extend(x.all_input_nodes)
     return False
 
-def is_router(node: fx.Node) -> bool:
-    """A mixture-of-experts router: a weight matmul whose scores reach a top-k (through casts
-    and a softmax / sigmoid) — replicated, never a column candidate: the top-k reads every
-    expert's score (the experts themselves are split, see grouped_mm_rule)."""
-    todo, seen = list(node.users), set()
+def reaches(start: fx.Node, hit: Any, through: Any) -> bool:
+    """Whether a node for which hit(node) holds is reached from start's users, walking on
+    only past nodes for which through(node) holds (each node looked at once)."""
+    todo, seen = list(start.users), set()
     while todo:
         n = todo.pop()
         if n in seen:
             continue
         seen.add(n)
-        op = packet(n)
-        if op is aten.topk:
+        if hit(n):
             return True
-        if op in TRANSPARENT or op in SOFTMAX or op is aten.sigmoid \
-                or n.target is operator.getitem:
+        if through(n):
             todo.extend(n.users)
     return False
+
+
+def is_router(node: fx.Node) -> bool:
+    """A mixture-of-experts router: a weight matmul whose scores reach a top-k (through casts
+    and a softmax / sigmoid) — replicated, never a column candidate: the top-k reads every
+    expert's score (the experts themselves are split, see grouped_mm_rule)."""
+    return reaches(node, lambda n: packet(n) is aten.topk,
+                   lambda n: (packet(n) in TRANSPARENT or packet(n) in SOFTMAX
+                              or packet(n) is aten.sigmoid or n.target is operator.getitem))
 
 def matmul_operands(node: fx.Node) -> tuple:
     """(activation, weight, bias, weight's contraction dim, weight's output dim); weight None
