@@ -248,6 +248,17 @@ def _counted(leads: Sequence[int]) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(out.items()))
 
 
+def settled_walks(m: int, period: int, start: int) -> tuple[tuple[int, int, int], int] | None:
+    """The three short schedules a long one of m micro-batches is extrapolated from, and how
+    many periods past the first it is: ((m0, m0 + period, m0 + 2·period), k) with
+    m = m0 + k·period and m0 ≡ m (mod period) from `start` on; None when m is not at least
+    three periods past m0 (walk it whole)."""
+    m0 = start + (m - start) % period
+    if m < m0 + 3 * period:
+        return None
+    return (m0, m0 + period, m0 + 2 * period), (m - m0) // period
+
+
 def extrapolated(counts_at: Callable[[int], GatherCounts], m: int, period: int,
                  start: int) -> GatherCounts | None:
     """The GatherCounts of a schedule of m micro-batches from three short ones, or None (walk
@@ -256,17 +267,16 @@ def extrapolated(counts_at: Callable[[int], GatherCounts], m: int, period: int,
     counts per period while the warm-up, the cool-down and the peaks stay: counts(m) =
     counts(m0) + k·(counts(m0 + period) − counts(m0)), m = m0 + k·period, m0 ≡ m (mod period)
     from `start` on (or, breadth-first, the same gathers with leads longer by the same computes
-per period: `_grown`). Exact where it is used: the three walks (m0, m0 + period, m0 + 2·period)
-    must show the same growth and the same peaks, else None. counts_at(m): the walked counts
-    at m micro-batches (m ≡ the given m modulo period, so any divisibility m obeys holds)."""
-    m0 = start + (m - start) % period
-    if m < m0 + 3 * period:
+    per period: `_grown`). Exact where it is used: the three walks (`settled_walks`) must show
+    the same growth and the same peaks, else None. counts_at(m): the walked counts at m
+    micro-batches (m ≡ the given m modulo period, so any divisibility m obeys holds)."""
+    walks = settled_walks(m, period, start)
+    if walks is None:
         return None
-    a, b, c = (counts_at(m0 + i * period) for i in range(3))
+    (a, b, c), k = [counts_at(n) for n in walks[0]], walks[1]
     if not (a.peak_gathered == b.peak_gathered == c.peak_gathered
             and a.peak_pending == b.peak_pending == c.peak_pending):
         return None
-    k = (m - m0) // period
     leads = [_grown(*(getattr(st, f) for st in (a, b, c)), k)
              for f in ("gather_leads", "reduce_leads")]
     if None in leads:

@@ -31,7 +31,7 @@ from autopar.cost.shares import (RankParams, expert_params_elems, rank_attention
                                  shard_params_elems, tp_fallback, vocab_pad_ratio)
 from autopar.plan import Memory
 from autopar.schedules import GROUPED, compute_order, peak_held
-from autopar.weight_gathers import GatherCounts
+from autopar.weight_gathers import GatherCounts, settled_walks
 
 if TYPE_CHECKING:
     from autopar.cost.memo import CostMemo
@@ -234,15 +234,14 @@ def _extrapolated_peaks(peaks: Callable[[int], list[float]], m: int, period: int
     """peaks(m), from three short walks where the schedule has settled (as
     weight_gathers.extrapolated: m0 ≡ m mod period, m0 + period, m0 + 2·period): a depth-first
     rank's peak stops growing after its warm-up, a breadth-first one grows by the same bytes
-    per period; walked whole when m is short or the three disagree (to 1e-12)."""
-    m0 = start + (m - start) % period
-    if m < m0 + 3 * period:
+    per period; walked whole when m is short or the three disagree (beyond a relative 1e-9)."""
+    walks = settled_walks(m, period, start)
+    if walks is None:
         return peaks(m)
-    a, b, c = (peaks(m0 + i * period) for i in range(3))
+    (a, b, c), k = [peaks(n) for n in walks[0]], walks[1]
     if not all(math.isclose(z - y, y - x, rel_tol=1e-9, abs_tol=1e-12 * max(1.0, abs(z)))
                for x, y, z in zip(a, b, c)):
         return peaks(m)
-    k = (m - m0) // period
     return [x + k * (y - x) for x, y in zip(a, b)]
 
 
