@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
@@ -34,6 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from autopar.runtime.dist import free_port  # noqa: F401  (tests and benchmarks import it here)
 
 _GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
 # autopar.compile pulls in the runtime and torch.distributed.pipelining (DTensor, dynamo): ~4 s
@@ -57,13 +58,6 @@ class SpawnError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child(conn, fn, rank, world_size, port, pg_timeout_s, backend, env_at_call, args,

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from autopar.runtime.dist import free_port
 
 _ALIGN_BYTES = 64
 
@@ -103,7 +104,7 @@ class ProcessWriter:
             self._buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
         staged = Staged(flat=self._buffer, index=index)
         cuda = False
-        for (key, value), view in zip(tensors.items(), staged.pieces().values()):
+        for value, view in zip(tensors.values(), staged.pieces().values()):
             view.copy_(value.detach(), non_blocking=value.is_cuda)
             cuda = cuda or value.is_cuda
         if cuda:
@@ -183,9 +184,7 @@ def _rendezvous(groups: Any) -> tuple[str, int]:
     from autopar.runtime.ckpt_store import checkpoint_group
     box: list[Any] = [None]
     if groups.rank == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            box[0] = (os.environ.get("MASTER_ADDR", "127.0.0.1"), s.getsockname()[1])
+        box[0] = (os.environ.get("MASTER_ADDR", "127.0.0.1"), free_port(""))
     group = checkpoint_group(groups)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]

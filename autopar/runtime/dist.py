@@ -13,6 +13,7 @@ job must exit (torchrun restarts it from the last checkpoint).
 from __future__ import annotations
 
 import datetime
+import socket
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -86,6 +87,14 @@ def _group_ranks(group: Any) -> list[int]:
         return dist.get_process_group_ranks(group)
     except (ValueError, RuntimeError):
         return []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (bind to port 0, read it back); host ""
+    binds every interface (a rendezvous other nodes reach through MASTER_ADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def timeout(timeout_s: float) -> datetime.timedelta:
