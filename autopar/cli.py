@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from autopar.plan import CP_ATTENTION
+from autopar.user_errors import OneLineParser
 
 
 def _pins_from_args(args: argparse.Namespace) -> "Pins":
@@ -314,7 +315,7 @@ def _add_tokens_args(sp: argparse.ArgumentParser, *, required: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Why this size: declarations only: one add_argument per flag of every subcommand."""
-    ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
+    ap = OneLineParser(prog="autopar", description=__doc__)
     ap.add_argument("--verbose", action="store_true",
                     help="on an error, also print its cause's traceback (anywhere on the line)")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -56,7 +56,7 @@ from autopar import train_log
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, PeerError, init_distributed
 from autopar.runtime.preempt import DEFAULT_SAVE_EVERY, CheckpointSaver
 from autopar.saved_program import check_saved_precision, read_build
-from autopar.user_errors import quiet_torch_warnings, report
+from autopar.user_errors import OneLineParser, quiet_torch_warnings, report
 
 # pins that depend on the GPU count: solved again when the job re-plans for another count
 DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
@@ -65,7 +65,7 @@ DEGREE_PINS = ("t", "p", "d", "v", "microbatch_group")
 def parse_args(argv: list[str] | None, default_model: str | None,
                default_precision: str = "fp32") -> argparse.Namespace:
     """Why this size: declarations only: one add_argument per flag of launch.py."""
-    ap = argparse.ArgumentParser(prog="launch.py", description="Train this saved autopar "
+    ap = OneLineParser(prog="launch.py", description="Train this saved autopar "
                                  "program under torchrun (see autopar/launch.py).",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=default_model, required=default_model is None,

@@ -12,6 +12,7 @@ chained cause only under --verbose; and torch's warnings that are about autopar'
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import traceback
@@ -33,6 +34,15 @@ def report(prog: str, err: BaseException, *, verbose: bool = False, where: str =
     print(f"{prog}: error: {where}{text}", file=out, flush=True)
     if verbose and cause is not None:
         print("".join(traceback.format_exception(cause)), file=out, end="", flush=True)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors (a flag's type, a missing or unknown argument) are
+    one line, `prog: error: message; see prog --help`, instead of the whole usage block above
+    the message; exit status 2 as argparse's. Subparsers inherit it."""
+
+    def error(self, message: str):  # noqa: D102 (argparse's hook)
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def quiet_torch_warnings() -> None:

@@ -78,6 +78,31 @@ def test_cli_counts_below_one_are_refused_not_ignored(capsys, flag, value):
     assert f"{flag} {value}: must be a positive integer; pass {flag} 1 or more" in line
 
 
+@pytest.mark.parametrize("argv, what", [
+    (["plan", "gpt-1.7b", "--gpus", "12.5"], "argument --gpus: invalid int value: '12.5'"),
+    (["plan", "gpt-1.7b", "--gpus", "8", "--tokens", "abc"], "invalid float value: 'abc'"),
+    (["plan", "--gpus", "8"], "the following arguments are required: model"),
+    (["plna", "gpt-1.7b"], "invalid choice: 'plna'"),
+    (["plan", "gpt-1.7b", "--gpus", "8", "--schedule", "1f2b"], "invalid choice: '1f2b'"),
+])
+def test_cli_flag_syntax_errors_are_one_line_not_the_usage_block(capsys, argv, what):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert what in lines[0] and lines[0].endswith("--help"), lines[0]
+
+
+def test_launch_flag_syntax_errors_are_one_line(capsys):
+    from autopar.launch import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--data", "x.bin", "--steps", "three"], default_model="m.py:f")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["launch.py: error: argument --steps: invalid int value: 'three'; "
+                     "see launch.py --help"], lines
+
+
 def test_cli_top_below_one_is_refused(capsys):
     line = _cli_error(capsys, ["plan", "gpt-1.7b", "--gpus", "8", "--explain", "--top", "-1"])
     assert "--top -1: must be a positive integer; pass --top 1 or more" in line
