@@ -45,7 +45,8 @@ def _plan_from_args(args: argparse.Namespace):
         _note_defaults(args, batch, inputs)
     moe_imbalance = getattr(args, "moe_imbalance", None)
     if getattr(args, "data", None) is not None:   # the routers' load on a batch of the data
-        from autopar.expert_load import load_from_token_file
+        from autopar.expert_load import check_before_loading, load_from_token_file
+        check_before_loading(user.model, args.data)   # the file, and the weights fit here
         real, _ = load_model(args.model, seq_len=args.seq, device="cpu")   # weights to route
         moe_imbalance = load_from_token_file(real.model, real.example_inputs, args.data)
     cluster = args.cluster

@@ -10,6 +10,7 @@ one example batch of tokens from a flat token file and measures it (`load_from_t
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,25 @@ def measure_expert_load(model: torch.nn.Module, example_inputs: tuple) -> Expert
     rows = int(sum(counts[0]))
     return ExpertLoad(counts=tuple(counts),
                       source=f"measured on {rows} routed rows of the user's data per layer")
+
+
+def check_before_loading(meta_model: torch.nn.Module, path: str | Path,
+                         *, host_bytes: int | None = None) -> None:
+    """What `autopar plan --data FILE` checks before it loads the model's real weights: the token
+    file opens (exists, whole tokens) and the weights fit this host's available memory (the
+    routers run on one device). One-line ValueError naming the value, the rule and the fix."""
+    from autopar.data import TokenFile
+    vocab = getattr(getattr(meta_model, "config", None), "vocab_size", None)
+    TokenFile(path, vocab_size=vocab or 2 ** 16)
+    need = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+    if host_bytes is None:
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > host_bytes:
+        raise ValueError(f"--data {path}: measuring the expert load runs the model's routers on "
+                         f"this host with real weights, {need / 2 ** 30:.1f} GiB, more than its "
+                         f"{host_bytes / 2 ** 30:.1f} GiB available memory; pass --moe-imbalance "
+                         f"<factor> instead, or measure with a smaller configuration of the "
+                         f"model (autopar.expert_load.measure_expert_load)")
 
 
 def load_from_token_file(model: torch.nn.Module, example_inputs: tuple,

@@ -38,3 +38,22 @@ def test_parallelize_prices_and_explains_a_given_imbalance():
     assert prog.profile.expert_load.factor == 1.3
     assert "expert load imbalance: the most loaded expert gets 1.30×" in prog.plan.explain()
     assert "(this plan: ep=2, 1.15×)" in prog.plan.explain()
+
+
+def test_plan_data_checks_the_file_and_host_memory_before_loading_weights(tmp_path):
+    """`autopar plan --data` loads the model's real weights to run its routers: a missing file
+    or weights larger than the host's memory are refused in one line first (gpt3-175b's 700 GB
+    once filled this host's memory before the missing file was noticed)."""
+    import pytest
+    from autopar.expert_load import check_before_loading
+    with torch.device("meta"):
+        model = models.build("hf_mixtral", seed=0)
+    with pytest.raises(ValueError, match=r"data file '.*nope.bin' does not exist") as e:
+        check_before_loading(model, tmp_path / "nope.bin")
+    assert "\n" not in str(e.value)
+    path = tmp_path / "tokens.bin"
+    np.arange(64, dtype=np.uint16).tofile(path)
+    check_before_loading(model, path)
+    with pytest.raises(ValueError, match=r"GiB available memory; pass --moe-imbalance") as e:
+        check_before_loading(model, path, host_bytes=1024)
+    assert "\n" not in str(e.value)
