@@ -40,8 +40,13 @@ BF16_UPDATE_RTOL = 1e-2
 # splits no matmul (t = c = 1: data, pipeline, ZeRO): at t = 2 the row-parallel partial sums
 # are rounded to bf16 before their all-reduce and the median tensor's update is 1.8 - 2.9% off
 # the single device's (measured on test_mixed_precision's t = 2 models), as far as a 2% learning
-# rate: there the fp32 twin of each plan is what catches a learning-rate error.
+# rate: there the update scale below is what catches a learning-rate error.
 BF16_MEDIAN_UPDATE_RTOL = 1.4e-2
+# The updates' least-squares scale against the reference's (reference.update_scale), checked at
+# every plan, t = 2 included: bf16 noise leaves it within 0.19% of 1 (0.02 - 0.13% on
+# test_mixed_precision's plans, t = 2 and ZeRO-3 t = 2 d = 2 among them; 0.19% on a perturbed
+# single-device GPT), a learning rate 2% off moves it 1.97 - 2.0%.
+BF16_UPDATE_SCALE_RTOL = 5e-3
 
 
 def loss_fn(output, targets):
@@ -264,7 +269,8 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
     state = results[0][1]
     wtol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(
         rtol=0, atol=BF16_WEIGHT_ATOL, update_rtol=BF16_UPDATE_RTOL,
-        median_update_rtol=BF16_MEDIAN_UPDATE_RTOL if plan.t == plan.c == 1 else None)
+        median_update_rtol=BF16_MEDIAN_UPDATE_RTOL if plan.t == plan.c == 1 else None,
+        update_scale_rtol=BF16_UPDATE_SCALE_RTOL)
     init = runtime_model(name, plan.num_layers).state_dict()
     assert_weights_match(state, ref.state, init, **wtol)
     assert any(not torch.equal(init[k].float(), state[k].float()) for k in ref.state)

@@ -4,8 +4,9 @@ element off by the ~2e-5 another CPU's summation order gives GPT-2's c_proj afte
 steps (1.65e-5 on an AVX-512 host, 2.06e-5 under ATEN_CPU_CAPABILITY=default) passes; a
 learning rate 2% off, or one row off by as much, fails. In bf16 the elementwise check (atol
 3e-3: an AdamW step moves every master by ~lr whatever the rounding) cannot see a 2% learning
-rate; the median tensor's update error can (noise 0.3 - 0.8%, a 2% learning rate 2.1%, the
-bound 1.4%). One process, single-device training only (no ranks spawned)."""
+rate; the median tensor's update error can where no matmul is split (noise 0.3 - 0.8%, a 2%
+learning rate 2.1%, the bound 1.4%), and the update scale can at every plan (noise within
+0.2% of 1, a 2% learning rate 2.0% off, the bound 0.5%). One process, single-device training only (no ranks spawned)."""
 from __future__ import annotations
 
 import pytest
@@ -79,8 +80,9 @@ def test_bf16_comparison_passes_rounding_noise_and_fails_a_2_percent_learning_ra
     """check_training's bf16 weight check (atol BF16_WEIGHT_ATOL: an AdamW step moves every
     master by ~lr whatever the rounding) sees a learning rate 2% off through the median
     tensor's update error; bf16 rounding noise passes it."""
-    from programs import (BF16_MEDIAN_UPDATE_RTOL, BF16_UPDATE_RTOL, BF16_WEIGHT_ATOL)
-    from reference import assert_weights_match, median_update_error
+    from programs import (BF16_MEDIAN_UPDATE_RTOL, BF16_UPDATE_RTOL, BF16_UPDATE_SCALE_RTOL,
+                          BF16_WEIGHT_ATOL)
+    from reference import assert_weights_match, median_update_error, update_scale
     tol = dict(rtol=0, atol=BF16_WEIGHT_ATOL, update_rtol=BF16_UPDATE_RTOL,
                median_update_rtol=BF16_MEDIAN_UPDATE_RTOL)
     init, ref = _trained_bf16(name)
@@ -94,3 +96,12 @@ def test_bf16_comparison_passes_rounding_noise_and_fails_a_2_percent_learning_ra
                              update_rtol=BF16_UPDATE_RTOL) == []   # the elementwise check alone
     with pytest.raises(AssertionError, match="median tensor's update"):
         assert_weights_match(off.state, ref.state, init, **tol)
+    # the update scale, checked at every plan (t = 2 too, where the median is as noisy as a 2%
+    # learning rate): noise leaves it at 1, the learning rate moves it 2%, fast or slow
+    assert abs(update_scale(noisy.state, ref.state, init) - 1) < BF16_UPDATE_SCALE_RTOL / 2
+    _, slow = _trained_bf16(name, lr_scale=0.98)
+    for bad in (off, slow):
+        with pytest.raises(AssertionError, match="update scale"):
+            assert_weights_match(bad.state, ref.state, init, rtol=0, atol=BF16_WEIGHT_ATOL,
+                                 update_rtol=BF16_UPDATE_RTOL,
+                                 update_scale_rtol=BF16_UPDATE_SCALE_RTOL)
