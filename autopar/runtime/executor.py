@@ -147,6 +147,7 @@ class PipelineExecutor:
     before_action: Callable[[int, Action], None] | None = None
     after_run: Callable[[], None] | None = None
     events: list[tuple[int, str, float, float]] = field(default_factory=list)
+    _forward_only: bool = field(default=False, init=False)   # run_forward in progress
 
     def run(self, microbatches: Sequence[tuple],
             loss_scales: Sequence[float] | None = None) -> list[torch.Tensor]:
@@ -203,6 +204,23 @@ class PipelineExecutor:
                                f"list is incomplete")
         return [self._losses[i] for i in sorted(self._losses)]
 
+    def run_forward(self, microbatches: Sequence[tuple]) -> list[torch.Tensor]:
+        """The action list's forwards alone, under no_grad: its F, SEND_F and RECV_F actions in
+        their order (a subsequence of a deadlock-free list whose sends never block is one too),
+        nothing stashed for a backward, no regime hooks (the weights must be whole on the rank:
+        zero <= 1). The per-micro-batch losses, as run() returns them (an evaluation)."""
+        keep = ("F", "SEND_F", "RECV_F")
+        saved = (self.actions, self.before_action, self.after_run)
+        self.actions = [a for a in self.actions if a.kind in keep]
+        self.before_action = self.after_run = None
+        self._forward_only = True
+        try:
+            with torch.no_grad():
+                return self.run(microbatches)
+        finally:
+            self.actions, self.before_action, self.after_run = saved
+            self._forward_only = False
+
     def _list_facts(self) -> tuple[list[int], frozenset[tuple[int, int]]]:
         """Of the action list, cached while it is unchanged: the positions of its RECV actions,
         and the (chunk, micro-batch) whose backward it splits into B and W."""
@@ -230,7 +248,8 @@ class PipelineExecutor:
         outputs = [out] if ch.returns_loss else list(out)
         if ch.returns_loss:
             self._losses[a.mb] = out.detach()
-        self._stash[(a.chunk, a.mb)] = _Stash(inputs, outputs)
+        if not (self._forward_only and (ch.returns_loss or self._local(a.chunk + 1))):
+            self._stash[(a.chunk, a.mb)] = _Stash(inputs, outputs)   # for SEND_F and B
         if not ch.returns_loss and self._local(a.chunk + 1):
             self._fwd_in[(a.chunk, a.mb)] = [o.detach() for o in outputs]
 
@@ -381,7 +400,9 @@ class PipelineExecutor:
     def _send_f(self, a: Action) -> None:
         st = self._stash[(a.chunk, a.mb)]
         self._send(a, st.outputs, self.chunks[a.chunk].send)
-        if not self._split:    # (a split backward's B goes through autograd.grad: keep them)
+        if self._forward_only:      # no backward follows: the send holds what it needs
+            del self._stash[(a.chunk, a.mb)]
+        elif not self._split:    # (a split backward's B goes through autograd.grad: keep them)
             st.released = release_data(st.outputs)
 
     def _recv_f(self, a: Action) -> None:

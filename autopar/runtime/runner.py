@@ -98,11 +98,14 @@ class Runner:
         return self._global_loss(losses, scales)
 
     def eval_loss(self, inputs: Any, targets: torch.Tensor) -> float:
-        """The global mean loss of a batch, weights and optimizer state untouched. The
-        executor has no forward-only schedule yet, so this runs the step's forward and backward
-        and discards the gradients (a known gap: ~3x the cost of a forward)."""
+        """The global mean loss of a batch, weights and optimizer state untouched: the
+        schedule's forwards alone under no_grad (PipelineExecutor.run_forward). ZeRO-2/3
+        gather each chunk's weights in the regime's hooks, planned for the whole step, so there
+        this runs the step's forward and backward and discards the gradients (~3x a forward)."""
         mbs = self._microbatches(inputs, targets)
         scales = self._loss_scales(mbs[0][-1].device, targets)
+        if self.plan.zero <= 1:
+            return self._global_loss(self.executor.run_forward(mbs), scales)
         self.regime.zero_grad()
         losses = self.executor.run(mbs, scales)
         self.regime.finish()          # overlapped reductions complete before the grads go
