@@ -67,6 +67,10 @@ def check_before_loading(meta_model: torch.nn.Module, path: str | Path,
     routers run on one device). One-line ValueError naming the value, the rule and the fix."""
     from autopar.data import TokenFile
     vocab = getattr(getattr(meta_model, "config", None), "vocab_size", None)
+    if not Path(path).is_file():
+        raise ValueError(f"--data {str(path)!r}: no such file; give a flat uint16/uint32 token "
+                         f"file (nanoGPT's train.bin) to measure the expert load on, or "
+                         f"--moe-imbalance <factor>")
     TokenFile(path, vocab_size=vocab or 2 ** 16)
     need = sum(p.numel() * p.element_size() for p in meta_model.parameters())
     if host_bytes is None:
