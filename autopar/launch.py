@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -126,7 +127,29 @@ def parse_args(argv: list[str] | None, default_model: str | None,
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be a "
                              f"positive integer")
+    _check_paths_and_numbers(args)
     return args
+
+
+def _check_paths_and_numbers(args: argparse.Namespace) -> None:
+    """One-line ValueErrors, before anything runs, for values the optimizer or the end of the
+    run would otherwise meet late or take silently (a negative clipping norm flips the
+    gradients' sign; an output file in a missing folder fails after training)."""
+    for flag, value, what in (("--weight-decay", args.weight_decay, "AdamW's decoupled decay"),
+                              ("--max-grad-norm", args.max_grad_norm, "0: no clipping")):
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{flag} {value}: must be a finite number >= 0 ({what})")
+    if args.data_seed < 0:
+        raise ValueError(f"--data-seed {args.data_seed}: must be >= 0 (numpy seeds are "
+                         f"non-negative)")
+    if args.checkpoint and Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
+        raise ValueError(f"--checkpoint {args.checkpoint}: is a file; a checkpoint is a "
+                         f"directory (resumed if present, created if not): pass another path")
+    for flag, value in (("--export", args.export), ("--losses-out", args.losses_out)):
+        if value and not Path(value).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {value}: its directory {Path(value).resolve().parent} "
+                             f"does not exist; create it or pass a path in an existing "
+                             f"directory")
 
 
 def main(program_dir: str | Path, argv: list[str] | None = None) -> int:
@@ -248,6 +271,10 @@ def _check_inputs(args: argparse.Namespace, user: UserModel, plan: Plan) -> None
                          f"({model_vocab} embeddings), so token ids >= {model_vocab} would "
                          f"index past it; pass --vocab {model_vocab} or less, or build the "
                          f"model with a larger vocabulary")
+    vocab = args.vocab or model_vocab
+    if args.eod is not None and vocab is not None and not 0 <= args.eod < vocab:
+        raise ValueError(f"--eod {args.eod}: not a token id of the vocabulary [0, {vocab}); "
+                         f"pass the end-of-document token's id")
     for flag, source in (("--data", args.data), ("--eval-data", args.eval_data)):
         if source is not None and source != "random" and not callable(source):
             open_batches(source, BatchShape(global_batch_size=plan.global_batch_size,

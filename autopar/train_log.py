@@ -53,9 +53,9 @@ def check_arguments(args: Any) -> None:
     if not 0.0 <= args.min_lr_ratio <= 1.0:
         raise ValueError(f"--min-lr-ratio {args.min_lr_ratio}: must be in [0, 1] (the final "
                          f"learning rate as a fraction of --lr)")
-    if args.lr < 0:
-        raise ValueError(f"--lr {args.lr}: must be >= 0 (the peak learning rate); pass e.g. "
-                         f"--lr 3e-4")
+    if not 0 <= args.lr < math.inf:
+        raise ValueError(f"--lr {args.lr}: must be a finite number >= 0 (the peak learning "
+                         f"rate); pass e.g. --lr 3e-4")
     if args.metrics and not Path(args.metrics).resolve().parent.is_dir():
         raise ValueError(f"--metrics {args.metrics}: its directory "
                          f"{Path(args.metrics).resolve().parent} does not exist; create it or "
