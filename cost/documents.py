@@ -14,6 +14,11 @@ one more block per tile boundary its documents cross. Documents of mixed lengths
 mean leave a similar count (each document's triangle plus the straddled blocks); the mean is
 what the user knows (`--mean-doc-len`) or the data file measures (tokens per EOD).
 
+Memory: the mask is materialised (B, 1, T, T) booleans, the whole of it on every rank of a
+replica (the pipeline's chunks read the step's inputs, and the context ranks keep the mask
+whole), so the profile's `input_bytes_per_sequence` is T² and cost/memory.py holds it per
+sequence of the replica's share for the step: 16 MiB per 4K-token row, 16 GiB per 128K row.
+
 Only the fused kernel's FLOPs change (`AttentionCall.active_fraction`, which
 `AttentionCall.fwd_flops` and cost/model.py's `fused_attention_time_s` read): attention written
 out as GEMMs computes every score whatever the mask, and the papers' FLOP convention (MFU)
@@ -78,4 +83,8 @@ def with_documents(profile: ModelProfile, documents: Any) -> ModelProfile:
                   for k in profile.layer_kinds)
     note = (f"packed documents of mean length {mean:g} tokens: fused attention priced at the "
             f"block-diagonal mask's tiles (cost/documents.py)")
-    return replace(profile, **regions, layer_kinds=kinds, notes=profile.notes + (note,))
+    # the runtime hands every rank its replica's whole (B, 1, T, T) boolean mask (the data
+    # loader builds it; context ranks keep it whole): T² bytes per sequence for the step
+    mask = float(profile.seq_len * profile.context) ** 2
+    return replace(profile, **regions, layer_kinds=kinds, notes=profile.notes + (note,),
+                   input_bytes_per_sequence=mask)

@@ -146,6 +146,9 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
     block_p, block_e = params.block, params.experts
     chunk_w *= gathered_bytes_ratio(profile, cfg.t, block_p, True)   # FP8 gathers: 1 B/elem
     mem_layer, mem_fixed, parts, fparts = [], [], [], []
+    # the step's inputs besides the tokens (packed documents' masks), on every rank
+    inputs_bytes = (profile.input_bytes_per_sequence * cfg.micro_batch_size
+                    * cfg.num_microbatches)
     for r in range(p):
         held, pending = inflight(cfg, r), pending_weight_grads(cfg, r)
         mb = -(-held // v)  # micro-batches of the edge regions in flight
@@ -154,7 +157,7 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
                       (gb + chunk_g) * block_p + (gbe + chunk_g) * block_e,
                       ob * block_p + obe * block_e, a))
         edge_p = (params.embedding if r == 0 else 0.0) + (params.head if r == p - 1 else 0.0)
-        edge_a = ((acts.embedding * mb if r == 0 else 0.0)
+        edge_a = (inputs_bytes + (acts.embedding * mb if r == 0 else 0.0)
                   + ((acts.head * mb + acts.pending_head * -(-pending // v))
                      if r == p - 1 else 0.0))
         fparts.append(((wb + edge_w) * edge_p, (gb + edge_g) * edge_p, ob * edge_p, edge_a,
@@ -181,8 +184,8 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
 
 def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config,
                                  memo: CostMemo | None = None) -> float:
-    """Block activations per GPU that no partition avoids: the busiest rank holds at least the
-    average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
+    """Block activations per GPU that no partition avoids, plus the step's inputs every rank
+    holds (packed documents' masks): the busiest rank holds at least the average of y_r · a_r, and that is >= (l/p) · min_r a_r (a_r = activation bytes per layer on
     rank r: kept bytes per micro-batch × its in-flight micro-batches per chunk). `memo`
     (optional) caches the context rank's profile (one per c and method)."""
     sp = cfg.sequence_parallel and cfg.t > 1
@@ -193,7 +196,8 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config,
     act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
     least = min(inflight(cfg, r) for r in (0, cfg.p - 1))
-    return act * least / cfg.v * profile.num_layers / cfg.p
+    inputs = profile.input_bytes_per_sequence * cfg.micro_batch_size * cfg.num_microbatches
+    return act * least / cfg.v * profile.num_layers / cfg.p + inputs
 
 
 def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],

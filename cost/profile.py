@@ -348,6 +348,9 @@ class ModelProfile:
     # the precision the blocks' linear GEMMs run in: "bf16" or "fp8" (passes/fp8.py's rule:
     # the blocks' weight GEMMs; the embedding's and head's stay 16-bit), `with_gemm_precision`
     gemm_precision: str = "bf16"
+    # bytes of the model's inputs per sequence that every rank of a replica holds for the whole
+    # step, besides the token ids (packed documents' (T, T) boolean mask: cost/documents.py)
+    input_bytes_per_sequence: float = 0.0
     # FP8 weights all-gathered in 8 bits under ZeRO-2/3 (tensorwise FP8: runtime/zero3_chunks.py
     # Fp8Gather); False for rowwise FP8, whose weights are cast along two axes and gathered in
     # bf16 (`with_gemm_precision(..., recipe="rowwise")`)

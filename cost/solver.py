@@ -335,6 +335,10 @@ def _no_fit_message(profile, cluster, gpus, pins, failed) -> str:
     for knob in ("t", "p", "micro_batch_size"):
         if getattr(pins, knob) is not None:
             helps.append(f"unpin {knob}")
+    if profile.input_bytes_per_sequence:
+        helps.append(f"shorter rows: packed documents hand every rank its sequences' (T, T) "
+                     f"boolean masks, {profile.input_bytes_per_sequence / GIB:.3g} GiB per "
+                     f"sequence (or train each row as one document)")
     helps.append(f"more GPUs than {gpus} (more pipeline/tensor/data sharding)")
     helps.append("a GPU with more memory")
     cap = cluster.usable_memory_bytes

@@ -46,6 +46,26 @@ def test_documents_lower_the_fused_attention_price_only(attention, cheaper):
     assert with_documents(prof, None) is prof
 
 
+def test_the_materialized_mask_is_held_on_every_rank_for_the_step():
+    """The runtime hands every rank its replica's whole (B, 1, T, T) boolean mask: T² bytes per
+    sequence of the share (b·m) on each pipeline rank, context ranks included, in the memory the
+    plan reports and in the activation bound the search prunes with; none without documents."""
+    from autopar.cost.context import context_rank_profile
+    from autopar.cost.memory import activation_bytes_lower_bound
+    T = 8192
+    prof = transformer_profile(num_layers=4, hidden=1024, heads=16, seq_len=T, vocab=32000)
+    docs = with_documents(prof, PackedDocuments(mean_doc_len=512))
+    assert prof.input_bytes_per_sequence == 0 and docs.input_bytes_per_sequence == T * T
+    cfg = M.Config(t=1, p=2, d=1, micro_batch_size=2, num_microbatches=4)
+    whole, packed = (M.config_costs(p, A100, cfg) for p in (prof, docs))
+    for r in range(2):
+        assert packed.mem_fixed_bytes[r] - whole.mem_fixed_bytes[r] == pytest.approx(
+            2 * 4 * T * T, abs=1)
+    assert (activation_bytes_lower_bound(docs, cfg) - activation_bytes_lower_bound(prof, cfg)
+            == pytest.approx(8 * T * T))
+    assert context_rank_profile(docs, 2, "all-gather").input_bytes_per_sequence == T * T
+
+
 def test_bad_mean_length_is_one_line():
     with pytest.raises(ValueError, match=r"mean_doc_len=0: must be a number of tokens >= 1"):
         PackedDocuments(mean_doc_len=0)
