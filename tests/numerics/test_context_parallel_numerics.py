@@ -53,13 +53,21 @@ def test_c2_t2_equals_one_device():
     check_against_reference("llama_style", with_c(make_plan(t=2), 2))
 
 
-@pytest.mark.timeout(600)
+MOE = ("hf_mixtral", "hf_olmoe", "hf_qwen2_moe")
+
+
+@pytest.mark.timeout(900)
 def test_c2_unmodified_transformers_models_equal_one_device():
     """Llama (its DynamicCache's empty concatenation, rotary from position ids = arange(T)),
     Mistral (a causal sliding-window mask of 4 over 8 tokens, built by transformers from
-    arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP)."""
-    check_cases_against_reference({n: (n, with_c(make_plan(), 2))
-                                   for n in ("hf_llama", "hf_mistral", "hf_neox")})
+    arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP); and mixtures of experts
+    (Mixtral, OLMoE, Qwen2-MoE with its shared expert) at c = 2 and c = 2 × ep = 2: each rank
+    routes its own tokens (sorted by expert among themselves, its counts the grouped matmuls'
+    offsets), with ep = 2 sent to the experts' rank by all-to-all over the 2 context ranks."""
+    cases = {n: (n, with_c(make_plan(), 2)) for n in ("hf_llama", "hf_mistral", "hf_neox")}
+    cases.update({f"{n}-ep{ep}": (n, with_c(make_plan(), 2, ep=ep)) for n in MOE
+                  for ep in (1, 2)})
+    check_cases_against_reference(cases)
 
 
 ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2",
