@@ -386,13 +386,13 @@ def _context_loss(p: ContextPropagator, node: fx.Node) -> Layout:
 
 
 def _context_along(p: ContextPropagator, node: fx.Node) -> Any:
-    """topk / sort / argsort along another dim than the tokens (a router's pick of experts)."""
+    """topk along another dim than the tokens (a router's pick of experts); along them it
+    would pick among every rank's tokens."""
     lay = p.eff(node, node.args[0])
     nd = len(shape(node.args[0]))
-    at = 2 if packet(node) is aten.topk else 1
-    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", -1)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     if norm_dim(dim, nd) == lay.dim:
-        raise context_refusal(node, "a sort along the sequence")
+        raise context_refusal(node, "a top-k along the sequence")
     return like(node, lay)
 
 
@@ -404,6 +404,8 @@ def relayable(p: ContextPropagator, arg: Any, consumer: fx.Node, want: Shard) ->
     if not isinstance(arg, fx.Node) or arg.op != "call_function" or len(arg.users) != 1:
         return False
     op = packet(arg)
+    if shape(arg) is None or len(shape(arg)) <= want.dim or shape(arg)[want.dim] != want.size():
+        return False
     if op in _LIKE:
         return isinstance(p.get(arg), Shard)
     if op not in _FACTORIES or not isinstance(want, Rows) or arg.all_input_nodes:
@@ -412,8 +414,6 @@ def relayable(p: ContextPropagator, arg: Any, consumer: fx.Node, want: Shard) ->
         args = list(arg.args)
         if len(args) > 1 and (args[0] != 0 or (len(args) > 2 and args[2] != 1)):
             return False
-    if shape(arg)[want.dim] != want.size():
-        return False
     if op is aten.arange:
         p.addresses[arg] = want   # its values: positions among its own rows
     return True

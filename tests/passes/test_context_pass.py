@@ -340,6 +340,19 @@ def test_layouts_recorded_before_the_tensor_split_reach_its_new_nodes(name):
             assert set(n.args[3]) == {SEQ // 2}, n.name
 
 
+class GatherByIds(torch.nn.Module):
+    """Rows of the (B·T, C) tokens picked by the token ids: an index into the rank's tokens by
+    values that are not positions among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids).flatten(0, 1)
+        return self.head(x + x[ids.flatten() % x.shape[0]]).view(ids.shape[0], ids.shape[1], 64)
+
+
 def _sum_loss(logits, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
 
@@ -351,6 +364,7 @@ def _weighted_loss(logits, y):
 
 @pytest.mark.parametrize("model, loss, c, method, refused", [
     (RunningSum, None, 2, "all-gather", "cumsum"),                  # the engine's op rules
+    (GatherByIds, None, 2, "all-gather", "not positions among them"),   # an index's values
     (lambda: gpt(seq=SEQ, dropout=0.1), None, 2, "ring", "attention dropout 0.1"),
     (lambda: gpt(seq=SEQ), None, 8, "all-to-all", "with 4 heads"),   # heads over c
     (lambda: gpt(seq=SEQ), _sum_loss, 2, "all-gather", "not reduced by its mean"),
