@@ -81,12 +81,15 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
 from autopar.passes.sharding import (MATMUL_OPS, METHOD_FIX, NO_LAYOUT, NO_VALUE,
-                                     SUBMODULE_CALL, Shard, context_layouts, context_refusal,
+                                     SUBMODULE_CALL, Partial, Replicate, Shard,
+                                     context_layouts, context_refusal,
                                      dropout_refusal, loss_refusal, method_refusal, packet,
                                      seq_dim_refusal)
+from autopar.passes.sharding.context import Counts
 from autopar.runtime import shard as shard_rt
 from autopar.runtime.context_shard import (ContextShard, context_causal_attention,
-                                           context_gather, context_loss_mean, context_select)
+                                           context_gather, context_loss_mean, context_select,
+                                           context_sum)
 from autopar.runtime.ring_attention import context_ring_attention
 from autopar.runtime.ulysses import context_alltoall_attention
 
@@ -112,6 +115,9 @@ _BLOCKS = {shard_rt.local_blocks, shard_rt.shuffle_blocks,   # (x, group, dim, b
 # ops whose arguments name sizes: (x, sizes) or unflatten's (x, dim, sizes)
 _SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to,
           aten.unflatten}
+# factories the engine made the rank's own size (rows in a sorted order: an arange from 0 by 1,
+# a buffer): (sizes) or arange's (end) / (0, end[, 1])
+_FACTORIES = {aten.zeros, aten.ones, aten.full, aten.empty, aten.arange}
 
 
 _refuse = context_refusal   # the one-line refusal: node, op, the user's source line
@@ -304,7 +310,10 @@ class _ContextRewrite:
                     if n.users:
                         raise _refuse(n, SUBMODULE_CALL)
                     self.g.erase_node(n)   # torch.export's input guards: shapes are local now
+            elif n.op == "output":
+                self.reduce_inputs(n)
             elif n.op == "call_function":
+                self.reduce_inputs(n)
                 self.select_inputs(n)
                 if d is not None or any(a in self.rg.dim for a in n.all_input_nodes):
                     self.visit(n, d)
@@ -322,6 +331,19 @@ class _ContextRewrite:
             if arg is None or arg in self.rg.dim:
                 continue
             n.replace_input_with(arg, self.rg.select(arg, dim, n))
+
+    def reduce_inputs(self, n: fx.Node) -> None:
+        """The engine's reduction edges (CP_REDUCE): the rank's summands of a sum over its
+        tokens (CP_PARTIAL) read whole, summed over the context ranks (context_sum)."""
+        for name in n.meta.get(K.CP_REDUCE) or ():
+            arg = next((a for a in n.all_input_nodes if self._derives(a, name)), None)
+            if arg is None:
+                continue
+            summed = self.rg.new(n, context_sum, (arg, self.rg.cp_node()), arg,
+                                 arg.meta.get(K.VAL))
+            for key in (K.CP_PARTIAL, K.CP_REDUCE, K.CP_SELECT):
+                summed.meta.pop(key, None)
+            n.replace_input_with(arg, summed)
 
     @staticmethod
     def _derives(a: fx.Node, name: str) -> bool:
@@ -358,6 +380,8 @@ class _ContextRewrite:
         self.resize(n, d)
         if d is not None:
             self.rg.mark(n, d)
+        elif n.meta.get(K.CP_PARTIAL):
+            return   # the rank's summand of a sum over its tokens (or its counts of them)
         elif isinstance(n.meta.get(K.VAL), torch.Tensor) and n.meta[K.VAL].dim() > 0:
             # split inputs, a whole output the engine never decided: a node the tensor-parallel
             # pass made from an input without a layout; stop here rather than run it on the
@@ -374,10 +398,16 @@ class _ContextRewrite:
             if x in self.rg.dim and n.args[2] % len(self.rg.full[x]) == self.rg.dim[x]:
                 n.args = n.args[:3] + ([b // self.rg.c for b in n.args[3]],) + n.args[4:]
             return
-        if d is None or op not in _SIZED:
+        if d is None or op not in _SIZED | _FACTORIES:
             return
         local = list(self.rg.full[n])
         local[d] //= self.rg.c
+        if op is aten.arange:
+            n.args = (local[0],) if len(n.args) == 1 else (n.args[0], local[0]) + n.args[2:]
+            return
+        if op in _FACTORIES:
+            n.args = (local,) + tuple(n.args[1:])
+            return
         if op is aten.unflatten:      # (x, dim, sizes): the sizes of the unflattened dims
             at = n.args[1] % len(self.rg.full[n.args[0]])
             sizes = [s if s == -1 else local[at + k] for k, s in enumerate(n.args[2])]
@@ -566,15 +596,22 @@ def _record(gm: fx.GraphModule, c: int, seq_len: int, attention: str) -> fx.Grap
     of the rewrite (autopar/api.py asks the same engine, `context_verdict`)."""
     engine = context_layouts(gm, c, seq_len, attention)
     for n in gm.graph.nodes:
-        n.meta.pop(K.CP_SEQ_DIM, None)
-        n.meta.pop(K.CP_SELECT, None)
+        for key in (K.CP_SEQ_DIM, K.CP_SELECT, K.CP_PARTIAL, K.CP_REDUCE):
+            n.meta.pop(key, None)
         lay = engine.layout.get(n)
         if isinstance(lay, Shard):
             n.meta[K.CP_SEQ_DIM] = lay.dim
+        if isinstance(lay, (Partial, Counts)):
+            n.meta[K.CP_PARTIAL] = True
         edges = {a.name: want.dim for a, want in engine.convert.get(n, {}).items()
                  if isinstance(want, Shard)}
         if edges:
             n.meta[K.CP_SELECT] = edges
+        summed = [a.name for a, want in engine.convert.get(n, {}).items()
+                  if isinstance(want, Replicate)
+                  and isinstance(engine.layout.get(a), (Partial, Counts))]
+        if summed:
+            n.meta[K.CP_REDUCE] = summed
     return gm
 
 
@@ -593,12 +630,14 @@ def _rewrite(gm: fx.GraphModule, c: int, seq_len: int, attention: str) -> fx.Gra
 
 def _layout_pass(c: int, seq_len: int, attention: str) -> Pass:
     return Pass(name="context_layout", run=lambda gm: _record(gm, c, seq_len, attention),
-                reads=(K.VAL, K.STACK_TRACE), writes=(K.CP_SEQ_DIM, K.CP_SELECT))
+                reads=(K.VAL, K.STACK_TRACE),
+                writes=(K.CP_SEQ_DIM, K.CP_SELECT, K.CP_PARTIAL, K.CP_REDUCE))
 
 
 def _rewrite_pass(c: int, seq_len: int, attention: str) -> Pass:
     return Pass(name="context_parallel", run=lambda gm: _rewrite(gm, c, seq_len, attention),
-                reads=(K.VAL, K.STACK_TRACE, K.CP_SEQ_DIM, K.CP_SELECT),
+                reads=(K.VAL, K.STACK_TRACE, K.CP_SEQ_DIM, K.CP_SELECT, K.CP_PARTIAL,
+                       K.CP_REDUCE),
                 writes=(K.CP_SEQ_DIM, K.VAL))
 
 

@@ -64,6 +64,8 @@ EP_PARAM = "autopar_ep_param"
 # ----- context parallelism ---------------------------------------------------------------------
 CP_SEQ_DIM = "autopar_cp_seq_dim"
 CP_SELECT = "autopar_cp_select"
+CP_PARTIAL = "autopar_cp_partial"
+CP_REDUCE = "autopar_cp_reduce"
 
 # ----- overlap, pipeline cut, recompute --------------------------------------------------------
 OVERLAP = "autopar_overlap"
@@ -139,6 +141,15 @@ KEYS: tuple[MetaKey, ...] = (
             meaning="operands (by name) this node reads whole along a dim that meets the "
                     "rank's tokens: selected at the rank's positions (context_select) on "
                     "that dim",
+            writer="passes.context_parallel", readers=("passes.context_parallel",)),
+    MetaKey(name=CP_PARTIAL, scope="node", type="bool",
+            meaning="the node's value is this context rank's summand of a sum over the "
+                    "tokens (a sum along them, a count of them: histc) — whole-shaped, the "
+                    "rank's own",
+            writer="passes.context_parallel", readers=("passes.context_parallel",)),
+    MetaKey(name=CP_REDUCE, scope="node", type="list[str]",
+            meaning="operands (by name, CP_PARTIAL values) this node reads summed over the "
+                    "context ranks (context_sum, an all-reduce) before it",
             writer="passes.context_parallel", readers=("passes.context_parallel",)),
     MetaKey(name=TP_LAYOUT, scope="node",
             type="Replicate | Shard | Partial | Whole | tuple of them",

@@ -10,6 +10,11 @@ the local counts over the local rows is the global fraction); P_e stays local. T
 not differentiable, so the gradient flows through P_e alone, and the mean over the ranks of
 E·Σ_e f_e·P_e(rank) — what data parallelism averages — is the micro-batch's loss, its
 gradient the micro-batch's gradient.
+Under context parallelism the rank's tokens are a part of each sequence while the model divides
+by its whole sequences' row count: the context pass sums the rank's counts and probability sums
+over the c context ranks (passes/context_parallel.py `context_sum`, after this pass's mean, so
+the count read is c · the mean over the c·d ranks: the replica's), exact as well (tested at
+c = 2 × ep = 2, tests/numerics/test_router_loss.py).
 
 A count is a load-balancing statistic, not a routing step, when nothing it feeds grows past
 its own size: it only meets per-expert vectors and scalars on its way to the loss. The counts

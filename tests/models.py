@@ -537,7 +537,7 @@ RUNTIME_MODELS = ("gpt", "gpt_untied", "llama_style", "hf_gpt2", "hf_llama", "hf
                   "hf_gemma", "hf_olmo2")
 # the other decoder architectures at their builders' default sizes (hidden 32, 4 heads)
 DECODERS = ("hf_falcon_mq", "hf_gptj", "hf_phi3", "hf_phi", "hf_opt", "hf_bigcode",
-            "torch_encoder")
+            "torch_encoder", "hf_olmoe", "hf_qwen2_moe")
 
 
 def runtime_model(name: str, layers: int) -> Model:

@@ -24,6 +24,9 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
                                 context rank (a forward all-reduce of one count): averaged over
                                 the c ranks, the mean over every counted token of the sequence,
                                 however unevenly ignored targets fall between the chunks
+  context_sum(x, cp)            the sum over the context ranks of each rank's summand of a
+                                sum over the tokens (a router's load-balancing statistics); the
+                                backward sums the gradients as well (every rank's loss reads it)
   context_cut(x, cp, dim)       this rank's tokens of a whole input (Runner.train_step)
 
 Under plan.cp_attention == "ring" attention is autopar/runtime/ring_attention.py's
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime import groups as G
-from autopar.runtime.collectives import all_gather_sp, all_reduce_
+from autopar.runtime.collectives import all_gather_sp, all_reduce, all_reduce_
 from autopar.runtime.shard import as_default_stream
 
 
@@ -100,6 +103,30 @@ def context_cut(x: torch.Tensor, cp: ContextShard, dim: int = 1) -> torch.Tensor
                          f"sequence dim {dim} of length {cp.seq_len}; pass the replica's whole "
                          f"sequences (batch, {cp.seq_len}, ...) to train_step")
     return context_select(x, cp, dim)
+
+
+class _ContextSum(torch.autograd.Function):
+    """All-reduce forward; all-reduce backward: the sum feeds every context rank's loss, and
+    the gradient of their sum with respect to this rank's summand is the sum of theirs."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+def context_sum(x: torch.Tensor, cp: ContextShard) -> torch.Tensor:
+    """The sum over the c context ranks of `x`, each rank's summand of a sum over the tokens
+    (its partial sum along them, its count of them): whole, the same on every rank."""
+    if cp.c == 1:
+        return x
+    if not x.requires_grad:   # a count: no gradient
+        return all_reduce(x.contiguous(), cp.group)
+    return _ContextSum.apply(x.contiguous(), cp.group)
 
 
 def context_loss_mean(loss_sum: torch.Tensor, target: torch.Tensor, cp: ContextShard,

@@ -44,7 +44,9 @@ The same engine runs in a context mode (`ContextPropagator`, `context_layouts`; 
 docs/DESIGN.md §6.1): over the context ranks (t := c) on the captured graph, the inputs'
 tokens seeded as a sequence Shard, no column candidates; whole operands meeting the rank's
 tokens resolve to a selection at its global positions, attention reads its keys and values
-whole, and what this engine would gather or reduce along the tokens is refused in one line.
+whole, a sum over the tokens is summed over the context ranks where read whole, a sort along
+them (a mixture of experts' routing) orders the rank's own rows (Rows, Counts), and what this
+engine would gather along the tokens is refused in one line.
 
 The package, one job per module:
   layout.py       the layout algebra (Replicate, Shard, Whole, Partial; Conflict, Refine;

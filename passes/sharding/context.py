@@ -4,17 +4,32 @@ The same engine over the context "mesh dim" (t := c), on the captured single-dev
 the inputs' token dims are seeded Shard(1, (T,), seq=True), no column candidates are offered
 (every weight stays whole), and the table's rules (rules.py) carry the split through token-wise ops,
 reshapes (blocks of T per row of a merged (B·T) dim), transposes, split / cat, norms and
-reductions over other dims. Three resolutions differ from the tensor-parallel ones:
+reductions over other dims. Four resolutions differ from the tensor-parallel ones:
   a whole operand that meets the rank's tokens (a rotary table, a position embedding, a mask
     built from arange(T)) is selected at the rank's global positions: a convert edge
     R -> Shard(seq) (context_select), never a communication;
   attention (sdpa, or written out as q·kᵀ / p·v products) keeps its queries local and reads
     its keys and values whole: convert edges Shard(seq) -> R recorded in `gathered`
     (context_gather), the only place the rank needs other ranks' tokens;
+  a sum over the tokens is the rank's summand (Partial), kept through linear ops and summed
+    over the context ranks where it is read whole: a convert edge Partial -> R (context_sum,
+    an all-reduce whose backward sums too);
   anything the tensor-parallel engine would gather (an op with no rule, a softmax / norm /
-    cumulative op / sort along the tokens) or reduce (a sum over them) is refused in one line
-    naming the node and the user's source line.
+    cumulative op along the tokens) is refused in one line naming the node and the user's
+    source line.
 A token-mean loss over the rank's tokens keeps role "context_loss" (context_loss_mean).
+
+A mixture of experts routes token by token, so the rank routes its own tokens: a sort along the
+tokens (transformers' sort of the (token, choice) rows by expert) gives `Rows`, the rank's rows
+in an order of its own (never selected at global positions); the sort's indices are positions
+among the sorted value's rows (`addresses`), and an index along a split dim must be by such
+positions of that dim's order (x[perm // k] gathers the rank's tokens in sorted order; the
+inverse permutation, index_put_(empty_like(perm), [perm], arange), puts them back in sequence
+order). A count of the rank's rows (histc / bincount) is `Counts`: the rank's own, read as a
+grouped matmul's offsets over those rows (through casts and a cumsum), and summed over the
+context ranks where anything else reads it (a load-balancing statistic: context_sum, as a
+Partial); a factory (arange, zeros, a *_like buffer) meeting sorted rows is made the rank's own
+size.
 
 The engine states every refusal of the context-parallel pass (passes/context_parallel.py) on
 the captured graph: its rules are the pure functions below (`seq_dim_refusal`,
@@ -33,10 +48,13 @@ import torch
 import torch.fx as fx
 
 from autopar.passes import meta as K
+from autopar.passes.sharding.elementwise import pointwise_rule
 from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
-from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, is_tensor, like,
+from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, TRANSPARENT,
+                                         is_grouped_mm, is_pointwise, is_tensor, like,
                                          matmul_operands, norm_dim, packet, shape, tensor_args)
 from autopar.passes.sharding.propagator import Propagator
+from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.views import cat_rule
 
 aten = torch.ops.aten
@@ -114,7 +132,42 @@ def loss_refusal(reduction: Any, weight: Any) -> str | None:
 
 
 _LOSS_OPS = frozenset({aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd})
-_ALONG = frozenset({aten.topk, aten.sort, aten.argsort})   # per-token picks along another dim
+_ALONG = frozenset({aten.topk})   # per-token picks along another dim
+_SORTS = frozenset({aten.sort, aten.argsort})
+_COUNTS = frozenset({aten.histc, aten.bincount})
+_FACTORIES = frozenset({aten.arange, aten.zeros, aten.ones, aten.full, aten.empty})
+_LIKE = frozenset({aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like})
+_ORDER_FREE = _FACTORIES | _LIKE   # values that do not depend on their rows' order
+COUNTS_FIX = ("the rank counts only its own tokens: such a count may group them (a grouped "
+              "matmul's offsets) or be summed over the ranks — run this model with c=1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows(Shard):
+    """The rank's tokens (or rows made of them) in an order of its own, the one sort `perm`
+    (its node's name) gave them: no row is at a global position."""
+    perm: str = ""
+
+    def __repr__(self) -> str:
+        return f"Rows({self.dim}, {self.blocks}, sorted by {self.perm})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """A value counted from the rank's rows (histc of its routed rows): whole-shaped, the rank's
+    own on each context rank."""
+
+    def __repr__(self) -> str:
+        return "Counts()"
+
+
+COUNTS = Counts()
+
+
+def order(lay: Any) -> str | None:
+    """The order of a split value's rows: the sort that made them (Rows), or None (the
+    sequence's)."""
+    return lay.perm if isinstance(lay, Rows) else None
 
 
 class ContextPropagator(Propagator):
@@ -135,6 +188,9 @@ class ContextPropagator(Propagator):
         self.gathered: dict[fx.Node, list[fx.Node]] = {}
         self.attention = attention
         self.refused: dict[str, str] = {}
+        # index-valued values: node -> the layout of the rows their values are positions in
+        # (a sort's indices, and what follows them); a sort node -> {output index: that}
+        self.addresses: dict[fx.Node, Any] = {}
 
     def visit(self, node: fx.Node) -> None:
         if node.op == "placeholder":
@@ -147,9 +203,8 @@ class ContextPropagator(Propagator):
             raise context_refusal(node, SUBMODULE_CALL)
         else:
             super().visit(node)
+            _follow_addresses(self, node)
         lay = self.layout.get(node)
-        if any(isinstance(x, Partial) for x in (lay if isinstance(lay, tuple) else (lay,))):
-            raise context_refusal(node, "a reduction over the sequence inside the model")
         if isinstance(lay, Shard):
             s = shape(node)
             if s is not None and (why := seq_dim_refusal(s[lay.dim], lay.dim, self.t)):
@@ -163,6 +218,7 @@ class ContextPropagator(Propagator):
         return (node.op == "call_function" and bool(shape(node))
                 and packet(node) not in NO_VALUE and node.target is not operator.getitem
                 and self.role.get(node) != "context_loss"
+                and not isinstance(self.layout.get(node), (Counts, Partial))
                 and any(isinstance(self.get(a), Shard) for a in tensor_args(node)))
 
     def method(self, node: fx.Node, why: str | None, method: str) -> None:
@@ -177,8 +233,17 @@ class ContextPropagator(Propagator):
 
     def rule(self, node: fx.Node) -> Any:
         op = packet(node)
-        if not any(isinstance(self.eff(node, a), Shard) for a in tensor_args(node)):
+        lays = [self.eff(node, a) for a in tensor_args(node)]
+        if is_grouped_mm(node):
+            return _context_grouped_mm(self, node)
+        if not any(isinstance(lay, Shard) for lay in lays):
+            if any(isinstance(lay, Counts) for lay in lays):
+                return _context_counts(self, node)
             return super().rule(node)
+        if len({order(lay) for lay in lays if isinstance(lay, Shard)}) > 1 \
+                and op not in (aten.index, aten.index_put, aten.index_put_):
+            raise context_refusal(node, "it meets the rank's tokens in sorted and in sequence "
+                                        "order")
         handler = CONTEXT_RULES.get(op)
         if handler is not None:
             return handler(self, node)
@@ -194,10 +259,24 @@ class ContextPropagator(Propagator):
             self.assign(arg, R)
             cur = R
         cur = self.convert.get(consumer, {}).get(arg, cur)
-        if isinstance(cur, Shard) and isinstance(want, Shard) and cur.dim == want.dim:
+        if isinstance(cur, Shard) and isinstance(want, Shard) and cur.dim == want.dim \
+                and order(cur) == order(want):
             return
         if isinstance(cur, Replicate) and isinstance(want, Replicate):
             return
+        if isinstance(cur, Counts) and isinstance(want, Replicate):
+            self.convert.setdefault(consumer, {})[arg] = R   # summed over the ranks
+            return
+        if isinstance(cur, Counts):
+            raise context_refusal(consumer, f"it reads {arg.name}, counted from the rank's "
+                                            f"tokens, along the tokens", fix=COUNTS_FIX)
+        if isinstance(cur, (Replicate, Shard)) and isinstance(want, Shard) \
+                and relayable(self, arg, consumer, want):
+            self.layout[arg] = want   # a factory of the rank's own size (module docstring)
+            return
+        if isinstance(cur, Replicate) and isinstance(want, Rows):
+            raise context_refusal(consumer, f"its whole operand {arg.name} meets the rank's "
+                                            f"tokens in sorted order (no global positions)")
         if isinstance(cur, Replicate) and isinstance(want, Shard):
             if shape(arg)[want.dim] != self.seq_len:
                 raise context_refusal(consumer, f"its operand {arg.name} of shape "
@@ -307,14 +386,164 @@ def _context_loss(p: ContextPropagator, node: fx.Node) -> Layout:
 
 
 def _context_along(p: ContextPropagator, node: fx.Node) -> Any:
-    """topk / sort / argsort along another dim than the tokens (a router's pick of experts)."""
+    """topk along another dim than the tokens (a router's pick of experts); along them it
+    would pick among every rank's tokens."""
     lay = p.eff(node, node.args[0])
     nd = len(shape(node.args[0]))
-    at = 2 if packet(node) is aten.topk else 1
-    dim = node.args[at] if len(node.args) > at else node.kwargs.get("dim", -1)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
     if norm_dim(dim, nd) == lay.dim:
-        raise context_refusal(node, "a sort along the sequence")
+        raise context_refusal(node, "a top-k along the sequence")
     return like(node, lay)
+
+
+def relayable(p: ContextPropagator, arg: Any, consumer: fx.Node, want: Shard) -> bool:
+    """Whether `arg`, read only by `consumer`, is a value whose rows' order does not matter (a
+    factory: arange(n) from 0 by 1, zeros, ones, full, empty, or a *_like buffer) and may be
+    made in `want`'s order at the rank's own size: a whole one meeting sorted rows, or a *_like
+    buffer an index_put_ fills in another order."""
+    if not isinstance(arg, fx.Node) or arg.op != "call_function" or len(arg.users) != 1:
+        return False
+    op = packet(arg)
+    if shape(arg) is None or len(shape(arg)) <= want.dim or shape(arg)[want.dim] != want.size():
+        return False
+    if op in _LIKE:
+        return isinstance(p.get(arg), Shard)
+    if op not in _FACTORIES or not isinstance(want, Rows) or arg.all_input_nodes:
+        return False
+    if op is aten.arange:
+        args = list(arg.args)
+        if len(args) > 1 and (args[0] != 0 or (len(args) > 2 and args[2] != 1)):
+            return False
+    if op is aten.arange:
+        p.addresses[arg] = want   # its values: positions among its own rows
+    return True
+
+
+def _follow_addresses(p: ContextPropagator, node: fx.Node) -> None:
+    """Index-valued values through the ops that keep what their values point at: getitem of a
+    sort's indices, casts and copies, and `// k` (positions of the (token, choice) rows over
+    the top-k: positions of the tokens, in the same order)."""
+    op = packet(node)
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if src is None or src not in p.addresses:
+        return
+    got = p.addresses[src]
+    if node.target is operator.getitem:
+        if isinstance(got, dict) and node.args[1] in got:
+            p.addresses[node] = got[node.args[1]]
+    elif op in TRANSPARENT and not isinstance(got, dict):
+        p.addresses[node] = got
+    elif op is aten.floor_divide and isinstance(node.args[1], int) and not isinstance(got, dict):
+        p.addresses[node] = Rows(got.dim, (), perm=order(got)) if isinstance(got, Rows) \
+            else Shard(got.dim, (), seq=True)   # an order, no longer a size
+
+
+def _context_sort(p: ContextPropagator, node: fx.Node) -> Any:
+    """sort / argsort along the rank's tokens: its rows in an order of its own (Rows), the
+    indices positions among the input's rows; along another dim, per token (`_context_along`)."""
+    lay = p.eff(node, node.args[0])
+    nd = len(shape(node.args[0]))
+    dim = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], int) \
+        else node.kwargs.get("dim", -1)
+    if norm_dim(dim, nd) != lay.dim:
+        return like(node, lay)
+    rows = Rows(lay.dim, lay.blocks, seq=True, perm=node.name)
+    p.addresses[node] = lay if packet(node) is aten.argsort else {1: lay}
+    return like(node, rows)
+
+
+def _index_tensor(node: fx.Node) -> tuple[int, fx.Node] | None:
+    """(dim, index) of x[..., idx] with one 1-D index tensor; None otherwise."""
+    found = [(i, ix) for i, ix in enumerate(node.args[1]) if ix is not None]
+    if len(found) != 1 or not is_tensor(found[0][1]) or len(shape(found[0][1])) != 1:
+        return None
+    return found[0]
+
+
+def _context_index(p: ContextPropagator, node: fx.Node) -> Layout:
+    """x[idx] along dim d, idx 1-D: the result's rows are idx's. Indexing the rank's tokens
+    (x split along d) needs positions of x's order (a sort's indices); a whole x (a per-expert
+    table) is read at idx's values, which must not be positions among the rank's rows."""
+    x = node.args[0]
+    at = _index_tensor(node)
+    lx = p.eff(node, x)
+    if at is None or not isinstance(p.eff(node, at[1]), Shard):
+        if isinstance(lx, Shard) and at is not None and at[0] == lx.dim:
+            raise context_refusal(node, "an index into the rank's tokens by whole positions")
+        if any(isinstance(p.eff(node, i), Shard) for i in node.args[1] if is_tensor(i)):
+            raise context_refusal(node, "an index by the rank's tokens of several dims")
+        return rule_for(node)(p, node)
+    d, ix = at
+    li = p.eff(node, ix)
+    pointed = p.addresses.get(ix)
+    if isinstance(lx, Shard):
+        if lx.dim != d:
+            raise context_refusal(node, "the rank's tokens indexed by the rank's tokens along "
+                                        "another dim")
+        if not isinstance(pointed, Shard) or order(pointed) != order(lx):
+            raise context_refusal(node, f"an index into the rank's tokens by {ix.name}, not "
+                                        f"positions among them in their order (a sort's "
+                                        f"indices)")
+    else:
+        if isinstance(pointed, Shard):
+            raise context_refusal(node, f"positions among the rank's tokens ({ix.name}) index "
+                                        f"a whole value")
+        p.demand(node, x, R)
+    if x in p.addresses and not isinstance(p.addresses[x], dict):
+        p.addresses[node] = p.addresses[x]
+    return replace(li, dim=d)
+
+
+def _context_index_put(p: ContextPropagator, node: fx.Node) -> Layout:
+    """dest[idx] = values (a scatter by positions, the inverse permutation's): values' rows
+    are idx's, dest's rows those idx's values point at, which the result keeps."""
+    dest, values = node.args[0], node.args[2]
+    at = _index_tensor(node)
+    pointed = p.addresses.get(at[1]) if at is not None else None
+    if at is None or not isinstance(pointed, Shard) or not pointed.blocks \
+            or at[0] != pointed.dim or shape(dest)[at[0]] != pointed.size():
+        raise context_refusal(node, "a scatter into the rank's tokens not by positions among "
+                                    "them (a sort's indices)")
+    li = p.eff(node, at[1])
+    p.demand(node, dest, pointed)
+    p.demand(node, values, replace(li, dim=at[0]))
+    if values in p.addresses and not isinstance(p.addresses[values], dict):
+        p.addresses[node] = p.addresses[values]
+    return pointed
+
+
+def _context_histc(p: ContextPropagator, node: fx.Node) -> Counts:
+    """histc / bincount of the rank's rows: the rank's own counts."""
+    return COUNTS
+
+
+def _context_counts(p: ContextPropagator, node: fx.Node) -> Any:
+    """An op on the rank's counts: a cast, copy or cumsum keeps them the rank's own (a grouped
+    matmul's offsets: linear, so a later sum over the ranks is still exact); any other op reads
+    them summed over the context ranks (context_sum: a load-balancing statistic's counts)."""
+    if packet(node) in (aten.cumsum, *TRANSPARENT) and len(tensor_args(node)) == 1:
+        return like(node, COUNTS)
+    for a in tensor_args(node):
+        if isinstance(p.eff(node, a), Counts):
+            p.convert.setdefault(node, {})[a] = R
+    return Propagator.rule(p, node)
+
+
+def _context_grouped_mm(p: ContextPropagator, node: fx.Node) -> Layout:
+    """A grouped matmul (an expert chain) over the rank's rows grouped by the rank's counts:
+    row-wise, the experts' weights whole."""
+    x = node.args[0]
+    offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+    lx = p.eff(node, x)
+    if not isinstance(lx, Shard):
+        return rule_for(node)(p, node)
+    if lx.dim != 0 or not isinstance(p.eff(node, offs), Counts):
+        raise context_refusal(node, "a grouped matmul over the rank's tokens whose groups are "
+                                    "not counted from them")
+    for a in tensor_args(node):
+        if a is not x and a is not offs:
+            p.demand(node, a, R)
+    return replace(lx, dim=0)
 
 
 def _context_softmax(p: ContextPropagator, node: fx.Node) -> Layout:
@@ -340,6 +569,10 @@ CONTEXT_RULES = {
     aten.scaled_dot_product_attention: _context_sdpa,
     **{op: _context_loss for op in _LOSS_OPS},
     **{op: _context_along for op in _ALONG},
+    **{op: _context_sort for op in _SORTS},
+    **{op: _context_histc for op in _COUNTS},
+    aten.index: _context_index, aten.floor_divide: pointwise_rule,   # (untagged pointwise)
+    aten.index_put: _context_index_put, aten.index_put_: _context_index_put,
     **{op: _context_softmax for op in SOFTMAX},
     aten.cat: _context_cat,
 }

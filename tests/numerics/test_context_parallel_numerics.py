@@ -53,13 +53,24 @@ def test_c2_t2_equals_one_device():
     check_against_reference("llama_style", with_c(make_plan(t=2), 2))
 
 
-@pytest.mark.timeout(600)
+# (name, ep): Mixtral at c = 2 alone; OLMoE and Qwen2-MoE at c = 2 × ep = 2 (the same local
+# routing, its rows then sent to the experts' rank); Mixtral at c = 2 × ep = 2 with its router
+# loss is tests/numerics/test_router_loss.py's (the suite's time budget: the other three
+# pairings, and c = 2 with t = 2 + SP, d = 2 ZeRO-3 or p = 2, were checked by hand)
+MOE = (("hf_mixtral", 1), ("hf_olmoe", 2), ("hf_qwen2_moe", 2))
+
+
+@pytest.mark.timeout(900)
 def test_c2_unmodified_transformers_models_equal_one_device():
     """Llama (its DynamicCache's empty concatenation, rotary from position ids = arange(T)),
     Mistral (a causal sliding-window mask of 4 over 8 tokens, built by transformers from
-    arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP)."""
-    check_cases_against_reference({n: (n, with_c(make_plan(), 2))
-                                   for n in ("hf_llama", "hf_mistral", "hf_neox")})
+    arange(T)) and GPT-NeoX (partial rotary, parallel attention + MLP); and mixtures of experts
+    (Mixtral, OLMoE, Qwen2-MoE with its shared expert, `MOE`): each rank routes its own tokens
+    (sorted by expert among themselves, its counts the grouped matmuls' offsets), with ep = 2
+    sent to the experts' rank by all-to-all over the 2 context ranks."""
+    cases = {n: (n, with_c(make_plan(), 2)) for n in ("hf_llama", "hf_mistral", "hf_neox")}
+    cases.update({f"{n}-ep{ep}": (n, with_c(make_plan(), 2, ep=ep)) for n, ep in MOE})
+    check_cases_against_reference(cases)
 
 
 ARCHITECTURES = ("hf_gpt2", "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2",

@@ -50,11 +50,14 @@ def _rank(rank: int, world: int, name: str, plan) -> tuple:
 
 
 # one model per mode (the suite's time budget); verified once beyond these, not kept: p = 2
-# (m = 2) against one device accumulating the two micro-batches' losses
-@pytest.mark.parametrize("name, mode", [("hf_mixtral", "t2"), ("hf_gpt_oss", "ep2d2")])
+# (m = 2) against one device accumulating the two micro-batches' losses. c2ep2: each context
+# rank counts and sums over its own tokens, both summed over the 2 context ranks (context_sum)
+@pytest.mark.parametrize("name, mode", [("hf_mixtral", "t2"), ("hf_gpt_oss", "ep2d2"),
+                                        ("hf_mixtral", "c2ep2")])
 def test_router_loss_trains_as_on_one_device(name, mode):
-    plan = (make_plan(t=2, b=4, m=1) if mode == "t2"
-            else dataclasses.replace(make_plan(d=2, b=2, m=1), ep=2))
+    plan = {"t2": make_plan(t=2, b=4, m=1),
+            "ep2d2": dataclasses.replace(make_plan(d=2, b=2, m=1), ep=2),
+            "c2ep2": dataclasses.replace(make_plan(b=2, m=1), c=2, ep=2)}[mode]
     results = spawn(_rank, plan.gpus, name, plan, timeout_s=300)
     data = _data(plan.global_batch_size)
     ref = train(_model(name), data, adamw, max_grad_norm=MAX_NORM,

@@ -113,20 +113,60 @@ def test_parallelize_pinned_c_refuses_and_free_c_falls_back():
     assert any("context parallelism not offered" in n for n in plan.notes)
 
 
-def test_mixture_of_experts_pinned_c_refuses_at_the_token_sort():
-    """Mixtral's router picks experts per token (top-k over the expert dim keeps the split),
-    then its experts sort every token of the batch by expert: token mixing the sequence split
-    cannot run locally, refused in one line naming the node and its source line."""
+def test_mixture_of_experts_routes_each_rank_s_tokens():
+    """Mixtral's experts sort the (token, choice) rows by expert: on a context rank the sort
+    orders the rank's own rows (Rows), the tokens are gathered by the sort's positions, the
+    grouped matmuls read the rank's counts (Counts) as offsets, and the inverse permutation
+    (index_put_ of arange by the sort's positions) puts the rows back in sequence order; the
+    rewrite makes arange the rank's row count, and parallelize may offer c. The router's
+    load-balancing loss reads its counts and its probabilities summed over the tokens: both
+    summed over the context ranks (context_sum)."""
+    import functools
+    from autopar.api import context_offer
+    from autopar.passes.sharding import Shard, context_layouts
+    from autopar.passes.sharding.context import Counts, Rows
+    from autopar.request import Pins
+    from autopar.runtime.context_shard import context_sum
     from models import hf_mixtral
-    ids = torch.zeros(2, SEQ, dtype=torch.long)
     torch.manual_seed(0)
-    with pytest.raises(ValueError, match=r"parallelize: c=2: context parallelism: node sort "
-                                         r"\(aten.sort\) at File .*moe.py.*a sort along the "
-                                         r"sequence") as err:
-        autopar.parallelize(hf_mixtral(seq=SEQ), c=2, gpus=2, example_inputs=(ids,),
-                            loss_fn=autopar.cross_entropy, global_batch_size=2,
-                            cluster="local-cpu")
-    assert "\n" not in str(err.value)
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    gm = capture(hf_mixtral(seq=SEQ, layers=1, output_router_logits=True), (ids,),
+                 functools.partial(autopar.cross_entropy, aux_loss_coef=0.5), ids.clone()).gm
+    engine = context_layouts(gm, 2, SEQ)
+    by_op = {}
+    for n in gm.graph.nodes:
+        by_op.setdefault(getattr(n.target, "__name__", str(n.target)).split(".")[0],
+                         []).append(engine.layout.get(n))
+    rows = 2 * SEQ * 2                                       # B·T tokens × top-2 choices
+    assert by_op["sort"] == [(Rows(0, (rows // 2,) * 2, perm="sort"),) * 2]
+    assert by_op["histc"] == [Counts(), Counts()]         # routing's, the statistic's
+    (put,) = by_op["index_put_"]
+    assert isinstance(put, Shard) and not isinstance(put, Rows)    # sequence order again
+    mms = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert len(mms) == 2 and all(isinstance(engine.layout[n], Rows)
+                                 and engine.layout[n.args[2]] == Counts() for n in mms)
+    rewritten = apply_context_parallel(copy.deepcopy(gm), 2, SEQ)
+    (arange,) = [n for n in rewritten.graph.nodes if n.target is torch.ops.aten.arange.default
+                 and n.meta.get(K.CP_SEQ_DIM) == 0]
+    assert arange.args == (rows // 2,)                       # the rank's rows, not the batch's
+    assert {n.meta[K.VAL].shape[0] for n in rewritten.graph.nodes
+            if "grouped_mm" in str(n.target)} == {rows // 2}
+    summed = [n.args[0].target for n in rewritten.graph.nodes if n.target is context_sum]
+    assert summed == [torch.ops.aten.histc.default, torch.ops.aten.sum.dim_IntList]
+    assert context_offer(gm, SEQ, Pins()).c is None          # free: the solver may pick c > 1
+
+
+class SortMix(torch.nn.Module):
+    """Tokens sorted along the sequence and added to the unsorted ones: the rank's sorted
+    rows have no global positions to meet."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(x + torch.sort(x, dim=1).values)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -222,7 +262,8 @@ def test_masked_attention_dropout_draws_from_the_context_rank_stream():
 
 ENGINE_MODELS = ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox", "hf_gpt2",
                  "hf_falcon", "hf_falcon_mq", "hf_gptj", "hf_bloom", "hf_olmo2", "hf_qwen3",
-                 "hf_phi3", "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode", "torch_encoder")
+                 "hf_phi3", "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode", "torch_encoder",
+                 "hf_mixtral")
 
 
 def _architecture(name):
@@ -255,21 +296,17 @@ def test_rewrite_applies_the_engine_layouts(name):
     assert len(gathers) == sum(len(v) for v in engine.gathered.values()) > 0
 
 
-@pytest.mark.parametrize("model", [RunningSum, "hf_mixtral"])
+@pytest.mark.parametrize("model", [RunningSum, SortMix])
 def test_refused_by_the_engine_before_the_graph_changes(model):
-    """A cumulative op along the tokens, a mixture of experts' token sort: the engine refuses
-    (one line, the node and its source line) while recording, before the tensor split, and
-    the graph is left as it was (no gather, no fallback)."""
+    """A cumulative op along the tokens, sorted tokens meeting unsorted ones: the engine
+    refuses (one line, the node and its source line) while recording, before the tensor
+    split, and the graph is left as it was (no gather, no fallback)."""
     from autopar.passes.context_parallel import record_context_layouts
-    if model == "hf_mixtral":
-        from models import hf_mixtral
-        torch.manual_seed(0)
-        gm = _captured(hf_mixtral(seq=SEQ))
-    else:
-        gm = _captured(model())
+    gm = _captured(model())
     before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
-    with pytest.raises(ValueError, match=r"^context parallelism: node (cumsum|sort) .* at File "
-                                         r".*(test_context_pass|moe)\.py") as err:
+    with pytest.raises(ValueError, match=r"^context parallelism: node (cumsum|add) .* at File "
+                                         r".*test_context_pass\.py.*(cumulative|sorted and "
+                                         r"in sequence order)") as err:
         record_context_layouts(gm, 2, SEQ)
     assert "\n" not in str(err.value)
     assert [(n.name, n.target, n.args) for n in gm.graph.nodes] == before
@@ -303,6 +340,19 @@ def test_layouts_recorded_before_the_tensor_split_reach_its_new_nodes(name):
             assert set(n.args[3]) == {SEQ // 2}, n.name
 
 
+class GatherByIds(torch.nn.Module):
+    """Rows of the (B·T, C) tokens picked by the token ids: an index into the rank's tokens by
+    values that are not positions among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids).flatten(0, 1)
+        return self.head(x + x[ids.flatten() % x.shape[0]]).view(ids.shape[0], ids.shape[1], 64)
+
+
 def _sum_loss(logits, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
 
@@ -314,6 +364,7 @@ def _weighted_loss(logits, y):
 
 @pytest.mark.parametrize("model, loss, c, method, refused", [
     (RunningSum, None, 2, "all-gather", "cumsum"),                  # the engine's op rules
+    (GatherByIds, None, 2, "all-gather", "not positions among them"),   # an index's values
     (lambda: gpt(seq=SEQ, dropout=0.1), None, 2, "ring", "attention dropout 0.1"),
     (lambda: gpt(seq=SEQ), None, 8, "all-to-all", "with 4 heads"),   # heads over c
     (lambda: gpt(seq=SEQ), _sum_loss, 2, "all-gather", "not reduced by its mean"),
