@@ -268,9 +268,12 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
     shared = {q for q in tensors if len(holders[q]) > 1}
     for q in sorted(shared):
         if holders[q] != {0, pg.p - 1}:
-            raise ValueError(f"parameter {q} is used on pipeline ranks {sorted(holders[q])}; "
-                             f"only weights shared by the first and last stage (tied "
-                             f"embeddings) are supported")
+            raise ValueError(f"compile: parameter {q} is used on pipeline ranks "
+                             f"{sorted(holders[q])}; a weight held by several stages (a tied "
+                             f"embedding, a block called at several depths) must be held by "
+                             f"the first and the last stage only, its gradients summed over "
+                             f"those two. Fix: pin p=2 (or p=1), or keep the layers that "
+                             f"call it in the first and last stage")
     splits = _tp_splits(graphs, chunks) if pg.t > 1 else {}
     experts = _expert_slices(graphs, chunks)
     keys = _user_keys(built)

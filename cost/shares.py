@@ -116,4 +116,12 @@ def rank_params(profile: ModelProfile, cfg: Config) -> RankParams:
     block_e = expert_params_elems(profile, t, cfg.ep) if cfg.ep > 1 else 0.0
     if cfg.ep > 1:
         block_p -= expert_params_elems(profile, t)
-    return RankParams(block=block_p, embedding=emb_p, head=head_p, experts=block_e)
+    shared = shared_block_elems(profile, t)   # the first stage's set, the last stage's copy
+    return RankParams(block=block_p, embedding=emb_p + shared,
+                      head=head_p + (shared if cfg.p > 1 else 0.0), experts=block_e)
+
+
+def shared_block_elems(profile: ModelProfile, t: int) -> float:
+    """Elements of the weights of a block called at several depths on one tensor rank (held
+    by a stage once, however many of its layers call it)."""
+    return profile.shared_split_elems / t + profile.shared_replicated_elems

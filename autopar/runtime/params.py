@@ -164,8 +164,11 @@ class LocalParams:
 
     @property
     def shared(self) -> list[str]:
-        """Names also held by another pipeline stage (tied input/output embeddings)."""
-        return [q for q in self.tensors if self.infos[q].shared_with is not None]
+        """Names also held by another pipeline stage (tied input/output embeddings, a block
+        called at several depths), sorted: every stage sums them in one flat buffer, so all
+        must list them in one order (chunk order differs: the first stage registers the
+        embedding before a shared block, the last after it)."""
+        return sorted(q for q in self.tensors if self.infos[q].shared_with is not None)
 
     def ordered_infos(self) -> list[ParamInfo]:
         return [self.infos[q] for q in self.tensors]
