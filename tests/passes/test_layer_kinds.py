@@ -90,8 +90,8 @@ def test_attention_sinks_split_with_their_heads():
 
 def test_shared_block_weights_priced_once_per_stage():
     """ALBERT's layer group, called at all 4 depths, is one set of weights: none of it in the
-    per-layer block, all of it held by the first stage and (p = 2) a copy by the last, its
-    gradient in the first and last stage's sync (issue 31 item 2)."""
+    per-layer block, all of it held by the first stage and (p ≥ 2) a copy by every other, its
+    gradient in the stages' sync (issue 31 item 2)."""
     from dataclasses import replace
     from autopar.cost.dp_terms import tied_sync_s
     from autopar.cost.model import Config
@@ -107,9 +107,10 @@ def test_shared_block_weights_priced_once_per_stage():
     assert profile.shared_split_elems + profile.shared_replicated_elems == group
     assert profile.params_elems == sum(p.numel() for p in model.parameters())
     cl = get_cluster("dgx-h100-80gb")
-    one, two = (rank_params(profile, Config(t=1, p=p, d=1, micro_batch_size=1,
-                                            num_microbatches=2)) for p in (1, 2))
+    one, two, three = (rank_params(profile, Config(t=1, p=p, d=1, micro_batch_size=1,
+                                                   num_microbatches=2)) for p in (1, 2, 3))
     assert two.embedding - one.embedding == 0 and two.head - one.head == group
+    assert (one.middle, two.middle, three.middle) == (0, 0, group)   # p = 3: a copy each
     untied = replace(profile, tied_embeddings=False)
     assert tied_sync_s(untied, cl, Config(t=1, p=2, d=1, micro_batch_size=1,
                                           num_microbatches=2)) > 0
