@@ -292,8 +292,8 @@ def module_path(call: str) -> str:
 def _shared_notes(structure: LayerStructure) -> tuple[str, ...]:
     return tuple(
         f"{m} is called at {sum(module_path(p) == m for p in kind.block_paths)} depths: one set "
-        f"of weights shared by those layers, tensor-split as usual; pipeline stages that call "
-        f"it each hold a copy and sum its gradients (as tied embeddings)"
+        f"of weights shared by those layers, tensor-split as usual; every pipeline stage that "
+        f"calls it holds a copy, its gradients summed over them (as a tied embedding's)"
         for kind in structure.kinds for m in kind.shared)
 
 

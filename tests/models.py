@@ -467,14 +467,15 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
 # ---- weight sharing across depth, and no repeated container (issue 31 items 2, 5) -----------
 
 def hf_albert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
-              hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+              hidden: int = 32, ffn: int = 64, groups: int = 1, **config: Any) -> Model:
     """ALBERT masked LM, num_hidden_groups=1: one AlbertLayerGroup called at every depth (one
-    set of block weights), a factorised embedding (16 wide, projected to hidden), the MLM
-    decoder tied to the word embedding."""
+    set of block weights; `groups` of them: each called by layers/groups consecutive layers),
+    a factorised embedding (16 wide, projected to hidden), the MLM decoder tied to the word
+    embedding."""
     from transformers import AlbertConfig, AlbertForMaskedLM
     return AlbertForMaskedLM(AlbertConfig(
         vocab_size=vocab, embedding_size=16, hidden_size=hidden, num_hidden_layers=layers,
-        num_hidden_groups=1, num_attention_heads=heads, intermediate_size=ffn,
+        num_hidden_groups=groups, num_attention_heads=heads, intermediate_size=ffn,
         max_position_embeddings=seq, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         classifier_dropout_prob=0.0, **config))
 
