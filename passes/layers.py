@@ -300,9 +300,11 @@ def _shared_notes(structure: LayerStructure) -> tuple[str, ...]:
 def _find_blocks(nodes: list[torch.fx.Node], stacks: dict
                  ) -> tuple[tuple[BlockKind, ...], tuple[str, ...]]:
     """The kinds of repeated block, in execution order, without their counts filled in: the
-    best run of repeated siblings (most nodes), opened up while its members are stacks of
-    blocks themselves, and every further run outside it whose blocks are at least a quarter
-    as large (a second stack: the encoder of an encoder-decoder model).
+    best run of repeated siblings (most nodes) that run one into the next, opened up while its
+    members are stacks of blocks themselves, and every further run outside it whose blocks are
+    at least a quarter as large (a second stack: the encoder of an encoder-decoder model).
+    With no such run, or a best one holding few of the matmuls (`_holds_most`), one block per
+    child of the main module (`_one_block_per_child`), said in the returned notes.
     Why this size: one walk over the module stacks that keeps the candidate repeats, their order
     and the second stack of an encoder-decoder together; the steps share its tables."""
     first_seen: dict[str, int] = {}
@@ -327,7 +329,7 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict
             for run in _same_class_runs(kids, cls_of, first_seen, last_seen)
             if _chained(run, nodes, stacks, first_seen, last_seen)]
     total = sum(map(_is_gemm, nodes))
-    if not runs or 2 * sum(gemms[m] for m in best_of_runs(runs, count)[1]) <= total:
+    if not runs or not _holds_most(best_of_runs(runs, count)[1], runs, gemms, total):
         return _one_block_per_child(children, cls_of, first_seen, last_seen, gemms, total)
 
     def covered(run: tuple[str, ...]) -> int:
@@ -385,6 +387,20 @@ def best_of_runs(runs: list, count: dict) -> tuple[str, tuple[str, ...]]:
     """The run covering most nodes, then the shallowest (q/k/v projections lose to the blocks
     holding them)."""
     return max(runs, key=lambda r: (sum(count[k] for k in r[1]), -r[0].count(".")))
+
+
+def _holds_most(best: tuple[str, ...], runs: list, gemms: dict, total: int) -> bool:
+    """Does the best run hold more than half of the matmuls no other stack holds (the
+    outermost runs outside it: an encoder's beside a decoder's)? Runs of a few linears
+    inside named modules (an attention's projections, an MLP's) hold few of a model's."""
+    def inside(path: str, outer: str) -> bool:
+        return path.startswith(outer + ".")
+
+    others = [r for _, r in runs if not any(inside(m, b) or m == b for m in r for b in best)]
+    outer = [r for r in others if not any(inside(r[0], m) for o in others if o is not r
+                                          for m in o)]
+    rest = total - sum(gemms[m] for r in outer for m in r)
+    return 2 * sum(gemms[m] for m in best) > rest
 
 
 def _is_gemm(node: torch.fx.Node) -> bool:
