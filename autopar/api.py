@@ -214,7 +214,9 @@ def plan_program(model: torch.nn.Module, request: PlanRequest, *, example_inputs
                          f"pin p <= {profile.num_layers} (or leave p to the solver)")
     profiles = precision_profiles(profile, cl, request.precision)
     plan, chosen = _solve(request, profiles, cl, offer, inputs.batch, profile)
-    notes = list(_graph_notes(plan, captured)) + _kind_notes(profile)
+    layers = captured.gm.meta.get(K.LAYERS)   # how the finder saw the blocks, where it says
+    notes = (list(layers.notes if layers is not None else ()) + _graph_notes(plan, captured)
+             + _kind_notes(profile))
     if profile.expert_load is not None:
         notes.append(profile.expert_load.describe(plan.ep, profile.block.experts))
     if request.precision is not None:

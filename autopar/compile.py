@@ -265,12 +265,16 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
             tensors[q] = getattr(chunks[c].net, attr)
             first_chunk[c].append(q)
     holders = _pipeline_holders(graphs)
-    shared = {q for q in tensors if len(holders[q]) > 1}
+    shared = {q: "embedding" if holders[q] == {0, pg.p - 1} else "pipeline"
+              for q in tensors if len(holders[q]) > 1}
     for q in sorted(shared):
-        if holders[q] != {0, pg.p - 1}:
-            raise ValueError(f"parameter {q} is used on pipeline ranks {sorted(holders[q])}; "
-                             f"only weights shared by the first and last stage (tied "
-                             f"embeddings) are supported")
+        if holders[q] not in ({0, pg.p - 1}, set(range(pg.p))):
+            raise ValueError(f"compile: parameter {q} is used on pipeline ranks "
+                             f"{sorted(holders[q])} of {pg.p}; a weight held by several "
+                             f"stages (a tied embedding, a block called at several depths) "
+                             f"must be held by the first and the last stage or by every "
+                             f"stage, its gradients summed over them. Fix: cut the stages so "
+                             f"every stage calls the shared block, or pin p=2")
     splits = _tp_splits(graphs, chunks) if pg.t > 1 else {}
     experts = _expert_slices(graphs, chunks)
     keys = _user_keys(built)
@@ -283,7 +287,7 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
         infos[q] = describe_param(
             key=key, aliases=tuple(k for k in own_keys if k != key),
             local_shape=tuple(p.shape), global_shape=full_shapes.get(built.prefix + q),
-            split=splits.get(q), tp_rank=pg.tp_rank, t=pg.t, shared=q in shared,
+            split=splits.get(q), tp_rank=pg.tp_rank, t=pg.t, shared=shared.get(q, False),
             experts=experts.get(q))
     return LocalParams(tensors=tensors, infos=infos,
                        first_chunk={c: tuple(qs) for c, qs in first_chunk.items()},

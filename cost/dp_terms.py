@@ -35,7 +35,7 @@ from autopar.cost.config import SCHEDULE_TRAITS, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile
-from autopar.cost.shares import RankParams, tied_table_elems
+from autopar.cost.shares import RankParams, shared_block_elems, tied_table_elems
 from autopar.schedules import SPLIT_BACKWARD, compute_ops, compute_order
 from autopar.weight_gathers import (GatherCounts, GatherStats, compute_gather_stats,
                                     extrapolated, gather_stats)
@@ -118,14 +118,21 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
-    """The first and the last stage's all-reduce of the tied embedding's gradient (0 when the
-    embeddings are not tied or p = 1)."""
+    """The first and the last stage's all-reduce of the tied embedding's gradient and of a
+    shared block's (called at several depths: one copy per stage), one flat buffer; for
+    p > 2 the shared block's over all p stages (0 when neither or p = 1)."""
     t, p, d = cfg.t, cfg.p, cfg.replicas
-    if not (profile.tied_embeddings and p > 1):
+    shared = shared_block_elems(profile, t)
+    if not ((profile.tied_embeddings or shared) and p > 1):
         return 0.0
     pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
-    return allreduce_s(cluster, GRAD_REDUCE_BYTES * tied_table_elems(
-        profile, t, cfg.sequence_parallel and t > 1), 2, pp_inter)
+    table = tied_table_elems(profile, t, cfg.sequence_parallel and t > 1) \
+        if profile.tied_embeddings else 0.0
+    if p == 2 or not shared:   # one buffer over the first and the last stage
+        return allreduce_s(cluster, GRAD_REDUCE_BYTES * (table + shared), 2, pp_inter)
+    # p > 2: the shared block's copies over every stage (runtime: the pipeline group)
+    return (allreduce_s(cluster, GRAD_REDUCE_BYTES * table, 2, pp_inter) if table else 0.0) \
+        + allreduce_s(cluster, GRAD_REDUCE_BYTES * shared, p, pp_inter)
 
 
 def _expert_group(cluster: Cluster, cfg: Config) -> GradGroup | None:

@@ -62,7 +62,9 @@ def mixed_profile(parts: Sequence[ModelProfile], layers: Sequence[tuple[int, ...
                           f"by the solver; stages cut where the kinds' per-layer times match "
                           f"its split (cost/kinds.py)",)
     return replace(base, num_layers=total, block=_mean_region([p.block for p in parts], w),
-                   tp_fallbacks=tuple(corr), layer_kinds=kinds, notes=notes)
+                   tp_fallbacks=tuple(corr), layer_kinds=kinds, notes=notes,
+                   shared_split_elems=sum(p.shared_split_elems for p in parts),
+                   shared_replicated_elems=sum(p.shared_replicated_elems for p in parts))
 
 
 def _weigh(values: Sequence[float], w: Sequence[float]) -> int:

@@ -156,7 +156,8 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
         parts.append(((wb + chunk_w) * block_p + (wbe + chunk_w) * block_e,
                       (gb + chunk_g) * block_p + (gbe + chunk_g) * block_e,
                       ob * block_p + obe * block_e, a))
-        edge_p = (params.embedding if r == 0 else 0.0) + (params.head if r == p - 1 else 0.0)
+        edge_p = (params.embedding if r == 0 else 0.0) + (params.head if r == p - 1 else 0.0) \
+            + (params.middle if 0 < r < p - 1 else 0.0)
         edge_a = (inputs_bytes + (acts.embedding * mb if r == 0 else 0.0)
                   + ((acts.head * mb + acts.pending_head * -(-pending // v))
                      if r == p - 1 else 0.0))

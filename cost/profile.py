@@ -327,6 +327,12 @@ class ModelProfile:
     block: RegionProfile
     head: RegionProfile
     tied_embeddings: bool = False
+    # weights of a block called at several depths (ALBERT; passes/layers.py BlockKind.shared),
+    # split by t like a block's / replicated: one set for all its layers, so no part of
+    # `block`'s parameters; the first stage holds them and, for p > 1, the last a copy whose
+    # gradients are summed with the first's (as a tied embedding: cost/shares.py rank_params)
+    shared_split_elems: int = 0
+    shared_replicated_elems: int = 0
     activation_bytes_per_elem: int = 2
     notes: tuple[str, ...] = field(default=())
     tp_fallbacks: tuple[TPCorrection, ...] = field(default=())
@@ -459,7 +465,8 @@ class ModelProfile:
     def params_elems(self) -> int:
         # A tied head does not count the shared weight again (its params exclude it).
         return (self.embedding.params_elems + self.num_layers * self.block.params_elems
-                + self.head.params_elems)
+                + self.head.params_elems + self.shared_split_elems
+                + self.shared_replicated_elems)
 
     def fwd_flops_per_seq(self) -> int:
         """Model FLOPs of one forward pass of one sequence (GEMMs only)."""

@@ -101,11 +101,15 @@ def tied_table_elems(profile: ModelProfile, t: int, sp: bool) -> float:
 class RankParams:
     """Parameter elements on one rank of a configuration (`rank_params`): per block without
     the experts under expert parallelism, the rank's E/ep experts per block (0 at ep = 1:
-    they are in `block`), the embedding on pipeline rank 0 and the head on rank p-1."""
+    they are in `block`), the embedding on pipeline rank 0 and the head on rank p-1 (each
+    with a shared block's weights: its first set, its last copy), a shared block's copy on
+    each rank between them (`middle`)."""
     block: float
     embedding: float
     head: float
     experts: float = 0.0
+    middle: float = 0.0   # held by every stage between the first and the last (a shared
+    #                       block's copy, p > 2)
 
 
 def rank_params(profile: ModelProfile, cfg: Config) -> RankParams:
@@ -116,4 +120,13 @@ def rank_params(profile: ModelProfile, cfg: Config) -> RankParams:
     block_e = expert_params_elems(profile, t, cfg.ep) if cfg.ep > 1 else 0.0
     if cfg.ep > 1:
         block_p -= expert_params_elems(profile, t)
-    return RankParams(block=block_p, embedding=emb_p, head=head_p, experts=block_e)
+    shared = shared_block_elems(profile, t)   # the first stage's set, the last stage's copy
+    return RankParams(block=block_p, embedding=emb_p + shared,
+                      head=head_p + (shared if cfg.p > 1 else 0.0), experts=block_e,
+                      middle=shared if cfg.p > 2 else 0.0)
+
+
+def shared_block_elems(profile: ModelProfile, t: int) -> float:
+    """Elements of the weights of a block called at several depths on one tensor rank (held
+    by a stage once, however many of its layers call it)."""
+    return profile.shared_split_elems / t + profile.shared_replicated_elems

@@ -134,6 +134,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
                         ("block", structure.unit_nodes), ("head", structure.head_nodes)):
         _gemms_and_params(g, kind, [nodes[x] for x in names], regions[kind])
         _other_bytes(g, [nodes[x] for x in names], regions[kind])
+    shared = _shared_block_params(g, structure, regions["block"])
     for run in ACTIVATION_RUNS if any(r.calls for r in regions.values()) else ("materialized",):
         measure_activations(captured, g, regions, run)
     dims = g.dims()
@@ -152,7 +153,8 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
                       for k in structure.kinds)
     notes = [f"graph profile: {units} × {f'[{unit}]' if kinds else structure.block_class}"
              + (f" ({structure.num_blocks} blocks captured)"
-                if structure.num_blocks != structure.num_layers else "")] + g.mask_notes
+                if structure.num_blocks != structure.num_layers else "")] + g.mask_notes + list(
+        structure.notes)
     if kinds:
         notes.append(f"{len(kinds)} stacks ({', '.join(k.name for k in kinds)}) priced as "
                      f"{units} units of one layer of each: a stage of one stack's layers is "
@@ -162,8 +164,22 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
                         heads=dims["heads"], kv_heads=dims["kv_heads"], vocab=dims["vocab"],
                         ffn=dims["ffn"], embedding=out["embedding"], block=out["block"],
                         head=out["head"], tied_embeddings=g.tied,
+                        shared_split_elems=sum(e for e, sp in shared.values() if sp),
+                        shared_replicated_elems=sum(e for e, sp in shared.values() if not sp),
                         activation_bytes_per_elem=TRAIN_BYTES_PER_ELEM, notes=tuple(notes),
                         layer_kinds=kinds)
+
+
+def _shared_block_params(g: GraphFacts, structure: LayerStructure, r: _Region
+                         ) -> dict[int, tuple[int, bool]]:
+    """The unit block's parameters of modules called at several depths (`BlockKind.shared`),
+    taken out of its per-layer parameters: one set for all the layers that call them
+    (`ModelProfile.shared_split_elems`), {identity: (elements, split)}."""
+    mods = tuple(m + "." for k in structure.kinds for m in k.shared)
+    if not mods:
+        return {}
+    ids = {g.params[t][0] for t in g.params if t.startswith(mods)}
+    return {pid: r.params.pop(pid) for pid in list(r.params) if pid in ids}
 
 
 def _layer_kinds(structure: LayerStructure, nodes: dict, block: RegionProfile

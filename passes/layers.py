@@ -32,6 +32,7 @@ Placeholders and get_attr nodes take the region of their first user.
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from functools import partial
@@ -93,6 +94,13 @@ class BlockKind:
     def label(self) -> str:
         return self.name or self.container.removeprefix("model.")
 
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """The modules called by several of its blocks (one set of weights at several
+        depths: ALBERT's layer group, a decoder calling one block k times), in order."""
+        mods = [module_path(p) for p in self.block_paths]
+        return tuple(m for m in dict.fromkeys(mods) if mods.count(m) > 1)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerStructure:
@@ -108,6 +116,8 @@ class LayerStructure:
       stream and anything shared such as masks, rotary tables or the encoder's output).
     block_outputs[i]: values of block i read outside it (the residual stream handed on).
     signatures[i]: (op, output shapes, dtypes) per node of block i; see `block_signature`.
+    notes: how the blocks were found where the plan should say so (no repeated stack: one
+      block per child; a block called at several depths).
     """
     kinds: tuple[BlockKind, ...]
     block_paths: tuple[str, ...]
@@ -118,6 +128,7 @@ class LayerStructure:
     block_inputs: tuple[tuple[str, ...], ...]
     block_outputs: tuple[tuple[str, ...], ...]
     signatures: tuple[tuple, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def container(self) -> str:
@@ -216,7 +227,7 @@ def tag_layers(gm: torch.fx.GraphModule, *, check_identical: bool = True
     the blocks differ."""
     nodes = list(gm.graph.nodes)
     stacks = {n: _stack_paths(n) for n in nodes}
-    kinds = _find_blocks(nodes, stacks)
+    kinds, notes = _find_blocks(nodes, stacks)
     block_paths = tuple(p for k in kinds for p in k.block_paths)
     block_of = _block_index(nodes, stacks, block_paths)
     regions = _assign_regions(nodes, block_of, len(block_paths))
@@ -224,6 +235,7 @@ def tag_layers(gm: torch.fx.GraphModule, *, check_identical: bool = True
         n.meta[K.REGION] = regions[n]
     structure = _describe(nodes, regions, kinds, block_of, gm.meta.get(K.REPEATS, {}))
     structure = _split_kinds(structure, nodes, stacks, gm.meta.get(K.REPEAT_KEYS, {}))
+    structure = replace(structure, notes=notes + _shared_notes(structure))
     if check_identical:
         _check_identical(structure)
     gm.meta[K.LAYERS] = structure
@@ -249,42 +261,76 @@ def find_layers(gm: torch.fx.GraphModule | Captured, *, check_identical: bool = 
 # ----- finding the block list --------------------------------------------------------------------
 
 def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
+    """(call path, class) of every module on the node's call stack, outermost first. A call
+    path is the module path with each repeated call of a module marked by its call count
+    (torch.export's "@k" on the stack key): one block called at several depths (ALBERT, a
+    decoder that calls one block k times) is k calls "encoder.layer", "encoder.layer@1", ...,
+    each holding the calls of its submodules ("encoder.layer@1.attn")."""
     stack = node.meta.get(K.NN_MODULE_STACK) or {}
+    seen: list[tuple[str, str]] = []   # (module path, call path) of the enclosing calls
     out = []
-    for value in stack.values():
+    for key, value in stack.items():
         path, cls = value[0], value[1]
-        out.append((path, cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"))
+        count = _CALL_COUNT.search(key)
+        outer = next(((m, c) for m, c in reversed(seen)
+                      if m and path.startswith(m + ".")), ("", ""))
+        call = (outer[1] + path[len(outer[0]):] if outer[0] else path) + (
+            count.group(0) if count else "")
+        seen.append((path, call))
+        out.append((call, cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"))
     return tuple(out)
 
 
-def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, ...]:
+_CALL_COUNT = re.compile(r"@\d+$")
+
+
+def module_path(call: str) -> str:
+    """The module path of a call path: "encoder.layer@2.attn@2" -> "encoder.layer.attn"."""
+    return re.sub(r"@\d+", "", call)
+
+
+def _shared_notes(structure: LayerStructure) -> tuple[str, ...]:
+    return tuple(
+        f"{m} is called at {sum(module_path(p) == m for p in kind.block_paths)} depths: one set "
+        f"of weights shared by those layers, tensor-split as usual; every pipeline stage that "
+        f"calls it holds a copy, its gradients summed over them (as a tied embedding's)"
+        for kind in structure.kinds for m in kind.shared)
+
+
+def _find_blocks(nodes: list[torch.fx.Node], stacks: dict
+                 ) -> tuple[tuple[BlockKind, ...], tuple[str, ...]]:
     """The kinds of repeated block, in execution order, without their counts filled in: the
-    best run of repeated siblings (most nodes), opened up while its members are stacks of
-    blocks themselves, and every further run outside it whose blocks are at least a quarter
-    as large (a second stack: the encoder of an encoder-decoder model).
+    best run of repeated siblings (most nodes) that run one into the next, opened up while its
+    members are stacks of blocks themselves, and every further run outside it whose blocks are
+    at least a quarter as large (a second stack: the encoder of an encoder-decoder model).
+    With no such run, or a best one holding few of the matmuls (`_holds_most`), one block per
+    child of the main module (`_one_block_per_child`), said in the returned notes.
     Why this size: one walk over the module stacks that keeps the candidate repeats, their order
     and the second stack of an encoder-decoder together; the steps share its tables."""
     first_seen: dict[str, int] = {}
     last_seen: dict[str, int] = {}
     count: dict[str, int] = defaultdict(int)
+    gemms: dict[str, int] = defaultdict(int)
     cls_of: dict[str, str] = {}
     for pos, n in enumerate(nodes):
         for path, cls in stacks[n]:
             first_seen.setdefault(path, pos)
             last_seen[path] = pos
             count[path] += 1
+            gemms[path] += _is_gemm(n)
             cls_of[path] = cls
     children: dict[str, list[str]] = defaultdict(list)
     for path in sorted(first_seen, key=first_seen.__getitem__):
         if path:
             children[path.rpartition(".")[0]].append(path)
+    # a stack's blocks run one into the next (q/k/v projections and embedding tables that
+    # repeat side by side are no stack)
     runs = [(parent, run) for parent, kids in children.items()
-            for run in _same_class_runs(kids, cls_of, first_seen, last_seen)]
-    if not runs:
-        raise LayerError("find_layers: no repeated blocks found: no module has ≥2 consecutive "
-                         "child modules of the same class in the graph's nn_module_stack; "
-                         "autopar needs a transformer whose layers are separate modules (e.g. "
-                         "an nn.ModuleList of blocks)")
+            for run in _same_class_runs(kids, cls_of, first_seen, last_seen)
+            if _chained(run, nodes, stacks, first_seen, last_seen)]
+    total = sum(map(_is_gemm, nodes))
+    if not runs or not _holds_most(best_of_runs(runs, count)[1], runs, gemms, total):
+        return _one_block_per_child(children, cls_of, first_seen, last_seen, gemms, total)
 
     def covered(run: tuple[str, ...]) -> int:
         return sum(count[k] for k in run)
@@ -293,8 +339,7 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
         return path == outer or path.startswith(outer + ".")
 
     def best_of(cands: list) -> tuple[str, tuple[str, ...]]:
-        # most nodes, then the shallowest (q/k/v projections lose to the blocks holding them)
-        return max(cands, key=lambda r: (covered(r[1]), -r[0].count(".")))
+        return best_of_runs(cands, count)
 
     def alike(run: tuple[str, ...]) -> bool:
         # blocks of one kind: the same ops, the first possibly with more (T5's position bias)
@@ -335,7 +380,82 @@ def _find_blocks(nodes: list[torch.fx.Node], stacks: dict) -> tuple[BlockKind, .
                 f"of blocks must run whole before the next. Fix: run the stacks one after the "
                 f"other, or make the alternating blocks one module class")
     return tuple(BlockKind(container=parent, block_class=cls_of[run[0]], block_paths=run)
-                 for parent, run in chosen)
+                 for parent, run in chosen), ()
+
+
+def best_of_runs(runs: list, count: dict) -> tuple[str, tuple[str, ...]]:
+    """The run covering most nodes, then the shallowest (q/k/v projections lose to the blocks
+    holding them)."""
+    return max(runs, key=lambda r: (sum(count[k] for k in r[1]), -r[0].count(".")))
+
+
+def _holds_most(best: tuple[str, ...], runs: list, gemms: dict, total: int) -> bool:
+    """Does the best run hold more than half of the matmuls no other stack holds (the
+    outermost runs outside it: an encoder's beside a decoder's)? Runs of a few linears
+    inside named modules (an attention's projections, an MLP's) hold few of a model's."""
+    def inside(path: str, outer: str) -> bool:
+        return path.startswith(outer + ".")
+
+    others = [r for _, r in runs if not any(inside(m, b) or m == b for m in r for b in best)]
+    outer = [r for r in others if not any(inside(r[0], m) for o in others if o is not r
+                                          for m in o)]
+    rest = total - sum(gemms[m] for r in outer for m in r)
+    return 2 * sum(gemms[m] for m in best) > rest
+
+
+def _is_gemm(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in (
+        "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm",
+        "scaled_dot_product_attention", "convolution")
+
+
+def _chained(run: tuple[str, ...], nodes: list, stacks: dict, first_seen: dict,
+             last_seen: dict) -> bool:
+    """Does every member of `run` read (through any nodes between) the one before it?"""
+    member = {m: j for j, m in enumerate(run)}
+    reached: dict[torch.fx.Node, int] = {}   # the latest member a node depends on
+    fed = [False] * len(run)
+    for n in nodes[first_seen[run[0]]:last_seen[run[-1]] + 1]:
+        j = next((member[p] for p, _ in stacks[n] if p in member), -1)
+        dep = max((reached[a] for a in n.all_input_nodes if a in reached), default=-1)
+        if j > 0 and dep == j - 1:
+            fed[j] = True
+        reached[n] = max(j, dep)
+    return all(fed[1:])
+
+
+def _one_block_per_child(children: dict, cls_of: dict, first_seen: dict, last_seen: dict,
+                         gemms: dict, total: int) -> tuple[tuple[BlockKind, ...], tuple[str, ...]]:
+    """No stack of repeated blocks: the children of the model's main module (the outermost
+    one holding every matrix multiply) that hold one are its blocks, in execution order, the
+    last of several being the head (the output projection); each block is a kind of its own.
+    The note says so for the plan."""
+    main = ""
+    while (kids := [k for k in children[main] if gemms[k]]) and len(kids) == 1 and (
+            gemms[kids[0]] == total and children[kids[0]]):
+        main = kids[0]
+    if not kids:
+        raise LayerError(
+            f"find_layers: no block to plan: no module{f' inside {main}' if main else ''} "
+            f"holds a matrix multiply ({total} in the graph, all in one forward); autopar "
+            f"cuts pipeline stages and splits tensors by module. Fix: move the layers' "
+            f"weights and matmuls into submodules (one per layer)")
+    blocks = tuple(kids[:-1] if len(kids) > 1 else kids)
+    for a, b in zip(blocks, blocks[1:]):
+        if last_seen[a] > first_seen[b]:
+            raise LayerError(
+                f"find_layers: no repeated blocks, and the modules {a} and {b} of {main or 'the model'} "
+                f"interleave in execution ({b} starts before {a} ends), so they cannot be "
+                f"cut into pipeline stages either. Fix: put each layer in a module of its own "
+                f"(e.g. an nn.ModuleList of blocks) and call them one after the other")
+    names = ", ".join(b.rpartition(".")[2] for b in blocks)
+    note = (f"no repeated blocks found (no module has ≥2 consecutive children of one class "
+            f"that run one into the next and hold most of the matrix multiplies): planned with "
+            f"one block per child of {main or 'the model'} holding a matrix multiply ({names}), "
+            f"each a kind of its own; pipeline stages cut only between them. A stack of "
+            f"identical blocks (an nn.ModuleList) plans better")
+    return (BlockKind(container=main, block_class=cls_of[blocks[0]], block_paths=blocks),), (
+        note,)
 
 
 def _same_class_runs(kids: list[str], cls_of: dict, first_seen: dict,
@@ -508,6 +628,7 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
                 seen = inside[structure.block_paths.index(own[0])]
                 seen[c.rpartition(".")[2]] = min(seen.get(c.rpartition(".")[2], 99),
                                                  p.count("."))
+    cls_at = {p: c for n in nodes for p, c in stacks[n] if p in structure.block_paths}
     kinds, offset = [], 0
     for kind, groups in zip(structure.kinds, per_stack):
         keys = repeat_keys.get(kind.container)
@@ -523,8 +644,12 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
             lack = sorted((d, c) for c, d in others.items() if c not in mine)
             what = (own[0][1] if own else f"without {lack[0][1]}" if lack
                     else f"{len(sig[grp[0]])} ops")
+            cls = cls_at[structure.block_paths[grp[0]]]
+            if len({cls_at[structure.block_paths[h[0]]] for h in groups}) > 1:
+                what = cls.rpartition(".")[2]   # blocks of several classes (no repeated stack)
             name = f"{kind.container.removeprefix('model.')} [{what}]" if len(groups) > 1 else ""
-            kinds.append(replace(kind, block_paths=tuple(structure.block_paths[i] for i in grp),
+            kinds.append(replace(kind, block_class=cls,
+                                 block_paths=tuple(structure.block_paths[i] for i in grp),
                                  first=grp[0], blocks=tuple(grp), num_layers=len(layers),
                                  first_layer=layers[0], layers=layers, name=name))
         offset += len(layer_block)

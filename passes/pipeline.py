@@ -65,6 +65,10 @@ class ChunkSpec:
     objects: dict[str, str] = field(default_factory=dict)  # non-tensor attributes the runtime
     #                                                        binds (tp_group: the tensor group)
     returns_loss: bool = False
+    # indices into send of the values the chunk's own nodes also read (a norm of the stream
+    # computed before the cut, the stream sent beside it): autograd may have saved them, so
+    # the runtime keeps their data after sending (executor.release_data)
+    send_kept: tuple[int, ...] = ()
     # the last chunk's loss is a token mean of the targets skipping this index (cross-entropy's
     # ignore_index; `token_mean_ignore_index`): the runtime weighs each micro-batch by the
     # tokens it counts; None: another loss, the micro-batches' losses averaged as they are
@@ -351,6 +355,8 @@ def _build_chunk(analysis: _Analysis, c: int, prefix: str) -> torch.fx.GraphModu
         last_layer=st.last_layer, embedding=st.embedding, head=st.head,
         recv=tuple(_boundary(n, analysis) for n in recv),
         send=tuple(_boundary(n, analysis) for n in send),
+        send_kept=tuple(i for i, n in enumerate(send)
+                        if any(u.op != "output" for u in lookup(n).users)),
         model_inputs=tuple(used_inputs), params=params, buffers=buffers, objects=objects,
         returns_loss=last, loss_ignore_index=loss_ignore_index)
     chunk = torch.fx.GraphModule(root, graph, class_name=f"Chunk{c}")

@@ -464,12 +464,87 @@ def torch_encoder(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int
     return TorchEncoderLM(vocab=vocab, hidden=hidden, heads=heads, seq=seq, layers=layers)
 
 
+# ---- weight sharing across depth, and no repeated container (issue 31 items 2, 5) -----------
+
+def hf_albert(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+              hidden: int = 32, ffn: int = 64, groups: int = 1, **config: Any) -> Model:
+    """ALBERT masked LM, num_hidden_groups=1: one AlbertLayerGroup called at every depth (one
+    set of block weights; `groups` of them: each called by layers/groups consecutive layers),
+    a factorised embedding (16 wide, projected to hidden), the MLM decoder tied to the word
+    embedding."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+    return AlbertForMaskedLM(AlbertConfig(
+        vocab_size=vocab, embedding_size=16, hidden_size=hidden, num_hidden_layers=layers,
+        num_hidden_groups=groups, num_attention_heads=heads, intermediate_size=ffn,
+        max_position_embeddings=seq, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0, **config))
+
+
+class SharedBlockLM(torch.nn.Module):
+    """A hand-written decoder that calls one GPT block `layers` times (weights shared across
+    depth, as a Universal Transformer), untied head. The block has no biases: a key bias has
+    true gradient zero, and its float noise, summed over the calls, AdamW makes steps of."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, seq: int, layers: int):
+        super().__init__()
+        from autopar.examples.gpt import Block, GPTConfig
+        self.wte = torch.nn.Embedding(vocab, hidden)
+        self.wpe = torch.nn.Embedding(seq, hidden)
+        self.block = Block(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=1, n_head=heads,
+                                     n_embd=hidden, dropout=0.0, bias=False))
+        self.ln_f = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.depth = layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for _ in range(self.depth):
+            x = self.block(x)
+        return self.head(self.ln_f(x))
+
+
+def shared_block(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                 hidden: int = 32) -> Model:
+    return SharedBlockLM(vocab=vocab, hidden=hidden, heads=heads, seq=seq, layers=layers)
+
+
+class NoListLM(torch.nn.Module):
+    """A hand-written decoder layer of distinct named submodules, no ModuleList: an attention
+    and an MLP (each a GPT module), their norms, embeddings and the head; the only repeated
+    siblings are side by side (the two embeddings) or inside one module (c_fc, c_proj). No
+    biases in the attention and MLP (a key bias's gradient is zero: AdamW steps on its noise)."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int, seq: int):
+        super().__init__()
+        from autopar.examples.gpt import MLP, CausalSelfAttention, GPTConfig
+        cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=1, n_head=heads,
+                        n_embd=hidden, dropout=0.0, bias=False)
+        self.wte = torch.nn.Embedding(vocab, hidden)
+        self.wpe = torch.nn.Embedding(seq, hidden)
+        self.ln_attn = torch.nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_mlp = torch.nn.LayerNorm(hidden)
+        self.mlp = MLP(cfg)
+        self.ln_f = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        x = x + self.attn(self.ln_attn(x))
+        x = x + self.mlp(self.ln_mlp(x))
+        return self.head(self.ln_f(x))
+
+
+def no_list(*, vocab: int = 64, seq: int = 16, heads: int = 4, hidden: int = 32) -> Model:
+    return NoListLM(vocab=vocab, hidden=hidden, heads=heads, seq=seq)
+
+
 BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
-    hf_gpt_oss, hf_swin, hf_deepseek_v3)}
+    hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, shared_block, no_list)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

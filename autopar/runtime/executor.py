@@ -71,13 +71,15 @@ class LoadedChunk:
     model_inputs: list[int]
     returns_loss: bool
     loss_ignore_index: int | None = None   # a token-mean loss's ignored target (module's)
+    send_kept: tuple[int, ...] = ()   # sends the chunk also reads: their data stays (SEND_KEPT)
 
     @classmethod
     def from_module(cls, index: int, module: Any, net: torch.nn.Module) -> "LoadedChunk":
         return cls(index=index, module=module, net=net, recv=list(module.RECV),
                    send=list(module.SEND), model_inputs=list(module.MODEL_INPUTS),
                    returns_loss=bool(module.RETURNS_LOSS),
-                   loss_ignore_index=getattr(module, "LOSS_IGNORE_INDEX", None))
+                   loss_ignore_index=getattr(module, "LOSS_IGNORE_INDEX", None),
+                   send_kept=tuple(getattr(module, "SEND_KEPT", ())))
 
 
 @dataclass
@@ -87,13 +89,14 @@ class _Stash:
     released: bool = False   # the outputs' data freed once sent (release_data)
 
 
-def release_data(outputs: Sequence[torch.Tensor]) -> bool:
+def release_data(outputs: Sequence[torch.Tensor], kept: Sequence[int] = ()) -> bool:
     """Free the data of a chunk's sent outputs (Megatron-LM's deallocate_output_tensor, what
     Llama 3 did): backward needs only their grad_fn, and the send holds its own reference until
-    it completes. Outputs that are views or leaves keep their data. True if any was freed."""
+    it completes. Outputs that are views or leaves keep their data, and so do those at `kept`
+    (the chunk's own nodes read them: autograd may have saved them). True if any was freed."""
     freed = False
-    for o in outputs:
-        if o.grad_fn is not None and o._base is None and o.numel() > 1:
+    for i, o in enumerate(outputs):
+        if o.grad_fn is not None and o._base is None and o.numel() > 1 and i not in kept:
             o.data = torch.empty((1,), dtype=o.dtype, device=o.device)
             freed = True
     return freed
@@ -403,7 +406,7 @@ class PipelineExecutor:
         if self._forward_only:      # no backward follows: the send holds what it needs
             del self._stash[(a.chunk, a.mb)]
         elif not self._split:    # (a split backward's B goes through autograd.grad: keep them)
-            st.released = release_data(st.outputs)
+            st.released = release_data(st.outputs, self.chunks[a.chunk].send_kept)
 
     def _recv_f(self, a: Action) -> None:
         if not self.async_recv:

@@ -39,7 +39,9 @@ class ParamInfo:
     start: int = 0                 # this rank's real slice [start, stop) along split_dim
     stop: int = 0
     replicated_over_tp: bool = True   # same values on every tensor rank (count once in norms)
-    shared_with: str | None = None    # "embedding": also held by another pipeline stage
+    shared_with: str | None = None    # also held by other pipeline stages, its gradients
+    #                                   summed over the "embedding" (first and last stage) or
+    #                                   the "pipeline" group (every stage)
     # [lo, hi) ranges of the local tensor's flattened elements that every tensor rank holds
     # alike inside a split parameter (the whole k/v rows of a mixed q/k/v projection)
     tp_whole: tuple[tuple[int, int], ...] = ()
@@ -85,7 +87,7 @@ class ParamInfo:
 
 def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int, ...],
                    global_shape: tuple[int, ...] | None, split: tuple[ParamSplit, int] | None,
-                   tp_rank: int, t: int, shared: bool,
+                   tp_rank: int, t: int, shared: bool | str,
                    experts: tuple[int, int, int] | None = None) -> ParamInfo:
     """The ParamInfo of a local tensor of `local_shape` on tensor rank `tp_rank` of t.
 
@@ -95,10 +97,10 @@ def describe_param(*, key: str, aliases: tuple[str, ...], local_shape: tuple[int
     (50257,), padded=50432), 50257), tp_rank 1 of 2 -> split_dim 0, [25216, 50257).
     experts: (E, start, stop) of an expert parameter spread over the expert group (dim 0);
     when it is also tensor-split (`split`), replicated_over_tp=False and the tensor split is
-    LocalParams.splits'.
+    LocalParams.splits'. shared: the ParamInfo.shared_with group (True: "embedding").
     Why this size: the facts a ParamInfo records, each given by the pass that knows it.
     """
-    shared_with = "embedding" if shared else None
+    shared_with = shared if isinstance(shared, str) else "embedding" if shared else None
     if experts is not None:
         e, start, stop = experts
         if global_shape is None:
@@ -164,8 +166,19 @@ class LocalParams:
 
     @property
     def shared(self) -> list[str]:
-        """Names also held by another pipeline stage (tied input/output embeddings)."""
-        return [q for q in self.tensors if self.infos[q].shared_with is not None]
+        """Names also held by another pipeline stage (tied input/output embeddings, a block
+        called at several depths), sorted: every stage sums them in one flat buffer, so all
+        must list them in one order (chunk order differs: the first stage registers the
+        embedding before a shared block, the last after it)."""
+        return sorted(q for q in self.tensors if self.infos[q].shared_with is not None)
+
+    def shared_by_group(self) -> dict[str, list[torch.nn.Parameter]]:
+        """The shared tensors by the group their gradients are summed over ("embedding": the
+        first and last stage; "pipeline": every stage), each list in `shared` order."""
+        out: dict[str, list[torch.nn.Parameter]] = {}
+        for q in self.shared:
+            out.setdefault(self.infos[q].shared_with, []).append(self.tensors[q])
+        return out
 
     def ordered_infos(self) -> list[ParamInfo]:
         return [self.infos[q] for q in self.tensors]

@@ -71,6 +71,11 @@ def test_released_outputs_backpropagate_like_kept_ones():
     assert torch.equal(w.grad, want)
     leaf = torch.randn(3, requires_grad=True)
     assert not release_data([leaf, leaf[:2]]) and leaf.numel() == 3   # leaves and views kept
+    # a sent value the chunk also reads (SEND_KEPT: a norm's input sent beside the norm) keeps
+    # its data, which the norm's backward needs
+    stream = x @ w
+    normed = torch.nn.functional.layer_norm(stream, (8,))
+    assert release_data([stream, normed], kept=(0,)) and stream.numel() == 32
 
 
 def _held_rank(rank, world, plan):

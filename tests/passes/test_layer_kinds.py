@@ -86,3 +86,31 @@ def test_attention_sinks_split_with_their_heads():
     sinks = [n for n in cap.gm.graph.nodes if n.op == "get_attr" and n.target.endswith("sinks")]
     assert len(sinks) == 2
     assert all(n.meta[K.TP_LAYOUT] == Shard(0, (4,)) for n in sinks)
+
+
+def test_shared_block_weights_priced_once_per_stage():
+    """ALBERT's layer group, called at all 4 depths, is one set of weights: none of it in the
+    per-layer block, all of it held by the first stage and (p ≥ 2) a copy by every other, its
+    gradient in the stages' sync (issue 31 item 2)."""
+    from dataclasses import replace
+    from autopar.cost.dp_terms import tied_sync_s
+    from autopar.cost.model import Config
+    from autopar.cost.shares import rank_params
+    from autopar.passes.capture import capture
+    from autopar.passes.graph_profile import profile_from_graph
+    from autopar.passes.layers import find_layers
+    model = models.build("hf_albert", seed=0, layers=4)
+    cap = capture(model, (torch.zeros(2, 8, dtype=torch.long),), autopar.cross_entropy)
+    profile = profile_from_graph(cap, find_layers(cap))
+    group = sum(p.numel() for p in model.albert.encoder.albert_layer_groups.parameters())
+    assert profile.num_layers == 4 and profile.block.params_elems == 0
+    assert profile.shared_split_elems + profile.shared_replicated_elems == group
+    assert profile.params_elems == sum(p.numel() for p in model.parameters())
+    cl = get_cluster("dgx-h100-80gb")
+    one, two, three = (rank_params(profile, Config(t=1, p=p, d=1, micro_batch_size=1,
+                                                   num_microbatches=2)) for p in (1, 2, 3))
+    assert two.embedding - one.embedding == 0 and two.head - one.head == group
+    assert (one.middle, two.middle, three.middle) == (0, 0, group)   # p = 3: a copy each
+    untied = replace(profile, tied_embeddings=False)
+    assert tied_sync_s(untied, cl, Config(t=1, p=2, d=1, micro_batch_size=1,
+                                          num_microbatches=2)) > 0

@@ -77,10 +77,49 @@ def test_differing_blocks_become_kinds():
     assert [k.block_ids for k in s.kinds] == [(0, 2), (1,)]
 
 
-def test_no_repeats_is_a_clear_error():
-    cap = capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
-    with pytest.raises(LayerError, match="no repeated blocks"):
+def _tiny(name: str, **sizes):
+    from autopar.examples.gpt import lm_cross_entropy
+    from models import build, token_batches
+    ids, tgt = token_batches(64, (2, 8), 1, seed=1)[0]
+    return capture(build(name, seed=0, **sizes), (ids,), lm_cross_entropy, tgt)
+
+
+@pytest.mark.parametrize("name,mod", [
+    ("hf_albert", "model.albert.encoder.albert_layer_groups.0"), ("shared_block", "model.block")])
+def test_block_called_at_several_depths_is_a_stack_of_calls(name, mod):
+    """One module called at every depth (ALBERT's layer group, a decoder calling one block 3
+    times) is a stack of its calls, not the embedding tables beside each other that ALBERT's
+    finder used to take; its weights are read by the first call (the region of a parameter
+    is its first user's), and the plan's notes say they are shared (issue 31 item 2)."""
+    cap = _tiny(name, layers=3)
+    s = find_layers(cap)
+    assert s.block_paths == (mod, mod + "@1", mod + "@2") and s.num_layers == 3
+    assert s.kinds[0].shared == (mod,) and not s.mixed
+    assert any("called at 3 depths" in n for n in s.notes)
+    region = {n.name: n.meta[K.REGION] for n in cap.gm.graph.nodes}
+    weights = [n for n in cap.gm.graph.nodes if n.op == "get_attr"
+               and n.target.startswith(mod + ".")]
+    assert weights and all(region[n.name] == ("block", 0) for n in weights)
+    assert all(set(s.block_outputs[i - 1]) & set(s.block_inputs[i]) for i in (1, 2))
+
+
+def test_no_repeated_stack_plans_one_block_per_child():
+    """No stack of repeated blocks (a decoder of named attn / mlp modules; the repeated
+    siblings are side by side or inside one module): each child of the model holding a
+    matmul, but the last (the LM head), is a block of its own kind, and a note says so
+    (issue 31 item 5)."""
+    s = find_layers(_tiny("no_list"))
+    assert s.block_paths == ("model.attn", "model.mlp") and s.mixed and s.pattern == (0, 1)
+    assert [k.block_class.rpartition(".")[2] for k in s.kinds] == ["CausalSelfAttention", "MLP"]
+    assert "one block per child of model" in s.notes[0]
+    assert set(s.block_outputs[0]) & set(s.block_inputs[1])
+
+
+def test_no_matmul_is_a_clear_error():
+    cap = capture(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()), (torch.randn(2, 4),))
+    with pytest.raises(LayerError, match="no block to plan.*Fix:") as e:
         find_layers(cap)
+    assert "\n" not in str(e.value)
 
 
 def _seq2seq(name: str, repeat_limit: int | None = None):

@@ -91,6 +91,15 @@ class Regime(ABC):
                    for v in st.values() if isinstance(v, torch.Tensor))
 
 
+def sum_shared_grads(shared: dict[str, Sequence[torch.Tensor]], groups: Any) -> None:
+    """Sum the gradients of the weights several pipeline stages hold (`LocalParams.
+    shared_by_group`): over the embedding group those of the first and the last stage (tied
+    embeddings; a block called at several depths at p = 2), over the pipeline group those
+    every stage holds (a block called at every depth, p > 2)."""
+    for name, params in shared.items():
+        sum_tied_grads(params, getattr(groups, name))
+
+
 def sum_tied_grads(params: Sequence[torch.Tensor], group: Any) -> None:
     """Sum the gradients of the tied embedding copies held by the first and the last stage
     over the embedding `group` (Megatron's shared embedding all-reduce); fp32 `main_grad`

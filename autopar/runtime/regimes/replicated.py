@@ -28,7 +28,7 @@ from autopar.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradSync
 from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime,
-                                          final_backwards, sum_tied_grads,
+                                          final_backwards, sum_shared_grads,
                                           weight_grad_kind)
 from autopar.schedules import Action
 
@@ -67,7 +67,7 @@ class Replicated(Regime):
             self.arm_at = {key: [[p for p in ps if id(p) in sync.ids] for sync in self.syncs]
                            for key, ps in final_backwards(actions, params.in_chunks(),
                                                           params.tensors).items()}
-        self._shared = [params.tensors[q] for q in params.shared]
+        self._shared = params.shared_by_group()
 
     def before_action(self, n: int, action: Action) -> None:
         params = self.arm_at.get((action.chunk, action.mb)) \
@@ -87,7 +87,7 @@ class Replicated(Regime):
     def finish(self) -> None:
         for sync in self.syncs:
             sync.finish()
-        sum_tied_grads(self._shared, self.groups.embedding)
+        sum_shared_grads(self._shared, self.groups)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(list(self.stepped.values()), self.params.ordered_infos(),

@@ -31,7 +31,7 @@ from autopar.runtime.flat_shard import held_segments
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
-from autopar.runtime.regimes.base import OptimizerFactory, OptimState, Regime, sum_tied_grads
+from autopar.runtime.regimes.base import OptimizerFactory, OptimState, Regime, sum_shared_grads
 from autopar.runtime.zero import ZeroOptimizer
 from autopar.schedules import Action
 
@@ -143,7 +143,7 @@ class Zero1(Regime):
         self.mp = (MixedPrecision(tensors, compute_dtype=precision_dtype, master_weights=False)
                    if precision_dtype is not None else None)
         self.optimizer = self.zero.optimizer
-        self._shared = [params.tensors[q] for q in params.shared]
+        self._shared = params.shared_by_group()
 
     def before_action(self, n: int, action: Action) -> None:
         if action.kind == "REDUCE" and action.chunk in self._chunk_index:
@@ -154,7 +154,7 @@ class Zero1(Regime):
         self.zero.zero_grad()
 
     def finish(self) -> None:
-        sum_tied_grads(self._shared, self.groups.embedding)
+        sum_shared_grads(self._shared, self.groups)
         self.zero.reduce_grads()
 
     def clip(self, max_norm: float) -> torch.Tensor:

@@ -51,7 +51,7 @@ from autopar.runtime.collectives import all_reduce_
 from autopar.runtime.params import LocalParams
 from autopar.runtime.precision import MixedPrecision
 from autopar.runtime.regimes.base import (OptimizerFactory, OptimState, Regime, average_grads,
-                                          sum_tied_grads)
+                                          sum_shared_grads)
 from autopar.runtime.zero3_chunks import Fp8Gather, Zero3Chunks
 from autopar.weight_gathers import plan_gathers
 from autopar.schedules import Action
@@ -89,7 +89,7 @@ class Zero3(Regime):
             if c in self.sharded:              # not a chunk whose weights are all replicated
                 self.ops.setdefault(n, []).append((op, c))
         self.after = len(actions)              # plan_gathers' index of "after the schedule"
-        self._shared = [params.tensors[q] for q in params.shared]
+        self._shared = params.shared_by_group()
 
     def _parts(self, params: LocalParams, groups: Any, precision_dtype: torch.dtype | None,
                fp8_weights: frozenset) -> list[Zero3Chunks]:
@@ -148,7 +148,7 @@ class Zero3(Regime):
             part.finish_reduces()
         average_grads([self.params.tensors[q] for q in self.replicated], self.groups.data,
                       self.groups.d)
-        sum_tied_grads(self._shared, self.groups.embedding)
+        sum_shared_grads(self._shared, self.groups)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global-norm clipping: shard pieces count on every rank (each dp rank holds
