@@ -259,6 +259,12 @@ def hf_qwen3_moe(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int 
          "num_experts_per_tok": top_k, "mlp_only_layers": list(dense), **config}))
 
 
+def hf_qwen3_moe_alternate(*, layers: int = 4, **sizes: Any) -> Model:
+    """Qwen3-MoE with MoE every other layer (decoder_sparse_step=2: layers 1, 3, ... routed,
+    0, 2, ... dense), the interleaved-MoE stacks of 2025-26 (issue 32)."""
+    return hf_qwen3_moe(layers=layers, dense=(), decoder_sparse_step=2, **sizes)
+
+
 def hf_smollm3(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
                kv_heads: int = 2, hidden: int = 32, ffn: int = 64,
                rope: tuple[int, ...] = (1, 0), **config: Any) -> Model:
@@ -543,7 +549,7 @@ BUILDERS = {f.__name__: f for f in (
     gpt, llama_style, hf_gpt2, hf_llama, hf_bert, hf_neox, hf_falcon, hf_falcon_mq, hf_gptj,
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
-    hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_smollm3, hf_cohere2,
+    hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
     hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, shared_block, no_list)}
 
 

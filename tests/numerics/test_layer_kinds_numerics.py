@@ -79,12 +79,13 @@ def _plan(mode: str) -> Plan:
 # MLM decoder) at t = 2 and at p = 2 (the cut between two calls of the shared block: both
 # stages hold it and sum its gradients with the tied embedding's), the hand-written decoder
 # calling one block twice at p = 2, and the decoder with no repeated stack (its attn and mlp
-# modules the blocks) at t = 2 and p = 2.
+# modules the blocks) at t = 2 and p = 2. Qwen3-MoE with MoE every other layer (4 layers,
+# dense / MoE alternating) rides with Swin at p = 2: each stage holds one dense and one MoE layer.
 @pytest.mark.parametrize("names,mode", [
-    (("hf_gpt_oss", "hf_albert", "no_list"), "t2"),
+    (("hf_gpt_oss", "hf_albert", "no_list", "hf_deepseek_v3"), "t2"),
     (("hf_qwen3_moe", "hf_albert", "shared_block", "no_list"), "p2"),
-    (("hf_cohere2",), "c2"), (("hf_qwen3_moe",), "ep2d2"), (("hf_swin",), "p2-hier"),
-    (("hf_deepseek_v3",), "t2"), (("hf_deepseek_v3",), "ep2d2")],
+    (("hf_cohere2",), "c2"), (("hf_qwen3_moe", "hf_deepseek_v3"), "ep2d2"),
+    (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
 def test_blocks_of_two_kinds_equal_one_device(names, mode):
     plan = _plan(mode)
