@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.runtime.ckpt_load import last_load_stats
 from autopar.testing import spawn
 
 import models
@@ -64,8 +65,29 @@ def _save_rank(rank, world, plans, tmp):
         saved = (runner.full_state_dict(), runner.regime.optimizer_state()) \
             if plan.zero == 3 and plan.d == 4 else None
         out.append(dict(plan=str(path.name), held=held, grew=grew_kb * 1024, written=written,
-                        saved=saved if rank == 0 else None))
+                        saved=saved if rank == 0 else None, **_reload(runner, path)))
     return out
+
+
+def _reload(runner, path):
+    """Load `path` back into a runner whose held state was overwritten with NaN: the load
+    restores it bit for bit, its counted temporaries (ckpt_load.LoadStats) and its peak
+    resident growth."""
+    before = [{k: t.clone() for k, t in h.tensors.items()} for h in runner.regime.shard_state()]
+    for h in runner.regime.shard_state():
+        for t in h.tensors.values():
+            t.fill_(float("nan"))
+    Path("/proc/self/clear_refs").write_text("5")
+    before_kb = _rss_kb("VmRSS")
+    runner.load_checkpoint(path)
+    load_grew = (_rss_kb("VmHWM") - before_kb) * 1024
+    after = [dict(h.tensors) for h in runner.regime.shard_state()]
+    same = len(before) == len(after) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(before, after))
+    stats = last_load_stats()
+    return dict(restored=same, load_grew=load_grew, load_peak=stats.peak_bytes,
+                load_whole=stats.whole_items)
 
 
 def _balanced(results):
@@ -89,8 +111,13 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
     results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
     for rank, rows in enumerate(results):
-        for row in rows[:3]:    # the wide model's d = 4 saves
+        for row in rows:
+            assert row["restored"] and row["load_whole"] == 0, (rank, row["plan"])
+        for row in rows[:3]:    # the wide model's d = 4 saves and loads
             assert row["grew"] < row["held"] / 2, (rank, row["plan"], row["grew"], row["held"])
+            assert row["load_peak"] <= row["held"] / 4, (rank, row["plan"], row["load_peak"])
+            assert row["load_grew"] < row["held"] / 2, (rank, row["plan"], row["load_grew"],
+                                                        row["held"])
     weights, state = results[0][2]["saved"]
     (got_weights, got_state), = spawn(_load_rank, 1, str(tmp_path / "t1p1d4z3"),
                                       timeout_s=200)
