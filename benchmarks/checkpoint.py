@@ -12,9 +12,10 @@ process) its time, peak resident growth and the largest temporary the loader all
 (counted: ckpt_load.LoadStats.peak_bytes), against the replaced load. Then the stall:
 the time a synchronous save blocks the loop, against the time an asynchronous save blocks it
 (staging a host copy) plus the slowdown of the training steps that run while it writes
-(the steps run during the write − as many steps run right after it without a save; the
-median of three saves). The asynchronous saves measured follow the job's first, which starts
-each rank's writer process and allocates its shared staging buffer, once per job.
+(`_async_trial`: the save and n steps, minus the same n steps without a save before and
+after, unclipped; medians of --rounds, the slowest rank's). The asynchronous saves measured
+follow the job's first, which starts each rank's writer process and allocates its shared
+staging buffer, once per job. The machine is shared: read the medians, and rerun.
 
     python benchmarks/checkpoint.py [--hidden 512] [--layers 4] [--vocab 8192] [--zero 1,3]
                                     [--ranks 4] [--rounds 3]
@@ -22,6 +23,7 @@ each rank's writer process and allocates its shared staging buffer, once per job
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -96,25 +98,33 @@ def _load(runner, path, gathered=False):
     return load_s, grew, None if gathered else last_load_stats().peak_bytes
 
 
-def _async_trial(runner, args, path, k0):
-    """One asynchronous save: (seconds it blocks the loop, its stall, steps overlapping the
-    write). The stall is the block plus what the n steps run while the write goes on took
-    beyond the next n steps run without a save (same data, right after: the same machine
-    state, so the steps' own noise cancels as far as it can)."""
-    from autopar.runtime.ckpt_writer import WRITER
+def _steps(runner, args, k0, n):
+    t0 = time.perf_counter()
+    for i in range(n):
+        _step(runner, args, k0 + i)
+    return time.perf_counter() - t0
+
+
+def _async_trial(runner, args, path, k0, n):
+    """One asynchronous save against the same n steps without one: (seconds the save blocks
+    the loop, its stall). The stall is the wall time of the save, n steps and the wait for
+    the write if it outlasts them, minus the mean of the same n steps (same data) run without
+    a save right before and right after — not clipped at zero, so the steps' noise averages
+    out over rounds instead of adding up (the version before took max(0, during − after):
+    biased upwards by the noise alone)."""
+    before = _steps(runner, args, k0, n)
     t0 = time.perf_counter()
     runner.save_checkpoint(path, async_save=True)
     block = time.perf_counter() - t0
-    n, during = 0, 0.0
-    while WRITER.busy or n == 0:
-        during += _step(runner, args, k0 + n)
-        n += 1
+    _steps(runner, args, k0, n)
     runner.wait_for_checkpoint()
-    after = sum(_step(runner, args, k0 + i) for i in range(n))
-    return block, block + max(0.0, during - after), n
+    with_save = time.perf_counter() - t0
+    after = _steps(runner, args, k0, n)
+    return block, with_save - (before + after) / 2
 
 
 def _rank(rank, world, args, tmp):
+    import torch.distributed as dist
     torch.set_num_threads(1)
     out = {}
     for zero in args.zero:
@@ -128,21 +138,25 @@ def _rank(rank, world, args, tmp):
             row[kind] = _save(runner, path, rank, gathered=kind == "gathered")
         row["load_gathered"] = _load(runner, f"{tmp}/z{zero}-sharded", gathered=True)
         row["load"] = _load(runner, f"{tmp}/z{zero}-sharded")
-        steps = [_step(runner, args, k) for k in range(1, 6)]
-        row["step_s"] = statistics.median(steps)
+        row["step_s"] = statistics.median(_step(runner, args, k) for k in range(1, 6))
         runner.save_checkpoint(f"{tmp}/z{zero}-sync")        # the version dir exists
-        runner.save_checkpoint(f"{tmp}/z{zero}-async", async_save=True)   # starts the writer
-        runner.wait_for_checkpoint()     # process and its staging buffer: once per job
-        trials = [_async_trial(runner, args, f"{tmp}/z{zero}-async", 10 + 20 * i)
-                  for i in range(args.rounds)]
-        row["async_block_s"], row["async_stall_s"], row["async_steps"] = sorted(
-            trials, key=lambda tr: tr[1])[len(trials) // 2]       # the median trial
         syncs = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
             runner.save_checkpoint(f"{tmp}/z{zero}-sync")
             syncs.append(time.perf_counter() - t0)
         row["sync_block_s"] = statistics.median(syncs)
+        # steps overlapping a write: 1.5 sync saves' worth, the same on every rank
+        n = torch.tensor([max(2, math.ceil(1.5 * row["sync_block_s"] / row["step_s"]))])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        row["async_steps"] = int(n)
+        runner.save_checkpoint(f"{tmp}/z{zero}-async", async_save=True)   # starts the writer
+        runner.wait_for_checkpoint()     # process and its staging buffer: once per job
+        trials = [_async_trial(runner, args, f"{tmp}/z{zero}-async", 10 + 20 * i, int(n))
+                  for i in range(args.rounds)]
+        row["async_block_s"] = statistics.median(b for b, _ in trials)
+        row["async_stall_s"] = statistics.median(st for _, st in trials)
+        row["async_stalls"] = [st for _, st in trials]
         out[zero] = row
     return out
 
@@ -164,8 +178,8 @@ def main() -> None:
     mb = 1 / 2**20
     for zero in args.zero:
         rows = [r[zero] for r in results]
-        print(f"\nZeRO-{zero}, d={args.ranks}, GPT hidden {args.hidden} × {args.layers} layers, vocab "
-              f"{args.vocab}: shard state per rank {rows[0]['held'] * mb:.1f} MiB")
+        print(f"\nZeRO-{zero}, d={args.ranks}, GPT hidden {args.hidden} × {args.layers} "
+              f"layers, vocab {args.vocab}: shard state per rank {rows[0]['held'] * mb:.1f} MiB")
         print("rank | gathered: written MiB, mem growth MiB, save s | sharded: written MiB, "
               "mem growth MiB, save s | load before: s, mem growth MiB | load: s, mem growth "
               "MiB, largest temporary MiB")
@@ -181,6 +195,8 @@ def main() -> None:
               f"{rows[0]['async_steps']} steps that overlap its write: stall {stall:.2f} s = "
               f"{stall / sync:.2f} × the sync save (median step {rows[0]['step_s']:.2f} s; "
               f"medians of {args.rounds} rounds, the slowest rank's)")
+        print("  stall per round, each rank: " + "; ".join(
+            " ".join(f"{x:.2f}" for x in r["async_stalls"]) for r in rows))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ files, `autopar_layout.json` lists every logical tensor's full shape, dtype and 
 step, the plan and every file's size and CRC-32; it is written last and marks the checkpoint
 complete.
 
-Loading under another plan (other t, c, p, d, v, ep, zero): each rank reads the saved pieces
-that overlap its new slice (DCP loads any subset of keys) and copies the overlaps into its local
-tensor; both piece forms load, so checkpoints written before sharded saves still load.
+Loading under another plan (other t, c, p, d, v, ep, zero): each rank reads the parts of the
+saved pieces that overlap what it holds (autopar.runtime.ckpt_load: byte ranges of the DCP
+items, in bounded spans) — a program's load straight into its regime's shard state, never
+building the unsharded local tensors; `load_checkpoint` into the caller's local tensors. Both
+piece forms load, so checkpoints written before sharded saves still load.
 
 Atomicity (autopar.runtime.ckpt_store): the DCP files and the layout go to `path.tmp-<uuid>`;
 once every rank's files are complete rank 0 renames it to `path.ckpt-<uuid>` and atomically
@@ -35,8 +37,8 @@ asynchronous (async_save: a shared host copy, written by a background process of
 autopar.runtime.ckpt_writer).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
-DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with
-torch.load(weights_only=True); our layout is JSON.
+DCP's own metadata classes, dtypes and sizes, and each item's tensor description, with
+torch.load(weights_only=True) (its data skipped, then read as raw bytes); our layout is JSON.
 """
 from __future__ import annotations
 
@@ -54,8 +56,9 @@ import torch.distributed.checkpoint as dcp
 
 from autopar.runtime.ckpt_load import dtype_of, load_into_shards, read_boxes, volume
 from autopar.runtime.ckpt_pieces import sharded_entries
-from autopar.runtime.ckpt_store import (LAYOUT_FILE, adopt_copy, checkpoint_group,
-                                        choose_version, commit, file_records, own_files)
+from autopar.runtime.ckpt_store import (LAYOUT_FILE, ChecksumFileSystem, adopt_copy,
+                                        checkpoint_group, choose_version, commit,
+                                        file_records, own_files)
 from autopar.runtime.ckpt_writer import WRITER
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.params import LocalParams, ParamInfo
@@ -254,11 +257,12 @@ def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any
     files, and — on rank 0, once every rank's records arrived — write the layout and commit.
     Collective over `group` (None: the default group; the writer process's own)."""
     multi = job.world > 1
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(job.tmp)),
-             process_group=group, no_dist=not multi)
+    writer = dcp.FileSystemWriter(str(job.tmp))
+    writer.fs = ChecksumFileSystem()                  # checksums as the bytes are written
+    dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not multi)
     if job.fault == "exit-after-files":
         os._exit(9)                                   # tests: files written, never committed
-    mine = (job.records, file_records(job.tmp, own_files(job.tmp, job.rank)))
+    mine = (job.records, {n: writer.fs.written[n] for n in own_files(job.tmp, job.rank)})
     parts: list[Any] | None = [None] * job.world if job.rank == 0 and multi else None
     if multi:   # rank 0 hears from every rank only once its files are complete
         dist.gather_object(mine, parts, dst=_global(group, 0), group=group)

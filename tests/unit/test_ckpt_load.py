@@ -1,6 +1,7 @@
 """The bounded checkpoint reader (autopar.runtime.ckpt_load): an overlap cut into spans of at
-most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals DCP's
-own whole-item read narrowed, for every dtype and rank of tensor the checkpoints store."""
+most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals the
+tensor saved, for every dtype and rank of tensor the checkpoints store; the writer's staged
+pieces are copied no more by DCP, and the checksums kept while writing equal the files'."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from autopar.runtime.ckpt_load import PieceFile, safe_reader, spans
+from autopar.runtime.ckpt_store import ChecksumFileSystem, file_records
+from autopar.runtime.ckpt_writer import ProcessWriter
 
 
 def _cells(box):
@@ -44,8 +47,16 @@ def test_ranged_reads_equal_dcp_whole_reads(tmp_path: Path):
     items = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 4, 6, generator=gen),
              "c": torch.randn(11, generator=gen).to(torch.bfloat16), "d": torch.tensor(3.0),
              "e": torch.randn(9, 8, generator=gen)[:, 2:5]}       # a view: stored compact
-    dcp.save({k: v for k, v in items.items()}, storage_writer=dcp.FileSystemWriter(str(tmp_path)),
-             no_dist=True)
+    # staged as an asynchronous save stages them: tensors whose storage is exactly the piece
+    # (DCP copies nothing more), written with their checksums kept as the bytes go by
+    staged = ProcessWriter().stage(items).pieces()
+    assert all(torch.equal(staged[k], v) and staged[k].untyped_storage().nbytes() == v.nbytes
+               for k, v in items.items())
+    writer = dcp.FileSystemWriter(str(tmp_path))
+    writer.fs = ChecksumFileSystem()
+    dcp.save(staged, storage_writer=writer, no_dist=True)
+    names = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert {n: writer.fs.written[n] for n in names} == file_records(tmp_path, names)
     files = PieceFile(tmp_path, safe_reader(tmp_path))
     rng = random.Random(1)
     try:
