@@ -15,15 +15,19 @@ the time a synchronous save blocks the loop, against the time an asynchronous sa
 (`_async_trial`: the save and n steps, minus the same n steps without a save before and
 after, unclipped; medians of --rounds, the slowest rank's). The asynchronous saves measured
 follow the job's first, which starts each rank's writer process and allocates its shared
-staging buffer, once per job. The machine is shared: read the medians, and rerun.
+staging buffer, once per job. Also: the CPU seconds the writer process uses per save (what
+a host without idle cores loses to it, free of the wall-clock noise of a shared machine), the
+load it replaced (the unsharded local state it built). The machine may be shared: read the
+medians, and rerun.
 
     python benchmarks/checkpoint.py [--hidden 512] [--layers 4] [--vocab 8192] [--zero 1,3]
-                                    [--ranks 4] [--rounds 3]
+                                    [--ranks 4] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -111,16 +115,27 @@ def _async_trial(runner, args, path, k0, n):
     the write if it outlasts them, minus the mean of the same n steps (same data) run without
     a save right before and right after — not clipped at zero, so the steps' noise averages
     out over rounds instead of adding up (the version before took max(0, during − after):
-    biased upwards by the noise alone)."""
+    biased upwards by the noise alone). Also returned: the wait for a write that outlasted
+    the n steps (part of the stall here; in training it would overlap more steps)."""
+    from autopar.runtime.ckpt_writer import WRITER
     before = _steps(runner, args, k0, n)
+    cpu0 = _cpu_s(WRITER._proc.pid)
     t0 = time.perf_counter()
     runner.save_checkpoint(path, async_save=True)
     block = time.perf_counter() - t0
     _steps(runner, args, k0, n)
+    t1 = time.perf_counter()
     runner.wait_for_checkpoint()
     with_save = time.perf_counter() - t0
+    writer_cpu = _cpu_s(WRITER._proc.pid) - cpu0
     after = _steps(runner, args, k0, n)
-    return block, with_save - (before + after) / 2
+    return block, with_save - (before + after) / 2, with_save - (t1 - t0), writer_cpu
+
+
+def _cpu_s(pid):
+    """CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rank(rank, world, args, tmp):
@@ -132,7 +147,12 @@ def _rank(rank, world, args, tmp):
         _step(runner, args, 0)
         held = sum(t.numel() * t.element_size() for h in runner.regime.shard_state()
                    for t in h.tensors.values())
-        row = {"held": held}
+        # what the load it replaced built before the regime took its shard: every local
+        # parameter's fp32 weight and elementwise optimizer states, unsharded
+        states = 1 + sum(1 for st in list(runner.regime.optimizer.state.values())[:1]
+                         for v in st.values() if v.dim() > 0)
+        built = sum(p.numel() * 4 * states for p in runner.params.tensors.values())
+        row = {"held": held, "old_load_built": built}
         for kind in ("gathered", "sharded"):
             path = f"{tmp}/z{zero}-{kind}"
             row[kind] = _save(runner, path, rank, gathered=kind == "gathered")
@@ -140,23 +160,27 @@ def _rank(rank, world, args, tmp):
         row["load"] = _load(runner, f"{tmp}/z{zero}-sharded")
         row["step_s"] = statistics.median(_step(runner, args, k) for k in range(1, 6))
         runner.save_checkpoint(f"{tmp}/z{zero}-sync")        # the version dir exists
-        syncs = []
+        syncs, cpus = [], []
         for _ in range(args.rounds):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runner.save_checkpoint(f"{tmp}/z{zero}-sync")
             syncs.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         row["sync_block_s"] = statistics.median(syncs)
-        # steps overlapping a write: 1.5 sync saves' worth, the same on every rank
-        n = torch.tensor([max(2, math.ceil(1.5 * row["sync_block_s"] / row["step_s"]))])
+        row["sync_cpu_s"] = statistics.median(cpus)
+        # steps overlapping a write: 3 sync saves' worth, the same on every rank
+        n = torch.tensor([max(3, math.ceil(3 * row["sync_block_s"] / row["step_s"]))])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         row["async_steps"] = int(n)
         runner.save_checkpoint(f"{tmp}/z{zero}-async", async_save=True)   # starts the writer
         runner.wait_for_checkpoint()     # process and its staging buffer: once per job
         trials = [_async_trial(runner, args, f"{tmp}/z{zero}-async", 10 + 20 * i, int(n))
                   for i in range(args.rounds)]
-        row["async_block_s"] = statistics.median(b for b, _ in trials)
-        row["async_stall_s"] = statistics.median(st for _, st in trials)
-        row["async_stalls"] = [st for _, st in trials]
+        row["async_block_s"] = statistics.median(tr[0] for tr in trials)
+        row["async_stall_s"] = statistics.median(tr[1] for tr in trials)
+        row["async_stalls"] = [tr[1] for tr in trials]
+        row["async_tail_s"] = max(tr[2] for tr in trials)
+        row["writer_cpu_s"] = statistics.median(tr[3] for tr in trials)
         out[zero] = row
     return out
 
@@ -169,7 +193,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--zero", default="1,3")
     ap.add_argument("--ranks", type=int, default=4, help="d: data-parallel CPU ranks")
-    ap.add_argument("--rounds", type=int, default=3, help="async trials and sync saves "
+    ap.add_argument("--rounds", type=int, default=5, help="async trials and sync saves "
                     "(their medians are reported)")
     args = ap.parse_args()
     args.zero = [int(z) for z in args.zero.split(",")]
@@ -196,7 +220,18 @@ def main() -> None:
               f"{stall / sync:.2f} × the sync save (median step {rows[0]['step_s']:.2f} s; "
               f"medians of {args.rounds} rounds, the slowest rank's)")
         print("  stall per round, each rank: " + "; ".join(
-            " ".join(f"{x:.2f}" for x in r["async_stalls"]) for r in rows))
+            " ".join(f"{x:.2f}" for x in r["async_stalls"]) for r in rows)
+            + f"; longest wait for a write that outlasted the steps "
+            f"{max(r['async_tail_s'] for r in rows):.2f} s")
+        print(f"  the writer process used {max(r['writer_cpu_s'] for r in rows):.2f} CPU-s "
+              f"per save (median; the slowest rank's): what a saturated host's training loses "
+              f"to it, whatever the wall-clock noise; a sync save used "
+              f"{max(r['sync_cpu_s'] for r in rows):.2f} CPU-s of its rank")
+        print(f"  the load it replaced built {rows[0]['old_load_built'] * mb:.1f} MiB of "
+              f"unsharded local state on each rank "
+              f"({rows[0]['old_load_built'] / rows[0]['held']:.1f}× the shard state); the "
+              f"sharded load's largest temporary "
+              f"{max(r['load'][2] for r in rows) / rows[0]['held']:.3f}× it")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ On disk, for a checkpoint path `ckpt`:
     ckpt.tmp-<uid>/    a save in progress (or one that crashed: removed at the next commit)
 
 The layout JSON lists every file of its version with its size and CRC-32 (`files`); each rank
-checksums the files it wrote. A load verifies them first — sizes on every rank, checksums
-spread over the ranks — and a missing, truncated or foreign file is one line naming it; when
-the newest version is bad, the previous complete one (`keep` > 1) is used instead
-(`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
+checksums the files it writes as it writes them (`ChecksumFileSystem`). A load verifies them
+first — sizes on every rank, checksums spread over the ranks — and a missing, truncated or
+foreign file is one line naming it; when the newest version is bad, the previous complete
+one (`keep` > 1) is used instead (`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
 link) loads as it is and is adopted at the first save: renamed to a version and linked.
 
 Asynchronous save (autopar.runtime.ckpt_writer): the rank stages its pieces in shared host
