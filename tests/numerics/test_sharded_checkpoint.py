@@ -10,12 +10,16 @@ One spawn of 4 ranks per layout group; inside it each plan compiles, trains a st
 - t = 2 × d = 2 (ZeRO-1) and p = 2 × d = 2 (ZeRO-3, the tied embedding on both stages): the
   same balance;
 then one rank under ZeRO-0 loads the ZeRO-3 checkpoint: weights and Adam state equal the saved
-ones bit for bit; and a Mixtral saved at d = 2 ep = 2 ZeRO-1 loads on one rank (ep = 1) bit for
-bit.
+ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
+shards bit for bit); every load (straight into the shards) restores the rank's state bit for
+bit with its largest temporary ≤ 1/4 of the shard state, and at d = 4 its resident growth
+< 1/2 of it (the load it replaced built the unsharded local state: 2 – 4× it); and a
+Mixtral saved at d = 2 ep = 2 ZeRO-1 loads on one rank (ep = 1) bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -98,10 +102,19 @@ def _balanced(results):
 
 
 def _load_rank(rank, world, path):
+    """ZeRO-0 on one rank loads `path`; then a checkpoint in the form written before sharded
+    saves (the gathered save: tensor-split [start, stop, key] pieces) loads back into the
+    shards bit for bit. Returns (weights, optimizer state, the old form restored)."""
     plan = make_plan(d=1)
     runner = _program(plan, True).compile(optimizer=adamw, timeout_s=60)
     runner.load_checkpoint(path)
-    return runner.full_state_dict(), runner.regime.optimizer_state()
+    out = runner.full_state_dict(), runner.regime.optimizer_state()
+    runner.regime.shard_state = lambda: None
+    runner.save_checkpoint(f"{path}-old-form")
+    del runner.regime.shard_state
+    layout = json.loads((Path(f"{path}-old-form") / "autopar_layout.json").read_text())
+    old_form = all(len(p) == 3 for e in layout["tensors"].values() for p in e["pieces"])
+    return out + (old_form and _reload(runner, f"{path}-old-form")["restored"],)
 
 
 def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_path):
@@ -119,8 +132,10 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
             assert row["load_grew"] < row["held"] / 2, (rank, row["plan"], row["load_grew"],
                                                         row["held"])
     weights, state = results[0][2]["saved"]
-    (got_weights, got_state), = spawn(_load_rank, 1, str(tmp_path / "t1p1d4z3"),
-                                      timeout_s=200)
+    (got_weights, got_state, old_form_restored), = spawn(_load_rank, 1,
+                                                         str(tmp_path / "t1p1d4z3"),
+                                                         timeout_s=200)
+    assert old_form_restored
     assert list(got_weights) == list(weights)
     for key, value in weights.items():
         assert torch.equal(got_weights[key], value), key
