@@ -273,7 +273,7 @@ def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any
         _write_json(job.tmp / PLAN_FILE, json.loads(job.plan_json))   # the saving plan
         files = {n: v for _, f in parts for n, v in f.items()}
         layout["files"] = {**files, **file_records(job.tmp, [".metadata", PLAN_FILE])}
-        _write_json(job.tmp / LAYOUT_FILE, layout)
+        _write_json(job.tmp / LAYOUT_FILE, layout, compact=True)
         commit(job.path, job.tmp, job.uid, job.keep)
     if multi:
         dist.barrier(group=group)
@@ -294,10 +294,12 @@ def close_writer() -> None:
     WRITER.close()
 
 
-def _write_json(file: Path, obj: dict) -> None:
+def _write_json(file: Path, obj: dict, *, compact: bool = False) -> None:
+    """Write `obj` to `file` atomically (fsync, rename). compact: one line, by json's C
+    encoder (an indented dump runs the pure-Python one: ~14× the CPU for a layout)."""
     part = file.with_suffix(".part")
     with open(part, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, **({"separators": (",", ":")} if compact else {"indent": 1}))
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, file)
