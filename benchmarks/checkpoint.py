@@ -1,22 +1,33 @@
-"""Checkpoint cost at d = 4 on CPU gloo ranks: the sharded save (every rank writes what it
-holds) against the gathered one it replaced (the ZeRO regimes all-gathered the optimizer state
-and data-parallel rank 0 wrote it), and an asynchronous save's training stall against a
-synchronous save.
+"""Checkpoint cost at d = 4 (--ranks) on CPU gloo ranks: the sharded save (every rank writes
+what it holds) against the gathered one it replaced (the ZeRO regimes all-gathered the
+optimizer state and data-parallel rank 0 wrote it), the sharded load (straight into the
+regime's shards, autopar.runtime.ckpt_load) against the one it replaced (each rank built its
+unsharded local weights and optimizer state, then the regime took its shard), and an
+asynchronous save's training stall against a synchronous save.
 
 Per rank, for each ZeRO level: its shard state (fp32 weights + Adam moments held), bytes written
 (.distcp files), peak resident-memory growth during the save (VmHWM after a reset, the
-second save of the process), save and load time (load under the same plan). Then the stall:
+second save of the process), save time; for the load (under the same plan, the second of the
+process) its time, peak resident growth and the largest temporary the loader allocated
+(counted: ckpt_load.LoadStats.peak_bytes), against the replaced load. Then the stall:
 the time a synchronous save blocks the loop, against the time an asynchronous save blocks it
 (staging a host copy) plus the slowdown of the training steps that run while it writes
-(the steps run during the write − as many steps run right after it without a save; the
-median of three saves). The asynchronous saves measured follow the job's first, which starts
-each rank's writer process and allocates its shared staging buffer, once per job.
+(`_async_trial`: the save and n steps, minus the same n steps without a save before and
+after, unclipped; medians of --rounds, the slowest rank's). The asynchronous saves measured
+follow the job's first, which starts each rank's writer process and allocates its shared
+staging buffer, once per job. Also: the CPU seconds the writer process uses per save (what
+a host without idle cores loses to it, free of the wall-clock noise of a shared machine), the
+load it replaced (the unsharded local state it built). The machine may be shared: read the
+medians, and rerun.
 
     python benchmarks/checkpoint.py [--hidden 512] [--layers 4] [--vocab 8192] [--zero 1,3]
+                                    [--ranks 4] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
 import tempfile
 import time
@@ -46,10 +57,10 @@ def _runner(args, zero: int):
     model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
                           n_head=4, n_embd=args.hidden))
     ex = torch.zeros(1, args.seq, dtype=torch.long)
-    prog = autopar.parallelize(model, 4, example_inputs=(ex,), loss_fn=loss_fn,
-                               example_targets=ex.clone(), global_batch_size=4,
-                               cluster="local-cpu", t=1, p=1, d=4, micro_batch_size=1,
-                               zero=zero)
+    prog = autopar.parallelize(model, args.ranks, example_inputs=(ex,), loss_fn=loss_fn,
+                               example_targets=ex.clone(), global_batch_size=args.ranks,
+                               cluster="local-cpu", t=1, p=1, d=args.ranks,
+                               micro_batch_size=1, zero=zero)
     return prog.compile(optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4), timeout_s=300)
 
 
@@ -61,41 +72,74 @@ def _step(runner, args, k):
     return time.perf_counter() - t0
 
 
-def _save(runner, path, rank, gathered=False):
-    if gathered:     # the path it replaced: regime without a sharded form
+def _second(runner, call, gathered):
+    """(seconds, peak resident growth) of the second of two calls of `call` (the first pays
+    one-time costs); gathered: the regime without a sharded form (the path it replaced)."""
+    if gathered:
         runner.regime.shard_state = lambda: None
-    runner.save_checkpoint(path)
+    call()
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss_kb("VmRSS")
     t0 = time.perf_counter()
-    runner.save_checkpoint(path)
-    save_s = time.perf_counter() - t0
+    call()
+    took = time.perf_counter() - t0
     grew = (_rss_kb("VmHWM") - before) * 1024
-    written = sum(f.stat().st_size for f in Path(path).resolve().glob(f"__{rank}_*.distcp"))
     if gathered:
         del runner.regime.shard_state
+    return took, grew
+
+
+def _save(runner, path, rank, gathered=False):
+    save_s, grew = _second(runner, lambda: runner.save_checkpoint(path), gathered)
+    written = sum(f.stat().st_size for f in Path(path).resolve().glob(f"__{rank}_*.distcp"))
     return save_s, written, grew
 
 
-def _async_trial(runner, args, path, k0):
-    """One asynchronous save: (seconds it blocks the loop, its stall, steps overlapping the
-    write). The stall is the block plus what the n steps run while the write goes on took
-    beyond the next n steps run without a save (same data, right after: the same machine
-    state, so the steps' own noise cancels as far as it can)."""
+def _load(runner, path, gathered=False):
+    """(seconds, peak resident growth, largest counted temporary) of a load of `path`."""
+    from autopar.runtime.ckpt_load import last_load_stats
+    load_s, grew = _second(runner, lambda: runner.load_checkpoint(path), gathered)
+    return load_s, grew, None if gathered else last_load_stats().peak_bytes
+
+
+def _steps(runner, args, k0, n):
+    t0 = time.perf_counter()
+    for i in range(n):
+        _step(runner, args, k0 + i)
+    return time.perf_counter() - t0
+
+
+def _async_trial(runner, args, path, k0, n):
+    """One asynchronous save against the same n steps without one: (seconds the save blocks
+    the loop, its stall). The stall is the wall time of the save, n steps and the wait for
+    the write if it outlasts them, minus the mean of the same n steps (same data) run without
+    a save right before and right after — not clipped at zero, so the steps' noise averages
+    out over rounds instead of adding up (the version before took max(0, during − after):
+    biased upwards by the noise alone). Also returned: the wait for a write that outlasted
+    the n steps (part of the stall here; in training it would overlap more steps)."""
     from autopar.runtime.ckpt_writer import WRITER
+    before = _steps(runner, args, k0, n)
+    cpu0 = _cpu_s(WRITER._proc.pid)
     t0 = time.perf_counter()
     runner.save_checkpoint(path, async_save=True)
     block = time.perf_counter() - t0
-    n, during = 0, 0.0
-    while WRITER.busy or n == 0:
-        during += _step(runner, args, k0 + n)
-        n += 1
+    _steps(runner, args, k0, n)
+    t1 = time.perf_counter()
     runner.wait_for_checkpoint()
-    after = sum(_step(runner, args, k0 + i) for i in range(n))
-    return block, block + max(0.0, during - after), n
+    with_save = time.perf_counter() - t0
+    writer_cpu = _cpu_s(WRITER._proc.pid) - cpu0
+    after = _steps(runner, args, k0, n)
+    return block, with_save - (before + after) / 2, with_save - (t1 - t0), writer_cpu
+
+
+def _cpu_s(pid):
+    """CPU seconds (user + system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rank(rank, world, args, tmp):
+    import torch.distributed as dist
     torch.set_num_threads(1)
     out = {}
     for zero in args.zero:
@@ -103,24 +147,40 @@ def _rank(rank, world, args, tmp):
         _step(runner, args, 0)
         held = sum(t.numel() * t.element_size() for h in runner.regime.shard_state()
                    for t in h.tensors.values())
-        row = {"held": held}
+        # what the load it replaced built before the regime took its shard: every local
+        # parameter's fp32 weight and elementwise optimizer states, unsharded
+        states = 1 + sum(1 for st in list(runner.regime.optimizer.state.values())[:1]
+                         for v in st.values() if v.dim() > 0)
+        built = sum(p.numel() * 4 * states for p in runner.params.tensors.values())
+        row = {"held": held, "old_load_built": built}
         for kind in ("gathered", "sharded"):
             path = f"{tmp}/z{zero}-{kind}"
             row[kind] = _save(runner, path, rank, gathered=kind == "gathered")
-        t0 = time.perf_counter()
-        runner.load_checkpoint(f"{tmp}/z{zero}-sharded")
-        row["load_s"] = time.perf_counter() - t0
-        steps = [_step(runner, args, k) for k in range(1, 6)]
-        row["step_s"] = statistics.median(steps)
-        t0 = time.perf_counter()
-        runner.save_checkpoint(f"{tmp}/z{zero}-sync")
-        row["sync_block_s"] = time.perf_counter() - t0
+        row["load_gathered"] = _load(runner, f"{tmp}/z{zero}-sharded", gathered=True)
+        row["load"] = _load(runner, f"{tmp}/z{zero}-sharded")
+        row["step_s"] = statistics.median(_step(runner, args, k) for k in range(1, 6))
+        runner.save_checkpoint(f"{tmp}/z{zero}-sync")        # the version dir exists
+        syncs, cpus = [], []
+        for _ in range(args.rounds):
+            t0, c0 = time.perf_counter(), time.process_time()
+            runner.save_checkpoint(f"{tmp}/z{zero}-sync")
+            syncs.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+        row["sync_block_s"] = statistics.median(syncs)
+        row["sync_cpu_s"] = statistics.median(cpus)
+        # steps overlapping a write: 3 sync saves' worth, the same on every rank
+        n = torch.tensor([max(3, math.ceil(3 * row["sync_block_s"] / row["step_s"]))])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        row["async_steps"] = int(n)
         runner.save_checkpoint(f"{tmp}/z{zero}-async", async_save=True)   # starts the writer
         runner.wait_for_checkpoint()     # process and its staging buffer: once per job
-        trials = [_async_trial(runner, args, f"{tmp}/z{zero}-async", 10 + 20 * i)
-                  for i in range(3)]
-        row["async_block_s"], row["async_stall_s"], row["async_steps"] = sorted(
-            trials, key=lambda tr: tr[1])[1]                      # the median trial
+        trials = [_async_trial(runner, args, f"{tmp}/z{zero}-async", 10 + 20 * i, int(n))
+                  for i in range(args.rounds)]
+        row["async_block_s"] = statistics.median(tr[0] for tr in trials)
+        row["async_stall_s"] = statistics.median(tr[1] for tr in trials)
+        row["async_stalls"] = [tr[1] for tr in trials]
+        row["async_tail_s"] = max(tr[2] for tr in trials)
+        row["writer_cpu_s"] = statistics.median(tr[3] for tr in trials)
         out[zero] = row
     return out
 
@@ -132,27 +192,46 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--zero", default="1,3")
+    ap.add_argument("--ranks", type=int, default=4, help="d: data-parallel CPU ranks")
+    ap.add_argument("--rounds", type=int, default=5, help="async trials and sync saves "
+                    "(their medians are reported)")
     args = ap.parse_args()
     args.zero = [int(z) for z in args.zero.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        results = spawn(_rank, 4, args, tmp, timeout_s=1800)
+        results = spawn(_rank, args.ranks, args, tmp, timeout_s=1800)
     mb = 1 / 2**20
     for zero in args.zero:
         rows = [r[zero] for r in results]
-        print(f"\nZeRO-{zero}, d=4, GPT hidden {args.hidden} × {args.layers} layers, vocab "
-              f"{args.vocab}: shard state per rank {rows[0]['held'] * mb:.1f} MiB")
+        print(f"\nZeRO-{zero}, d={args.ranks}, GPT hidden {args.hidden} × {args.layers} "
+              f"layers, vocab {args.vocab}: shard state per rank {rows[0]['held'] * mb:.1f} MiB")
         print("rank | gathered: written MiB, mem growth MiB, save s | sharded: written MiB, "
-              "mem growth MiB, save s | load s")
+              "mem growth MiB, save s | load before: s, mem growth MiB | load: s, mem growth "
+              "MiB, largest temporary MiB")
         for rank, r in enumerate(rows):
-            g, s = r["gathered"], r["sharded"]
+            g, s, lg, ld = r["gathered"], r["sharded"], r["load_gathered"], r["load"]
             print(f"{rank:4d} | {g[1] * mb:8.1f} {g[2] * mb:8.1f} {g[0]:6.2f} | "
-                  f"{s[1] * mb:8.1f} {s[2] * mb:8.1f} {s[0]:6.2f} | {r['load_s']:6.2f}")
+                  f"{s[1] * mb:8.1f} {s[2] * mb:8.1f} {s[0]:6.2f} | {lg[0]:6.2f} "
+                  f"{lg[1] * mb:8.1f} | {ld[0]:6.2f} {ld[1] * mb:8.1f} {ld[2] * mb:8.2f}")
         sync = max(r["sync_block_s"] for r in rows)
         stall = max(r["async_stall_s"] for r in rows)
         print(f"sync save blocks {sync:.2f} s; async save blocks "
               f"{max(r['async_block_s'] for r in rows):.2f} s and slows the "
               f"{rows[0]['async_steps']} steps that overlap its write: stall {stall:.2f} s = "
-              f"{stall / sync:.2f} × the sync save (median step {rows[0]['step_s']:.2f} s)")
+              f"{stall / sync:.2f} × the sync save (median step {rows[0]['step_s']:.2f} s; "
+              f"medians of {args.rounds} rounds, the slowest rank's)")
+        print("  stall per round, each rank: " + "; ".join(
+            " ".join(f"{x:.2f}" for x in r["async_stalls"]) for r in rows)
+            + f"; longest wait for a write that outlasted the steps "
+            f"{max(r['async_tail_s'] for r in rows):.2f} s")
+        print(f"  the writer process used {max(r['writer_cpu_s'] for r in rows):.2f} CPU-s "
+              f"per save (median; the slowest rank's): what a saturated host's training loses "
+              f"to it, whatever the wall-clock noise; a sync save used "
+              f"{max(r['sync_cpu_s'] for r in rows):.2f} CPU-s of its rank")
+        print(f"  the load it replaced built {rows[0]['old_load_built'] * mb:.1f} MiB of "
+              f"unsharded local state on each rank "
+              f"({rows[0]['old_load_built'] / rows[0]['held']:.1f}× the shard state); the "
+              f"sharded load's largest temporary "
+              f"{max(r['load'][2] for r in rows) / rows[0]['held']:.3f}× it")
 
 
 if __name__ == "__main__":

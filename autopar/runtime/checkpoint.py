@@ -13,9 +13,11 @@ files, `autopar_layout.json` lists every logical tensor's full shape, dtype and 
 step, the plan and every file's size and CRC-32; it is written last and marks the checkpoint
 complete.
 
-Loading under another plan (other t, c, p, d, v, ep, zero): each rank reads the saved pieces
-that overlap its new slice (DCP loads any subset of keys) and copies the overlaps into its local
-tensor; both piece forms load, so checkpoints written before sharded saves still load.
+Loading under another plan (other t, c, p, d, v, ep, zero): each rank reads the parts of the
+saved pieces that overlap what it holds (autopar.runtime.ckpt_load: byte ranges of the DCP
+items, in bounded spans) — a program's load straight into its regime's shard state, never
+building the unsharded local tensors; `load_checkpoint` into the caller's local tensors. Both
+piece forms load, so checkpoints written before sharded saves still load.
 
 Atomicity (autopar.runtime.ckpt_store): the DCP files and the layout go to `path.tmp-<uuid>`;
 once every rank's files are complete rank 0 renames it to `path.ckpt-<uuid>` and atomically
@@ -35,15 +37,13 @@ asynchronous (async_save: a shared host copy, written by a background process of
 autopar.runtime.ckpt_writer).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
-DCP's own metadata classes, dtypes and sizes; tensor data is read by DCP with
-torch.load(weights_only=True); our layout is JSON.
+DCP's own metadata classes, dtypes and sizes, and each item's tensor description, with
+torch.load(weights_only=True) (its data skipped, then read as raw bytes); our layout is JSON.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import sys
 import uuid
 from dataclasses import dataclass
@@ -53,11 +53,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from autopar.runtime.ckpt_load import dtype_of, load_into_shards, read_boxes, volume
 from autopar.runtime.ckpt_pieces import sharded_entries
-from autopar.runtime.ckpt_store import (LAYOUT_FILE, adopt_copy, checkpoint_group,
-                                        choose_version, commit, file_records, own_files)
+from autopar.runtime.ckpt_store import (LAYOUT_FILE, ChecksumFileSystem, adopt_copy,
+                                        checkpoint_group, choose_version, commit,
+                                        file_records, own_files)
 from autopar.runtime.ckpt_writer import WRITER
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.params import LocalParams, ParamInfo
@@ -162,18 +163,11 @@ def _check_coverage(layout: dict) -> None:
     for name, entry in layout["tensors"].items():
         if not entry["pieces"] or len(entry["pieces"][0]) != 2:
             continue
-        have = sum(_volume(box) for box, _ in entry["pieces"])
-        if have != _volume([(0, n) for n in entry["global_shape"]]):
+        have = sum(volume(box) for box, _ in entry["pieces"])
+        if have != volume([(0, n) for n in entry["global_shape"]]):
             raise ValueError(f"save_checkpoint: the ranks wrote {have} elements of {name!r} "
                              f"of shape {entry['global_shape']}; a rank's shard description "
                              f"is wrong (autopar.runtime.ckpt_pieces)")
-
-
-def _volume(box: Any) -> int:
-    vol = 1
-    for lo, hi in box:
-        vol *= hi - lo
-    return vol
 
 
 def _shared_uid(groups: Any) -> str:
@@ -263,11 +257,12 @@ def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any
     files, and — on rank 0, once every rank's records arrived — write the layout and commit.
     Collective over `group` (None: the default group; the writer process's own)."""
     multi = job.world > 1
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(str(job.tmp)),
-             process_group=group, no_dist=not multi)
+    writer = dcp.FileSystemWriter(str(job.tmp))
+    writer.fs = ChecksumFileSystem()                  # checksums as the bytes are written
+    dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not multi)
     if job.fault == "exit-after-files":
         os._exit(9)                                   # tests: files written, never committed
-    mine = (job.records, file_records(job.tmp, own_files(job.tmp, job.rank)))
+    mine = (job.records, {n: writer.fs.written[n] for n in own_files(job.tmp, job.rank)})
     parts: list[Any] | None = [None] * job.world if job.rank == 0 and multi else None
     if multi:   # rank 0 hears from every rank only once its files are complete
         dist.gather_object(mine, parts, dst=_global(group, 0), group=group)
@@ -278,7 +273,7 @@ def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any
         _write_json(job.tmp / PLAN_FILE, json.loads(job.plan_json))   # the saving plan
         files = {n: v for _, f in parts for n, v in f.items()}
         layout["files"] = {**files, **file_records(job.tmp, [".metadata", PLAN_FILE])}
-        _write_json(job.tmp / LAYOUT_FILE, layout)
+        _write_json(job.tmp / LAYOUT_FILE, layout, compact=True)
         commit(job.path, job.tmp, job.uid, job.keep)
     if multi:
         dist.barrier(group=group)
@@ -299,51 +294,18 @@ def close_writer() -> None:
     WRITER.close()
 
 
-def _write_json(file: Path, obj: dict) -> None:
+def _write_json(file: Path, obj: dict, *, compact: bool = False) -> None:
+    """Write `obj` to `file` atomically (fsync, rename). compact: one line, by json's C
+    encoder (an indented dump runs the pure-Python one: ~14× the CPU for a layout)."""
     part = file.with_suffix(".part")
     with open(part, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, **({"separators": (",", ":")} if compact else {"indent": 1}))
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, file)
 
 
 # ---- load ----------------------------------------------------------------------------------
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Accepts only what DCP's .metadata holds: its dataclasses, dtypes, sizes, paths."""
-
-    _MODULES = {"torch.distributed.checkpoint.metadata"}
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-              ("torch", "Size"), ("torch.serialization", "_get_layout"),
-              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-              ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
-            f"metadata format; refusing to unpickle it (the checkpoint is not trusted)")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with a restricted unpickler for the metadata file."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"{self.path}: DCP metadata is a {type(metadata).__name__}, "
-                             f"not Metadata; not a torch.distributed.checkpoint directory")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
 
 def read_layout(path: str | os.PathLike) -> dict:
     """The checkpoint's JSON layout (step, plan, tensors); ValueError if incomplete."""
@@ -387,52 +349,13 @@ def check_fits(layout: dict, model: dict[str, Any], *, where: str, strict: bool 
                          + fix)
 
 
-def _box(shape: list[int], dim: int | None, start: int | None, stop: int | None
-         ) -> list[tuple[int, int]]:
-    box = [(0, n) for n in shape]
-    if dim is not None and start is not None:
-        box[dim] = (start, stop)
-    return box
-
-
-def _pieces(entry: dict) -> list[tuple[list[tuple[int, int]], str]]:
-    """(box of the full tensor, DCP key) of each saved piece: [box, key] in sharded layouts,
-    [start, stop, key] (rows of split_dim) in those written before them."""
-    out = []
-    for piece in entry["pieces"]:
-        if len(piece) == 2:
-            out.append(([tuple(b) for b in piece[0]], piece[1]))
-        else:
-            start, stop, dcp_key = piece
-            out.append((_box(entry["global_shape"], entry["split_dim"], start, stop), dcp_key))
-    return out
-
-
-def _plan_reads(name: str, entry: dict, want: list[tuple[int, int]]) -> list[tuple]:
-    """The saved pieces overlapping the box `want`: (dcp_key, piece box, overlap box)."""
-    reads, covered = [], 0
-    for have, dcp_key in _pieces(entry):
-        inter = [(max(a, c), min(b, e)) for (a, b), (c, e) in zip(have, want)]
-        if all(lo < hi for lo, hi in inter) or not inter:
-            reads.append((dcp_key, have, inter))
-            vol = 1
-            for lo, hi in inter:
-                vol *= hi - lo
-            covered += vol
-    need = 1
-    for lo, hi in want:
-        need *= hi - lo
-    if covered != need:
-        raise ValueError(f"load_checkpoint: the saved pieces of {name!r} cover {covered} of the "
-                         f"{need} elements this rank needs; the checkpoint is incomplete")
-    return reads
-
-
 def _local_view(local: torch.Tensor, info: ParamInfo) -> tuple[torch.Tensor,
                                                                 list[tuple[int, int]]]:
     """The real part of `local` and the box of the full tensor it stands for."""
-    return info.real_part(local), _box(list(info.global_shape), info.split_dim,
-                                       info.start, info.stop)
+    box = [(0, n) for n in info.global_shape]
+    if info.split_dim is not None:
+        box[info.split_dim] = (info.start, info.stop)
+    return info.real_part(local), box
 
 
 def load_checkpoint(path: str | os.PathLike, tensors: Tensors, groups: Any = None, *,
@@ -448,10 +371,10 @@ def load_checkpoint(path: str | os.PathLike, tensors: Tensors, groups: Any = Non
     path = Path(path)
     layout = read_layout(path)
     _check_keys(layout, tensors, strict)
-    jobs: list[tuple[torch.Tensor, list[tuple[int, int]], list[tuple]]] = []
+    boxes: list[tuple[str, torch.Tensor, list[tuple[int, int]]]] = []
     for key, (local, info) in tensors.items():
         view, want = _local_view(local, info)
-        jobs.append((view, want, _plan_reads(key, layout["tensors"][key], want)))
+        boxes.append((key, view, want))
         if optimizer_state is None:
             continue
         for name, entry in layout["tensors"].items():
@@ -459,47 +382,14 @@ def load_checkpoint(path: str | os.PathLike, tensors: Tensors, groups: Any = Non
                 continue
             sname = name.split("/", 2)[1]
             if not entry["global_shape"]:
-                target = torch.zeros((), dtype=_dtype(entry["dtype"]))
-                jobs.append((target, [], _plan_reads(name, entry, [])))
+                target = torch.zeros((), dtype=dtype_of(entry["dtype"]))
+                boxes.append((name, target, []))
             else:
-                target = torch.zeros_like(local, dtype=_dtype(entry["dtype"]))
-                tview = info.real_part(target)
-                jobs.append((tview, want, _plan_reads(name, entry, want)))
+                target = torch.zeros_like(local, dtype=dtype_of(entry["dtype"]))
+                boxes.append((name, info.real_part(target), want))
             optimizer_state.setdefault(key, {})[sname] = target
-    buffers = _read_pieces(path, layout, jobs)
-    with torch.no_grad():
-        for view, want, reads in jobs:
-            for dcp_key, have, inter in reads:
-                src, dst = buffers[dcp_key], view
-                for dim, (lo, hi) in enumerate(inter):
-                    src = src.narrow(dim, lo - have[dim][0], hi - lo)
-                    dst = dst.narrow(dim, lo - want[dim][0], hi - lo)
-                dst.copy_(src)
+    read_boxes(path, layout, boxes, sum(v.numel() * v.element_size() for _, v, _ in boxes))
     return int(layout["step"])
-
-
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"checkpoint layout names dtype {name!r}, which is not a torch dtype")
-    return value
-
-
-def _read_pieces(path: Path, layout: dict, jobs: list) -> dict[str, torch.Tensor]:
-    shapes: dict[str, tuple[list[int], str]] = {}
-    for name, entry in layout["tensors"].items():
-        for box, dcp_key in _pieces(entry):
-            shapes[dcp_key] = ([hi - lo for lo, hi in box], entry["dtype"])
-    wanted = {dcp_key for _, _, reads in jobs for dcp_key, _, _ in reads}
-    buffers = {k: torch.empty(shapes[k][0], dtype=_dtype(shapes[k][1])) for k in wanted}
-    if buffers:
-        reader = _SafeReader(str(path))
-        try:  # read (and vet) the metadata here, so a refusal is not buried in DCP's wrapper
-            reader.read_metadata()
-        except pickle.UnpicklingError as exc:
-            raise ValueError(f"load_checkpoint: {path}: {exc}") from exc
-        dcp.load(buffers, storage_reader=reader, no_dist=True)
-    return buffers
 
 
 def read_plan_json(path: str | os.PathLike) -> str:
@@ -605,6 +495,12 @@ def load_program_version(path: str | os.PathLike, params: LocalParams, regime: A
                   f"complete version {path}", file=sys.stderr, flush=True)
     layout = read_layout(path)
     _check_program_keys(path, layout, params)
+    held = regime.shard_state()
+    if held is not None:       # straight into the regime's shards (ckpt_load), bounded
+        load_into_shards(path, layout, held, params, groups, regime.optimizer,
+                         weights_only=weights_only, copies=regime.loaded_copies())
+        regime.shards_loaded()
+        return int(layout["step"]), path
     targets: Tensors = {}
     for q, p in params.tensors.items():
         info = params.infos[q]

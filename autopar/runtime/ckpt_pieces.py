@@ -42,13 +42,16 @@ class Held:
     its fp32 weight and elementwise optimizer states as 1-D tensors of hi − lo elements
     (`tensors`, "weight" first) and its 0-d optimizer states (`scalars`). `whole_over_data`:
     the regime keeps the tensor whole on every data-parallel replica (zero 0, the tied
-    weights of zero 3), so the replicas split the writing."""
+    weights of zero 3), so the replicas split the writing. `param`: the tensor the
+    optimizer keys the range's state by (a master piece, or the stepped parameter), where a
+    load installs the state it reads (autopar.runtime.ckpt_load)."""
     name: str
     lo: int
     hi: int
     tensors: dict[str, torch.Tensor]
     scalars: dict[str, torch.Tensor]
     whole_over_data: bool
+    param: torch.Tensor | None = None
 
 
 def held_range(name: str, lo: int, hi: int, weight: torch.Tensor, state: dict,
@@ -69,7 +72,7 @@ def held_range(name: str, lo: int, hi: int, weight: torch.Tensor, state: dict,
                              f"{hi - lo} elements; only elementwise optimizer states (SGD, Adam, "
                              f"AdamW) can be sharded and resharded")
     return Held(name=name, lo=lo, hi=hi, tensors=tensors, scalars=scalars,
-                whole_over_data=whole_over_data)
+                whole_over_data=whole_over_data, param=weight)
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int, Box]]:
@@ -102,9 +105,11 @@ def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, int,
 
 
 def split_runs(name: str, info: ParamInfo, params: LocalParams | None, tp_rank: int,
-               t: int) -> Runs:
+               t: int, *, reading: bool = False) -> Runs:
     """Local → global index runs of each split dimension of `name`'s local tensor (module
-    docstring); dimensions not listed are whole. Rows without a run are not written here."""
+    docstring); dimensions not listed are whole. Rows without a run are not written here.
+    reading: the runs a load fills — the rows every tensor rank holds alike on every rank
+    (padding rows still have none)."""
     runs: Runs = {}
     split = params.splits.get(name) if params is not None else None
     if info.split_dim is not None and (info.expert or split is None):
@@ -115,7 +120,7 @@ def split_runs(name: str, info: ParamInfo, params: LocalParams | None, tp_rank: 
         for k, (gstart, n) in enumerate(ps.ranges(tp_rank, t)):
             real = max(0, min(n, full - gstart))          # rows past the end are padding
             whole = not ps.padded and ps.is_whole(k)      # the same on every tensor rank
-            if real and (not whole or tp_rank == 0):
+            if real and (reading or not whole or tp_rank == 0):
                 out.append((off, off + real, gstart))
             off += n
         runs[ps.dim] = out
@@ -147,7 +152,7 @@ def _part(numel: int, count: int, index: int) -> tuple[int, int]:
     return min(index * size, numel), min((index + 1) * size, numel)
 
 
-def _map_box(box: Box, runs: Runs) -> Iterator[tuple[Box, Box]]:
+def map_box(box: Box, runs: Runs) -> Iterator[tuple[Box, Box]]:
     """(local sub-box, global box) pairs of a local box through the split runs."""
     choices = []
     for dim, (lo, hi) in enumerate(box):
@@ -188,7 +193,7 @@ def write_pieces(held: Held, info: ParamInfo, local_shape: tuple[int, ...], runs
         for flo, fhi, box in flat_boxes(tuple(local_shape), a, b):
             for sname, flat in held.tensors.items():
                 piece = flat[flo - held.lo:fhi - held.lo].view([h - l for l, h in box])
-                for sub, gbox in _map_box(box, runs):
+                for sub, gbox in map_box(box, runs):
                     view = piece
                     for dim, ((slo, shi), (blo, _)) in enumerate(zip(sub, box)):
                         view = view.narrow(dim, slo - blo, shi - slo)

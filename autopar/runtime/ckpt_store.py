@@ -8,10 +8,10 @@ On disk, for a checkpoint path `ckpt`:
     ckpt.tmp-<uid>/    a save in progress (or one that crashed: removed at the next commit)
 
 The layout JSON lists every file of its version with its size and CRC-32 (`files`); each rank
-checksums the files it wrote. A load verifies them first — sizes on every rank, checksums
-spread over the ranks — and a missing, truncated or foreign file is one line naming it; when
-the newest version is bad, the previous complete one (`keep` > 1) is used instead
-(`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
+checksums the files it writes as it writes them (`ChecksumFileSystem`). A load verifies them
+first — sizes on every rank, checksums spread over the ranks — and a missing, truncated or
+foreign file is one line naming it; when the newest version is bad, the previous complete
+one (`keep` > 1) is used instead (`choose_version`). A real directory at `ckpt` (a copy made with `cp -rL`, which resolves the
 link) loads as it is and is adopted at the first save: renamed to a version and linked.
 
 Asynchronous save (autopar.runtime.ckpt_writer): the rank stages its pieces in shared host
@@ -22,15 +22,18 @@ previous one; a rank that dies mid-write leaves the previous version current.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import json
 import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 LAYOUT_FILE = "autopar_layout.json"
 _BLOCK_BYTES = 1 << 20
@@ -54,6 +57,54 @@ def crc32_file(file: Path) -> int:
         while block := f.read(_BLOCK_BYTES):
             crc = zlib.crc32(block, crc)
     return crc
+
+
+class _ChecksumStream(io.RawIOBase):
+    """A file being written, its size and CRC-32 kept up as the bytes go by."""
+
+    def __init__(self, raw: Any):
+        super().__init__()
+        self.raw, self.size, self.crc = raw, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self.raw.write(view)
+        self.crc = zlib.crc32(view[:n], self.crc)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+
+class ChecksumFileSystem(FileSystem):
+    """DCP's file system, recording each written file's [bytes, CRC-32] as it is written
+    (`written`, by file name): a save's checksums without reading its files back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _ChecksumStream(raw)
+            yield stream
+            stream.flush()
+            self.written[Path(path).name] = [stream.size, stream.crc]
 
 
 def file_records(directory: Path, names: list[str]) -> dict[str, list[int]]:

@@ -57,12 +57,17 @@ class Staged:
     index: tuple[tuple[str, str, tuple[int, ...], int], ...]
 
     def pieces(self) -> dict[str, torch.Tensor]:
-        """The pieces, as views of the buffer."""
+        """The pieces, as tensors over the buffer's memory whose storage is exactly the piece
+        (torch.frombuffer on a slice): DCP's writer copies a tensor whose storage is larger
+        than it before writing it (a view of the buffer would be copied once more)."""
         out = {}
+        memory = memoryview(self.flat.numpy())
         for key, dtype, shape, offset in self.index:
             dt = getattr(torch, dtype)
             n = _nbytes(shape, dt)
-            out[key] = self.flat[offset:offset + n].view(dt).view(shape)
+            raw = (torch.frombuffer(memory[offset:offset + n], dtype=torch.uint8) if n
+                   else torch.empty(0, dtype=torch.uint8))
+            out[key] = raw.view(dt).view(shape)
         return out
 
 

@@ -10,18 +10,23 @@ One spawn of 4 ranks per layout group; inside it each plan compiles, trains a st
 - t = 2 × d = 2 (ZeRO-1) and p = 2 × d = 2 (ZeRO-3, the tied embedding on both stages): the
   same balance;
 then one rank under ZeRO-0 loads the ZeRO-3 checkpoint: weights and Adam state equal the saved
-ones bit for bit; and a Mixtral saved at d = 2 ep = 2 ZeRO-1 loads on one rank (ep = 1) bit for
-bit.
+ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
+shards bit for bit); every load (straight into the shards) restores the rank's state bit for
+bit with its largest temporary ≤ 1/4 of the shard state, and at d = 4 its resident growth
+< 1/2 of it (the load it replaced built the unsharded local state: 2 – 4× it); and a
+Mixtral saved at d = 2 ep = 2 ZeRO-1 loads on one rank (ep = 1) bit for bit.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.runtime.ckpt_load import last_load_stats
 from autopar.testing import spawn
 
 import models
@@ -64,8 +69,29 @@ def _save_rank(rank, world, plans, tmp):
         saved = (runner.full_state_dict(), runner.regime.optimizer_state()) \
             if plan.zero == 3 and plan.d == 4 else None
         out.append(dict(plan=str(path.name), held=held, grew=grew_kb * 1024, written=written,
-                        saved=saved if rank == 0 else None))
+                        saved=saved if rank == 0 else None, **_reload(runner, path)))
     return out
+
+
+def _reload(runner, path):
+    """Load `path` back into a runner whose held state was overwritten with NaN: the load
+    restores it bit for bit, its counted temporaries (ckpt_load.LoadStats) and its peak
+    resident growth."""
+    before = [{k: t.clone() for k, t in h.tensors.items()} for h in runner.regime.shard_state()]
+    for h in runner.regime.shard_state():
+        for t in h.tensors.values():
+            t.fill_(float("nan"))
+    Path("/proc/self/clear_refs").write_text("5")
+    before_kb = _rss_kb("VmRSS")
+    runner.load_checkpoint(path)
+    load_grew = (_rss_kb("VmHWM") - before_kb) * 1024
+    after = [dict(h.tensors) for h in runner.regime.shard_state()]
+    same = len(before) == len(after) and all(
+        a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(before, after))
+    stats = last_load_stats()
+    return dict(restored=same, load_grew=load_grew, load_peak=stats.peak_bytes,
+                load_whole=stats.whole_items)
 
 
 def _balanced(results):
@@ -76,10 +102,19 @@ def _balanced(results):
 
 
 def _load_rank(rank, world, path):
+    """ZeRO-0 on one rank loads `path`; then a checkpoint in the form written before sharded
+    saves (the gathered save: tensor-split [start, stop, key] pieces) loads back into the
+    shards bit for bit. Returns (weights, optimizer state, the old form restored)."""
     plan = make_plan(d=1)
     runner = _program(plan, True).compile(optimizer=adamw, timeout_s=60)
     runner.load_checkpoint(path)
-    return runner.full_state_dict(), runner.regime.optimizer_state()
+    out = runner.full_state_dict(), runner.regime.optimizer_state()
+    runner.regime.shard_state = lambda: None
+    runner.save_checkpoint(f"{path}-old-form")
+    del runner.regime.shard_state
+    layout = json.loads((Path(f"{path}-old-form") / "autopar_layout.json").read_text())
+    old_form = all(len(p) == 3 for e in layout["tensors"].values() for p in e["pieces"])
+    return out + (old_form and _reload(runner, f"{path}-old-form")["restored"],)
 
 
 def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_path):
@@ -89,11 +124,18 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
     results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
     for rank, rows in enumerate(results):
-        for row in rows[:3]:    # the wide model's d = 4 saves
+        for row in rows:
+            assert row["restored"] and row["load_whole"] == 0, (rank, row["plan"])
+        for row in rows[:3]:    # the wide model's d = 4 saves and loads
             assert row["grew"] < row["held"] / 2, (rank, row["plan"], row["grew"], row["held"])
+            assert row["load_peak"] <= row["held"] / 4, (rank, row["plan"], row["load_peak"])
+            assert row["load_grew"] < row["held"] / 2, (rank, row["plan"], row["load_grew"],
+                                                        row["held"])
     weights, state = results[0][2]["saved"]
-    (got_weights, got_state), = spawn(_load_rank, 1, str(tmp_path / "t1p1d4z3"),
-                                      timeout_s=200)
+    (got_weights, got_state, old_form_restored), = spawn(_load_rank, 1,
+                                                         str(tmp_path / "t1p1d4z3"),
+                                                         timeout_s=200)
+    assert old_form_restored
     assert list(got_weights) == list(weights)
     for key, value in weights.items():
         assert torch.equal(got_weights[key], value), key

@@ -85,6 +85,17 @@ class Regime(ABC):
         form, and checkpoints gather (fp32_weights, optimizer_state)."""
         return None
 
+    def loaded_copies(self) -> list:
+        """What a load fills besides `shard_state()`, weights only (Held ranges): tensors the
+        regime keeps whole beside its shards (ZeRO-1's local parameters). Default none."""
+        return []
+
+    def shards_loaded(self) -> None:
+        """A load wrote `shard_state()`'s weights and optimizer state in place
+        (autopar.runtime.ckpt_load): refresh what derives from them (the parameters the
+        masters are all-gathered or cast into). Collective where that gathers."""
+        raise NotImplementedError(f"{type(self).__name__} has no shard_state to load into")
+
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer-state tensors (Adam's m, v, ...)."""
         return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()

@@ -118,5 +118,9 @@ class Replicated(Regime):
             self.mp.to_compute()
         load_optimizer_state(self.optimizer, self._by_key(), optimizer_state)
 
+    def shards_loaded(self) -> None:
+        if self.mp is not None:            # the bf16 parameters from the loaded masters
+            self.mp.to_compute()
+
     def _by_key(self) -> dict[str, torch.Tensor]:
         return {self.params.infos[q].key: p for q, p in self.stepped.items()}

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
+from autopar.runtime.ckpt_pieces import held_range
 from autopar.runtime.flat_shard import held_segments
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.params import LocalParams
@@ -181,6 +182,14 @@ class Zero1(Regime):
             mine = [next(names) for _ in part.params]
             out += held_segments(part.layout, part.master, self.optimizer, mine)
         return out
+
+    def loaded_copies(self) -> list:
+        """The local parameters, whole: a load reads them too (each rank's own weights) rather
+        than all-gathering the loaded masters, which would hold d× the weight shard at once."""
+        return [held_range(q, 0, p.numel(), p, {}, True) for q, p in self.params.tensors.items()]
+
+    def shards_loaded(self) -> None:
+        """Nothing derives from the masters: the parameters were read too (loaded_copies)."""
 
     def load(self, weights: dict[str, torch.Tensor], optimizer_state: OptimState) -> None:
         with torch.no_grad():

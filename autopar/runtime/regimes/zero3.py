@@ -224,5 +224,13 @@ class Zero3(Regime):
             part.load({q: w for q, w in weights.items() if q not in reps}, by_name)
         load_optimizer_state(self.optimizer, self._replicated_by_key(), optimizer_state)
 
+    def shards_loaded(self) -> None:
+        """The chunks' next gathers read the loaded masters (their FP8 amaxes renewed); the
+        replicated parameters' bf16 copies from their loaded masters."""
+        for part in self.parts:
+            part.stepped()
+        if self.mp is not None:
+            self.mp.to_compute()
+
     def _replicated_by_key(self) -> dict[str, torch.Tensor]:
         return {self.params.infos[q].key: t for q, t in self.stepped.items()}

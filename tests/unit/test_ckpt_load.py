@@ -1,0 +1,80 @@
+"""The bounded checkpoint reader (autopar.runtime.ckpt_load): an overlap cut into spans of at
+most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals the
+tensor saved, for every dtype and rank of tensor the checkpoints store; the writer's staged
+pieces are copied no more by DCP, and the checksums kept while writing equal the files'."""
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from autopar.runtime.ckpt_load import PieceFile, safe_reader, spans
+from autopar.runtime.ckpt_store import ChecksumFileSystem, file_records
+from autopar.runtime.ckpt_writer import ProcessWriter
+
+
+def _cells(box):
+    return set(itertools.product(*[range(lo, hi) for lo, hi in box]))
+
+
+def _span(shape, box):
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return sum((hi - 1 - lo) * s for (lo, hi), s in zip(box, strides)) + 1
+
+
+def test_spans_cover_the_box_once_within_the_budget():
+    rng = random.Random(0)
+    for _ in range(200):
+        shape = [rng.randint(1, 6) for _ in range(rng.randint(1, 3))]
+        box = []
+        for n in shape:
+            lo = rng.randint(0, n - 1)
+            box.append((lo, rng.randint(lo + 1, n)))
+        budget = rng.randint(1, 40)
+        parts = spans(shape, box, budget)
+        seen = [c for p in parts for c in _cells(p)]
+        assert len(seen) == len(set(seen)) and set(seen) == _cells(box), (shape, box, budget)
+        assert all(_span(shape, p) <= budget for p in parts), (shape, box, budget, parts)
+
+
+def test_ranged_reads_equal_dcp_whole_reads(tmp_path: Path):
+    gen = torch.Generator().manual_seed(0)
+    items = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 4, 6, generator=gen),
+             "c": torch.randn(11, generator=gen).to(torch.bfloat16), "d": torch.tensor(3.0),
+             "e": torch.randn(9, 8, generator=gen)[:, 2:5]}       # a view: stored compact
+    # staged as an asynchronous save stages them: tensors whose storage is exactly the piece
+    # (DCP copies nothing more), written with their checksums kept as the bytes go by
+    staged = ProcessWriter().stage(items).pieces()
+    assert all(torch.equal(staged[k], v) and staged[k].untyped_storage().nbytes() == v.nbytes
+               for k, v in items.items())
+    writer = dcp.FileSystemWriter(str(tmp_path))
+    writer.fs = ChecksumFileSystem()
+    dcp.save(staged, storage_writer=writer, no_dist=True)
+    names = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert {n: writer.fs.written[n] for n in names} == file_records(tmp_path, names)
+    files = PieceFile(tmp_path, safe_reader(tmp_path))
+    rng = random.Random(1)
+    try:
+        for key, value in items.items():
+            shape = list(value.shape)
+            where = files.record(key, shape, value.dtype)
+            assert where is not None, key                  # read in ranges, not whole
+            for _ in range(10):
+                sub = []
+                for n in shape:
+                    lo = rng.randint(0, n - 1)
+                    sub.append((lo, rng.randint(lo + 1, n)))
+                want = value
+                for dim, (lo, hi) in enumerate(sub):
+                    want = want.narrow(dim, lo, hi - lo)
+                before = files.read_bytes
+                got = files.read(where, shape, value.dtype, sub)
+                assert torch.equal(got, want), (key, sub)
+                assert files.read_bytes - before == _span(shape, sub) * value.element_size()
+    finally:
+        files.close()
