@@ -59,6 +59,7 @@ from autopar.cost.step import (Lin, fits, rank_layers, rank_load_ns,  # noqa: F4
                                scaled_step_ns, step_scale, step_time_ns, step_time_scaled,
                                tail_layer_ns, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.plan import Prediction
+from autopar.weight_gathers import GatherCounts
 
 
 # ----- a configuration's costs -------------------------------------------------------------------
@@ -105,10 +106,14 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                 memo: CostMemo | None = None) -> ConfigCosts:
+                 memo: CostMemo | None = None,
+                 gathers: "GatherCounts | None" = None) -> ConfigCosts:
     """Every integer ns / byte constant of cfg (the load's, the data-parallel and optimizer
     tail's, the memory's per rank, the FLOPs), each affine in a rank's layer count: what the
-    solver's constraints and objective and `predict` use. `memo` as in `load_parts_s`."""
+    solver's constraints and objective and `predict` use. `memo` as in `load_parts_s`.
+    `gathers`: the weight-gather counts to price sharded weights with (default: the plan of
+    cfg's own schedule, walked); the search passes `weight_gathers.least_counts`, which no
+    schedule's plan undercuts, to bound a configuration before walking its schedule."""
     memo = CostMemo() if memo is None else memo
     lc = load_costs(profile, cluster, cfg, memo)
     profile = memo.rank_profile(profile, cluster, cfg)
@@ -116,7 +121,10 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     fwd_ns = min(_ns(block_s[2] + memo.context_comm_s(profile, cluster, cfg)[0]
                      + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
     params = rank_params(profile, cfg)
-    gathers = memo.weight_gathers(cfg) if ZERO_TRAITS[cfg.zero].sharded_weights else None
+    if not ZERO_TRAITS[cfg.zero].sharded_weights:
+        gathers = None
+    elif gathers is None:
+        gathers = memo.weight_gathers(cfg)
     dp_layer, window_layer, dp_first, dp_last = dp_terms_s(
         profile, cluster, cfg, params, block_s, lc.layer_compute_ns / NS, gathers)
     opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)

@@ -32,10 +32,12 @@ import math
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_bound,
+from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config,
+                                activation_bytes_lower_bound, total_tail_ns,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.profile import ModelProfile
+from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
                                  quick_lower_bound_scaled)
@@ -53,8 +55,9 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     bubble_div), at least (m − 1/V)·max τ + Σ τ/V: increasing in max τ and Σ τ, and for
     Σ τ >= max τ decreasing in V. So with Σ τ >= S (the loads without p2p, the same at every v
     and N), max τ >= max(S/p, a layer + the embedding, a layer + the head) and V <= the
-    family's largest, the bound holds for every member (ep > 1 only adds all-to-alls)."""
-    cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=1, v=1,
+    family's largest, the bound holds for every member (all of one ep: its all-to-alls and
+    its most loaded expert rank are in the loads)."""
+    cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
                  micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
                  sequence_parallel=fam.sp)
     lc = load_costs(profile, cluster, cfg, memo)
@@ -117,6 +120,8 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     evaluated, memory_fail, pruned = [], [], []
     memo = CostMemo()
     qmemo: dict = {}
+    tmemo: dict = {}
+    sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
@@ -133,21 +138,29 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         divs = {}
         for key, schedule, v, group, zero in fam.members():
             stats.configs += 1
-            # the quick bound depends on the loads only: shared by ZeRO levels, and by the
-            # expert degrees (ep > 1 only adds its all-to-alls to every layer's load, so the
-            # bound of the ep = 1 twin bounds them too)
+            # the quick bound depends on the loads only: shared by the ZeRO levels (each
+            # expert degree has its own: its all-to-alls and its most loaded expert rank are
+            # in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
+            # configurations the all-to-alls alone rule out)
             if schedule not in divs:
                 divs[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, v, fam.b, fam.recompute, fam.sp,
-                    divs[schedule], group)
+            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b, fam.recompute,
+                    fam.sp, divs[schedule], group)
             if qkey not in qmemo:
                 stats.quick_bounds += 1
-                twin = fam.config(schedule, v, group, zero, ep=1)
+                twin = fam.config(schedule, v, group, zero)
                 qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
                                     ) / v / 1e9
+            bound = qmemo[qkey]
+            if zero in sharded:   # the least tail of its ZeRO level (_least_sharded)
+                tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+                if tkey not in tmemo:
+                    tmemo[tkey] = _least_sharded(profile, cluster,
+                                                 fam.config(schedule, v, group, zero), memo)
+                bound = (bound + tmemo[tkey][0]) * _SLACK
             # (keys are unique: the member itself is never compared; its Config is built
             # only if popped)
-            heapq.heappush(heap, (qmemo[qkey], 1, key, (fam, schedule, v, group, zero)))
+            heapq.heappush(heap, (bound, 1, key, (fam, schedule, v, group, zero)))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -160,6 +173,10 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         if state > cluster.usable_memory_bytes:
             memory_fail.append(_state_failure(cluster, cfg, bound, state))
             continue
+        if cfg.zero in sharded:   # and the least gathered working set (_least_sharded)
+            fam = item[0]
+            state = max(state, tmemo[(fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp,
+                                      cfg.zero, cfg.v)][1])
         need_act = state + _activation_memo(profile, cluster, cfg, memo)
         if need_act > cluster.usable_memory_bytes:
             memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need_act, note=(
@@ -167,6 +184,11 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 f"need at least {need_act / GIB:.1f} GiB > "
                 f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU")))
             continue
+        if cfg.zero in sharded:
+            failed = _least_gathers_bound(profile, cluster, cfg, memo, best_ub, stats)
+            if failed is not None:
+                (pruned if failed.note.startswith("slower") else memory_fail).append(failed)
+                continue
         stats.priced += 1
         cc = config_costs(profile, cluster, cfg, memo)
         e = _Evaluated(cc=cc, cfg=cfg, lb_s=float(lower_bound_scaled(cc, l)) / cfg.v / 1e9)
@@ -189,6 +211,50 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
                     best_ub, need, memo)
     return evaluated, memory_fail, pruned
+
+
+def _least_sharded(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                   memo: CostMemo) -> tuple[float, float]:
+    """(tail s, held bytes): lower bounds, for every sharded-weight configuration (zero 2 / 3)
+    sharing cfg's (t, c, attention method, ep, p, d, sp, zero, v), of its tail (exposed
+    gradient reduction and weight gathers, the optimizer step) and of the weights, gradients,
+    optimizer states and gathered working set its busiest rank holds. cfg is priced at the
+    least gathers (weight_gathers.least_counts: each exposed whole at lead 0, so neither the
+    schedule, N, b, m nor recompute enters these terms); both are spread evenly over the p
+    ranks (the max is at least the mean). Each rounded tail term of the full price is at
+    least the least one's less 1 ns, hence the l + 2 ns given back."""
+    keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
+    low = config_costs(profile, cluster, cfg, memo, gathers=least_counts(keep, cfg.v))
+    l = profile.num_layers
+    tail_s = max(0, total_tail_ns(low, l) - (l + 2)) / cfg.p / 1e9
+    held = (min(sum(parts[:3]) for parts in low.mem_parts) * l
+            + sum(sum(parts[:3]) for parts in low.mem_fixed_parts)) / cfg.p
+    return tail_s, held
+
+
+def _least_gathers_bound(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo,
+                         best_ub: float, stats: SolveStats) -> _Evaluated | None:
+    """A sharded-weight configuration (zero 2 / 3) priced at the least gathers any schedule
+    could do (weight_gathers.least_counts: every tail and memory coefficient at most its own,
+    the loads the same), before its schedule is walked: pruned (note 'slower') when even
+    that step's bound exceeds `best_ub`, a memory failure when even that needs more than a
+    GPU over every split, else None (price it in full). Either outcome is the one its full
+    price would give (a larger bound, more memory), the plan unchanged; cc is left None so
+    the explanation prices what it shows in full."""
+    stats.least_priced += 1
+    keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
+    low = config_costs(profile, cluster, cfg, memo, gathers=least_counts(keep, cfg.v))
+    l = profile.num_layers
+    bound = float(lower_bound_scaled(low, l)) / cfg.v / 1e9
+    if bound > best_ub:
+        return _Evaluated(cc=None, cfg=cfg, lb_s=bound, note=(
+            f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s"))
+    need = memory_lower_bound(low, l)
+    if need > low.capacity_bytes:
+        return _Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need, note=(
+            f"memory: needs at least {need / GIB:.1f} GiB > "
+            f"{low.capacity_bytes / GIB:.1f} GiB usable per GPU"))
+    return None
 
 
 def _config(member: tuple) -> Config:
