@@ -81,6 +81,16 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
 def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
                   ) -> tuple[float, float, float, float, float, float, float]:
     profile = memo.rank_profile(profile, cluster, cfg)
+    comp_s, tp_s, emb_s, head_s, cp_s, ep_s = memo.layer_parts(
+        cfg, lambda: _layer_parts_s(profile, cluster, cfg, memo))
+    p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
+    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
+
+
+def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
+                   ) -> tuple[float, float, float, float, float, float]:
+    """`load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head, layer
+    context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
     comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
     comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(
         cluster, g, cfg.t, cfg.micro_batch_size, profile.activation_bytes_per_elem)
@@ -88,8 +98,7 @@ def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     cp_s = memo.context_comm_s(profile, cluster, cfg)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
-    p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
-    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
+    return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
 
 
 def _ns(seconds: float) -> int:
@@ -99,8 +108,10 @@ def _ns(seconds: float) -> int:
 def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                memo: CostMemo | None = None) -> LoadCosts:
     """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
-    comp, tp, emb, head, p2p, cp, ep = (_ns(x) for x in load_parts_s(profile, cluster, cfg,
-                                                                       memo))
+    if memo is None:
+        memo = CostMemo()
+    comp, tp, emb, head, p2p, cp, ep = memo.load_ns(cfg, lambda: tuple(
+        _ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
                      p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config,
-                                activation_bytes_lower_bound, total_tail_ns,
+                                activation_bytes_lower_bound, dp_terms_s,
+                                optimizer_step_s, rank_params,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.profile import ModelProfile
@@ -101,6 +103,50 @@ def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated 
     return _state_failure(cluster, fam.config(*least), 0.0, state(least))
 
 
+class _Failures:
+    """The search's memory failures in the order found, each as (bytes, a maker of its
+    _Evaluated): ~10^5 per large solve, of which the explanation shows the few needing the
+    least memory (solver._alternatives) and the error the least, so only `least(k)` builds
+    them (their Configs included)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, int, Callable[[], _Evaluated]]] = []
+
+    def append(self, e: _Evaluated) -> None:
+        self.items.append((e.mem_lb, len(self.items), lambda: e))
+
+    def lazy(self, need_bytes: float, make: Callable[[], _Evaluated]) -> None:
+        self.items.append((need_bytes, len(self.items), make))
+
+    def least(self, k: int) -> list[_Evaluated]:
+        """The k failures of least memory (ties: the first found), in the order found: a
+        stable sort by memory of the result starts as the whole list's would."""
+        kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
+        return [make() for _, _, make in kept]
+
+
+class _StateFailure:
+    """Makes the _Evaluated of a member whose states alone overflow (`_state_failure`)."""
+
+    def __init__(self, cluster: Cluster, member: tuple, bound: float, state: float) -> None:
+        self.args = cluster, member, bound, state
+
+    def __call__(self) -> _Evaluated:
+        cluster, member, bound, state = self.args
+        return _state_failure(cluster, _config(member), bound, state)
+
+
+class _ActivationFailure(_StateFailure):
+    """... whose states and least activations overflow."""
+
+    def __call__(self) -> _Evaluated:
+        cluster, member, bound, need = self.args
+        return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
+            f"memory: weights, optimizer states and the activations the schedule keeps "
+            f"need at least {need / GIB:.1f} GiB > "
+            f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
+
+
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
     return _Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=state, note=(
         f"memory: weights, gradients and optimizer states alone need {state / GIB:.1f} GiB > "
@@ -117,10 +163,13 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     locals (the hot path of planning: attribute lookups cost measurable time here)."""
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
-    evaluated, memory_fail, pruned = [], [], []
+    evaluated, pruned = [], []
+    failures = _Failures()
+    usable = cluster.usable_memory_bytes
     memo = CostMemo()
     qmemo: dict = {}
-    tmemo: dict = {}
+    tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
+    hmemo: dict = {}
     sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
     heap: list[tuple] = []
     stats.families += len(families)
@@ -128,7 +177,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         failed = _memory_family(profile, cluster, fam, memo)
         if failed is not None:
             stats.families_memory += 1
-            memory_fail.append(failed)
+            failures.append(failed)
             continue
         heap.append((family_bound_s(profile, cluster, fam, memo), 0, fam.key + fam.sub, n))
     heapq.heapify(heap)
@@ -152,12 +201,12 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
                                     ) / v / 1e9
             bound = qmemo[qkey]
-            if zero in sharded:   # the least tail of its ZeRO level (_least_sharded)
+            if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
                 tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
                 if tkey not in tmemo:
-                    tmemo[tkey] = _least_sharded(profile, cluster,
-                                                 fam.config(schedule, v, group, zero), memo)
-                bound = (bound + tmemo[tkey][0]) * _SLACK
+                    tmemo[tkey] = _least_tail_s(profile, cluster,
+                                                fam.config(schedule, v, group, zero), memo)
+                bound = (bound + tmemo[tkey]) * _SLACK
             # (keys are unique: the member itself is never compared; its Config is built
             # only if popped)
             heapq.heappush(heap, (bound, 1, key, (fam, schedule, v, group, zero)))
@@ -168,26 +217,32 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         if kind == 0:
             build(families[item])
             continue
+        # the memory bounds first, from the member's keys: most fail, and a failure's
+        # Config is built only if the explanation shows it (_Failures)
+        fam, schedule, v, group, zero = item
+        state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
+        if state is None:
+            state = _state_memo(profile, _config(item), memo)
+        if state > usable:
+            failures.lazy(state, _StateFailure(cluster, item, bound, state))
+            continue
+        if zero in sharded:   # and the least gathered working set (_least_held_bytes)
+            hkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+            if hkey not in hmemo:
+                hmemo[hkey] = _least_held_bytes(profile, cluster, _config(item), memo)
+            state = max(state, hmemo[hkey])
+        act = memo.activation_bytes.get((fam.t, fam.c, fam.how, fam.p, v, fam.b, fam.m,
+                                         fam.recompute, fam.sp, schedule, group))
+        if act is None:
+            act = _activation_memo(profile, cluster, _config(item), memo)
+        if state + act > usable:
+            failures.lazy(state + act, _ActivationFailure(cluster, item, bound, state + act))
+            continue
         cfg = _config(item)
-        state = _state_memo(profile, cfg, memo)
-        if state > cluster.usable_memory_bytes:
-            memory_fail.append(_state_failure(cluster, cfg, bound, state))
-            continue
-        if cfg.zero in sharded:   # and the least gathered working set (_least_sharded)
-            fam = item[0]
-            state = max(state, tmemo[(fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp,
-                                      cfg.zero, cfg.v)][1])
-        need_act = state + _activation_memo(profile, cluster, cfg, memo)
-        if need_act > cluster.usable_memory_bytes:
-            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need_act, note=(
-                f"memory: weights, optimizer states and the activations the schedule keeps "
-                f"need at least {need_act / GIB:.1f} GiB > "
-                f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU")))
-            continue
-        if cfg.zero in sharded:
+        if zero in sharded:
             failed = _least_gathers_bound(profile, cluster, cfg, memo, best_ub, stats)
             if failed is not None:
-                (pruned if failed.note.startswith("slower") else memory_fail).append(failed)
+                (pruned if failed.note.startswith("slower") else failures).append(failed)
                 continue
         stats.priced += 1
         cc = config_costs(profile, cluster, cfg, memo)
@@ -205,31 +260,44 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
             if e.mem_lb > cc.capacity_bytes:
                 e.note = (f"memory: needs at least {e.mem_lb / GIB:.1f} GiB > "
                           f"{cc.capacity_bytes / GIB:.1f} GiB usable per GPU")
-                memory_fail.append(e)
+                failures.append(e)
                 continue
         evaluated.append(e)
-    _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
+    _closest_pruned(profile, cluster, heap, families, build, evaluated, failures, pruned,
                     best_ub, need, memo)
-    return evaluated, memory_fail, pruned
+    return evaluated, failures.least(max(need, 1)), pruned
 
 
-def _least_sharded(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                   memo: CostMemo) -> tuple[float, float]:
-    """(tail s, held bytes): lower bounds, for every sharded-weight configuration (zero 2 / 3)
-    sharing cfg's (t, c, attention method, ep, p, d, sp, zero, v), of its tail (exposed
-    gradient reduction and weight gathers, the optimizer step) and of the weights, gradients,
-    optimizer states and gathered working set its busiest rank holds. cfg is priced at the
-    least gathers (weight_gathers.least_counts: each exposed whole at lead 0, so neither the
-    schedule, N, b, m nor recompute enters these terms); both are spread evenly over the p
-    ranks (the max is at least the mean). Each rounded tail term of the full price is at
-    least the least one's less 1 ns, hence the l + 2 ns given back."""
-    keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
-    low = config_costs(profile, cluster, cfg, memo, gathers=least_counts(keep, cfg.v))
+def _least_tail_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                  memo: CostMemo) -> float:
+    """A lower bound (s) of the tail (exposed gradient reduction and weight gathers, the
+    optimizer step: step.rank_tail_terms_ns) of every sharded-weight configuration (zero 2 /
+    3) sharing cfg's (t, c, attention method, ep, p, d, sp, zero, v): cfg's data-parallel
+    terms at the least gathers (weight_gathers.least_counts: each exposed whole at lead 0,
+    so neither the schedule, N, b, m nor recompute enters), summed over the layers as
+    step.total_tail_ns does and spread evenly over the p ranks (the max is at least the
+    mean). Each of the full price's rounded terms is within 1 ns of a term at least this
+    one's, hence the 2l + 4 ns given back."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    params = rank_params(rank, cfg)
+    least = least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v)
+    dp, hidden, first, last = dp_terms_s(rank, cluster, cfg, params,
+                                         memo.block_times_s(rank, cluster, cfg), 0.0, least)
+    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
     l = profile.num_layers
-    tail_s = max(0, total_tail_ns(low, l) - (l + 2)) / cfg.p / 1e9
-    held = (min(sum(parts[:3]) for parts in low.mem_parts) * l
+    total = (dp - hidden + opt) * l + first + last + opt_first + opt_last
+    return max(0.0, total - (2 * l + 4) / 1e9) / cfg.p
+
+
+def _least_held_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                      memo: CostMemo) -> float:
+    """A lower bound of the weights, gradients, optimizer states and gathered working set a
+    sharded-weight configuration's busiest rank holds, for every one sharing cfg's keys of
+    `_least_tail_s`: cfg priced at the least gathers, spread evenly over the p ranks."""
+    low = config_costs(profile, cluster, cfg, memo,
+                       gathers=least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
+    return (min(sum(parts[:3]) for parts in low.mem_parts) * profile.num_layers
             + sum(sum(parts[:3]) for parts in low.mem_fixed_parts)) / cfg.p
-    return tail_s, held
 
 
 def _least_gathers_bound(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo,
@@ -262,7 +330,7 @@ def _config(member: tuple) -> Config:
     return fam.config(schedule, v, group, zero)
 
 
-def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
+def _closest_pruned(profile, cluster, heap, families, build, evaluated, failures, pruned,
                     best_ub, need, memo) -> None:
     """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
     (every one left on the heap, or in a family not built, has a bound >= the heap's top).
@@ -274,10 +342,10 @@ def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_f
         if kind == 0:
             build(families[item])
             continue
-        item = _config(item)
+        member, item = item, _config(item)
         state = _state_memo(profile, item, memo)
         if state > cluster.usable_memory_bytes:
-            memory_fail.append(_state_failure(cluster, item, bound, state))
+            failures.lazy(state, _StateFailure(cluster, member, bound, state))
             continue
         popped += 1
         pruned.append(_Evaluated(cc=None, cfg=item, lb_s=bound, note=(
