@@ -33,8 +33,9 @@ from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config,
-                                activation_bytes_lower_bound, dp_terms_s,
+from autopar.cost.memory import least_activation_bytes
+from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
+                                layer_activation_bytes,
                                 optimizer_step_s, rank_params,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
@@ -59,12 +60,19 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     and N), max τ >= max(S/p, a layer + the embedding, a layer + the head) and V <= the
     family's largest, the bound holds for every member (all of one ep: its all-to-alls and
     its most loaded expert rank are in the loads)."""
-    cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
-                 micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
-                 sequence_parallel=fam.sp)
-    lc = load_costs(profile, cluster, cfg, memo)
-    total = lc.layer_ns * profile.num_layers + lc.embed_ns + lc.head_ns
-    most = max(total / fam.p, lc.layer_ns + lc.embed_ns, lc.layer_ns + lc.head_ns)
+    # the loads but the p2p: the same integers at every p, d, v and N (CostMemo.layer_parts),
+    # so one load_costs per (t, c, method, ep, b, recompute, sp) serves every family
+    key = (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)
+    layer_ns = memo.family_loads.get(key)
+    if layer_ns is None:
+        lc = load_costs(profile, cluster, Config(
+            t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
+            micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
+            sequence_parallel=fam.sp), memo)
+        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns)
+    layer, embed, head = layer_ns
+    total = layer * profile.num_layers + embed + head
+    most = max(total / fam.p, layer + embed, layer + head)
     V = max(v * SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
             for _, schedule, v, _, _ in fam.rows)
     return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
@@ -79,16 +87,6 @@ def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
     return memo.state_bytes[key]
 
 
-def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                     memo: CostMemo) -> float:
-    key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
-           cfg.num_microbatches, cfg.recompute, cfg.sequence_parallel, cfg.schedule,
-           cfg.microbatch_group)
-    if key not in memo.activation_bytes:
-        memo.activation_bytes[key] = activation_bytes_lower_bound(profile, cfg, memo)
-    return memo.activation_bytes[key]
-
-
 def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
     and optimizer states overflow (then so do every member's); else None."""
@@ -101,6 +99,62 @@ def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated 
     if state(least) <= cluster.usable_memory_bytes:
         return None
     return _state_failure(cluster, fam.config(*least), 0.0, state(least))
+
+
+def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
+    """memory.activation_bytes_lower_bound of a member (fam, schedule, v, N, zero), without
+    its Config: a layer's activation bytes memoised by the (t, c, method, b, recompute, sp)
+    they depend on (the context rank's profile, one per c and method)."""
+    fam, schedule, v, group, _ = member
+    key = (fam.t, fam.c, fam.how, fam.b, fam.recompute, fam.sp)
+    layer = memo.activation_bytes.get(key)
+    if layer is None:
+        ctx = memo.context_profile(profile, _config(member))
+        layer = memo.activation_bytes[key] = layer_activation_bytes(
+            ctx, fam.t, fam.b, fam.recompute, fam.sp and fam.t > 1)
+    return least_activation_bytes(layer, schedule, fam.p, v, fam.m, group, profile.num_layers)
+
+
+def _overflows(profile, cluster, member: tuple,
+               memo: CostMemo) -> tuple[float, Callable[[], _Evaluated]] | None:
+    """(bytes, maker of its failure) when a member's states, or its states and least
+    activations, overflow a GPU at every split; else None. Checked before its bound is
+    computed (most members of a large solve fail here), from the member's keys: its Config
+    is built only if the explanation shows the failure (_Failures)."""
+    fam, _, _, _, zero = member
+    usable = cluster.usable_memory_bytes
+    state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
+    if state is None:
+        state = _state_memo(profile, _config(member), memo)
+    if state > usable:
+        return state, _StateFailure(cluster, member, 0.0, state)
+    need = state + _activation_bytes(profile, cluster, member, memo)
+    if need > usable:
+        return need, _ActivationFailure(cluster, member, 0.0, need)
+    return None
+
+
+def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
+                   sharded: set[int]) -> float:
+    """A lower bound (s) of the tail of every member of `fam` that fits its states: when
+    only sharded-weight ZeRO levels do (the others' members fail memory when popped and can
+    never be the plan), the least `_least_tail_s` over them at the family's largest v (the
+    least tail shrinks as v grows: each chunk's gathers and reduce-scatters are 1/v of the
+    layer's); else 0. `tmemo` is the search's memo of least tails."""
+    usable = cluster.usable_memory_bytes
+    fits = [z for *_, z in fam.first_of_each_zero()
+            if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable]
+    if not fits or not set(fits) <= sharded:
+        return 0.0
+    _, schedule, v, group, _ = max(fam.rows, key=lambda row: row[2])
+    tails = []
+    for zero in fits:
+        tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+        if tkey not in tmemo:
+            tmemo[tkey] = _least_tail_s(profile, cluster, fam.config(schedule, v, group, zero),
+                                        memo)
+        tails.append(tmemo[tkey])
+    return min(tails)
 
 
 class _Failures:
@@ -179,7 +233,10 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
             stats.families_memory += 1
             failures.append(failed)
             continue
-        heap.append((family_bound_s(profile, cluster, fam, memo), 0, fam.key + fam.sub, n))
+        bound = family_bound_s(profile, cluster, fam, memo)
+        if fam.zeros() & sharded:
+            bound += _family_tail_s(profile, cluster, fam, memo, tmemo, sharded) * _SLACK
+        heap.append((bound, 0, fam.key + fam.sub, n))
     heapq.heapify(heap)
 
     def build(fam: Family) -> None:
@@ -187,6 +244,11 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         divs = {}
         for key, schedule, v, group, zero in fam.members():
             stats.configs += 1
+            member = (fam, schedule, v, group, zero)
+            failed = _overflows(profile, cluster, member, memo)
+            if failed is not None:   # never pushed: its bound cannot matter
+                failures.lazy(*failed)
+                continue
             # the quick bound depends on the loads only: shared by the ZeRO levels (each
             # expert degree has its own: its all-to-alls and its most loaded expert rank are
             # in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
@@ -209,7 +271,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 bound = (bound + tmemo[tkey]) * _SLACK
             # (keys are unique: the member itself is never compared; its Config is built
             # only if popped)
-            heapq.heappush(heap, (bound, 1, key, (fam, schedule, v, group, zero)))
+            heapq.heappush(heap, (bound, 1, key, member))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -217,27 +279,15 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         if kind == 0:
             build(families[item])
             continue
-        # the memory bounds first, from the member's keys: most fail, and a failure's
-        # Config is built only if the explanation shows it (_Failures)
         fam, schedule, v, group, zero = item
-        state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
-        if state is None:
-            state = _state_memo(profile, _config(item), memo)
-        if state > usable:
-            failures.lazy(state, _StateFailure(cluster, item, bound, state))
-            continue
-        if zero in sharded:   # and the least gathered working set (_least_held_bytes)
+        if zero in sharded:   # the least gathered working set too (_least_held_bytes)
             hkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
             if hkey not in hmemo:
                 hmemo[hkey] = _least_held_bytes(profile, cluster, _config(item), memo)
-            state = max(state, hmemo[hkey])
-        act = memo.activation_bytes.get((fam.t, fam.c, fam.how, fam.p, v, fam.b, fam.m,
-                                         fam.recompute, fam.sp, schedule, group))
-        if act is None:
-            act = _activation_memo(profile, cluster, _config(item), memo)
-        if state + act > usable:
-            failures.lazy(state + act, _ActivationFailure(cluster, item, bound, state + act))
-            continue
+            need_bytes = hmemo[hkey] + _activation_bytes(profile, cluster, item, memo)
+            if need_bytes > usable:
+                failures.lazy(need_bytes, _ActivationFailure(cluster, item, bound, need_bytes))
+                continue
         cfg = _config(item)
         if zero in sharded:
             failed = _least_gathers_bound(profile, cluster, cfg, memo, best_ub, stats)
@@ -263,8 +313,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 failures.append(e)
                 continue
         evaluated.append(e)
-    _closest_pruned(profile, cluster, heap, families, build, evaluated, failures, pruned,
-                    best_ub, need, memo)
+    _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need)
     return evaluated, failures.least(max(need, 1)), pruned
 
 
@@ -330,8 +379,7 @@ def _config(member: tuple) -> Config:
     return fam.config(schedule, v, group, zero)
 
 
-def _closest_pruned(profile, cluster, heap, families, build, evaluated, failures, pruned,
-                    best_ub, need, memo) -> None:
+def _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need) -> None:
     """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
     (every one left on the heap, or in a family not built, has a bound >= the heap's top).
     Why this size: it continues `search`'s loop on `search`'s own state (heap, lists, memo)."""
@@ -342,11 +390,6 @@ def _closest_pruned(profile, cluster, heap, families, build, evaluated, failures
         if kind == 0:
             build(families[item])
             continue
-        member, item = item, _config(item)
-        state = _state_memo(profile, item, memo)
-        if state > cluster.usable_memory_bytes:
-            failures.lazy(state, _StateFailure(cluster, member, bound, state))
-            continue
-        popped += 1
-        pruned.append(_Evaluated(cc=None, cfg=item, lb_s=bound, note=(
+        popped += 1   # (members that overflow memory were never pushed: `_overflows`)
+        pruned.append(_Evaluated(cc=None, cfg=_config(item), lb_s=bound, note=(
             f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s")))
