@@ -5,24 +5,29 @@ cost/families.py enumerates the combinations the rules allow in families (bounds
 without building them. `search` then works best-first on one heap of families and
 combinations, keyed by a lower bound of their step time:
   - a family's bound (`family_bound_s`) holds for every member: from the loads alone, with
-    the largest v·bubble_div of its rows (the bubble shrinks with it) and no tail;
-  - a combination's is bounds.quick_lower_bound_scaled (its own v, N and bubble divisor),
-    shared through a memo by the combinations with the same loads (ZeRO levels, ep);
-  - a combination popped is priced in full (cost.model.config_costs), bounded again over
-    every partition (bounds.lower_bound_scaled), and split by the heuristic (an upper bound
-    that lowers `best`).
+    the largest v·bubble_div of its rows (the bubble shrinks with it), plus the least tail
+    of its sharded ZeRO levels when only those fit (`_family_tail_s`);
+  - a combination's is bounds.quick_lower_bound_scaled (its own v, N, ep and bubble
+    divisor), shared through a memo by the ZeRO levels, plus for sharded weights (zero 2 /
+    3) the least tail of their gathers (`_least_tail_s`: weight_gathers.least_counts, which
+    no schedule's plan undercuts);
+  - a combination popped with sharded weights is priced at those least gathers first
+    (`_least_gathers_bound`: pruned or a memory failure without walking its schedule), then
+    in full (cost.model.config_costs), bounded again over every partition
+    (bounds.lower_bound_scaled), and split by the heuristic (an upper bound that lowers
+    `best`).
 A family is built only when popped, i.e. when its bound does not exceed the best plan found
 so far; the search stops when the smallest bound left exceeds it (branch and bound:
-nothing left can win). Optimality and the chosen plan are unchanged by the families: the
-combinations are popped in the order of the flat search (ascending quick bound, ties in
-enumeration order; a family's bound is at most its members' and a family is popped before
-any combination of the same bound), so the same ones are priced and the same survive into
-CP-SAT, in the same order. What the families change is what is never built: the members
-of a family whose bound exceeds the best (counted in SolveStats).
-For the explanation the search goes on past the best, building families, until the `need`
-closest pruned combinations are known (those Plan.explain() ranks). Families whose weights,
-gradients and optimizer states alone overflow a GPU at every ZeRO level they offer are never
-built: each is reported as one memory failure (its least-memory member).
+nothing left can win). Every bound is at most the full price's, so the chosen plan is the
+one pricing everything would give (tests/unit/test_search_work.py against cost/bruteforce.py);
+what the bounds change is what is never built or priced (counted in SolveStats).
+Members whose states, or states and least activations, overflow a GPU are never pushed
+(`_overflows`, from their keys); memory failures are kept as (bytes, maker) and built only
+for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
+the best, building families, until the `need` closest pruned combinations are known.
+Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
+level they offer are never built: each is reported as one memory failure (its least-memory
+member).
 """
 from __future__ import annotations
 
