@@ -241,6 +241,27 @@ class GatherCounts:
         return sum(n for _, n in self.reduce_leads)
 
 
+def least_counts(keep: int, v: int) -> GatherCounts:
+    """GatherCounts that the plan of no schedule of v chunks per rank, `keep` gathered at
+    once, undercuts in any term the cost model reads (cost/dp_terms.py's exposed gathers and
+    reduce-scatters, cost/memory.py's gathered working set): a lower bound for pruning
+    before a schedule is walked (cost/search.py).
+
+    - one all-gather of lead 0: nothing is gathered before a rank's first compute;
+    - one reduce-scatter of lead 0: a rank's last compute is a backward, after which its
+      chunk is released for good, its gradients reduce-scattered at the list's end;
+    - peak gathered: chunk 0's first forward opens the list and its last backward (of the last
+      micro-batch, behind every other chunk's forward of it) is the last of its computes; it
+      can be evicted only when `keep` chunks are live, so the first other chunk gathered joins
+      it: at least min(keep, v, 2); with keep >= v nothing is ever evicted and every chunk is
+      live at the last micro-batch's first backward: v;
+    - peak pending: the last backward's chunk: 1.
+    tests/unit/test_search_work.py checks them against the walked plans."""
+    gathered = v if keep >= v else min(keep, 2)
+    return GatherCounts(gather_leads=((0, 1),), reduce_leads=((0, 1),),
+                        peak_gathered=gathered, peak_pending=1)
+
+
 def _counted(leads: Sequence[int]) -> tuple[tuple[int, int], ...]:
     out: dict[int, int] = {}
     for lead in leads:

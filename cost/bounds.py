@@ -94,6 +94,7 @@ class SolveStats:
     families_memory: int = 0     # of them, skipped: weights and optimizer states alone overflow
     configs: int = 0             # configurations enumerated (pushed on the search's heap)
     quick_bounds: int = 0        # load-only lower bounds computed (the rest shared, memoised)
+    least_priced: int = 0        # sharded-weight ones priced at their least gathers first
     priced: int = 0              # configurations fully priced (cost.model.config_costs)
     candidates: int = 0          # configurations handed to CP-SAT
 

@@ -39,8 +39,12 @@ class CostMemo:
     gathers: dict[tuple, GatherCounts] = field(default_factory=dict)
     flops: dict[tuple, tuple[float, float]] = field(default_factory=dict)
     loads: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
-    # the search's bounds (cost/search.py): state and activation bytes per configuration
+    loads_ns: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
+    layers: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
+    # the search's bounds (cost/search.py): state bytes per configuration, a layer's
+    # activation bytes per (t, c, method, b, recompute, sp)
     state_bytes: dict[tuple, float] = field(default_factory=dict)
+    family_loads: dict[tuple, tuple[int, int, int]] = field(default_factory=dict)
     activation_bytes: dict[tuple, float] = field(default_factory=dict)
 
     def rank_profile(self, profile: ModelProfile, cluster: Cluster, cfg: Config) -> ModelProfile:
@@ -115,6 +119,27 @@ class CostMemo:
         out = self.loads.get(key)
         if out is None:
             out = self.loads[key] = compute()
+        return out
+
+    def load_ns(self, cfg: Config, compute: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+        """`model.load_costs`' integers of cfg (`compute()` on a miss), keyed as `load_parts`."""
+        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v,
+               cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
+        out = self.loads_ns.get(key)
+        if out is None:
+            out = self.loads_ns[key] = compute()
+        return out
+
+    def layer_parts(self, cfg: Config,
+                    compute: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
+        """`model.load_parts_s` less the p2p (`compute()` on a miss), keyed by what it reads:
+        (t, c, method, ep, b, recompute, sp) — the GPUs are the solve's, so neither p, d, v
+        nor N changes it."""
+        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
+               cfg.sequence_parallel, cfg.gpus)
+        out = self.layers.get(key)
+        if out is None:
+            out = self.layers[key] = compute()
         return out
 
     def flops_per_seq(self, profile: ModelProfile, cfg: Config) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from autopar.cost.profile import ModelProfile, RegionProfile
 from autopar.cost.shares import (RankParams, expert_params_elems, rank_attention_bytes,
                                  shard_params_elems, tp_fallback, vocab_pad_ratio)
 from autopar.plan import Memory
-from autopar.schedules import GROUPED, compute_order, peak_held
+from autopar.schedules import GROUPED, compute_order, first_group_size, peak_held
 from autopar.weight_gathers import GatherCounts, settled_walks
 
 if TYPE_CHECKING:
@@ -147,8 +147,7 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
     chunk_w *= gathered_bytes_ratio(profile, cfg.t, block_p, True)   # FP8 gathers: 1 B/elem
     mem_layer, mem_fixed, parts, fparts = [], [], [], []
     # the step's inputs besides the tokens (packed documents' masks), on every rank
-    inputs_bytes = (profile.input_bytes_per_sequence * cfg.micro_batch_size
-                    * cfg.num_microbatches)
+    inputs_bytes = step_input_bytes(profile, cfg.micro_batch_size, cfg.num_microbatches)
     for r in range(p):
         held, pending = inflight(cfg, r), pending_weight_grads(cfg, r)
         mb = -(-held // v)  # micro-batches of the edge regions in flight
@@ -195,10 +194,27 @@ def activation_bytes_lower_bound(profile: ModelProfile, cfg: Config,
     else:
         profile = memo.context_profile(profile, cfg)
     act = layer_activation_bytes(profile, cfg.t, cfg.micro_batch_size, cfg.recompute, sp)
+    return least_activation_bytes(act, cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                                  cfg.microbatch_group, profile.num_layers) + step_input_bytes(
+        profile, cfg.micro_batch_size, cfg.num_microbatches)
+
+
+def step_input_bytes(profile: ModelProfile, micro_batch_size: int,
+                     num_microbatches: int) -> float:
+    """The step's inputs besides the tokens, held on every rank for the step (packed
+    documents' masks: `ModelProfile.input_bytes_per_sequence`)."""
+    return profile.input_bytes_per_sequence * micro_batch_size * num_microbatches
+
+
+def least_activation_bytes(layer_bytes: float, schedule: str, p: int, v: int, m: int,
+                           group: int | None, num_layers: int) -> float:
+    """`activation_bytes_lower_bound` from a layer's activation bytes per micro-batch
+    (`layer_activation_bytes` on the context rank's profile) and the schedule's knobs: what
+    the search asks per configuration without building one."""
+    traits, g0 = SCHEDULE_TRAITS[schedule], first_group_size(p, m, group)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
-    least = min(inflight(cfg, r) for r in (0, cfg.p - 1))
-    inputs = profile.input_bytes_per_sequence * cfg.micro_batch_size * cfg.num_microbatches
-    return act * least / cfg.v * profile.num_layers / cfg.p + inputs
+    least = min(traits.inflight(p, v, m, r, g0) for r in (0, p - 1))
+    return layer_bytes * least / v * num_layers / p
 
 
 def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],

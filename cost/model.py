@@ -59,6 +59,7 @@ from autopar.cost.step import (Lin, fits, rank_layers, rank_load_ns,  # noqa: F4
                                scaled_step_ns, step_scale, step_time_ns, step_time_scaled,
                                tail_layer_ns, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.plan import Prediction
+from autopar.weight_gathers import GatherCounts
 
 
 # ----- a configuration's costs -------------------------------------------------------------------
@@ -80,6 +81,16 @@ def load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
 def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
                   ) -> tuple[float, float, float, float, float, float, float]:
     profile = memo.rank_profile(profile, cluster, cfg)
+    comp_s, tp_s, emb_s, head_s, cp_s, ep_s = memo.layer_parts(
+        cfg, lambda: _layer_parts_s(profile, cluster, cfg, memo))
+    p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
+    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
+
+
+def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
+                   ) -> tuple[float, float, float, float, float, float]:
+    """`load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head, layer
+    context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
     comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
     comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(
         cluster, g, cfg.t, cfg.micro_batch_size, profile.activation_bytes_per_elem)
@@ -87,8 +98,7 @@ def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     cp_s = memo.context_comm_s(profile, cluster, cfg)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
-    p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
-    return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
+    return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
 
 
 def _ns(seconds: float) -> int:
@@ -98,17 +108,23 @@ def _ns(seconds: float) -> int:
 def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                memo: CostMemo | None = None) -> LoadCosts:
     """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
-    comp, tp, emb, head, p2p, cp, ep = (_ns(x) for x in load_parts_s(profile, cluster, cfg,
-                                                                       memo))
+    if memo is None:
+        memo = CostMemo()
+    comp, tp, emb, head, p2p, cp, ep = memo.load_ns(cfg, lambda: tuple(
+        _ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
                      p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                 memo: CostMemo | None = None) -> ConfigCosts:
+                 memo: CostMemo | None = None,
+                 gathers: "GatherCounts | None" = None) -> ConfigCosts:
     """Every integer ns / byte constant of cfg (the load's, the data-parallel and optimizer
     tail's, the memory's per rank, the FLOPs), each affine in a rank's layer count: what the
-    solver's constraints and objective and `predict` use. `memo` as in `load_parts_s`."""
+    solver's constraints and objective and `predict` use. `memo` as in `load_parts_s`.
+    `gathers`: the weight-gather counts to price sharded weights with (default: the plan of
+    cfg's own schedule, walked); the search passes `weight_gathers.least_counts`, which no
+    schedule's plan undercuts, to bound a configuration before walking its schedule."""
     memo = CostMemo() if memo is None else memo
     lc = load_costs(profile, cluster, cfg, memo)
     profile = memo.rank_profile(profile, cluster, cfg)
@@ -116,7 +132,10 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     fwd_ns = min(_ns(block_s[2] + memo.context_comm_s(profile, cluster, cfg)[0]
                      + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
     params = rank_params(profile, cfg)
-    gathers = memo.weight_gathers(cfg) if ZERO_TRAITS[cfg.zero].sharded_weights else None
+    if not ZERO_TRAITS[cfg.zero].sharded_weights:
+        gathers = None
+    elif gathers is None:
+        gathers = memo.weight_gathers(cfg)
     dp_layer, window_layer, dp_first, dp_last = dp_terms_s(
         profile, cluster, cfg, params, block_s, lc.layer_compute_ns / NS, gathers)
     opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)

@@ -5,37 +5,47 @@ cost/families.py enumerates the combinations the rules allow in families (bounds
 without building them. `search` then works best-first on one heap of families and
 combinations, keyed by a lower bound of their step time:
   - a family's bound (`family_bound_s`) holds for every member: from the loads alone, with
-    the largest v·bubble_div of its rows (the bubble shrinks with it) and no tail;
-  - a combination's is bounds.quick_lower_bound_scaled (its own v, N and bubble divisor),
-    shared through a memo by the combinations with the same loads (ZeRO levels, ep);
-  - a combination popped is priced in full (cost.model.config_costs), bounded again over
-    every partition (bounds.lower_bound_scaled), and split by the heuristic (an upper bound
-    that lowers `best`).
+    the largest v·bubble_div of its rows (the bubble shrinks with it), plus the least tail
+    of its sharded ZeRO levels when only those fit (`_family_tail_s`);
+  - a combination's is bounds.quick_lower_bound_scaled (its own v, N, ep and bubble
+    divisor), shared through a memo by the ZeRO levels, plus for sharded weights (zero 2 /
+    3) the least tail of their gathers (`_least_tail_s`: weight_gathers.least_counts, which
+    no schedule's plan undercuts);
+  - a combination popped with sharded weights is priced at those least gathers first
+    (`_least_gathers_bound`: pruned or a memory failure without walking its schedule), then
+    in full (cost.model.config_costs), bounded again over every partition
+    (bounds.lower_bound_scaled), and split by the heuristic (an upper bound that lowers
+    `best`).
 A family is built only when popped, i.e. when its bound does not exceed the best plan found
 so far; the search stops when the smallest bound left exceeds it (branch and bound:
-nothing left can win). Optimality and the chosen plan are unchanged by the families: the
-combinations are popped in the order of the flat search (ascending quick bound, ties in
-enumeration order; a family's bound is at most its members' and a family is popped before
-any combination of the same bound), so the same ones are priced and the same survive into
-CP-SAT, in the same order. What the families change is what is never built: the members
-of a family whose bound exceeds the best (counted in SolveStats).
-For the explanation the search goes on past the best, building families, until the `need`
-closest pruned combinations are known (those Plan.explain() ranks). Families whose weights,
-gradients and optimizer states alone overflow a GPU at every ZeRO level they offer are never
-built: each is reported as one memory failure (its least-memory member).
+nothing left can win). Every bound is at most the full price's, so the chosen plan is the
+one pricing everything would give (tests/unit/test_search_work.py against cost/bruteforce.py);
+what the bounds change is what is never built or priced (counted in SolveStats).
+Members whose states, or states and least activations, overflow a GPU are never pushed
+(`_overflows`, from their keys); memory failures are kept as (bytes, maker) and built only
+for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
+the best, building families, until the `need` closest pruned combinations are known.
+Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
+level they offer are never built: each is reported as one memory failure (its least-memory
+member).
 """
 from __future__ import annotations
 
 import bisect
 import heapq
 import math
+from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.model import (SCHEDULE_TRAITS, Config, activation_bytes_lower_bound,
+from autopar.cost.memory import least_activation_bytes, step_input_bytes
+from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
+                                layer_activation_bytes,
+                                optimizer_step_s, rank_params,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.profile import ModelProfile
+from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
                                  quick_lower_bound_scaled)
@@ -53,13 +63,21 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     bubble_div), at least (m − 1/V)·max τ + Σ τ/V: increasing in max τ and Σ τ, and for
     Σ τ >= max τ decreasing in V. So with Σ τ >= S (the loads without p2p, the same at every v
     and N), max τ >= max(S/p, a layer + the embedding, a layer + the head) and V <= the
-    family's largest, the bound holds for every member (ep > 1 only adds all-to-alls)."""
-    cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=1, v=1,
-                 micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
-                 sequence_parallel=fam.sp)
-    lc = load_costs(profile, cluster, cfg, memo)
-    total = lc.layer_ns * profile.num_layers + lc.embed_ns + lc.head_ns
-    most = max(total / fam.p, lc.layer_ns + lc.embed_ns, lc.layer_ns + lc.head_ns)
+    family's largest, the bound holds for every member (all of one ep: its all-to-alls and
+    its most loaded expert rank are in the loads)."""
+    # the loads but the p2p: the same integers at every p, d, v and N (CostMemo.layer_parts),
+    # so one load_costs per (t, c, method, ep, b, recompute, sp) serves every family
+    key = (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)
+    layer_ns = memo.family_loads.get(key)
+    if layer_ns is None:
+        lc = load_costs(profile, cluster, Config(
+            t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
+            micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
+            sequence_parallel=fam.sp), memo)
+        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns)
+    layer, embed, head = layer_ns
+    total = layer * profile.num_layers + embed + head
+    most = max(total / fam.p, layer + embed, layer + head)
     V = max(v * SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
             for _, schedule, v, _, _ in fam.rows)
     return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
@@ -74,16 +92,6 @@ def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
     return memo.state_bytes[key]
 
 
-def _activation_memo(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                     memo: CostMemo) -> float:
-    key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.v, cfg.micro_batch_size,
-           cfg.num_microbatches, cfg.recompute, cfg.sequence_parallel, cfg.schedule,
-           cfg.microbatch_group)
-    if key not in memo.activation_bytes:
-        memo.activation_bytes[key] = activation_bytes_lower_bound(profile, cfg, memo)
-    return memo.activation_bytes[key]
-
-
 def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
     and optimizer states overflow (then so do every member's); else None."""
@@ -96,6 +104,107 @@ def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated 
     if state(least) <= cluster.usable_memory_bytes:
         return None
     return _state_failure(cluster, fam.config(*least), 0.0, state(least))
+
+
+def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
+    """memory.activation_bytes_lower_bound of a member (fam, schedule, v, N, zero), without
+    its Config: a layer's activation bytes memoised by the (t, c, method, b, recompute, sp)
+    they depend on (the context rank's profile, one per c and method)."""
+    fam, schedule, v, group, _ = member
+    key = (fam.t, fam.c, fam.how, fam.b, fam.recompute, fam.sp)
+    layer = memo.activation_bytes.get(key)
+    if layer is None:
+        ctx = memo.context_profile(profile, _config(member))
+        layer = memo.activation_bytes[key] = layer_activation_bytes(
+            ctx, fam.t, fam.b, fam.recompute, fam.sp and fam.t > 1)
+    return (least_activation_bytes(layer, schedule, fam.p, v, fam.m, group, profile.num_layers)
+            + step_input_bytes(profile, fam.b, fam.m))
+
+
+def _overflows(profile, cluster, member: tuple,
+               memo: CostMemo) -> tuple[float, Callable[[], _Evaluated]] | None:
+    """(bytes, maker of its failure) when a member's states, or its states and least
+    activations, overflow a GPU at every split; else None. Checked before its bound is
+    computed (most members of a large solve fail here), from the member's keys: its Config
+    is built only if the explanation shows the failure (_Failures)."""
+    fam, _, _, _, zero = member
+    usable = cluster.usable_memory_bytes
+    state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
+    if state is None:
+        state = _state_memo(profile, _config(member), memo)
+    if state > usable:
+        return state, _StateFailure(cluster, member, 0.0, state)
+    need = state + _activation_bytes(profile, cluster, member, memo)
+    if need > usable:
+        return need, _ActivationFailure(cluster, member, 0.0, need)
+    return None
+
+
+def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
+                   sharded: set[int]) -> float:
+    """A lower bound (s) of the tail of every member of `fam` that fits its states: when
+    only sharded-weight ZeRO levels do (the others' members fail memory when popped and can
+    never be the plan), the least `_least_tail_s` over them at the family's largest v (the
+    least tail shrinks as v grows: each chunk's gathers and reduce-scatters are 1/v of the
+    layer's); else 0. `tmemo` is the search's memo of least tails."""
+    usable = cluster.usable_memory_bytes
+    fits = [z for *_, z in fam.first_of_each_zero()
+            if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable]
+    if not fits or not set(fits) <= sharded:
+        return 0.0
+    _, schedule, v, group, _ = max(fam.rows, key=lambda row: row[2])
+    tails = []
+    for zero in fits:
+        tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+        if tkey not in tmemo:
+            tmemo[tkey] = _least_tail_s(profile, cluster, fam.config(schedule, v, group, zero),
+                                        memo)
+        tails.append(tmemo[tkey])
+    return min(tails)
+
+
+class _Failures:
+    """The search's memory failures in the order found, each as (bytes, a maker of its
+    _Evaluated): ~10^5 per large solve, of which the explanation shows the few needing the
+    least memory (solver._alternatives) and the error the least, so only `least(k)` builds
+    them (their Configs included)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[float, int, Callable[[], _Evaluated]]] = []
+
+    def append(self, e: _Evaluated) -> None:
+        self.items.append((e.mem_lb, len(self.items), lambda: e))
+
+    def lazy(self, need_bytes: float, make: Callable[[], _Evaluated]) -> None:
+        self.items.append((need_bytes, len(self.items), make))
+
+    def least(self, k: int) -> list[_Evaluated]:
+        """The k failures of least memory (ties: the first found), in the order found: a
+        stable sort by memory of the result starts as the whole list's would."""
+        kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
+        return [make() for _, _, make in kept]
+
+
+class _StateFailure:
+    """Makes the _Evaluated of a member whose states alone overflow (`_state_failure`)."""
+
+    def __init__(self, cluster: Cluster, member: tuple, bound: float, state: float) -> None:
+        self.args = cluster, member, bound, state
+
+    def __call__(self) -> _Evaluated:
+        cluster, member, bound, state = self.args
+        return _state_failure(cluster, _config(member), bound, state)
+
+
+class _ActivationFailure(_StateFailure):
+    """... whose states and least activations overflow."""
+
+    def __call__(self) -> _Evaluated:
+        cluster, member, bound, need = self.args
+        return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
+            f"memory: weights, optimizer states and the activations the schedule keeps "
+            f"need at least {need / GIB:.1f} GiB > "
+            f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
 
 
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
@@ -114,18 +223,26 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     locals (the hot path of planning: attribute lookups cost measurable time here)."""
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
-    evaluated, memory_fail, pruned = [], [], []
+    evaluated, pruned = [], []
+    failures = _Failures()
+    usable = cluster.usable_memory_bytes
     memo = CostMemo()
     qmemo: dict = {}
+    tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
+    hmemo: dict = {}
+    sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
         failed = _memory_family(profile, cluster, fam, memo)
         if failed is not None:
             stats.families_memory += 1
-            memory_fail.append(failed)
+            failures.append(failed)
             continue
-        heap.append((family_bound_s(profile, cluster, fam, memo), 0, fam.key + fam.sub, n))
+        bound = family_bound_s(profile, cluster, fam, memo)
+        if fam.zeros() & sharded:
+            bound += _family_tail_s(profile, cluster, fam, memo, tmemo, sharded) * _SLACK
+        heap.append((bound, 0, fam.key + fam.sub, n))
     heapq.heapify(heap)
 
     def build(fam: Family) -> None:
@@ -133,21 +250,34 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         divs = {}
         for key, schedule, v, group, zero in fam.members():
             stats.configs += 1
-            # the quick bound depends on the loads only: shared by ZeRO levels, and by the
-            # expert degrees (ep > 1 only adds its all-to-alls to every layer's load, so the
-            # bound of the ep = 1 twin bounds them too)
+            member = (fam, schedule, v, group, zero)
+            failed = _overflows(profile, cluster, member, memo)
+            if failed is not None:   # never pushed: its bound cannot matter
+                failures.lazy(*failed)
+                continue
+            # the quick bound depends on the loads only: shared by the ZeRO levels (each
+            # expert degree has its own: its all-to-alls and its most loaded expert rank are
+            # in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
+            # configurations the all-to-alls alone rule out)
             if schedule not in divs:
                 divs[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, v, fam.b, fam.recompute, fam.sp,
-                    divs[schedule], group)
+            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b, fam.recompute,
+                    fam.sp, divs[schedule], group)
             if qkey not in qmemo:
                 stats.quick_bounds += 1
-                twin = fam.config(schedule, v, group, zero, ep=1)
+                twin = fam.config(schedule, v, group, zero)
                 qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
                                     ) / v / 1e9
+            bound = qmemo[qkey]
+            if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
+                tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+                if tkey not in tmemo:
+                    tmemo[tkey] = _least_tail_s(profile, cluster,
+                                                fam.config(schedule, v, group, zero), memo)
+                bound = (bound + tmemo[tkey]) * _SLACK
             # (keys are unique: the member itself is never compared; its Config is built
             # only if popped)
-            heapq.heappush(heap, (qmemo[qkey], 1, key, (fam, schedule, v, group, zero)))
+            heapq.heappush(heap, (bound, 1, key, member))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -155,18 +285,21 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
         if kind == 0:
             build(families[item])
             continue
+        fam, schedule, v, group, zero = item
+        if zero in sharded:   # the least gathered working set too (_least_held_bytes)
+            hkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+            if hkey not in hmemo:
+                hmemo[hkey] = _least_held_bytes(profile, cluster, _config(item), memo)
+            need_bytes = hmemo[hkey] + _activation_bytes(profile, cluster, item, memo)
+            if need_bytes > usable:
+                failures.lazy(need_bytes, _ActivationFailure(cluster, item, bound, need_bytes))
+                continue
         cfg = _config(item)
-        state = _state_memo(profile, cfg, memo)
-        if state > cluster.usable_memory_bytes:
-            memory_fail.append(_state_failure(cluster, cfg, bound, state))
-            continue
-        need_act = state + _activation_memo(profile, cluster, cfg, memo)
-        if need_act > cluster.usable_memory_bytes:
-            memory_fail.append(_Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need_act, note=(
-                f"memory: weights, optimizer states and the activations the schedule keeps "
-                f"need at least {need_act / GIB:.1f} GiB > "
-                f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU")))
-            continue
+        if zero in sharded:
+            failed = _least_gathers_bound(profile, cluster, cfg, memo, best_ub, stats)
+            if failed is not None:
+                (pruned if failed.note.startswith("slower") else failures).append(failed)
+                continue
         stats.priced += 1
         cc = config_costs(profile, cluster, cfg, memo)
         e = _Evaluated(cc=cc, cfg=cfg, lb_s=float(lower_bound_scaled(cc, l)) / cfg.v / 1e9)
@@ -183,12 +316,68 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
             if e.mem_lb > cc.capacity_bytes:
                 e.note = (f"memory: needs at least {e.mem_lb / GIB:.1f} GiB > "
                           f"{cc.capacity_bytes / GIB:.1f} GiB usable per GPU")
-                memory_fail.append(e)
+                failures.append(e)
                 continue
         evaluated.append(e)
-    _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
-                    best_ub, need, memo)
-    return evaluated, memory_fail, pruned
+    _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need)
+    return evaluated, failures.least(max(need, 1)), pruned
+
+
+def _least_tail_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                  memo: CostMemo) -> float:
+    """A lower bound (s) of the tail (exposed gradient reduction and weight gathers, the
+    optimizer step: step.rank_tail_terms_ns) of every sharded-weight configuration (zero 2 /
+    3) sharing cfg's (t, c, attention method, ep, p, d, sp, zero, v): cfg's data-parallel
+    terms at the least gathers (weight_gathers.least_counts: each exposed whole at lead 0,
+    so neither the schedule, N, b, m nor recompute enters), summed over the layers as
+    step.total_tail_ns does and spread evenly over the p ranks (the max is at least the
+    mean). Each of the full price's rounded terms is within 1 ns of a term at least this
+    one's, hence the 2l + 4 ns given back."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    params = rank_params(rank, cfg)
+    least = least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v)
+    dp, hidden, first, last = dp_terms_s(rank, cluster, cfg, params,
+                                         memo.block_times_s(rank, cluster, cfg), 0.0, least)
+    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
+    l = profile.num_layers
+    total = (dp - hidden + opt) * l + first + last + opt_first + opt_last
+    return max(0.0, total - (2 * l + 4) / 1e9) / cfg.p
+
+
+def _least_held_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                      memo: CostMemo) -> float:
+    """A lower bound of the weights, gradients, optimizer states and gathered working set a
+    sharded-weight configuration's busiest rank holds, for every one sharing cfg's keys of
+    `_least_tail_s`: cfg priced at the least gathers, spread evenly over the p ranks."""
+    low = config_costs(profile, cluster, cfg, memo,
+                       gathers=least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
+    return (min(sum(parts[:3]) for parts in low.mem_parts) * profile.num_layers
+            + sum(sum(parts[:3]) for parts in low.mem_fixed_parts)) / cfg.p
+
+
+def _least_gathers_bound(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo,
+                         best_ub: float, stats: SolveStats) -> _Evaluated | None:
+    """A sharded-weight configuration (zero 2 / 3) priced at the least gathers any schedule
+    could do (weight_gathers.least_counts: every tail and memory coefficient at most its own,
+    the loads the same), before its schedule is walked: pruned (note 'slower') when even
+    that step's bound exceeds `best_ub`, a memory failure when even that needs more than a
+    GPU over every split, else None (price it in full). Either outcome is the one its full
+    price would give (a larger bound, more memory), the plan unchanged; cc is left None so
+    the explanation prices what it shows in full."""
+    stats.least_priced += 1
+    keep = ZERO_TRAITS[cfg.zero].keep(cfg.v)
+    low = config_costs(profile, cluster, cfg, memo, gathers=least_counts(keep, cfg.v))
+    l = profile.num_layers
+    bound = float(lower_bound_scaled(low, l)) / cfg.v / 1e9
+    if bound > best_ub:
+        return _Evaluated(cc=None, cfg=cfg, lb_s=bound, note=(
+            f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s"))
+    need = memory_lower_bound(low, l)
+    if need > low.capacity_bytes:
+        return _Evaluated(cc=None, cfg=cfg, lb_s=bound, mem_lb=need, note=(
+            f"memory: needs at least {need / GIB:.1f} GiB > "
+            f"{low.capacity_bytes / GIB:.1f} GiB usable per GPU"))
+    return None
 
 
 def _config(member: tuple) -> Config:
@@ -196,8 +385,7 @@ def _config(member: tuple) -> Config:
     return fam.config(schedule, v, group, zero)
 
 
-def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_fail, pruned,
-                    best_ub, need, memo) -> None:
+def _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need) -> None:
     """Pop on past `best_ub` until the `need` pruned combinations of least bound are known
     (every one left on the heap, or in a family not built, has a bound >= the heap's top).
     Why this size: it continues `search`'s loop on `search`'s own state (heap, lists, memo)."""
@@ -208,11 +396,6 @@ def _closest_pruned(profile, cluster, heap, families, build, evaluated, memory_f
         if kind == 0:
             build(families[item])
             continue
-        item = _config(item)
-        state = _state_memo(profile, item, memo)
-        if state > cluster.usable_memory_bytes:
-            memory_fail.append(_state_failure(cluster, item, bound, state))
-            continue
-        popped += 1
-        pruned.append(_Evaluated(cc=None, cfg=item, lb_s=bound, note=(
+        popped += 1   # (members that overflow memory were never pushed: `_overflows`)
+        pruned.append(_Evaluated(cc=None, cfg=_config(item), lb_s=bound, note=(
             f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s")))
