@@ -173,7 +173,8 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     zt = ZERO_TRAITS[cfg.zero]
     per_param = lambda n: zt.weight_bytes(n) + zt.grad_bytes(n) + zt.optimizer_bytes(n)  # noqa
     n = cfg.replicas
-    block_p, emb_p, head_p = shard_params_elems(profile, cfg.t, cfg.sequence_parallel and cfg.t > 1)
+    block_p, emb_p, head_p = shard_params_elems(profile, cfg.t,
+                                                cfg.sequence_parallel and cfg.t > 1, cfg.p)
     experts = 0.0
     if cfg.ep > 1:   # the experts over ep ranks, their ZeRO shards over c·d/ep
         block_p -= expert_params_elems(profile, cfg.t)

@@ -66,10 +66,12 @@ def vocab_pad_ratio(vocab: int, t: int) -> float:
     return padded_vocab(vocab, t) / vocab if vocab > 0 else 1.0
 
 
-def shard_params_elems(profile: ModelProfile, t: int,
-                       sp: bool = False) -> tuple[float, float, float]:
+def shard_params_elems(profile: ModelProfile, t: int, sp: bool = False,
+                       p: int = 2) -> tuple[float, float, float]:
     """Parameters on one tensor rank: (per block, embedding on rank 0, head on rank p-1); the
-    split ones the tensor-parallel pass keeps whole at (t, sp) count whole."""
+    split ones the tensor-parallel pass keeps whole at (t, sp) count whole. A tied word
+    embedding's copy counts in the head only at p > 1 (at p = 1 the one rank holds the table
+    once)."""
     vpad = vocab_pad_ratio(profile.vocab, t)
     blk, emb, head = profile.block, profile.embedding, profile.head
     bf, ef, hf = (tp_fallback(profile, k, t, sp).params_elems
@@ -79,7 +81,7 @@ def shard_params_elems(profile: ModelProfile, t: int,
     embp = table + emb.params_replicated_elems
     headp = ((head.params_split_elems - hf) * vpad / t
              + head.params_replicated_elems + hf)
-    if profile.tied_embeddings:  # the last stage keeps a copy of the word embedding
+    if profile.tied_embeddings and p > 1:  # the last stage keeps a copy of the word embedding
         headp += table
     return block, embp, headp
 
@@ -115,7 +117,8 @@ class RankParams:
 def rank_params(profile: ModelProfile, cfg: Config) -> RankParams:
     """The parameters one rank of cfg holds; `profile` is the rank's (`rank_profile`)."""
     t = cfg.t
-    block_p, emb_p, head_p = shard_params_elems(profile, t, cfg.sequence_parallel and t > 1)
+    block_p, emb_p, head_p = shard_params_elems(profile, t, cfg.sequence_parallel and t > 1,
+                                                cfg.p)
     # expert parallelism: the rank holds E/ep of the experts (block_e), the dense rest whole
     block_e = expert_params_elems(profile, t, cfg.ep) if cfg.ep > 1 else 0.0
     if cfg.ep > 1:

@@ -227,3 +227,16 @@ def test_tp_overlap_exposes_only_what_the_gemm_cannot_hide():
     assert hidden.compute_s == exposed.compute_s
     assert exposed.tp_comm_s / ROW_PIECES / 2 < hidden.tp_comm_s < exposed.tp_comm_s
     assert hidden.step_time_s < exposed.step_time_s
+
+
+def test_a_tied_table_is_held_once_at_p_1_and_copied_at_p_2():
+    """A tied word embedding: the last stage's copy exists only at p > 1; at p = 1 the one rank
+    holds the (vocab-padded) table once, so its parameters are the model's."""
+    from autopar.cost.shares import padded_vocab, rank_params
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=128, vocab=1000)
+    assert prof.tied_embeddings
+    one, two = (rank_params(prof, M.Config(t=1, p=p, d=1)) for p in (1, 2))
+    table = padded_vocab(1000, 1) * 256
+    assert two.head - one.head == table
+    pad = (padded_vocab(1000, 1) - 1000) * 256
+    assert one.block * 4 + one.embedding + one.head == prof.params_elems + pad
