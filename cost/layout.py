@@ -127,6 +127,22 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
     return x
 
 
+def late_heavy(y: Sequence[int], p: int, v: int) -> list[int]:
+    """Layers per chunk from rank totals `y` with each rank's remainder in its LAST chunks
+    (bounds.chunks_from_ranks puts it in the first). Under the interleaved schedules a rank's
+    earlier chunks hold more micro-batches in flight, so this placement holds the fewest
+    activations of the near-even ones. A rank with fewer layers than chunks keeps
+    chunks_from_ranks' placement (only an edge chunk may be empty)."""
+    from autopar.cost.bounds import chunks_from_ranks
+    x = chunks_from_ranks(list(y), p, v)
+    for r in range(p):
+        q, rem = divmod(y[r], v)
+        if q:
+            for j in range(v):
+                x[j * p + r] = q + (1 if j >= v - rem else 0)
+    return x
+
+
 def layers_over_kinds(units: Sequence[int], kinds: Sequence[LayerKind]) -> list[int]:
     """The model's layers in each chunk when the solver's split `units` counts repeat units of
     one layer of each kind (an encoder-decoder: one encoder and one decoder layer) and the

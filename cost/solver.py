@@ -41,7 +41,7 @@ from autopar.cost.families import (AUTO_SCHEDULES, MAX_CHUNKS_PER_RANK,  # noqa:
                                    MAX_MICRO_BATCH, Pins, Rejection, context_rule,
                                    cp_attention_rule, enumerate_configs, enumerate_families,
                                    ring_attention_rule, tensor_degrees, tensor_rule)
-from autopar.cost.layout import spread_layers
+from autopar.cost.layout import late_heavy, spread_layers
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict, rank_layers)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import CP_ATTENTION, ZERO_LEVELS, Alternative, Plan, Prediction, Stage
@@ -184,6 +184,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     # formula cannot see, the schedule's simulation can (cost/layout.py)
     x = spread_layers(chosen.cc, chunks_from_ranks(rank_layers(x, p_), p_, v_))
     chosen, x = _ties_to_less_memory(profile, cluster, chosen, x, survivors)
+    chosen, x = _fit_walked_memory(profile, cluster, chosen, x, survivors)
     solve_s = time.perf_counter() - t0
     return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
                        memory_fail, rejected, max_alternatives, optimal, solve_s)
@@ -208,6 +209,37 @@ def _ties_to_less_memory(profile, cluster, chosen, x, survivors):
         t, m = priced(e, xe)
         if t < best_t * (1 - TIE_RTOL) or (t <= best_t * (1 + TIE_RTOL) and m < best_m):
             chosen, x, best_t, best_m = e, xe, t, m
+    return chosen, x
+
+
+WALKED_FIT_TRIES = 16   # survivors priced by the walk when the chosen split overflows it
+
+
+def _fit_walked_memory(profile, cluster, chosen, x, survivors):
+    """(configuration, layer split) whose walked memory fits the GPU. CP-SAT's memory rows are
+    the linear form (in-flight chunk-micro-batches × the rank's mean layers per chunk); the
+    schedule's walk (`memory.schedule_activation_bytes`, what the plan reports) is higher where
+    a rank's chunks are uneven, since its early chunks hold the most micro-batches in flight
+    (a 235 B MoE on 512 H100: 87.5 GiB walked on an 80 GB card). Kept if it fits; else the
+    same rank totals placed late-heavy (`layout.late_heavy`, the same step-time formula);
+    else the fastest of the first WALKED_FIT_TRIES survivors whose heuristic split fits, in
+    either placement; else unchanged (the plan's memory then shows the overflow)."""
+    def fits(e, xe) -> bool:
+        pr = predict(profile, cluster, e.cc.cfg, xe, costs=e.cc)
+        return pr.memory_bytes_per_gpu - cluster.reserved_bytes <= e.cc.capacity_bytes
+    if fits(chosen, x):
+        return chosen, x
+    p_, v_ = chosen.cc.cfg.p, chosen.cc.cfg.v
+    late = late_heavy(rank_layers(x, p_), p_, v_)
+    if fits(chosen, late):
+        return chosen, late
+    others = sorted((e for e in survivors if e is not chosen and e.y is not None),
+                    key=lambda e: e.ub_s)[:WALKED_FIT_TRIES]
+    for e in others:
+        p_, v_ = e.cc.cfg.p, e.cc.cfg.v
+        for xe in (spread_layers(e.cc, chunks_from_ranks(e.y, p_, v_)), late_heavy(e.y, p_, v_)):
+            if fits(e, xe):
+                return e, xe
     return chosen, x
 
 

@@ -56,3 +56,36 @@ def test_deferred_weights_add_between_b_and_w():
     more = peak_held(acts, [1, 1, 1, 1], [1, 1, 1, 1])
     assert all(m > b for m, b in zip(more, base))
     assert peak_held(acts, [1, 1, 1, 1], None) == base
+
+
+def test_the_chosen_split_fits_the_gpu_by_the_schedule_walk_not_only_the_linear_form():
+    """CP-SAT's memory rows are the linear form (in-flight chunk-micro-batches × a rank's mean
+    layers per chunk); under interleaving a rank's early chunks hold more micro-batches in
+    flight, so 6 layers on 4 chunks placed [2, 2, 1, 1] walk to more than the linear form says.
+    On a GPU between the two the solver must hand back a split whose walked peak fits: the
+    same rank totals placed late-heavy ([1, 1, 2, 2], layout.late_heavy), the same step time."""
+    import dataclasses
+    from autopar.cost import model as M
+    from autopar.cost.bounds import chunks_from_ranks
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.layout import late_heavy
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    GIB = 2 ** 30
+    h100 = get_cluster("dgx-h100-80gb")
+    prof = transformer_profile(num_layers=24, hidden=4096, heads=32, seq_len=4096, vocab=32000)
+    pins = dict(t=4, p=4, d=1, v=4, micro_batch_size=1, schedule="interleaved-1f1b", zero=1,
+                recompute="none", sequence_parallel=False, c=1)
+    cfg = M.Config(t=4, p=4, d=1, v=4, micro_batch_size=1, num_microbatches=16,
+                   schedule="interleaved-1f1b", zero=1, recompute="none")
+    cc = M.config_costs(prof, h100, cfg)
+    walked = lambda x: M.predict(prof, h100, cfg, x, costs=cc).memory_bytes_per_gpu  # noqa
+    first, late = chunks_from_ranks([6] * 4, 4, 4), late_heavy([6] * 4, 4, 4)
+    assert late == [1] * 8 + [2] * 8 and first == [2] * 8 + [1] * 8
+    linear = max(cc.mem_layer_bytes[r] * 6 + cc.mem_fixed_bytes[r] for r in range(4))
+    assert linear + h100.reserved_bytes < walked(late) + 0.3 * GIB < walked(first)
+    gpu = dataclasses.replace(h100, memory_bytes=(walked(late) + walked(first)) / 2)
+    plan = solve(prof, gpu, gpus=16, global_batch_size=16, **pins)
+    assert plan.predicted.memory_bytes_per_gpu <= gpu.memory_bytes
+    assert plan.predicted.step_time_s == pytest.approx(
+        M.predict(prof, h100, cfg, late, costs=cc).step_time_s, rel=1e-6)
