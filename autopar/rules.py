@@ -106,6 +106,18 @@ def degrees_refusal(gpus: int, *, t: int | None, c: int | None, p: int | None,
             f"t·c·p·d must equal the GPU count: change a pin or gpus")
 
 
+def cp_attention_refusal(cp_attention: str | None, c: int | None) -> str | None:
+    """The hybrid context method splits the c context ranks into k inner × c/k outer with
+    1 < k < c (autopar/runtime/groups.py hybrid_inner_degree), so c needs such a divisor."""
+    if cp_attention != "hybrid" or c is None or c == 1 or not isinstance(c, int):
+        return None
+    if any(c % k == 0 for k in range(2, c)):
+        return None
+    return (f"cp_attention='hybrid' with c={c}: the hybrid splits the c context ranks into k "
+            f"inner (all-to-all) × c/k outer (all-gather) with 1 < k < c, and {c} has no such "
+            f"divisor; pin cp_attention='all-to-all' (or 'all-gather'), or a c such as 4")
+
+
 def context_split_refusal(seq_len: int, c: int | None) -> str | None:
     """Context parallelism cuts each sequence into 2c equal chunks (rank i holds chunks i and
     2c-1-i: the causal work balanced)."""

@@ -22,7 +22,8 @@ DeviceMesh on "cpu", the sequence buffers sharded along dim 1) and prints its st
 the error it raises on CPU / gloo.
 
 --choices plans (on the meta device, nothing run) Llama 3 405B at 131,072 tokens on 16,384
-H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100, the method free,
+H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100 and at 131,072 on
+128 H100 (where a context group may span nodes: the hybrid's case), the method free,
 and prints the plan and explain()'s "Context attention" line (the method and why).
 """
 from __future__ import annotations
@@ -138,7 +139,8 @@ def _choices() -> None:
     with torch.device("meta"):
         mha = LlamaForCausalLM(cfg)
     cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128),
-             ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8))
+             ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8),
+             ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha, 131072, 128, 8))
     for title, model, seq, gpus, batch in cases:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()

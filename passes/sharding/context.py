@@ -107,7 +107,8 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     """Why `method` (plan.cp_attention) cannot replace a scaled-dot-product attention whose q,
     k, v have `operands` (shape, sequence dim) — heads read from q's dim 1 — and constant
     `dropout`: ring draws no dropout; ring and all-to-all need (batch, heads, tokens, head_dim)
-    operands; all-to-all gives each rank heads/c heads. None for the all-gather (no rule)."""
+    operands; all-to-all gives each rank heads/c heads; the hybrid heads/k, k a divisor
+    1 < k < c of c (`hybrid_heads_rule`). None for the all-gather (no rule)."""
     if method not in METHODS:
         return None
     if method == "ring" and dropout:
@@ -119,7 +120,7 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     if method == "all-to-all" and heads % c:
         return (f"all-to-all attention with {heads} heads (per tensor rank) over c={c} context "
                 f"ranks: each rank takes heads/c of them, so c must divide {heads}")
-    if method == "hybrid":
+    if method == "hybrid" and c > 2:   # c = 2: parallelize's trial (the solver rules per c)
         return hybrid_heads_rule(heads, c)
     return None
 

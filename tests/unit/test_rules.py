@@ -33,6 +33,8 @@ def test_the_rules_agree_with_the_cost_models_tables():
     (dict(v=2, schedule="1f1b"), ["v=2", "'1f1b'", "set v=1"]),
     (dict(microbatch_group=4, schedule="gpipe"), ["microbatch_group=4", "interleaved"]),
     (dict(ep=3, c=1, d=4), ["ep=3", "must divide 4"]),
+    (dict(c=2, cp_attention="hybrid"), ["cp_attention='hybrid' with c=2", "1 < k < c",
+                                        "pin cp_attention='all-to-all'"]),
 ])
 def test_bad_pins_are_one_line_naming_value_rule_and_fix(pins, words):
     with pytest.raises(ValueError) as err:
