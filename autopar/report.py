@@ -311,6 +311,16 @@ def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[s
         how = a.config.get("cp_attention", "all-gather")
         if a.config.get("c") == plan.c and how != plan.cp_attention and how not in best:
             best[how] = a
+    if not best:     # none kept at this c: the best kept plan of each other method, any c
+        for a in feasible:
+            how = a.config.get("cp_attention", "all-gather")
+            if a.config.get("c", 1) > 1 and how != plan.cp_attention and how not in best:
+                best[how] = a
+        if best:
+            return [head + "no other method was kept at this c; the best kept plans with "
+                    "another: " + "; ".join(f"{how} {a.label()} {_fmt_s(a.predicted.step_time_s)}"
+                                            f" per step" for how, a in best.items())
+                    + f" (this plan {_fmt_s(plan.predicted.step_time_s)})."]
     if not best:
         return [head + "no other method was weighed (pinned, or the model does not allow "
                        "it: heads not divisible by t·c for all-to-all or by no divisor of c "

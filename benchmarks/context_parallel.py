@@ -138,9 +138,11 @@ def _choices() -> None:
                       max_position_embeddings=65536, use_cache=False)
     with torch.device("meta"):
         mha = LlamaForCausalLM(cfg)
+        cfg.max_position_embeddings = 131072
+        mha_long = LlamaForCausalLM(cfg)
     cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128),
              ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8),
-             ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha, 131072, 128, 8))
+             ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha_long, 131072, 128, 8))
     for title, model, seq, gpus, batch in cases:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()

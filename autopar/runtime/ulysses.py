@@ -21,6 +21,12 @@ kv_group g (a head repeat in the graph, each kv head repeated g times consecutiv
 g-th head is exchanged when the kv heads divide by c; with fewer kv heads than c (or not a
 multiple), the kv heads are repeated up to the query heads first, which is exact and moves more
 (what cost/model.py `ulysses_s` prices). c = 1 (or no group) is plain attention.
+
+`context_hybrid_attention` (plan.cp_attention "hybrid"; Megatron-Core's a2a+p2p,
+TransformerEngine's cp_group [a2a group, p2p group], here with the all-gather across): the
+all-to-all above over k consecutive context ranks only (inside a node), then the K/V
+all-gather of Llama 3's method over the c/k ranks at the same place in the other inner groups
+(across nodes), on heads/k heads; the inverse all-to-all after. k: groups.hybrid_inner_degree.
 """
 from __future__ import annotations
 

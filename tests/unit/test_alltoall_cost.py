@@ -132,3 +132,11 @@ def test_solver_picks_hybrid_across_nodes_and_explains():
     assert "Context attention hybrid: the all-to-alls run over the context ranks inside a " \
            "node" in line
     assert "all-to-all" in line.split("; ", 1)[1], line      # the loser named with its cost
+
+
+def test_a_hybrid_with_no_inner_degree_is_not_chosen_over_the_all_gather():
+    """One context rank a node (t = 8): the hybrid is the all-gather, priced and saving the
+    same, so the tie goes to the all-gather (the plan says what runs)."""
+    plan = solve(_model(8192, kv_heads=8), H100, gpus=32, global_batch_size=1, t=8, c=4,
+                 cp_attentions=("all-gather", "hybrid"))
+    assert plan.cp_attention == "all-gather"
