@@ -310,11 +310,16 @@ def hybrid_candidates(c: int, ranks_per_node: int) -> tuple[int, ...]:
     """The inner (all-to-all) degrees k the hybrid context method may use: the divisors
     1 < k < c of c that divide `ranks_per_node`, the context ranks one node holds (its GPUs
     over t; context ranks are strided by t), so every inner group of k consecutive context
-    ranks lies inside one node. Ascending.
+    ranks lies inside one node; none when the c ranks fit in one node (the hybrid is for a
+    context group across nodes: inside one the all-to-all or the all-gather over all c is the
+    choice). Ascending.
 
-    Example: c=16, 8 context ranks per node -> (2, 4, 8); c=4, 4 per node -> (2,); c=2 -> ().
+    Example: c=16, 8 context ranks per node -> (2, 4, 8); c=4, 2 per node -> (2,); c=4, 4 per
+    node -> () (one node); c=2 -> ().
     """
     validate_degrees(1, 1, 1, c=c)
+    if c <= ranks_per_node:
+        return ()
     return tuple(k for k in range(2, c) if c % k == 0 and max(1, ranks_per_node) % k == 0)
 
 
@@ -323,7 +328,8 @@ def hybrid_inner_degree(c: int, heads: int, ranks_per_node: int) -> int:
     query heads one tensor rank holds: each inner rank takes heads/k of them), or 1 when none
     does (the hybrid is then the all-gather over the c ranks). The outer degree is c / k.
 
-    Example: c=16, 32 heads, 8 per node -> 8; c=16, 4 heads, 8 per node -> 4; c=4, 3 heads -> 1.
+    Example: c=16, 32 heads, 8 per node -> 8; c=16, 4 heads, 8 per node -> 4; c=4, 3 heads,
+    2 per node -> 1; c=8, 8 per node -> 1 (one node).
     """
     return max((k for k in hybrid_candidates(c, ranks_per_node) if heads % k == 0), default=1)
 
@@ -364,4 +370,4 @@ def _check_inner(c: int, k: int) -> None:
     validate_degrees(1, 1, 1, c=c)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1 or c % k:
         raise ValueError(f"k={k!r}: the hybrid's inner degree must be a positive int dividing "
-                         f"c={c}; pick one of {hybrid_candidates(c, c) or (1,)}")
+                         f"c={c}; pick a divisor of {c} such as 1")

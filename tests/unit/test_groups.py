@@ -92,12 +92,14 @@ def test_hybrid_context_groups_golden():
     """The hybrid's inner degree (a divisor 1 < k < c of c that divides the context ranks per
     node and the heads) and its inner (consecutive) / outer (stride k) groups."""
     assert G.hybrid_candidates(16, 8) == (2, 4, 8)
-    assert G.hybrid_candidates(4, 4) == (2,)
-    assert G.hybrid_candidates(2, 8) == ()
+    assert G.hybrid_candidates(4, 2) == (2,)
+    assert G.hybrid_candidates(4, 4) == ()             # one node: all-to-all or all-gather
+    assert G.hybrid_candidates(2, 1) == ()
     assert G.hybrid_candidates(16, 6) == (2,)          # 4 and 8 would straddle a node
     assert G.hybrid_inner_degree(16, 32, 8) == 8
     assert G.hybrid_inner_degree(16, 4, 8) == 4        # the heads limit it
-    assert G.hybrid_inner_degree(4, 3, 4) == 1         # none: the all-gather over c
+    assert G.hybrid_inner_degree(4, 3, 2) == 1         # none: the all-gather over c
+    assert G.hybrid_inner_degree(8, 8, 8) == 1         # one node
     assert G.hybrid_heads_rule(8, 4) is None
     assert "none does" in G.hybrid_heads_rule(3, 4) and "c=2" in G.hybrid_heads_rule(4, 2)
     assert G.context_inner_groups(1, 1, 1, c=4, k=2) == [[0, 1], [2, 3]]

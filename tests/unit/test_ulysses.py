@@ -31,6 +31,6 @@ def test_hybrid_one_context_rank_is_plain_sdpa_and_missing_groups_refused():
     cp = ContextShard(group=None, c=1, cp_rank=0, seq_len=8)
     out = context_hybrid_attention(q, k, v, cp, is_causal=True)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    cp = ContextShard(group=object(), c=4, cp_rank=0, seq_len=8, subgroups={}, node_ranks=4)
+    cp = ContextShard(group=object(), c=4, cp_rank=0, seq_len=8, subgroups={}, node_ranks=2)
     with pytest.raises(ValueError, match=r"k=2.*cp_attention='all-gather'"):
         context_hybrid_attention(q[:, :, :2], k[:, :, :2], v[:, :, :2], cp, is_causal=True)
