@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
 # what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
-from autopar.rules import (CP_ATTENTION, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
+from autopar.rules import (CP_ATTENTION, CP_ATTENTION_PINNED, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
                            cp_attention_refusal, expert_degree_refusal, knob_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 

@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from autopar.cost.profile import (AttentionCall, FusedAttention, Gemm, ModelProfile,
                                   RegionProfile, TPCorrection, TPRegionFallback)
-from autopar.plan import CP_ATTENTION
+from autopar.plan import CP_ATTENTION_PINNED
 
 
 def _div(x: int, c: int) -> int:
@@ -114,9 +114,9 @@ def context_rank_profile(profile: ModelProfile, c: int,
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise ValueError(f"c={c!r}: the context-parallel degree must be a positive int; use c=1 "
                          f"for no context parallelism")
-    if attention not in CP_ATTENTION:
+    if attention not in CP_ATTENTION_PINNED:
         raise ValueError(f"attention={attention!r}: context parallelism's attention is one of "
-                         f"{CP_ATTENTION}")
+                         f"{CP_ATTENTION_PINNED}")
     if profile.context == c and (c == 1 or profile.context_attention == attention):
         return profile
     if profile.context != 1:

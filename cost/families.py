@@ -228,10 +228,9 @@ class _Exchanges:
 
 def _beats(y: str, x: str, cost: dict, hows: tuple[str, ...]) -> bool:
     """Context method y dominates x at the same knobs: it saves no more activations (the
-    all-gather keeps the gathered K/V, ring and all-to-all do not; the hybrid is charged the
-    all-gather's) and its exchange costs no more in forward and in total; ties go to the
-    smaller memory, then to the earlier method."""
-    mem = {how: how in ("all-gather", "hybrid") for how in hows}
+    all-gather keeps the gathered K/V, ring and all-to-all do not) and its exchange costs no
+    more in forward and in total; ties go to the smaller memory, then to the earlier method."""
+    mem = {how: how == "all-gather" for how in hows}
     (yf, yt), (xf, xt) = cost[y], cost[x]
     if mem[y] > mem[x] or yf > xf or yt > xt:
         return False
