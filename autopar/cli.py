@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from autopar.plan import CP_ATTENTION
+from autopar.plan import CP_ATTENTION_PINNED
 from autopar.user_errors import OneLineParser
 
 
@@ -285,7 +285,7 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
                                    "it is run through the model's routers on this machine and "
                                    "the measured expert load priced (instead of "
                                    "--moe-imbalance)")
-    sp.add_argument("--cp-attention", dest="cp_attention", choices=list(CP_ATTENTION),
+    sp.add_argument("--cp-attention", dest="cp_attention", choices=list(CP_ATTENTION_PINNED),
                     help="pin how context parallelism's attention meets the other ranks' K/V "
                          "(default: the cheaper as priced)")
     sp.add_argument("--micro-batch", type=int, help="pin the micro-batch size")

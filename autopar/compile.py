@@ -41,7 +41,7 @@ from autopar.plan import Plan, check_model
 from autopar.progress import Progress
 from autopar.rules import ZERO_LEVELS
 from autopar.runtime.compiled import compile_chunks
-from autopar.runtime.context_shard import ContextShard
+from autopar.runtime.context_shard import ContextShard, hybrid_node_ranks
 from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
 from autopar.runtime.executor import LoadedChunk
 from autopar.runtime.loss_scale import LossScaler, LossScaling
@@ -150,7 +150,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     bar.start("process groups")
     backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
     device = backend_device if device is None else torch.device(device)
-    pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s)
+    pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s,
+                              hybrid_node_ranks=hybrid_node_ranks(plan))
     # only this rank's chunks hold weights (and of the experts, this expert rank's)
     bar.start("this rank's chunks")
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
@@ -197,7 +198,8 @@ def _load_chunks(built: BuiltProgram, graphs: list[torch.fx.GraphModule], pg: Pr
                EP_GROUP_ATTR: pg.expert, DATA_GROUP_ATTR: pg.data,
                RANK_DEVICE: device,
                "cp": ContextShard(group=pg.context, c=pg.c, cp_rank=pg.cp_rank,
-                                  seq_len=plan.seq_len)}
+                                  seq_len=plan.seq_len, subgroups=pg.context_subgroups,
+                                  node_ranks=pg.context_node_ranks)}
 
     def own(x: torch.Tensor) -> torch.Tensor:
         return (x.detach().clone() if id(x) in users else x.detach()).to(device)

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
 # what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
-from autopar.rules import (CP_ATTENTION, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
-                           expert_degree_refusal, knob_refusal)
+from autopar.rules import (CP_ATTENTION, CP_ATTENTION_PINNED, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
+                           cp_attention_refusal, expert_degree_refusal, knob_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
@@ -186,7 +186,8 @@ class Plan:
     c: int = 1
     # how attention meets the other context ranks' K/V (CP_ATTENTION; meaningful for c > 1):
     # "all-gather" before attention, "ring" (blocks passed round while attending) or
-    # "all-to-all" (tokens traded for heads around attention: heads divisible by c). Old
+    # "all-to-all" (tokens traded for heads around attention: heads divisible by c) or
+    # "hybrid" (all-to-all inside a node, all-gather across: groups.hybrid_inner_degree). Old
     # plan.json files have none: "all-gather", the only method before ring attention.
     cp_attention: str = "all-gather"
     # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the
@@ -330,6 +331,8 @@ def _validate_plan(plan: Plan) -> None:
             raise ValueError(f"Plan.{name}={value!r}: " + (why.split(": ", 1)[1] if why else
                                                            "must be set"))
     if why := expert_degree_refusal(plan.ep, plan.c, plan.d):
+        raise ValueError(f"Plan.{why}")
+    if why := cp_attention_refusal(plan.cp_attention, plan.c):
         raise ValueError(f"Plan.{why}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "

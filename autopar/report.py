@@ -294,6 +294,8 @@ _CP_WHY = {   # what each method's exchange is, for the reason line
             "short-key kernels and c−1 merges",
     "all-to-all": "the all-to-alls trade q, k, v and the output (heads/c of the whole "
                   "sequence per rank): a volume that does not grow with c, exposed",
+    "hybrid": "the all-to-alls run over the context ranks inside a node (fast link) and only "
+              "the K/V of their heads/k heads is all-gathered across nodes",
 }
 
 
@@ -309,11 +311,21 @@ def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[s
         how = a.config.get("cp_attention", "all-gather")
         if a.config.get("c") == plan.c and how != plan.cp_attention and how not in best:
             best[how] = a
+    if not best:     # none kept at this c: the best kept plan of each other method, any c
+        for a in feasible:
+            how = a.config.get("cp_attention", "all-gather")
+            if a.config.get("c", 1) > 1 and how != plan.cp_attention and how not in best:
+                best[how] = a
+        if best:
+            return [head + "no other method was kept at this c; the best kept plans with "
+                    "another: " + "; ".join(f"{how} {a.label()} {_fmt_s(a.predicted.step_time_s)}"
+                                            f" per step" for how, a in best.items())
+                    + f" (this plan {_fmt_s(plan.predicted.step_time_s)})."]
     if not best:
         return [head + "no other method was weighed (pinned, or the model does not allow "
-                       "it: heads not divisible by t·c for all-to-all, attention written "
-                       "out for ring and all-to-all, or the pass cannot build it: see the "
-                       "notes)."]
+                       "it: heads not divisible by t·c for all-to-all or by no divisor of c "
+                       "for hybrid, attention written out for ring, all-to-all and hybrid, "
+                       "or the pass cannot build it: see the notes)."]
     parts = [f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (its best plan {a.label()} "
              f"{_fmt_s(a.predicted.step_time_s)} per step)" if a.feasible else
              f"with {how} not weighed: {a.reason} ({a.label()})" for how, a in best.items()]

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from autopar.rules import (context_split_refusal, degrees_refusal, expert_degree_refusal,
-                           knob_refusal, schedule_refusal)
+from autopar.rules import (context_split_refusal, cp_attention_refusal, degrees_refusal,
+                           expert_degree_refusal, knob_refusal, schedule_refusal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +47,7 @@ class Pins:
         why = schedule_refusal(self.schedule, self.v, self.microbatch_group)
         if why is None and self.ep is not None and self.d is not None:
             why = expert_degree_refusal(self.ep, self.c or 1, self.d)
+        why = why or cp_attention_refusal(self.cp_attention, self.c)
         if why:
             raise ValueError(why)
 

@@ -25,8 +25,13 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # how context parallelism's attention reads the other ranks' keys and values: all-gathered
 # before attention (Llama 3's method), or passed round the context ranks block by block while
 # attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
-# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py
+# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py: the
+# methods the solver weighs. CP_ATTENTION_PINNED adds "hybrid": all-to-all inside a node, the
+# K/V all-gather across (Megatron-Core's a2a+p2p; its inner degree: autopar/runtime/groups.py
+# hybrid_inner_degree), planned and run when pinned, not yet weighed by the free solver
+# (docs/known-gaps.md: it grows the search and crowds explain's rejections)
 CP_ATTENTION = ("all-gather", "ring", "all-to-all")
+CP_ATTENTION_PINNED = CP_ATTENTION + ("hybrid",)
 # the schedules that run several chunks per pipeline rank (v > 1); cost.model's
 # SCHEDULE_TRAITS[...].multi_chunk says the same (tests/unit/test_rules.py)
 MULTI_CHUNK = ("interleaved-1f1b", "interleaved-zb", "breadth-first")
@@ -38,7 +43,7 @@ COUNTS = ("t", "c", "ep", "p", "d", "v", "micro_batch_size", "microbatch_group",
           "global_batch_size")
 # the knobs that name one of a few choices
 CHOICES: dict[str, tuple] = {"schedule": SCHEDULE_NAMES, "recompute": RECOMPUTE,
-                             "zero": ZERO_LEVELS, "cp_attention": CP_ATTENTION,
+                             "zero": ZERO_LEVELS, "cp_attention": CP_ATTENTION_PINNED,
                              "precision": PLAN_PRECISIONS}
 
 
@@ -102,6 +107,18 @@ def degrees_refusal(gpus: int, *, t: int | None, c: int | None, p: int | None,
     return (f"pins {text} multiply to {prod}, "
             + ("which does not divide" if gpus % prod else "not") + f" gpus={gpus}; "
             f"t·c·p·d must equal the GPU count: change a pin or gpus")
+
+
+def cp_attention_refusal(cp_attention: str | None, c: int | None) -> str | None:
+    """The hybrid context method splits the c context ranks into k inner × c/k outer with
+    1 < k < c (autopar/runtime/groups.py hybrid_inner_degree), so c needs such a divisor."""
+    if cp_attention != "hybrid" or c is None or c == 1 or not isinstance(c, int):
+        return None
+    if any(c % k == 0 for k in range(2, c)):
+        return None
+    return (f"cp_attention='hybrid' with c={c}: the hybrid splits the c context ranks into k "
+            f"inner (all-to-all) × c/k outer (all-gather) with 1 < k < c, and {c} has no such "
+            f"divisor; pin cp_attention='all-to-all' (or 'all-gather'), or a c such as 4")
 
 
 def context_split_refusal(seq_len: int, c: int | None) -> str | None:

@@ -22,8 +22,10 @@ DeviceMesh on "cpu", the sequence buffers sharded along dim 1) and prints its st
 the error it raises on CPU / gloo.
 
 --choices plans (on the meta device, nothing run) Llama 3 405B at 131,072 tokens on 16,384
-H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100, the method free,
-and prints the plan and explain()'s "Context attention" line (the method and why).
+H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100 and at 131,072 on
+128 H100 (where a context group may span nodes: the hybrid's case), the method free, and
+the hybrid pinned for two of them, and prints the plan and explain()'s "Context attention"
+line (the method and why).
 """
 from __future__ import annotations
 
@@ -137,14 +139,21 @@ def _choices() -> None:
                       max_position_embeddings=65536, use_cache=False)
     with torch.device("meta"):
         mha = LlamaForCausalLM(cfg)
-    cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128),
-             ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8))
-    for title, model, seq, gpus, batch in cases:
+        cfg.max_position_embeddings = 131072
+        mha_long = LlamaForCausalLM(cfg)
+    hybrid = {"cp_attention": "hybrid"}   # pinned: not yet weighed by the free solver
+    cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128, {}),
+             ("the same, hybrid pinned", user.model, 131072, 16384, 128, hybrid),
+             ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8, {}),
+             ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha_long, 131072, 128, 8,
+              {}),
+             ("the same, hybrid pinned", mha_long, 131072, 128, 8, hybrid))
+    for title, model, seq, gpus, batch, pins in cases:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()
         plan = autopar.parallelize(model, gpus=gpus, example_inputs=(ids,),
                                    loss_fn=autopar.cross_entropy, global_batch_size=batch,
-                                   cluster="dgx-h100-80gb").plan
+                                   cluster="dgx-h100-80gb", **pins).plan
         line = next((x.strip() for x in plan.explain().splitlines()
                      if x.strip().startswith("Context attention")), "c = 1: no context split")
         print(f"{title} (planned in {time.perf_counter() - t0:.0f} s)\n  t={plan.t} c={plan.c} ({plan.cp_attention}) p={plan.p} d={plan.d} "

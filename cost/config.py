@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from autopar.plan import CP_ATTENTION, RECOMPUTE, SCHEDULES, ZERO_LEVELS, Plan
+from autopar.plan import CP_ATTENTION_PINNED, RECOMPUTE, SCHEDULES, ZERO_LEVELS, Plan
 from autopar.schedules import GROUPED, check_group, first_group_size
 
 # Fraction of the last micro-batch's backward that can hide the data-parallel reduction.
@@ -62,9 +62,9 @@ class Config:
         if self.replicas % self.ep:
             raise ValueError(f"Config.ep={self.ep}: must divide c·d = {self.replicas} (the "
                              f"expert-parallel ranks are drawn from them)")
-        if self.cp_attention not in CP_ATTENTION:
+        if self.cp_attention not in CP_ATTENTION_PINNED:
             raise ValueError(f"Config.cp_attention={self.cp_attention!r}: must be one of "
-                             f"{CP_ATTENTION}")
+                             f"{CP_ATTENTION_PINNED}")
         if self.schedule not in SCHEDULE_TRAITS:
             raise ValueError(f"Config.schedule={self.schedule!r}: the cost model supports "
                              f"{sorted(SCHEDULE_TRAITS)}")

@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from autopar.cost.profile import (AttentionCall, FusedAttention, Gemm, ModelProfile,
                                   RegionProfile, TPCorrection, TPRegionFallback)
-from autopar.plan import CP_ATTENTION
+from autopar.plan import CP_ATTENTION_PINNED
 
 
 def _div(x: int, c: int) -> int:
@@ -72,7 +72,8 @@ def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int,
     kv = _kv_elems(r, kv_heads, heads)
     # the other ranks' K and V, saved for the backward under the all-gather (the ring sends
     # them again instead; the all-to-all's kernel saves heads/c of the whole sequence, the
-    # same size as the rank's own q, k, v)
+    # same size as the rank's own q, k, v); the hybrid is charged the all-gather's (it saves
+    # heads/k of them, k its inner degree, which the cluster decides: an upper bound)
     gathered = 0 if exchanged else (kv - _div(kv, c)) * e
     fused = r.fused
     if fused is not None:
@@ -113,9 +114,9 @@ def context_rank_profile(profile: ModelProfile, c: int,
     if isinstance(c, bool) or not isinstance(c, int) or c < 1:
         raise ValueError(f"c={c!r}: the context-parallel degree must be a positive int; use c=1 "
                          f"for no context parallelism")
-    if attention not in CP_ATTENTION:
+    if attention not in CP_ATTENTION_PINNED:
         raise ValueError(f"attention={attention!r}: context parallelism's attention is one of "
-                         f"{CP_ATTENTION}")
+                         f"{CP_ATTENTION_PINNED}")
     if profile.context == c and (c == 1 or profile.context_attention == attention):
         return profile
     if profile.context != 1:
@@ -130,7 +131,8 @@ def context_rank_profile(profile: ModelProfile, c: int,
                          f"divisible by {2 * c} or a smaller c")
     e = profile.activation_bytes_per_elem
     regions = {k: _region(getattr(profile, k), c, profile.kv_heads, profile.heads, e,
-                          attention != "all-gather") for k in ("embedding", "block", "head")}
+                          attention in ("ring", "all-to-all"))
+               for k in ("embedding", "block", "head")}
     return replace(profile, **regions, seq_len=profile.seq_len // c, context=c,
                    context_attention=attention,
                    tp_fallbacks=tuple(_correction(t, c) for t in profile.tp_fallbacks))

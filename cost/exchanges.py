@@ -5,7 +5,8 @@ all-to-alls (`expert_comm_s`), per layer per micro-batch on one rank.
 - Context parallelism (cost/context.py restates the profile for one of c context ranks; this
   module prices what crossing ranks costs): Llama 3's all-gather of K and V exposed, ring
   attention's hops exposed only past the attention step each overlaps (`ring_attention_s`),
-  or DeepSpeed-Ulysses' all-to-alls of q, k, v and the output (`alltoall_attention_s`).
+  or DeepSpeed-Ulysses' all-to-alls of q, k, v and the output (`alltoall_attention_s`), or the
+  hybrid: those all-to-alls inside a node, the K/V all-gather across (`hybrid_attention_s`).
 - Expert parallelism (ep > 1, a mixture of experts): each of ep ranks of a gradient group
   holds E/ep of every layer's experts (their weights, gradients and Adam states / ep; ZeRO
   shards them over the c·d/ep ranks holding the same experts), and the expert gradients are
@@ -25,6 +26,7 @@ from autopar.cost.config import Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import alltoall_factor
 from autopar.cost.profile import ModelProfile
+from autopar.runtime.groups import hybrid_inner_degree
 
 
 def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
@@ -51,6 +53,9 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
     if cfg.cp_attention == "all-to-all":
         fwd, bwd = alltoall_attention_s(profile, cluster, cfg, cp_inter)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    if cfg.cp_attention == "hybrid" and hybrid_degree(profile, cluster, cfg) > 1:
+        fwd, bwd = hybrid_attention_s(profile, cluster, cfg)
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
     one = allgather_s(cluster, kv_bytes, c, cp_inter)
     return one, (3 if cfg.recompute == "full" else 2) * one
@@ -106,12 +111,14 @@ def alltoall_heads_rule(heads: int, kv_heads: int, t: int, c: int) -> str | None
     return None
 
 
-def alltoall_exchange_elems(profile: ModelProfile, t: int) -> tuple[float, float, float]:
+def alltoall_exchange_elems(profile: ModelProfile, t: int,
+                            n: int | None = None) -> tuple[float, float, float]:
     """(q, k + v, output) elements one context rank holds of its tokens per sequence on one
     tensor rank: what the all-to-alls around its attention exchange (heads over t; kv heads
     over t, or one when t exceeds them, as the tensor-parallel pass replicates them; repeated
-    up to the query heads when they do not divide by c: autopar/runtime/ulysses.py)."""
-    c = profile.context
+    up to the query heads when they do not divide by the exchange's n ranks, c by default:
+    autopar/runtime/ulysses.py)."""
+    c = profile.context if n is None else n
     q = kv = out = 0.0
     for x in (profile.block.fused.calls if profile.block.fused is not None else ()):
         heads = x.heads / min(t, max(1, x.heads))
@@ -145,6 +152,44 @@ def alltoall_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
         moved += link(cluster, inter)[1]
     reorder = elementwise_time_s(cluster, 2 * b * (q + kv + out) * e)
     one = moved + reorder
+    return one, one
+
+
+def hybrid_degree(profile: ModelProfile, cluster: Cluster, cfg: Config) -> int:
+    """The hybrid's inner (all-to-all) degree at cfg: the runtime's rule
+    (groups.hybrid_inner_degree) on the heads one tensor rank holds and the context ranks one
+    of the cluster's nodes holds (its GPUs over t); 1: none, the hybrid is the all-gather."""
+    heads = profile.heads // cfg.t if profile.heads % cfg.t == 0 else 1
+    return hybrid_inner_degree(cfg.c, heads, max(1, cluster.gpus_per_node // cfg.t))
+
+
+def hybrid_attention_s(profile: ModelProfile, cluster: Cluster,
+                       cfg: Config) -> tuple[float, float]:
+    """(forward, backward) seconds per layer per micro-batch of the hybrid context method
+    (Megatron-Core's a2a+p2p with the all-gather across; autopar/runtime/ulysses.py
+    `context_hybrid_attention`) on the rank's profile, k = `hybrid_degree`, m = c / k.
+
+    Inside: `alltoall_attention_s`'s four exposed all-to-alls (q, k, v, the output; their
+    conjugates backward) over the k inner ranks (stride t: inside a node by construction),
+    the rank's q, k, v holding their size (its inner group's tokens of heads/k heads).
+    Across: the all-gather of that K/V over the m outer ranks (stride t·k: the inter-node link
+    when they leave a node), exposed as Llama 3's is, the reduce-scatter of its gradient
+    backward (the same bytes); and its reorder to global order (one read and one write of the
+    gathered K/V, forward; its gradient's, backward) at elementwise bandwidth."""
+    t, c = cfg.t, cfg.c
+    k = hybrid_degree(profile, cluster, cfg)
+    m = c // k
+    q, kv, out = alltoall_exchange_elems(profile, t, k)
+    e, b = profile.activation_bytes_per_elem, cfg.micro_batch_size
+    inner = group_spans_nodes(cluster, stride=t, size=k, gpus=cfg.gpus)
+    outer = group_spans_nodes(cluster, stride=t * k, size=m, gpus=cfg.gpus)
+    moved = sum(alltoall_s(cluster, b * x * e, k, inner) for x in (q, kv, out))
+    if kv:       # k and v are two all-to-alls: the second one's latency
+        moved += link(cluster, inner)[1]
+    reorder = elementwise_time_s(cluster, 2 * b * (q + kv + out) * e)
+    gathered = b * kv * m * e                    # heads/k heads of the whole sequence
+    across = allgather_s(cluster, gathered, m, outer) + elementwise_time_s(cluster, 2 * gathered)
+    one = moved + reorder + across
     return one, one
 
 

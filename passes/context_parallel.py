@@ -61,6 +61,10 @@ time an all-to-all over the context group gives each rank the whole sequence of 
 mask is read whole (heads cut to the rank's at run time); the heads (per tensor rank) must
 divide by c, refused in one line otherwise; only the kv heads of a grouped-query repeat are
 exchanged when they divide by c (repeated up to the query heads otherwise).
+Under "hybrid" (Megatron-Core's a2a+p2p, the all-gather across) the same node becomes
+`context_hybrid_attention`: the all-to-all over k consecutive context ranks (inside a node;
+k from the heads and the node at run time: groups.hybrid_inner_degree), the K/V of the rank's
+heads/k heads all-gathered over the other c/k, the inverse all-to-all after.
 
 A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
 ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
@@ -91,7 +95,7 @@ from autopar.runtime.context_shard import (ContextShard, context_causal_attentio
                                            context_gather, context_loss_mean, context_select,
                                            context_sum)
 from autopar.runtime.ring_attention import context_ring_attention
-from autopar.runtime.ulysses import context_alltoall_attention
+from autopar.runtime.ulysses import context_alltoall_attention, context_hybrid_attention
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -291,7 +295,7 @@ class _ContextRewrite:
     """The rewrite of one graph for one context rank, op by op, reading the engine's layouts
     (meta CP_SEQ_DIM / CP_SELECT) and making its nodes through the `_RankGraph`; `method`: how
     scaled-dot-product attention meets the other ranks' tokens (plan.cp_attention:
-    "all-gather", "ring" or "all-to-all")."""
+    "all-gather", "ring", "all-to-all" or "hybrid")."""
 
     def __init__(self, rg: _RankGraph, method: str = "all-gather"):
         self.rg, self.g, self.method = rg, rg.g, method
@@ -472,9 +476,9 @@ class _ContextRewrite:
         extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if self.method == "ring":
             return _ring_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra)
-        if self.method == "all-to-all":
+        if self.method in ("all-to-all", "hybrid"):
             return _alltoall_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra,
-                                       (streams, seed, heads_split))
+                                       (streams, seed, heads_split), self.method)
         if dropout and streams is None:
             streams = self.rg.streams_node()
         kg, vg = self.rg.gather(k, n), self.rg.gather(v, n)
@@ -561,14 +565,17 @@ def _ring_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causal: b
 
 
 def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causal: bool,
-                        dropout: float, extra: dict, rng: tuple) -> None:
+                        dropout: float, extra: dict, rng: tuple,
+                        method: str = "all-to-all") -> None:
     """Attention as `context_alltoall_attention` (plan.cp_attention == "all-to-all",
-    DeepSpeed-Ulysses): q, k, v stay local, the runtime trades tokens for heads around
-    attention; the mask is read whole (every query row, in global order). Under a
+    DeepSpeed-Ulysses) or `context_hybrid_attention` ("hybrid": all-to-all over an inner
+    group, all-gather over the outer): q, k, v stay local, the runtime trades tokens for heads
+    around attention; the mask is read whole (every query row, in global order). Under a
     grouped-query head repeat in the graph (`_kv_group`) only the kv heads are exchanged
-    when they divide by c. The heads (this tensor rank's) must divide by c."""
+    when they divide by the all-to-all's degree. The heads (this tensor rank's) must divide
+    by c (all-to-all) or by a divisor 1 < k < c of c (hybrid)."""
     q, k, v = qkv
-    if (why := method_refusal("all-to-all", [(rg.full[x], rg.dim[x]) for x in qkv], dropout,
+    if (why := method_refusal(method, [(rg.full[x], rg.dim[x]) for x in qkv], dropout,
                               rg.c)) is not None:
         raise _refuse_method(n, why)
     if isinstance(mask, fx.Node) and mask in rg.dim:
@@ -579,7 +586,7 @@ def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causa
     streams, seed, heads_split = rng
     if dropout and streams is None:
         streams = rg.streams_node()
-    n.target = context_alltoall_attention
+    n.target = context_hybrid_attention if method == "hybrid" else context_alltoall_attention
     n.args = (q, k, v, rg.cp_node(), mask, bool(causal), extra.get("scale"),
               bool(extra.get("enable_gqa", False)), group, float(dropout), streams, seed,
               heads_split)

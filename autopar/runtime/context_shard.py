@@ -30,10 +30,13 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
   context_cut(x, cp, dim)       this rank's tokens of a whole input (Runner.train_step)
 
 Under plan.cp_attention == "ring" attention is autopar/runtime/ring_attention.py's
-`context_ring_attention` instead: no K/V gather, the blocks passed round the context group.
+`context_ring_attention` instead: no K/V gather, the blocks passed round the context group;
+under "all-to-all" and "hybrid" autopar/runtime/ulysses.py's (the hybrid's queries are its
+inner group's chunks: `causal_chunks` with their chunk list).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,11 @@ class ContextShard:
     c: int
     cp_rank: int
     seq_len: int
+    # the hybrid context method (ulysses.context_hybrid_attention): {inner degree k: (inner
+    # group, outer group)} of this rank (ProcessGroups.context_subgroups), and the context
+    # ranks one node holds, from which the degree is chosen (groups.hybrid_inner_degree)
+    subgroups: Any = None
+    node_ranks: int = 1
 
     def __post_init__(self) -> None:
         G.check_sequence(self.seq_len, self.c)
@@ -72,6 +80,22 @@ class ContextShard:
     @property
     def local_len(self) -> int:
         return self.seq_len // self.c
+
+
+def hybrid_node_ranks(plan: Any) -> int | None:
+    """The context ranks one node holds when `plan` runs the hybrid context method (c > 1,
+    cp_attention "hybrid"): the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE; the
+    whole world when unset) over t, context ranks being strided by t; None otherwise. The
+    inner all-to-all's degree is chosen from it (groups.hybrid_inner_degree), as the cost
+    model chooses it from the cluster's GPUs per node."""
+    if plan.c == 1 or plan.cp_attention != "hybrid":
+        return None
+    raw = os.environ.get("LOCAL_WORLD_SIZE", str(plan.gpus))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={raw!r}: the hybrid context method reads the ranks "
+                         f"per node from it; launch with torchrun (it sets it) or set it to a "
+                         f"positive int")
+    return max(1, int(raw) // plan.t)
 
 
 def _index(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -170,18 +194,21 @@ def context_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     context and split-heads facts."""
     if dropout_p:
         with as_default_stream(streams.generator(seed, q.device, per_tensor_rank), q.device):
-            return _causal(q, k, v, cp, scale, enable_gqa, dropout_p)
-    return _causal(q, k, v, cp, scale, enable_gqa, 0.0)
+            return causal_chunks(q, k, v, cp, scale, enable_gqa, dropout_p)
+    return causal_chunks(q, k, v, cp, scale, enable_gqa, 0.0)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard,
-            scale: float | None, enable_gqa: bool, dropout_p: float) -> torch.Tensor:
+def causal_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextShard,
+            scale: float | None, enable_gqa: bool, dropout_p: float,
+            chunks: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Causal attention of the query chunks `chunks` (global chunk indices of the 2c, in q's
+    order along dim −2; default this rank's two) against the whole sequence's keys."""
     if cp.c == 1:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                               scale=scale, enable_gqa=enable_gqa)
     n = cp.seq_len // (2 * cp.c)
     outs = []
-    for part, j in enumerate(G.sequence_chunks(cp.cp_rank, cp.c)):
+    for part, j in enumerate(chunks or G.sequence_chunks(cp.cp_rank, cp.c)):
         end = (j + 1) * n
         mask = _chunk_mask(cp, j, q)
         outs.append(F.scaled_dot_product_attention(

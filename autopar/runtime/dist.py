@@ -16,7 +16,7 @@ import datetime
 import socket
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -231,6 +231,10 @@ class ProcessGroups:
     expert_data: Any = None
     expert_ranks: tuple[int, ...] = ()
     expert_data_ranks: tuple[int, ...] = ()
+    # the hybrid context method (plan.cp_attention "hybrid"): per inner degree k the node
+    # allows (groups.hybrid_candidates), this rank's (inner group, outer group)
+    context_subgroups: dict = field(default_factory=dict)
+    context_node_ranks: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -242,8 +246,11 @@ class ProcessGroups:
 
     @classmethod
     def create(cls, t: int, p: int, d: int, *, c: int = 1, ep: int = 1,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> "ProcessGroups":
+               timeout_s: float = DEFAULT_TIMEOUT_S,
+               hybrid_node_ranks: int | None = None) -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks must call it, same args).
+        hybrid_node_ranks (the hybrid context method): the context ranks one node holds; the
+        inner and outer groups of every inner degree it allows are made too.
 
         torch requires every rank to enter `new_group` for every group, in the same order,
         members or not; the order here is groups.py's, so it is the same on all ranks.
@@ -270,6 +277,7 @@ class ProcessGroups:
                 group = dist.new_group(ranks, timeout=td)
                 if rank in ranks:
                     mine[name] = (group, tuple(ranks))
+        subgroups = _hybrid_groups(t, p, d, c, hybrid_node_ranks, td, rank)
         mine.setdefault("embedding", (None, ()))  # middle pipeline stages hold no embedding
         mine.setdefault("context", (None, (rank,)))
         mine.setdefault("expert", (None, (rank,)))
@@ -289,10 +297,29 @@ class ProcessGroups:
             prev_pp_rank=prev_rank, next_pp_rank=next_rank, timeout_s=float(timeout_s),
             ep=ep, ep_rank=G.expert_rank(rank, t, p, d, c=c, ep=ep), expert=mine["expert"][0],
             expert_data=mine["expert_data"][0], expert_ranks=mine["expert"][1],
-            expert_data_ranks=mine["expert_data"][1])
+            expert_data_ranks=mine["expert_data"][1], context_subgroups=subgroups,
+            context_node_ranks=hybrid_node_ranks or 1)
 
     def __repr__(self) -> str:
         return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "
                 f"tp={self.tp_rank}, dp={self.dp_rank}, pp={self.pp_rank}, "
                 f"tensor={list(self.tensor_ranks)}, data={list(self.data_ranks)}, "
                 f"pipeline={list(self.pipeline_ranks)})")
+
+
+def _hybrid_groups(t: int, p: int, d: int, c: int, node_ranks: int | None, td: Any,
+                   rank: int) -> dict:
+    """{k: (inner group, outer group)} of this rank for every inner degree k of the hybrid
+    context method the node allows (groups.hybrid_candidates), made on every rank in
+    groups.py's order; empty without `node_ranks` or with c = 1."""
+    out: dict = {}
+    for k in (G.hybrid_candidates(c, node_ranks) if node_ranks and c > 1 else ()):
+        pair = []
+        for family in (G.context_inner_groups, G.context_outer_groups):
+            for ranks in family(t, p, d, c=c, k=k):
+                group = dist.new_group(ranks, timeout=td)
+                if rank in ranks:
+                    pair.append(group)
+        out[k] = tuple(pair)
+    return out
+

@@ -303,3 +303,71 @@ def sequence_positions(seq_len: int, cp: int, c: int) -> list[int]:
     n = seq_len // (2 * c)
     first, second = sequence_chunks(cp, c)
     return list(range(first * n, (first + 1) * n)) + list(range(second * n, (second + 1) * n))
+
+
+# ----- the hybrid context method: all-to-all inside a node, all-gather across ----------------
+def hybrid_candidates(c: int, ranks_per_node: int) -> tuple[int, ...]:
+    """The inner (all-to-all) degrees k the hybrid context method may use: the divisors
+    1 < k < c of c that divide `ranks_per_node`, the context ranks one node holds (its GPUs
+    over t; context ranks are strided by t), so every inner group of k consecutive context
+    ranks lies inside one node; none when the c ranks fit in one node (the hybrid is for a
+    context group across nodes: inside one the all-to-all or the all-gather over all c is the
+    choice). Ascending.
+
+    Example: c=16, 8 context ranks per node -> (2, 4, 8); c=4, 2 per node -> (2,); c=4, 4 per
+    node -> () (one node); c=2 -> ().
+    """
+    validate_degrees(1, 1, 1, c=c)
+    if c <= ranks_per_node:
+        return ()
+    return tuple(k for k in range(2, c) if c % k == 0 and max(1, ranks_per_node) % k == 0)
+
+
+def hybrid_inner_degree(c: int, heads: int, ranks_per_node: int) -> int:
+    """The hybrid's inner degree: the largest of `hybrid_candidates` that divides `heads` (the
+    query heads one tensor rank holds: each inner rank takes heads/k of them), or 1 when none
+    does (the hybrid is then the all-gather over the c ranks). The outer degree is c / k.
+
+    Example: c=16, 32 heads, 8 per node -> 8; c=16, 4 heads, 8 per node -> 4; c=4, 3 heads,
+    2 per node -> 1; c=8, 8 per node -> 1 (one node).
+    """
+    return max((k for k in hybrid_candidates(c, ranks_per_node) if heads % k == 0), default=1)
+
+
+def hybrid_heads_rule(heads: int, c: int) -> str | None:
+    """Why the hybrid cannot split `heads` (per tensor rank) at c, or None: some divisor
+    1 < k < c of c must divide them (the node may allow fewer: `hybrid_inner_degree`)."""
+    if not any(heads % k == 0 for k in range(2, c) if c % k == 0):
+        return (f"hybrid attention trades heads over k of the c={c} context ranks, a divisor "
+                f"1 < k < c of c that divides the {heads} heads per tensor rank; none does "
+                f"(use 'all-to-all' or 'all-gather')")
+    return None
+
+
+def context_inner_groups(t: int, p: int, d: int, *, c: int, k: int) -> Groups:
+    """The hybrid's inner groups: k consecutive context ranks of each context group (the
+    all-to-all; inside a node), in `context_groups` order, then by block.
+
+    Example: t=1, c=4, p=1, d=1, k=2 -> [[0, 1], [2, 3]]; t=2, c=4, k=2 -> [[0, 2], [4, 6],
+    [1, 3], [5, 7]].
+    """
+    _check_inner(c, k)
+    return [g[i:i + k] for g in context_groups(t, p, d, c=c) for i in range(0, c, k)]
+
+
+def context_outer_groups(t: int, p: int, d: int, *, c: int, k: int) -> Groups:
+    """The hybrid's outer groups: the c/k context ranks of each context group at the same place
+    in their inner groups (stride k in it: the all-gather, across nodes).
+
+    Example: t=1, c=4, p=1, d=1, k=2 -> [[0, 2], [1, 3]]; t=1, c=8, k=2 -> [[0, 2, 4, 6],
+    [1, 3, 5, 7]].
+    """
+    _check_inner(c, k)
+    return [g[i::k] for g in context_groups(t, p, d, c=c) for i in range(k)]
+
+
+def _check_inner(c: int, k: int) -> None:
+    validate_degrees(1, 1, 1, c=c)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or c % k:
+        raise ValueError(f"k={k!r}: the hybrid's inner degree must be a positive int dividing "
+                         f"c={c}; pick a divisor of {c} such as 1")

@@ -21,15 +21,25 @@ kv_group g (a head repeat in the graph, each kv head repeated g times consecutiv
 g-th head is exchanged when the kv heads divide by c; with fewer kv heads than c (or not a
 multiple), the kv heads are repeated up to the query heads first, which is exact and moves more
 (what cost/model.py `ulysses_s` prices). c = 1 (or no group) is plain attention.
+
+`context_hybrid_attention` (plan.cp_attention "hybrid"; Megatron-Core's a2a+p2p,
+TransformerEngine's cp_group [a2a group, p2p group], here with the all-gather across): the
+all-to-all above over k consecutive context ranks only (inside a node), then the K/V
+all-gather of Llama 3's method over the c/k ranks at the same place in the other inner groups
+(across nodes), on heads/k heads; the inverse all-to-all after. k: groups.hybrid_inner_degree.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.runtime import groups as G
+from autopar.runtime.collectives import all_gather_sp
+from autopar.runtime.context_shard import causal_chunks
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.shard import as_default_stream
 
@@ -150,4 +160,67 @@ def context_alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         back = _index(cp.rank_positions, out).reshape(-1)
         out = tokens_to_heads(out.index_select(2, back), cp.group, n)
     # the fused kernels' layout, (B, L, H, E) in memory: callers view it after transpose(1, 2)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _hybrid_kv(k: torch.Tensor, v: torch.Tensor, heads: int, kv_group: int, n: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v as the exchange over n ranks reads them: every kv_group-th head of a graph's
+    repeat, repeated up to the query heads when the kv heads do not divide by n."""
+    if kv_group > 1:     # the repeat's copies carry no information (its backward sums them)
+        k, v = k[:, ::kv_group], v[:, ::kv_group]
+    if k.shape[1] % n:
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    return k, v
+
+
+def context_hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any,
+                             attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                             scale: float | None = None, enable_gqa: bool = False,
+                             kv_group: int = 1, dropout_p: float = 0.0, streams: Any = None,
+                             seed: int = 0, per_tensor_rank: bool = False) -> torch.Tensor:
+    """The hybrid context method (Megatron-Core's a2a+p2p, with the all-gather across):
+    attention of this rank's tokens q, k, v (B, H, T/c, E) over the whole sequence. The c
+    context ranks are k inner (consecutive, inside a node) × c/k outer; k is
+    groups.hybrid_inner_degree(c, H, cp.node_ranks). An all-to-all over the inner group trades
+    tokens for heads (the rank then holds its inner group's tokens of H/k heads), the K/V of
+    those heads is all-gathered over the outer group (backward: reduce-scatter) and put in
+    global order, the rank's queries (its inner group's 2k chunks) attend to it chunk by chunk
+    under is_causal (or with the mask's rows at those positions, heads cut to the rank's H/k),
+    and the inverse all-to-all brings the output home. Same arguments as
+    `context_alltoall_attention`. Why this size: the sdpa arguments plus the context shard, the
+    repeat's group and the dropout stream's facts."""
+    if cp.group is None or cp.c == 1:   # no other rank (the stand-in shard, c = 1)
+        return context_alltoall_attention(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa,
+                                          kv_group, dropout_p, streams, seed, per_tensor_rank)
+    heads = q.shape[1]
+    n = G.hybrid_inner_degree(cp.c, heads, cp.node_ranks)
+    if q.dim() != 4 or (n > 1 and n not in (cp.subgroups or {})):
+        raise ValueError(f"hybrid attention: q {tuple(q.shape)} over c={cp.c} with {heads} "
+                         f"heads per tensor rank needs (batch, heads, tokens, head_dim) and the "
+                         f"inner groups made for k={n} (ProcessGroups.create hybrid_node_ranks);"
+                         f" use cp_attention='all-gather'")
+    k, v = _hybrid_kv(k, v, heads, kv_group, n)
+    inner, outer = cp.subgroups[n] if n > 1 else (None, cp.group)
+    block = cp.cp_rank // n                      # this rank's inner group, of c/n
+    q, k, v = (heads_to_tokens(x, inner, n) for x in (q, k, v))
+    order = _index(cp.order, k)                  # the outer all-gather, in global order
+    k, v = (all_gather_sp(x.contiguous(), outer, 2).index_select(2, order) for x in (k, v))
+    attn_mask = _rank_mask(attn_mask, heads, cp.cp_rank % n, n)
+    if attn_mask is not None and attn_mask.dim() >= 2:   # the rows of the rank's queries
+        rows = cp.rank_positions[block * n:(block + 1) * n].reshape(-1)
+        attn_mask = attn_mask.index_select(-2, _index(rows, attn_mask))
+    gqa = enable_gqa or k.shape[1] != q.shape[1]
+    chunks = tuple(j for r in range(block * n, (block + 1) * n)
+                   for j in G.sequence_chunks(r, cp.c))
+    with (as_default_stream(streams.generator(seed, q.device, per_tensor_rank), q.device)
+          if dropout_p else nullcontext()):
+        if is_causal and attn_mask is None:
+            out = causal_chunks(q, k, v, cp, scale, gqa, dropout_p, chunks)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                 dropout_p=dropout_p, is_causal=bool(is_causal),
+                                                 scale=scale, enable_gqa=gqa)
+    out = tokens_to_heads(out, inner, n)
     return out.transpose(1, 2).contiguous().transpose(1, 2)

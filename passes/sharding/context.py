@@ -56,6 +56,7 @@ from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, TRANSPAR
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.views import cat_rule
+from autopar.runtime.groups import hybrid_heads_rule
 
 aten = torch.ops.aten
 
@@ -81,7 +82,7 @@ def context_refusal(node: fx.Node, why: str, fix: str = _CONTEXT_FIX) -> ValueEr
 
 METHOD_FIX = ("plan cp_attention='all-gather' (parallelize's free choice offers only what "
               "the pass builds)")
-METHODS = ("ring", "all-to-all")   # the attention methods beyond the all-gather (rules.py)
+METHODS = ("ring", "all-to-all", "hybrid")   # the methods beyond the all-gather (rules.py)
 SUBMODULE_CALL = "a submodule call on the rank's tokens"
 NO_LAYOUT = "no sequence layout recorded for a value computed from the rank's tokens"
 
@@ -106,7 +107,8 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     """Why `method` (plan.cp_attention) cannot replace a scaled-dot-product attention whose q,
     k, v have `operands` (shape, sequence dim) — heads read from q's dim 1 — and constant
     `dropout`: ring draws no dropout; ring and all-to-all need (batch, heads, tokens, head_dim)
-    operands; all-to-all gives each rank heads/c heads. None for the all-gather (no rule)."""
+    operands; all-to-all gives each rank heads/c heads; the hybrid heads/k, k a divisor
+    1 < k < c of c (`hybrid_heads_rule`). None for the all-gather (no rule)."""
     if method not in METHODS:
         return None
     if method == "ring" and dropout:
@@ -118,6 +120,8 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     if method == "all-to-all" and heads % c:
         return (f"all-to-all attention with {heads} heads (per tensor rank) over c={c} context "
                 f"ranks: each rank takes heads/c of them, so c must divide {heads}")
+    if method == "hybrid" and c > 2:   # c = 2: parallelize's trial (the solver rules per c)
+        return hybrid_heads_rule(heads, c)
     return None
 
 

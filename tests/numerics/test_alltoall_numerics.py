@@ -38,3 +38,26 @@ def test_alltoall_c2_equals_one_device(name, plan, over):
 
 def test_alltoall_c2_bf16_equals_one_device_bf16():
     check_training("gpt", a2a(make_plan()), precision="bf16", max_norm=0.05)
+
+
+def _two_nodes(rank, world, *args, **kwargs):
+    """train_rank as on 2 nodes of 2 ranks (torchrun --nnodes 2 --nproc-per-node 2 sets
+    LOCAL_WORLD_SIZE so): the hybrid's inner degree is read from it."""
+    import os
+
+    from programs import train_rank
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    return train_rank(rank, world, *args, **kwargs)
+
+
+def test_hybrid_c4_equals_one_device():
+    """The hybrid (cp_attention "hybrid": all-to-all over the 2 context ranks of a node, the
+    K/V all-gather over the 2 nodes; autopar/runtime/ulysses.py context_hybrid_attention) at
+    c = 4 on 4 ranks as 2 nodes of 2 equals one device: GPT (is_causal) and the Llama-style
+    model (grouped-query: its 2 kv heads exchanged, not repeated), one spawn."""
+    from programs import check_case, spawn_cases
+    cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
+             for name in ("gpt", "llama_style")}
+    results = spawn_cases(_two_nodes, 4, {k: (c, {}) for k, c in cases.items()})
+    for label, case in cases.items():
+        check_case(label, case, results[label])

@@ -67,12 +67,16 @@ def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
                                        rtol=1e-10, atol=1e-10)
 
 
-# ----- all-to-all attention ---------------------------------------------------------------------
+# ----- all-to-all attention and the hybrid ----------------------------------------------------
 def _a2a_rank(rank, world, case):
+    """Per method of case["methods"] ("all-to-all"; "hybrid": inner groups of 2 consecutive
+    ranks, all-gather over the outer groups), the rank's output and gradients made whole and
+    the single device's."""
     import torch.distributed as dist
 
+    from autopar.runtime import groups as G
     from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
-    from autopar.runtime.ulysses import context_alltoall_attention
+    from autopar.runtime.ulysses import context_alltoall_attention, context_hybrid_attention
     torch.manual_seed(0)
     B, Hq, Hk, T, E = 2, 4, case["kv_heads"], 4 * world, 8
     q = torch.randn(B, Hq, T, E, dtype=torch.float64)
@@ -91,28 +95,47 @@ def _a2a_rank(rank, world, case):
     full = F.scaled_dot_product_attention(ref[0], rk, rv, attn_mask=mask,
                                           is_causal=mask is None)
     full.backward(dout)
-    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T)
-    mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
-    lq, lk, lv = mine
-    if case["repeat"]:      # repeat_kv in the graph: every g-th head is exchanged
-        lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
-    out = context_alltoall_attention(lq, lk, lv, cp, attn_mask=mask, is_causal=mask is None,
-                                     enable_gqa=not case["repeat"] and Hk < Hq,
-                                     kv_group=g if case["repeat"] else 1)
-    assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
-    out.backward(context_cut(dout, cp, 2))
-    whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
-    return [w.numpy() for w in whole], [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
+    want = [x.detach().numpy() for x in (full, *[r.grad for r in ref])]
+    subgroups = {}
+    for kk in G.hybrid_candidates(world, 2):     # 2 a node; every rank makes every group
+        pair = []
+        for family in (G.context_inner_groups, G.context_outer_groups):
+            for ranks in family(1, 1, 1, c=world, k=kk):
+                grp = dist.new_group(ranks)
+                pair += [grp] if rank in ranks else []
+        subgroups[kk] = tuple(pair)
+    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=T,
+                      subgroups=subgroups, node_ranks=2)
+    out_all = []
+    for method in case.get("methods", ("all-to-all",)):
+        attend = (context_hybrid_attention if method == "hybrid"
+                  else context_alltoall_attention)
+        mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+        lq, lk, lv = mine
+        if case["repeat"]:      # repeat_kv in the graph: every g-th head is exchanged
+            lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
+        out = attend(lq, lk, lv, cp, attn_mask=mask, is_causal=mask is None,
+                     enable_gqa=not case["repeat"] and Hk < Hq,
+                     kv_group=g if case["repeat"] else 1)
+        assert out.transpose(1, 2).is_contiguous()      # the fused kernels' memory layout
+        out.backward(context_cut(dout, cp, 2))
+        whole = [context_gather(x.detach(), cp, 2) for x in (out, *[m.grad for m in mine])]
+        out_all.append(([w.numpy() for w in whole], want))
+    return out_all
 
 
 @pytest.mark.parametrize("world, case", [
     (2, {"kv_heads": 2, "mask": False, "repeat": True}),     # GQA via repeat_kv, causal
     (2, {"kv_heads": 4, "mask": True, "repeat": False}),     # MHA, per-head mask
-    (4, {"kv_heads": 2, "mask": False, "repeat": False}),    # c = 4 > kv heads: repeated
+    # c = 4 > kv heads: repeated; the hybrid (2 inner × 2 outer) in the same ranks
+    (4, {"kv_heads": 2, "mask": False, "repeat": False, "methods": ("all-to-all", "hybrid")}),
+    (4, {"kv_heads": 4, "mask": True, "repeat": True, "methods": ("hybrid",)}),
 ])
 def test_alltoall_equals_single_device_sdpa_forward_and_backward(world, case):
+    """All-to-all and the hybrid (tests/unit/test_ulysses.py: its inner degree) equal SDPA."""
     from autopar.testing import spawn
-    for got, want in spawn(_a2a_rank, world, case, timeout_s=120):
-        for a, b in zip(got, want):
-            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
-                                       rtol=1e-10, atol=1e-10)
+    for per_method in spawn(_a2a_rank, world, case, timeout_s=120):
+        for got, want in per_method:
+            for a, b in zip(got, want):
+                torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b),
+                                           rtol=1e-10, atol=1e-10)

@@ -2,11 +2,18 @@
 exchange does not grow with c where the all-gather's does; it wins for multi-head attention in
 a node; it saves no gathered K/V; it is offered only where t·c divides the heads (a pin
 elsewhere is refused in one line); the solver weighs it with the all-gather and the ring and
-explain() says which and why."""
+explain() says which and why. The hybrid (all-to-all inside a node, the K/V all-gather
+across: Megatron-Core's a2a+p2p): its inner degree is the runtime's rule on the cluster's
+node; it beats the all-gather and the all-to-all when the context group spans nodes and the
+heads allow it; it is the all-gather where no inner degree fits (priced the same, so never
+chosen over it); it is refused where no divisor of c divides the heads; the solver picks it
+and explain() says why."""
 from __future__ import annotations
 
 import pytest
 
+from autopar.cost.exchanges import hybrid_degree
+from autopar.cost.families import cp_attention_rule
 from autopar.cost.hardware import get_cluster
 from autopar.cost.model import (Config, alltoall_exchange_elems, alltoall_heads_rule,
                                 context_comm_s, predict, rank_profile)
@@ -25,7 +32,7 @@ def _model(seq: int, kv_heads: int, heads: int = 32, layers: int = 4):
 def _comm_s(prof, **cfg) -> dict[str, float]:
     """Per layer per micro-batch forward + backward seconds of each method."""
     out = {}
-    for how in ("all-gather", "ring", "all-to-all"):
+    for how in ("all-gather", "ring", "all-to-all", "hybrid"):
         c = Config(p=1, d=1, cp_attention=how, **cfg)
         out[how] = context_comm_s(rank_profile(prof, H100, c), H100, c)[1]
     return out
@@ -80,3 +87,53 @@ def test_solver_picks_alltoall_for_mha_in_a_node_and_explains():
     assert "Context attention all-to-all:" in line
     for other in ("all-gather", "ring"):   # dominated at the same knobs: both costs named
         assert f"with {other} not weighed: slower exchange: {other} context attention" in line
+
+
+# ----- the hybrid ----------------------------------------------------------------------------
+def test_inner_degree_is_the_node_and_the_heads():
+    prof = _model(131072, kv_heads=32)
+    deg = lambda **k: hybrid_degree(rank_profile(prof, H100, Config(p=1, d=1, **k)), H100,
+                                    Config(p=1, d=1, cp_attention="hybrid", **k))
+    assert deg(t=1, c=16) == 8            # 8 context ranks a node
+    assert deg(t=2, c=16) == 4            # t = 2: 4 of them a node
+    assert deg(t=8, c=16) == 1            # one a node: the hybrid is the all-gather
+
+
+def test_hybrid_wins_when_c_spans_nodes_and_heads_allow():
+    """c = 16 over two 8-GPU nodes, multi-head: the all-to-all crosses the slow link with
+    all of q, k, v and the output, the all-gather with the whole sequence's K/V; the hybrid
+    only with the K/V of heads/8 heads once."""
+    cost = _comm_s(_model(131072, kv_heads=32), t=1, c=16)
+    assert cost["hybrid"] < 0.8 * min(cost["all-gather"], cost["ring"], cost["all-to-all"]), cost
+    inside = _comm_s(_model(65536, kv_heads=32), t=1, c=8)   # one node: the all-to-all's
+    assert inside["all-to-all"] < inside["hybrid"], inside
+
+
+def test_no_inner_degree_prices_the_all_gather():
+    cost = _comm_s(_model(131072, kv_heads=8), t=8, c=16)
+    assert cost["hybrid"] == cost["all-gather"]
+
+
+def test_refused_where_heads_do_not_divide():
+    prof = _model(8192, kv_heads=8, heads=24, layers=2)    # 3 heads per tensor rank at t = 8
+    why = cp_attention_rule(prof, "hybrid", 4, 8)
+    assert why is not None and "none does" in why and "3 heads per tensor rank" in why
+    assert cp_attention_rule(prof, "hybrid", 2, 1) is not None    # c = 2: no inner degree
+    assert cp_attention_rule(prof, "hybrid", 4, 1) is None
+    with pytest.raises(ValueError, match=r"^solve: no configuration"):
+        solve(prof, H100, gpus=32, global_batch_size=2, t=8, c=4, cp_attention="hybrid")
+
+
+def test_pinned_hybrid_across_nodes_beats_the_free_choice_and_explains():
+    """The hybrid is planned where pinned (not yet weighed by the free solver: rules.py
+    CP_ATTENTION_PINNED); across two nodes it beats the free plan at the same degrees."""
+    prof = _model(131072, kv_heads=32)
+    free = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16)
+    plan = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16, cp_attention="hybrid")
+    assert free.cp_attention != "hybrid" and plan.cp_attention == "hybrid"
+    assert plan.predicted.step_time_s < free.predicted.step_time_s
+    assert plan.predicted.cp_comm_s < 0.8 * free.predicted.cp_comm_s
+    line = next(x for x in plan.explain().splitlines()
+                if x.lstrip().startswith("Context attention"))
+    assert "Context attention hybrid: the all-to-alls run over the context ranks inside a " \
+           "node" in line

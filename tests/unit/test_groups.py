@@ -86,3 +86,32 @@ def test_bad_rank_and_coords():
         G.rank_coords(8, 2, 2, 2)
     with pytest.raises(ValueError, match=r"tp=2"):
         G.coords_rank(2, 0, 0, 2, 1, 1)
+
+
+def test_hybrid_context_groups_golden():
+    """The hybrid's inner degree (a divisor 1 < k < c of c that divides the context ranks per
+    node and the heads) and its inner (consecutive) / outer (stride k) groups."""
+    assert G.hybrid_candidates(16, 8) == (2, 4, 8)
+    assert G.hybrid_candidates(4, 2) == (2,)
+    assert G.hybrid_candidates(4, 4) == ()             # one node: all-to-all or all-gather
+    assert G.hybrid_candidates(2, 1) == ()
+    assert G.hybrid_candidates(16, 6) == (2,)          # 4 and 8 would straddle a node
+    assert G.hybrid_inner_degree(16, 32, 8) == 8
+    assert G.hybrid_inner_degree(16, 4, 8) == 4        # the heads limit it
+    assert G.hybrid_inner_degree(4, 3, 2) == 1         # none: the all-gather over c
+    assert G.hybrid_inner_degree(8, 8, 8) == 1         # one node
+    assert G.hybrid_heads_rule(8, 4) is None
+    assert "none does" in G.hybrid_heads_rule(3, 4) and "c=2" in G.hybrid_heads_rule(4, 2)
+    assert G.context_inner_groups(1, 1, 1, c=4, k=2) == [[0, 1], [2, 3]]
+    assert G.context_outer_groups(1, 1, 1, c=4, k=2) == [[0, 2], [1, 3]]
+    assert G.context_inner_groups(2, 1, 1, c=4, k=2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert G.context_outer_groups(1, 1, 1, c=8, k=2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for t, p, d, c, k in ((2, 2, 2, 4, 2), (1, 1, 2, 8, 4)):   # each a partition, inside c
+        for fam in (G.context_inner_groups, G.context_outer_groups):
+            gs = fam(t, p, d, c=c, k=k)
+            assert sorted(r for g in gs for r in g) == list(range(t * p * d * c))
+            for g in gs:
+                assert G.group_of(g[0], G.context_groups(t, p, d, c=c))[0] <= g[0]
+                assert set(g) <= set(G.group_of(g[0], G.context_groups(t, p, d, c=c)))
+    with pytest.raises(ValueError, match=r"k=3.*dividing c=4"):
+        G.context_inner_groups(1, 1, 1, c=4, k=3)

@@ -21,6 +21,16 @@ def test_the_rules_agree_with_the_cost_models_tables():
     assert set(rules.MULTI_CHUNK) == {s for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk}
     assert set(ZERO_TRAITS) == set(rules.ZERO_LEVELS)
     assert autopar.plan.CP_ATTENTION is rules.CP_ATTENTION   # one tuple, re-exported
+    # the hybrid context method: pinned only (the free solver weighs CP_ATTENTION)
+    assert rules.CP_ATTENTION_PINNED == rules.CP_ATTENTION + ("hybrid",)
+    assert rules.knob_refusal("cp_attention", "hybrid") is None
+
+
+def test_the_cli_pins_the_hybrid():
+    from autopar.cli import build_parser
+    args = build_parser().parse_args(["plan", "gpt3-175b", "--gpus", "8", "--c", "4",
+                                      "--cp-attention", "hybrid"])
+    assert args.cp_attention == "hybrid"
 
 
 @pytest.mark.parametrize("pins, words", [
@@ -33,6 +43,8 @@ def test_the_rules_agree_with_the_cost_models_tables():
     (dict(v=2, schedule="1f1b"), ["v=2", "'1f1b'", "set v=1"]),
     (dict(microbatch_group=4, schedule="gpipe"), ["microbatch_group=4", "interleaved"]),
     (dict(ep=3, c=1, d=4), ["ep=3", "must divide 4"]),
+    (dict(c=2, cp_attention="hybrid"), ["cp_attention='hybrid' with c=2", "1 < k < c",
+                                        "pin cp_attention='all-to-all'"]),
 ])
 def test_bad_pins_are_one_line_naming_value_rule_and_fix(pins, words):
     with pytest.raises(ValueError) as err:
