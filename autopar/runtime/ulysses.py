@@ -20,7 +20,7 @@ Heads must divide by c (the pass and the solver refuse otherwise). Grouped-query
 kv_group g (a head repeat in the graph, each kv head repeated g times consecutively) only every
 g-th head is exchanged when the kv heads divide by c; with fewer kv heads than c (or not a
 multiple), the kv heads are repeated up to the query heads first, which is exact and moves more
-(what cost/model.py `ulysses_s` prices). c = 1 (or no group) is plain attention.
+(what cost/exchanges.py `alltoall_attention_s` prices). c = 1 (or no group) is plain attention.
 
 `context_hybrid_attention` (plan.cp_attention "hybrid"; Megatron-Core's a2a+p2p,
 TransformerEngine's cp_group [a2a group, p2p group], here with the all-gather across): the
