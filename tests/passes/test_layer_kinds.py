@@ -109,7 +109,12 @@ def test_shared_block_weights_priced_once_per_stage():
     cl = get_cluster("dgx-h100-80gb")
     one, two, three = (rank_params(profile, Config(t=1, p=p, d=1, micro_batch_size=1,
                                                    num_microbatches=2)) for p in (1, 2, 3))
-    assert two.embedding - one.embedding == 0 and two.head - one.head == group
+    # p = 2 adds the shared group's copy and the tied MLM decoder's table copy to the head
+    # (at p = 1 the one rank holds each once)
+    from autopar.cost.shares import padded_vocab
+    emb = model.albert.embeddings.word_embeddings.weight
+    table = padded_vocab(emb.shape[0], 1) * emb.shape[1]     # the vocabulary padded, as priced
+    assert two.embedding - one.embedding == 0 and two.head - one.head == group + table
     assert (one.middle, two.middle, three.middle) == (0, 0, group)   # p = 3: a copy each
     untied = replace(profile, tied_embeddings=False)
     assert tied_sync_s(untied, cl, Config(t=1, p=2, d=1, micro_batch_size=1,
