@@ -114,8 +114,7 @@ class CostMemo:
         """`model.load_parts_s` of cfg (`compute()` on a miss), keyed by what it reads: every
         field but the schedule, the ZeRO level and m (the loads are per micro-batch; the
         ZeRO levels and schedules of one (t, c, p, d, ep, b, v, N, ...) share them)."""
-        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v,
-               cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
+        key = _load_key(cfg)
         out = self.loads.get(key)
         if out is None:
             out = self.loads[key] = compute()
@@ -123,8 +122,7 @@ class CostMemo:
 
     def load_ns(self, cfg: Config, compute: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
         """`model.load_costs`' integers of cfg (`compute()` on a miss), keyed as `load_parts`."""
-        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v,
-               cfg.micro_batch_size, cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
+        key = _load_key(cfg)
         out = self.loads_ns.get(key)
         if out is None:
             out = self.loads_ns[key] = compute()
@@ -149,3 +147,10 @@ class CostMemo:
         if out is None:
             out = self.flops[key] = flops_per_seq(profile, cfg.t, cfg.recompute)
         return out
+
+
+def _load_key(cfg: Config) -> tuple:
+    """What the loads read of cfg: every field but the schedule, the ZeRO level and m
+    (`CostMemo.load_parts` and `load_ns` share it)."""
+    return (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v, cfg.micro_batch_size,
+            cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
