@@ -42,7 +42,8 @@ from autopar.progress import Progress
 from autopar.rules import ZERO_LEVELS
 from autopar.runtime.compiled import compile_chunks
 from autopar.runtime.context_shard import ContextShard, hybrid_node_ranks
-from autopar.runtime.dist import DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed
+from autopar.runtime.dist import (DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed,
+                                  shared_stages)
 from autopar.runtime.executor import LoadedChunk
 from autopar.runtime.loss_scale import LossScaler, LossScaling
 from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, describe_param
@@ -156,7 +157,10 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     bar.start("this rank's chunks")
     graphs = built.chunks(pg.tp_rank, pg.pp_rank, ep_rank=pg.ep_rank)
     chunks, names = _load_chunks(built, graphs, pg, device, program_dir)
-    params = _local_params(built, graphs, chunks, names, pg)
+    shared = _shared_groups(graphs, pg.p)
+    pg.add_stage_groups(shared_stages(g, pg.p) for g in shared.values()
+                        if g.startswith("stages:"))   # collective: the same on every rank
+    params = _local_params(built, graphs, chunks, names, pg, shared)
     if torch_compile:
         bar.start("torch.compile")
         compile_chunks(chunks.values())
@@ -256,8 +260,9 @@ def _retype_boundaries(chunks: dict[int, LoadedChunk], dtype: torch.dtype) -> No
 # ---- describing this rank's parameters ----------------------------------------------------
 def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
                   chunks: dict[int, LoadedChunk], names: dict[tuple[int, str], str],
-                  pg: ProcessGroups) -> LocalParams:
-    """The LocalParams table of this rank's loaded chunks (see autopar.runtime.params)."""
+                  pg: ProcessGroups, shared: dict[str, str]) -> LocalParams:
+    """The LocalParams table of this rank's loaded chunks (see autopar.runtime.params);
+    shared: `_shared_groups`."""
     tensors: OrderedDict[str, torch.nn.Parameter] = OrderedDict()
     first_chunk: dict[int, list[str]] = {c: [] for c in chunks}
     used_by: dict[str, set[int]] = {}
@@ -266,17 +271,6 @@ def _local_params(built: BuiltProgram, graphs: list[torch.fx.GraphModule],
         if q not in tensors:
             tensors[q] = getattr(chunks[c].net, attr)
             first_chunk[c].append(q)
-    holders = _pipeline_holders(graphs)
-    shared = {q: "embedding" if holders[q] == {0, pg.p - 1} else "pipeline"
-              for q in tensors if len(holders[q]) > 1}
-    for q in sorted(shared):
-        if holders[q] not in ({0, pg.p - 1}, set(range(pg.p))):
-            raise ValueError(f"compile: parameter {q} is used on pipeline ranks "
-                             f"{sorted(holders[q])} of {pg.p}; a weight held by several "
-                             f"stages (a tied embedding, a block called at several depths) "
-                             f"must be held by the first and the last stage or by every "
-                             f"stage, its gradients summed over them. Fix: cut the stages so "
-                             f"every stage calls the shared block, or pin p=2")
     splits = _tp_splits(graphs, chunks) if pg.t > 1 else {}
     experts = _expert_slices(graphs, chunks)
     keys = _user_keys(built)
@@ -315,6 +309,23 @@ def _user_keys(built: BuiltProgram) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for key, name in sorted(built.state_keys.items()):
         out.setdefault(name, []).append(key)
+    return out
+
+
+def _shared_groups(graphs: list[torch.fx.GraphModule], p: int) -> dict[str, str]:
+    """Parameter name -> the group its gradients are summed over, for the weights several
+    pipeline stages hold (ParamInfo.shared_with): "embedding" (the first and the last stage: a
+    tied embedding, a block called at several depths at p = 2), "pipeline" (every stage), or
+    "stages:1,2" (a block called at several depths that some stages only hold: the group of
+    those stages, ProcessGroups.add_stage_groups). The same on every rank (every rank's
+    `graphs` list all chunks)."""
+    out = {}
+    for q, stages in _pipeline_holders(graphs).items():
+        if len(stages) < 2:
+            continue
+        held = tuple(sorted(stages))
+        out[q] = ("embedding" if stages == {0, p - 1} else "pipeline" if len(stages) == p
+                  else "stages:" + ",".join(map(str, held)))
     return out
 
 

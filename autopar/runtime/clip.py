@@ -8,7 +8,8 @@ all-reduce (sum) adds the ranks' partial sums:
   rank holds a different slice, all count (padding rows excluded via ParamInfo.real_part);
 - tensor-replicated parameters: the same values on all t ranks, only tp_rank 0 counts; so
   do the whole rows of a partly split parameter (ParamInfo.tp_whole: multi-query k/v);
-- tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage;
+- tied / shared embedding copies (ParamInfo.shared_with set): only the first pipeline stage
+  that holds one (ParamInfo.first_holder);
 - data-parallel replicas hold identical averaged gradients: they are not summed over dp
   (the all-reduce spans the model-parallel group, t·p ranks), unless `dp_sharded=True`
   (ZeRO: each dp rank holds a different part of the flat gradient), then it spans the world;
@@ -36,7 +37,7 @@ def counts_here(info: ParamInfo, groups: Any) -> bool:
         return True
     if not info.tensor_split and groups.tp_rank != 0:
         return False
-    if info.shared_with is not None and groups.pp_rank != 0:
+    if info.shared_with is not None and groups.pp_rank != info.first_holder:
         return False
     return True
 

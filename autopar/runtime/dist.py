@@ -183,6 +183,16 @@ def _device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+def shared_stages(name: str, p: int) -> tuple[int, ...]:
+    """The pipeline stages holding a shared weight of group `name` (ParamInfo.shared_with):
+    "embedding" -> (0, p-1), "pipeline" -> 0..p-1, "stages:1,2" -> (1, 2)."""
+    if name == "embedding":
+        return tuple(sorted({0, p - 1}))
+    if name == "pipeline":
+        return tuple(range(p))
+    return tuple(int(x) for x in name.partition(":")[2].split(","))
+
+
 @dataclass(frozen=True, eq=False)
 class ProcessGroups:
     """This rank's process groups and coordinates for a (t, p, d) layout (see groups.py).
@@ -235,6 +245,9 @@ class ProcessGroups:
     # allows (groups.hybrid_candidates), this rank's (inner group, outer group)
     context_subgroups: dict = field(default_factory=dict)
     context_node_ranks: int = 1
+    # a block called at several depths held by some pipeline stages only (not the first and
+    # last, not all): stages -> this rank's group of those stages' ranks (add_stage_groups)
+    stage_subgroups: dict = field(default_factory=dict)
 
     @property
     def is_first_stage(self) -> bool:
@@ -299,6 +312,25 @@ class ProcessGroups:
             expert_data=mine["expert_data"][0], expert_ranks=mine["expert"][1],
             expert_data_ranks=mine["expert_data"][1], context_subgroups=subgroups,
             context_node_ranks=hybrid_node_ranks or 1)
+
+    def add_stage_groups(self, subsets: Iterable[tuple[int, ...]]) -> None:
+        """Make the group of every pipeline's stages `s` for each s in `subsets` (collective:
+        every rank calls it with the same subsets; compile takes them from the chunk graphs,
+        which every rank sees alike), keeping this rank's in `stage_subgroups`."""
+        td = timeout(self.timeout_s)
+        for stages in sorted(set(subsets)):
+            for ranks in G.stage_subset_groups(stages, self.t, self.p, self.d // self.c,
+                                               c=self.c):
+                group = dist.new_group(ranks, timeout=td)
+                if self.rank in ranks:
+                    self.stage_subgroups[stages] = group
+
+    def shared_group(self, name: str) -> Any:
+        """The group a shared weight's gradients are summed over (ParamInfo.shared_with):
+        "embedding", "pipeline" or "stages:1,2" (add_stage_groups)."""
+        if name.startswith("stages:"):
+            return self.stage_subgroups[shared_stages(name, self.p)]
+        return getattr(self, name)
 
     def __repr__(self) -> str:
         return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "

@@ -235,6 +235,21 @@ def embedding_groups(t: int, p: int, d: int, *, c: int = 1) -> Groups:
     return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pipeline_groups(t, p, d, c=c)]
 
 
+def stage_subset_groups(stages: tuple[int, ...], t: int, p: int, d: int, *, c: int = 1
+                        ) -> Groups:
+    """The ranks of pipeline stages `stages` in each pipeline: a block called at several depths
+    and held by some stages only sums its gradients over these (Megatron's embedding group,
+    generalised to any subset of stages).
+
+    Example: stages (0, 1, 2), t=1, p=4, d=1 -> [[0, 1, 2]]; stages (1, 2), t=2, p=4, d=1 ->
+    [[2, 4], [3, 5]].
+    """
+    if not stages or any(not 0 <= s < p for s in stages) or list(stages) != sorted(set(stages)):
+        raise ValueError(f"stage_subset_groups: stages={stages} for p={p}; give distinct "
+                         f"pipeline stages in [0, {p}) in increasing order")
+    return [[g[s] for s in stages] for g in pipeline_groups(t, p, d, c=c)]
+
+
 def model_parallel_groups(t: int, p: int, d: int, *, c: int = 1) -> Groups:
     """Model-parallel groups: the t*p ranks that hold one copy of the weights (one per data and
     context rank: context ranks hold the same weights, like data-parallel ones), ordered by

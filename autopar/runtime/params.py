@@ -40,12 +40,21 @@ class ParamInfo:
     stop: int = 0
     replicated_over_tp: bool = True   # same values on every tensor rank (count once in norms)
     shared_with: str | None = None    # also held by other pipeline stages, its gradients
-    #                                   summed over the "embedding" (first and last stage) or
-    #                                   the "pipeline" group (every stage)
+    #                                   summed over the "embedding" (first and last stage),
+    #                                   the "pipeline" group (every stage) or "stages:1,2"
+    #                                   (those stages: ProcessGroups.shared_group)
     # [lo, hi) ranges of the local tensor's flattened elements that every tensor rank holds
     # alike inside a split parameter (the whole k/v rows of a mixed q/k/v projection)
     tp_whole: tuple[tuple[int, int], ...] = ()
     split_over: str = "tensor"        # the group split_dim is split over: "tensor" | "expert"
+
+    @property
+    def first_holder(self) -> int:
+        """The first pipeline stage holding this tensor (0 unless a shared block is held by
+        some later stages only, "stages:1,2" -> 1): the copy clipping counts."""
+        if self.shared_with is None or not self.shared_with.startswith("stages:"):
+            return 0
+        return int(self.shared_with.partition(":")[2].split(",")[0])
 
     @property
     def expert(self) -> bool:
@@ -174,7 +183,8 @@ class LocalParams:
 
     def shared_by_group(self) -> dict[str, list[torch.nn.Parameter]]:
         """The shared tensors by the group their gradients are summed over ("embedding": the
-        first and last stage; "pipeline": every stage), each list in `shared` order."""
+        first and last stage; "pipeline": every stage; "stages:1,2": those stages), each
+        list in `shared` order."""
         out: dict[str, list[torch.nn.Parameter]] = {}
         for q in self.shared:
             out.setdefault(self.infos[q].shared_with, []).append(self.tensors[q])

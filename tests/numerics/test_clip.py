@@ -176,3 +176,15 @@ def test_partly_split_parameter_counts_its_whole_rows_once(flat_pieces):
     for norm, ref, whole in spawn(_mixed_worker, 2, flat_pieces, timeout_s=120):
         assert whole == ((6, 12), (12, 18))   # k, v: local rows 2..4, 4..6 of 3 columns
         assert norm == pytest.approx(ref, rel=1e-6)
+
+
+def test_shared_block_counted_on_its_first_holding_stage():
+    """A block some stages only call ("stages:1,2"): stage 1's copy counts, not stage 0 (which
+    holds none) nor stage 2; a tied embedding's ("embedding") counts on stage 0."""
+    from types import SimpleNamespace
+    from autopar.runtime.clip import counts_here
+    block = ParamInfo(key="w", global_shape=(2,), shared_with="stages:1,2")
+    tied = ParamInfo(key="e", global_shape=(2,), shared_with="embedding")
+    at = [SimpleNamespace(tp_rank=0, pp_rank=s) for s in range(4)]
+    assert [counts_here(block, g) for g in at] == [False, True, False, False]
+    assert [counts_here(tied, g) for g in at] == [True, False, False, False]

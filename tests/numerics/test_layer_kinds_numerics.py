@@ -1,19 +1,21 @@
 """Stacks whose blocks differ (issue 31), as unmodified `transformers` models on gloo ranks
 against the same model trained on one device (3 AdamW steps, losses and full_state_dict at
-rtol 1e-4 / atol 1e-5): Qwen3-MoE with a dense first layer then MoE layers (mlp_only_layers,
-DeepSeek-V3's first_k_dense), SmolLM3 with a layer without rotary (no_rope_layers), Cohere2
-with a sliding-window layer with rotary and a full-attention layer without. Each model's two
-layers are of two kinds, so p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2:
-its per-head attention sinks split with the heads. Swin (hierarchical): two stages of blocks
-of different widths, the second block of each shifting its windows (a roll), a patch-merging
-step between them (counted in the block before it); p = 2 cuts between the two stages.
-DeepSeek-V3 (issue 32 item 2) at t = 2 and at ep = 2 × d = 2: a dense first layer, then routed
-experts chosen by sigmoid scores plus a score-correction bias within the best of 2 groups, a
-shared expert, and multi-head latent attention (low-rank q and kv projections, heads split
-into rotary and no-rotary parts, one rotary key for all heads). Weights shared across depth
-(issue 31 item 2): ALBERT at t = 2 and p = 2, a hand-written decoder calling one block twice
-at p = 2; no repeated stack (item 5): a hand-written decoder of named attn / mlp modules at
-t = 2 and p = 2."""
+rtol 1e-4 / atol 1e-5): Qwen3-MoE with MoE every other layer (decoder_sparse_step; its
+mlp_only_layers and SmolLM3's no_rope_layers were verified once, not kept), DeepSeek-V3 with a
+dense first layer (first_k_dense), Cohere2 with a sliding-window layer with rotary and a
+full-attention layer without: p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2
+(one kv head) and c = 2: its per-head attention sinks split with the heads. Swin
+(hierarchical): two stages of blocks of different widths, the second block of each shifting
+its windows (a roll), a patch-merging step between them (counted in the block before it);
+p = 2 cuts between the two stages. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
+ep = 2 × d = 2: a dense first layer, then routed experts chosen by sigmoid scores plus a
+score-correction bias within the best of 2 groups, a shared expert, and multi-head latent
+attention (low-rank q and kv projections, heads split into rotary and no-rotary parts, one
+rotary key for all heads); Mixtral, OLMoE, Qwen2-MoE and GPT-OSS at p = 2. Weights shared
+across depth (issue 31 item 2): ALBERT at t = 2, p = 2 and p = 3 (every stage holding the
+shared block, or stages 0 and 1 only), a hand-written decoder calling one block twice at p = 2;
+no repeated stack (item 5): a hand-written decoder of named attn / mlp modules at t = 2 and
+p = 2."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +36,16 @@ pytestmark = pytest.mark.distributed
 SEQ = 8
 
 
+# labelled variants of tests/models.py's builders (a label without an entry is the builder)
+VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1})}
+LAYERS = {"albert3": 3, "hf_qwen3_moe_alternate": 4}   # others: 2
+
+
+def _build(label: str):
+    name, sizes = VARIANTS.get(label, (label, {}))
+    return models.build(name, seed=0, **sizes)
+
+
 def _data(name: str, batch: int) -> list:
     """Token ids and next tokens, or (Swin) 16×16 pixels and class labels."""
     if name != "hf_swin":
@@ -47,50 +59,64 @@ def _loss(name: str):
     return models.classification_loss if name == "hf_swin" else loss_fn
 
 
-def _rank(rank: int, world: int, names: tuple[str, ...], plan) -> list[tuple]:
-    """Each model of `names` trained in turn under `plan` on these ranks (one process group
+def _runs(names: tuple[str, ...], mode: str) -> list[tuple[str, Plan]]:
+    """(label, plan) of each model (one process group for all)."""
+    return [(label, _plan(mode, LAYERS.get(label, 2))) for label in names]
+
+
+def _rank(rank: int, world: int, runs: list[tuple[str, Plan]]) -> list[tuple]:
+    """Each model of `runs` trained in turn under its plan on these ranks (one process group
     for all: the suite's time budget)."""
     torch.set_num_threads(1)
     out = []
-    for name in names:
-        x, y = _data(name, plan.micro_batch_size)[0]
-        prog = ParallelProgram(model=models.build(name, seed=0), plan=plan, profile=None,
-                               example_inputs=(x,), loss_fn=_loss(name), example_targets=y,
+    for label, plan in runs:
+        x, y = _data(label, plan.micro_batch_size)[0]
+        prog = ParallelProgram(model=_build(label), plan=plan, profile=None,
+                               example_inputs=(x,), loss_fn=_loss(label), example_targets=y,
                                cluster=None)
         runner = prog.compile(optimizer=adamw, max_grad_norm=MAX_NORM, timeout_s=60)
-        out.append((train_steps(runner, plan, _data(name, plan.global_batch_size)),
+        out.append((train_steps(runner, plan, _data(label, plan.global_batch_size)),
                     runner.full_state_dict()))
     return out
 
 
-def _plan(mode: str) -> Plan:
+def _plan(mode: str, layers: int = 2) -> Plan:
     if mode == "p2-hier":   # Swin: 2 stages of 2 blocks, each pipeline stage one Swin stage
         return make_plan(p=2, layers=4)
     if mode == "c2":
-        return Plan.from_dict({**make_plan().to_dict(), "c": 2})
+        return Plan.from_dict({**make_plan(layers=layers).to_dict(), "c": 2})
     if mode == "ep2d2":
-        return dataclasses.replace(make_plan(d=2), ep=2)
-    return make_plan(**{"t2": {"t": 2}, "p2": {"p": 2}}[mode])
+        return dataclasses.replace(make_plan(d=2, layers=layers), ep=2)
+    return make_plan(layers=layers, **{"t2": {"t": 2}, "p2": {"p": 2}, "p3": {"p": 3}}[mode])
 
 
-# one model per mode (the suite's time budget); verified once beyond these, not kept: Qwen3-MoE
-# at t = 2, SmolLM3 at t = 2 and c = 2, Cohere2 at p = 2, Swin at t = 2. Issue 31 items 2 and
-# 5 ride in the t2 / p2 process groups: ALBERT (one layer group called at every depth, tied
-# MLM decoder) at t = 2 and at p = 2 (the cut between two calls of the shared block: both
-# stages hold it and sum its gradients with the tied embedding's), the hand-written decoder
-# calling one block twice at p = 2, and the decoder with no repeated stack (its attn and mlp
-# modules the blocks) at t = 2 and p = 2. Qwen3-MoE with MoE every other layer (4 layers,
-# dense / MoE alternating) rides with Swin at p = 2: each stage holds one dense and one MoE layer.
+# one process group per mode (the suite's time budget); verified once beyond these, not kept:
+# Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at t = 2 and c = 2, Cohere2 at
+# p = 2, Swin at t = 2, GPT-OSS with 2 kv heads at t = 2. Issue 31 items 2 and 5 ride in the
+# t2 / p2 process groups: ALBERT (one layer group called at every depth, tied MLM decoder) at
+# t = 2 and at p = 2 (the cut between two calls of the shared block: both stages hold it and
+# sum its gradients with the tied embedding's), the hand-written decoder calling one block
+# twice at p = 2, and the decoder with no repeated stack (its attn and mlp modules the blocks)
+# at t = 2 and p = 2; at p = 3 (one 3-rank group): ALBERT of 3 layers (every stage holds the
+# shared block, summed over the pipeline group; the tied embedding over the first and last)
+# and of 2 layers (the last stage holds the head only: the block's gradients summed over
+# stages 0 and 1, a group of their own). Per-head attention sinks (GPT-OSS) at t = 2 with one
+# kv head (the q heads split, k/v replicated) and at c = 2. Qwen3-MoE with MoE every other
+# layer (4 layers, dense / MoE alternating) at t = 2, at ep = 2 × d = 2, and with Swin at
+# p = 2 (each stage one dense and one MoE layer); the MoE families (Mixtral, OLMoE, Qwen2-MoE,
+# DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut between its dense and its MoE layer.
 @pytest.mark.parametrize("names,mode", [
-    (("hf_gpt_oss", "hf_albert", "no_list", "hf_deepseek_v3"), "t2"),
-    (("hf_qwen3_moe", "hf_albert", "shared_block", "no_list"), "p2"),
-    (("hf_cohere2",), "c2"), (("hf_qwen3_moe", "hf_deepseek_v3"), "ep2d2"),
+    (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
+    (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
+      "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
+    (("hf_cohere2", "hf_gpt_oss"), "c2"),
+    (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "hf_albert"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
 def test_blocks_of_two_kinds_equal_one_device(names, mode):
-    plan = _plan(mode)
-    results = spawn(_rank, plan.gpus, names, plan, timeout_s=300)
-    for i, name in enumerate(names):
-        ref = train(models.build(name, seed=0), _data(name, plan.global_batch_size), adamw,
-                    loss_fn=_loss(name), max_grad_norm=MAX_NORM)
-        check_trained([r[i] for r in results], ref, models.build(name, seed=0).state_dict())
+    runs = _runs(names, mode)
+    results = spawn(_rank, runs[0][1].gpus, runs, timeout_s=300)
+    for i, (label, plan) in enumerate(runs):
+        ref = train(_build(label), _data(label, plan.global_batch_size), adamw,
+                    loss_fn=_loss(label), max_grad_norm=MAX_NORM)
+        check_trained([r[i] for r in results], ref, _build(label).state_dict())

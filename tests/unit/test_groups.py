@@ -26,6 +26,12 @@ def test_megatron_16_gpu_example():
     assert G.embedding_groups(t, p, d) == [[0, 12], [1, 13], [2, 14], [3, 15]]
     assert G.model_parallel_groups(t, p, d) == [[0, 1, 4, 5, 8, 9, 12, 13],
                                                 [2, 3, 6, 7, 10, 11, 14, 15]]
+    # a block some stages only call (issue 31): the ranks of those stages in each pipeline
+    assert G.stage_subset_groups((0, 1, 2), t, p, d) == [[0, 4, 8], [1, 5, 9], [2, 6, 10],
+                                                         [3, 7, 11]]
+    assert G.stage_subset_groups((1, 2), 2, 4, 1) == [[2, 4], [3, 5]]
+    with pytest.raises(ValueError, match="stages=.2, 1.*increasing order"):
+        G.stage_subset_groups((2, 1), t, p, d)
 
 
 def test_degenerate_degrees():

@@ -106,9 +106,10 @@ def sum_shared_grads(shared: dict[str, Sequence[torch.Tensor]], groups: Any) -> 
     """Sum the gradients of the weights several pipeline stages hold (`LocalParams.
     shared_by_group`): over the embedding group those of the first and the last stage (tied
     embeddings; a block called at several depths at p = 2), over the pipeline group those
-    every stage holds (a block called at every depth, p > 2)."""
+    every stage holds (a block called at every depth, p > 2), over the group of the stages
+    that hold one ("stages:0,1,2": a block some stages only call)."""
     for name, params in shared.items():
-        sum_tied_grads(params, getattr(groups, name))
+        sum_tied_grads(params, groups.shared_group(name))
 
 
 def sum_tied_grads(params: Sequence[torch.Tensor], group: Any) -> None:
