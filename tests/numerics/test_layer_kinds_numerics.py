@@ -101,10 +101,12 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # shared block, summed over the pipeline group; the tied embedding over the first and last)
 # and of 2 layers (the last stage holds the head only: the block's gradients summed over
 # stages 0 and 1, a group of their own). Per-head attention sinks (GPT-OSS) at t = 2 with one
-# kv head (the q heads split, k/v replicated) and at c = 2. Qwen3-MoE with MoE every other
-# layer (4 layers, dense / MoE alternating) at t = 2, at ep = 2 × d = 2, and with Swin at
-# p = 2 (each stage one dense and one MoE layer); the MoE families (Mixtral, OLMoE, Qwen2-MoE,
-# DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut between its dense and its MoE layer.
+# kv head (the q heads split, k/v replicated) and at c = 2 (written-out attention: the keys
+# all-gathered, the sinks whole; "ring" and "all-to-all" keep that gather, verified once).
+# Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
+# ep = 2 × d = 2, and with Swin at p = 2 (each stage one dense and one MoE layer); the MoE
+# families (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut
+# between its dense and its MoE layer.
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
