@@ -13,7 +13,7 @@ score-correction bias within the best of 2 groups, a shared expert, and multi-he
 attention (low-rank q and kv projections, heads split into rotary and no-rotary parts, one
 rotary key for all heads); Mixtral, OLMoE, Qwen2-MoE and GPT-OSS at p = 2. Weights shared
 across depth (issue 31 item 2): ALBERT at t = 2, p = 2 and p = 3 (every stage holding the
-shared block, or stages 0 and 1 only), a hand-written decoder calling one block twice at p = 2;
+shared block; two layer groups, the second held by stages 1 and 2 only), a hand-written decoder calling one block twice at p = 2;
 no repeated stack (item 5): a hand-written decoder of named attn / mlp modules at t = 2 and
 p = 2."""
 from __future__ import annotations
@@ -37,8 +37,9 @@ SEQ = 8
 
 
 # labelled variants of tests/models.py's builders (a label without an entry is the builder)
-VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1})}
-LAYERS = {"albert3": 3, "hf_qwen3_moe_alternate": 4}   # others: 2
+VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1}),
+            "albert_g2": ("hf_albert", {"layers": 4, "groups": 2})}
+LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4}   # others: 2
 
 
 def _build(label: str):
@@ -99,8 +100,9 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # twice at p = 2, and the decoder with no repeated stack (its attn and mlp modules the blocks)
 # at t = 2 and p = 2; at p = 3 (one 3-rank group): ALBERT of 3 layers (every stage holds the
 # shared block, summed over the pipeline group; the tied embedding over the first and last)
-# and of 2 layers (the last stage holds the head only: the block's gradients summed over
-# stages 0 and 1, a group of their own). Per-head attention sinks (GPT-OSS) at t = 2 with one
+# and of 4 layers in 2 layer groups (stages of 2, 1, 1 layers: the first group on stage 0
+# alone, the second on stages 1 and 2, its gradients summed over a group of those two and
+# clipping counting stage 1's copy; ALBERT of 2 layers, stages 0 and 1, verified once). Per-head attention sinks (GPT-OSS) at t = 2 with one
 # kv head (the q heads split, k/v replicated) and at c = 2 (written-out attention: the keys
 # all-gathered, the sinks whole; "ring" and "all-to-all" keep that gather, verified once).
 # Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
@@ -112,7 +114,7 @@ def _plan(mode: str, layers: int = 2) -> Plan:
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
     (("hf_cohere2", "hf_gpt_oss"), "c2"),
-    (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "hf_albert"), "p3"),
+    (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
 def test_blocks_of_two_kinds_equal_one_device(names, mode):
