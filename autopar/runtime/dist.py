@@ -332,6 +332,11 @@ class ProcessGroups:
             return self.stage_subgroups[shared_stages(name, self.p)]
         return getattr(self, name)
 
+    def shared_ranks(self, name: str) -> tuple[int, ...]:
+        """The global ranks of `shared_group(name)`, in stage order (this pipeline's ranks of
+        the stages holding the shared weight)."""
+        return tuple(self.pipeline_ranks[s] for s in shared_stages(name, self.p))
+
     def __repr__(self) -> str:
         return (f"ProcessGroups(rank={self.rank}, t={self.t}, p={self.p}, d={self.d}, "
                 f"tp={self.tp_rank}, dp={self.dp_rank}, pp={self.pp_rank}, "

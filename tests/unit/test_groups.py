@@ -121,3 +121,17 @@ def test_hybrid_context_groups_golden():
                 assert set(g) <= set(G.group_of(g[0], G.context_groups(t, p, d, c=c)))
     with pytest.raises(ValueError, match=r"k=3.*dividing c=4"):
         G.context_inner_groups(1, 1, 1, c=4, k=3)
+
+
+def test_shared_weight_groups_by_name():
+    """ParamInfo.shared_with names the stages a shared weight lives on (issue 31): the first
+    and last, every stage, or a subset; shared_ranks reads them off this pipeline's ranks."""
+    from types import SimpleNamespace
+    from autopar.runtime.dist import ProcessGroups, shared_stages
+    assert shared_stages("embedding", 4) == (0, 3)
+    assert shared_stages("embedding", 1) == (0,)
+    assert shared_stages("pipeline", 3) == (0, 1, 2)
+    assert shared_stages("stages:1,2", 4) == (1, 2)
+    pg = SimpleNamespace(pipeline_ranks=(1, 5, 9, 13), p=4)
+    assert ProcessGroups.shared_ranks(pg, "stages:1,2") == (5, 9)
+    assert ProcessGroups.shared_ranks(pg, "embedding") == (1, 13)
