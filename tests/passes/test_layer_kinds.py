@@ -75,17 +75,20 @@ def test_local_global_3_to_1_48_layers_balanced_at_1024_gpus():
 def test_attention_sinks_split_with_their_heads():
     """GPT-OSS's sinks (one logit per head, viewed (1, H, 1, 1), expanded and concatenated to
     the scores) are split with the heads at t = 2, not held whole while the scores are split
-    (the shape error of issue 31)."""
+    (the shape error of issue 31); with 2 kv heads and with one (multi-query: k/v whole, the
+    q heads and their sinks split)."""
     from autopar.passes import meta as K
     from autopar.passes.capture import capture
     from autopar.passes.tensor_parallel import propagate_sharding
     from autopar.passes.sharding import Shard
-    cap = capture(models.build("hf_gpt_oss", seed=0), (torch.zeros(2, 8, dtype=torch.long),),
-                  autopar.cross_entropy)
-    propagate_sharding(cap.gm, 2)
-    sinks = [n for n in cap.gm.graph.nodes if n.op == "get_attr" and n.target.endswith("sinks")]
-    assert len(sinks) == 2
-    assert all(n.meta[K.TP_LAYOUT] == Shard(0, (4,)) for n in sinks)
+    for kv in (2, 1):
+        cap = capture(models.build("hf_gpt_oss", seed=0, kv_heads=kv),
+                      (torch.zeros(2, 8, dtype=torch.long),), autopar.cross_entropy)
+        propagate_sharding(cap.gm, 2)
+        sinks = [n for n in cap.gm.graph.nodes
+                 if n.op == "get_attr" and n.target.endswith("sinks")]
+        assert len(sinks) == 2
+        assert all(n.meta[K.TP_LAYOUT] == Shard(0, (4,)) for n in sinks), kv
 
 
 def test_shared_block_weights_priced_once_per_stage():
