@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from autopar.cost.bounds import Family
+from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, alltoall_heads_rule, context_comm_s)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import CP_ATTENTION, RECOMPUTE, ZERO_LEVELS
@@ -190,9 +190,12 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
 class _Exchanges:
     """The context attention methods to enumerate at (t, c, b, sp, recompute): those
     `_cp_attentions` allows, less any another one beats there (`_beats`). The methods differ
-    only in the exchange (cost.model.context_comm_s) and in whether the gathered K/V is saved,
-    so one whose exchange costs no less in forward and in total and saves no less can never
-    give a faster or smaller plan; weighed once per key, one Rejection per method dropped."""
+    only in the exchange (cost.model.context_comm_s) and in how much of the other ranks' K/V
+    is saved (exchanges.context_saved_kv_bytes), so one whose exchange costs no less in
+    forward and in total and saves no less can never give a faster or smaller plan; the hybrid
+    is skipped where it has no inner degree (the all-gather itself) and stands in for the
+    all-to-all across nodes (`_STANDS_IN`); weighed once per key, one Rejection per method
+    dropped (enumerate_families lists each reason once, after the degrees' rules)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
                  rejected: list) -> None:
