@@ -302,7 +302,8 @@ _CP_WHY = {   # what each method's exchange is, for the reason line
 def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[str]:
     """Why the plan's context attention (c > 1): for each other method, the best weighed plan
     with the same c and that method, its context-parallel cost against the chosen one's, or
-    why its plans were rejected (pruned by a lower bound, memory); none for c = 1."""
+    why its plans were rejected (pruned by a lower bound, memory), or the exchange rejection
+    that displaced it (at any c: the solver lists each reason once); none for c = 1."""
     if plan.c == 1:
         return []
     head = f"Context attention {plan.cp_attention}: {_CP_WHY[plan.cp_attention]}; "
@@ -326,6 +327,10 @@ def _cp_attention_reason(plan: "Plan", feasible: list, rejected: list) -> list[s
                        "it: heads not divisible by t·c for all-to-all or by no divisor of c "
                        "for hybrid, attention written out for ring, all-to-all and hybrid, "
                        "or the pass cannot build it: see the notes)."]
+    for a in rejected:   # a method displaced at every knob: its exchange's reason, any c
+        how = a.config.get("cp_attention", "all-gather")
+        if how not in best and how != plan.cp_attention and a.reason.startswith("slower exch"):
+            best[how] = a
     parts = [f"{_fmt_s(a.predicted.cp_comm_s)} with {how} (its best plan {a.label()} "
              f"{_fmt_s(a.predicted.step_time_s)} per step)" if a.feasible else
              f"with {how} not weighed: {a.reason} ({a.label()})" for how, a in best.items()]

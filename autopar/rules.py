@@ -25,13 +25,13 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # how context parallelism's attention reads the other ranks' keys and values: all-gathered
 # before attention (Llama 3's method), or passed round the context ranks block by block while
 # attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
-# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py: the
-# methods the solver weighs. CP_ATTENTION_PINNED adds "hybrid": all-to-all inside a node, the
-# K/V all-gather across (Megatron-Core's a2a+p2p; its inner degree: autopar/runtime/groups.py
-# hybrid_inner_degree), planned and run when pinned, not yet weighed by the free solver
-# (docs/known-gaps.md: it grows the search and crowds explain's rejections)
-CP_ATTENTION = ("all-gather", "ring", "all-to-all")
-CP_ATTENTION_PINNED = CP_ATTENTION + ("hybrid",)
+# heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py, or
+# "hybrid": all-to-all inside a node, the K/V all-gather across (Megatron-Core's a2a+p2p; its
+# inner degree: autopar/runtime/groups.py hybrid_inner_degree): the methods the solver weighs
+# (the hybrid only where a context group spans nodes and it is not dominated:
+# cost/families.py _Exchanges). CP_ATTENTION_PINNED: the same tuple (what a pin may name).
+CP_ATTENTION = ("all-gather", "ring", "all-to-all", "hybrid")
+CP_ATTENTION_PINNED = CP_ATTENTION
 # the schedules that run several chunks per pipeline rank (v > 1); cost.model's
 # SCHEDULE_TRAITS[...].multi_chunk says the same (tests/unit/test_rules.py)
 MULTI_CHUNK = ("interleaved-1f1b", "interleaved-zb", "breadth-first")

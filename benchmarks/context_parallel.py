@@ -23,9 +23,9 @@ the error it raises on CPU / gloo.
 
 --choices plans (on the meta device, nothing run) Llama 3 405B at 131,072 tokens on 16,384
 H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100 and at 131,072 on
-128 H100 (where a context group may span nodes: the hybrid's case), the method free, and
-the hybrid pinned for two of them, and prints the plan and explain()'s "Context attention"
-line (the method and why).
+128 H100 (where a context group may span nodes: the hybrid's case), the method free (the
+all-gather pinned too for the 405B, for comparison), and prints the plan and explain()'s
+"Context attention" line (the method and why).
 """
 from __future__ import annotations
 
@@ -141,13 +141,12 @@ def _choices() -> None:
         mha = LlamaForCausalLM(cfg)
         cfg.max_position_embeddings = 131072
         mha_long = LlamaForCausalLM(cfg)
-    hybrid = {"cp_attention": "hybrid"}   # pinned: not yet weighed by the free solver
+    gather = {"cp_attention": "all-gather"}   # the method free before the hybrid was weighed
     cases = (("Llama 3 405B, 131,072 tokens, 16,384 H100", user.model, 131072, 16384, 128, {}),
-             ("the same, hybrid pinned", user.model, 131072, 16384, 128, hybrid),
+             ("the same, all-gather pinned", user.model, 131072, 16384, 128, gather),
              ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8, {}),
              ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha_long, 131072, 128, 8,
-              {}),
-             ("the same, hybrid pinned", mha_long, 131072, 128, 8, hybrid))
+              {}))
     for title, model, seq, gpus, batch, pins in cases:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()

@@ -24,7 +24,9 @@ parallelism adds is written into the regions:
     the rank's own K/V and passes the blocks round again in backward; all-to-all attention
     (attention="all-to-all", autopar/runtime/ulysses.py) saves its heads/c of the whole
     sequence, as many elements as the rank's own q, k, v (more only where kv heads are
-    repeated to divide by c, not charged).
+    repeated to divide by c, not charged); the hybrid (k inner ranks) saves heads/k of the
+    whole sequence: charged here at its least (k = c/2), the rest by cost/memory.py where
+    its k is known (a cluster's node).
 Llama 3 runs the all-gather on the critical path ("the all-gather communication latency is
 exposed", 2407.21783 §3.3.2): cost/model.py charges it exposed, and prices the ring's transfers
 overlapped with its steps' attention (`ring_attention_s`).
@@ -68,13 +70,15 @@ def _call(call: AttentionCall, c: int) -> AttentionCall:
 
 
 def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int,
-            exchanged: bool) -> RegionProfile:
+            attention: str) -> RegionProfile:
     kv = _kv_elems(r, kv_heads, heads)
     # the other ranks' K and V, saved for the backward under the all-gather (the ring sends
     # them again instead; the all-to-all's kernel saves heads/c of the whole sequence, the
-    # same size as the rank's own q, k, v); the hybrid is charged the all-gather's (it saves
-    # heads/k of them, k its inner degree, which the cluster decides: an upper bound)
-    gathered = 0 if exchanged else (kv - _div(kv, c)) * e
+    # same size as the rank's own q, k, v); the hybrid saves heads/k of the whole sequence, k
+    # its inner degree, which the cluster decides: the restated profile charges its least,
+    # 1/c of the whole at m = c/k = 2 outer ranks (what the search's memory bound reads), and
+    # cost/memory.py the rest (exchanges.context_saved_kv_bytes)
+    gathered = {"all-gather": kv - _div(kv, c), "hybrid": _div(kv, c)}.get(attention, 0) * e
     fused = r.fused
     if fused is not None:
         fused = FusedAttention(
@@ -131,7 +135,7 @@ def context_rank_profile(profile: ModelProfile, c: int,
                          f"divisible by {2 * c} or a smaller c")
     e = profile.activation_bytes_per_elem
     regions = {k: _region(getattr(profile, k), c, profile.kv_heads, profile.heads, e,
-                          attention in ("ring", "all-to-all"))
+                          attention)
                for k in ("embedding", "block", "head")}
     return replace(profile, **regions, seq_len=profile.seq_len // c, context=c,
                    context_attention=attention,

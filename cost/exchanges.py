@@ -193,6 +193,36 @@ def hybrid_attention_s(profile: ModelProfile, cluster: Cluster,
     return one, one
 
 
+def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
+    """Bytes per layer per micro-batch of the other context ranks' K/V that cfg's context
+    attention saves for the backward on one rank (on the rank's profile; none under full
+    recompute, which keeps only the layer's input): the all-gather the (c−1)/c of the whole
+    sequence's K/V it gathered (split by t: cost/context.py charges it in the profile), ring
+    and all-to-all none, the hybrid the m − 1 outer ranks' share of the K/V its inner group
+    holds (heads/k heads of the whole sequence: `alltoall_exchange_elems` at its k, times
+    m − 1), 1/k of the all-gather's where kv heads are not repeated (cost/context.py
+    charges its least, 1/c of the whole sequence's at m = 2, and cost/memory.py the rest
+    (`hybrid_saved_excess_bytes`): its k needs the cluster, which the profile does not know)."""
+    if cfg.c <= 1 or cfg.recompute == "full" or cfg.cp_attention in ("ring", "all-to-all"):
+        return 0.0
+    e, b = profile.activation_bytes_per_elem, cfg.micro_batch_size
+    k = hybrid_degree(profile, cluster, cfg) if cfg.cp_attention == "hybrid" else 1
+    if k == 1:       # the all-gather (a hybrid with no inner degree is one)
+        kv = profile.block.cp_gather_elems
+        return b * e * (kv - -(-kv // cfg.c)) / cfg.t
+    return b * e * alltoall_exchange_elems(profile, cfg.t, k)[1] * (cfg.c // k - 1)
+
+
+def hybrid_saved_excess_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
+    """What the hybrid saves per layer per micro-batch (`context_saved_kv_bytes`) beyond the
+    least the restated profile charges it (1/c of the whole sequence's K/V, split by t)."""
+    if cfg.c <= 1 or cfg.recompute == "full":
+        return 0.0
+    kv = profile.block.cp_gather_elems
+    least = cfg.micro_batch_size * profile.activation_bytes_per_elem * -(-kv // cfg.c) / cfg.t
+    return context_saved_kv_bytes(profile, cluster, cfg) - least
+
+
 def _ring_output_elems(profile: ModelProfile, t: int) -> float:
     """Elements of a block's attention outputs and their log-sum-exps per sequence on one
     tensor rank (heads split over t): what each online-softmax merge reads and writes."""

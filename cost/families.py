@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from autopar.cost.bounds import Family
+from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, alltoall_heads_rule, context_comm_s)
@@ -142,7 +143,7 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
     (every rule checked, whether or not its family is ever built)."""
     families: list[Family] = []
     rejected: list[Rejection] = []
-    exchanges = _Exchanges(profile, cluster, pins, gpus, rejected)
+    exchanges = _Exchanges(profile, cluster, pins, gpus, [])
     l = profile.num_layers
     for ti, t in enumerate(_divisors(gpus)):
         if not pins.allows("t", t):
@@ -179,15 +180,22 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
                     families.extend(_inner_families(profile, t, p, d, global_batch, pins,
                                                     rejected, c, ep, (ti, ci, pi, ei),
                                                     exchanges))
+    # the methods a cheaper one displaced last, one per distinct reason: explain() lists the
+    # first distinct rules, and the degrees' own come first
+    seen = set()
+    rejected += [r for r in exchanges.rejected if not (r.reason in seen or seen.add(r.reason))]
     return families, rejected
 
 
 class _Exchanges:
     """The context attention methods to enumerate at (t, c, b, sp, recompute): those
     `_cp_attentions` allows, less any another one beats there (`_beats`). The methods differ
-    only in the exchange (cost.model.context_comm_s) and in whether the gathered K/V is saved,
-    so one whose exchange costs no less in forward and in total and saves no less can never
-    give a faster or smaller plan; weighed once per key, one Rejection per method dropped."""
+    only in the exchange (cost.model.context_comm_s) and in how much of the other ranks' K/V
+    is saved (exchanges.context_saved_kv_bytes), so one whose exchange costs no less in
+    forward and in total and saves no less can never give a faster or smaller plan; the hybrid
+    is skipped where it has no inner degree (the all-gather itself) and stands in for the
+    all-to-all across nodes (`_STANDS_IN`); weighed once per key, one Rejection per method
+    dropped (enumerate_families lists each reason once, after the degrees' rules)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
                  rejected: list) -> None:
@@ -206,31 +214,55 @@ class _Exchanges:
         hows = _cp_attentions(self.profile, c, self.pins, t)
         if len(hows) < 2:
             return hows
-        cost = {}
+        cost, mem = {}, {}
         for how in hows:
             cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
                          micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
             rank = self.costs.rank_profile(self.profile, self.cluster, cfg)
+            if how == "hybrid" and hybrid_degree(rank, self.cluster, cfg) == 1:
+                continue     # no inner degree (c inside a node): the all-gather itself
             cost[how] = context_comm_s(rank, self.cluster, cfg)
+            mem[how] = context_saved_kv_bytes(rank, self.cluster, cfg)
+        hows = tuple(cost)
+        if "hybrid" in cost and "all-to-all" in cost and _stands_in(cost):
+            hows = tuple(h for h in hows if h != "all-to-all")
+            self._reject(t, c, b, sp, recompute, "all-to-all", _STANDS_IN)
         kept = []
         for x in hows:
-            by = next((y for y in hows if y != x and _beats(y, x, cost, hows)), None)
+            by = next((y for y in hows if y != x and _beats(y, x, cost, mem, hows)), None)
             if by is None:
                 kept.append(x)
                 continue
-            self.rejected.append(Rejection(
-                {"t": t, "c": c, "cp_attention": x, "micro_batch_size": b,
-                 "recompute": recompute, "sequence_parallel": sp},
-                f"slower exchange: {x} context attention costs no less than {by} at the same "
-                f"knobs (cost.model.context_comm_s), with no more memory"))
+            self._reject(t, c, b, sp, recompute, x,
+                         f"slower exchange: {x} context attention costs no less than {by} at "
+                         f"the same knobs (cost.model.context_comm_s), with no more memory")
         return tuple(kept)
 
+    def _reject(self, t, c, b, sp, recompute, how: str, reason: str) -> None:
+        self.rejected.append(Rejection(
+            {"t": t, "c": c, "cp_attention": how, "micro_batch_size": b,
+             "recompute": recompute, "sequence_parallel": sp}, reason))
 
-def _beats(y: str, x: str, cost: dict, hows: tuple[str, ...]) -> bool:
-    """Context method y dominates x at the same knobs: it saves no more activations (the
-    all-gather keeps the gathered K/V, ring and all-to-all do not) and its exchange costs no
-    more in forward and in total; ties go to the smaller memory, then to the earlier method."""
-    mem = {how: how == "all-gather" for how in hows}
+
+# Across nodes the hybrid stands in for the all-to-all over the whole context group where its
+# exchange is no slower (Megatron-Core's a2a+p2p is that all-to-all made hierarchical): the
+# all-to-all's only edge there is the outer ranks' share of K/V the hybrid saves, and the ring
+# (which saves none) stays weighed as the memory-lean method. Not strict dominance: it keeps
+# the search from growing by a family per such knob (tests/unit/test_search_work.py).
+_STANDS_IN = ("slower exchange: all-to-all context attention across nodes costs no less than "
+              "hybrid at the same knobs (cost.model.context_comm_s); the hybrid stands in for "
+              "it there, the ring is the memory-lean method")
+
+
+def _stands_in(cost: dict) -> bool:
+    (hf, ht), (af, at) = cost["hybrid"], cost["all-to-all"]
+    return hf <= af and ht <= at
+
+
+def _beats(y: str, x: str, cost: dict, mem: dict, hows: tuple[str, ...]) -> bool:
+    """Context method y dominates x at the same knobs: it saves no more of the other ranks'
+    K/V (mem: exchanges.context_saved_kv_bytes) and its exchange costs no more in forward and
+    in total; ties go to the smaller memory, then to the earlier method."""
     (yf, yt), (xf, xt) = cost[y], cost[x]
     if mem[y] > mem[x] or yf > xf or yt > xt:
         return False

@@ -17,13 +17,14 @@ the search prunes with.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from autopar.cost.config import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts, inflight,
                                  pending_weight_grads)
 from autopar.cost.context import context_rank_profile
 from autopar.cost.dp_terms import EXTRAPOLATE_START, weight_gather_stats
+from autopar.cost.exchanges import hybrid_saved_excess_bytes
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile, RegionProfile
@@ -84,12 +85,18 @@ class MicrobatchActivations:
     work: float = 0.0
 
 
-def microbatch_activations(profile: ModelProfile, cfg: Config) -> MicrobatchActivations:
-    """The activation bytes of one micro-batch of cfg; `profile` is the rank's."""
+def microbatch_activations(profile: ModelProfile, cfg: Config,
+                           cluster: Cluster | None = None) -> MicrobatchActivations:
+    """The activation bytes of one micro-batch of cfg; `profile` is the rank's. The hybrid
+    context method's saved K/V beyond the least the restated profile charges (cost/context.py)
+    is added here: its inner degree is the cluster's node, so it needs `cluster`."""
     t, b = cfg.t, cfg.micro_batch_size
     sp = cfg.sequence_parallel and t > 1
     act_layer = layer_activation_bytes(profile, t, b, cfg.recompute, sp)
     full_layer = layer_activation_bytes(profile, t, b, "none", sp)
+    if cfg.cp_attention == "hybrid" and cluster is not None:   # the profile charges its least
+        act_layer += hybrid_saved_excess_bytes(profile, cluster, cfg)
+        full_layer += hybrid_saved_excess_bytes(profile, cluster, replace(cfg, recompute="none"))
     # working memory while one layer runs its backward: its full activations when recomputed
     # (full) or its attention tensors (selective)
     work = {"full": full_layer, "selective": rank_attention_bytes(
@@ -141,7 +148,7 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
     wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
     de = d // cfg.ep
     wbe, gbe, obe = zt.weight_bytes(de), zt.grad_bytes(de), zt.optimizer_bytes(de)
-    acts = microbatch_activations(profile, cfg)
+    acts = microbatch_activations(profile, cfg, cluster)
     chunk_w, chunk_g, edge_w, edge_g = _gathered_bytes_per_param(cfg, gathers)
     block_p, block_e = params.block, params.experts
     chunk_w *= gathered_bytes_ratio(profile, cfg.t, block_p, True)   # FP8 gathers: 1 B/elem

@@ -257,6 +257,15 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
     optimizer-state bytes)."""
     results = spawn(train_rank, plan.gpus, name, plan, adamw_decayed, max_norm, precision,
                     program_dir=program_dir, timeout_s=timeout_s)
+    return results, compare_training(name, plan, results, max_norm=max_norm,
+                                     precision=precision)
+
+
+def compare_training(name: str, plan: Plan, results: list, *, max_norm: float | None = None,
+                     precision: str = "fp32") -> int:
+    """check_training's comparison of per-rank train_rank `results` (trained with
+    adamw_decayed, max_norm and precision: a spawn_cases case may train them) against one
+    device; the reference's optimizer-state bytes."""
     ref = train_single_device(name, plan, adamw_decayed, max_grad_norm=max_norm,
                               precision=precision)
     if max_norm is not None:  # the check can fail: clipping really changed the gradients
@@ -274,4 +283,4 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
     init = runtime_model(name, plan.num_layers).state_dict()
     assert_weights_match(state, ref.state, init, **wtol)
     assert any(not torch.equal(init[k].float(), state[k].float()) for k in ref.state)
-    return results, optimizer_state_bytes(ref.optimizer)
+    return optimizer_state_bytes(ref.optimizer)

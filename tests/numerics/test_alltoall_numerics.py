@@ -54,10 +54,19 @@ def test_hybrid_c4_equals_one_device():
     """The hybrid (cp_attention "hybrid": all-to-all over the 2 context ranks of a node, the
     K/V all-gather over the 2 nodes; autopar/runtime/ulysses.py context_hybrid_attention) at
     c = 4 on 4 ranks as 2 nodes of 2 equals one device: GPT (is_causal) and the Llama-style
-    model (grouped-query: its 2 kv heads exchanged, not repeated), one spawn."""
-    from programs import check_case, spawn_cases
+    model (grouped-query: its 2 kv heads exchanged, not repeated), the Llama-style model under
+    full recompute (both exchanges run again in the recomputed forward) and GPT in bf16 against
+    one device in bf16 (clipped, so the check can fail), one spawn. (t = 2 with SP, or p = 2,
+    needs 8 ranks at c = 4 = 2 × 2: not run here; the all-to-all covers them at c = 2.)"""
+    from programs import adamw_decayed, check_case, compare_training, spawn_cases
     cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
              for name in ("gpt", "llama_style")}
-    results = spawn_cases(_two_nodes, 4, {k: (c, {}) for k, c in cases.items()})
+    cases["llama_style full recompute"] = ("llama_style", a2a(
+        make_plan(), c=4, cp_attention="hybrid", recompute="full"))
+    bf16 = a2a(make_plan(), c=4, cp_attention="hybrid")
+    jobs = {k: (c, {}) for k, c in cases.items()}
+    jobs["gpt bf16"] = (("gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
+    results = spawn_cases(_two_nodes, 4, jobs)
     for label, case in cases.items():
         check_case(label, case, results[label])
+    compare_training("gpt", bf16, results["gpt bf16"], max_norm=0.05, precision="bf16")

@@ -404,6 +404,6 @@ def test_the_feasibility_query_does_not_run_the_pass(monkeypatch):
     monkeypatch.setattr(copy, "deepcopy", never)
     before = [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes]
     offer = api.context_offer(gm, SEQ, Pins())
-    assert offer.methods == ("all-gather", "all-to-all")        # ring refused: its dropout
+    assert offer.methods == ("all-gather", "all-to-all", "hybrid")   # ring refused: dropout
     assert "attention dropout 0.1" in offer.refused["ring"]
     assert [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes] == before

@@ -6,13 +6,13 @@ explain() says which and why. The hybrid (all-to-all inside a node, the K/V all-
 across: Megatron-Core's a2a+p2p): its inner degree is the runtime's rule on the cluster's
 node; it beats the all-gather and the all-to-all when the context group spans nodes and the
 heads allow it; it is the all-gather where no inner degree fits (priced the same, so never
-chosen over it); it is refused where no divisor of c divides the heads; the solver picks it
-and explain() says why."""
+chosen over it); it saves 1/k of the all-gather's K/V; it is refused where no divisor of c
+divides the heads; the free solver picks it across nodes and explain() says why."""
 from __future__ import annotations
 
 import pytest
 
-from autopar.cost.exchanges import hybrid_degree
+from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.families import cp_attention_rule
 from autopar.cost.hardware import get_cluster
 from autopar.cost.model import (Config, alltoall_exchange_elems, alltoall_heads_rule,
@@ -124,16 +124,41 @@ def test_refused_where_heads_do_not_divide():
         solve(prof, H100, gpus=32, global_batch_size=2, t=8, c=4, cp_attention="hybrid")
 
 
-def test_pinned_hybrid_across_nodes_beats_the_free_choice_and_explains():
-    """The hybrid is planned where pinned (not yet weighed by the free solver: rules.py
-    CP_ATTENTION_PINNED); across two nodes it beats the free plan at the same degrees."""
+def test_free_solver_picks_the_hybrid_across_nodes_and_explains():
+    """Weighed freely (rules.CP_ATTENTION): across two nodes the hybrid beats the all-to-all
+    and the all-gather pinned at the same degrees, and explain() says why, naming the others."""
     prof = _model(131072, kv_heads=32)
-    free = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16)
-    plan = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16, cp_attention="hybrid")
-    assert free.cp_attention != "hybrid" and plan.cp_attention == "hybrid"
-    assert plan.predicted.step_time_s < free.predicted.step_time_s
-    assert plan.predicted.cp_comm_s < 0.8 * free.predicted.cp_comm_s
+    plan = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16)
+    assert plan.cp_attention == "hybrid"
+    for other in ("all-to-all", "all-gather"):
+        pinned = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16, cp_attention=other)
+        assert plan.predicted.step_time_s < pinned.predicted.step_time_s, other
+        assert plan.predicted.cp_comm_s < 0.8 * pinned.predicted.cp_comm_s, other
     line = next(x for x in plan.explain().splitlines()
                 if x.lstrip().startswith("Context attention"))
     assert "Context attention hybrid: the all-to-alls run over the context ranks inside a " \
            "node" in line
+    assert "all-to-all" in line.split("vs", 1)[1] and "all-gather" in line.split("vs", 1)[1]
+
+
+def test_hybrid_saves_one_kth_of_the_all_gathers_kv():
+    """The hybrid keeps for the backward the K/V of its heads/k heads over the whole sequence:
+    of the other ranks' K/V, (m − 1)/c of the whole where the all-gather keeps (c − 1)/c (k = 8
+    inner × m = 2 outer at c = 16: 1/15 of it), ring and all-to-all none; the memory model
+    charges exactly that (what the runtime's saved tensors hold), none under full recompute."""
+    prof = _model(131072, kv_heads=32)
+    act = {how: predict(prof, H100, Config(t=1, c=16, p=1, d=1, cp_attention=how))
+           .memory.activations_bytes for how in ("all-gather", "all-to-all", "hybrid")}
+    assert act["all-to-all"] < act["hybrid"] < act["all-gather"]
+    assert act["hybrid"] - act["all-to-all"] == pytest.approx(
+        (act["all-gather"] - act["all-to-all"]) / 15, rel=1e-6)
+    cfg = Config(t=1, c=16, p=1, d=1, cp_attention="hybrid")
+    rank = rank_profile(prof, H100, cfg)
+    kv = rank.block.cp_gather_elems * rank.activation_bytes_per_elem   # the whole sequence's
+    assert context_saved_kv_bytes(rank, H100, cfg) == kv / 16           # m − 1 = 1 of 16
+    full = Config(t=1, c=16, p=1, d=1, cp_attention="hybrid", recompute="full")
+    assert context_saved_kv_bytes(rank, H100, full) == 0.0
+    # no inner degree (t = 8: one context rank a node): the all-gather's memory and cost
+    ag8, hy8 = (predict(prof, H100, Config(t=8, c=2, p=1, d=1, cp_attention=how))
+                for how in ("all-gather", "hybrid"))
+    assert hy8.memory.activations_bytes == ag8.memory.activations_bytes
