@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost.comm import allgather_s, allreduce_s, group_spans_nodes, link
+from autopar.cost.comm import (allgather_s, allreduce_s, group_spans_nodes, link,
+                               reducescatter_s)
 from autopar.cost.config import SCHEDULE_TRAITS, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
@@ -65,7 +66,7 @@ class GradGroup:
 
     def reduce_s(self, params: float) -> float:
         """Reduction of `params` gradients."""
-        coll = allgather_s if self.sharded_optimizer else allreduce_s
+        coll = reducescatter_s if self.sharded_optimizer else allreduce_s
         return coll(self.cluster, GRAD_REDUCE_BYTES * params, self.size, self.inter)
 
 
