@@ -16,7 +16,8 @@ processes do not slow the rate measured); rank 0 fits and writes:
   `flash_half_len` (backward FLOPs 2.5 × forward, cost.model's convention).
 - Streaming bandwidth (a large copy: bytes read + written per second) → `hbm_bandwidth_Bps`
   (elementwise_efficiency 1: the measured rate is the achieved one); one tiny op's time →
-  `kernel_launch_s` (dispatch + launch); torch.optim.AdamW's step over one block's
+  `kernel_launch_s` (dispatch + launch), what backward adds per op of a chain of them →
+  `autograd_op_s`; torch.optim.AdamW's step over one block's
   parameters → `optimizer_param_s` (seconds per parameter).
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
   runtime's calls) and send/recv — at several sizes, inside a node and across nodes (ranks
@@ -25,6 +26,7 @@ processes do not slow the rate measured); rank 0 fits and writes:
   with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather / reduce-scatter / all-to-all
   (n-1)/n · B of the whole, send B). A link with no pair of ranks on it is not measured and
   takes the other link's numbers (said in the sources).
+- Overlap: how much of an all-reduce hides behind compute run meanwhile → `comm_overlap`.
 - Memory: the GPU's total (its free memory at start → reserved_bytes); on CPU the RAM over the
   ranks of a node.
 The file's `calibration` record says what was measured, on which hosts, when, and holds the
@@ -168,7 +170,28 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
     x, y = torch.ones(8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
     op_s = _time_s(lambda: torch.add(x, y), device, 200, 3, clock)
-    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s}
+    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s,
+            "autograd_op_s": measure_autograd_op(dtype, device, clock)}
+
+
+def measure_autograd_op(dtype: torch.dtype, device: torch.device,
+                        clock: Callable[[], float], ops: int = 32) -> float:
+    """Seconds autograd's backward adds per forward op: a chain of `ops` tiny elementwise ops
+    on a tensor that requires grad, forward + backward, less the same forward (its graph
+    recorded), per op."""
+    x = torch.ones(8, dtype=dtype, device=device, requires_grad=True)
+
+    def forward():
+        y = x
+        for _ in range(ops // 2):
+            y = y * 1.5 + 1.0
+        return y
+
+    def both():
+        forward().sum().backward()
+    fwd_s = _time_s(forward, device, 20, 3, clock)
+    both_s = _time_s(both, device, 20, 3, clock)
+    return max(0.0, both_s - fwd_s) / ops
 
 
 # ---- collectives ----
@@ -263,6 +286,36 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
         if lists:
             out[link] = rows
     return out
+
+
+def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    """The fraction of a collective that hides behind compute run meanwhile, every rank at
+    once: an all-reduce of 4 MiB over all ranks (async) and a GEMM loop (a projection's
+    forward + backward), timed alone and together; (alone_c + alone_m − together) /
+    min(alone_c, alone_m), clipped to [0, 1]. A GPU's collectives run beside its kernels (~1);
+    CPU ranks that fill every core leave none to move the data (~0)."""
+    buf = torch.ones((1 << 20) if not quick else (1 << 16), dtype=torch.float32, device=device)
+    x = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
+
+    def compute():
+        for _ in range(2 if quick else 8):
+            x.grad = w.grad = None
+            torch.nn.functional.linear(x, w).sum().backward()
+
+    def comm():
+        dist.all_reduce(buf)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+    times = []
+    for fn in (compute, comm, both):
+        dist.barrier()
+        times.append(_time_s(fn, device, 1, 3 if quick else 5))
+    alone_c, alone_m, together = times
+    return float(min(1.0, max(0.0, (alone_c + alone_m - together) / min(alone_c, alone_m))))
 
 
 def fit_link(rows: dict[str, list]) -> tuple[float, float]:
@@ -404,6 +457,7 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     mine["optimizer_param_s"] = measure_optimizer(dtype, device, quick)
     tick("streaming")
     collectives = measure_collectives(groups, device, quick, tick)
+    mine["comm_overlap"] = measure_overlap(dtype, device, quick) if len(nodes) > 1 else 1.0
     per_node = max(nodes.count(n) for n in set(nodes))
     memory = _memory(device, per_node)
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -429,6 +483,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
         "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
         "optimizer_param_s": float(np.median([g[0]["optimizer_param_s"] for g in gathered])),
+        "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
+        "comm_overlap": float(np.median([g[0]["comm_overlap"] for g in gathered])),
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else (os.cpu_count() or 1),
@@ -455,12 +511,15 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "backward against sequence length)",
                "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
-               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch)",
+               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch); "
+               "autograd_op_s: the backward a chain of tiny ops adds per op",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",
                record["memory_source"],
                "elementwise: eager (autopar's runtime runs its chunks op by op)",
+               "comm_overlap: the part of a 4 MiB all-reduce that hid behind a GEMM loop run "
+               "meanwhile, every rank at once",
                f"tp_row_pieces {ROW_PIECES}: autopar's runtime issues a row-parallel GEMM's "
                f"reduction in that many calls (its collective matmul, cost/overlap.py)"]
     curves: list[CollectiveCurve] = []
@@ -485,6 +544,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
         gemm_max_efficiency=emax, gemm_half_dim=half,
         kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
         optimizer_param_s=record.get("optimizer_param_s", 0.0),
+        autograd_op_s=record.get("autograd_op_s", 0.0),
+        comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
         collective_curves=tuple(curves), tp_row_pieces=ROW_PIECES, **flash,
         sources=tuple(sources))

@@ -17,6 +17,7 @@ embedding and the head (`edge_times_s`), and the FLOPs a step counts (`flops_per
   keep the papers' convention: attention counted in full, whatever the kernel skips. Attention
   written out with matmuls in the model's code is materialized under either kind.
 - Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
+  An eager runtime also pays each op's dispatch, whatever its size (`dispatch_s`).
 - The optimizer step (Adam, memory bound: `optimizer_step_s`) over the parameters the rank
   owns (1/(c·d) of them under a sharded optimizer, its experts' 1/(c·d/ep)).
 - Tensor-parallel collectives of a block: its forward all-reduces (SP: all-gather +
@@ -153,6 +154,18 @@ def elementwise_time_s(cluster: Cluster, nbytes: float) -> float:
     return nbytes / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
 
 
+def dispatch_s(cluster: Cluster, region: RegionProfile) -> tuple[float, float]:
+    """(forward, backward) seconds an eager runtime spends dispatching a region's ops one by
+    one per micro-batch, whatever their size: `RegionProfile.eager_ops` × the cluster's
+    measured kernel_launch_s forward and autograd_op_s backward (GEMMs and attention kernels
+    carry their own launch). 0 unless the cluster runs elementwise ops "eager" (the fused
+    stacks of the presets launch kernel chains whose dispatch hides behind the GPU)."""
+    if cluster.elementwise != "eager":
+        return 0.0, 0.0
+    return (region.eager_ops * cluster.kernel_launch_s,
+            region.eager_ops * cluster.autograd_op_s)
+
+
 def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
                   sp: bool, tp_inter: bool) -> tuple[float, float, float]:
     """(compute_s, tp_comm_s, forward_pass_s) of one block for one micro-batch: compute_s is
@@ -168,8 +181,9 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)
     fwd_other = elementwise_time_s(cluster, rank_other_bytes(blk, t, b, sp, fix))
-    fwd = fwd_gemm + k_fwd + fwd_other
-    bwd = 2 * fwd_gemm + k_bwd + BWD_ELEMENTWISE_FACTOR * fwd_other
+    d_fwd, d_bwd = dispatch_s(cluster, blk)
+    fwd = fwd_gemm + k_fwd + fwd_other + d_fwd
+    bwd = 2 * fwd_gemm + k_bwd + BWD_ELEMENTWISE_FACTOR * fwd_other + d_bwd
     if recompute == "full":
         rec = fwd
     elif recompute == "selective":  # the attention core again: GEMMs or the fused kernel
@@ -223,12 +237,13 @@ def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bo
     vpad_ratio = vocab_pad_ratio(profile.vocab, t)
     emb, head = profile.embedding, profile.head
     efix, hfix = tp_fallback(profile, "embedding", t, sp), tp_fallback(profile, "head", t, sp)
-    emb_s = 3 * elementwise_time_s(cluster, rank_other_bytes(emb, t, b, sp, efix))
+    emb_s = 3 * elementwise_time_s(cluster, rank_other_bytes(emb, t, b, sp, efix)) + sum(
+        dispatch_s(cluster, emb))
     emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
     emb_s += (reducescatter_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
     emb_s += sum(inserted_collectives_s(cluster, efix, t, b, e, tp_inter))
     k_fwd, k_bwd, fused = fused_times_s(cluster, fused_calls(profile, head), hfix, t, b)
-    head_s = k_fwd + k_bwd
+    head_s = k_fwd + k_bwd + sum(dispatch_s(cluster, head))
     for i, g in enumerate(head.gemms):
         if i in fused:
             continue

@@ -115,7 +115,7 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
                 if zt.sharded_optimizer else grp.reduce_s)
     dp_first = edge(params.embedding) + tied_sync
     dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
-    return dp_layer, hidden, dp_first, dp_last
+    return dp_layer, hidden * cluster.comm_overlap, dp_first, dp_last   # what can hide does
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:

@@ -130,9 +130,20 @@ class Cluster:
     # (measured by `autopar calibrate`); 0: its bytes (cost/compute.py ADAM_BYTES_PER_PARAM)
     # at HBM bandwidth (the presets: fused multi-tensor kernels, memory bound)
     optimizer_param_s: float = 0.0
+    # an eager runtime's backward per forward op it dispatched (autograd's node, its kernels'
+    # dispatch), measured by `autopar calibrate`; with kernel_launch_s forward, priced per op
+    # of a region (`RegionProfile.eager_ops`) where elementwise is "eager"
+    autograd_op_s: float = 0.0
+    # the fraction of a collective that hides behind compute run meanwhile (measured by
+    # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
+    # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
+    comm_overlap: float = 1.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"Cluster.comm_overlap={self.comm_overlap!r}: must be in [0, 1], "
+                             f"the fraction of a collective that hides behind compute")
         if self.tp_row_pieces < 1:
             raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
                              f"the calls a row-parallel reduction is issued as (1: one)")

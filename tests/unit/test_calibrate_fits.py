@@ -90,3 +90,31 @@ def test_calibrate_keeps_every_collective_curve_and_a_file_round_trips_them(tmp_
         '"kind": "all_reduce"', '"kind": "allreduce"'))
     with pytest.raises(ValueError, match="collective_curves.*kind one of"):
         read_cluster_file(tmp_path / "bad.json")
+
+
+def test_an_eager_runtime_pays_each_op_and_a_full_core_hides_no_communication():
+    import dataclasses
+
+    from autopar.cost.compute import block_times_s
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    prof = transformer_profile(num_layers=4, hidden=128, heads=4, seq_len=128, vocab=512)
+    prof = dataclasses.replace(prof, block=dataclasses.replace(prof.block, eager_ops=20))
+    eager = _cpu(elementwise="eager", kernel_launch_s=5e-6, autograd_op_s=10e-6)
+    base = block_times_s(prof, dataclasses.replace(eager, autograd_op_s=0.0, kernel_launch_s=0.0),
+                         1, 1, "none", False, False)[0]
+    # every op once forward (its dispatch) and once backward (autograd's), per micro-batch,
+    # whatever the micro-batch size; a GEMM's own launch stays with the GEMM
+    got = block_times_s(prof, eager, 1, 1, "none", False, False)[0]
+    gemm_launches = 3 * len(prof.block.gemms) * 5e-6
+    assert got - base == pytest.approx(20 * 15e-6 + gemm_launches, rel=1e-6)
+    fused = dataclasses.replace(eager, elementwise="fused")
+    assert block_times_s(prof, fused, 1, 1, "none", False, False)[0] < got
+    # data parallelism: what the schedule hides of the gradient reduction (breadth-first: a
+    # chunk's under the next chunks' backward), scaled by the measured overlap
+    hides, none = (solve(prof, dataclasses.replace(_cpu(comm_overlap=x), peak_flops=1e9),
+                         gpus=2, global_batch_size=4, d=2,
+                         micro_batch_size=1, schedule="breadth-first", v=4,
+                         zero=0).predicted.dp_comm_s
+                   for x in (1.0, 0.0))
+    assert none > hides
