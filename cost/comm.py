@@ -148,8 +148,8 @@ def pipeline_p2p_s(profile: ModelProfile, cluster: Cluster, cfg: Config, layer_s
     if not (cfg.sequence_parallel and t > 1):
         one += allgather_s(cluster, act, t, tp_inter)
     if cfg.microbatch_group is not None and cfg.microbatch_group > p:
-        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,
-                              layer_s * profile.num_layers / (p * v))
+        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,   # hides as comm overlaps
+                              cluster.comm_overlap * layer_s * profile.num_layers / (p * v))
     return 2 * v * one
 
 
