@@ -313,8 +313,11 @@ def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> fl
     times = []
     for fn in (compute, comm, both):
         dist.barrier()
-        times.append(_time_s(fn, device, 1, 3 if quick else 5))
-    alone_c, alone_m, together = times
+        times.append(_time_s(fn, device, 2, 3 if quick else 5))
+    # the slowest rank's times (the step waits for it): every rank computes the same fraction
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    alone_c, alone_m, together = slowest.tolist()
     return float(min(1.0, max(0.0, (alone_c + alone_m - together) / min(alone_c, alone_m))))
 
 
