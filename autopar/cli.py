@@ -207,9 +207,9 @@ def _cluster_summary(cluster, header: bool = False) -> str:
     line = (f"{cluster.name:<16}{cluster.gpus_per_node:>5}{cluster.peak_flops / 1e12:>10.4g}"
             f"{cluster.memory_bytes / 1e9:>8.1f}{cluster.hbm_bandwidth_Bps / 1e9:>10.4g}"
             f"{cluster.intra_node_bandwidth_Bps / 1e9:>11.4g}"
-            f"{cluster.intra_node_latency_s * 1e6:>8.3g}"
+            f"{cluster.intra_node_latency_s * 1e6:>8.4g}"
             f"{cluster.inter_node_bandwidth_Bps / 1e9:>11.4g}"
-            f"{cluster.inter_node_latency_s * 1e6:>8.3g}{cluster.gemm_max_efficiency:>6.2f}"
+            f"{cluster.inter_node_latency_s * 1e6:>8.4g}{cluster.gemm_max_efficiency:>6.2f}"
             f"  {cluster.attention}/{cluster.elementwise}")
     head = (f"{'cluster':<16}{'gpus':>5}{'TFLOP/s':>10}{'mem GB':>8}{'HBM GB/s':>10}"
             f"{'intra GB/s':>11}{'lat us':>8}{'inter GB/s':>11}{'lat us':>8}{'e_max':>6}"

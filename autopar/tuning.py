@@ -20,8 +20,9 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
 4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
    communication terms), least squares (numpy) over the measured plans; the cluster's compute
    rates (gemm_max_efficiency, the flash efficiencies, elementwise_efficiency; peak_flops and
-   hbm_bandwidth_Bps where an efficiency would pass 1) divided by a, its link bandwidths
-   divided and latencies multiplied by b. The refined cluster is re-solved for every measured
+   hbm_bandwidth_Bps where an efficiency would pass 1) divided by a (its measured optimizer
+   seconds per parameter multiplied), its link bandwidths divided and latencies (and measured
+   collective curves' times) multiplied by b. The refined cluster is re-solved for every measured
    plan to report the error before and after. Overlap is not a constant of this cost model (it
    is modelled per term), so it is not refitted.
 """
@@ -280,6 +281,9 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
+        optimizer_param_s=cluster.optimizer_param_s * a,
+        collective_curves=tuple(dataclasses.replace(c, seconds=tuple(x * b for x in c.seconds))
+                                for c in cluster.collective_curves),
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
         inter_node_bandwidth_Bps=cluster.inter_node_bandwidth_Bps / b,
@@ -287,7 +291,8 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
         sources=cluster.sources + (
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
-            f"an efficiency would pass 1), link bandwidths ÷ {b:.3f} and latencies × {b:.3f}; "
+            f"an efficiency would pass 1; optimizer_param_s × {a:.3f}), link bandwidths ÷ "
+            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}); "
             f"least squares over the measured plans",))
 
 

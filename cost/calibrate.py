@@ -4,8 +4,11 @@ write its cluster file (cost/hardware.py `save_cluster`).
 Every rank measures at the same time, as training runs them (ranks that share a CPU or a node
 contend as they will in training), in the training precision (fp32 on CPU, bf16 on GPU unless
 told); each timing the best of a few batches, and the compute grids passed over twice, the best
-rate of each shape kept (other load on a machine only ever adds time); rank 0 fits and writes:
-- GEMM curve [m, n, k, flops_per_s] over a grid of shapes → `peak_flops` (the fitted
+rate of each shape kept (other load on a machine only ever adds time); compute on a CPU rank of
+one thread timed in the process's CPU time (`compute_clock`: a shared machine's other
+processes do not slow the rate measured); rank 0 fits and writes:
+- GEMM curve [m, n, k, flops_per_s] over a grid of shapes, each a projection's forward and
+  backward under autograd (as training runs its GEMMs) → `peak_flops` (the fitted
   asymptote, or a datasheet peak given with peak_flops=) with `gemm_max_efficiency` and
   `gemm_half_dim` of rate = peak · e_max · f(m)f(n)f(k), f(x) = x / (x + half).
 - Fused attention (torch's scaled_dot_product_attention, causal, 4 heads of 64) forward and
@@ -13,7 +16,9 @@ rate of each shape kept (other load on a machine only ever adds time); rank 0 fi
   `flash_half_len` (backward FLOPs 2.5 × forward, cost.model's convention).
 - Streaming bandwidth (a large copy: bytes read + written per second) → `hbm_bandwidth_Bps`
   (elementwise_efficiency 1: the measured rate is the achieved one); one tiny op's time →
-  `kernel_launch_s` (dispatch + launch).
+  `kernel_launch_s` (dispatch + launch), what backward adds per op of a chain of them →
+  `autograd_op_s`; torch.optim.AdamW's step over one block's
+  parameters → `optimizer_param_s` (seconds per parameter).
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
   runtime's calls) and send/recv — at several sizes, inside a node and across nodes (ranks
   grouped by node from the launcher's environment: GROUP_RANK, else rank // LOCAL_WORLD_SIZE);
@@ -21,6 +26,7 @@ rate of each shape kept (other load on a machine only ever adds time); rank 0 fi
   with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather / reduce-scatter / all-to-all
   (n-1)/n · B of the whole, send B). A link with no pair of ranks on it is not measured and
   takes the other link's numbers (said in the sources).
+- Overlap: how much of an all-reduce hides behind compute run meanwhile → `comm_overlap`.
 - Memory: the GPU's total (its free memory at start → reserved_bytes); on CPU the RAM over the
   ranks of a node.
 The file's `calibration` record says what was measured, on which hosts, when, and holds the
@@ -43,7 +49,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost.hardware import GB, Cluster, local_cluster_path, save_cluster
+from autopar.cost.hardware import (GB, Cluster, CollectiveCurve, local_cluster_path,
+                                   save_cluster)
+from autopar.cost.overlap import ROW_PIECES
 
 ATTENTION_LENS = (256, 1024)
 _QUICK_ATTENTION_LENS = (64, 256)
@@ -59,20 +67,31 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int) -> float:
+def compute_clock(device: torch.device) -> Callable[[], float]:
+    """The clock compute is timed with: on a CPU rank running one thread, the process's CPU
+    time (what the work took on the core it ran on: time the scheduler gave other processes
+    of a shared machine is not the hardware's rate); otherwise wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int,
+            clock: Callable[[], float] = time.perf_counter) -> float:
     """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
     that time collectives together run the same number); one warm-up call. The best, not the
     median: other load on the machine only ever adds time, so the least disturbed batch is the
-    hardware's rate."""
+    hardware's rate. `clock`: wall time (collectives: waiting is their cost), or
+    `compute_clock` for compute."""
     fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             fn()
         _sync(device)
-        times.append((time.perf_counter() - start) / calls)
+        times.append((clock() - start) / calls)
     return float(np.min(times))
 
 
@@ -83,19 +102,43 @@ def _calls(work: float, target: float) -> int:
 
 def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
                    quick: bool) -> list[list[float]]:
-    """[m, n, k, flops_per_s] for every (m, n, k) in dims³."""
+    """[m, n, k, flops_per_s] for every (m, n, k) in dims³: a GEMM as training runs it, a
+    projection y = x·Wᵀ forward and backward under autograd (dX = dY·W and dW = dYᵀ·x, the
+    cost model's backward of 2 GEMMs; fresh outputs and gradients each call), its 3 GEMMs'
+    FLOPs over the time. An isolated GEMM into a preallocated output ran ~1.5x faster on the
+    2-core development machine than the same shape inside autograd (fp32, one thread)."""
     curve = []
     for m in dims:
         for n in dims:
             for k in dims:
-                a = torch.randn(m, k, dtype=dtype, device=device)
-                b = torch.randn(k, n, dtype=dtype, device=device)
-                out = torch.empty(m, n, dtype=dtype, device=device)
-                guess = 2.0 * m * n * k / 2e10
-                s = _time_s(lambda: torch.mm(a, b, out=out), device,
-                            _calls(guess, 0.003 if quick else 0.02), 3)
-                curve.append([m, n, k, 2.0 * m * n * k / s])
+                x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
+                w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
+                dy = torch.randn(m, n, dtype=dtype, device=device)
+
+                def step():
+                    x.grad = w.grad = None
+                    torch.nn.functional.linear(x, w).backward(dy)
+                guess = 6.0 * m * n * k / 2e10
+                s = _time_s(step, device, _calls(guess, 0.003 if quick else 0.01), 3,
+                            compute_clock(device))
+                curve.append([m, n, k, 6.0 * m * n * k / s])
     return curve
+
+
+def measure_optimizer(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    """Seconds per parameter of torch.optim.AdamW's step (its defaults on this device) over
+    the parameters of one transformer block of width 1024 (4 weight matrices 1024 x 3072,
+    1024², 1024 x 4096, 4096 x 1024, their biases and two norms): what the runtime's
+    default optimizer costs per parameter a rank owns, tensor overheads included."""
+    h = 256 if quick else 1024
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
+              (h,), (h,), (h,), (h,)]
+    params = [torch.zeros(sh, dtype=dtype, device=device, requires_grad=True) for sh in shapes]
+    for prm in params:
+        prm.grad = torch.full_like(prm, 1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    s = _time_s(opt.step, device, 2 if quick else 5, 3, compute_clock(device))
+    return s / sum(prm.numel() for prm in params)
 
 
 def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
@@ -109,8 +152,10 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
                                requires_grad=True) for _ in range(3))
         grad = torch.randn(1, 4, length, 64, dtype=dtype, device=device)
         calls = 2 if quick else 5
-        fwd_s = _time_s(lambda: sdpa(q, k, v, is_causal=True), device, calls, 3)
-        both_s = _time_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad), device, calls, 3)
+        clock = compute_clock(device)
+        fwd_s = _time_s(lambda: sdpa(q, k, v, is_causal=True), device, calls, 3, clock)
+        both_s = _time_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad), device, calls,
+                         3, clock)
         flops = 4.0 * 4 * length * length * 64 * (length + 1) / (2 * length)
         curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
     return curve
@@ -121,10 +166,32 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     nbytes = (8 if quick else 64) << 20
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3)
+    clock = compute_clock(device)
+    copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
     x, y = torch.ones(8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
-    op_s = _time_s(lambda: torch.add(x, y), device, 200, 3)
-    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s}
+    op_s = _time_s(lambda: torch.add(x, y), device, 200, 3, clock)
+    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s,
+            "autograd_op_s": measure_autograd_op(dtype, device, clock)}
+
+
+def measure_autograd_op(dtype: torch.dtype, device: torch.device,
+                        clock: Callable[[], float], ops: int = 32) -> float:
+    """Seconds autograd's backward adds per forward op: a chain of `ops` tiny elementwise ops
+    on a tensor that requires grad, forward + backward, less the same forward (its graph
+    recorded), per op."""
+    x = torch.ones(8, dtype=dtype, device=device, requires_grad=True)
+
+    def forward():
+        y = x
+        for _ in range(ops // 2):
+            y = y * 1.5 + 1.0
+        return y
+
+    def both():
+        forward().sum().backward()
+    fwd_s = _time_s(forward, device, 20, 3, clock)
+    both_s = _time_s(both, device, 20, 3, clock)
+    return max(0.0, both_s - fwd_s) / ops
 
 
 # ---- collectives ----
@@ -221,6 +288,39 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
     return out
 
 
+def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    """The fraction of a collective that hides behind compute run meanwhile, every rank at
+    once: an all-reduce of 4 MiB over all ranks (async) and a GEMM loop (a projection's
+    forward + backward), timed alone and together; (alone_c + alone_m − together) /
+    min(alone_c, alone_m), clipped to [0, 1]. A GPU's collectives run beside its kernels (~1);
+    CPU ranks that fill every core leave none to move the data (~0)."""
+    buf = torch.ones((1 << 20) if not quick else (1 << 16), dtype=torch.float32, device=device)
+    x = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
+    w = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
+
+    def compute():
+        for _ in range(2 if quick else 8):
+            x.grad = w.grad = None
+            torch.nn.functional.linear(x, w).sum().backward()
+
+    def comm():
+        dist.all_reduce(buf)
+
+    def both():
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+    times = []
+    for fn in (compute, comm, both):
+        dist.barrier()
+        times.append(_time_s(fn, device, 2, 3 if quick else 5))
+    # the slowest rank's times (the step waits for it): every rank computes the same fraction
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    alone_c, alone_m, together = slowest.tolist()
+    return float(min(1.0, max(0.0, (alone_c + alone_m - together) / min(alone_c, alone_m))))
+
+
 def fit_link(rows: dict[str, list]) -> tuple[float, float]:
     """(latency_s, bandwidth_Bps) minimising the relative error of lat + factor · B / bw over
     every timing of every collective (numpy least squares, weights 1 / measured)."""
@@ -234,6 +334,22 @@ def fit_link(rows: dict[str, list]) -> tuple[float, float]:
         nbytes, n, seconds = max((r for t in rows.values() for r in t), key=lambda r: r[0])
         inv_bw = seconds / nbytes
     return max(float(lat), 0.0), 1.0 / float(inv_bw)
+
+
+def collective_curves(link: str, rows: dict[str, list], as_link: str | None = None
+                      ) -> list[CollectiveCurve]:
+    """Each collective's measured curve on `link` (labelled `as_link` when it stands in for
+    an unmeasured one), one per group size: every size's timings of every rank, their
+    median (ranks of one call finish together; the median drops one rank's disturbed batch)."""
+    out = []
+    for name, table in rows.items():
+        for n in sorted({int(r[1]) for r in table}):
+            sizes = sorted({float(r[0]) for r in table if int(r[1]) == n})
+            secs = [float(np.median([r[2] for r in table if int(r[1]) == n and r[0] == b]))
+                    for b in sizes]
+            out.append(CollectiveCurve(link=as_link or link, kind=name, ranks=n,
+                                       bytes=tuple(sizes), seconds=tuple(secs)))
+    return out
 
 
 def fit_gemm(curve: list[list[float]]) -> tuple[float, float]:
@@ -341,8 +457,10 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         [measure_attention(lens, dtype, device, quick) for _ in range(rounds)], 1)
     tick("attention")
     mine.update(measure_streaming(dtype, device, quick))
+    mine["optimizer_param_s"] = measure_optimizer(dtype, device, quick)
     tick("streaming")
     collectives = measure_collectives(groups, device, quick, tick)
+    mine["comm_overlap"] = measure_overlap(dtype, device, quick) if len(nodes) > 1 else 1.0
     per_node = max(nodes.count(n) for n in set(nodes))
     memory = _memory(device, per_node)
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -367,6 +485,9 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "attention_curve": _mean_curves([g[0]["attention_curve"] for g in gathered], 1),
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
         "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
+        "optimizer_param_s": float(np.median([g[0]["optimizer_param_s"] for g in gathered])),
+        "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
+        "comm_overlap": float(np.median([g[0]["comm_overlap"] for g in gathered])),
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else (os.cpu_count() or 1),
@@ -386,24 +507,36 @@ def cluster_from_record(record: dict[str, Any], name: str,
     fits = {link: fit_link(rows) for link, rows in record["collectives"].items()}
     sources = [f"all constants below {where}",
                f"peak_flops, gemm_max_efficiency, gemm_half_dim: fitted to the GEMM curve "
-               f"({len(record['matmul_curve'])} shapes)" + (
+               f"({len(record['matmul_curve'])} shapes, forward + backward under autograd)" + (
                    "; peak_flops the datasheet's, as given" if peak_flops else
                    "; peak_flops the fitted asymptote, e_max 1"),
                "flash efficiencies, flash_half_len: fitted to the attention curve (forward, "
                "backward against sequence length)",
                "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
-               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch)",
+               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch); "
+               "autograd_op_s: the backward a chain of tiny ops adds per op",
+               "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
+               "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
+               "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",
                record["memory_source"],
-               "elementwise: eager (autopar's runtime runs its chunks op by op)"]
+               "elementwise: eager (autopar's runtime runs its chunks op by op)",
+               "comm_overlap: the part of a 4 MiB all-reduce that hid behind a GEMM loop run "
+               "meanwhile, every rank at once",
+               f"tp_row_pieces {ROW_PIECES}: autopar's runtime issues a row-parallel GEMM's "
+               f"reduction in that many calls (its collective matmul, cost/overlap.py)"]
+    curves: list[CollectiveCurve] = []
     for link, other in (("intra", "inter"), ("inter", "intra")):
         if link in fits:
+            curves += collective_curves(link, record["collectives"][link])
             sources.append(f"{link}_node bandwidth, latency: fitted (least squares, relative "
-                           f"error) to {', '.join(COLLECTIVES)} timings")
+                           f"error) to {', '.join(COLLECTIVES)} timings; collective_curves "
+                           f"({link}): each collective's timings against size, as measured")
         else:
             fits[link] = fits[other]
-            sources.append(f"{link}_node bandwidth, latency: not measured (no two ranks on "
-                           f"that link); the {other}-node numbers")
+            curves += collective_curves(other, record["collectives"].get(other, {}), link)
+            sources.append(f"{link}_node bandwidth, latency, curves: not measured (no two "
+                           f"ranks on that link); the {other}-node numbers")
     single_cpu_node = record["nodes"] == 1 and record["device"] == "cpu"
     return Cluster(
         name=name, gpus_per_node=record["cores"] if single_cpu_node else record["ranks_per_node"],
@@ -413,8 +546,12 @@ def cluster_from_record(record: dict[str, Any], name: str,
         inter_node_bandwidth_Bps=fits["inter"][1], inter_node_latency_s=fits["inter"][0],
         gemm_max_efficiency=emax, gemm_half_dim=half,
         kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
+        optimizer_param_s=record.get("optimizer_param_s", 0.0),
+        autograd_op_s=record.get("autograd_op_s", 0.0),
+        comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
-        **flash, sources=tuple(sources))
+        collective_curves=tuple(curves), tp_row_pieces=ROW_PIECES, **flash,
+        sources=tuple(sources))
 
 
 def calibrate_ranks(*, out: str | os.PathLike | None = None, name: str = "local-cpu",

@@ -1,8 +1,12 @@
 """Communication in the cost model: the collectives on a link, and the pipeline's p2p.
 
-- Collectives (`allreduce_s`, `allgather_s`, `alltoall_s`, `p2p_s`): latency + bytes /
-  bandwidth of the link the group lives on (Megatron rank order, `group_spans_nodes`): ring
-  all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n. Nothing is overlapped with
+- Collectives (`allreduce_s`, `allgather_s`, `reducescatter_s`, `alltoall_s`, `p2p_s`):
+  latency + bytes / bandwidth of the link the group lives on (Megatron rank order,
+  `group_spans_nodes`): ring all-reduce 2(n-1)/n, all-gather and reduce-scatter (n-1)/n. A
+  cluster that `autopar calibrate` measured carries each collective's time against size
+  (`Cluster.collective_curves`); a call of a measured kind, link and group size is priced from
+  its curve (gloo's time is not affine in the size: it switches algorithms, and its all-reduce
+  of 64 KiB-1 MiB took ~5x the fitted latency on the 2-core development machine). Nothing is overlapped with
   compute except the data-parallel reduction (see DP_OVERLAP) — Megatron-LM ran TP
   collectives and p2p on the compute stream.
   autopar's runtime does hide the backward reduction of each column-parallel input gradient
@@ -49,20 +53,46 @@ def link(cluster: Cluster, inter: bool) -> tuple[float, float]:
     return cluster.intra_node_bandwidth_Bps, cluster.intra_node_latency_s
 
 
+def measured_s(cluster: Cluster, kind: str, nbytes: float, n: int, inter: bool) -> float | None:
+    """A `kind` collective of nbytes over n ranks on the link, from the cluster's measured
+    curve of that kind, link and group size; None when it has none (the formulas then)."""
+    if not cluster.collective_curves:
+        return None
+    where = "inter" if inter else "intra"
+    for curve in cluster.collective_curves:
+        if curve.kind == kind and curve.link == where and curve.ranks == n:
+            return curve.time_s(nbytes)
+    return None
+
+
 def allreduce_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
     """Ring all-reduce of nbytes over n ranks: 2(n-1)/n · bytes / bandwidth + latency."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    seen = measured_s(cluster, "all_reduce", nbytes, n, inter)
+    if seen is not None:
+        return seen
     bw, lat = link(cluster, inter)
     return lat + 2.0 * (n - 1) / n * nbytes / bw
 
 
-def allgather_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
-    """Ring all-gather (or reduce-scatter) whose full result is nbytes: (n-1)/n · bytes / bw."""
+def allgather_s(cluster: Cluster, nbytes: float, n: int, inter: bool,
+                kind: str = "all_gather") -> float:
+    """Ring all-gather (or reduce-scatter, `kind`) whose full result is nbytes: (n-1)/n ·
+    bytes / bw + latency."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    seen = measured_s(cluster, kind, nbytes, n, inter)
+    if seen is not None:
+        return seen
     bw, lat = link(cluster, inter)
     return lat + (n - 1) / n * nbytes / bw
+
+
+def reducescatter_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
+    """Ring reduce-scatter of nbytes (the whole input): the all-gather's formula, its own
+    measured curve."""
+    return allgather_s(cluster, nbytes, n, inter, "reduce_scatter")
 
 
 def alltoall_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
@@ -70,13 +100,20 @@ def alltoall_s(cluster: Cluster, nbytes: float, n: int, inter: bool) -> float:
     bandwidth + latency (every rank sends and receives at once, pairwise exchanges)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
+    seen = measured_s(cluster, "all_to_all", nbytes, n, inter)
+    if seen is not None:
+        return seen
     bw, lat = link(cluster, inter)
     return lat + (n - 1) / n * nbytes / bw
 
 
 def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
+    """One send of nbytes to one peer (its receive ends then): latency + bytes / bandwidth."""
     if nbytes <= 0:
         return 0.0
+    seen = measured_s(cluster, "send_recv", nbytes, 2, inter)
+    if seen is not None:
+        return seen
     bw, lat = link(cluster, inter)
     return lat + nbytes / bw
 
@@ -111,8 +148,8 @@ def pipeline_p2p_s(profile: ModelProfile, cluster: Cluster, cfg: Config, layer_s
     if not (cfg.sequence_parallel and t > 1):
         one += allgather_s(cluster, act, t, tp_inter)
     if cfg.microbatch_group is not None and cfg.microbatch_group > p:
-        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,
-                              layer_s * profile.num_layers / (p * v))
+        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,   # hides as comm overlaps
+                              cluster.comm_overlap * layer_s * profile.num_layers / (p * v))
     return 2 * v * one
 
 

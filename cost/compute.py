@@ -17,6 +17,7 @@ embedding and the head (`edge_times_s`), and the FLOPs a step counts (`flops_per
   keep the papers' convention: attention counted in full, whatever the kernel skips. Attention
   written out with matmuls in the model's code is materialized under either kind.
 - Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
+  An eager runtime also pays each op's dispatch, whatever its size (`dispatch_s`).
 - The optimizer step (Adam, memory bound: `optimizer_step_s`) over the parameters the rank
   owns (1/(c·d) of them under a sharded optimizer, its experts' 1/(c·d/ep)).
 - Tensor-parallel collectives of a block: its forward all-reduces (SP: all-gather +
@@ -28,7 +29,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from autopar.cost.comm import allgather_s, allreduce_s, inserted_collectives_s
+from autopar.cost.comm import (allgather_s, allreduce_s, inserted_collectives_s,
+                               reducescatter_s)
 from autopar.cost.config import ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
@@ -152,6 +154,18 @@ def elementwise_time_s(cluster: Cluster, nbytes: float) -> float:
     return nbytes / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
 
 
+def dispatch_s(cluster: Cluster, region: RegionProfile) -> tuple[float, float]:
+    """(forward, backward) seconds an eager runtime spends dispatching a region's ops one by
+    one per micro-batch, whatever their size: `RegionProfile.eager_ops` × the cluster's
+    measured kernel_launch_s forward and autograd_op_s backward (GEMMs and attention kernels
+    carry their own launch). 0 unless the cluster runs elementwise ops "eager" (the fused
+    stacks of the presets launch kernel chains whose dispatch hides behind the GPU)."""
+    if cluster.elementwise != "eager":
+        return 0.0, 0.0
+    return (region.eager_ops * cluster.kernel_launch_s,
+            region.eager_ops * cluster.autograd_op_s)
+
+
 def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
                   sp: bool, tp_inter: bool) -> tuple[float, float, float]:
     """(compute_s, tp_comm_s, forward_pass_s) of one block for one micro-batch: compute_s is
@@ -167,8 +181,9 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     fwd_gemm = sum(gemm)
     attn_gemm = sum(tm for tm, g in zip(gemm, blk.gemms) if g.batch_scales)
     fwd_other = elementwise_time_s(cluster, rank_other_bytes(blk, t, b, sp, fix))
-    fwd = fwd_gemm + k_fwd + fwd_other
-    bwd = 2 * fwd_gemm + k_bwd + BWD_ELEMENTWISE_FACTOR * fwd_other
+    d_fwd, d_bwd = dispatch_s(cluster, blk)
+    fwd = fwd_gemm + k_fwd + fwd_other + d_fwd
+    bwd = 2 * fwd_gemm + k_bwd + BWD_ELEMENTWISE_FACTOR * fwd_other + d_bwd
     if recompute == "full":
         rec = fwd
     elif recompute == "selective":  # the attention core again: GEMMs or the fused kernel
@@ -182,18 +197,24 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     ar_elems = blk.tp_allreduce_elems - fix.allreduce_elems_removed
     ar_bytes = b * ar_elems * e
     n_coll = max(1, round(ar_elems / (profile.seq_len * profile.hidden)))
+    # the forward's row-parallel reductions are issued in `tp_row_pieces` calls each (the
+    # runtime's collective matmul), each paying the link's latency
+    one_b, pieces = ar_bytes / n_coll, cluster.tp_row_pieces
     if sp:
-        one = 2 * n_coll * allgather_s(cluster, ar_bytes / n_coll, t, tp_inter)
+        gather = n_coll * allgather_s(cluster, one_b, t, tp_inter)
+        one = gather + n_coll * pieces * reducescatter_s(cluster, one_b / pieces, t, tp_inter)
+        back = gather + n_coll * reducescatter_s(cluster, one_b, t, tp_inter)
         # SP keeps only the sequence shard of each column-parallel input, so backward
         # all-gathers it again for the weight gradient (Megatron-LM 2205.05198 §4.2.2)
-        extra = n_coll * allgather_s(cluster, ar_bytes / n_coll, t, tp_inter)
+        extra = gather
     else:
-        one = n_coll * allreduce_s(cluster, ar_bytes / n_coll, t, tp_inter)
+        one = n_coll * pieces * allreduce_s(cluster, one_b / pieces, t, tp_inter)
+        back = n_coll * allreduce_s(cluster, one_b, t, tp_inter)
         extra = 0.0
     passes = 3 if recompute == "full" else 2
-    tp = passes * one + extra if ar_elems else 0.0
+    tp = (passes - 1) * one + back + extra if ar_elems else 0.0
     if cluster.tp_overlap and ar_elems:   # collective matmuls; dx reduction under dW
-        tp = _overlapped_tp_s(blk.gemms, gemm, one, one + extra, passes - 1)
+        tp = _overlapped_tp_s(blk.gemms, gemm, one, back + extra, passes - 1)
     x_fwd, x_bwd = inserted_collectives_s(cluster, fix, t, b, e, tp_inter)
     tp += (2 if recompute == "full" else 1) * x_fwd + x_bwd
     return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
@@ -216,12 +237,13 @@ def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bo
     vpad_ratio = vocab_pad_ratio(profile.vocab, t)
     emb, head = profile.embedding, profile.head
     efix, hfix = tp_fallback(profile, "embedding", t, sp), tp_fallback(profile, "head", t, sp)
-    emb_s = 3 * elementwise_time_s(cluster, rank_other_bytes(emb, t, b, sp, efix))
+    emb_s = 3 * elementwise_time_s(cluster, rank_other_bytes(emb, t, b, sp, efix)) + sum(
+        dispatch_s(cluster, emb))
     emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
-    emb_s += (allgather_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
+    emb_s += (reducescatter_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
     emb_s += sum(inserted_collectives_s(cluster, efix, t, b, e, tp_inter))
     k_fwd, k_bwd, fused = fused_times_s(cluster, fused_calls(profile, head), hfix, t, b)
-    head_s = k_fwd + k_bwd
+    head_s = k_fwd + k_bwd + sum(dispatch_s(cluster, head))
     for i, g in enumerate(head.gemms):
         if i in fused:
             continue
@@ -238,7 +260,8 @@ def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bo
     # column-parallel head: identity forward, all-reduce of the input gradient in backward
     # (SP: all-gather forward + reduce-scatter backward, the same bytes)
     in_bytes = b * (head.input_bytes - hfix.allreduce_elems_removed * e)
-    head_s += (2 * allgather_s(cluster, in_bytes, t, tp_inter) if sp
+    head_s += (allgather_s(cluster, in_bytes, t, tp_inter)
+               + reducescatter_s(cluster, in_bytes, t, tp_inter) if sp
                else allreduce_s(cluster, in_bytes, t, tp_inter))
     head_s += sum(inserted_collectives_s(cluster, hfix, t, b, e, tp_inter))
     return emb_s, head_s
@@ -286,12 +309,14 @@ def flops_per_seq(profile: ModelProfile, t: int, recompute: str) -> tuple[float,
 def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams) -> tuple[float, float,
                                                                                  float]:
     """(per layer, embedding on rank 0, head on rank p-1) seconds of the Adam step over the
-    parameters one rank of cfg owns (`shares.rank_params`), at elementwise HBM bandwidth."""
+    parameters one rank of cfg owns (`shares.rank_params`): the cluster's measured seconds per
+    parameter (`Cluster.optimizer_param_s`), else its bytes at elementwise HBM bandwidth."""
     d = cfg.replicas   # the weights' replicas: ZeRO shards over c·d
     sharded = ZERO_TRAITS[cfg.zero].sharded_optimizer
     own = 1.0 / d if sharded else 1.0
     own_e = cfg.ep / d if sharded else 1.0   # experts sharded over c·d/ep
-    adam = lambda params: params * own * ADAM_BYTES_PER_PARAM / (  # noqa: E731
+    per_param_s = cluster.optimizer_param_s or ADAM_BYTES_PER_PARAM / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
+    adam = lambda params: params * own * per_param_s  # noqa: E731
     return (adam(params.block) + adam(params.experts * own_e / own), adam(params.embedding),
             adam(params.head))

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.cost.comm import allgather_s, allreduce_s, group_spans_nodes, link
+from autopar.cost.comm import (allgather_s, allreduce_s, group_spans_nodes, link,
+                               reducescatter_s)
 from autopar.cost.config import SCHEDULE_TRAITS, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
@@ -65,7 +66,7 @@ class GradGroup:
 
     def reduce_s(self, params: float) -> float:
         """Reduction of `params` gradients."""
-        coll = allgather_s if self.sharded_optimizer else allreduce_s
+        coll = reducescatter_s if self.sharded_optimizer else allreduce_s
         return coll(self.cluster, GRAD_REDUCE_BYTES * params, self.size, self.inter)
 
 
@@ -114,7 +115,7 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
                 if zt.sharded_optimizer else grp.reduce_s)
     dp_first = edge(params.embedding) + tied_sync
     dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
-    return dp_layer, hidden, dp_first, dp_last
+    return dp_layer, hidden * cluster.comm_overlap, dp_first, dp_last   # what can hide does
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:

@@ -41,6 +41,44 @@ from autopar.cost.profile import ATTENTION_KINDS, ELEMENTWISE_KINDS
 
 GB = 1e9
 GIB = 1024 ** 3
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LINKS = ("intra", "inter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCurve:
+    """One collective's measured time against message size on one link and group size
+    (`autopar calibrate`): `seconds[i]` for a message of `bytes[i]` (the whole, as cost/comm.py
+    counts it), sizes ascending. cost/comm.py prices a call of that kind, link and group size
+    from the curve (linear between points, the smallest point's time below it, the last
+    segment's slope above it) instead of latency + bytes / bandwidth: a stack whose time is
+    not affine in the size (gloo switches algorithms by size) is priced as measured."""
+    link: str
+    kind: str
+    ranks: int
+    bytes: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.link not in LINKS or self.kind not in COLLECTIVE_KINDS:
+            raise ValueError(f"CollectiveCurve link={self.link!r}, kind={self.kind!r}: link must "
+                             f"be one of {LINKS} and kind one of {COLLECTIVE_KINDS}")
+        if (self.ranks < 2 or not self.bytes or len(self.bytes) != len(self.seconds)
+                or list(self.bytes) != sorted(set(self.bytes))
+                or min(self.seconds) <= 0 or min(self.bytes) <= 0):
+            raise ValueError(f"CollectiveCurve {self.link} {self.kind}: ranks={self.ranks}, "
+                             f"bytes={list(self.bytes)}, seconds={list(self.seconds)}: needs "
+                             f"ranks >= 2 and as many positive seconds as strictly ascending "
+                             f"positive sizes; write it with `autopar calibrate`")
+
+    def time_s(self, nbytes: float) -> float:
+        """Seconds for a message of nbytes (see the class doc)."""
+        xs, ys = self.bytes, self.seconds
+        if nbytes <= xs[0] or len(xs) == 1:
+            return ys[0] if nbytes <= xs[0] else ys[0] * nbytes / xs[0]
+        i = next((j for j in range(1, len(xs)) if nbytes <= xs[j]), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(ys[i - 1] + slope * (nbytes - xs[i - 1]), min(ys))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,14 +113,40 @@ class Cluster:
     # passes/overlap.py; Megatron-Core --tp-comm-overlap); priced by cost/overlap.py. False in
     # the presets: the runs they are calibrated on exposed TP communication
     tp_overlap: bool = False
+    # the calls a row-parallel GEMM's forward reduction is issued as: autopar's runtime's
+    # collective matmul (runtime.collectives.ROW_CHUNKS, cost/overlap.py ROW_PIECES) on a
+    # cluster `autopar calibrate` measured; 1 in the presets (the Megatron-LM runs they are
+    # calibrated on reduced each output once)
+    tp_row_pieces: int = 1
     # FP8 GEMMs (precision "fp8", passes/fp8.py): dense FP8 FLOP/s per GPU (datasheet; 0: the
     # GPU has no FP8 tensor cores) and their achieved / peak on large GEMMs (0: as the 16-bit
     # gemm_max_efficiency)
     fp8_flops: float = 0.0
     fp8_gemm_max_efficiency: float = 0.0
+    # measured collective times against size (`autopar calibrate`); empty: every collective
+    # latency + bytes / bandwidth of its link (the presets)
+    collective_curves: tuple[CollectiveCurve, ...] = ()
+    # the optimizer step's seconds per parameter a rank owns, as torch.optim.AdamW runs it
+    # (measured by `autopar calibrate`); 0: its bytes (cost/compute.py ADAM_BYTES_PER_PARAM)
+    # at HBM bandwidth (the presets: fused multi-tensor kernels, memory bound)
+    optimizer_param_s: float = 0.0
+    # an eager runtime's backward per forward op it dispatched (autograd's node, its kernels'
+    # dispatch), measured by `autopar calibrate`; with kernel_launch_s forward, priced per op
+    # of a region (`RegionProfile.eager_ops`) where elementwise is "eager"
+    autograd_op_s: float = 0.0
+    # the fraction of a collective that hides behind compute run meanwhile (measured by
+    # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
+    # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
+    comm_overlap: float = 1.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if not 0 <= self.comm_overlap <= 1:
+            raise ValueError(f"Cluster.comm_overlap={self.comm_overlap!r}: must be in [0, 1], "
+                             f"the fraction of a collective that hides behind compute")
+        if self.tp_row_pieces < 1:
+            raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
+                             f"the calls a row-parallel reduction is issued as (1: one)")
         for name in ("gpus_per_node", "peak_flops", "memory_bytes", "hbm_bandwidth_Bps",
                      "intra_node_bandwidth_Bps", "inter_node_bandwidth_Bps"):
             if getattr(self, name) <= 0:
@@ -353,14 +417,35 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(Cluster):
         value = getattr(cluster, f.name)
+        if f.name == "collective_curves":
+            value = [{"link": c.link, "kind": c.kind, "ranks": c.ranks, "bytes": list(c.bytes),
+                      "seconds": list(c.seconds)} for c in value]
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def _curves_value(value: Any, where: str) -> tuple[CollectiveCurve, ...]:
+    """The collective_curves field of a cluster file; one line naming the rule and the fix."""
+    keys = {"link", "kind", "ranks", "bytes", "seconds"}
+    if not isinstance(value, list) or not all(isinstance(c, dict) and set(c) == keys
+                                              for c in value):
+        raise ValueError(f"{where}: field 'collective_curves': must be a list of objects with "
+                         f"keys {sorted(keys)}; fix it in the file or rerun `autopar calibrate`")
+    try:
+        return tuple(CollectiveCurve(link=c["link"], kind=c["kind"], ranks=int(c["ranks"]),
+                                     bytes=tuple(float(x) for x in c["bytes"]),
+                                     seconds=tuple(float(x) for x in c["seconds"]))
+                     for c in value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: field 'collective_curves': {err}") from None
 
 
 def _field_value(f: Any, value: Any, where: str) -> Any:
     """`value` checked against field `f`'s declared type; one line naming field, rule, fix."""
     kind = str(f.type).replace(" ", "")
     bad = None
+    if f.name == "collective_curves":
+        return _curves_value(value, where)
     if kind.startswith("tuple"):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             bad = "a list of strings"

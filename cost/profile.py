@@ -197,6 +197,10 @@ class RegionProfile:
     tp_allreduce_elems: int = 0
     fused: FusedAttention | None = None
     eager: EagerOps | None = None
+    # aten ops the region's forward dispatches one by one, GEMMs and attention kernels aside
+    # (views included): what an eager runtime pays `Cluster.kernel_launch_s` for forward and
+    # `Cluster.autograd_op_s` backward each (cost/compute.py `dispatch_s`); 0: not counted
+    eager_ops: int = 0
     # context parallelism (cost/context.py): elements of K and V, full length and all kv
     # heads, one sequence's attention gathers from the other context ranks; 0 until the
     # profile is restated for c > 1

@@ -93,6 +93,7 @@ class _Region:
     eager_fused_act: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     eager_other: float = 0.0
     eager_other_split: float = 0.0
+    ops: int = 0       # forward aten ops dispatched one by one (not GEMMs, not attention)
     # a mixture of experts: the experts' 3-D weights (ids), the experts per layer, and the
     # elements one token dispatch moves per sequence (rows · hidden of each expert chain's input)
     expert_params: set = field(default_factory=set)
@@ -218,7 +219,7 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         input_bytes=input_bytes, other_bytes=round(r.other), other_split_bytes=round(r.other_split),
         tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager,
         expert_params_elems=sum(r.params[pid][0] for pid in r.expert_params if pid in r.params),
-        experts=r.experts, expert_dispatch_elems=r.dispatch)
+        experts=r.experts, expert_dispatch_elems=r.dispatch, eager_ops=r.ops)
 
 
 def param_identity(captured: Captured) -> dict[str, tuple[int, int]]:
@@ -459,6 +460,9 @@ def _other_bytes(g: GraphFacts, region: list, r: _Region) -> None:
     """
     fusion = g.fusion
     for n in region:
+        if (n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                and not is_gemm(n) and n.target not in SDPA_OPS):
+            r.ops += 1   # dispatched eagerly, views too (`RegionProfile.eager_ops`)
         if n.op != "call_function" or fusion.is_view(n) or is_gemm(n):
             continue
         outs = [t for t in _flat(node_val(n)) if isinstance(t, torch.Tensor)]

@@ -39,3 +39,10 @@ def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
     assert any(s.startswith("inter_node") and "fitted" in s for s in cluster.sources)
     assert any(s.startswith("intra_node") and "not measured" in s for s in cluster.sources)
     assert 1e7 < cluster.peak_flops < 1e14 and cluster.hbm_bandwidth_Bps > 1e7
+    # every collective's curve on the measured link (the unmeasured intra link takes them),
+    # and the constants measured beyond the presets'
+    kinds = {(c.link, c.kind) for c in cluster.collective_curves}
+    assert {(link, kind) for link in ("inter", "intra")
+            for kind in record["collectives"]["inter"]} == kinds
+    assert 0 <= cluster.comm_overlap <= 1 and cluster.tp_row_pieces == 4
+    assert cluster.optimizer_param_s > 0 and cluster.autograd_op_s > 0

@@ -37,3 +37,84 @@ def test_ranks_are_grouped_into_links_by_node():
                                                "inter": [[0, 3], [1, 4], [2, 5]]}
     assert link_groups([0, 1]) == {"intra": [], "inter": [[0, 1]]}    # one rank per node
     assert link_groups([0, 0]) == {"intra": [[0, 1]], "inter": []}    # one machine
+
+
+def _cpu(**changes):
+    from autopar.cost.hardware import Cluster
+    return Cluster(name="x", gpus_per_node=2, peak_flops=1e11, memory_bytes=1e10,
+                   hbm_bandwidth_Bps=1e10, intra_node_bandwidth_Bps=1e9,
+                   intra_node_latency_s=1e-4, inter_node_bandwidth_Bps=1e9,
+                   inter_node_latency_s=1e-4, gemm_max_efficiency=1.0, gemm_half_dim=16.0,
+                   **changes)
+
+
+def test_a_measured_curve_prices_its_collective_and_only_that_one():
+    from autopar.cost.comm import allgather_s, allreduce_s, p2p_s, reducescatter_s
+    from autopar.cost.hardware import CollectiveCurve
+    # an all-reduce whose time is not affine in the size (gloo switches algorithms)
+    curve = CollectiveCurve(link="intra", kind="all_reduce", ranks=2,
+                            bytes=(8.0, 4096.0, 65536.0, 1048576.0),
+                            seconds=(5e-4, 1.7e-3, 1.3e-3, 1.4e-3))
+    cl = _cpu(collective_curves=(curve,))
+    plain = _cpu()
+    assert allreduce_s(cl, 4.0, 2, False) == 5e-4                      # below: the floor
+    assert allreduce_s(cl, 4096.0, 2, False) == pytest.approx(1.7e-3)  # a point
+    mid = 65536.0 + (1048576.0 - 65536.0) / 2
+    assert allreduce_s(cl, mid, 2, False) == pytest.approx(1.35e-3)    # linear between
+    slope = 1e-4 / (1048576.0 - 65536.0)
+    assert allreduce_s(cl, 2 * 1048576.0, 2, False) == pytest.approx(1.4e-3 + slope * 1048576)
+    # another kind, link or group size: the link's latency + bytes / bandwidth
+    assert allgather_s(cl, 65536.0, 2, False) == allgather_s(plain, 65536.0, 2, False)
+    assert reducescatter_s(cl, 65536.0, 2, False) == allgather_s(plain, 65536.0, 2, False)
+    assert allreduce_s(cl, 65536.0, 2, True) == allreduce_s(plain, 65536.0, 2, True)
+    assert allreduce_s(cl, 65536.0, 4, False) == allreduce_s(plain, 65536.0, 4, False)
+    assert p2p_s(cl, 65536.0, False) == p2p_s(plain, 65536.0, False)
+
+
+def test_calibrate_keeps_every_collective_curve_and_a_file_round_trips_them(tmp_path):
+    from autopar.cost.calibrate import collective_curves
+    from autopar.cost.hardware import CollectiveCurve, read_cluster_file, save_cluster
+    rows = {"all_reduce": [[8, 2, 4e-4], [8, 2, 6e-4], [4096, 2, 1e-3], [4096, 2, 3e-3]],
+            "send_recv": [[8, 2, 1e-4], [4096, 2, 2e-4]]}
+    curves = collective_curves("intra", rows, "inter")
+    assert curves == [CollectiveCurve(link="inter", kind="all_reduce", ranks=2,
+                                      bytes=(8.0, 4096.0), seconds=(5e-4, 2e-3)),
+                      CollectiveCurve(link="inter", kind="send_recv", ranks=2,
+                                      bytes=(8.0, 4096.0), seconds=(1e-4, 2e-4))]
+    cl = _cpu(collective_curves=tuple(curves), tp_row_pieces=4, optimizer_param_s=1e-8)
+    assert read_cluster_file(save_cluster(cl, tmp_path / "c.json"))[0] == cl
+    with pytest.raises(ValueError, match="ascending"):
+        CollectiveCurve(link="intra", kind="all_reduce", ranks=2, bytes=(8.0, 4.0),
+                        seconds=(1e-4, 1e-4))
+    (tmp_path / "bad.json").write_text((tmp_path / "c.json").read_text().replace(
+        '"kind": "all_reduce"', '"kind": "allreduce"'))
+    with pytest.raises(ValueError, match="collective_curves.*kind one of"):
+        read_cluster_file(tmp_path / "bad.json")
+
+
+def test_an_eager_runtime_pays_each_op_and_a_full_core_hides_no_communication():
+    import dataclasses
+
+    from autopar.cost.compute import block_times_s
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    prof = transformer_profile(num_layers=4, hidden=128, heads=4, seq_len=128, vocab=512)
+    prof = dataclasses.replace(prof, block=dataclasses.replace(prof.block, eager_ops=20))
+    eager = _cpu(elementwise="eager", kernel_launch_s=5e-6, autograd_op_s=10e-6)
+    base = block_times_s(prof, dataclasses.replace(eager, autograd_op_s=0.0, kernel_launch_s=0.0),
+                         1, 1, "none", False, False)[0]
+    # every op once forward (its dispatch) and once backward (autograd's), per micro-batch,
+    # whatever the micro-batch size; a GEMM's own launch stays with the GEMM
+    got = block_times_s(prof, eager, 1, 1, "none", False, False)[0]
+    gemm_launches = 3 * len(prof.block.gemms) * 5e-6
+    assert got - base == pytest.approx(20 * 15e-6 + gemm_launches, rel=1e-6)
+    fused = dataclasses.replace(eager, elementwise="fused")
+    assert block_times_s(prof, fused, 1, 1, "none", False, False)[0] < got
+    # data parallelism: what the schedule hides of the gradient reduction (breadth-first: a
+    # chunk's under the next chunks' backward), scaled by the measured overlap
+    hides, none = (solve(prof, dataclasses.replace(_cpu(comm_overlap=x), peak_flops=1e9),
+                         gpus=2, global_batch_size=4, d=2,
+                         micro_batch_size=1, schedule="breadth-first", v=4,
+                         zero=0).predicted.dp_comm_s
+                   for x in (1.0, 0.0))
+    assert none > hides

@@ -53,6 +53,18 @@ def test_a_faster_than_predicted_cluster_raises_the_peak_past_an_efficiency_of_o
         2 * cpu.hbm_bandwidth_Bps * cpu.elementwise_efficiency)
 
 
+def test_the_refit_scales_what_calibrate_measured_with_the_rest():
+    from autopar.cost.comm import allreduce_s
+    from autopar.cost.hardware import CollectiveCurve
+    curve = CollectiveCurve(link="intra", kind="all_reduce", ranks=2, bytes=(8.0, 1e6),
+                            seconds=(1e-3, 2e-3))
+    cpu = dataclasses.replace(get_cluster("local-cpu"), collective_curves=(curve,),
+                              optimizer_param_s=1e-8)
+    refit = refit_cluster(cpu, 1.5, 3.0, "test")
+    assert refit.optimizer_param_s == pytest.approx(1.5e-8)
+    assert allreduce_s(refit, 5e5, 2, False) == pytest.approx(3 * allreduce_s(cpu, 5e5, 2, False))
+
+
 def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
