@@ -167,8 +167,10 @@ class ProcessWriter:
 
     def _ensure(self, groups: Any) -> None:
         multi = groups is not None and groups.world_size > 1
-        key = id(groups) if multi else None
-        if self._proc is not None and self._proc.is_alive() and self._key == key:
+        key = groups if multi else None   # the object itself: an id() of a freed groups
+        # can be reused on some ranks only, and then only those would skip the collective
+        # restart below (autopar.runtime.ckpt_store.checkpoint_group)
+        if self._proc is not None and self._proc.is_alive() and self._key is key:
             return
         self.close()
         rank, world = (groups.rank, groups.world_size) if multi else (0, 1)
