@@ -9,7 +9,8 @@ One spawn of 4 ranks per layout group; inside it each plan compiles, trains a st
   shard state (before: the ZeRO regimes all-gathered the whole state, d× it);
 - t = 2 × d = 2 (ZeRO-1) and p = 2 × d = 2 (ZeRO-3, the tied embedding on both stages): the
   same balance; p = 4 (ZeRO-0) with one block called at every depth (every stage holds a
-  copy): each stage writes a quarter of it and every stage reads its copy back;
+  copy): each stage writes a quarter of it and every stage reads its copy back; that save is
+  asynchronous, so its pieces lie in byte packs (a few DCP items a rank), read by range;
 then one rank under ZeRO-0 loads the ZeRO-3 checkpoint, and the p = 4 shared-block one:
 weights and Adam state equal the saved ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
 shards bit for bit); every load (straight into the shards) restores the rank's state bit for
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.runtime.checkpoint import close_writer
 from autopar.runtime.ckpt_load import last_load_stats
 from autopar.testing import spawn
 
@@ -67,14 +69,20 @@ def _save_rank(rank, world, plans, tmp):
         runner.save_checkpoint(path)   # the first save creates the checkpoint group (fixed cost)
         Path("/proc/self/clear_refs").write_text("5")      # reset the peak resident size
         before_kb = _rss_kb("VmRSS")
-        runner.save_checkpoint(path)
+        runner.save_checkpoint(path, async_save=wide == "shared_block")   # packs (below)
+        runner.wait_for_checkpoint()
         grew_kb = _rss_kb("VmHWM") - before_kb
         written = sum(f.stat().st_size for f in path.resolve().glob(f"__{rank}_*.distcp"))
         saved = (runner.full_state_dict(), runner.regime.optimizer_state()) \
             if (plan.zero == 3 and plan.d == 4) or wide == "shared_block" else None
+        layout = json.loads((path / "autopar_layout.json").read_text())
+        packed = all(isinstance(p[0], list) and p[1].startswith("pack/")
+                     for e in layout["tensors"].values() for p in e["pieces"])
         out.append(dict(plan=str(path.name), held=held, grew=grew_kb * 1024, written=written,
+                        packed=packed,
                         saved=saved if rank == 0 or wide == "shared_block" else None,
                         **_reload(runner, path)))
+    close_writer()                       # the shared-block save's writer process
     return out
 
 
@@ -135,6 +143,7 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
               (make_plan(p=4, m=4, b=1, layers=4), "shared_block")]
     results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
+    assert [r["packed"] for r in results[0]] == [False] * 5 + [True]   # the async save's packs
     for rank, rows in enumerate(results):
         for row in rows:
             assert row["restored"] and row["load_whole"] == 0, (rank, row["plan"])
