@@ -1,7 +1,8 @@
 """The bounded checkpoint reader (autopar.runtime.ckpt_load): an overlap cut into spans of at
 most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals the
 tensor saved, for every dtype and rank of tensor the checkpoints store; the writer's staged
-pieces are copied no more by DCP, and the checksums kept while writing equal the files'."""
+pieces are copied no more by DCP, and the checksums kept while writing equal the files'; an
+asynchronous save's packs read back piece by piece."""
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,18 @@ def _span(shape, box):
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     return sum((hi - 1 - lo) * s for (lo, hi), s in zip(box, strides)) + 1
+
+
+def _random_sub(rng, value):
+    """A random non-empty sub-box of `value` and its contents."""
+    sub = []
+    for n in value.shape:
+        lo = rng.randint(0, n - 1)
+        sub.append((lo, rng.randint(lo + 1, n)))
+    want = value
+    for dim, (lo, hi) in enumerate(sub):
+        want = want.narrow(dim, lo, hi - lo)
+    return sub, want
 
 
 def test_spans_cover_the_box_once_within_the_budget():
@@ -65,13 +78,7 @@ def test_ranged_reads_equal_dcp_whole_reads(tmp_path: Path):
             where = files.record(key, shape, value.dtype)
             assert where is not None, key                  # read in ranges, not whole
             for _ in range(10):
-                sub = []
-                for n in shape:
-                    lo = rng.randint(0, n - 1)
-                    sub.append((lo, rng.randint(lo + 1, n)))
-                want = value
-                for dim, (lo, hi) in enumerate(sub):
-                    want = want.narrow(dim, lo, hi - lo)
+                sub, want = _random_sub(rng, value)
                 before = files.read_bytes
                 got = files.read(where, shape, value.dtype, sub)
                 assert torch.equal(got, want), (key, sub)
@@ -101,13 +108,7 @@ def test_packed_pieces_read_in_ranges_and_whole(tmp_path: Path):
             assert loc is not None, key
             whole, nbytes = files.read_piece_whole(ref, shape, value.dtype)
             assert torch.equal(whole, value) and nbytes >= value.nbytes, key
-            sub = []
-            for n in shape:
-                lo = rng.randint(0, n - 1)
-                sub.append((lo, rng.randint(lo + 1, n)))
-            want = value
-            for dim, (lo, hi) in enumerate(sub):
-                want = want.narrow(dim, lo, hi - lo)
+            sub, want = _random_sub(rng, value)
             assert torch.equal(files.read(loc, shape, value.dtype, sub), want), (key, sub)
     finally:
         files.close()
