@@ -36,7 +36,7 @@ between them) — nothing is gathered; autopar.runtime.ckpt_pieces turns flat ra
 (fused q/k/v slices, padded rows and expert slices included) and bounds each piece to 1/16 of
 the rank's shard, the staging DCP's writer does one piece at a time. Synchronous, or
 asynchronous (async_save: a shared host copy, written by a background process of the rank:
-autopar.runtime.ckpt_writer).
+autopar.runtime.ckpt_writer, as a few byte packs of ≤ PACK_BYTES instead of an item per piece).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes, and each item's tensor description, with
