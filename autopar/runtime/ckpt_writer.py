@@ -222,7 +222,6 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
     except (AttributeError, OSError):    # not Linux, or not permitted: the same priority
         pass
     torch.set_num_threads(1)
-    _quiet_dcp_logger()
     if world > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
@@ -248,18 +247,6 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
             break
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _quiet_dcp_logger() -> None:
-    """DCP logs a start and an end record at DEBUG for each of its wrapped calls (~236 a
-    save; to a NullHandler, but each record is built): this process raises that logger to
-    WARNING, so they are dropped at the level check (its errors still pass)."""
-    import logging
-
-    from torch.distributed.checkpoint import logger as dcp_logger
-    target = getattr(dcp_logger, "_dcp_logger", None)
-    if isinstance(target, logging.Logger):
-        target.setLevel(logging.WARNING)
 
 
 WRITER = ProcessWriter()
