@@ -9,7 +9,8 @@ rows every tensor rank holds alike are read on every rank, padding rows are zero
 box reads the overlapping parts of the saved pieces (`plan_reads`) — from any plan: other t, c,
 p, d, v, ep and ZeRO level, and the tensor-split pieces of checkpoints written before sharded
 saves. A piece is a DCP item of its own, or (an asynchronous save's) a byte range of one of
-the rank's packs: a 1-D uint8 item, read in ranges the same way at the piece's offset. Nothing of the rank's unsharded local state is ever built.
+the rank's packs: a 1-D uint8 item, read in ranges the same way at the piece's offset.
+Nothing of the rank's unsharded local state is ever built.
 
 Bounded reads. DCP's FileSystemReader loads a stored piece whole (torch.load, then narrow),
 so a piece saved by a plan with fewer ranks (or an old checkpoint's whole tensor) would cost

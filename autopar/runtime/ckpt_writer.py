@@ -15,7 +15,8 @@ when the pieces are on a GPU is not done: the device-to-host copy goes to shared
 holding every piece at an aligned offset, reused from save to save (1× the rank's written
 bytes of host memory while the job runs). `ProcessWriter.start(fn, job, staged, groups)` sends
 `fn`, `job` and the buffer (one file descriptor, torch.multiprocessing's sharing) down a pipe;
-the process rebuilds the pieces as views of the buffer and calls `fn(job, pieces)` — for
+the process rebuilds the pieces (a checkpoint's: its packs, `Staged.packed`, a few byte
+items holding consecutive pieces) as views of the buffer and calls `fn(job, pieces)` — for
 checkpoints `autopar.runtime.checkpoint.write_version`, the same function a synchronous save
 runs on the rank itself — then answers ("ok", None) or ("error", text). `wait()` blocks for the
 answer and raises `CheckpointWriteError` with the writer's text; `busy` polls. At most one save
@@ -69,7 +70,6 @@ class Staged:
                    else torch.empty(0, dtype=torch.uint8))
             out[key] = raw.view(dt).view(shape)
         return out
-
 
     def packed(self, prefix: str, max_bytes: int) -> tuple["Staged", dict[str, tuple[str, int]]]:
         """The buffer as a few large byte items instead of one item per piece (DCP's per-item
