@@ -3,7 +3,9 @@
 Format. Every parameter (and every optimizer-state tensor, which follows its parameter's
 slicing) is stored as pieces of the *logically full* tensor, each written by one rank, each a
 box of the full tensor: in a program's checkpoint (below) under the DCP key
-f"{key}@[lo:hi,...]" with the layout piece [box, dcp_key]; in `save_checkpoint`'s (a tensor
+f"{key}@[lo:hi,...]" with the layout piece [box, dcp_key] — or, written asynchronously, inside
+one of the rank's few byte packs (DCP items f"pack/{rank}/{k}", layout piece [box, pack key,
+byte offset], the piece's bytes contiguous in the pack); in `save_checkpoint`'s (a tensor
 per rank) a tensor-split piece under f"{key}@{dim}:{start}-{stop}" (rows [start, stop) of split
 dim `dim`, vocabulary padding dropped; layout piece [start, stop, dcp_key]), a replicated tensor
 under `key`, written by data-parallel rank 0 (tensor rank 0 for tensor-replicated tensors, the
@@ -34,7 +36,7 @@ between them) — nothing is gathered; autopar.runtime.ckpt_pieces turns flat ra
 (fused q/k/v slices, padded rows and expert slices included) and bounds each piece to 1/16 of
 the rank's shard, the staging DCP's writer does one piece at a time. Synchronous, or
 asynchronous (async_save: a shared host copy, written by a background process of the rank:
-autopar.runtime.ckpt_writer).
+autopar.runtime.ckpt_writer, as a few byte packs of ≤ PACK_BYTES instead of an item per piece).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes, and each item's tensor description, with
@@ -42,6 +44,7 @@ torch.load(weights_only=True) (its data skipped, then read as raw bytes); our la
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -54,7 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from autopar.runtime.ckpt_load import dtype_of, load_into_shards, read_boxes, volume
+from autopar.runtime.ckpt_load import (dtype_of, load_into_shards, piece_box, read_boxes,
+                                       volume)
 from autopar.runtime.ckpt_pieces import sharded_entries
 from autopar.runtime.ckpt_store import (LAYOUT_FILE, ChecksumFileSystem, adopt_copy,
                                         checkpoint_group, choose_version, commit,
@@ -66,6 +70,8 @@ from autopar.runtime.shard import gather_unshard, local_shard
 
 PLAN_FILE = "plan.json"
 FORMAT = "autopar-checkpoint-1"
+PACK_BYTES = 256 << 20   # an asynchronous save's pack size (not fitted: few items a rank,
+#                          each well under a host's memory; a load reads byte ranges of it)
 
 Tensors = dict[str, tuple[torch.Tensor, ParamInfo]]
 OptimState = dict[str, dict[str, torch.Tensor]]
@@ -80,7 +86,7 @@ def _writes(info: ParamInfo, groups: Any) -> bool:
     # experts: the first expert group's ranks (c·d ranks dp_rank < ep) each write their slice
     first = groups.dp_rank < getattr(groups, "ep", 1) if info.expert else groups.dp_rank == 0
     return (first and (info.tensor_split or groups.tp_rank == 0)
-            and (info.shared_with is None or groups.pp_rank == 0))
+            and (info.shared_with is None or groups.pp_rank == info.first_holder))
 
 
 def _piece(name: str, local: torch.Tensor, info: ParamInfo) -> tuple[str, torch.Tensor, dict]:
@@ -149,7 +155,8 @@ def _merge_layout(all_records: list[list[dict]], step: int, plan_json: str,
                                  f"{entry['global_shape']} vs {r['global_shape']}, split_dim "
                                  f"{entry['split_dim']} vs {r['split_dim']}; their ParamInfos "
                                  f"must describe the same full tensor")
-            key = r["piece"][-1]
+            key = json.dumps(r["piece"][1:] if isinstance(r["piece"][0], list)
+                             else r["piece"][-1])
             if key not in seen.setdefault(r["name"], set()):
                 seen[r["name"]].add(key)
                 entry["pieces"].append(r["piece"])
@@ -161,13 +168,21 @@ def _check_coverage(layout: dict) -> None:
     """Every sharded tensor's boxes add up to the whole tensor (they are disjoint by
     construction: ckpt_pieces writes each element on one rank)."""
     for name, entry in layout["tensors"].items():
-        if not entry["pieces"] or len(entry["pieces"][0]) != 2:
+        if not entry["pieces"] or not all(isinstance(p[0], list) for p in entry["pieces"]):
             continue
-        have = sum(volume(box) for box, _ in entry["pieces"])
+        have = sum(volume(p[0]) for p in entry["pieces"])
         if have != volume([(0, n) for n in entry["global_shape"]]):
             raise ValueError(f"save_checkpoint: the ranks wrote {have} elements of {name!r} "
                              f"of shape {entry['global_shape']}; a rank's shard description "
                              f"is wrong (autopar.runtime.ckpt_pieces)")
+
+
+def _packed(record: dict, where: dict[str, tuple[str, int]]) -> dict:
+    """`record` with its piece moved into a pack: [box, pack key, byte offset]."""
+    piece = record["piece"]
+    pack, offset = where[piece[-1]]
+    box = piece_box(record["global_shape"], record["split_dim"], piece)
+    return {**record, "piece": [[list(b) for b in box], pack, offset]}
 
 
 def _shared_uid(groups: Any) -> str:
@@ -245,7 +260,9 @@ def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
                    plan_json=plan_json, user_state=user_state,
                    fault=os.environ.get("AUTOPAR_CKPT_FAULT", ""))
     if async_save:
-        WRITER.start(write_version, job, WRITER.stage(state_dict), groups)
+        staged, where = WRITER.stage(state_dict).packed(f"pack/{rank}", PACK_BYTES)
+        job = dataclasses.replace(job, records=[_packed(r, where) for r in records])
+        WRITER.start(write_version, job, staged, groups)
     else:
         with peer_guard("checkpoint save with", group):
             write_version(job, state_dict, group)

@@ -8,7 +8,9 @@ tensors exactly as a save maps it (`ckpt_pieces.flat_boxes`, `split_runs(reading
 rows every tensor rank holds alike are read on every rank, padding rows are zero), and every
 box reads the overlapping parts of the saved pieces (`plan_reads`) — from any plan: other t, c,
 p, d, v, ep and ZeRO level, and the tensor-split pieces of checkpoints written before sharded
-saves. Nothing of the rank's unsharded local state is ever built.
+saves. A piece is a DCP item of its own, or (an asynchronous save's) a byte range of one of
+the rank's packs: a 1-D uint8 item, read in ranges the same way at the piece's offset.
+Nothing of the rank's unsharded local state is ever built.
 
 Bounded reads. DCP's FileSystemReader loads a stored piece whole (torch.load, then narrow),
 so a piece saved by a plan with fewer ranks (or an old checkpoint's whole tensor) would cost
@@ -124,6 +126,7 @@ def safe_reader(path: Path) -> SafeReader:
     except pickle.UnpicklingError as exc:
         raise ValueError(f"load_checkpoint: {path}: {exc}") from exc
     reader.set_up_storage_reader(metadata, True)      # where each item is (storage_data)
+    reader.metadata = metadata                        # each item's size (a pack's)
     return reader
 
 
@@ -143,16 +146,26 @@ def _box(shape: list[int], dim: int | None, start: int | None, stop: int | None)
     return box
 
 
-def saved_pieces(entry: dict) -> list[tuple[Box, str]]:
-    """(box of the full tensor, DCP key) of each saved piece: [box, key] in sharded layouts,
-    [start, stop, key] (rows of split_dim) in those written before them."""
+Ref = tuple[str, "int | None"]     # a piece's DCP item, and its byte offset inside a pack
+
+
+def piece_box(shape: list[int], split_dim: int | None, piece: list) -> Box:
+    """The box of the full tensor a layout piece is: [box, key] and [box, pack key, byte
+    offset] name it, [start, stop, key] (rows of split_dim; a 0-d tensor: None, None) in
+    layouts written before sharded saves."""
+    if isinstance(piece[0], list):
+        return [tuple(b) for b in piece[0]]
+    return _box(shape, split_dim, piece[0], piece[1])
+
+
+def saved_pieces(entry: dict) -> list[tuple[Box, Ref]]:
+    """(box of the full tensor, (DCP key, byte offset in a pack or None)) of each saved
+    piece (piece_box's three forms)."""
     out = []
     for piece in entry["pieces"]:
-        if len(piece) == 2:
-            out.append(([tuple(b) for b in piece[0]], piece[1]))
-        else:
-            start, stop, dcp_key = piece
-            out.append((_box(entry["global_shape"], entry["split_dim"], start, stop), dcp_key))
+        packed = isinstance(piece[0], list) and len(piece) == 3
+        ref = (piece[1], int(piece[2])) if packed else (piece[-1], None)
+        out.append((piece_box(entry["global_shape"], entry["split_dim"], piece), ref))
     return out
 
 
@@ -163,13 +176,13 @@ def volume(box: Any) -> int:
     return vol
 
 
-def plan_reads(name: str, entry: dict, want: Box) -> list[tuple[str, Box, Box]]:
-    """The saved pieces overlapping the box `want`: (dcp_key, piece box, overlap box)."""
+def plan_reads(name: str, entry: dict, want: Box) -> list[tuple[Ref, Box, Box]]:
+    """The saved pieces overlapping the box `want`: (piece ref, piece box, overlap box)."""
     reads, covered = [], 0
-    for have, dcp_key in saved_pieces(entry):
+    for have, ref in saved_pieces(entry):
         inter = [(max(a, c), min(b, e)) for (a, b), (c, e) in zip(have, want)]
         if all(lo < hi for lo, hi in inter) or not inter:
-            reads.append((dcp_key, have, inter))
+            reads.append((ref, have, inter))
             covered += volume(inter)
     if covered != volume(want):
         raise ValueError(f"load_checkpoint: the saved pieces of {name!r} cover {covered} of the "
@@ -257,6 +270,32 @@ class PieceFile:
             self._where[key] = None if info.transform_descriptors else \
                 self._locate(info.relative_path, info.offset, info.length, shape, dtype)
         return self._where[key]
+
+    def packed(self, ref: Ref, shape: list[int], dtype: torch.dtype
+               ) -> tuple[str, int] | None:
+        """(file, byte offset) of a piece's contiguous data: inside its pack (a 1-D uint8
+        item) at the piece's byte offset, or a piece item's own (`record`)."""
+        key, offset = ref
+        if offset is None:
+            return self.record(key, shape, dtype)
+        size = self.reader.metadata.state_dict_metadata[key].size
+        where = self.record(key, list(size), torch.uint8)
+        return None if where is None else (where[0], where[1] + offset)
+
+    def read_piece_whole(self, ref: Ref, shape: list[int], dtype: torch.dtype
+                         ) -> tuple[torch.Tensor, int]:
+        """A piece whole through DCP (its pack whole, then the piece's bytes): (tensor, the
+        bytes allocated)."""
+        key, offset = ref
+        if offset is None:
+            piece = self.read_whole(key, shape, dtype)
+            return piece, piece.numel() * dtype.itemsize
+        size = list(self.reader.metadata.state_dict_metadata[key].size)
+        pack = self.read_whole(key, size, torch.uint8)
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        return pack[offset:offset + n].view(dtype).view(shape), pack.numel()
 
     def _file(self, name: str) -> BinaryIO:
         if name not in self._files:
@@ -416,23 +455,23 @@ def read_boxes(path: Path, layout: dict, boxes: list[tuple[str, torch.Tensor, Bo
     `path`, reading the overlapping parts of the saved pieces in spans of at most 1/8 of
     `held_bytes` (at least 64 KiB; module docstring); no collectives."""
     budget = max(_MIN_BUDGET_BYTES, held_bytes // 8)
-    by_key: dict[str, list[tuple[torch.Tensor, Box, Box, Box]]] = {}
+    by_key: dict[Ref, list[tuple[torch.Tensor, Box, Box, Box]]] = {}
     for lname, view, want in boxes:
-        for dcp_key, have, inter in plan_reads(lname, layout["tensors"][lname], want):
-            by_key.setdefault(dcp_key, []).append((view, want, have, inter))
+        for ref, have, inter in plan_reads(lname, layout["tensors"][lname], want):
+            by_key.setdefault(ref, []).append((view, want, have, inter))
     shapes = {k: ([hi - lo for lo, hi in box], dtype_of(entry["dtype"]))
               for entry in layout["tensors"].values() for box, k in saved_pieces(entry)}
     files = PieceFile(path, safe_reader(path)) if by_key else None
     peak = whole = 0
     try:
         with torch.no_grad():
-            for dcp_key, reads in by_key.items():
-                shape, dtype = shapes[dcp_key]
-                where = files.record(dcp_key, shape, dtype)
+            for ref, reads in by_key.items():
+                shape, dtype = shapes[ref]
+                where = files.packed(ref, shape, dtype)
                 piece = None
                 if where is None:
-                    piece = files.read_whole(dcp_key, shape, dtype)
-                    peak, whole = max(peak, 2 * piece.numel() * dtype.itemsize), whole + 1
+                    piece, nbytes = files.read_piece_whole(ref, shape, dtype)
+                    peak, whole = max(peak, 2 * nbytes), whole + 1
                 for view, want, have, inter in reads:
                     local = [(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, have)]
                     for sub in spans(shape, local, max(1, budget // dtype.itemsize)):

@@ -19,7 +19,8 @@ project's layout, so the saved pieces of one logical tensor may come from ZeRO r
 shape.
 
 Ranks holding the same values (tensor ranks of a tensor-replicated weight, the two pipeline
-stages of a tied embedding, the data-parallel replicas when the regime keeps the tensor whole)
+stages of a tied embedding, every stage of a block called at several depths, the data-parallel
+replicas when the regime keeps the tensor whole)
 split its flat index range into equal parts, one per replica (`replica_part`), so every rank
 writes about the same bytes and no element is written twice.
 """
@@ -135,8 +136,8 @@ def replica_part(info: ParamInfo, groups: Any, whole_over_data: bool) -> tuple[i
     count, index = 1, 0
     if not info.tensor_split and groups.t > 1:
         count, index = groups.t, groups.tp_rank
-    ranks = tuple(dict.fromkeys(getattr(groups, "embedding_ranks", ()) or ()))
-    if info.shared_with is not None and groups.rank in ranks and len(ranks) > 1:
+    ranks = _sharing_ranks(info, groups)
+    if groups.rank in ranks and len(ranks) > 1:
         count, index = count * len(ranks), index * len(ranks) + ranks.index(groups.rank)
     if whole_over_data:
         if info.expert and groups.expert_data_ranks:
@@ -145,6 +146,19 @@ def replica_part(info: ParamInfo, groups: Any, whole_over_data: bool) -> tuple[i
             n, r = groups.d, groups.dp_rank
         count, index = count * n, index * n + r
     return count, index
+
+
+def _sharing_ranks(info: ParamInfo, groups: Any) -> tuple[int, ...]:
+    """The pipeline stages' ranks holding copies of a shared weight (ParamInfo.shared_with):
+    the first and the last stage for a tied embedding ("embedding"), every stage for a block
+    called at every depth ("pipeline"), those stages for a block some stages only hold
+    ("stages:1,2", ProcessGroups.shared_ranks); () for a weight one stage holds."""
+    if info.shared_with is None:
+        return ()
+    if info.shared_with.startswith("stages:"):
+        return tuple(groups.shared_ranks(info.shared_with))
+    attr = "pipeline_ranks" if info.shared_with == "pipeline" else "embedding_ranks"
+    return tuple(dict.fromkeys(getattr(groups, attr, ()) or ()))
 
 
 def _part(numel: int, count: int, index: int) -> tuple[int, int]:

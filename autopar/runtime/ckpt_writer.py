@@ -15,7 +15,8 @@ when the pieces are on a GPU is not done: the device-to-host copy goes to shared
 holding every piece at an aligned offset, reused from save to save (1× the rank's written
 bytes of host memory while the job runs). `ProcessWriter.start(fn, job, staged, groups)` sends
 `fn`, `job` and the buffer (one file descriptor, torch.multiprocessing's sharing) down a pipe;
-the process rebuilds the pieces as views of the buffer and calls `fn(job, pieces)` — for
+the process rebuilds the pieces (a checkpoint's: its packs, `Staged.packed`, a few byte
+items holding consecutive pieces) as views of the buffer and calls `fn(job, pieces)` — for
 checkpoints `autopar.runtime.checkpoint.write_version`, the same function a synchronous save
 runs on the rank itself — then answers ("ok", None) or ("error", text). `wait()` blocks for the
 answer and raises `CheckpointWriteError` with the writer's text; `busy` polls. At most one save
@@ -69,6 +70,23 @@ class Staged:
                    else torch.empty(0, dtype=torch.uint8))
             out[key] = raw.view(dt).view(shape)
         return out
+
+    def packed(self, prefix: str, max_bytes: int) -> tuple["Staged", dict[str, tuple[str, int]]]:
+        """The buffer as a few large byte items instead of one item per piece (DCP's per-item
+        planning, pickling and metadata cost dominates a writer's CPU for hundreds of small
+        pieces): consecutive pieces grouped into packs of ≤ max_bytes (a larger piece alone),
+        each pack a uint8 item f"{prefix}/{k}". Returns (the packs as a Staged, {piece key:
+        (pack key, byte offset of the piece inside its pack)})."""
+        packs: list[list] = []                          # [key, first byte, end byte]
+        where: dict[str, tuple[str, int]] = {}
+        for key, dtype, shape, offset in self.index:
+            end = offset + _nbytes(shape, getattr(torch, dtype))
+            if not packs or end - packs[-1][1] > max_bytes:
+                packs.append([f"{prefix}/{len(packs)}", offset, end])
+            packs[-1][2] = max(packs[-1][2], end)
+            where[key] = (packs[-1][0], offset - packs[-1][1])
+        index = tuple((key, "uint8", (end - lo,), lo) for key, lo, end in packs)
+        return Staged(flat=self.flat, index=index), where
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -167,8 +185,10 @@ class ProcessWriter:
 
     def _ensure(self, groups: Any) -> None:
         multi = groups is not None and groups.world_size > 1
-        key = id(groups) if multi else None
-        if self._proc is not None and self._proc.is_alive() and self._key == key:
+        key = groups if multi else None   # the object itself: an id() of a freed groups
+        # can be reused on some ranks only, and then only those would skip the collective
+        # restart below (autopar.runtime.ckpt_store.checkpoint_group)
+        if self._proc is not None and self._proc.is_alive() and self._key is key:
             return
         self.close()
         rank, world = (groups.rank, groups.world_size) if multi else (0, 1)

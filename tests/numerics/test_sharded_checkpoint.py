@@ -8,9 +8,11 @@ One spawn of 4 ranks per layout group; inside it each plan compiles, trains a st
   first also creates the checkpoint's gloo group, a fixed few MB) grows by less than half its
   shard state (before: the ZeRO regimes all-gathered the whole state, d× it);
 - t = 2 × d = 2 (ZeRO-1) and p = 2 × d = 2 (ZeRO-3, the tied embedding on both stages): the
-  same balance;
-then one rank under ZeRO-0 loads the ZeRO-3 checkpoint: weights and Adam state equal the saved
-ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
+  same balance; p = 4 (ZeRO-0) with one block called at every depth (every stage holds a
+  copy): each stage writes a quarter of it and every stage reads its copy back; that save is
+  asynchronous, so its pieces lie in byte packs (a few DCP items a rank), read by range;
+then one rank under ZeRO-0 loads the ZeRO-3 checkpoint, and the p = 4 shared-block one:
+weights and Adam state equal the saved ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
 shards bit for bit); every load (straight into the shards) restores the rank's state bit for
 bit with its largest temporary ≤ 1/4 of the shard state, and at d = 4 its resident growth
 < 1/2 of it (the load it replaced built the unsharded local state: 2 – 4× it); and a
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.runtime.checkpoint import close_writer
 from autopar.runtime.ckpt_load import last_load_stats
 from autopar.testing import spawn
 
@@ -38,10 +41,18 @@ WIDE = dict(vocab=64, seq=SEQ, layers=2, heads=4, hidden=384)   # 3.6 M paramete
 
 
 def _program(plan, wide):
-    model = models.gpt(**WIDE) if wide else models.gpt(seq=SEQ)
+    """wide: True (the WIDE GPT), False (the tiny GPT), "shared_block" (one block called at
+    every depth: at p > 2 every stage holds a copy) or "shared_subset" (the same model cut so
+    that stage 0 holds the embedding alone: stages 1..p-1 hold the block)."""
+    model = (models.shared_block(seq=SEQ, layers=plan.num_layers) if _shared(wide)
+             else models.gpt(**WIDE) if wide else models.gpt(seq=SEQ))
     ex = torch.zeros(plan.micro_batch_size, SEQ, dtype=torch.long)
     return ParallelProgram(model=model, plan=plan, profile=None, example_inputs=(ex,),
                            loss_fn=loss_fn, example_targets=ex, cluster=None)
+
+
+def _shared(wide) -> bool:
+    return wide in ("shared_block", "shared_subset")
 
 
 def _rss_kb(field: str) -> int:
@@ -59,17 +70,25 @@ def _save_rank(rank, world, plans, tmp):
         train_steps(runner, plan, make_data(plan, 64)[:1])
         held = sum(t.numel() * t.element_size() for h in runner.regime.shard_state()
                    for t in h.tensors.values())
-        path = Path(tmp) / f"t{plan.t}p{plan.p}d{plan.d}z{plan.zero}"
+        tag = "s" if wide == "shared_subset" else ""
+        path = Path(tmp) / f"t{plan.t}p{plan.p}d{plan.d}z{plan.zero}{tag}"
         runner.save_checkpoint(path)   # the first save creates the checkpoint group (fixed cost)
         Path("/proc/self/clear_refs").write_text("5")      # reset the peak resident size
         before_kb = _rss_kb("VmRSS")
-        runner.save_checkpoint(path)
+        runner.save_checkpoint(path, async_save=_shared(wide))   # packs (below)
+        runner.wait_for_checkpoint()
         grew_kb = _rss_kb("VmHWM") - before_kb
         written = sum(f.stat().st_size for f in path.resolve().glob(f"__{rank}_*.distcp"))
         saved = (runner.full_state_dict(), runner.regime.optimizer_state()) \
-            if plan.zero == 3 and plan.d == 4 else None
+            if (plan.zero == 3 and plan.d == 4) or _shared(wide) else None
+        layout = json.loads((path / "autopar_layout.json").read_text())
+        packed = all(isinstance(p[0], list) and p[1].startswith("pack/")
+                     for e in layout["tensors"].values() for p in e["pieces"])
         out.append(dict(plan=str(path.name), held=held, grew=grew_kb * 1024, written=written,
-                        saved=saved if rank == 0 else None, **_reload(runner, path)))
+                        packed=packed,
+                        saved=saved if rank == 0 or _shared(wide) else None,
+                        **_reload(runner, path)))
+    close_writer()                       # the shared-block save's writer process
     return out
 
 
@@ -101,10 +120,17 @@ def _balanced(results):
         assert min(written) > 0 and max(written) <= 1.5 * mean, (results[0][k]["plan"], written)
 
 
-def _load_rank(rank, world, path):
+def _load_rank(rank, world, path, shared_paths):
     """ZeRO-0 on one rank loads `path`; then a checkpoint in the form written before sharded
     saves (the gathered save: tensor-split [start, stop, key] pieces) loads back into the
-    shards bit for bit. Returns (weights, optimizer state, the old form restored)."""
+    shards bit for bit. Returns (weights, optimizer state, the old form restored, and the
+    shared-block model's weights and optimizer state loaded from each of `shared_paths`)."""
+    shared = []
+    for shared_path in shared_paths:
+        one = _program(make_plan(layers=4), "shared_block").compile(optimizer=adamw,
+                                                                   timeout_s=60)
+        one.load_checkpoint(shared_path)
+        shared.append((one.full_state_dict(), one.regime.optimizer_state()))
     plan = make_plan(d=1)
     runner = _program(plan, True).compile(optimizer=adamw, timeout_s=60)
     runner.load_checkpoint(path)
@@ -113,16 +139,20 @@ def _load_rank(rank, world, path):
     runner.save_checkpoint(f"{path}-old-form")
     del runner.regime.shard_state
     layout = json.loads((Path(f"{path}-old-form") / "autopar_layout.json").read_text())
-    old_form = all(len(p) == 3 for e in layout["tensors"].values() for p in e["pieces"])
-    return out + (old_form and _reload(runner, f"{path}-old-form")["restored"],)
+    old_form = all(len(p) == 3 and not isinstance(p[0], list)
+                   for e in layout["tensors"].values() for p in e["pieces"])
+    return out + (old_form and _reload(runner, f"{path}-old-form")["restored"], shared)
 
 
 def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_rank(tmp_path):
     plans = [(with_zero(make_plan(d=4, m=1, b=1), z), True) for z in (1, 2, 3)]
     plans += [(with_zero(make_plan(t=2, d=2, m=1, b=1), 1), False),
-              (with_zero(make_plan(p=2, d=2, m=2, b=1), 3), False)]
+              (with_zero(make_plan(p=2, d=2, m=2, b=1), 3), False),
+              (make_plan(p=4, m=4, b=1, layers=4), "shared_block"),
+              (make_plan(p=4, m=4, b=1, layers=4, split=[0, 2, 1, 1]), "shared_subset")]
     results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
+    assert [r["packed"] for r in results[0]] == [False] * 5 + [True] * 2   # async saves pack
     for rank, rows in enumerate(results):
         for row in rows:
             assert row["restored"] and row["load_whole"] == 0, (rank, row["plan"])
@@ -132,10 +162,14 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
             assert row["load_grew"] < row["held"] / 2, (rank, row["plan"], row["load_grew"],
                                                         row["held"])
     weights, state = results[0][2]["saved"]
-    (got_weights, got_state, old_form_restored), = spawn(_load_rank, 1,
-                                                         str(tmp_path / "t1p1d4z3"),
-                                                         timeout_s=200)
+    (got_weights, got_state, old_form_restored, shared), = spawn(
+        _load_rank, 1, str(tmp_path / "t1p1d4z3"),
+        [str(tmp_path / "t1p4d1z0"), str(tmp_path / "t1p4d1z0s")], timeout_s=200)
     assert old_form_restored
+    _same_as_every_stage(shared[0], [rows[-2]["saved"] for rows in results])
+    # stage 0 holds the embedding alone: stages 1-3 hold the block ("stages:1,2,3"), the
+    # first of them writes what a lone copy would (checkpoint._writes: first_holder)
+    _same_as_every_stage(shared[1], [rows[-1]["saved"] for rows in results], holders=(1, 2, 3))
     assert list(got_weights) == list(weights)
     for key, value in weights.items():
         assert torch.equal(got_weights[key], value), key
@@ -143,6 +177,23 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
     for key, st in state.items():
         for name, value in st.items():
             assert torch.equal(got_state[key][name], value), (key, name)
+
+
+def _same_as_every_stage(loaded, saved, holders=(0, 1, 2, 3)):
+    """The one-rank load of the p = 4 shared-block checkpoint equals every stage's weights
+    and Adam state bit for bit (the block's on all four stages: each stage wrote a quarter
+    of it, each stage's own copy read all of it back)."""
+    weights, state = loaded
+    assert sorted(weights) == sorted(saved[0][0])
+    for key, value in weights.items():
+        assert torch.equal(saved[0][0][key], value), key
+    block = [k for k in state if k.startswith("block.")]
+    assert block and all(set(block) <= set(saved[s][1]) for s in holders), block
+    assert not any(set(block) & set(st) for s, (_, st) in enumerate(saved) if s not in holders)
+    for stage, (_, st) in enumerate(saved):
+        for key, names in st.items():
+            for name, value in names.items():
+                assert torch.equal(state[key][name], value), (stage, key, name)
 
 
 def _ep_rank(rank, world, plan, path, save):

@@ -1,7 +1,8 @@
 """The bounded checkpoint reader (autopar.runtime.ckpt_load): an overlap cut into spans of at
 most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals the
 tensor saved, for every dtype and rank of tensor the checkpoints store; the writer's staged
-pieces are copied no more by DCP, and the checksums kept while writing equal the files'."""
+pieces are copied no more by DCP, and the checksums kept while writing equal the files'; an
+asynchronous save's packs read back piece by piece."""
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,18 @@ def _span(shape, box):
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     return sum((hi - 1 - lo) * s for (lo, hi), s in zip(box, strides)) + 1
+
+
+def _random_sub(rng, value):
+    """A random non-empty sub-box of `value` and its contents."""
+    sub = []
+    for n in value.shape:
+        lo = rng.randint(0, n - 1)
+        sub.append((lo, rng.randint(lo + 1, n)))
+    want = value
+    for dim, (lo, hi) in enumerate(sub):
+        want = want.narrow(dim, lo, hi - lo)
+    return sub, want
 
 
 def test_spans_cover_the_box_once_within_the_budget():
@@ -65,16 +78,37 @@ def test_ranged_reads_equal_dcp_whole_reads(tmp_path: Path):
             where = files.record(key, shape, value.dtype)
             assert where is not None, key                  # read in ranges, not whole
             for _ in range(10):
-                sub = []
-                for n in shape:
-                    lo = rng.randint(0, n - 1)
-                    sub.append((lo, rng.randint(lo + 1, n)))
-                want = value
-                for dim, (lo, hi) in enumerate(sub):
-                    want = want.narrow(dim, lo, hi - lo)
+                sub, want = _random_sub(rng, value)
                 before = files.read_bytes
                 got = files.read(where, shape, value.dtype, sub)
                 assert torch.equal(got, want), (key, sub)
                 assert files.read_bytes - before == _span(shape, sub) * value.element_size()
+    finally:
+        files.close()
+
+
+def test_packed_pieces_read_in_ranges_and_whole(tmp_path: Path):
+    """An asynchronous save's packs (ckpt_writer.Staged.packed: consecutive pieces in a few
+    uint8 items): every piece reads back from its pack at its byte offset, in ranges and
+    whole through DCP, equal to the tensor staged."""
+    gen = torch.Generator().manual_seed(2)
+    items = {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 4, 6, generator=gen),
+             "c": torch.randn(11, generator=gen).to(torch.bfloat16), "d": torch.tensor(3.0),
+             "e": torch.randn(40, generator=gen)}
+    packs, where = ProcessWriter().stage(items).packed("pack/0", 200)
+    # pieces at 64-byte aligned offsets: a 140 | b 288 | c 22 + d 4 (68 bytes) | e 160
+    assert len(packs.index) == 4 and set(where) == set(items)
+    dcp.save(packs.pieces(), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    files = PieceFile(tmp_path, safe_reader(tmp_path))
+    rng = random.Random(3)
+    try:
+        for key, value in items.items():
+            shape, ref = list(value.shape), where[key]
+            loc = files.packed(ref, shape, value.dtype)
+            assert loc is not None, key
+            whole, nbytes = files.read_piece_whole(ref, shape, value.dtype)
+            assert torch.equal(whole, value) and nbytes >= value.nbytes, key
+            sub, want = _random_sub(rng, value)
+            assert torch.equal(files.read(loc, shape, value.dtype, sub), want), (key, sub)
     finally:
         files.close()
