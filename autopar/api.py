@@ -157,7 +157,7 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     around attention, DeepSpeed-Ulysses, autopar/runtime/ulysses.py: heads divisible by t·c)
     or "hybrid" (the all-to-all inside a node, the K/V all-gather across: Megatron-Core's
     a2a+p2p; its inner degree autopar/runtime/groups.py hybrid_inner_degree: weighed where a
-    context group spans nodes);
+    context group spans nodes) or "hybrid-ring" (the same with ring attention across, pin-only);
     None: the cheapest, as the cost model prices them (cost.model.context_comm_s), among those
     the context-parallel pass can build.
 
