@@ -213,10 +213,11 @@ def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config)
     attention saves for the backward on one rank (on the rank's profile; none under full
     recompute, which keeps only the layer's input): the all-gather the (c−1)/c of the whole
     sequence's K/V it gathered (split by t: cost/context.py charges it in the profile), ring,
-    all-to-all and hybrid-ring none (the ring's blocks are the rank's own K/V size), the hybrid the m − 1 outer ranks' share of the K/V its inner group
-    holds (heads/k heads of the whole sequence: `alltoall_exchange_elems` at its k, times
-    m − 1), 1/k of the all-gather's where kv heads are not repeated (cost/context.py
-    charges its least, 1/c of the whole sequence's at m = 2, and cost/memory.py the rest
+    all-to-all and hybrid-ring none (the ring's blocks are the rank's own K/V size), the
+    hybrid the m − 1 outer ranks' share of the K/V its inner group holds (heads/k heads of
+    the whole sequence: `alltoall_exchange_elems` at its k, times m − 1), 1/k of the
+    all-gather's where kv heads are not repeated (cost/context.py charges its least, 1/c of
+    the whole sequence's at m = 2, and cost/memory.py the rest
     (`hybrid_saved_excess_bytes`): its k needs the cluster, which the profile does not know)."""
     if cfg.c <= 1 or cfg.recompute == "full" or cfg.cp_attention in ("ring", "all-to-all",
                                                                       "hybrid-ring"):

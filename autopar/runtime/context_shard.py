@@ -86,8 +86,9 @@ def hybrid_node_ranks(plan: Any) -> int | None:
     """The context ranks one node holds when `plan` runs the hybrid context method (c > 1,
     cp_attention "hybrid" or "hybrid-ring"): the launcher's ranks per node (torchrun's
     LOCAL_WORLD_SIZE; the whole world when unset) over t, context ranks being strided by t;
-    None otherwise. The inner all-to-all's degree is chosen from it (groups.hybrid_inner_degree), as the cost
-    model chooses it from the cluster's GPUs per node."""
+    None otherwise. The inner all-to-all's degree is chosen from it
+    (groups.hybrid_inner_degree), as the cost model chooses it from the cluster's GPUs per
+    node."""
     if plan.c == 1 or plan.cp_attention not in ("hybrid", "hybrid-ring"):
         return None
     raw = os.environ.get("LOCAL_WORLD_SIZE", str(plan.gpus))
