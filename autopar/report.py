@@ -296,6 +296,9 @@ _CP_WHY = {   # what each method's exchange is, for the reason line
                   "sequence per rank): a volume that does not grow with c, exposed",
     "hybrid": "the all-to-alls run over the context ranks inside a node (fast link) and only "
               "the K/V of their heads/k heads is all-gathered across nodes",
+    "hybrid-ring": "the all-to-alls run over the context ranks inside a node (fast link) and "
+                   "the K/V of their heads/k heads travels round a ring across nodes, each "
+                   "hop hidden under a step's attention",
 }
 
 

@@ -29,9 +29,11 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # "hybrid": all-to-all inside a node, the K/V all-gather across (Megatron-Core's a2a+p2p; its
 # inner degree: autopar/runtime/groups.py hybrid_inner_degree): the methods the solver weighs
 # (the hybrid only where a context group spans nodes and it is not dominated:
-# cost/families.py _Exchanges). CP_ATTENTION_PINNED: the same tuple (what a pin may name).
+# cost/families.py _Exchanges). CP_ATTENTION_PINNED: what a pin may name, those and
+# "hybrid-ring" (the all-to-all inside a node, ring attention across: a2a+p2p as
+# TransformerEngine runs it; pin-only, not in the solver's free set).
 CP_ATTENTION = ("all-gather", "ring", "all-to-all", "hybrid")
-CP_ATTENTION_PINNED = CP_ATTENTION
+CP_ATTENTION_PINNED = CP_ATTENTION + ("hybrid-ring",)
 # the schedules that run several chunks per pipeline rank (v > 1); cost.model's
 # SCHEDULE_TRAITS[...].multi_chunk says the same (tests/unit/test_rules.py)
 MULTI_CHUNK = ("interleaved-1f1b", "interleaved-zb", "breadth-first")
@@ -112,13 +114,15 @@ def degrees_refusal(gpus: int, *, t: int | None, c: int | None, p: int | None,
 def cp_attention_refusal(cp_attention: str | None, c: int | None) -> str | None:
     """The hybrid context method splits the c context ranks into k inner × c/k outer with
     1 < k < c (autopar/runtime/groups.py hybrid_inner_degree), so c needs such a divisor."""
-    if cp_attention != "hybrid" or c is None or c == 1 or not isinstance(c, int):
+    if (cp_attention not in ("hybrid", "hybrid-ring") or c is None or c == 1
+            or not isinstance(c, int)):
         return None
     if any(c % k == 0 for k in range(2, c)):
         return None
-    return (f"cp_attention='hybrid' with c={c}: the hybrid splits the c context ranks into k "
-            f"inner (all-to-all) × c/k outer (all-gather) with 1 < k < c, and {c} has no such "
-            f"divisor; pin cp_attention='all-to-all' (or 'all-gather'), or a c such as 4")
+    return (f"cp_attention={cp_attention!r} with c={c}: the hybrid splits the c context ranks "
+            f"into k inner (all-to-all) × c/k outer (all-gather or ring) with 1 < k < c, and "
+            f"{c} has no such divisor; pin cp_attention='all-to-all' (or 'all-gather'), or a c "
+            f"such as 4")
 
 
 def context_split_refusal(seq_len: int, c: int | None) -> str | None:

@@ -24,7 +24,8 @@ the error it raises on CPU / gloo.
 --choices plans (on the meta device, nothing run) Llama 3 405B at 131,072 tokens on 16,384
 H100 and a multi-head (non-GQA) Llama-style 8B at 65,536 tokens on 64 H100 and at 131,072 on
 128 H100 (where a context group may span nodes: the hybrid's case), the method free (the
-all-gather pinned too for the 405B, for comparison), and prints the plan and explain()'s
+all-gather pinned too for the 405B, hybrid-ring pinned for the 8B at 131,072: pin-only),
+and prints the plan and explain()'s
 "Context attention" line (the method and why).
 """
 from __future__ import annotations
@@ -146,7 +147,9 @@ def _choices() -> None:
              ("the same, all-gather pinned", user.model, 131072, 16384, 128, gather),
              ("multi-head Llama-style 8B, 65,536 tokens, 64 H100", mha, 65536, 64, 8, {}),
              ("multi-head Llama-style 8B, 131,072 tokens, 128 H100", mha_long, 131072, 128, 8,
-              {}))
+              {}),
+             ("the same, hybrid-ring pinned (the ring across nodes)", mha_long, 131072, 128, 8,
+              {"cp_attention": "hybrid-ring"}))
     for title, model, seq, gpus, batch, pins in cases:
         ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
         t0 = time.perf_counter()

@@ -6,7 +6,8 @@ all-to-alls (`expert_comm_s`), per layer per micro-batch on one rank.
   module prices what crossing ranks costs): Llama 3's all-gather of K and V exposed, ring
   attention's hops exposed only past the attention step each overlaps (`ring_attention_s`),
   or DeepSpeed-Ulysses' all-to-alls of q, k, v and the output (`alltoall_attention_s`), or the
-  hybrid: those all-to-alls inside a node, the K/V all-gather across (`hybrid_attention_s`).
+  hybrid: those all-to-alls inside a node, the K/V all-gather across (`hybrid_attention_s`),
+  or ring attention across ("hybrid-ring": the ring's formula over the c/k outer ranks).
 - Expert parallelism (ep > 1, a mixture of experts): each of ep ranks of a gradient group
   holds E/ep of every layer's experts (their weights, gradients and Adam states / ep; ZeRO
   shards them over the c·d/ep ranks holding the same experts), and the expert gradients are
@@ -27,6 +28,8 @@ from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import alltoall_factor
 from autopar.cost.profile import ModelProfile
 from autopar.runtime.groups import hybrid_inner_degree
+
+HYBRIDS = ("hybrid", "hybrid-ring")   # the all-to-all inside a node, all-gather / ring across
 
 
 def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
@@ -54,8 +57,11 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     if cfg.cp_attention == "all-to-all":
         fwd, bwd = alltoall_attention_s(profile, cluster, cfg, cp_inter)
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
-    if cfg.cp_attention == "hybrid" and hybrid_degree(profile, cluster, cfg) > 1:
+    if cfg.cp_attention in HYBRIDS and hybrid_degree(profile, cluster, cfg) > 1:
         fwd, bwd = hybrid_attention_s(profile, cluster, cfg)
+        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+    if cfg.cp_attention == "hybrid-ring":   # no inner degree: the ring over the c ranks
+        fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
     one = allgather_s(cluster, kv_bytes, c, cp_inter)
     return one, (3 if cfg.recompute == "full" else 2) * one
@@ -68,7 +74,7 @@ def ring_exposed_s(hop_s: float, step_s: float, steps: int) -> float:
 
 
 def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_bytes: float,
-                     inter: bool) -> tuple[float, float]:
+                     inter: bool, steps: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds per layer per micro-batch that ring attention adds to the
     rank's attention (autopar/runtime/ring_attention.py), on the rank's profile; kv_bytes: the
     whole sequence's K and V on one tensor rank, so one context rank's block is kv_bytes / c.
@@ -83,8 +89,10 @@ def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_by
     kernel over kv_len / c keys (the fused kernel's efficiency falls for short keys:
     Cluster.flash_half_len), c launches where the all-gather's attention has one, and c − 1
     online-softmax merges (read the running output and the step's, write the merged one, fp32,
-    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward."""
-    c = cfg.c
+    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward.
+    steps: the ring's ranks when not c (the hybrid-ring's c/k outer ranks, each holding its
+    inner group's tokens of heads/k heads: the same bytes and attention as the rank's own)."""
+    c = cfg.c if steps is None else steps
     fwd_s, bwd_s = attention_core_s(profile, cluster, cfg)
     block = kv_bytes / c
     fwd = ring_exposed_s(p2p_s(cluster, block, inter), fwd_s / c, c - 1)
@@ -175,7 +183,11 @@ def hybrid_attention_s(profile: ModelProfile, cluster: Cluster,
     Across: the all-gather of that K/V over the m outer ranks (stride t·k: the inter-node link
     when they leave a node), exposed as Llama 3's is, the reduce-scatter of its gradient
     backward (the same bytes); and its reorder to global order (one read and one write of the
-    gathered K/V, forward; its gradient's, backward) at elementwise bandwidth."""
+    gathered K/V, forward; its gradient's, backward) at elementwise bandwidth.
+    "hybrid-ring" (a2a+p2p as TransformerEngine runs it): across, `ring_attention_s` with m
+    steps on the outer link instead, each hop one outer rank's K/V (its inner group's tokens of
+    heads/k heads, the rank's own K/V size), hidden under a step's attention where it can be;
+    the inner reorder (to the ring's order and back) is the all-to-all's, already charged."""
     t, c = cfg.t, cfg.c
     k = hybrid_degree(profile, cluster, cfg)
     m = c // k
@@ -188,6 +200,9 @@ def hybrid_attention_s(profile: ModelProfile, cluster: Cluster,
         moved += link(cluster, inner)[1]
     reorder = elementwise_time_s(cluster, 2 * b * (q + kv + out) * e)
     gathered = b * kv * m * e                    # heads/k heads of the whole sequence
+    if cfg.cp_attention == "hybrid-ring":
+        fwd, bwd = ring_attention_s(profile, cluster, cfg, gathered, outer, steps=m)
+        return moved + reorder + fwd, moved + reorder + bwd
     across = allgather_s(cluster, gathered, m, outer) + elementwise_time_s(cluster, 2 * gathered)
     one = moved + reorder + across
     return one, one
@@ -197,13 +212,15 @@ def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config)
     """Bytes per layer per micro-batch of the other context ranks' K/V that cfg's context
     attention saves for the backward on one rank (on the rank's profile; none under full
     recompute, which keeps only the layer's input): the all-gather the (c−1)/c of the whole
-    sequence's K/V it gathered (split by t: cost/context.py charges it in the profile), ring
-    and all-to-all none, the hybrid the m − 1 outer ranks' share of the K/V its inner group
-    holds (heads/k heads of the whole sequence: `alltoall_exchange_elems` at its k, times
-    m − 1), 1/k of the all-gather's where kv heads are not repeated (cost/context.py
-    charges its least, 1/c of the whole sequence's at m = 2, and cost/memory.py the rest
+    sequence's K/V it gathered (split by t: cost/context.py charges it in the profile), ring,
+    all-to-all and hybrid-ring none (the ring's blocks are the rank's own K/V size), the
+    hybrid the m − 1 outer ranks' share of the K/V its inner group holds (heads/k heads of
+    the whole sequence: `alltoall_exchange_elems` at its k, times m − 1), 1/k of the
+    all-gather's where kv heads are not repeated (cost/context.py charges its least, 1/c of
+    the whole sequence's at m = 2, and cost/memory.py the rest
     (`hybrid_saved_excess_bytes`): its k needs the cluster, which the profile does not know)."""
-    if cfg.c <= 1 or cfg.recompute == "full" or cfg.cp_attention in ("ring", "all-to-all"):
+    if cfg.c <= 1 or cfg.recompute == "full" or cfg.cp_attention in ("ring", "all-to-all",
+                                                                      "hybrid-ring"):
         return 0.0
     e, b = profile.activation_bytes_per_elem, cfg.micro_batch_size
     k = hybrid_degree(profile, cluster, cfg) if cfg.cp_attention == "hybrid" else 1

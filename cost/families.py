@@ -368,7 +368,7 @@ def cp_attention_rule(profile: ModelProfile, how: str, c: int, t: int = 1) -> st
         return why.replace("ring attention", f"{how} attention")
     if how == "all-to-all":
         return alltoall_heads_rule(profile.heads, profile.kv_heads, t, c)
-    if how == "hybrid":   # its inner degree k: autopar/runtime/groups.py hybrid_inner_degree
+    if how in ("hybrid", "hybrid-ring"):   # inner degree k: runtime/groups.py hybrid_inner_degree
         from autopar.runtime.groups import hybrid_heads_rule   # (this rule's lines only)
         return hybrid_heads_rule(profile.heads // t if profile.heads % t == 0 else 1, c)
     return None

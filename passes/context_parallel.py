@@ -64,7 +64,9 @@ exchanged when they divide by c (repeated up to the query heads otherwise).
 Under "hybrid" (Megatron-Core's a2a+p2p, the all-gather across) the same node becomes
 `context_hybrid_attention`: the all-to-all over k consecutive context ranks (inside a node;
 k from the heads and the node at run time: groups.hybrid_inner_degree), the K/V of the rank's
-heads/k heads all-gathered over the other c/k, the inverse all-to-all after.
+heads/k heads all-gathered over the other c/k, the inverse all-to-all after. Under
+"hybrid-ring" (a2a+p2p with the ring across, as TransformerEngine runs it) it becomes
+`context_hybrid_ring_attention`: the same all-to-all, ring attention over the c/k outer ranks.
 
 A token-mean loss becomes c · (the rank's summed loss) / (the tokens counted on all c context
 ranks, one all-reduced count per micro-batch: `context_loss_mean`); the runtime averages it,
@@ -95,7 +97,8 @@ from autopar.runtime.context_shard import (ContextShard, context_causal_attentio
                                            context_gather, context_loss_mean, context_select,
                                            context_sum)
 from autopar.runtime.ring_attention import context_ring_attention
-from autopar.runtime.ulysses import context_alltoall_attention, context_hybrid_attention
+from autopar.runtime.ulysses import (context_alltoall_attention, context_hybrid_attention,
+                                     context_hybrid_ring_attention)
 
 aten = torch.ops.aten
 CP_ATTR = "cp"   # the graph attribute the runtime binds to this rank's ContextShard
@@ -295,7 +298,7 @@ class _ContextRewrite:
     """The rewrite of one graph for one context rank, op by op, reading the engine's layouts
     (meta CP_SEQ_DIM / CP_SELECT) and making its nodes through the `_RankGraph`; `method`: how
     scaled-dot-product attention meets the other ranks' tokens (plan.cp_attention:
-    "all-gather", "ring", "all-to-all" or "hybrid")."""
+    "all-gather", "ring", "all-to-all", "hybrid" or "hybrid-ring")."""
 
     def __init__(self, rg: _RankGraph, method: str = "all-gather"):
         self.rg, self.g, self.method = rg, rg.g, method
@@ -476,7 +479,7 @@ class _ContextRewrite:
         extra = {key: a[key] for key in ("scale", "enable_gqa") if key in a}
         if self.method == "ring":
             return _ring_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra)
-        if self.method in ("all-to-all", "hybrid"):
+        if self.method in ("all-to-all", "hybrid", "hybrid-ring"):
             return _alltoall_attention(self.rg, n, (q, k, v), mask, causal, dropout, extra,
                                        (streams, seed, heads_split), self.method)
         if dropout and streams is None:
@@ -586,7 +589,8 @@ def _alltoall_attention(rg: _RankGraph, n: fx.Node, qkv: tuple, mask: Any, causa
     streams, seed, heads_split = rng
     if dropout and streams is None:
         streams = rg.streams_node()
-    n.target = context_hybrid_attention if method == "hybrid" else context_alltoall_attention
+    n.target = {"hybrid": context_hybrid_attention, "hybrid-ring": context_hybrid_ring_attention
+                }.get(method, context_alltoall_attention)
     n.args = (q, k, v, rg.cp_node(), mask, bool(causal), extra.get("scale"),
               bool(extra.get("enable_gqa", False)), group, float(dropout), streams, seed,
               heads_split)

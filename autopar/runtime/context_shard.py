@@ -31,8 +31,8 @@ call the functions below on the graph attribute `cp`, a `ContextShard` the runti
 
 Under plan.cp_attention == "ring" attention is autopar/runtime/ring_attention.py's
 `context_ring_attention` instead: no K/V gather, the blocks passed round the context group;
-under "all-to-all" and "hybrid" autopar/runtime/ulysses.py's (the hybrid's queries are its
-inner group's chunks: `causal_chunks` with their chunk list).
+under "all-to-all", "hybrid" and "hybrid-ring" autopar/runtime/ulysses.py's (the hybrid's
+queries are its inner group's chunks: `causal_chunks` with their chunk list).
 """
 from __future__ import annotations
 
@@ -84,11 +84,12 @@ class ContextShard:
 
 def hybrid_node_ranks(plan: Any) -> int | None:
     """The context ranks one node holds when `plan` runs the hybrid context method (c > 1,
-    cp_attention "hybrid"): the launcher's ranks per node (torchrun's LOCAL_WORLD_SIZE; the
-    whole world when unset) over t, context ranks being strided by t; None otherwise. The
-    inner all-to-all's degree is chosen from it (groups.hybrid_inner_degree), as the cost
-    model chooses it from the cluster's GPUs per node."""
-    if plan.c == 1 or plan.cp_attention != "hybrid":
+    cp_attention "hybrid" or "hybrid-ring"): the launcher's ranks per node (torchrun's
+    LOCAL_WORLD_SIZE; the whole world when unset) over t, context ranks being strided by t;
+    None otherwise. The inner all-to-all's degree is chosen from it
+    (groups.hybrid_inner_degree), as the cost model chooses it from the cluster's GPUs per
+    node."""
+    if plan.c == 1 or plan.cp_attention not in ("hybrid", "hybrid-ring"):
         return None
     raw = os.environ.get("LOCAL_WORLD_SIZE", str(plan.gpus))
     if not raw.isdigit() or int(raw) < 1:

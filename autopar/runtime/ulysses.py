@@ -27,6 +27,16 @@ TransformerEngine's cp_group [a2a group, p2p group], here with the all-gather ac
 all-to-all above over k consecutive context ranks only (inside a node), then the K/V
 all-gather of Llama 3's method over the c/k ranks at the same place in the other inner groups
 (across nodes), on heads/k heads; the inverse all-to-all after. k: groups.hybrid_inner_degree.
+
+`context_hybrid_ring_attention` (plan.cp_attention "hybrid-ring": Megatron-Core's a2a+p2p as
+TransformerEngine runs it, the p2p ring across): the same inner all-to-all, then ring
+attention (ring_attention.py) over the c/k outer ranks instead of the all-gather. After the
+inner exchange a rank holds its inner group's 2k chunks, which are the two super-chunks b and
+2m−1−b (b its inner group, m = c/k) of the sequence cut into 2m: put in that order they are
+exactly ring attention's balanced layout at c = m, so the ring runs unchanged on an outer
+`ContextShard` (m ranks, context rank b) and its blocks never hold more than the rank's own
+K/V size (nothing of the other nodes' K/V is saved for the backward). No attention dropout
+(the ring kernel draws none).
 """
 from __future__ import annotations
 
@@ -39,8 +49,9 @@ import torch.nn.functional as F
 
 from autopar.runtime import groups as G
 from autopar.runtime.collectives import all_gather_sp
-from autopar.runtime.context_shard import causal_chunks
+from autopar.runtime.context_shard import ContextShard, causal_chunks
 from autopar.runtime.dist import peer_guard
+from autopar.runtime.ring_attention import context_ring_attention
 from autopar.runtime.shard import as_default_stream
 
 
@@ -194,6 +205,36 @@ def context_hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if cp.group is None or cp.c == 1:   # no other rank (the stand-in shard, c = 1)
         return context_alltoall_attention(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa,
                                           kv_group, dropout_p, streams, seed, per_tensor_rank)
+    return _hybrid(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa, kv_group,
+                   (dropout_p, streams, seed, per_tensor_rank), ring=False)
+
+
+def context_hybrid_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any,
+                                  attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                                  scale: float | None = None, enable_gqa: bool = False,
+                                  kv_group: int = 1, dropout_p: float = 0.0, streams: Any = None,
+                                  seed: int = 0, per_tensor_rank: bool = False) -> torch.Tensor:
+    """The hybrid with the ring across (plan.cp_attention "hybrid-ring"; Megatron-Core's
+    a2a+p2p as TransformerEngine runs it): the inner all-to-all of `context_hybrid_attention`,
+    then ring attention over the c/k outer ranks on the rank's heads/k heads (module
+    docstring), the inverse all-to-all after. Same arguments; attention dropout is refused
+    (the ring draws none). Why this size: the sdpa arguments plus the context shard, the
+    repeat's group and the dropout stream's facts."""
+    if dropout_p:
+        raise ValueError(f"hybrid-ring attention with attention dropout {dropout_p}: the ring "
+                         f"kernel draws no dropout; use cp_attention='hybrid'")
+    if cp.group is None or cp.c == 1:   # no other rank (the stand-in shard, c = 1)
+        return context_alltoall_attention(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa,
+                                          kv_group)
+    return _hybrid(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa, kv_group,
+                   (0.0, None, 0, False), ring=True)
+
+
+def _hybrid(q, k, v, cp, attn_mask, is_causal, scale, enable_gqa, kv_group, rng, ring):
+    """The hybrid's body at c > 1: inner all-to-all, the outer all-gather (ring False) or
+    ring, the inverse all-to-all. rng: (dropout_p, streams, seed, per_tensor_rank).
+    Why this size: the sdpa arguments plus the context shard and the outer exchange's choice."""
+    dropout_p, streams, seed, per_tensor_rank = rng
     heads = q.shape[1]
     n = G.hybrid_inner_degree(cp.c, heads, cp.node_ranks)
     if q.dim() != 4 or (n > 1 and n not in (cp.subgroups or {})):
@@ -205,6 +246,10 @@ def context_hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     inner, outer = cp.subgroups[n] if n > 1 else (None, cp.group)
     block = cp.cp_rank // n                      # this rank's inner group, of c/n
     q, k, v = (heads_to_tokens(x, inner, n) for x in (q, k, v))
+    if ring:
+        out = _ring_across(q, k, v, cp, n, outer, _rank_mask(attn_mask, heads, cp.cp_rank % n, n),
+                           is_causal, scale, enable_gqa)
+        return tokens_to_heads(out, inner, n).transpose(1, 2).contiguous().transpose(1, 2)
     order = _index(cp.order, k)                  # the outer all-gather, in global order
     k, v = (all_gather_sp(x.contiguous(), outer, 2).index_select(2, order) for x in (k, v))
     attn_mask = _rank_mask(attn_mask, heads, cp.cp_rank % n, n)
@@ -224,3 +269,38 @@ def context_hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                                                  scale=scale, enable_gqa=gqa)
     out = tokens_to_heads(out, inner, n)
     return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _outer_shard(cp: Any, n: int, outer: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(the outer ring's ContextShard, ring order, rank-major order) of this rank's inner
+    group's tokens at inner degree n: the inner group b holds the super-chunks b and 2m−1−b of
+    the sequence cut into 2m (m = c/n), ring attention's layout at c = m; `ring order` picks
+    them from the rank-major concatenation the all-to-all left, `rank-major order` puts the
+    ring's output back. Cached on cp (shared by every layer)."""
+    cache = cp.__dict__.setdefault("_hybrid_ring", {})
+    if n not in cache:
+        block = cp.cp_rank // n
+        shard = ContextShard(group=outer, c=cp.c // n, cp_rank=block, seq_len=cp.seq_len)
+        held = cp.rank_positions[block * n:(block + 1) * n].reshape(-1)   # rank-major
+        where = torch.full((cp.seq_len,), -1, dtype=torch.long)
+        where[held] = torch.arange(held.numel())
+        pick = where[shard.positions]
+        if bool((pick < 0).any()):
+            raise RuntimeError(f"hybrid-ring: context rank {cp.cp_rank} of c={cp.c} at k={n} "
+                               f"holds tokens outside its outer block {block}: a layout bug")
+        cache[n] = (shard, pick, torch.argsort(pick))
+    return cache[n]
+
+
+def _ring_across(q, k, v, cp, n, outer, attn_mask, is_causal, scale, enable_gqa):
+    """Ring attention over the outer group of the inner group's tokens (B, H/n, n·L, E),
+    rank-major in and out; attn_mask: whole, its heads already the rank's."""
+    shard, pick, back = _outer_shard(cp, n, outer)
+    q, k, v = (x.index_select(2, _index(pick, x)) for x in (q, k, v))
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
+        attn_mask = attn_mask.index_select(-2, _index(shard.positions, attn_mask))
+    if attn_mask is not None and attn_mask.dim() == 3:   # (heads, T, T): the ring's tile
+        attn_mask = attn_mask.unsqueeze(0)               # kernel takes 2 or 4 dims
+    out = context_ring_attention(q, k, v, shard, attn_mask, bool(is_causal), scale,
+                                 enable_gqa or k.shape[1] != q.shape[1])
+    return out.index_select(2, _index(back, out))

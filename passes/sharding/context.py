@@ -82,7 +82,8 @@ def context_refusal(node: fx.Node, why: str, fix: str = _CONTEXT_FIX) -> ValueEr
 
 METHOD_FIX = ("plan cp_attention='all-gather' (parallelize's free choice offers only what "
               "the pass builds)")
-METHODS = ("ring", "all-to-all", "hybrid")   # the methods beyond the all-gather (rules.py)
+# the methods beyond the all-gather (rules.py)
+METHODS = ("ring", "all-to-all", "hybrid", "hybrid-ring")
 SUBMODULE_CALL = "a submodule call on the rank's tokens"
 NO_LAYOUT = "no sequence layout recorded for a value computed from the rank's tokens"
 
@@ -111,8 +112,8 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     1 < k < c of c (`hybrid_heads_rule`). None for the all-gather (no rule)."""
     if method not in METHODS:
         return None
-    if method == "ring" and dropout:
-        return (f"ring attention with attention dropout {dropout} (the ring kernel draws no "
+    if method in ("ring", "hybrid-ring") and dropout:
+        return (f"{method} attention with attention dropout {dropout} (the ring kernel draws no "
                 f"dropout)")
     if any(len(s) != 4 or d != 2 for s, d in operands):
         return f"{method} attention needs (batch, heads, tokens, head_dim) operands"
@@ -120,7 +121,8 @@ def method_refusal(method: str | None, operands: Sequence[tuple[tuple[int, ...],
     if method == "all-to-all" and heads % c:
         return (f"all-to-all attention with {heads} heads (per tensor rank) over c={c} context "
                 f"ranks: each rank takes heads/c of them, so c must divide {heads}")
-    if method == "hybrid" and c > 2:   # c = 2: parallelize's trial (the solver rules per c)
+    if method in ("hybrid", "hybrid-ring") and c > 2:   # c = 2: parallelize's trial (the
+        # solver rules per c)
         return hybrid_heads_rule(heads, c)
     return None
 

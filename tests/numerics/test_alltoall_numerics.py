@@ -56,13 +56,17 @@ def test_hybrid_c4_equals_one_device():
     c = 4 on 4 ranks as 2 nodes of 2 equals one device: GPT (is_causal) and the Llama-style
     model (grouped-query: its 2 kv heads exchanged, not repeated), the Llama-style model under
     full recompute (both exchanges run again in the recomputed forward) and GPT in bf16 against
-    one device in bf16 (clipped, so the check can fail), one spawn. (t = 2 with SP, or p = 2,
+    one device in bf16 (clipped, so the check can fail), and "hybrid-ring" (the ring over the
+    2 nodes instead of the all-gather: ulysses.context_hybrid_ring_attention) on GPT and the
+    Llama-style model, one spawn. (t = 2 with SP, or p = 2,
     needs 8 ranks at c = 4 = 2 × 2: not run here; the all-to-all covers them at c = 2.)"""
     from programs import adamw_decayed, check_case, compare_training, spawn_cases
     cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
              for name in ("gpt", "llama_style")}
     cases["llama_style full recompute"] = ("llama_style", a2a(
         make_plan(), c=4, cp_attention="hybrid", recompute="full"))
+    for name in ("gpt", "llama_style"):   # the ring across (hybrid-ring) in the same spawn
+        cases[f"{name} ring across"] = (name, a2a(make_plan(), c=4, cp_attention="hybrid-ring"))
     bf16 = a2a(make_plan(), c=4, cp_attention="hybrid")
     jobs = {k: (c, {}) for k, c in cases.items()}
     jobs["gpt bf16"] = (("gpt", bf16, adamw_decayed, 0.05, "bf16"), {})

@@ -70,13 +70,14 @@ def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
 # ----- all-to-all attention and the hybrid ----------------------------------------------------
 def _a2a_rank(rank, world, case):
     """Per method of case["methods"] ("all-to-all"; "hybrid": inner groups of 2 consecutive
-    ranks, all-gather over the outer groups), the rank's output and gradients made whole and
+    ranks, all-gather over the outer groups; "hybrid-ring": the ring over them), the rank's output and gradients made whole and
     the single device's."""
     import torch.distributed as dist
 
     from autopar.runtime import groups as G
     from autopar.runtime.context_shard import ContextShard, context_cut, context_gather
-    from autopar.runtime.ulysses import context_alltoall_attention, context_hybrid_attention
+    from autopar.runtime.ulysses import (context_alltoall_attention, context_hybrid_attention,
+                                         context_hybrid_ring_attention)
     torch.manual_seed(0)
     B, Hq, Hk, T, E = 2, 4, case["kv_heads"], 4 * world, 8
     q = torch.randn(B, Hq, T, E, dtype=torch.float64)
@@ -108,8 +109,9 @@ def _a2a_rank(rank, world, case):
                       subgroups=subgroups, node_ranks=2)
     out_all = []
     for method in case.get("methods", ("all-to-all",)):
-        attend = (context_hybrid_attention if method == "hybrid"
-                  else context_alltoall_attention)
+        attend = {"hybrid": context_hybrid_attention,
+                  "hybrid-ring": context_hybrid_ring_attention}.get(method,
+                                                                    context_alltoall_attention)
         mine = [context_cut(x, cp, 2).detach().clone().requires_grad_() for x in (q, k, v)]
         lq, lk, lv = mine
         if case["repeat"]:      # repeat_kv in the graph: every g-th head is exchanged
@@ -128,8 +130,10 @@ def _a2a_rank(rank, world, case):
     (2, {"kv_heads": 2, "mask": False, "repeat": True}),     # GQA via repeat_kv, causal
     (2, {"kv_heads": 4, "mask": True, "repeat": False}),     # MHA, per-head mask
     # c = 4 > kv heads: repeated; the hybrid (2 inner × 2 outer) in the same ranks
-    (4, {"kv_heads": 2, "mask": False, "repeat": False, "methods": ("all-to-all", "hybrid")}),
-    (4, {"kv_heads": 4, "mask": True, "repeat": True, "methods": ("hybrid",)}),
+    # and the hybrid with the ring across (hybrid-ring: the ring over the 2 outer ranks)
+    (4, {"kv_heads": 2, "mask": False, "repeat": False,
+         "methods": ("all-to-all", "hybrid", "hybrid-ring")}),
+    (4, {"kv_heads": 4, "mask": True, "repeat": True, "methods": ("hybrid", "hybrid-ring")}),
 ])
 def test_alltoall_equals_single_device_sdpa_forward_and_backward(world, case):
     """All-to-all and the hybrid (tests/unit/test_ulysses.py: its inner degree) equal SDPA."""

@@ -406,4 +406,7 @@ def test_the_feasibility_query_does_not_run_the_pass(monkeypatch):
     offer = api.context_offer(gm, SEQ, Pins())
     assert offer.methods == ("all-gather", "all-to-all", "hybrid")   # ring refused: dropout
     assert "attention dropout 0.1" in offer.refused["ring"]
+    with pytest.raises(ValueError, match=r"^parallelize: cp_attention='hybrid-ring': .*"
+                                         r"hybrid-ring attention with attention dropout 0\.1"):
+        api.context_offer(gm, SEQ, Pins(c=4, cp_attention="hybrid-ring"))   # pin-only, refused
     assert [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in gm.graph.nodes] == before

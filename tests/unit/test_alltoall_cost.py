@@ -7,12 +7,17 @@ across: Megatron-Core's a2a+p2p): its inner degree is the runtime's rule on the 
 node; it beats the all-gather and the all-to-all when the context group spans nodes and the
 heads allow it; it is the all-gather where no inner degree fits (priced the same, so never
 chosen over it); it saves 1/k of the all-gather's K/V; it is refused where no divisor of c
-divides the heads; the free solver picks it across nodes and explain() says why."""
+divides the heads; the free solver picks it across nodes and explain() says why. The hybrid
+with the ring across ("hybrid-ring", pin-only): the ring's formula with c/k steps on the outer
+link, no other ranks' K/V saved, the ring where no inner degree fits."""
 from __future__ import annotations
 
 import pytest
 
-from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
+from autopar.cost.comm import allgather_s
+from autopar.cost.compute import elementwise_time_s
+from autopar.cost.exchanges import (context_saved_kv_bytes, hybrid_attention_s, hybrid_degree,
+                                    ring_attention_s)
 from autopar.cost.families import cp_attention_rule
 from autopar.cost.hardware import get_cluster
 from autopar.cost.model import (Config, alltoall_exchange_elems, alltoall_heads_rule,
@@ -32,7 +37,7 @@ def _model(seq: int, kv_heads: int, heads: int = 32, layers: int = 4):
 def _comm_s(prof, **cfg) -> dict[str, float]:
     """Per layer per micro-batch forward + backward seconds of each method."""
     out = {}
-    for how in ("all-gather", "ring", "all-to-all", "hybrid"):
+    for how in ("all-gather", "ring", "all-to-all", "hybrid", "hybrid-ring"):
         c = Config(p=1, d=1, cp_attention=how, **cfg)
         out[how] = context_comm_s(rank_profile(prof, H100, c), H100, c)[1]
     return out
@@ -162,3 +167,46 @@ def test_hybrid_saves_one_kth_of_the_all_gathers_kv():
     ag8, hy8 = (predict(prof, H100, Config(t=8, c=2, p=1, d=1, cp_attention=how))
                 for how in ("all-gather", "hybrid"))
     assert hy8.memory.activations_bytes == ag8.memory.activations_bytes
+
+
+# ----- the hybrid with the ring across (pin-only) ---------------------------------------------
+def test_hybrid_ring_is_the_ring_over_the_outer_ranks():
+    """c = 16 over two 8-GPU nodes: the inner all-to-all of the hybrid, then ring attention
+    over the m = 2 outer ranks on the inter-node link (one hop of the rank's own K/V size,
+    heads/8 heads of its inner group's tokens) in place of the all-gather: across nodes it
+    beats the all-gather, the ring and the all-to-all; it saves none of the other ranks' K/V
+    (the all-to-all's activations); with no inner degree it is the ring over the c ranks."""
+    prof = _model(131072, kv_heads=32)
+    cost = _comm_s(prof, t=1, c=16)
+    assert cost["hybrid-ring"] < 0.8 * min(cost["all-gather"], cost["ring"], cost["all-to-all"])
+    cfg = Config(t=1, c=16, p=1, d=1, cp_attention="hybrid-ring")
+    rank = rank_profile(prof, H100, cfg)
+    hy = Config(t=1, c=16, p=1, d=1, cp_attention="hybrid")
+    k = hybrid_degree(rank, H100, cfg)
+    block = rank.block.cp_gather_elems * rank.activation_bytes_per_elem / 16   # own K/V
+    ring_f, ring_b = ring_attention_s(rank, H100, cfg, block * 2, True, steps=16 // k)
+    inner = context_comm_s(rank, H100, cfg)[0] - ring_f      # the all-to-alls and reorder
+    gather = allgather_s(H100, block * 2, 2, True) + elementwise_time_s(H100, 4 * block)
+    assert k == 8 and inner > 0 and ring_f != gather
+    assert hybrid_attention_s(rank, H100, hy)[0] == pytest.approx(inner + gather)  # same inside
+    assert context_comm_s(rank, H100, cfg)[1] == pytest.approx(2 * inner + ring_f + ring_b)
+    assert context_saved_kv_bytes(rank, H100, cfg) == 0.0
+    act = {how: predict(prof, H100, Config(t=1, c=16, p=1, d=1, cp_attention=how))
+           .memory.activations_bytes for how in ("all-to-all", "hybrid", "hybrid-ring")}
+    assert act["hybrid-ring"] == act["all-to-all"] < act["hybrid"]
+    none = _comm_s(_model(131072, kv_heads=8), t=8, c=16)    # one context rank a node
+    assert none["hybrid-ring"] == none["ring"]
+
+
+def test_hybrid_ring_is_pinned_not_weighed():
+    """Pin-only: the free solver's methods stay rules.CP_ATTENTION (the hybrid-ring is not
+    among them); pinned it plans, its heads rule is the hybrid's, explain() names it."""
+    from autopar.rules import CP_ATTENTION, CP_ATTENTION_PINNED
+    assert "hybrid-ring" in CP_ATTENTION_PINNED and "hybrid-ring" not in CP_ATTENTION
+    prof = _model(131072, kv_heads=32)
+    assert solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16).cp_attention == "hybrid"
+    plan = solve(prof, H100, gpus=16, global_batch_size=1, t=1, c=16, cp_attention="hybrid-ring")
+    assert plan.cp_attention == "hybrid-ring"
+    assert "Context attention hybrid-ring: " in plan.explain()
+    odd = _model(8192, kv_heads=8, heads=24, layers=2)
+    assert cp_attention_rule(odd, "hybrid-ring", 4, 8) == cp_attention_rule(odd, "hybrid", 4, 8)
