@@ -16,6 +16,7 @@ the search prunes with.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -244,11 +245,19 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     group = cfg.microbatch_group if cfg.schedule in GROUPED else None
 
     def peaks(m: int) -> list[float]:
-        order = compute_order(cfg.schedule, cfg.p, cfg.v, m, group=group)
+        order = _compute_order(cfg.schedule, cfg.p, cfg.v, m, group)
         return peak_held(order, weight, pending if deferred else None)
     period = cfg.p * (group or 1)
     return _extrapolated_peaks(peaks, cfg.num_microbatches, period,
                                EXTRAPOLATE_START + period)
+
+
+@functools.lru_cache(maxsize=32)
+def _compute_order(schedule: str, p: int, v: int, m: int, group: int | None) -> tuple:
+    """`compute_order`, memoised (read only): one solve predicts a plan's walk several times
+    (the tie-break, the memory fit, the plan) and its alternatives share their walks; a
+    split backward's order is a list-scheduling simulation."""
+    return tuple(tuple(acts) for acts in compute_order(schedule, p, v, m, group=group))
 
 
 def _extrapolated_peaks(peaks: Callable[[int], list[float]], m: int, period: int,

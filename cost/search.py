@@ -78,8 +78,7 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     layer, embed, head = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
-    V = max(v * SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            for _, schedule, v, _, _ in fam.rows)
+    V = fam.bubble_v   # the largest v·bubble_div of its rows
     return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
 
 
@@ -92,18 +91,26 @@ def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
     return memo.state_bytes[key]
 
 
-def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
+def _memory_family(profile, cluster, fam: Family, memo: CostMemo,
+                   least_states: dict) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
-    and optimizer states overflow (then so do every member's); else None."""
-    def state(member: tuple) -> float:   # _state_memo's, its Config built on a miss only
-        key = (fam.t, fam.c, fam.ep, fam.p, fam.d, member[3], fam.sp)
-        if key not in memo.state_bytes:
-            return _state_memo(profile, fam.config(*member), memo)
-        return memo.state_bytes[key]
-    least = min(fam.first_of_each_zero(), key=state)
-    if state(least) <= cluster.usable_memory_bytes:
+    and optimizer states overflow (then so do every member's); else None. `least_states`:
+    the search's memo of (which first member is least, its bytes) per the keys they read."""
+    firsts = fam.first_of_each_zero()
+    lkey = (fam.t, fam.c, fam.ep, fam.p, fam.d, fam.sp, tuple(z for *_, z in firsts))
+    found = least_states.get(lkey)
+    if found is None:
+        def state(k: int) -> float:   # _state_memo's, its Config built on a miss only
+            key = (fam.t, fam.c, fam.ep, fam.p, fam.d, firsts[k][3], fam.sp)
+            if key not in memo.state_bytes:
+                return _state_memo(profile, fam.config(*firsts[k]), memo)
+            return memo.state_bytes[key]
+        k = min(range(len(firsts)), key=state)
+        found = least_states[lkey] = (k, state(k))
+    k, least = found
+    if least <= cluster.usable_memory_bytes:
         return None
-    return _state_failure(cluster, fam.config(*least), 0.0, state(least))
+    return _state_failure(cluster, fam.config(*firsts[k]), 0.0, least)
 
 
 def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
@@ -152,7 +159,7 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
             if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable]
     if not fits or not set(fits) <= sharded:
         return 0.0
-    _, schedule, v, group, _ = max(fam.rows, key=lambda row: row[2])
+    _, schedule, v, group, _ = fam.widest   # the first row of the largest v
     tails = []
     for zero in fits:
         tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
@@ -230,11 +237,12 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     qmemo: dict = {}
     tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
     hmemo: dict = {}
+    least_states: dict = {}
     sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
-        failed = _memory_family(profile, cluster, fam, memo)
+        failed = _memory_family(profile, cluster, fam, memo, least_states)
         if failed is not None:
             stats.families_memory += 1
             failures.append(failed)
