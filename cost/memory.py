@@ -213,10 +213,15 @@ def least_activation_bytes(layer_bytes: float, schedule: str, p: int, v: int, m:
     """`activation_bytes_lower_bound` from a layer's activation bytes per micro-batch
     (`layer_activation_bytes` on the context rank's profile) and the schedule's knobs: what
     the search asks per configuration without building one."""
+    return layer_bytes * _least_inflight(schedule, p, v, m, group) / v * num_layers / p
+
+
+@functools.lru_cache(maxsize=4096)
+def _least_inflight(schedule: str, p: int, v: int, m: int, group: int | None) -> int:
+    # memoised: the search asks ~10^5 times for a few thousand (schedule, p, v, m, N)
     traits, g0 = SCHEDULE_TRAITS[schedule], first_group_size(p, m, group)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
-    least = min(traits.inflight(p, v, m, r, g0) for r in (0, p - 1))
-    return layer_bytes * least / v * num_layers / p
+    return min(traits.inflight(p, v, m, r, g0) for r in (0, p - 1))
 
 
 def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],

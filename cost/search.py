@@ -22,7 +22,7 @@ nothing left can win). Every bound is at most the full price's, so the chosen pl
 one pricing everything would give (tests/unit/test_search_work.py against cost/bruteforce.py);
 what the bounds change is what is never built or priced (counted in SolveStats).
 Members whose states, or states and least activations, overflow a GPU are never pushed
-(`_overflows`, from their keys); memory failures are kept as (bytes, maker) and built only
+(`search`'s build, from their keys); memory failures are kept as (bytes, maker) and built only
 for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
 the best, building families, until the `need` closest pruned combinations are known.
 Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
@@ -126,25 +126,6 @@ def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
             ctx, fam.t, fam.b, fam.recompute, fam.sp and fam.t > 1)
     return (least_activation_bytes(layer, schedule, fam.p, v, fam.m, group, profile.num_layers)
             + step_input_bytes(profile, fam.b, fam.m))
-
-
-def _overflows(profile, cluster, member: tuple,
-               memo: CostMemo) -> tuple[float, Callable[[], _Evaluated]] | None:
-    """(bytes, maker of its failure) when a member's states, or its states and least
-    activations, overflow a GPU at every split; else None. Checked before its bound is
-    computed (most members of a large solve fail here), from the member's keys: its Config
-    is built only if the explanation shows the failure (_Failures)."""
-    fam, _, _, _, zero = member
-    usable = cluster.usable_memory_bytes
-    state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
-    if state is None:
-        state = _state_memo(profile, _config(member), memo)
-    if state > usable:
-        return state, _StateFailure(cluster, member, 0.0, state)
-    need = state + _activation_bytes(profile, cluster, member, memo)
-    if need > usable:
-        return need, _ActivationFailure(cluster, member, 0.0, need)
-    return None
 
 
 def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
@@ -255,37 +236,54 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
 
     def build(fam: Family) -> None:
         stats.families_built += 1
-        divs = {}
-        for key, schedule, v, group, zero in fam.members():
-            stats.configs += 1
-            member = (fam, schedule, v, group, zero)
-            failed = _overflows(profile, cluster, member, memo)
-            if failed is not None:   # never pushed: its bound cannot matter
-                failures.lazy(*failed)
-                continue
-            # the quick bound depends on the loads only: shared by the ZeRO levels (each
-            # expert degree has its own: its all-to-alls and its most loaded expert rank are
-            # in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
-            # configurations the all-to-alls alone rule out)
-            if schedule not in divs:
-                divs[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b, fam.recompute,
-                    fam.sp, divs[schedule], group)
-            if qkey not in qmemo:
-                stats.quick_bounds += 1
-                twin = fam.config(schedule, v, group, zero)
-                qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
-                                    ) / v / 1e9
-            bound = qmemo[qkey]
-            if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
-                tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
-                if tkey not in tmemo:
-                    tmemo[tkey] = _least_tail_s(profile, cluster,
-                                                fam.config(schedule, v, group, zero), memo)
-                bound = (bound + tmemo[tkey]) * _SLACK
-            # (keys are unique: the member itself is never compared; its Config is built
-            # only if popped)
-            heapq.heappush(heap, (bound, 1, key, member))
+        ri, spi, hi = fam.sub
+        bdiv = {}
+        skey = (fam.t, fam.c, fam.ep, fam.p, fam.d)
+        for si, schedule, v, group, zeros in fam.rows:
+            act = bound0 = None   # a row's least activations and quick bound: every level's
+            for zi, zero in zeros:
+                stats.configs += 1
+                member = (fam, schedule, v, group, zero)
+                # members whose states, or states and least activations, overflow a GPU at
+                # every split are never pushed (most of a large solve's; their bound cannot
+                # matter), kept as (bytes, maker): Configs built only for those explained
+                state = memo.state_bytes.get(skey + (zero, fam.sp))
+                if state is None:
+                    state = _state_memo(profile, _config(member), memo)
+                if state > usable:
+                    failures.lazy(state, _StateFailure(cluster, member, 0.0, state))
+                    continue
+                if act is None:
+                    act = _activation_bytes(profile, cluster, member, memo)
+                if state + act > usable:
+                    failures.lazy(state + act,
+                                  _ActivationFailure(cluster, member, 0.0, state + act))
+                    continue
+                # the quick bound depends on the loads only: shared by the ZeRO levels (each
+                # expert degree has its own: its all-to-alls and its most loaded expert rank
+                # are in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
+                # configurations the all-to-alls alone rule out)
+                if bound0 is None:
+                    if schedule not in bdiv:
+                        bdiv[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+                    qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b,
+                            fam.recompute, fam.sp, bdiv[schedule], group)
+                    if qkey not in qmemo:
+                        stats.quick_bounds += 1
+                        twin = fam.config(schedule, v, group, zero)
+                        qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin,
+                                                                     memo)) / v / 1e9
+                    bound0 = qmemo[qkey]
+                bound = bound0
+                if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
+                    tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+                    if tkey not in tmemo:
+                        tmemo[tkey] = _least_tail_s(profile, cluster,
+                                                    fam.config(schedule, v, group, zero), memo)
+                    bound = (bound + tmemo[tkey]) * _SLACK
+                # (keys are unique: the member itself is never compared; its Config is built
+                # only if popped)
+                heapq.heappush(heap, (bound, 1, fam.key + (si, ri, spi, zi, hi), member))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -404,6 +402,6 @@ def _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need) -> 
         if kind == 0:
             build(families[item])
             continue
-        popped += 1   # (members that overflow memory were never pushed: `_overflows`)
+        popped += 1   # (members that overflow memory were never pushed)
         pruned.append(_Evaluated(cc=None, cfg=_config(item), lb_s=bound, note=(
             f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s")))
