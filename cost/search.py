@@ -152,47 +152,41 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
 
 
 class _Failures:
-    """The search's memory failures in the order found, each as (bytes, a maker of its
-    _Evaluated): ~10^5 per large solve, of which the explanation shows the few needing the
-    least memory (solver._alternatives) and the error the least, so only `least(k)` builds
-    them (their Configs included)."""
+    """The search's memory failures in the order found, each as (bytes, order, kind, member,
+    bound): ~10^5 per large solve, of which the explanation shows the few needing the least
+    memory (solver._alternatives) and the error the least, so only `least(k)` builds them
+    (their Configs included) by `kind` (_state_of / _activation_of; None: built already)."""
 
-    def __init__(self) -> None:
-        self.items: list[tuple[float, int, Callable[[], _Evaluated]]] = []
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.items: list[tuple] = []
 
     def append(self, e: _Evaluated) -> None:
-        self.items.append((e.mem_lb, len(self.items), lambda: e))
+        self.items.append((e.mem_lb, len(self.items), None, e, 0.0))
 
-    def lazy(self, need_bytes: float, make: Callable[[], _Evaluated]) -> None:
-        self.items.append((need_bytes, len(self.items), make))
+    def lazy(self, need_bytes: float, kind: Callable[..., _Evaluated], member: tuple,
+             bound: float = 0.0) -> None:
+        self.items.append((need_bytes, len(self.items), kind, member, bound))
 
     def least(self, k: int) -> list[_Evaluated]:
         """The k failures of least memory (ties: the first found), in the order found: a
         stable sort by memory of the result starts as the whole list's would."""
         kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
-        return [make() for _, _, make in kept]
+        return [e if kind is None else kind(self.cluster, e, bound, need)
+                for need, _, kind, e, bound in kept]
 
 
-class _StateFailure:
-    """Makes the _Evaluated of a member whose states alone overflow (`_state_failure`)."""
-
-    def __init__(self, cluster: Cluster, member: tuple, bound: float, state: float) -> None:
-        self.args = cluster, member, bound, state
-
-    def __call__(self) -> _Evaluated:
-        cluster, member, bound, state = self.args
-        return _state_failure(cluster, _config(member), bound, state)
+def _state_of(cluster: Cluster, member: tuple, bound: float, state: float) -> _Evaluated:
+    """The failure of a member whose states alone overflow (`_state_failure`)."""
+    return _state_failure(cluster, _config(member), bound, state)
 
 
-class _ActivationFailure(_StateFailure):
+def _activation_of(cluster: Cluster, member: tuple, bound: float, need: float) -> _Evaluated:
     """... whose states and least activations overflow."""
-
-    def __call__(self) -> _Evaluated:
-        cluster, member, bound, need = self.args
-        return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
-            f"memory: weights, optimizer states and the activations the schedule keeps "
-            f"need at least {need / GIB:.1f} GiB > "
-            f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
+    return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
+        f"memory: weights, optimizer states and the activations the schedule keeps "
+        f"need at least {need / GIB:.1f} GiB > "
+        f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
 
 
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
@@ -212,7 +206,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
     evaluated, pruned = [], []
-    failures = _Failures()
+    failures = _Failures(cluster)
     usable = cluster.usable_memory_bytes
     memo = CostMemo()
     qmemo: dict = {}
@@ -237,7 +231,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     def build(fam: Family) -> None:
         stats.families_built += 1
         ri, spi, hi = fam.sub
-        bdiv = {}
+        bdiv, states = {}, {}
         skey = (fam.t, fam.c, fam.ep, fam.p, fam.d)
         for si, schedule, v, group, zeros in fam.rows:
             act = bound0 = None   # a row's least activations and quick bound: every level's
@@ -247,17 +241,18 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 # members whose states, or states and least activations, overflow a GPU at
                 # every split are never pushed (most of a large solve's; their bound cannot
                 # matter), kept as (bytes, maker): Configs built only for those explained
-                state = memo.state_bytes.get(skey + (zero, fam.sp))
+                state = states.get(zero)
                 if state is None:
-                    state = _state_memo(profile, _config(member), memo)
+                    state = states[zero] = memo.state_bytes.get(skey + (zero, fam.sp))
+                    if state is None:
+                        state = states[zero] = _state_memo(profile, _config(member), memo)
                 if state > usable:
-                    failures.lazy(state, _StateFailure(cluster, member, 0.0, state))
+                    failures.lazy(state, _state_of, member)
                     continue
                 if act is None:
                     act = _activation_bytes(profile, cluster, member, memo)
                 if state + act > usable:
-                    failures.lazy(state + act,
-                                  _ActivationFailure(cluster, member, 0.0, state + act))
+                    failures.lazy(state + act, _activation_of, member)
                     continue
                 # the quick bound depends on the loads only: shared by the ZeRO levels (each
                 # expert degree has its own: its all-to-alls and its most loaded expert rank
@@ -298,7 +293,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 hmemo[hkey] = _least_held_bytes(profile, cluster, _config(item), memo)
             need_bytes = hmemo[hkey] + _activation_bytes(profile, cluster, item, memo)
             if need_bytes > usable:
-                failures.lazy(need_bytes, _ActivationFailure(cluster, item, bound, need_bytes))
+                failures.lazy(need_bytes, _activation_of, item, bound)
                 continue
         cfg = _config(item)
         if zero in sharded:
