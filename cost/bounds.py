@@ -14,8 +14,9 @@ from typing import Callable, Iterator
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.model import (Config, ConfigCosts, load_costs, rank_layers, rank_load_ns,
-                                rank_tail_ns, total_load_ns, total_tail_ns, v_step_ns)
+from autopar.cost.model import (SCHEDULE_TRAITS, Config, ConfigCosts, load_costs, rank_layers,
+                                rank_load_ns, rank_tail_ns, total_load_ns, total_tail_ns,
+                                v_step_ns)
 from autopar.cost.profile import ModelProfile
 
 GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
@@ -41,6 +42,12 @@ class Family:
     sp: bool
     how: str
     rows: tuple
+    # facts of `rows` (shared by the families of one (t, c, p, d, ep, b), computed once there
+    # by `row_facts`): the first member of each ZeRO level, the largest v·bubble_div at this
+    # recompute, the first row of the largest v (the search reads them for ~10^4 families)
+    firsts: tuple = ()
+    bubble_v: int = 1
+    widest: tuple = ()
 
     def configs(self) -> Iterator[tuple[tuple[int, ...], Config]]:
         """(enumeration order, configuration) of every member."""
@@ -64,16 +71,10 @@ class Family:
                       num_microbatches=self.m, schedule=schedule, recompute=self.recompute,
                       sequence_parallel=self.sp, zero=zero, microbatch_group=group)
 
-    def first_of_each_zero(self) -> list[tuple[str, int, int | None, int]]:
+    def first_of_each_zero(self) -> tuple[tuple[str, int, int | None, int], ...]:
         """(schedule, v, N, zero) of the first member (in `configs` order) of each ZeRO level
         the family offers, in that order (`config` builds one)."""
-        out, seen = [], set()
-        for _, schedule, v, group, zeros in self.rows:
-            for _, zero in zeros:
-                if zero not in seen:
-                    seen.add(zero)
-                    out.append((schedule, v, group, zero))
-        return out
+        return self.firsts or first_of_each_zero(self.rows)
 
     def _member(self, si: int, schedule: str, v: int, group: int | None, zi: int,
                 zero: int) -> tuple[tuple[int, ...], Config]:
@@ -81,7 +82,35 @@ class Family:
         return self.key + (si, ri, spi, zi, hi), self.config(schedule, v, group, zero)
 
     def zeros(self) -> set[int]:
-        return {z for *_, zeros in self.rows for _, z in zeros}
+        return {z for *_, z in self.first_of_each_zero()}
+
+
+def first_of_each_zero(rows: tuple) -> tuple[tuple[str, int, int | None, int], ...]:
+    """(schedule, v, N, zero) of the first member of `rows` (Family.rows) of each ZeRO level,
+    in that order."""
+    out, seen, last = [], set(), None
+    for _, schedule, v, group, zeros in rows:
+        if zeros is last:   # consecutive rows of a schedule share their levels' tuple
+            continue
+        last = zeros
+        for _, zero in zeros:
+            if zero not in seen:
+                seen.add(zero)
+                out.append((schedule, v, group, zero))
+    return tuple(out)
+
+
+def row_facts(rows: tuple) -> Callable[[str], dict]:
+    """recompute -> Family's facts of `rows` at it (firsts, bubble_v, widest), as keywords;
+    one pass over the rows serves every recompute."""
+    firsts = first_of_each_zero(rows)
+    widest = max(rows, key=lambda row: row[2])
+    vmax: dict[str, int] = {}
+    for _, schedule, v, _, _ in rows:
+        if v > vmax.get(schedule, 0):
+            vmax[schedule] = v
+    return lambda recompute: dict(firsts=firsts, widest=widest, bubble_v=max(
+        v * SCHEDULE_TRAITS[schedule].bubble_div(recompute) for schedule, v in vmax.items()))
 
 
 @dataclass

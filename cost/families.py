@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from autopar.cost.bounds import Family
+from autopar.cost.bounds import Family, row_facts
 from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.memo import CostMemo
@@ -280,12 +280,14 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
     per_replica = global_batch // d
     recs = [(ri, r) for ri, r in enumerate(RECOMPUTE) if pins.allows("recompute", r)]
     hows = list(enumerate(_cp_attentions(profile, c, pins, t)))
+    sps = None         # the same for every row (computed where the first row needs it)
+    zero_rows: dict[str, tuple] = {}   # schedule -> (_zero_levels, the rejections it added)
     for bi, b in enumerate(_divisors(per_replica)):
         if not pins.allows("micro_batch_size", b) or (
                 b > MAX_MICRO_BATCH and pins.micro_batch_size is None):
             continue
         m = per_replica // b
-        rows, sps = [], []
+        rows = []
         for si, (schedule, v, group) in enumerate(_schedules(p, m, l, pins, rejected,
                                                              (t, p, d, b))):
             if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
@@ -295,17 +297,27 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                     f"halves would need the sharded weights gathered again"))
             if not recs:
                 continue
-            sps = [(i, sp) for i, sp in enumerate(
-                       _sequence_parallel_modes(profile, t, p, d, pins, rejected, c))
-                   if t == 1 or pins.allows("sequence_parallel", sp)]
+            if sps is None:
+                sps = [(i, sp) for i, sp in enumerate(
+                           _sequence_parallel_modes(profile, t, p, d, pins, rejected, c))
+                       if t == 1 or pins.allows("sequence_parallel", sp)]
             if not sps:
                 continue
-            zeros = _zero_levels(schedule, t, p, d, pins, rejected)
+            if schedule not in zero_rows:
+                n = len(rejected)
+                zeros = _zero_levels(schedule, t, p, d, pins, rejected)
+                zero_rows[schedule] = zeros, tuple(rejected[n:])
+            else:   # the same levels and rejections as the first call's (one per row)
+                zeros, again = zero_rows[schedule]
+                rejected.extend(again)
             if zeros:
                 rows.append((si, schedule, v, group, zeros))
         if not rows:
             continue
+        rows = tuple(rows)
+        facts_at = row_facts(rows)
         for ri, recompute in recs:
+            facts = facts_at(recompute)
             for spi, sp in sps:
                 # the methods no other one dominates at these knobs (_Exchanges), each keyed
                 # by its place among all of them so the search order is the flat one's
@@ -316,7 +328,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                         continue
                     yield Family(key=prefix + (bi,), sub=(ri, spi, hi), t=t, c=c, p=p, d=d,
                                  ep=ep, b=b, m=m, recompute=recompute, sp=sp, how=how,
-                                 rows=tuple(rows))
+                                 rows=rows, **facts)
 
 
 def _zero_levels(schedule, t, p, d, pins, rejected) -> tuple[tuple[int, int], ...]:

@@ -16,6 +16,7 @@ the search prunes with.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
@@ -219,10 +220,15 @@ def least_activation_bytes(layer_bytes: float, schedule: str, p: int, v: int, m:
     """`activation_bytes_lower_bound` from a layer's activation bytes per micro-batch
     (`layer_activation_bytes` on the context rank's profile) and the schedule's knobs: what
     the search asks per configuration without building one."""
+    return layer_bytes * _least_inflight(schedule, p, v, m, group) / v * num_layers / p
+
+
+@functools.lru_cache(maxsize=4096)
+def _least_inflight(schedule: str, p: int, v: int, m: int, group: int | None) -> int:
+    # memoised: the search asks ~10^5 times for a few thousand (schedule, p, v, m, N)
     traits, g0 = SCHEDULE_TRAITS[schedule], first_group_size(p, m, group)
     # every schedule's in-flight count is non-increasing in r (rank 0 warms up longest)
-    least = min(traits.inflight(p, v, m, r, g0) for r in (0, p - 1))
-    return layer_bytes * least / v * num_layers / p
+    return min(traits.inflight(p, v, m, r, g0) for r in (0, p - 1))
 
 
 def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],
@@ -251,11 +257,19 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     group = cfg.microbatch_group if cfg.schedule in GROUPED else None
 
     def peaks(m: int) -> list[float]:
-        order = compute_order(cfg.schedule, cfg.p, cfg.v, m, group=group)
+        order = _compute_order(cfg.schedule, cfg.p, cfg.v, m, group)
         return peak_held(order, weight, pending if deferred else None)
     period = cfg.p * (group or 1)
     return _extrapolated_peaks(peaks, cfg.num_microbatches, period,
                                EXTRAPOLATE_START + period)
+
+
+@functools.lru_cache(maxsize=32)
+def _compute_order(schedule: str, p: int, v: int, m: int, group: int | None) -> tuple:
+    """`compute_order`, memoised (read only): one solve predicts a plan's walk several times
+    (the tie-break, the memory fit, the plan) and its alternatives share their walks; a
+    split backward's order is a list-scheduling simulation."""
+    return tuple(tuple(acts) for acts in compute_order(schedule, p, v, m, group=group))
 
 
 def _extrapolated_peaks(peaks: Callable[[int], list[float]], m: int, period: int,

@@ -22,7 +22,7 @@ nothing left can win). Every bound is at most the full price's, so the chosen pl
 one pricing everything would give (tests/unit/test_search_work.py against cost/bruteforce.py);
 what the bounds change is what is never built or priced (counted in SolveStats).
 Members whose states, or states and least activations, overflow a GPU are never pushed
-(`_overflows`, from their keys); memory failures are kept as (bytes, maker) and built only
+(`search`'s build, from their keys); memory failures are kept as (bytes, maker) and built only
 for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
 the best, building families, until the `need` closest pruned combinations are known.
 Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
@@ -78,8 +78,7 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     layer, embed, head = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
-    V = max(v * SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            for _, schedule, v, _, _ in fam.rows)
+    V = fam.bubble_v   # the largest v·bubble_div of its rows
     return ((fam.m - 1 / V) * most + total / V) / 1e9 * _SLACK
 
 
@@ -92,18 +91,26 @@ def _state_memo(profile: ModelProfile, cfg: Config, memo: CostMemo) -> float:
     return memo.state_bytes[key]
 
 
-def _memory_family(profile, cluster, fam: Family, memo: CostMemo) -> _Evaluated | None:
+def _memory_family(profile, cluster, fam: Family, memo: CostMemo,
+                   least_states: dict) -> _Evaluated | None:
     """The family's least-memory member as a memory failure, if even its weights, gradients
-    and optimizer states overflow (then so do every member's); else None."""
-    def state(member: tuple) -> float:   # _state_memo's, its Config built on a miss only
-        key = (fam.t, fam.c, fam.ep, fam.p, fam.d, member[3], fam.sp)
-        if key not in memo.state_bytes:
-            return _state_memo(profile, fam.config(*member), memo)
-        return memo.state_bytes[key]
-    least = min(fam.first_of_each_zero(), key=state)
-    if state(least) <= cluster.usable_memory_bytes:
+    and optimizer states overflow (then so do every member's); else None. `least_states`:
+    the search's memo of (which first member is least, its bytes) per the keys they read."""
+    firsts = fam.first_of_each_zero()
+    lkey = (fam.t, fam.c, fam.ep, fam.p, fam.d, fam.sp, tuple(z for *_, z in firsts))
+    found = least_states.get(lkey)
+    if found is None:
+        def state(k: int) -> float:   # _state_memo's, its Config built on a miss only
+            key = (fam.t, fam.c, fam.ep, fam.p, fam.d, firsts[k][3], fam.sp)
+            if key not in memo.state_bytes:
+                return _state_memo(profile, fam.config(*firsts[k]), memo)
+            return memo.state_bytes[key]
+        k = min(range(len(firsts)), key=state)
+        found = least_states[lkey] = (k, state(k))
+    k, least = found
+    if least <= cluster.usable_memory_bytes:
         return None
-    return _state_failure(cluster, fam.config(*least), 0.0, state(least))
+    return _state_failure(cluster, fam.config(*firsts[k]), 0.0, least)
 
 
 def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
@@ -121,25 +128,6 @@ def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
             + step_input_bytes(profile, fam.b, fam.m))
 
 
-def _overflows(profile, cluster, member: tuple,
-               memo: CostMemo) -> tuple[float, Callable[[], _Evaluated]] | None:
-    """(bytes, maker of its failure) when a member's states, or its states and least
-    activations, overflow a GPU at every split; else None. Checked before its bound is
-    computed (most members of a large solve fail here), from the member's keys: its Config
-    is built only if the explanation shows the failure (_Failures)."""
-    fam, _, _, _, zero = member
-    usable = cluster.usable_memory_bytes
-    state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
-    if state is None:
-        state = _state_memo(profile, _config(member), memo)
-    if state > usable:
-        return state, _StateFailure(cluster, member, 0.0, state)
-    need = state + _activation_bytes(profile, cluster, member, memo)
-    if need > usable:
-        return need, _ActivationFailure(cluster, member, 0.0, need)
-    return None
-
-
 def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
                    sharded: set[int]) -> float:
     """A lower bound (s) of the tail of every member of `fam` that fits its states: when
@@ -152,7 +140,7 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
             if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable]
     if not fits or not set(fits) <= sharded:
         return 0.0
-    _, schedule, v, group, _ = max(fam.rows, key=lambda row: row[2])
+    _, schedule, v, group, _ = fam.widest   # the first row of the largest v
     tails = []
     for zero in fits:
         tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
@@ -164,47 +152,41 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
 
 
 class _Failures:
-    """The search's memory failures in the order found, each as (bytes, a maker of its
-    _Evaluated): ~10^5 per large solve, of which the explanation shows the few needing the
-    least memory (solver._alternatives) and the error the least, so only `least(k)` builds
-    them (their Configs included)."""
+    """The search's memory failures in the order found, each as (bytes, order, kind, member,
+    bound): ~10^5 per large solve, of which the explanation shows the few needing the least
+    memory (solver._alternatives) and the error the least, so only `least(k)` builds them
+    (their Configs included) by `kind` (_state_of / _activation_of; None: built already)."""
 
-    def __init__(self) -> None:
-        self.items: list[tuple[float, int, Callable[[], _Evaluated]]] = []
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.items: list[tuple] = []
 
     def append(self, e: _Evaluated) -> None:
-        self.items.append((e.mem_lb, len(self.items), lambda: e))
+        self.items.append((e.mem_lb, len(self.items), None, e, 0.0))
 
-    def lazy(self, need_bytes: float, make: Callable[[], _Evaluated]) -> None:
-        self.items.append((need_bytes, len(self.items), make))
+    def lazy(self, need_bytes: float, kind: Callable[..., _Evaluated], member: tuple,
+             bound: float = 0.0) -> None:
+        self.items.append((need_bytes, len(self.items), kind, member, bound))
 
     def least(self, k: int) -> list[_Evaluated]:
         """The k failures of least memory (ties: the first found), in the order found: a
         stable sort by memory of the result starts as the whole list's would."""
         kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
-        return [make() for _, _, make in kept]
+        return [e if kind is None else kind(self.cluster, e, bound, need)
+                for need, _, kind, e, bound in kept]
 
 
-class _StateFailure:
-    """Makes the _Evaluated of a member whose states alone overflow (`_state_failure`)."""
-
-    def __init__(self, cluster: Cluster, member: tuple, bound: float, state: float) -> None:
-        self.args = cluster, member, bound, state
-
-    def __call__(self) -> _Evaluated:
-        cluster, member, bound, state = self.args
-        return _state_failure(cluster, _config(member), bound, state)
+def _state_of(cluster: Cluster, member: tuple, bound: float, state: float) -> _Evaluated:
+    """The failure of a member whose states alone overflow (`_state_failure`)."""
+    return _state_failure(cluster, _config(member), bound, state)
 
 
-class _ActivationFailure(_StateFailure):
+def _activation_of(cluster: Cluster, member: tuple, bound: float, need: float) -> _Evaluated:
     """... whose states and least activations overflow."""
-
-    def __call__(self) -> _Evaluated:
-        cluster, member, bound, need = self.args
-        return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
-            f"memory: weights, optimizer states and the activations the schedule keeps "
-            f"need at least {need / GIB:.1f} GiB > "
-            f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
+    return _Evaluated(cc=None, cfg=_config(member), lb_s=bound, mem_lb=need, note=(
+        f"memory: weights, optimizer states and the activations the schedule keeps "
+        f"need at least {need / GIB:.1f} GiB > "
+        f"{cluster.usable_memory_bytes / GIB:.1f} GiB usable per GPU"))
 
 
 def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) -> _Evaluated:
@@ -224,17 +206,18 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
     evaluated, pruned = [], []
-    failures = _Failures()
+    failures = _Failures(cluster)
     usable = cluster.usable_memory_bytes
     memo = CostMemo()
     qmemo: dict = {}
     tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
     hmemo: dict = {}
+    least_states: dict = {}
     sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
-        failed = _memory_family(profile, cluster, fam, memo)
+        failed = _memory_family(profile, cluster, fam, memo, least_states)
         if failed is not None:
             stats.families_memory += 1
             failures.append(failed)
@@ -247,37 +230,55 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
 
     def build(fam: Family) -> None:
         stats.families_built += 1
-        divs = {}
-        for key, schedule, v, group, zero in fam.members():
-            stats.configs += 1
-            member = (fam, schedule, v, group, zero)
-            failed = _overflows(profile, cluster, member, memo)
-            if failed is not None:   # never pushed: its bound cannot matter
-                failures.lazy(*failed)
-                continue
-            # the quick bound depends on the loads only: shared by the ZeRO levels (each
-            # expert degree has its own: its all-to-alls and its most loaded expert rank are
-            # in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
-            # configurations the all-to-alls alone rule out)
-            if schedule not in divs:
-                divs[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
-            qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b, fam.recompute,
-                    fam.sp, divs[schedule], group)
-            if qkey not in qmemo:
-                stats.quick_bounds += 1
-                twin = fam.config(schedule, v, group, zero)
-                qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin, memo)
-                                    ) / v / 1e9
-            bound = qmemo[qkey]
-            if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
-                tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
-                if tkey not in tmemo:
-                    tmemo[tkey] = _least_tail_s(profile, cluster,
-                                                fam.config(schedule, v, group, zero), memo)
-                bound = (bound + tmemo[tkey]) * _SLACK
-            # (keys are unique: the member itself is never compared; its Config is built
-            # only if popped)
-            heapq.heappush(heap, (bound, 1, key, member))
+        ri, spi, hi = fam.sub
+        bdiv, states = {}, {}
+        skey = (fam.t, fam.c, fam.ep, fam.p, fam.d)
+        for si, schedule, v, group, zeros in fam.rows:
+            act = bound0 = None   # a row's least activations and quick bound: every level's
+            for zi, zero in zeros:
+                stats.configs += 1
+                member = (fam, schedule, v, group, zero)
+                # members whose states, or states and least activations, overflow a GPU at
+                # every split are never pushed (most of a large solve's; their bound cannot
+                # matter), kept as (bytes, maker): Configs built only for those explained
+                state = states.get(zero)
+                if state is None:
+                    state = states[zero] = memo.state_bytes.get(skey + (zero, fam.sp))
+                    if state is None:
+                        state = states[zero] = _state_memo(profile, _config(member), memo)
+                if state > usable:
+                    failures.lazy(state, _state_of, member)
+                    continue
+                if act is None:
+                    act = _activation_bytes(profile, cluster, member, memo)
+                if state + act > usable:
+                    failures.lazy(state + act, _activation_of, member)
+                    continue
+                # the quick bound depends on the loads only: shared by the ZeRO levels (each
+                # expert degree has its own: its all-to-alls and its most loaded expert rank
+                # are in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
+                # configurations the all-to-alls alone rule out)
+                if bound0 is None:
+                    if schedule not in bdiv:
+                        bdiv[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+                    qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b,
+                            fam.recompute, fam.sp, bdiv[schedule], group)
+                    if qkey not in qmemo:
+                        stats.quick_bounds += 1
+                        twin = fam.config(schedule, v, group, zero)
+                        qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin,
+                                                                     memo)) / v / 1e9
+                    bound0 = qmemo[qkey]
+                bound = bound0
+                if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
+                    tkey = (fam.t, fam.c, fam.how, fam.ep, fam.p, fam.d, fam.sp, zero, v)
+                    if tkey not in tmemo:
+                        tmemo[tkey] = _least_tail_s(profile, cluster,
+                                                    fam.config(schedule, v, group, zero), memo)
+                    bound = (bound + tmemo[tkey]) * _SLACK
+                # (keys are unique: the member itself is never compared; its Config is built
+                # only if popped)
+                heapq.heappush(heap, (bound, 1, fam.key + (si, ri, spi, zi, hi), member))
 
     best_ub = math.inf
     while heap and heap[0][0] <= best_ub:
@@ -292,7 +293,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                 hmemo[hkey] = _least_held_bytes(profile, cluster, _config(item), memo)
             need_bytes = hmemo[hkey] + _activation_bytes(profile, cluster, item, memo)
             if need_bytes > usable:
-                failures.lazy(need_bytes, _ActivationFailure(cluster, item, bound, need_bytes))
+                failures.lazy(need_bytes, _activation_of, item, bound)
                 continue
         cfg = _config(item)
         if zero in sharded:
@@ -396,6 +397,6 @@ def _closest_pruned(heap, families, build, evaluated, pruned, best_ub, need) -> 
         if kind == 0:
             build(families[item])
             continue
-        popped += 1   # (members that overflow memory were never pushed: `_overflows`)
+        popped += 1   # (members that overflow memory were never pushed)
         pruned.append(_Evaluated(cc=None, cfg=_config(item), lb_s=bound, note=(
             f"slower: lower bound {bound:.4g} s > best {best_ub:.4g} s")))
