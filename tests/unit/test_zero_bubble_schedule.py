@@ -219,7 +219,7 @@ def test_solver_picks_zero_bubble_where_faster_never_with_zero3():
     prof = transformer_profile(name="40L", num_layers=40, hidden=5120, heads=40, seq_len=2048,
                                vocab=51200)
     A100 = replace(globals()["A100"], attention="materialized")
-    free = solve(prof, A100, gpus=32, global_batch_size=512, p=8, max_alternatives=400,
+    free = solve(prof, A100, gpus=32, global_batch_size=512, p=8, max_alternatives=50,
                  schedules=AUTO_SCHEDULES + ("interleaved-zb",))
     assert free.schedule == "interleaved-zb" and free.zero != 3
     il = solve(prof, A100, gpus=32, global_batch_size=512, p=8)
