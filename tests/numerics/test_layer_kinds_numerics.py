@@ -108,12 +108,15 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
 # ep = 2 × d = 2, and with Swin at p = 2 (each stage one dense and one MoE layer); the MoE
 # families (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut
-# between its dense and its MoE layer.
+# between its dense and its MoE layer. At c = 2 also Qwen3-MoE alternating and the decoder
+# calling one block twice (DeepSeek-V3's latent attention is refused at c = 2 in one line:
+# expand_kv's new_empty has no sequence-split rule; docs/known-gaps.md).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
-    (("hf_cohere2", "hf_gpt_oss"), "c2"),
+    (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block"),
+     "c2"),
     (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
