@@ -303,9 +303,7 @@ def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
                 pending[r].append(("W",) + op[1:])
             else:
                 live[r] -= 1
-        # the next instant: a rank starts only once its last op ended, so every end later
-        # than t is some rank's free time (reading every end made this loop quadratic)
-        later = [x for x in free if x > t]
+        later = [x for x in free if x > t]   # every end after t is a rank's free time
         if not later:
             if any(pos[r] < len(ops[r]) or pending[r] for r in range(p)):
                 raise ValueError(f"compute order cannot make progress at t={t}")
