@@ -118,3 +118,56 @@ def test_an_eager_runtime_pays_each_op_and_a_full_core_hides_no_communication():
                          zero=0).predicted.dp_comm_s
                    for x in (1.0, 0.0))
     assert none > hides
+
+
+def test_an_fp32_run_moves_4_byte_activations_gradients_and_weights():
+    """Training in fp32 (compile's default; what `autopar tune` measures) holds and sends
+    4-byte activations and reduces / gathers 4-byte gradients and weights: the profile's byte
+    counts double, the data-parallel and tensor-parallel traffic with them; 16-bit stays."""
+    from dataclasses import replace
+
+    from autopar.api import precision_profiles
+    from autopar.cost.config import Config
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import predict
+    from autopar.cost.profile import transformer_profile
+
+    half = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=256, vocab=512)
+    full = half.with_training_bytes(4)
+    assert full.activation_bytes_per_elem == 4 and full.with_training_bytes(4) is full
+    for k in ("act_split_bytes", "act_replicated_bytes", "input_bytes", "other_bytes"):
+        assert getattr(full.block, k) == 2 * getattr(half.block, k)
+    assert full.block.fused.act_split_bytes == 2 * half.block.fused.act_split_bytes
+    assert full.block.fused.calls[0].materialized_bytes == \
+        2 * half.block.fused.calls[0].materialized_bytes
+    assert full.block.gemms == half.block.gemms and full.with_training_bytes(2) == half
+    with pytest.raises(ValueError, match="bytes_per_elem=3"):
+        half.with_training_bytes(3)
+    a100 = get_cluster("dgx-a100-80gb")
+    assert precision_profiles(half, a100, "fp32")["fp32"].activation_bytes_per_elem == 4
+    assert precision_profiles(half, a100, "bf16")["bf16"].activation_bytes_per_elem == 2
+    # bandwidth-bound links: the communication terms double, compute stays
+    slow = replace(a100, name="slow-links",
+                   intra_node_bandwidth_Bps=a100.intra_node_bandwidth_Bps / 1000)
+    for cfg, term in ((Config(t=1, p=1, d=8, num_microbatches=1), "dp_comm_s"),
+                      (Config(t=8, p=1, d=1, num_microbatches=1), "tp_comm_s")):
+        h, f = (getattr(predict(prof, slow, cfg), term) for prof in (half, full))
+        assert f == pytest.approx(2 * h, rel=0.05), (term, h, f)
+
+
+def test_a_weight_gradient_reduction_is_per_micro_batch_not_per_sequence():
+    """SP's copy_to_tp on a replicated weight (a norm read by sequence shards) all-reduces
+    the weight's gradient once per micro-batch whatever its size; an activation's scales."""
+    from autopar.cost.comm import inserted_collectives_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.profile import TPCollective, TPRegionFallback
+
+    cl = get_cluster("dgx-a100-80gb")
+    weight = TPRegionFallback(collectives=(TPCollective(kind="all-reduce", elems=1 << 20,
+                                                        backward=True, per_sequence=False),))
+    act = TPRegionFallback(collectives=(TPCollective(kind="all-reduce", elems=1 << 20,
+                                                     backward=True),))
+    one, eight = (inserted_collectives_s(cl, weight, 2, b, 2, False) for b in (1, 8))
+    assert one == eight and one[0] == 0.0 and one[1] > 0
+    a1, a8 = (inserted_collectives_s(cl, act, 2, b, 2, False)[1] for b in (1, 8))
+    assert a8 > 4 * a1
