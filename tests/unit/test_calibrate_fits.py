@@ -171,3 +171,24 @@ def test_a_weight_gradient_reduction_is_per_micro_batch_not_per_sequence():
     assert one == eight and one[0] == 0.0 and one[1] > 0
     a1, a8 = (inserted_collectives_s(cl, act, 2, b, 2, False)[1] for b in (1, 8))
     assert a8 > 4 * a1
+
+
+def test_context_all_gather_is_priced_as_the_runtime_calls_it():
+    """The all-gather method gathers K and V in a call each and reduce-scatters each gradient
+    (a step of the GPT at c = 2 runs 16 all-gathers and 16 reduce-scatters: 4 layers × 2
+    micro-batches × 2): each call pays its latency, backward at the reduce-scatter's price."""
+    from autopar.cost.comm import allgather_s, reducescatter_s
+    from autopar.cost.config import Config
+    from autopar.cost.exchanges import context_comm_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import rank_profile
+    from autopar.cost.profile import transformer_profile
+
+    cl = get_cluster("dgx-a100-80gb")
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=256, vocab=512)
+    cfg = Config(t=1, p=1, d=1, c=2, micro_batch_size=2)
+    rank = rank_profile(prof, cl, cfg)
+    kv = cfg.micro_batch_size * rank.block.cp_gather_elems * rank.activation_bytes_per_elem
+    fwd, total = context_comm_s(rank, cl, cfg)
+    assert fwd == pytest.approx(2 * allgather_s(cl, kv / 2, 2, False))
+    assert total == pytest.approx(fwd + 2 * reducescatter_s(cl, kv / 2, 2, False))
