@@ -192,3 +192,22 @@ def test_context_all_gather_is_priced_as_the_runtime_calls_it():
     fwd, total = context_comm_s(rank, cl, cfg)
     assert fwd == pytest.approx(2 * allgather_s(cl, kv / 2, 2, False))
     assert total == pytest.approx(fwd + 2 * reducescatter_s(cl, kv / 2, 2, False))
+
+
+def test_a_context_rank_keeps_the_weight_gradient_reductions_whole():
+    """Restated for c context ranks, an activation's inserted collective shrinks to the rank's
+    tokens; SP's weight-gradient all-reduce does not (the weight is whole on every rank)."""
+    from dataclasses import replace
+
+    from autopar.cost.context import context_rank_profile
+    from autopar.cost.profile import (TPCollective, TPCorrection, TPRegionFallback,
+                                      transformer_profile)
+
+    fix = TPRegionFallback(collectives=(
+        TPCollective(kind="all-reduce", elems=256, backward=True, per_sequence=False),
+        TPCollective(kind="all-gather", elems=4096, backward=False)))
+    prof = replace(transformer_profile(num_layers=2, hidden=256, heads=4, seq_len=256,
+                                       vocab=512),
+                   tp_fallbacks=(TPCorrection(t=2, sequence_parallel=True, block=fix),))
+    got = context_rank_profile(prof, 2).tp_correction(2, True).block.collectives
+    assert [x.elems for x in got] == [256, 2048]
