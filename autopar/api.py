@@ -167,7 +167,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     sharded over the c·d/ep ranks holding the same ones); None lets the solver choose it with
     the ZeRO level.
 
-    `precision` prices the run's GEMMs: None / "fp32" / "bf16" / "fp16" at the 16-bit rate,
+    `precision` prices the run's GEMMs: None / "fp32" / "bf16" / "fp16" at the 16-bit rate
+    (fp32 with 4-byte activations, gradients and gathered weights),
     "fp8" / "fp8-rowwise" the blocks' linear GEMMs at the cluster's FP8 rate (with their
     casts; a cluster without one refuses), "auto" plans both and keeps the faster
     (`prog.precision` says which; compile(precision=prog.precision) runs it).
@@ -342,8 +343,9 @@ def precision_profiles(profile: Any, cluster: Any, precision: str | None) -> dic
     name = precision or "bf16"
     gemm = "fp8" if name.startswith("fp8") else "bf16"
     recipe = "rowwise" if name == "fp8-rowwise" else "tensorwise"   # build.FP8_RECIPES
-    try:
-        return {name: profile.with_gemm_precision(gemm, cluster, recipe)}
+    try:   # an fp32 run moves 4-byte activations and gradients (GEMMs priced as 16-bit)
+        priced = profile.with_gemm_precision(gemm, cluster, recipe)
+        return {name: priced.with_training_bytes(4) if name == "fp32" else priced}
     except ValueError as exc:
         raise ValueError(f"parallelize: {exc}") from None
 

@@ -147,6 +147,7 @@ def candidate_plans(model: torch.nn.Module, *, gpus: int, example_inputs: tuple,
 
     _, profile = plan_profile(model, example_inputs, loss_fn, example_targets, cluster,
                               gpu_counts=(gpus,), name=name)
+    profile = profile.with_training_bytes(4)   # PlanRun compiles in fp32 (compile's default)
     signature = parameter_signature(model)
 
     def solve_pins(cl: Cluster, pins: "Pins | dict[str, Any]", alternatives: int = 0) -> Plan:

@@ -121,11 +121,12 @@ def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
 def inserted_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int, e: int,
                            tp_inter: bool) -> tuple[float, float]:
     """(forward, backward) seconds of the collectives the tensor-parallel pass inserts in a
-    region, per micro-batch (e: bytes per activation element)."""
+    region, per micro-batch (e: bytes per activation element; a parameter's gradient, not
+    `per_sequence`, is reduced once per micro-batch in fp32: the runtime's autograd hook)."""
     fwd = bwd = 0.0
     for c in fix.collectives:
         coll = allgather_s if c.kind == "all-gather" else allreduce_s
-        sec = coll(cluster, b * c.elems * e, t, tp_inter)
+        sec = coll(cluster, (b * c.elems * e) if c.per_sequence else 4 * c.elems, t, tp_inter)
         if c.backward:
             bwd += sec
         else:

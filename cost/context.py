@@ -103,7 +103,8 @@ def _fallback(f: TPRegionFallback, c: int) -> TPRegionFallback:
         act_attention_bytes=_div(f.act_attention_bytes, c),
         other_split_bytes=_div(f.other_split_bytes, c),
         allreduce_elems_removed=_div(f.allreduce_elems_removed, c),
-        collectives=tuple(replace(x, elems=_div(x.elems, c)) for x in f.collectives))
+        collectives=tuple(replace(x, elems=_div(x.elems, c)) if x.per_sequence else x
+                          for x in f.collectives))   # a weight's gradient keeps its size
 
 
 def _correction(t: TPCorrection, c: int) -> TPCorrection:

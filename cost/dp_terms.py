@@ -46,6 +46,14 @@ from autopar.weight_gathers import (GatherCounts, GatherStats, compute_gather_st
 GRAD_REDUCE_BYTES = 2
 
 
+def grad_reduce_bytes(profile: ModelProfile) -> int:
+    """Bytes per gradient (and per gathered weight) the data-parallel collectives move: 16-bit
+    (GRAD_REDUCE_BYTES) for a 16-bit profile, 4 for an fp32 run (the profile's
+    `activation_bytes_per_elem`: compile's default precision reduces and gathers fp32)."""
+    return GRAD_REDUCE_BYTES if profile.activation_bytes_per_elem <= 2 \
+        else profile.activation_bytes_per_elem
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradGroup:
     """The collectives of a gradient group: `size` ranks on one link; gradients reduced in
@@ -55,19 +63,20 @@ class GradGroup:
     size: int
     inter: bool
     sharded_optimizer: bool
+    elem_bytes: int = GRAD_REDUCE_BYTES   # per gradient and gathered weight (grad_reduce_bytes)
 
     @property
     def latency_s(self) -> float:
         return link(self.cluster, self.inter)[1]
 
     def gather_s(self, params: float) -> float:
-        """All-gather of `params` 16-bit weights."""
-        return allgather_s(self.cluster, 2 * params, self.size, self.inter)
+        """All-gather of `params` weights (16-bit, or fp32 in an fp32 run)."""
+        return allgather_s(self.cluster, self.elem_bytes * params, self.size, self.inter)
 
     def reduce_s(self, params: float) -> float:
         """Reduction of `params` gradients."""
         coll = reducescatter_s if self.sharded_optimizer else allreduce_s
-        return coll(self.cluster, GRAD_REDUCE_BYTES * params, self.size, self.inter)
+        return coll(self.cluster, self.elem_bytes * params, self.size, self.inter)
 
 
 def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: RankParams,
@@ -91,11 +100,12 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
     if d <= 1:
         return 0.0, 0.0, tied_sync, tied_sync
     grp = GradGroup(cluster=cluster, size=d, sharded_optimizer=zt.sharded_optimizer,
-                    inter=group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus))
+                    inter=group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus),
+                    elem_bytes=grad_reduce_bytes(profile))
     lat = grp.latency_s
     f8 = gathered_bytes_ratio(profile, t, params.block, zt.sharded_weights)  # FP8: 1 B
-    G, R = _layer_sync_s(grp, _expert_group(cluster, cfg) if params.experts else None, params,
-                         f8)
+    experts = _expert_group(cluster, cfg, grp.elem_bytes) if params.experts else None
+    G, R = _layer_sync_s(grp, experts, params, f8)
     comp, tp, fwd = block_s
     if zt.sharded_weights:
         st = gathers if gathers is not None else weight_gather_stats(cfg)
@@ -129,20 +139,21 @@ def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     pp_inter = group_spans_nodes(cluster, stride=t * d, size=p, gpus=cfg.gpus)
     table = tied_table_elems(profile, t, cfg.sequence_parallel and t > 1) \
         if profile.tied_embeddings else 0.0
+    e = grad_reduce_bytes(profile)
     if p == 2 or not shared:   # one buffer over the first and the last stage
-        return allreduce_s(cluster, GRAD_REDUCE_BYTES * (table + shared), 2, pp_inter)
+        return allreduce_s(cluster, e * (table + shared), 2, pp_inter)
     # p > 2: the shared block's copies over every stage (runtime: the pipeline group)
-    return (allreduce_s(cluster, GRAD_REDUCE_BYTES * table, 2, pp_inter) if table else 0.0) \
-        + allreduce_s(cluster, GRAD_REDUCE_BYTES * shared, p, pp_inter)
+    return (allreduce_s(cluster, e * table, 2, pp_inter) if table else 0.0) \
+        + allreduce_s(cluster, e * shared, p, pp_inter)
 
 
-def _expert_group(cluster: Cluster, cfg: Config) -> GradGroup | None:
+def _expert_group(cluster: Cluster, cfg: Config, elem_bytes: int) -> GradGroup | None:
     """The group the rank's experts are reduced over: the c·d/ep ranks holding the same ones
     (stride t·ep); None when that is the rank alone."""
     de = cfg.replicas // cfg.ep
     if de <= 1:
         return None
-    return GradGroup(cluster=cluster, size=de,
+    return GradGroup(cluster=cluster, size=de, elem_bytes=elem_bytes,
                      sharded_optimizer=ZERO_TRAITS[cfg.zero].sharded_optimizer,
                      inter=group_spans_nodes(cluster, stride=cfg.t * cfg.ep, size=de,
                                              gpus=cfg.gpus))

@@ -21,7 +21,8 @@ all-to-alls (`expert_comm_s`), per layer per micro-batch on one rank.
 """
 from __future__ import annotations
 
-from autopar.cost.comm import allgather_s, alltoall_s, group_spans_nodes, link, p2p_s
+from autopar.cost.comm import (allgather_s, alltoall_s, group_spans_nodes, link, p2p_s,
+                               reducescatter_s)
 from autopar.cost.compute import attention_core_s, elementwise_time_s
 from autopar.cost.config import Config
 from autopar.cost.hardware import Cluster
@@ -39,6 +40,7 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     cfg.cp_attention "all-gather": Llama 3's all-gather of K and V along the sequence before
     attention, exposed on the critical path (2407.21783 §3.3.2), and in backward the
     reduce-scatter of their gradients (the same bytes), again in forward under full recompute;
+    K and V in a call each (the runtime's), each way;
     ring all-gather over the c context ranks on their link (context groups: stride t, inside a
     node when t·c <= GPUs per node). "ring": `ring_attention_s`, the blocks' transfers exposed
     only where they outlast the attention step they overlap, plus the ring's own overheads.
@@ -63,8 +65,12 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     if cfg.cp_attention == "hybrid-ring":   # no inner degree: the ring over the c ranks
         fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
         return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
-    one = allgather_s(cluster, kv_bytes, c, cp_inter)
-    return one, (3 if cfg.recompute == "full" else 2) * one
+    # the runtime (passes/context_parallel.py) gathers K and V in a call each and
+    # reduce-scatters each gradient: two calls each way, each paying its latency (on gloo a
+    # reduce-scatter is not an all-gather's cost: the measured curves price them apart)
+    one = 2 * allgather_s(cluster, kv_bytes / 2, c, cp_inter)
+    back = 2 * reducescatter_s(cluster, kv_bytes / 2, c, cp_inter)
+    return one, one + back + (one if cfg.recompute == "full" else 0.0)
 
 
 def ring_exposed_s(hop_s: float, step_s: float, steps: int) -> float:

@@ -31,6 +31,7 @@ and writes its output, and autograd keeps every tensor an op saves.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
@@ -231,6 +232,9 @@ class TPCollective:
     elems: int
     backward: bool
     what: str = ""
+    # False: a parameter's gradient (sequence parallelism's copy_to_tp on a replicated weight
+    # a sequence shard reads): `elems` per micro-batch whatever its size, in fp32
+    per_sequence: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,6 +387,26 @@ class ModelProfile:
                              f"dgx-h200-141gb), or give the Cluster an fp8_flops")
         return replace(self, gemm_precision=precision, fp8_gathers=recipe == "tensorwise")
 
+    def with_training_bytes(self, bytes_per_elem: int) -> "ModelProfile":
+        """This profile with its floating activations in `bytes_per_elem` (4: an fp32 run, as
+        compile's default precision and CPU training; 2: 16-bit): every `*_bytes` count of its
+        regions, their fused / eager accountings, the tensor-parallel corrections and the
+        layer kinds' profiles scaled from `activation_bytes_per_elem`, which it then states
+        (the collectives and gradient reductions priced from it follow). The capture counts
+        every floating value at TRAIN_BYTES_PER_ELEM; integer inputs (token ids) are scaled
+        too, a few bytes per token. Idempotent for the same width."""
+        if bytes_per_elem not in (2, 4):
+            raise ValueError(f"bytes_per_elem={bytes_per_elem!r}: the cost model prices 16-bit "
+                             f"(2) or fp32 (4) training activations; pass 2 or 4")
+        if bytes_per_elem == self.activation_bytes_per_elem:
+            return self
+        ratio = bytes_per_elem / self.activation_bytes_per_elem
+        kinds = tuple(replace(k, profile=k.profile.with_training_bytes(bytes_per_elem))
+                      if k.profile is not None else k for k in self.layer_kinds)
+        return replace(self, activation_bytes_per_elem=bytes_per_elem, layer_kinds=kinds,
+                       **{k: _scaled_bytes(getattr(self, k), ratio)
+                          for k in ("embedding", "block", "head", "tp_fallbacks")})
+
     @property
     def mixed(self) -> bool:
         """Kinds interleaved in one stack: num_layers counts layers, `block` is the mean layer
@@ -476,6 +500,24 @@ class ModelProfile:
         """Model FLOPs of one forward pass of one sequence (GEMMs only)."""
         return (self.embedding.fwd_flops + self.num_layers * self.block.fwd_flops
                 + self.head.fwd_flops)
+
+
+def _scaled_bytes(obj, ratio: float):
+    """`obj` (a dataclass of the profile, or a tuple of them) with every integer field named
+    `*_bytes` times `ratio`, recursively (ModelProfile.with_training_bytes)."""
+    if isinstance(obj, tuple):
+        return tuple(_scaled_bytes(o, ratio) for o in obj)
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, ModelProfile):
+        return obj
+    changes = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if f.name.endswith("_bytes") and isinstance(v, int):
+            changes[f.name] = round(v * ratio)
+        elif dataclasses.is_dataclass(v) or (isinstance(v, tuple) and v
+                                             and dataclasses.is_dataclass(v[0])):
+            changes[f.name] = _scaled_bytes(v, ratio)
+    return replace(obj, **changes) if changes else obj
 
 
 def _eager_region(r: RegionProfile) -> RegionProfile:

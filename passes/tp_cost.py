@@ -83,7 +83,8 @@ def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: La
     that t is priced structurally). Any other error is a bug and propagates."""
     corr, failed = _analyse(captured, structure, profile, ts, sequence_parallel)
     notes = [f"tensor parallel t={c.t}{' + SP' if c.sequence_parallel else ''}: "
-             f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr if not c.empty]
+             f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr
+             if not c.empty and not _only_weight_reductions(c)]
     notes += [f"tensor parallel t={t}{' + SP' if sp else ''}: pass analysis failed ({why}); "
               f"priced structurally" for t, sp, why in failed]
     return dataclasses.replace(profile, tp_fallbacks=corr, notes=profile.notes + tuple(notes))
@@ -301,6 +302,27 @@ def _saved_whole(facts: _Facts, nodes: list, affected: set, cls: str) -> float:
     return total
 
 
+def _only_weight_reductions(c: TPCorrection) -> bool:
+    """Whether `c` holds nothing but SP's gradient all-reduces of replicated weights (what
+    every SP plan runs: no fallback to note)."""
+    plain = [dataclasses.replace(c.region(k), collectives=tuple(
+        x for x in c.region(k).collectives if x.per_sequence)) for k in _REGIONS]
+    return all(r.empty for r in plain)
+
+
+def _row_bias(n: fx.Node) -> fx.Node | None:
+    """The bias input of a linear / addmm node (what `_Rewriter._drop_bias` takes off a
+    row-parallel GEMM), None without one."""
+    op = getattr(n.target, "overloadpacket", n.target)
+    if op is torch.ops.aten.linear:
+        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    elif op is torch.ops.aten.addmm:
+        b = n.args[0]
+    else:
+        b = None
+    return b if isinstance(b, fx.Node) else None
+
+
 def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple:
     """The collectives the rewrite inserts that the structural pricing does not count (see the
     module docstring), deduplicated like the rewrite's conversion cache."""
@@ -313,7 +335,8 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
         seen.add(key)
         e = facts.elems(n)
         if e:
-            out.append(TPCollective(kind=kind, elems=e, backward=backward, what=what))
+            out.append(TPCollective(kind=kind, elems=e, backward=backward, what=what,
+                                    per_sequence=n in facts.per_batch))
 
     def slice_grad(x: fx.Node, want: Shard, key: tuple) -> None:
         # _Rewriter._slice: scatter_to_sp (gradient all-gathered) or copy_to_tp + local blocks
@@ -352,9 +375,17 @@ def _collectives(facts: _Facts, nodes: list, seeds: set, affected: set) -> tuple
                 slice_grad(a, want, key)
         if not out_split or n.meta.get(K.TP_ROLE) == "vocab_ce":
             continue
+        # _Rewriter._drop_bias: a row-parallel GEMM's bias is added after its reduction, to
+        # a split value (and so copied to the group) only under sequence parallelism
+        dropped = _row_bias(n) if n.meta.get(K.TP_ROLE) == "row" else None
         for a in n.all_input_nodes:  # _Rewriter._convert_inputs: copy_to_tp on whole inputs
-            if a.name in conv or not (a in affected or a in stats) or a not in facts.grad \
-                    or not is_tensor(a):
+            # (a replicated parameter a split op reads, as sequence parallelism's norms and
+            # row-parallel biases: its gradient all-reduced each micro-batch, unstructural)
+            param = a not in facts.per_batch
+            if a is dropped and not facts.gm.meta[K.TP_INFO].sequence_parallel:
+                continue
+            if a.name in conv or not (a in affected or a in stats or param) \
+                    or a not in facts.grad or not is_tensor(a):
                 continue
             if isinstance(a.meta.get(K.TP_LAYOUT), Replicate):
                 add(("f", a), "all-reduce", a, True, f"gradient of {a.name} (copy_to_tp)")

@@ -65,7 +65,8 @@ def test_kv_projections_replicated_when_t_exceeds_kv_heads():
     assert prof.kv_heads == 2 and prof.tp_fallbacks == ()
     assert {(c.t, c.sequence_parallel) for c in fixed.tp_fallbacks} == {
         (2, False), (2, True), (4, False), (4, True)}
-    assert fixed.tp_correction(2) is None and fixed.tp_correction(2, True) is None
+    assert fixed.tp_correction(2) is None
+    assert _sp_norm_weights(fixed.tp_correction(2, True).block) == [H, H]   # only SP's norms
     c = fixed.tp_correction(4)
     assert _gemm_names(prof, c.block.replicated_gemms) == ["attn.k_proj", "attn.v_proj"]
     kv_dim = H // HEADS * 2
@@ -81,8 +82,18 @@ def test_kv_projections_replicated_when_t_exceeds_kv_heads():
     # sequence parallelism: the replicated k / v also read an all-gather of the sequence
     csp = fixed.tp_correction(4, True)
     assert csp.block.replicated_gemms == c.block.replicated_gemms
-    assert [(x.kind, x.elems, x.backward) for x in csp.block.collectives] == \
+    assert [(x.kind, x.elems, x.backward) for x in csp.block.collectives if x.per_sequence] == \
         [("all-gather", S * H, False)] + [("all-gather", S * H, True)] * 2
+    # ... and the two RMSNorm weights, read by sequence shards, all-reduce their gradients
+    assert _sp_norm_weights(csp.block) == [H, H]
+
+
+def _sp_norm_weights(fix):
+    """Sizes of the replicated parameters whose gradient sequence parallelism all-reduces
+    (the runtime's copy_to_tp on a weight a sequence shard reads), once per micro-batch."""
+    assert all(x.kind == "all-reduce" and x.backward and "copy_to_tp" in x.what
+               for x in fix.collectives if not x.per_sequence)
+    return [x.elems for x in fix.collectives if not x.per_sequence]
 
 
 def test_fallback_compute_priced_from_the_gemm_shapes():
@@ -145,12 +156,23 @@ def test_analysis_can_be_rerun_for_any_t():
              sequence_parallel=True),
 ])
 def test_no_fallbacks_no_change(cfg):
+    """Without SP nothing changes; with SP only the norms' gradient all-reduces are added
+    (the runtime's copy_to_tp on every replicated weight a sequence shard reads)."""
     prof, fixed = _profiles(kv=HEADS)
-    assert len(fixed.tp_fallbacks) == 4 and all(c.empty for c in fixed.tp_fallbacks)
-    assert fixed.tp_correction(cfg.t, cfg.sequence_parallel) is None
+    assert len(fixed.tp_fallbacks) == 4
+    assert all(c.empty for c in fixed.tp_fallbacks if not c.sequence_parallel)
     assert fixed.notes == prof.notes
-    assert M.predict(fixed, A100, cfg) == M.predict(prof, A100, cfg)
-    assert M.config_costs(fixed, A100, cfg) == M.config_costs(prof, A100, cfg)
+    if not cfg.sequence_parallel:
+        assert fixed.tp_correction(cfg.t, cfg.sequence_parallel) is None
+        assert M.predict(fixed, A100, cfg) == M.predict(prof, A100, cfg)
+        assert M.config_costs(fixed, A100, cfg) == M.config_costs(prof, A100, cfg)
+        return
+    corr = fixed.tp_correction(cfg.t, True)
+    assert _sp_norm_weights(corr.block) == [H, H] and _sp_norm_weights(corr.head) == [H]
+    assert corr.block == dataclasses.replace(corr.block.__class__(),
+                                             collectives=corr.block.collectives)
+    got, base = M.predict(fixed, A100, cfg), M.predict(prof, A100, cfg)
+    assert got.tp_comm_s > base.tp_comm_s and got.step_time_s > base.step_time_s
 
 
 def test_textbook_profile_has_no_corrections():
@@ -210,9 +232,13 @@ def test_mean_over_the_split_dim_priced_as_a_small_all_reduce_each_way():
     prof = profile_from_graph(cap, structure)
     for corr in tp_corrections(cap, structure, prof, [2]):
         assert not corr.fallbacks and not corr.block.replicated_gemms
-        got = sorted((c.kind, c.elems, c.backward) for c in corr.block.collectives)
+        got = sorted((c.kind, c.elems, c.backward) for c in corr.block.collectives
+                     if c.per_sequence)
         assert got == [("all-reduce", 8, False)] * 2 + [("all-reduce", 8, True)] * 2, \
             (corr.sequence_parallel, corr.block.collectives)
+        # SP: the post-norms' weights (hidden 32), read by sequence shards, all-reduce their
+        # gradients; without SP nothing replicated is read by a split op
+        assert _sp_norm_weights(corr.block) == ([32, 32] if corr.sequence_parallel else [])
 
 
 def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):

@@ -118,3 +118,96 @@ def test_an_eager_runtime_pays_each_op_and_a_full_core_hides_no_communication():
                          zero=0).predicted.dp_comm_s
                    for x in (1.0, 0.0))
     assert none > hides
+
+
+def test_an_fp32_run_moves_4_byte_activations_gradients_and_weights():
+    """Training in fp32 (compile's default; what `autopar tune` measures) holds and sends
+    4-byte activations and reduces / gathers 4-byte gradients and weights: the profile's byte
+    counts double, the data-parallel and tensor-parallel traffic with them; 16-bit stays."""
+    from dataclasses import replace
+
+    from autopar.api import precision_profiles
+    from autopar.cost.config import Config
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import predict
+    from autopar.cost.profile import transformer_profile
+
+    half = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=256, vocab=512)
+    full = half.with_training_bytes(4)
+    assert full.activation_bytes_per_elem == 4 and full.with_training_bytes(4) is full
+    for k in ("act_split_bytes", "act_replicated_bytes", "input_bytes", "other_bytes"):
+        assert getattr(full.block, k) == 2 * getattr(half.block, k)
+    assert full.block.fused.act_split_bytes == 2 * half.block.fused.act_split_bytes
+    assert full.block.fused.calls[0].materialized_bytes == \
+        2 * half.block.fused.calls[0].materialized_bytes
+    assert full.block.gemms == half.block.gemms and full.with_training_bytes(2) == half
+    with pytest.raises(ValueError, match="bytes_per_elem=3"):
+        half.with_training_bytes(3)
+    a100 = get_cluster("dgx-a100-80gb")
+    assert precision_profiles(half, a100, "fp32")["fp32"].activation_bytes_per_elem == 4
+    assert precision_profiles(half, a100, "bf16")["bf16"].activation_bytes_per_elem == 2
+    # bandwidth-bound links: the communication terms double, compute stays
+    slow = replace(a100, name="slow-links",
+                   intra_node_bandwidth_Bps=a100.intra_node_bandwidth_Bps / 1000)
+    for cfg, term in ((Config(t=1, p=1, d=8, num_microbatches=1), "dp_comm_s"),
+                      (Config(t=8, p=1, d=1, num_microbatches=1), "tp_comm_s")):
+        h, f = (getattr(predict(prof, slow, cfg), term) for prof in (half, full))
+        assert f == pytest.approx(2 * h, rel=0.05), (term, h, f)
+
+
+def test_a_weight_gradient_reduction_is_per_micro_batch_not_per_sequence():
+    """SP's copy_to_tp on a replicated weight (a norm read by sequence shards) all-reduces
+    the weight's gradient once per micro-batch whatever its size; an activation's scales."""
+    from autopar.cost.comm import inserted_collectives_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.profile import TPCollective, TPRegionFallback
+
+    cl = get_cluster("dgx-a100-80gb")
+    weight = TPRegionFallback(collectives=(TPCollective(kind="all-reduce", elems=1 << 20,
+                                                        backward=True, per_sequence=False),))
+    act = TPRegionFallback(collectives=(TPCollective(kind="all-reduce", elems=1 << 20,
+                                                     backward=True),))
+    one, eight = (inserted_collectives_s(cl, weight, 2, b, 2, False) for b in (1, 8))
+    assert one == eight and one[0] == 0.0 and one[1] > 0
+    a1, a8 = (inserted_collectives_s(cl, act, 2, b, 2, False)[1] for b in (1, 8))
+    assert a8 > 4 * a1
+
+
+def test_context_all_gather_is_priced_as_the_runtime_calls_it():
+    """The all-gather method gathers K and V in a call each and reduce-scatters each gradient
+    (a step of the GPT at c = 2 runs 16 all-gathers and 16 reduce-scatters: 4 layers × 2
+    micro-batches × 2): each call pays its latency, backward at the reduce-scatter's price."""
+    from autopar.cost.comm import allgather_s, reducescatter_s
+    from autopar.cost.config import Config
+    from autopar.cost.exchanges import context_comm_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import rank_profile
+    from autopar.cost.profile import transformer_profile
+
+    cl = get_cluster("dgx-a100-80gb")
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=256, vocab=512)
+    cfg = Config(t=1, p=1, d=1, c=2, micro_batch_size=2)
+    rank = rank_profile(prof, cl, cfg)
+    kv = cfg.micro_batch_size * rank.block.cp_gather_elems * rank.activation_bytes_per_elem
+    fwd, total = context_comm_s(rank, cl, cfg)
+    assert fwd == pytest.approx(2 * allgather_s(cl, kv / 2, 2, False))
+    assert total == pytest.approx(fwd + 2 * reducescatter_s(cl, kv / 2, 2, False))
+
+
+def test_a_context_rank_keeps_the_weight_gradient_reductions_whole():
+    """Restated for c context ranks, an activation's inserted collective shrinks to the rank's
+    tokens; SP's weight-gradient all-reduce does not (the weight is whole on every rank)."""
+    from dataclasses import replace
+
+    from autopar.cost.context import context_rank_profile
+    from autopar.cost.profile import (TPCollective, TPCorrection, TPRegionFallback,
+                                      transformer_profile)
+
+    fix = TPRegionFallback(collectives=(
+        TPCollective(kind="all-reduce", elems=256, backward=True, per_sequence=False),
+        TPCollective(kind="all-gather", elems=4096, backward=False)))
+    prof = replace(transformer_profile(num_layers=2, hidden=256, heads=4, seq_len=256,
+                                       vocab=512),
+                   tp_fallbacks=(TPCorrection(t=2, sequence_parallel=True, block=fix),))
+    got = context_rank_profile(prof, 2).tp_correction(2, True).block.collectives
+    assert [x.elems for x in got] == [256, 2048]
