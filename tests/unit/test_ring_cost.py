@@ -46,9 +46,11 @@ def test_ring_wins_for_multi_head_attention_at_long_sequence_across_nodes():
 
 
 def test_all_gather_wins_for_grouped_query_attention_with_few_kv_heads():
-    """GQA (8 kv heads: one per tensor rank at t=8) at 8,192 tokens, c=2 in a node: K/V is
-    small and the all-gather fast; the ring's overheads cost more than it hides."""
-    cost = _comm_s(_model(8192, kv_heads=8), t=8, c=2)
+    """GQA (8 kv heads: one per tensor rank at t=8) at 4,096 tokens, c=2 in a node: K/V is
+    small and the all-gather fast; the ring's overheads cost more than it hides. (At 8,192
+    the two now tie: the all-gather is priced as the runtime runs it, K and V gathered and
+    their gradients reduce-scattered in a call each, four latencies a layer.)"""
+    cost = _comm_s(_model(4096, kv_heads=8), t=8, c=2)
     assert cost["all-gather"] < cost["ring"], cost
 
 
