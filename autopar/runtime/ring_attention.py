@@ -328,6 +328,8 @@ def context_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp
     if is_causal and attn_mask is not None:
         raise ValueError("ring attention: is_causal together with an attn_mask (as in "
                          "scaled_dot_product_attention); pass one of them")
+    if attn_mask is not None and attn_mask.dim() == 3:   # (heads, T/c, T): the tile
+        attn_mask = attn_mask.unsqueeze(0)               # kernels take 2 or 4 dims
     out = _RingAttention.apply(q, k.contiguous(), v.contiguous(), attn_mask, cp,
                                bool(is_causal), float(scale))
     # the fused kernels' layout, (B, L, H, E) in memory: callers view it after transpose(1, 2)

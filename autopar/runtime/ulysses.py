@@ -299,8 +299,6 @@ def _ring_across(q, k, v, cp, n, outer, attn_mask, is_causal, scale, enable_gqa)
     q, k, v = (x.index_select(2, _index(pick, x)) for x in (q, k, v))
     if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1:
         attn_mask = attn_mask.index_select(-2, _index(shard.positions, attn_mask))
-    if attn_mask is not None and attn_mask.dim() == 3:   # (heads, T, T): the ring's tile
-        attn_mask = attn_mask.unsqueeze(0)               # kernel takes 2 or 4 dims
     out = context_ring_attention(q, k, v, shard, attn_mask, bool(is_causal), scale,
                                  enable_gqa or k.shape[1] != q.shape[1])
     return out.index_select(2, _index(back, out))

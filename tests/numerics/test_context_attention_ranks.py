@@ -31,6 +31,8 @@ def _ring_rank(rank, world, case):
     if case["mask"]:    # a sliding window of 3 (causal): rows' key sets not a prefix
         i = torch.arange(T)
         mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+        if case["mask"] == "heads":   # per head (heads, T, T): windows of 3 and 2 alternating
+            mask = torch.stack([mask & (i[:, None] - i[None, :] < 3 - h % 2) for h in range(Hq)])
     ref = [x.clone().requires_grad_() for x in (q, k, v)]
     g = Hq // Hk
     rk, rv = (x.repeat_interleave(g, 1) for x in ref[1:])
@@ -42,7 +44,7 @@ def _ring_rank(rank, world, case):
     lq, lk, lv = mine
     if case["repeat"]:      # repeat_kv in the graph: the ring reads every g-th head
         lk, lv = (x.repeat_interleave(g, 1) for x in (lk, lv))
-    lmask = None if mask is None else context_cut(mask, cp, 0)
+    lmask = None if mask is None else context_cut(mask, cp, mask.dim() - 2)   # query rows
     out = context_ring_attention(lq, lk, lv, cp, attn_mask=lmask, is_causal=mask is None,
                                  enable_gqa=not case["repeat"] and Hk < Hq,
                                  kv_group=g if case["repeat"] else 1)
@@ -57,7 +59,7 @@ def _ring_rank(rank, world, case):
     (2, {"kv_heads": 2, "T": 8, "mask": False, "repeat": True}),       # GQA via repeat_kv
     (2, {"kv_heads": 1, "T": 8, "mask": True, "repeat": False}),       # MQA + explicit mask
     (3, {"kv_heads": 2, "T": 12, "mask": False, "repeat": False}),     # c = 3, enable_gqa
-    (4, {"kv_heads": 4, "T": 16, "mask": True, "repeat": False}),      # c = 4, window mask
+    (4, {"kv_heads": 4, "T": 16, "mask": "heads", "repeat": False}),   # c = 4, per-head mask
 ])
 def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
     from autopar.testing import spawn
