@@ -74,8 +74,11 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: ep={pins.ep} with {experts} experts per layer: each "
                              f"expert-parallel rank holds experts/ep whole experts, so ep must "
                              f"divide {experts}; pick an ep that divides {experts}")
-    if pins.cp_attention in ("ring", "all-to-all") and (why := cp_attention_rule(
-            profile, pins.cp_attention, pins.c or 1, pins.t or 1)):
+    # the hybrids' rule needs c (a divisor k of c): asked here when c is pinned too
+    asked = pins.cp_attention in ("ring", "all-to-all") or (
+        pins.cp_attention in ("hybrid", "hybrid-ring") and pins.c is not None)
+    if asked and (why := cp_attention_rule(profile, pins.cp_attention, pins.c or 1,
+                                           pins.t or 1)):
         raise ValueError(f"solve: cp_attention={pins.cp_attention!r}: {why}; pin "
                          f"cp_attention='all-gather' or leave it None")
     if pins.c is not None:

@@ -210,3 +210,6 @@ def test_hybrid_ring_is_pinned_not_weighed():
     assert "Context attention hybrid-ring: " in plan.explain()
     odd = _model(8192, kv_heads=8, heads=24, layers=2)
     assert cp_attention_rule(odd, "hybrid-ring", 4, 8) == cp_attention_rule(odd, "hybrid", 4, 8)
+    for how in ("hybrid", "hybrid-ring"):   # pinned with c: refused in one line, up front
+        with pytest.raises(ValueError, match=f"cp_attention='{how}': hybrid attention trades"):
+            solve(odd, H100, gpus=32, global_batch_size=4, t=8, c=4, cp_attention=how)
