@@ -95,7 +95,7 @@ def _meta_llama(seq: int, kv_heads: int):
 
 @pytest.mark.parametrize("seq, kv_heads, gpus, c, want", [
     (131072, 32, 32, 4, "ring"),        # multi-head, 131K tokens, the context group over 4 nodes
-    (8192, 8, 16, 2, "all-gather"),     # grouped-query (1 kv head per tensor rank), in a node
+    (4096, 8, 16, 2, "all-gather"),     # grouped-query (1 kv head per tensor rank), in a node
 ])
 def test_parallelize_picks_ring_or_all_gather_by_cost_and_explains(seq, kv_heads, gpus, c, want):
     """The unmodified transformers Llama on the meta device, planned through parallelize (its

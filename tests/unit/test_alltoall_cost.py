@@ -125,7 +125,7 @@ def test_refused_where_heads_do_not_divide():
     assert why is not None and "none does" in why and "3 heads per tensor rank" in why
     assert cp_attention_rule(prof, "hybrid", 2, 1) is not None    # c = 2: no inner degree
     assert cp_attention_rule(prof, "hybrid", 4, 1) is None
-    with pytest.raises(ValueError, match=r"^solve: no configuration"):
+    with pytest.raises(ValueError, match=r"^solve: cp_attention='hybrid': hybrid attention "):
         solve(prof, H100, gpus=32, global_batch_size=2, t=8, c=4, cp_attention="hybrid")
 
 
