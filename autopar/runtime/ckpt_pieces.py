@@ -155,10 +155,7 @@ def _sharing_ranks(info: ParamInfo, groups: Any) -> tuple[int, ...]:
     ("stages:1,2", ProcessGroups.shared_ranks); () for a weight one stage holds."""
     if info.shared_with is None:
         return ()
-    if info.shared_with.startswith("stages:"):
-        return tuple(groups.shared_ranks(info.shared_with))
-    attr = "pipeline_ranks" if info.shared_with == "pipeline" else "embedding_ranks"
-    return tuple(dict.fromkeys(getattr(groups, attr, ()) or ()))
+    return groups.shared_ranks(info.shared_with)
 
 
 def _part(numel: int, count: int, index: int) -> tuple[int, int]:

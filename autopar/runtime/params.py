@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from autopar.runtime.dist import shared_stages
 from autopar.runtime.shard import ParamSplit
 
 
@@ -52,9 +53,7 @@ class ParamInfo:
     def first_holder(self) -> int:
         """The first pipeline stage holding this tensor (0 unless a shared block is held by
         some later stages only, "stages:1,2" -> 1): the copy clipping counts."""
-        if self.shared_with is None or not self.shared_with.startswith("stages:"):
-            return 0
-        return int(self.shared_with.partition(":")[2].split(",")[0])
+        return 0 if self.shared_with is None else shared_stages(self.shared_with, 1)[0]
 
     @property
     def expert(self) -> bool:
