@@ -149,6 +149,7 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     built = build_program(prog, precision)  # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
     bar.start("process groups")
+    owns_default_group = not dist.is_initialized()   # Runner.close destroys only its own
     backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
     device = backend_device if device is None else torch.device(device)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s,
@@ -181,6 +182,7 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     return Runner(plan=plan, chunks=chunks, params=params, regime=regime, groups=pg,
                   actions=actions, device=device, max_grad_norm=max_grad_norm,
                   record_timeline=record_timeline, scaler=scaler,
+                  owns_default_group=owns_default_group,
                   state_dict=StateDictSpec(graph_names=built.state_keys,
                                            reference=prog.model.state_dict))
 

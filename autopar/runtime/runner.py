@@ -55,12 +55,15 @@ class Runner:
                  regime: Regime, groups: Any, actions: Sequence[Action],
                  state_dict: StateDictSpec, device: torch.device,
                  max_grad_norm: float | None = None, record_timeline: bool = False,
-                 scaler: LossScaler | None = None):
+                 scaler: LossScaler | None = None, owns_default_group: bool = True):
         """Built by autopar.compile. Why this size: the compiled program's parts (plan, chunks,
-        parameters, regime, groups, actions, state-dict spec, device) and its three options."""
+        parameters, regime, groups, actions, state-dict spec, device) and its options.
+        owns_default_group: compile created the default process group (from torchrun's
+        environment), so close() destroys it; a group the caller made stays theirs."""
         self.plan, self.chunks, self.params, self.regime = plan, chunks, params, regime
         self.scaler = scaler     # fp16's dynamic loss scale (autopar.runtime.loss_scale)
         self.pg, self.device = groups, device
+        self._owns_default_group = owns_default_group
         # the data-parallel share this rank loads (its context ranks load the same sequences)
         self.dp_rank, self.dp_size = groups.replica_rank, groups.replicas
         self.max_grad_norm = max_grad_norm
@@ -279,7 +282,9 @@ class Runner:
         load_pretrained(path, self.params, self.regime, self.pg)
 
     def close(self) -> None:
-        """End the job on this rank: wait for every rank, then destroy the process groups.
+        """End the job on this rank: wait for every rank, then destroy the process groups if
+        autopar created the default one (a default group the caller made before compile stays
+        up, with the subgroups autopar added: the caller's destroy_process_group ends them).
         Collective: every rank calls it once, after its last step. The barrier keeps any rank
         from exiting while a peer is still in its last step's collectives or p2p messages (a
         peer that vanishes mid-exchange is a failure of the job); a dead rank is a PeerError."""
@@ -288,7 +293,8 @@ class Runner:
         close_writer()
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
-        dist.destroy_process_group()
+        if self._owns_default_group:
+            dist.destroy_process_group()
 
 
 def _whole_mask(x: torch.Tensor, seq_len: int) -> bool:

@@ -228,11 +228,13 @@ def test_close_with_a_dead_rank_raises_peer_error_naming_it():
     assert kind == "PeerError" and "rank 1" in message, message
 
 
-def test_close_waits_for_every_rank_then_destroys_the_groups():
+def test_close_waits_for_every_rank_and_keeps_the_callers_group():
     plan = make_plan(p=2, m=2, layers=2)
     (waited_s, still_up), (_, still_up_1) = spawn(_closing_rank, 2, plan, timeout_s=150)
     assert waited_s > 1.0          # rank 0 left only after rank 1 arrived
-    assert not still_up and not still_up_1
+    # autopar.testing.spawn made the default group before compile: close leaves it up (under
+    # torchrun compile makes it and close destroys it: test_launch's exit path)
+    assert still_up and still_up_1
 
 
 # ---- with tensor parallelism (passes/tensor_parallel.py) ----------------------------------
