@@ -50,8 +50,8 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.sharding.elementwise import pointwise_rule
 from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
-from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, TRANSPARENT,
-                                         is_grouped_mm, is_pointwise, is_tensor, like,
+from autopar.passes.sharding.ops import (MATMUL_OPS, NEW_FACTORIES, NO_VALUE, SOFTMAX,
+                                         TRANSPARENT, is_grouped_mm, is_pointwise, is_tensor, like,
                                          matmul_operands, norm_dim, packet, shape, tensor_args)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import rule_for
@@ -222,7 +222,8 @@ class ContextPropagator(Propagator):
         """A value (not a scalar, not a loss) computed whole from the rank's tokens: the rewrite
         would run it on the wrong shapes."""
         return (node.op == "call_function" and bool(shape(node))
-                and packet(node) not in NO_VALUE and node.target is not operator.getitem
+                and packet(node) not in NO_VALUE | NEW_FACTORIES   # (a buffer: no values read)
+                and node.target is not operator.getitem
                 and self.role.get(node) != "context_loss"
                 and not isinstance(self.layout.get(node), (Counts, Partial))
                 and any(isinstance(self.get(a), Shard) for a in tensor_args(node)))

@@ -38,7 +38,9 @@ SEQ = 8
 
 # labelled variants of tests/models.py's builders (a label without an entry is the builder)
 VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1}),
-            "albert_g2": ("hf_albert", {"layers": 4, "groups": 2})}
+            "albert_g2": ("hf_albert", {"layers": 4, "groups": 2}),
+            "deepseek_a2a": ("hf_deepseek_v3", {})}
+METHODS = {"deepseek_a2a": "all-to-all"}   # plan.cp_attention (others: the all-gather)
 LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4}   # others: 2
 
 
@@ -62,7 +64,9 @@ def _loss(name: str):
 
 def _runs(names: tuple[str, ...], mode: str) -> list[tuple[str, Plan]]:
     """(label, plan) of each model (one process group for all)."""
-    return [(label, _plan(mode, LAYERS.get(label, 2))) for label in names]
+    return [(label, dataclasses.replace(_plan(mode, LAYERS.get(label, 2)),
+                                        cp_attention=METHODS.get(label, "all-gather")))
+            for label in names]
 
 
 def _rank(rank: int, world: int, runs: list[tuple[str, Plan]]) -> list[tuple]:
@@ -115,8 +119,8 @@ def _plan(mode: str, layers: int = 2) -> Plan:
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
-    (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block"),
-     "c2"),
+    (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
+      "deepseek_a2a"), "c2"),
     (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
