@@ -4,7 +4,8 @@ rtol 1e-4 / atol 1e-5): Qwen3-MoE with MoE every other layer (decoder_sparse_ste
 mlp_only_layers and SmolLM3's no_rope_layers were verified once, not kept), DeepSeek-V3 with a
 dense first layer (first_k_dense), Cohere2 with a sliding-window layer with rotary and a
 full-attention layer without: p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2
-(one kv head) and c = 2: its per-head attention sinks split with the heads. Swin
+(one kv head) and c = 2: its per-head attention sinks split with the heads. DeepSeek-V3 at
+c = 2, all-gather and all-to-all. Swin
 (hierarchical): two stages of blocks of different widths, the second block of each shifting
 its windows (a roll), a patch-merging step between them (counted in the block before it);
 p = 2 cuts between the two stages. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
@@ -112,9 +113,10 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
 # ep = 2 × d = 2, and with Swin at p = 2 (each stage one dense and one MoE layer); the MoE
 # families (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut
-# between its dense and its MoE layer. At c = 2 also Qwen3-MoE alternating and the decoder
-# calling one block twice (DeepSeek-V3's latent attention is refused at c = 2 in one line:
-# expand_kv's new_empty has no sequence-split rule; docs/known-gaps.md).
+# between its dense and its MoE layer. At c = 2 also Qwen3-MoE alternating, the decoder
+# calling one block twice and DeepSeek-V3 with the all-gather and with all-to-all attention
+# (its latent attention's key buffer, expand_kv's new_empty filled by slice copies, and its
+# router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
