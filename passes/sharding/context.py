@@ -210,6 +210,9 @@ class ContextPropagator(Propagator):
         else:
             super().visit(node)
             _follow_addresses(self, node)
+            if _writes_converted(self, node):
+                raise context_refusal(node, f"it writes {node.args[0].name} in place but reads "
+                                            f"it converted (the write would land in a copy)")
         lay = self.layout.get(node)
         if isinstance(lay, Shard):
             s = shape(node)
@@ -424,6 +427,15 @@ def relayable(p: ContextPropagator, arg: Any, consumer: fx.Node, want: Shard) ->
     if op is aten.arange:
         p.addresses[arg] = want   # its values: positions among its own rows
     return True
+
+
+def _writes_converted(p: ContextPropagator, node: fx.Node) -> bool:
+    """An in-place op (add_, copy_, scatter_, ...) whose destination the engine put a conversion
+    on (a selection, a gather, a sum): it would write into the converted copy, and the buffer
+    (or the base a sliced destination views) would never see the write."""
+    return (node.op == "call_function" and bool(node.args)
+            and torch.Tag.inplace in getattr(node.target, "tags", ())
+            and node.args[0] in p.convert.get(node, {}))
 
 
 def _follow_addresses(p: ContextPropagator, node: fx.Node) -> None:

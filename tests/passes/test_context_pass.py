@@ -357,6 +357,21 @@ class GatherByIds(torch.nn.Module):
         return self.head(x + x[ids.flatten() % x.shape[0]]).view(ids.shape[0], ids.shape[1], 64)
 
 
+class WriteIntoWhole(torch.nn.Module):
+    """The rank's tokens added in place into a whole buffer of the sequence's length: the
+    buffer would be selected at the rank's positions, a copy, and the write lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        buf = torch.zeros(x.shape[0], SEQ, 16) + 1.0
+        buf.add_(x)
+        return self.head(buf)
+
+
 def _sum_loss(logits, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
 
@@ -369,6 +384,7 @@ def _weighted_loss(logits, y):
 @pytest.mark.parametrize("model, loss, c, method, refused", [
     (RunningSum, None, 2, "all-gather", "cumsum"),                  # the engine's op rules
     (GatherByIds, None, 2, "all-gather", "not positions among them"),   # an index's values
+    (WriteIntoWhole, None, 2, "all-gather", "writes add in place but reads it converted"),
     (lambda: gpt(seq=SEQ, dropout=0.1), None, 2, "ring", "attention dropout 0.1"),
     (lambda: gpt(seq=SEQ), None, 8, "all-to-all", "with 4 heads"),   # heads over c
     (lambda: gpt(seq=SEQ), _sum_loss, 2, "all-gather", "not reduced by its mean"),
