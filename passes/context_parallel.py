@@ -86,8 +86,8 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.sharding import (MATMUL_OPS, METHOD_FIX, NO_LAYOUT, NO_VALUE,
-                                     SUBMODULE_CALL, Partial, Replicate, Shard,
+from autopar.passes.sharding import (MATMUL_OPS, METHOD_FIX, NEW_FACTORIES, NO_LAYOUT,
+                                     NO_VALUE, SUBMODULE_CALL, Partial, Replicate, Shard,
                                      context_layouts, context_refusal,
                                      dropout_refusal, loss_refusal, method_refusal, packet,
                                      seq_dim_refusal)
@@ -121,7 +121,7 @@ _BLOCKS = {shard_rt.local_blocks, shard_rt.shuffle_blocks,   # (x, group, dim, b
            shard_rt.unshuffle_blocks}
 # ops whose arguments name sizes: (x, sizes) or unflatten's (x, dim, sizes)
 _SIZED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.broadcast_to,
-          aten.unflatten}
+          aten.unflatten, *NEW_FACTORIES}   # (x.new_empty(sizes): a buffer shaped like x)
 # factories the engine made the rank's own size (rows in a sorted order: an arange from 0 by 1,
 # a buffer): (sizes) or arange's (end) / (0, end[, 1])
 _FACTORIES = {aten.zeros, aten.ones, aten.full, aten.empty, aten.arange}
@@ -387,8 +387,9 @@ class _ContextRewrite:
         self.resize(n, d)
         if d is not None:
             self.rg.mark(n, d)
-        elif n.meta.get(K.CP_PARTIAL):
-            return   # the rank's summand of a sum over its tokens (or its counts of them)
+        elif n.meta.get(K.CP_PARTIAL) or op in NEW_FACTORIES:
+            return   # the rank's summand of a sum over its tokens (or its counts of them); a
+            # whole buffer x.new_zeros(sizes) reads no value of the rank's tokens x
         elif isinstance(n.meta.get(K.VAL), torch.Tensor) and n.meta[K.VAL].dim() > 0:
             # split inputs, a whole output the engine never decided: a node the tensor-parallel
             # pass made from an input without a layout; stop here rather than run it on the

@@ -50,8 +50,8 @@ import torch.fx as fx
 from autopar.passes import meta as K
 from autopar.passes.sharding.elementwise import pointwise_rule
 from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
-from autopar.passes.sharding.ops import (MATMUL_OPS, NO_VALUE, SOFTMAX, TRANSPARENT,
-                                         is_grouped_mm, is_pointwise, is_tensor, like,
+from autopar.passes.sharding.ops import (MATMUL_OPS, NEW_FACTORIES, NO_VALUE, SOFTMAX,
+                                         TRANSPARENT, is_grouped_mm, is_pointwise, is_tensor, like,
                                          matmul_operands, norm_dim, packet, shape, tensor_args)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import rule_for
@@ -210,6 +210,9 @@ class ContextPropagator(Propagator):
         else:
             super().visit(node)
             _follow_addresses(self, node)
+            if _writes_converted(self, node):
+                raise context_refusal(node, f"it writes {node.args[0].name} in place but reads "
+                                            f"it converted (the write would land in a copy)")
         lay = self.layout.get(node)
         if isinstance(lay, Shard):
             s = shape(node)
@@ -222,7 +225,8 @@ class ContextPropagator(Propagator):
         """A value (not a scalar, not a loss) computed whole from the rank's tokens: the rewrite
         would run it on the wrong shapes."""
         return (node.op == "call_function" and bool(shape(node))
-                and packet(node) not in NO_VALUE and node.target is not operator.getitem
+                and packet(node) not in NO_VALUE | NEW_FACTORIES   # (a buffer: no values read)
+                and node.target is not operator.getitem
                 and self.role.get(node) != "context_loss"
                 and not isinstance(self.layout.get(node), (Counts, Partial))
                 and any(isinstance(self.get(a), Shard) for a in tensor_args(node)))
@@ -423,6 +427,15 @@ def relayable(p: ContextPropagator, arg: Any, consumer: fx.Node, want: Shard) ->
     if op is aten.arange:
         p.addresses[arg] = want   # its values: positions among its own rows
     return True
+
+
+def _writes_converted(p: ContextPropagator, node: fx.Node) -> bool:
+    """An in-place op (add_, copy_, scatter_, ...) whose destination the engine put a conversion
+    on (a selection, a gather, a sum): it would write into the converted copy, and the buffer
+    (or the base a sliced destination views) would never see the write."""
+    return (node.op == "call_function" and bool(node.args)
+            and torch.Tag.inplace in getattr(node.target, "tags", ())
+            and node.args[0] in p.convert.get(node, {}))
 
 
 def _follow_addresses(p: ContextPropagator, node: fx.Node) -> None:

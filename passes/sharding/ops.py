@@ -21,8 +21,10 @@ TRANSPARENT = {aten.alias, aten.detach, aten.to, aten._to_copy, aten.clone, aten
                 aten.lift_fresh_copy, aten.type_as}
 RESHAPES = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten,
              aten.squeeze, aten.unsqueeze}
+# x.new_empty(sizes) and its kin: a fresh buffer of x's dtype and device (x's values unread)
+NEW_FACTORIES = frozenset({aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full})
 SIZE_ARG_OPS = frozenset({aten.view, aten.reshape, aten._unsafe_view, aten.expand,
-                          aten.broadcast_to})
+                          aten.broadcast_to}) | NEW_FACTORIES   # (x, sizes, ...)
 _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as, aten.alias,
                              aten.contiguous, aten.detach, aten.lift_fresh_copy, aten.zeros_like,
                              aten.ones_like, aten.empty_like, aten.full_like,

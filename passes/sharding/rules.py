@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.fx as fx
 
-from autopar.passes.sharding.elementwise import pointwise_rule, replicated
-from autopar.passes.sharding.ops import (MATMUL_OPS, NLL_OPS, REDUCE_DIM, SOFTMAX, SPLIT_OPS,
-                                         is_grouped_mm, is_pointwise, packet)
+from autopar.passes.sharding.elementwise import (copy_rule, new_factory_rule, pointwise_rule,
+                                                replicated)
+from autopar.passes.sharding.ops import (MATMUL_OPS, NEW_FACTORIES, NLL_OPS, REDUCE_DIM, SOFTMAX,
+                                         SPLIT_OPS, is_grouped_mm, is_pointwise, packet)
 from autopar.passes.sharding.products import (baddbmm_rule, embedding_rule, grouped_mm_rule,
                                               matmul_rule, sdpa_rule)
 from autopar.passes.sharding.reductions import (cross_entropy_rule, nll_rule, norm_rule,
                                                 reduce_rule, softmax_rule)
-from autopar.passes.sharding.views import (cat_rule, expand_rule, index_rule,
+from autopar.passes.sharding.views import (cat_rule, expand_rule, gather_scatter_rule, index_rule,
                                            repeat_interleave_rule, reshape_rule, slice_rule,
                                            split_rule, stack_rule, transpose_rule)
 
@@ -55,6 +56,11 @@ RULES: dict[Any, Rule] = {
     aten.scaled_dot_product_attention: sdpa_rule,
     aten.cross_entropy_loss: cross_entropy_rule,
     **{op: nll_rule for op in NLL_OPS},
+    **{op: new_factory_rule for op in NEW_FACTORIES},
+    aten.copy_: copy_rule, aten.copy: copy_rule,
+    **{op: gather_scatter_rule for op in (aten.gather, aten.scatter, aten.scatter_,
+                                          aten.scatter_add, aten.scatter_add_,
+                                          aten.scatter_reduce, aten.scatter_reduce_)},
 }
 
 

@@ -239,3 +239,32 @@ def stack_rule(p: Propagator, node: fx.Node) -> Layout:
         return R
     lay = pointwise_same_shape(p, node, tensors, shards[0][1])
     return replace(lay, dim=lay.dim + (lay.dim >= dim))
+
+
+def gather_scatter_rule(p: Propagator, node: fx.Node) -> Any:
+    """x.gather(d, idx) / x.scatter(d, idx, src or value) (scatter_add, scatter_reduce, in
+    place or not): position for position along every dim but d, so a split along another dim
+    (a router's per-token picks among its experts: transformers' DeepSeek-V3 group mask) is
+    kept where x, idx and src agree on it; along d it conflicts. In place, x is written: it
+    keeps its own layout (never converted: a conversion would write into a copy) and the
+    others are demanded in it; whole, every operand is read whole."""
+    x, idx = node.args[0], node.args[2]
+    d = norm_dim(node.args[1], len(shape(x)))
+    src = node.args[3] if len(node.args) > 3 else node.kwargs.get("src")
+    operands = [a for a in (x, idx, src) if isinstance(a, fx.Node)]
+    inplace = torch.Tag.inplace in getattr(node.target, "tags", ())
+    first = next((l for _, l in split_operands(p, node, operands)), None)
+    lay = p.eff(node, x) if inplace else first
+    if not isinstance(lay, Shard):
+        return replicated(p, node)
+    if lay.dim == d:
+        raise Conflict(lay.origins, node, f"{node.name}: a gather / scatter along the split "
+                                          f"dim (dim {d})")
+    if any(len(shape(a)) != len(shape(x)) or shape(a)[lay.dim] != shape(x)[lay.dim]
+           for a in operands):
+        raise Conflict(lay.origins, node, f"{node.name}: a gather / scatter whose operands "
+                                          f"differ in length along the split dim")
+    for a in operands:
+        if not (inplace and a is x):
+            p.demand(node, a, lay)
+    return lay

@@ -4,7 +4,8 @@ rtol 1e-4 / atol 1e-5): Qwen3-MoE with MoE every other layer (decoder_sparse_ste
 mlp_only_layers and SmolLM3's no_rope_layers were verified once, not kept), DeepSeek-V3 with a
 dense first layer (first_k_dense), Cohere2 with a sliding-window layer with rotary and a
 full-attention layer without: p = 2 cuts between blocks of different kinds. GPT-OSS at t = 2
-(one kv head) and c = 2: its per-head attention sinks split with the heads. Swin
+(one kv head) and c = 2: its per-head attention sinks split with the heads. DeepSeek-V3 at
+c = 2, all-gather and all-to-all. Swin
 (hierarchical): two stages of blocks of different widths, the second block of each shifting
 its windows (a roll), a patch-merging step between them (counted in the block before it);
 p = 2 cuts between the two stages. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
@@ -38,7 +39,9 @@ SEQ = 8
 
 # labelled variants of tests/models.py's builders (a label without an entry is the builder)
 VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1}),
-            "albert_g2": ("hf_albert", {"layers": 4, "groups": 2})}
+            "albert_g2": ("hf_albert", {"layers": 4, "groups": 2}),
+            "deepseek_a2a": ("hf_deepseek_v3", {})}
+METHODS = {"deepseek_a2a": "all-to-all"}   # plan.cp_attention (others: the all-gather)
 LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4}   # others: 2
 
 
@@ -62,7 +65,9 @@ def _loss(name: str):
 
 def _runs(names: tuple[str, ...], mode: str) -> list[tuple[str, Plan]]:
     """(label, plan) of each model (one process group for all)."""
-    return [(label, _plan(mode, LAYERS.get(label, 2))) for label in names]
+    return [(label, dataclasses.replace(_plan(mode, LAYERS.get(label, 2)),
+                                        cp_attention=METHODS.get(label, "all-gather")))
+            for label in names]
 
 
 def _rank(rank: int, world: int, runs: list[tuple[str, Plan]]) -> list[tuple]:
@@ -108,15 +113,16 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
 # ep = 2 × d = 2, and with Swin at p = 2 (each stage one dense and one MoE layer); the MoE
 # families (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut
-# between its dense and its MoE layer. At c = 2 also Qwen3-MoE alternating and the decoder
-# calling one block twice (DeepSeek-V3's latent attention is refused at c = 2 in one line:
-# expand_kv's new_empty has no sequence-split rule; docs/known-gaps.md).
+# between its dense and its MoE layer. At c = 2 also Qwen3-MoE alternating, the decoder
+# calling one block twice and DeepSeek-V3 with the all-gather and with all-to-all attention
+# (its latent attention's key buffer, expand_kv's new_empty filled by slice copies, and its
+# router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
-    (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block"),
-     "c2"),
+    (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
+      "deepseek_a2a"), "c2"),
     (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)

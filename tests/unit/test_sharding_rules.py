@@ -4,6 +4,7 @@ views, reductions, products, and the context mode's rules."""
 from __future__ import annotations
 
 import ast
+import operator
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,60 @@ def test_attention_splits_by_heads_and_an_indivisible_head_count_falls_back():
     assert "do not divide by t=4" in info.fallbacks[0].reason
     assert attn.meta[K.TP_LAYOUT] == R
 
+
+
+def test_a_buffer_made_like_a_split_value_is_split_and_copies_write_into_it():
+    """x.new_empty(sizes of x, but its last dim) takes x's head split (DeepSeek-V3's key
+    buffer); each slice copy writes into it unconverted, a replicated source (one key part for
+    every head, expanded) sliced locally to the rank's heads; a new_zeros of another rank is
+    whole and reads nothing of x."""
+    G = _Graph()
+    x, w, r = G.input("x", B, T, C), G.param("w", C, C), G.input("r", B, 1, T, 2)
+    heads = G.op(aten.transpose.int, G.op(aten.view.default, G.op(aten.linear.default, x, w),
+                                          [B, T, 2, C // 2]), 1, 2)      # (B, 2, T, 4)
+    buf = G.op(aten.new_empty.default, heads, [B, 2, T, C // 2 + 2])
+    rot = G.op(aten.expand.default, r, [-1, 2, -1, -1])
+    writes = [G.op(aten.copy_.default, G.op(aten.slice.Tensor, buf, 3, 0, C // 2), heads),
+              G.op(aten.copy_.default, G.op(aten.slice.Tensor, buf, 3, C // 2), rot)]
+    bias = G.op(aten.new_zeros.default, heads, [C // 2 + 2])
+    p = _engine(G.module(G.op(aten.add.Tensor, buf, bias))).run()
+    assert p.layout[buf] == p.layout[heads] == Shard(1, (2,), origins=p.layout[heads].origins)
+    assert all(p.layout[w] == p.layout[buf] and w.args[0] not in p.convert.get(w, {})
+               for w in writes)
+    assert p.convert[writes[1]] == {rot: p.layout[buf]}    # the shared part: the rank's heads
+    assert p.layout[bias] == R and heads not in p.convert.get(bias, {})
+
+
+def test_context_mode_keeps_a_per_token_scatter_and_refuses_one_along_the_tokens():
+    """A router's group mask: zeros_like(scores).scatter_(-1, topk indices, 1) writes each
+    token's own row, so the rank's tokens stay split (the mask written unconverted); gather
+    along the features likewise; a scatter along the tokens is refused in one line."""
+    G = _Graph()
+    x, w = G.input("x", B, T, C), G.param("w", C, C)
+    h = G.op(aten.linear.default, x, w)
+    idx = G.op(operator.getitem, G.op(aten.topk.default, h, 2), 1)
+    idx.meta[K.VAL] = torch.empty(B, T, 2, dtype=torch.long, device="meta")
+    mask = G.op(aten.scatter_.value, G.op(aten.zeros_like.default, h), 2, idx, 1.0)
+    picked = G.op(aten.gather.default, h, 2, idx)
+    p = _context_walk(G.module(G.op(aten.mul.Tensor, mask, h)))
+    tokens = Shard(1, (T,), seq=True)
+    assert p.layout[mask] == p.layout[picked] == tokens and mask not in p.convert
+    G = _Graph()
+    h = G.input("x", B, T, C)
+    idx = G.input("i", B, T, C, dtype=torch.long)
+    along = G.op(aten.scatter.value, h, 1, idx, 1.0)
+    with pytest.raises(ValueError, match=r"^context parallelism: node scatter_value .*"
+                                         r"a gather / scatter along the sequence \(dim 1\); .*c=1$"):
+        _context_walk(G.module(along))
+
+
+def _context_walk(gm: fx.GraphModule) -> ContextPropagator:
+    """The context mode over every node but the output (which would read the tokens whole)."""
+    p = ContextPropagator(gm, 2, T)
+    for n in gm.graph.nodes:
+        if n.op != "output":
+            p.visit(n)
+    return p
 
 # ----- the context mode ----------------------------------------------------------------------
 
