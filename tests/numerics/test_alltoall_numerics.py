@@ -108,10 +108,12 @@ def test_hybrid_c4_with_t_p_d_equals_one_device():
     node = 2 context ranks a node, so k = 2 inner × 2 nodes), the hybrid with p = 2 under
     interleaved 1F1B (GPT, v = 2: the exchanges of each chunk's attention in its own micro-
     batch order), hybrid-ring under full recompute with d = 2 (the Llama-style model: the
-    inner all-to-all and the outer ring run again in the recomputed forward) and hybrid-ring
+    inner all-to-all and the outer ring run again in the recomputed forward), hybrid-ring with
+    t = 2 and SP (the Llama-style model as above, the ring over the 2 nodes) and hybrid-ring
     in bf16 with d = 2 (GPT, against one device in bf16, clipped so the check can fail);
     2 ranks a node where p or d take the outer factor, so the 4 context ranks span 2 nodes.
-    Each equals one device (fp32: rtol 1e-4 / atol 1e-5)."""
+    Each equals one device (fp32: rtol 1e-4 / atol 1e-5), every rank at k = 2. Cost: ~60
+    CPU-s summed over the 8 ranks (2026-11-26, 2-core host), so ~35 s on it idle."""
     from programs import adamw_decayed, check_case, compare_training, spawn_cases
     hybrid = dict(c=4, cp_attention="hybrid")
     ring = dict(c=4, cp_attention="hybrid-ring")
@@ -122,6 +124,8 @@ def test_hybrid_c4_with_t_p_d_equals_one_device():
             v=2, schedule="interleaved-1f1b", **PIPELINE), **hybrid)),
         "hybrid-ring d=2 full recompute": (2, "llama_style", a2a(make_plan(d=2),
                                                                  recompute="full", **ring)),
+        "hybrid-ring t=2 sp": (4, "llama_style", a2a(make_plan(t=2), sequence_parallel=True,
+                                                       **ring)),
     }
     bf16 = a2a(make_plan(d=2), **ring)
     jobs = {k: ((n, name, plan), {}) for k, (n, name, plan) in cases.items()}
