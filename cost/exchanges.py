@@ -214,6 +214,40 @@ def hybrid_attention_s(profile: ModelProfile, cluster: Cluster,
     return one, one
 
 
+# Where both hybrids are weighed, hybrid-ring is weighed only where its exchange costs no more
+# in total than the hybrid's; elsewhere the methods are weighed as without it (the ring over
+# all c ranks the memory-lean one: hybrid-ring saves none of the other ranks' K/V, the hybrid
+# their heads/k share). Not strict dominance: where the hybrid is faster but does not fit and
+# hybrid-ring would, the ring is weighed instead. Measured (2026-11-26, hybrid-tp, hybrid-ring
+# added to the free set in a trial): weighed beside the hybrid as a second memory-lean method
+# it grew the 1T's search (3,072 A100) 2,660 -> 2,860 families built and 189,316 -> 202,096
+# configurations, its cheaper bounds building families that never win; with this rule the
+# counts are the base's (the 1T 2,660 / 189,316, Llama 3 405B at 8K on 16,384 H100 390 -> 372
+# / 20,780 -> 19,912) and the free choice takes it where it wins: Llama 3 405B at 131,072
+# tokens on 16,384 H100 t=4 c=32 12.11 s/step (the hybrid 12.12), a multi-head 8B at 131,072
+# on 128 H100 t=1 c=16 4.25 s/step (the hybrid 4.34): benchmarks/context_parallel.py --choices.
+HYBRID_RING_SLOWER = (
+    "slower exchange: hybrid-ring context attention costs more in total than hybrid at the same "
+    "knobs (cost.model.context_comm_s); it is weighed only where it costs no more, the ring "
+    "being the memory-lean method")
+
+
+def hybrid_ring_weighed(cost: dict[str, tuple[float, float]]) -> bool:
+    """Whether hybrid-ring is weighed among the context methods `cost` prices at the same
+    knobs ({method: (forward, forward + backward + recompute) exchange seconds},
+    `context_comm_s`): True unless both hybrids are there and hybrid-ring's total exceeds the
+    hybrid's (`HYBRID_RING_SLOWER`; drop it before the dominance test, cost/families.py
+    `_Exchanges._undominated`).
+
+    Example: {"hybrid": (1.0, 3.0), "hybrid-ring": (1.1, 2.9)} -> True (kept beside the
+    hybrid: a slower forward); {"hybrid": (1.0, 3.0), "hybrid-ring": (0.8, 3.2)} -> False;
+    {"ring": (1.0, 3.0), "hybrid-ring": (2.0, 6.0)} -> True (no hybrid to stand in).
+    """
+    if "hybrid" not in cost or "hybrid-ring" not in cost:
+        return True
+    return cost["hybrid-ring"][1] <= cost["hybrid"][1]
+
+
 def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     """Bytes per layer per micro-batch of the other context ranks' K/V that cfg's context
     attention saves for the backward on one rank (on the rank's profile; none under full

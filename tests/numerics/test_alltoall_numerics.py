@@ -7,7 +7,9 @@ ulysses.py). GPT (is_causal, multi-head) alone, with d = 2 and ZeRO-3, and with 
 tensor rank's heads split again over c), sequence parallelism and selective recompute, and
 with p = 2 under interleaved zero-bubble (the exchange's backward in B) and full recompute;
 unmodified transformers Llama (an explicit causal mask read whole); multi-query Falcon (one
-kv head < c: repeated before the exchange); bf16."""
+kv head < c: repeated before the exchange); bf16. The hybrids ("hybrid", "hybrid-ring": the
+all-to-all inside a node, the all-gather or the ring across) at c = 4 = 2 × 2 on ranks posing
+as nodes of 2 (or 4 with t = 2), alone and with t = 2 + SP, p = 2, d = 2, recompute, bf16."""
 from __future__ import annotations
 
 import pytest
@@ -40,14 +42,36 @@ def test_alltoall_c2_bf16_equals_one_device_bf16():
     check_training("gpt", a2a(make_plan()), precision="bf16", max_norm=0.05)
 
 
-def _two_nodes(rank, world, *args, **kwargs):
-    """train_rank as on 2 nodes of 2 ranks (torchrun --nnodes 2 --nproc-per-node 2 sets
-    LOCAL_WORLD_SIZE so): the hybrid's inner degree is read from it."""
+def _on_nodes(rank, world, ranks_per_node, *args, **kwargs):
+    """(train_rank's result, {(ring across?, inner degree k): calls}) as on nodes of
+    `ranks_per_node` ranks (torchrun --nproc-per-node sets LOCAL_WORLD_SIZE so: the hybrid's
+    inner degree is read from it at compile()); the calls counted at the hybrid's body, with
+    the k it runs at (so a hybrid that fell back to k = 1, the all-gather, is seen)."""
     import os
+    from collections import Counter
 
+    from autopar.runtime import groups, ulysses
     from programs import train_rank
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    return train_rank(rank, world, *args, **kwargs)
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
+    seen, body = Counter(), ulysses._hybrid
+
+    def counted(q, k, v, cp, *rest, ring):
+        seen[ring, groups.hybrid_inner_degree(cp.c, q.shape[1], cp.node_ranks)] += 1
+        return body(q, k, v, cp, *rest, ring=ring)
+    ulysses._hybrid = counted
+    try:
+        return train_rank(rank, world, *args, **kwargs), dict(seen)
+    finally:
+        ulysses._hybrid = body
+
+
+def _split_at_k2(label: str, plan: Plan, results: list) -> list:
+    """train_rank's per-rank results of an `_on_nodes` case, after checking that every rank
+    ran the plan's hybrid method at inner degree k = 2 (and nothing else)."""
+    ring = plan.cp_attention == "hybrid-ring"
+    for r, (_, seen) in enumerate(results):
+        assert set(seen) == {(ring, 2)}, f"case {label}: rank {r} ran the hybrid as {seen}"
+    return [res for res, _ in results]
 
 
 def test_hybrid_c4_equals_one_device():
@@ -58,8 +82,8 @@ def test_hybrid_c4_equals_one_device():
     full recompute (both exchanges run again in the recomputed forward) and GPT in bf16 against
     one device in bf16 (clipped, so the check can fail), and "hybrid-ring" (the ring over the
     2 nodes instead of the all-gather: ulysses.context_hybrid_ring_attention) on GPT and the
-    Llama-style model, one spawn. (t = 2 with SP, or p = 2,
-    needs 8 ranks at c = 4 = 2 × 2: not run here; the all-to-all covers them at c = 2.)"""
+    Llama-style model, one spawn; every rank ran the method at k = 2 (`_split_at_k2`). With
+    t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device."""
     from programs import adamw_decayed, check_case, compare_training, spawn_cases
     cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
              for name in ("gpt", "llama_style")}
@@ -68,9 +92,46 @@ def test_hybrid_c4_equals_one_device():
     for name in ("gpt", "llama_style"):   # the ring across (hybrid-ring) in the same spawn
         cases[f"{name} ring across"] = (name, a2a(make_plan(), c=4, cp_attention="hybrid-ring"))
     bf16 = a2a(make_plan(), c=4, cp_attention="hybrid")
-    jobs = {k: (c, {}) for k, c in cases.items()}
-    jobs["gpt bf16"] = (("gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
-    results = spawn_cases(_two_nodes, 4, jobs)
+    jobs = {k: ((2, *c), {}) for k, c in cases.items()}
+    jobs["gpt bf16"] = ((2, "gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
+    results = spawn_cases(_on_nodes, 4, jobs)
     for label, case in cases.items():
-        check_case(label, case, results[label])
-    compare_training("gpt", bf16, results["gpt bf16"], max_norm=0.05, precision="bf16")
+        check_case(label, case, _split_at_k2(label, case[1], results[label]))
+    compare_training("gpt", bf16, _split_at_k2("gpt bf16", bf16, results["gpt bf16"]),
+                     max_norm=0.05, precision="bf16")
+
+
+def test_hybrid_c4_with_t_p_d_equals_one_device():
+    """The hybrid methods at c = 4 = 2 × 2 with the other degrees, on 8 ranks, one spawn:
+    the hybrid with t = 2 and sequence parallelism (the Llama-style model: 2 query heads and
+    1 kv head per tensor rank, the kv head repeated to 2 for the inner all-to-all; 4 ranks a
+    node = 2 context ranks a node, so k = 2 inner × 2 nodes), the hybrid with p = 2 under
+    interleaved 1F1B (GPT, v = 2: the exchanges of each chunk's attention in its own micro-
+    batch order), hybrid-ring under full recompute with d = 2 (the Llama-style model: the
+    inner all-to-all and the outer ring run again in the recomputed forward), hybrid-ring with
+    t = 2 and SP (the Llama-style model as above, the ring over the 2 nodes) and hybrid-ring
+    in bf16 with d = 2 (GPT, against one device in bf16, clipped so the check can fail);
+    2 ranks a node where p or d take the outer factor, so the 4 context ranks span 2 nodes.
+    Each equals one device (fp32: rtol 1e-4 / atol 1e-5), every rank at k = 2. Cost: ~60
+    CPU-s summed over the 8 ranks (2026-11-26, 2-core host), so ~35 s on it idle."""
+    from programs import adamw_decayed, check_case, compare_training, spawn_cases
+    hybrid = dict(c=4, cp_attention="hybrid")
+    ring = dict(c=4, cp_attention="hybrid-ring")
+    cases = {   # label: (ranks per node, model, plan)
+        "hybrid t=2 sp": (4, "llama_style", a2a(make_plan(t=2), sequence_parallel=True,
+                                                  **hybrid)),
+        "hybrid p=2 interleaved-1f1b": (2, "gpt", a2a(make_plan(
+            v=2, schedule="interleaved-1f1b", **PIPELINE), **hybrid)),
+        "hybrid-ring d=2 full recompute": (2, "llama_style", a2a(make_plan(d=2),
+                                                                 recompute="full", **ring)),
+        "hybrid-ring t=2 sp": (4, "llama_style", a2a(make_plan(t=2), sequence_parallel=True,
+                                                       **ring)),
+    }
+    bf16 = a2a(make_plan(d=2), **ring)
+    jobs = {k: ((n, name, plan), {}) for k, (n, name, plan) in cases.items()}
+    jobs["hybrid-ring d=2 bf16"] = ((2, "gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
+    results = spawn_cases(_on_nodes, 8, jobs)
+    for label, (_, name, plan) in cases.items():
+        check_case(label, (name, plan), _split_at_k2(label, plan, results[label]))
+    compare_training("gpt", bf16, _split_at_k2("bf16", bf16, results["hybrid-ring d=2 bf16"]),
+                     max_norm=0.05, precision="bf16")

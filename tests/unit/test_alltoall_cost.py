@@ -9,7 +9,8 @@ heads allow it; it is the all-gather where no inner degree fits (priced the same
 chosen over it); it saves 1/k of the all-gather's K/V; it is refused where no divisor of c
 divides the heads; the free solver picks it across nodes and explain() says why. The hybrid
 with the ring across ("hybrid-ring", pin-only): the ring's formula with c/k steps on the outer
-link, no other ranks' K/V saved, the ring where no inner degree fits."""
+link, no other ranks' K/V saved, the ring where no inner degree fits; the rule that would weigh
+it freely (exchanges.hybrid_ring_weighed: only where its total is no more than the hybrid's)."""
 from __future__ import annotations
 
 import pytest
@@ -213,3 +214,28 @@ def test_hybrid_ring_is_pinned_not_weighed():
     for how in ("hybrid", "hybrid-ring"):   # pinned with c: refused in one line, up front
         with pytest.raises(ValueError, match=f"cp_attention='{how}': hybrid attention trades"):
             solve(odd, H100, gpus=32, global_batch_size=4, t=8, c=4, cp_attention=how)
+
+
+def test_hybrid_ring_weighed_only_where_its_total_is_no_more_than_the_hybrids():
+    """exchanges.hybrid_ring_weighed, the rule to weigh hybrid-ring freely beside the hybrid
+    without growing the search (not yet wired: cost/families.py `_Exchanges`): c = 16 over two
+    8-GPU nodes, at 131,072 tokens the outer hop hides under a ring step's attention and
+    hybrid-ring's total is below the hybrid's (weighed); at 8,192 the short steps hide nothing
+    and the ring's backward (two blocks a hop, the last one home) costs more than the
+    all-gather's reduce-scatter (not weighed, though its forward is cheaper); without the
+    hybrid beside it, always weighed."""
+    from autopar.cost.exchanges import hybrid_ring_weighed
+
+    def pair(seq: int) -> dict[str, tuple[float, float]]:
+        out = {}
+        for how in ("hybrid", "hybrid-ring"):
+            cfg = Config(t=1, c=16, p=1, d=1, cp_attention=how)
+            out[how] = context_comm_s(rank_profile(_model(seq, kv_heads=32), H100, cfg), H100,
+                                      cfg)
+        return out
+    long, short = pair(131072), pair(8192)
+    assert long["hybrid-ring"][1] < long["hybrid"][1] and hybrid_ring_weighed(long)
+    assert short["hybrid-ring"][0] < short["hybrid"][0] < short["hybrid"][1] < \
+        short["hybrid-ring"][1] and not hybrid_ring_weighed(short)
+    assert hybrid_ring_weighed({"ring": (1.0, 3.0), "hybrid-ring": short["hybrid-ring"]})
+    assert hybrid_ring_weighed({"hybrid": (1.0, 3.0), "hybrid-ring": (1.1, 3.0)})  # ties kept
