@@ -16,7 +16,8 @@ the time a synchronous save blocks the loop, against the time an asynchronous sa
 after, unclipped; medians of --rounds, the slowest rank's). The asynchronous saves measured
 follow the job's first, which starts each rank's writer process and allocates its shared
 staging buffer, once per job. Also: the CPU seconds the writer process uses per save (what
-a host without idle cores loses to it, free of the wall-clock noise of a shared machine), the
+a host without idle cores loses to it, free of the wall-clock noise of a shared machine) and
+the stall that implies there (block + the writers' CPU seconds / cores: an estimate), the
 load it replaced (the unsharded local state it built). The machine may be shared: read the
 medians, and rerun.
 
@@ -227,6 +228,15 @@ def main() -> None:
               f"per save (median; the slowest rank's): what a saturated host's training loses "
               f"to it, whatever the wall-clock noise; a sync save used "
               f"{max(r['sync_cpu_s'] for r in rows):.2f} CPU-s of its rank")
+        # derived, not measured: with no idle core, the lock-stepped ranks lose the writers'
+        # CPU spread over the host's cores, on top of the time an async save blocks
+        block = max(r["async_block_s"] for r in rows)
+        writers = sum(r["writer_cpu_s"] for r in rows)
+        cores = os.cpu_count() or 1
+        print(f"  if no core is idle: block {block:.2f} s + the {len(rows)} writers' "
+              f"{writers:.2f} CPU-s over {cores} cores = {block + writers / cores:.2f} s = "
+              f"{(block + writers / cores) / sync:.2f} × the sync save (an estimate from the "
+              f"CPU seconds, free of the wall-clock noise)")
         print(f"  the load it replaced built {rows[0]['old_load_built'] * mb:.1f} MiB of "
               f"unsharded local state on each rank "
               f"({rows[0]['old_load_built'] / rows[0]['held']:.1f}× the shard state); the "

@@ -2,10 +2,11 @@
 
 Format. Every parameter (and every optimizer-state tensor, which follows its parameter's
 slicing) is stored as pieces of the *logically full* tensor, each written by one rank, each a
-box of the full tensor: in a program's checkpoint (below) under the DCP key
-f"{key}@[lo:hi,...]" with the layout piece [box, dcp_key] — or, written asynchronously, inside
-one of the rank's few byte packs (DCP items f"pack/{rank}/{k}", layout piece [box, pack key,
-byte offset], the piece's bytes contiguous in the pack); in `save_checkpoint`'s (a tensor
+box of the full tensor: in a program's checkpoint (below) inside the rank's raw byte pack
+(a DCP bytes item f"pack/{rank}/{k}", autopar.runtime.ckpt_packs; layout piece [box, pack key,
+byte offset], the piece's bytes contiguous in the pack; checkpoints written before 2026-11-26
+hold a DCP tensor item per piece, key f"{key}@[lo:hi,...]", piece [box, dcp_key], or uint8
+tensor packs; all load); in `save_checkpoint`'s (a tensor
 per rank) a tensor-split piece under f"{key}@{dim}:{start}-{stop}" (rows [start, stop) of split
 dim `dim`, vocabulary padding dropped; layout piece [start, stop, dcp_key]), a replicated tensor
 under `key`, written by data-parallel rank 0 (tensor rank 0 for tensor-replicated tensors, the
@@ -34,9 +35,10 @@ fp32 value (the masters under bf16) and the optimizer state, from what the progr
 regime holds (`Regime.shard_state()`: ZeRO segments, or whole tensors the replicas split
 between them) — nothing is gathered; autopar.runtime.ckpt_pieces turns flat ranges into boxes
 (fused q/k/v slices, padded rows and expert slices included) and bounds each piece to 1/16 of
-the rank's shard, the staging DCP's writer does one piece at a time. Synchronous, or
-asynchronous (async_save: a shared host copy, written by a background process of the rank:
-autopar.runtime.ckpt_writer, as a few byte packs of ≤ PACK_BYTES instead of an item per piece).
+the rank's shard (what a piece that is not contiguous host memory is copied through, one at a
+time). Synchronous (the pieces written straight from the regime's memory into the rank's pack)
+or asynchronous (async_save: a shared host copy, written by a background process of the rank:
+autopar.runtime.ckpt_writer; the same pack, byte for byte).
 
 Safety: loading unpickles nothing but DCP's metadata, through an unpickler that accepts only
 DCP's own metadata classes, dtypes and sizes, and each item's tensor description, with
@@ -59,6 +61,7 @@ import torch.distributed.checkpoint as dcp
 
 from autopar.runtime.ckpt_load import (dtype_of, load_into_shards, piece_box, read_boxes,
                                        volume)
+from autopar.runtime.ckpt_packs import Pack, PackWriter, packs_of
 from autopar.runtime.ckpt_pieces import sharded_entries
 from autopar.runtime.ckpt_store import (LAYOUT_FILE, ChecksumFileSystem, adopt_copy,
                                         checkpoint_group, choose_version, commit,
@@ -70,8 +73,9 @@ from autopar.runtime.shard import gather_unshard, local_shard
 
 PLAN_FILE = "plan.json"
 FORMAT = "autopar-checkpoint-1"
-PACK_BYTES = 256 << 20   # an asynchronous save's pack size (not fitted: few items a rank,
-#                          each well under a host's memory; a load reads byte ranges of it)
+PACK_BYTES = 1 << 40     # a pack's size bound: one pack a rank in practice (a raw pack is
+#                          only ever read by byte range, never whole; one pack keeps the staged
+#                          buffer's page alignment at file offset 0: ckpt_packs.PackFile)
 
 Tensors = dict[str, tuple[torch.Tensor, ParamInfo]]
 OptimState = dict[str, dict[str, torch.Tensor]]
@@ -161,7 +165,7 @@ def _merge_layout(all_records: list[list[dict]], step: int, plan_json: str,
                 seen[r["name"]].add(key)
                 entry["pieces"].append(r["piece"])
     return {"format": FORMAT, "step": int(step), "plan": plan_json,
-            "user_state": user_state or {}, "tensors": tensors}
+            "user_state": user_state or {}, "byteorder": sys.byteorder, "tensors": tensors}
 
 
 def _check_coverage(layout: dict) -> None:
@@ -206,7 +210,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: Tensors,
     """
     _check_json(user_state)
     state_dict, records = _local_entries(tensors, optimizer_state, groups)
-    save_entries(path, state_dict, records, step, groups, plan_json, user_state)
+    save_entries(path, state_dict, records, step, groups, plan_json, user_state, packed=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,15 +237,17 @@ class WriteJob:
 def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
                  records: list[dict], step: int, groups: Any, plan_json: str = "{}",
                  user_state: dict | None = None, *, keep: int = 1,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, packed: bool = True) -> None:
     """Write this rank's pieces (`state_dict`: DCP key -> tensor, `records`: their layout
     records) as a new version of `path` and commit it (autopar.runtime.ckpt_store): after
     every rank's files are complete, rank 0 writes the layout (with each file's size and
-    CRC-32), repoints the link and keeps the `keep` newest versions. async_save: stage the
-    pieces in shared host memory and hand them to this rank's writer process
+    CRC-32), repoints the link and keeps the `keep` newest versions. packed: the pieces
+    written as a few raw byte packs (autopar.runtime.ckpt_packs), not as a DCP item each
+    (save_checkpoint's whole tensors: items any DCP reader loads). async_save: stage the
+    pieces in shared host memory and hand them, packed, to this rank's writer process
     (autopar.runtime.ckpt_writer; returns at once, the next save or `wait_for_save` waits).
     Collective: every rank calls it with the same path.
-    Why this size: save_checkpoint's pieces and layout inputs, then the two save options."""
+    Why this size: save_checkpoint's pieces and layout inputs, then the three save options."""
     path = Path(path)
     _check_json(user_state)
     WRITER.wait()                                     # one save in flight at a time
@@ -263,23 +269,32 @@ def save_entries(path: str | os.PathLike, state_dict: dict[str, torch.Tensor],
         staged, where = WRITER.stage(state_dict).packed(f"pack/{rank}", PACK_BYTES)
         job = dataclasses.replace(job, records=[_packed(r, where) for r in records])
         WRITER.start(write_version, job, staged, groups)
-    else:
-        with peer_guard("checkpoint save with", group):
-            write_version(job, state_dict, group)
+        return
+    items: dict[str, Any] = state_dict
+    if packed:
+        items, where = packs_of(state_dict, f"pack/{rank}", PACK_BYTES)
+        job = dataclasses.replace(job, records=[_packed(r, where) for r in records])
+    with peer_guard("checkpoint save with", group):
+        write_version(job, items, group)
 
 
-def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any = None
-                  ) -> None:
-    """Write `state_dict` (this rank's pieces) into `job.tmp` with DCP, checksum this rank's
-    files, and — on rank 0, once every rank's records arrived — write the layout and commit.
-    Collective over `group` (None: the default group; the writer process's own)."""
+def write_version(job: WriteJob, state_dict: dict[str, Any], group: Any = None) -> None:
+    """Write `state_dict` (this rank's pieces: tensors, or Packs written raw by
+    ckpt_packs.PackWriter) into `job.tmp` with DCP, checksum this rank's files as they are
+    written, and — on rank 0, once every rank's records arrived — write the layout and
+    commit. Collective over `group` (None: the default group; the writer process's own)."""
     multi = job.world > 1
-    writer = dcp.FileSystemWriter(str(job.tmp))
-    writer.fs = ChecksumFileSystem()                  # checksums as the bytes are written
+    if all(isinstance(v, Pack) for v in state_dict.values()):
+        writer: Any = PackWriter(str(job.tmp))
+        written = writer.written
+    else:
+        writer = dcp.FileSystemWriter(str(job.tmp))
+        writer.fs = ChecksumFileSystem()              # checksums as the bytes are written
+        written = writer.fs.written
     dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=not multi)
     if job.fault == "exit-after-files":
         os._exit(9)                                   # tests: files written, never committed
-    mine = (job.records, {n: writer.fs.written[n] for n in own_files(job.tmp, job.rank)})
+    mine = (job.records, {n: written[n] for n in own_files(job.tmp, job.rank)})
     parts: list[Any] | None = [None] * job.world if job.rank == 0 and multi else None
     if multi:   # rank 0 hears from every rank only once its files are complete
         dist.gather_object(mine, parts, dst=_global(group, 0), group=group)
@@ -287,10 +302,10 @@ def write_version(job: WriteJob, state_dict: dict[str, torch.Tensor], group: Any
         parts = parts or [mine]
         layout = _merge_layout([r for r, _ in parts], job.step, job.plan_json, job.user_state)
         _check_coverage(layout)
-        _write_json(job.tmp / PLAN_FILE, json.loads(job.plan_json))   # the saving plan
+        _write_text(job.tmp / PLAN_FILE, job.plan_json)              # the saving plan
         files = {n: v for _, f in parts for n, v in f.items()}
         layout["files"] = {**files, **file_records(job.tmp, [".metadata", PLAN_FILE])}
-        _write_json(job.tmp / LAYOUT_FILE, layout, compact=True)
+        _write_text(job.tmp / LAYOUT_FILE, json.dumps(layout, separators=(",", ":")))
         commit(job.path, job.tmp, job.uid, job.keep)
     if multi:
         dist.barrier(group=group)
@@ -311,12 +326,13 @@ def close_writer() -> None:
     WRITER.close()
 
 
-def _write_json(file: Path, obj: dict, *, compact: bool = False) -> None:
-    """Write `obj` to `file` atomically (fsync, rename). compact: one line, by json's C
-    encoder (an indented dump runs the pure-Python one: ~14× the CPU for a layout)."""
+def _write_text(file: Path, text: str) -> None:
+    """Write `text` to `file` atomically (fsync, rename). A layout's JSON comes from
+    json.dumps without indent, json's C encoder: json.dump to a file, and any indent, run the
+    pure-Python encoder (~0.2 CPU-s a save for a 4-rank layout of ~500 pieces)."""
     part = file.with_suffix(".part")
     with open(part, "w") as f:
-        json.dump(obj, f, **({"separators": (",", ":")} if compact else {"indent": 1}))
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, file)

@@ -8,8 +8,10 @@ tensors exactly as a save maps it (`ckpt_pieces.flat_boxes`, `split_runs(reading
 rows every tensor rank holds alike are read on every rank, padding rows are zero), and every
 box reads the overlapping parts of the saved pieces (`plan_reads`) — from any plan: other t, c,
 p, d, v, ep and ZeRO level, and the tensor-split pieces of checkpoints written before sharded
-saves. A piece is a DCP item of its own, or (an asynchronous save's) a byte range of one of
-the rank's packs: a 1-D uint8 item, read in ranges the same way at the piece's offset.
+saves. A piece is a DCP item of its own (save_checkpoint's, and sharded saves before
+2026-11-26), or a byte range of one of the rank's packs: a raw bytes item
+(autopar.runtime.ckpt_packs: read at pack offset + piece offset) or, written before, a 1-D
+uint8 tensor item (read in ranges the same way at the piece's offset).
 Nothing of the rank's unsharded local state is ever built.
 
 Bounded reads. DCP's FileSystemReader loads a stored piece whole (torch.load, then narrow),
@@ -50,8 +52,10 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta)
 
+from autopar.runtime.ckpt_packs import nbytes
 from autopar.runtime.ckpt_pieces import Held, flat_boxes, map_box, split_runs
 from autopar.runtime.params import LocalParams
 
@@ -251,8 +255,8 @@ class _Slice(io.RawIOBase):
 class PieceFile:
     """Ranged reads of the DCP items of one checkpoint version (module docstring)."""
 
-    def __init__(self, path: Path, reader: SafeReader):
-        self.path, self.reader = path, reader
+    def __init__(self, path: Path, reader: SafeReader, byteorder: str = sys.byteorder):
+        self.path, self.reader, self.byteorder = path, reader, byteorder
         self._files: dict[str, BinaryIO] = {}
         self._where: dict[str, tuple[str, int] | None] = {}
         self.read_bytes = 0
@@ -273,13 +277,28 @@ class PieceFile:
 
     def packed(self, ref: Ref, shape: list[int], dtype: torch.dtype
                ) -> tuple[str, int] | None:
-        """(file, byte offset) of a piece's contiguous data: inside its pack (a 1-D uint8
-        item) at the piece's byte offset, or a piece item's own (`record`)."""
+        """(file, byte offset) of a piece's contiguous data: inside its pack at the piece's
+        byte offset — a raw bytes item (autopar.runtime.ckpt_packs) or, written before, a 1-D
+        uint8 tensor item — or a piece item's own (`record`)."""
         key, offset = ref
         if offset is None:
             return self.record(key, shape, dtype)
-        size = self.reader.metadata.state_dict_metadata[key].size
-        where = self.record(key, list(size), torch.uint8)
+        meta = self.reader.metadata.state_dict_metadata[key]
+        if isinstance(meta, BytesStorageMetadata):
+            info = self.reader.storage_data[MetadataIndex(key)]
+            if self.byteorder != sys.byteorder or info.transform_descriptors:
+                raise ValueError(f"load_checkpoint: {self.path}: pack {key!r} holds "
+                                 f"{self.byteorder}-endian raw bytes (transforms "
+                                 f"{info.transform_descriptors}); this {sys.byteorder}-endian "
+                                 f"reader reads plain native packs only: load it on a "
+                                 f"{self.byteorder}-endian host")
+            if offset + nbytes(tuple(shape), dtype) > info.length:
+                raise ValueError(f"load_checkpoint: {self.path}: the layout puts a piece at "
+                                 f"bytes {offset}+ of pack {key!r}, which has {info.length}; "
+                                 f"the layout and the files are from different saves: copy "
+                                 f"the whole checkpoint directory again")
+            return info.relative_path, info.offset + offset
+        where = self.record(key, list(meta.size), torch.uint8)
         return None if where is None else (where[0], where[1] + offset)
 
     def read_piece_whole(self, ref: Ref, shape: list[int], dtype: torch.dtype
@@ -461,7 +480,8 @@ def read_boxes(path: Path, layout: dict, boxes: list[tuple[str, torch.Tensor, Bo
             by_key.setdefault(ref, []).append((view, want, have, inter))
     shapes = {k: ([hi - lo for lo, hi in box], dtype_of(entry["dtype"]))
               for entry in layout["tensors"].values() for box, k in saved_pieces(entry)}
-    files = PieceFile(path, safe_reader(path)) if by_key else None
+    files = (PieceFile(path, safe_reader(path), layout.get("byteorder", sys.byteorder))
+             if by_key else None)
     peak = whole = 0
     try:
         with torch.no_grad():

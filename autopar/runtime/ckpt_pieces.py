@@ -192,7 +192,8 @@ def write_pieces(held: Held, info: ParamInfo, local_shape: tuple[int, ...], runs
                  ) -> Iterator[tuple[str, Box, torch.Tensor]]:
     """(state name, global box, data view) of every piece this rank writes of `held`: its
     replica part of the range, cut to ≤ max_elems elements (the staging bound), as rectangles
-    of the full tensor. Views, never copies: DCP's writer copies one piece at a time."""
+    of the full tensor. Views, never copies: the writer (ckpt_packs.Pack.chunks) copies one
+    strided or device piece at a time."""
     numel = 1
     for n in local_shape:
         numel *= n
@@ -214,8 +215,8 @@ def write_pieces(held: Held, info: ParamInfo, local_shape: tuple[int, ...], runs
 def sharded_entries(held: list[Held], params: LocalParams, groups: Any
                     ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """({DCP key: data view}, layout records) of every piece this rank writes of what it holds
-    (module docstring). Pieces are cut to ≤ 1/16 of the rank's held elements, so DCP's writer,
-    which copies one piece at a time, stages at most that much. A logical tensor's 0-d
+    (module docstring). Pieces are cut to ≤ 1/16 of the rank's held elements, so the writer,
+    which copies one piece at a time where it must, stages at most that much. A logical tensor's 0-d
     optimizer states (Adam's step) are written by the rank writing its first element."""
     t, tp_rank = (groups.t, groups.tp_rank) if groups is not None else (1, 0)
     total = sum((h.hi - h.lo) * len(h.tensors) for h in held)

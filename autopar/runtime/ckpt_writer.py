@@ -12,13 +12,17 @@ persistent async worker and DCP's own `AsyncCheckpointerType.PROCESS` are built 
 
 Protocol. The caller stages the pieces (`stage`): one flat shared-memory byte buffer (pinned
 when the pieces are on a GPU is not done: the device-to-host copy goes to shared host memory)
-holding every piece at an aligned offset, reused from save to save (1× the rank's written
-bytes of host memory while the job runs). `ProcessWriter.start(fn, job, staged, groups)` sends
-`fn`, `job` and the buffer (one file descriptor, torch.multiprocessing's sharing) down a pipe;
-the process rebuilds the pieces (a checkpoint's: its packs, `Staged.packed`, a few byte
-items holding consecutive pieces) as views of the buffer and calls `fn(job, pieces)` — for
-checkpoints `autopar.runtime.checkpoint.write_version`, the same function a synchronous save
-runs on the rank itself — then answers ("ok", None) or ("error", text). `wait()` blocks for the
+holding every piece at its offset of autopar.runtime.ckpt_packs.piece_index, zeros between,
+reused from save to save (1× the rank's written bytes of host memory while the job runs).
+`ProcessWriter.start(fn, job, staged, groups)` sends `fn`, `job` and the buffer (one file
+descriptor, torch.multiprocessing's sharing) down a pipe; the process rebuilds the packs
+(`Staged.packed`, `Staged.packs`: raw byte packs over the buffer, byte for byte what a
+synchronous save writes) and calls `fn(job, packs)` — for checkpoints
+`autopar.runtime.checkpoint.write_version`, the same function a synchronous save runs on the
+rank itself, whose ckpt_packs.PackWriter writes the page-aligned buffer to the file with
+O_DIRECT — then answers ("ok", None) or ("error", text). Where its CPU goes: with
+AUTOPAR_CKPT_PROFILE=DIR each save is profiled (cProfile on process CPU time, all threads)
+into DIR/writer<rank>-<uid>.prof. `wait()` blocks for the
 answer and raises `CheckpointWriteError` with the writer's text; `busy` polls. At most one save
 is in flight per rank: `start` waits for the previous one. The writers' group is created once,
 collectively, at the first asynchronous save: rank 0 picks a free port on MASTER_ADDR (the
@@ -41,9 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.runtime.ckpt_packs import Index, Pack, nbytes, piece_index, plan_packs
 from autopar.runtime.dist import free_port
-
-_ALIGN_BYTES = 64
 
 
 class CheckpointWriteError(RuntimeError):
@@ -53,55 +56,36 @@ class CheckpointWriteError(RuntimeError):
 @dataclass(frozen=True, kw_only=True)
 class Staged:
     """Pieces staged for a background write: `flat` (a shared-memory uint8 buffer) and, per
-    DCP key, (dtype name, shape, byte offset) of its piece inside it."""
+    key, (dtype name, shape, byte offset) of its piece inside it (ckpt_packs.piece_index)."""
     flat: torch.Tensor
-    index: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    index: Index
 
     def pieces(self) -> dict[str, torch.Tensor]:
         """The pieces, as tensors over the buffer's memory whose storage is exactly the piece
-        (torch.frombuffer on a slice): DCP's writer copies a tensor whose storage is larger
-        than it before writing it (a view of the buffer would be copied once more)."""
+        (torch.frombuffer on a slice)."""
         out = {}
         memory = memoryview(self.flat.numpy())
         for key, dtype, shape, offset in self.index:
             dt = getattr(torch, dtype)
-            n = _nbytes(shape, dt)
+            n = nbytes(shape, dt)
             raw = (torch.frombuffer(memory[offset:offset + n], dtype=torch.uint8) if n
                    else torch.empty(0, dtype=torch.uint8))
             out[key] = raw.view(dt).view(shape)
         return out
 
     def packed(self, prefix: str, max_bytes: int) -> tuple["Staged", dict[str, tuple[str, int]]]:
-        """The buffer as a few large byte items instead of one item per piece (DCP's per-item
-        planning, pickling and metadata cost dominates a writer's CPU for hundreds of small
-        pieces): consecutive pieces grouped into packs of ≤ max_bytes (a larger piece alone),
-        each pack a uint8 item f"{prefix}/{k}". Returns (the packs as a Staged, {piece key:
-        (pack key, byte offset of the piece inside its pack)})."""
-        packs: list[list] = []                          # [key, first byte, end byte]
-        where: dict[str, tuple[str, int]] = {}
-        for key, dtype, shape, offset in self.index:
-            end = offset + _nbytes(shape, getattr(torch, dtype))
-            if not packs or end - packs[-1][1] > max_bytes:
-                packs.append([f"{prefix}/{len(packs)}", offset, end])
-            packs[-1][2] = max(packs[-1][2], end)
-            where[key] = (packs[-1][0], offset - packs[-1][1])
+        """The buffer as a few packs instead of one item per piece (ckpt_packs.plan_packs:
+        the same packs a synchronous save writes), each a uint8 piece f"{prefix}/{k}" of this
+        buffer. Returns (the packs as a Staged, {piece key: (pack key, byte offset of the
+        piece inside its pack)})."""
+        packs, where = plan_packs(self.index, prefix, max_bytes)
         index = tuple((key, "uint8", (end - lo,), lo) for key, lo, end in packs)
         return Staged(flat=self.flat, index=index), where
 
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
-
-
-def _index(tensors: dict[str, torch.Tensor]) -> tuple[tuple, int]:
-    index, offset = [], 0
-    for key, value in tensors.items():
-        index.append((key, str(value.dtype).removeprefix("torch."), tuple(value.shape), offset))
-        offset += -(-value.numel() * value.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
-    return tuple(index), max(offset, _ALIGN_BYTES)
+    def packs(self) -> dict[str, Pack]:
+        """Each piece as a Pack over the buffer's memory (of a `packed` Staged: the packs)."""
+        return {key: Pack(parts=((0, value),), size=value.numel() * value.element_size())
+                for key, value in self.pieces().items()}
 
 
 class ProcessWriter:
@@ -120,12 +104,18 @@ class ProcessWriter:
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> Staged:
         """Copy the pieces into this rank's shared staging buffer (allocated at the first save,
-        reused while the total size stays the same). Waits for the save in flight first."""
+        reused while the total size stays the same), the gaps between them zero (the bytes a
+        synchronous save's packs hold there). Waits for the save in flight first."""
         self.wait()
-        index, total = _index(tensors)
+        index, total = piece_index(tensors)
         if self._buffer is None or self._buffer.numel() != total:
-            self._buffer = torch.empty(total, dtype=torch.uint8).share_memory_()
+            self._buffer = torch.zeros(total, dtype=torch.uint8).share_memory_()
         staged = Staged(flat=self._buffer, index=index)
+        ends = [offset + nbytes(shape, getattr(torch, dtype))
+                for _, dtype, shape, offset in index]
+        for end, (*_, nxt) in zip(ends, index[1:] + (("", "", (), total),)):
+            if end < nxt:                     # < 64 bytes: a reused buffer's old bytes
+                self._buffer[end:nxt].zero_()
         cuda = False
         for value, view in zip(tensors.values(), staged.pieces().values()):
             view.copy_(value.detach(), non_blocking=value.is_cuda)
@@ -236,7 +226,7 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
             break
         fn, job, staged = msg
         try:
-            fn(job, staged.pieces())
+            _profiled(fn, job, staged, rank)
             answer = ("ok", None)
         except BaseException as exc:   # noqa: BLE001 - every failure goes back to the rank
             answer = ("error", f"{type(exc).__name__}: {exc}")
@@ -247,6 +237,22 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
             break
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _profiled(fn: Callable[[Any, dict], None], job: Any, staged: Staged, rank: int) -> None:
+    """fn(job, staged.packs()), under cProfile when AUTOPAR_CKPT_PROFILE names a directory."""
+    prof_dir = os.environ.get("AUTOPAR_CKPT_PROFILE")
+    if not prof_dir:
+        return fn(job, staged.packs())
+    import cProfile
+    import time
+    pr = cProfile.Profile(time.process_time)
+    pr.enable()
+    try:
+        return fn(job, staged.packs())
+    finally:
+        pr.disable()
+        pr.dump_stats(f"{prof_dir}/writer{rank}-{job.uid}.prof")
 
 
 WRITER = ProcessWriter()

@@ -10,7 +10,9 @@ One spawn of 4 ranks per layout group; inside it each plan compiles, trains a st
 - t = 2 × d = 2 (ZeRO-1) and p = 2 × d = 2 (ZeRO-3, the tied embedding on both stages): the
   same balance; p = 4 (ZeRO-0) with one block called at every depth (every stage holds a
   copy): each stage writes a quarter of it and every stage reads its copy back; that save is
-  asynchronous, so its pieces lie in byte packs (a few DCP items a rank), read by range;
+  asynchronous (its packs are slices of the staged buffer; the synchronous saves' are the
+  pieces written one after another: every save's pieces lie in a few raw byte packs a rank,
+  read by range);
 then one rank under ZeRO-0 loads the ZeRO-3 checkpoint, and the p = 4 shared-block one:
 weights and Adam state equal the saved ones bit for bit (and a checkpoint in the form written before sharded saves loads back into its
 shards bit for bit); every load (straight into the shards) restores the rank's state bit for
@@ -72,7 +74,8 @@ def _save_rank(rank, world, plans, tmp):
                    for t in h.tensors.values())
         tag = "s" if wide == "shared_subset" else ""
         path = Path(tmp) / f"t{plan.t}p{plan.p}d{plan.d}z{plan.zero}{tag}"
-        runner.save_checkpoint(path)   # the first save creates the checkpoint group (fixed cost)
+        if wide is True:    # the rows whose memory is asserted: the first save creates the
+            runner.save_checkpoint(path)    # checkpoint group (a fixed cost), measure the second
         Path("/proc/self/clear_refs").write_text("5")      # reset the peak resident size
         before_kb = _rss_kb("VmRSS")
         runner.save_checkpoint(path, async_save=_shared(wide))   # packs (below)
@@ -152,7 +155,7 @@ def test_zero_levels_and_layouts_write_evenly_in_bounded_memory_and_load_on_one_
               (make_plan(p=4, m=4, b=1, layers=4, split=[0, 2, 1, 1]), "shared_subset")]
     results = spawn(_save_rank, 4, plans, str(tmp_path), timeout_s=500)
     _balanced(results)
-    assert [r["packed"] for r in results[0]] == [False] * 5 + [True] * 2   # async saves pack
+    assert all(r["packed"] for r in results[0])          # sync and async saves: raw packs
     for rank, rows in enumerate(results):
         for row in rows:
             assert row["restored"] and row["load_whole"] == 0, (rank, row["plan"])

@@ -1,18 +1,23 @@
 """The bounded checkpoint reader (autopar.runtime.ckpt_load): an overlap cut into spans of at
 most the budget covers it exactly once, and a ranged read of a DCP item's bytes equals the
 tensor saved, for every dtype and rank of tensor the checkpoints store; the writer's staged
-pieces are copied no more by DCP, and the checksums kept while writing equal the files'; an
-asynchronous save's packs read back piece by piece."""
+pieces are copied no more by DCP, and the checksums kept while writing equal the files'; packs
+(raw, ckpt_packs, and the uint8 tensor items written before) read back piece by piece; every
+form a sharded save has written loads through its layout."""
 from __future__ import annotations
 
 import itertools
 import random
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from autopar.runtime.ckpt_load import PieceFile, safe_reader, spans
+from autopar.runtime.ckpt_load import PieceFile, read_boxes, safe_reader, spans
+from autopar.runtime.ckpt_packs import PackWriter, packs_of
 from autopar.runtime.ckpt_store import ChecksumFileSystem, file_records
 from autopar.runtime.ckpt_writer import ProcessWriter
 
@@ -112,3 +117,86 @@ def test_packed_pieces_read_in_ranges_and_whole(tmp_path: Path):
             assert torch.equal(files.read(loc, shape, value.dtype, sub), want), (key, sub)
     finally:
         files.close()
+
+
+def _items(seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(7, 5, generator=gen), "b": torch.randn(3, 4, 6, generator=gen),
+            "c": torch.randn(11, generator=gen).to(torch.bfloat16), "d": torch.tensor(3.0),
+            "e": torch.randn(9, 8, generator=gen)[:, 2:5]}      # a strided view
+
+
+def test_raw_packs_synchronous_and_staged_are_the_same_bytes_and_read_back(tmp_path: Path):
+    """ckpt_packs: a synchronous save's packs (the pieces written one after another, a strided
+    one copied alone) and an asynchronous save's (slices of the staged buffer) are the same
+    file, byte for byte, whose CRC-32 kept while writing equals the file's; DCP's metadata
+    holds them as bytes items; every piece reads back in ranges at its pack offset; a layout
+    of the other byte order is refused in one line."""
+    items = _items(4)
+    sync, where = packs_of(items, "pack/0", 200)
+    staged, where_staged = ProcessWriter().stage(items).packed("pack/0", 200)
+    assert where == where_staged and len(sync) == 4
+    files = {}
+    for name, packs in (("sync", sync), ("staged", staged.packs())):
+        writer = PackWriter(str(tmp_path / name))
+        dcp.save(packs, storage_writer=writer, no_dist=True)
+        assert writer.written == file_records(tmp_path / name, ["__0_0.distcp"]), name
+        files[name] = (tmp_path / name / "__0_0.distcp").read_bytes()
+    assert files["sync"] == files["staged"]
+    pieces = PieceFile(tmp_path / "sync", safe_reader(tmp_path / "sync"))
+    rng = random.Random(5)
+    try:
+        assert all(isinstance(m, BytesStorageMetadata)
+                   for m in pieces.reader.metadata.state_dict_metadata.values())
+        for key, value in items.items():
+            shape = list(value.shape)
+            loc = pieces.packed(where[key], shape, value.dtype)
+            for _ in range(5):
+                sub, want = _random_sub(rng, value) if shape else ([], value)
+                assert torch.equal(pieces.read(loc, shape, value.dtype, sub), want), (key, sub)
+    finally:
+        pieces.close()
+    other = "big" if sys.byteorder == "little" else "little"
+    foreign = PieceFile(tmp_path / "sync", safe_reader(tmp_path / "sync"), other)
+    with pytest.raises(ValueError, match=f"{other}-endian") as info:
+        foreign.packed(where["a"], [7, 5], torch.float32)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("form", ["item per box", "uint8 tensor packs", "raw packs"])
+def test_every_piece_form_loads_through_the_layout(tmp_path: Path, form: str):
+    """Old files still load: the layouts of a sharded save's pieces as a DCP item each
+    ([box, key]; the synchronous save's form until 2026-11-26), as byte ranges of uint8 tensor
+    packs ([box, pack key, offset]; the asynchronous save's, 2026-11-26) and of raw packs (both
+    saves' since) all fill the same targets through read_boxes, bit for bit."""
+    full = {"w": torch.randn(6, 4, generator=torch.Generator().manual_seed(6)),
+            "optim/step/w": torch.tensor(5.0)}
+    pieces = {"w@[0:2,0:4]": full["w"][0:2], "w@[2:6,0:4]": full["w"][2:6],
+              "optim/step/w": full["optim/step/w"]}
+    boxes = {"w@[0:2,0:4]": [[0, 2], [0, 4]], "w@[2:6,0:4]": [[2, 6], [0, 4]],
+             "optim/step/w": []}
+    where = {k: None for k in pieces}
+    if form == "item per box":
+        dcp.save({k: v.clone() for k, v in pieces.items()},
+                 storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    elif form == "uint8 tensor packs":
+        staged, where = ProcessWriter().stage(pieces).packed("pack/0", 64)
+        dcp.save(staged.pieces(), storage_writer=dcp.FileSystemWriter(str(tmp_path)),
+                 no_dist=True)
+    else:
+        packs, where = packs_of(pieces, "pack/0", 64)
+        dcp.save(packs, storage_writer=PackWriter(str(tmp_path)), no_dist=True)
+    tensors: dict = {}
+    for key, box in boxes.items():
+        name = key.split("@")[0]
+        piece = [box, key] if where[key] is None else [box, *where[key]]
+        entry = tensors.setdefault(name, {"global_shape": list(full[name].shape),
+                                          "split_dim": None, "dtype": str(full[name].dtype),
+                                          "pieces": []})
+        entry["pieces"].append(piece)
+    got = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+    stats = read_boxes(tmp_path, {"tensors": tensors},
+                       [("w", got["w"][1:5], [(1, 5), (0, 4)]),
+                        ("optim/step/w", got["optim/step/w"], [])], 64)
+    assert torch.equal(got["w"][1:5], full["w"][1:5]) and stats.whole_items == 0
+    assert torch.equal(got["optim/step/w"], full["optim/step/w"])
