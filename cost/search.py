@@ -38,7 +38,8 @@ from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.memory import least_activation_bytes, step_input_bytes
+from autopar.cost.memory import (least_activation_bytes, memory_coefficients,
+                                 step_input_bytes)
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
                                 layer_activation_bytes,
                                 optimizer_step_s, rank_params,
@@ -196,7 +197,7 @@ def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) ->
 
 
 def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need: int = 0,
-           stats: SolveStats | None = None
+           stats: SolveStats | None = None, memo: CostMemo | None = None
            ) -> tuple[list[_Evaluated], list[_Evaluated], list[_Evaluated]]:
     """(evaluated, memory failures, pruned): the combinations priced (with a heuristic split
     where one fits), those that overflow memory, and those pruned by a bound (with its note),
@@ -208,7 +209,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     evaluated, pruned = [], []
     failures = _Failures(cluster)
     usable = cluster.usable_memory_bytes
-    memo = CostMemo()
+    memo = CostMemo() if memo is None else memo
     qmemo: dict = {}
     tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
     hmemo: dict = {}
@@ -349,11 +350,14 @@ def _least_held_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config,
                       memo: CostMemo) -> float:
     """A lower bound of the weights, gradients, optimizer states and gathered working set a
     sharded-weight configuration's busiest rank holds, for every one sharing cfg's keys of
-    `_least_tail_s`: cfg priced at the least gathers, spread evenly over the p ranks."""
-    low = config_costs(profile, cluster, cfg, memo,
-                       gathers=least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
-    return (min(sum(parts[:3]) for parts in low.mem_parts) * profile.num_layers
-            + sum(sum(parts[:3]) for parts in low.mem_fixed_parts)) / cfg.p
+    `_least_tail_s`: cfg's memory coefficients (those config_costs would give) at the least
+    gathers, spread evenly over the p ranks; its loads and tail are not needed here."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    _, _, parts, fixed_parts, _ = memory_coefficients(
+        rank, cluster, cfg, rank_params(rank, cfg),
+        least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
+    return (min(sum(layer[:3]) for layer in parts) * profile.num_layers
+            + sum(sum(fixed[:3]) for fixed in fixed_parts)) / cfg.p
 
 
 def _least_gathers_bound(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo,
