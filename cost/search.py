@@ -129,6 +129,47 @@ def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
             + step_input_bytes(profile, fam.b, fam.m))
 
 
+def _level_states(profile, fam: Family, memo: CostMemo) -> tuple[tuple[int, float], ...]:
+    """(zero, weights + gradients + optimizer bytes) of each ZeRO level `fam` offers, in the
+    order its rows first offer them (`_state_memo`, its Config built on a miss only)."""
+    out = []
+    for first in fam.first_of_each_zero():
+        zero = first[3]
+        state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
+        if state is None:
+            state = _state_memo(profile, fam.config(*first), memo)
+        out.append((zero, state))
+    return tuple(out)
+
+
+def _first_order(fam: Family, seq: int, zero: int) -> tuple[int, int, int]:
+    """The order found (_Failures) of the first member of ZeRO level `zero` in the `seq`-th
+    family built: (seq, row, its place among the row's levels)."""
+    for r, (*_, zeros) in enumerate(fam.rows):
+        for zpos, (_, z) in enumerate(zeros):
+            if z == zero:
+                return seq, r, zpos
+    raise ValueError(f"_first_order: zero={zero} is not a level of the family; pass one of "
+                     f"{sorted(fam.zeros())}")
+
+
+def _level_failures(fam: Family, seq: int, zero: int, state: float,
+                    acts: list[float] | None) -> Callable[[], list[tuple]]:
+    """The maker of the `_Failures` items of every member of ZeRO level `zero` of `fam`: its
+    states alone overflow (`acts` None), or its states and each row's least activations."""
+    def members() -> list[tuple]:
+        out = []
+        for r, (_, schedule, v, group, zeros) in enumerate(fam.rows):
+            for zpos, (_, z) in enumerate(zeros):
+                if z == zero:
+                    member = (fam, schedule, v, group, zero)
+                    out.append((state, (seq, r, zpos), _state_of, member, 0.0) if acts is None
+                               else (state + acts[r], (seq, r, zpos), _activation_of, member,
+                                     0.0))
+        return out
+    return members
+
+
 def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
                    sharded: set[int]) -> float:
     """A lower bound (s) of the tail of every member of `fam` that fits its states: when
@@ -153,28 +194,57 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
 
 
 class _Failures:
-    """The search's memory failures in the order found, each as (bytes, order, kind, member,
-    bound): ~10^5 per large solve, of which the explanation shows the few needing the least
-    memory (solver._alternatives) and the error the least, so only `least(k)` builds them
-    (their Configs included) by `kind` (_state_of / _activation_of; None: built already)."""
+    """The search's memory failures, each as (bytes, order, kind, member, bound): ~10^5 per
+    large solve, of which the explanation shows the few needing the least memory
+    (solver._alternatives) and the error the least, so only `least(k)` builds them (their
+    Configs included) by `kind` (_state_of / _activation_of; None: built already). `order`
+    is where it was found, a tuple: (n,) for one found alone, (n, row, level) for the members
+    of the n-th family built (`stamp`), in that family's row and ZeRO-level order. A ZeRO
+    level all of whose members fail is kept as one group (`group`: its least bytes, its first
+    member's order and a maker of its members), expanded only if `least` reaches it."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.items: list[tuple] = []
+        self.found = 0
+
+    def stamp(self) -> int:
+        """The next place in the order found."""
+        self.found += 1
+        return self.found
 
     def append(self, e: _Evaluated) -> None:
-        self.items.append((e.mem_lb, len(self.items), None, e, 0.0))
+        self.items.append((e.mem_lb, (self.stamp(),), None, e, 0.0))
 
     def lazy(self, need_bytes: float, kind: Callable[..., _Evaluated], member: tuple,
-             bound: float = 0.0) -> None:
-        self.items.append((need_bytes, len(self.items), kind, member, bound))
+             bound: float = 0.0, order: tuple | None = None) -> None:
+        self.items.append((need_bytes, order or (self.stamp(),), kind, member, bound))
+
+    def group(self, least_bytes: float, order: tuple, members: Callable[[], list]) -> None:
+        """Members of at least `least_bytes`, the first at `order`, made by `members()` as
+        items (the key, (least_bytes, order), is at most each member's)."""
+        self.items.append((least_bytes, order, _GROUP, members, 0.0))
 
     def least(self, k: int) -> list[_Evaluated]:
-        """The k failures of least memory (ties: the first found), in the order found: a
-        stable sort by memory of the result starts as the whole list's would."""
-        kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
+        """The k failures of least memory (ties: the first found), in the order found: popped
+        by (bytes, order) from one heap, a group's members pushed when the group is popped."""
+        heap = list(self.items)   # (bytes, order) is unique: the rest is never compared
+        heapq.heapify(heap)
+        kept = []
+        while heap and len(kept) < k:
+            item = heapq.heappop(heap)
+            if item[2] is _GROUP:
+                for member in item[3]():
+                    heapq.heappush(heap, member)
+            else:
+                kept.append(item)
+        kept.sort(key=lambda x: x[1])
         return [e if kind is None else kind(self.cluster, e, bound, need)
                 for need, _, kind, e, bound in kept]
+
+
+def _GROUP() -> None:
+    """The kind of a `_Failures.group` entry (a marker, never called)."""
 
 
 def _state_of(cluster: Cluster, member: tuple, bound: float, state: float) -> _Evaluated:
@@ -215,6 +285,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     hmemo: dict = {}
     least_states: dict = {}
     sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
+    bdiv: dict = {}   # (schedule, recompute) -> the schedule's bubble divisor
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
@@ -232,38 +303,53 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     def build(fam: Family) -> None:
         stats.families_built += 1
         ri, spi, hi = fam.sub
-        bdiv, states = {}, {}
-        skey = (fam.t, fam.c, fam.ep, fam.p, fam.d)
-        for si, schedule, v, group, zeros in fam.rows:
-            act = bound0 = None   # a row's least activations and quick bound: every level's
-            for zi, zero in zeros:
+        seq = failures.stamp()
+        states = _level_states(profile, fam, memo)
+        acts = None   # each row's least activations (the same at every ZeRO level)
+        live = {}     # the levels whose members are checked one by one: zero -> state bytes
+        for zero, state in states:
+            # a level whose states, or states and the family's least activations, overflow
+            # a GPU fails at every member: one group, its members made only if explained
+            if state > usable:
+                failures.group(state, _first_order(fam, seq, zero),
+                               _level_failures(fam, seq, zero, state, None))
+                continue
+            if acts is None:
+                acts = [_activation_bytes(profile, cluster, (fam, schedule, v, group, zero),
+                                          memo) for _, schedule, v, group, _ in fam.rows]
+                least_act = min(acts)
+            if state + least_act > usable:
+                failures.group(state + least_act, _first_order(fam, seq, zero),
+                               _level_failures(fam, seq, zero, state, acts))
+                continue
+            live[zero] = state
+        if not live:
+            return
+        for r, (si, schedule, v, group, zeros) in enumerate(fam.rows):
+            act, bound0 = acts[r], None   # a row's least activations and quick bound
+            for zpos, (zi, zero) in enumerate(zeros):
+                state = live.get(zero)
+                if state is None:   # (its level failed as a group)
+                    continue
                 stats.configs += 1
                 member = (fam, schedule, v, group, zero)
-                # members whose states, or states and least activations, overflow a GPU at
-                # every split are never pushed (most of a large solve's; their bound cannot
-                # matter), kept as (bytes, maker): Configs built only for those explained
-                state = states.get(zero)
-                if state is None:
-                    state = states[zero] = memo.state_bytes.get(skey + (zero, fam.sp))
-                    if state is None:
-                        state = states[zero] = _state_memo(profile, _config(member), memo)
-                if state > usable:
-                    failures.lazy(state, _state_of, member)
-                    continue
-                if act is None:
-                    act = _activation_bytes(profile, cluster, member, memo)
+                # members whose states and least activations overflow a GPU are never pushed
+                # (their bound cannot matter), kept as (bytes, maker): Configs built only
+                # for those explained
                 if state + act > usable:
-                    failures.lazy(state + act, _activation_of, member)
+                    failures.lazy(state + act, _activation_of, member, order=(seq, r, zpos))
                     continue
                 # the quick bound depends on the loads only: shared by the ZeRO levels (each
                 # expert degree has its own: its all-to-alls and its most loaded expert rank
                 # are in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
                 # configurations the all-to-alls alone rule out)
                 if bound0 is None:
-                    if schedule not in bdiv:
-                        bdiv[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+                    div = bdiv.get((schedule, fam.recompute))
+                    if div is None:
+                        div = bdiv[schedule, fam.recompute] = SCHEDULE_TRAITS[
+                            schedule].bubble_div(fam.recompute)
                     qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b,
-                            fam.recompute, fam.sp, bdiv[schedule], group)
+                            fam.recompute, fam.sp, div, group)
                     if qkey not in qmemo:
                         stats.quick_bounds += 1
                         twin = fam.config(schedule, v, group, zero)

@@ -219,7 +219,7 @@ def _solve(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch_size
     chosen, x = _fit_walked_memory(profile, cluster, chosen, x, survivors)
     solve_s = time.perf_counter() - t0
     return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
-                       memory_fail, rejected, max_alternatives, optimal, solve_s)
+                       memory_fail, rejected, max_alternatives, optimal, solve_s, memo)
 
 
 TIE_RTOL = 1e-9   # step times this close are one time (float noise of the ns-integer model)
@@ -276,7 +276,7 @@ def _fit_walked_memory(profile, cluster, chosen, x, survivors):
 
 
 def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,
-                max_alternatives, optimal, solve_s) -> Plan:
+                max_alternatives, optimal, solve_s, memo=None) -> Plan:
     """The Plan of the chosen configuration `cc` at layer split `x`, with its alternatives.
     Why this size: it hands `solve`'s results (the others priced, the memory failures, the
     rejections, the solve status) through to `_alternatives` unchanged."""
@@ -288,7 +288,7 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
                             embedding=c == 0, head=c == len(x) - 1))
         first += n
     alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
-                         max_alternatives, optimal, solve_s)
+                         max_alternatives, optimal, solve_s, memo)
     return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, cp_attention=cfg.cp_attention, ep=cfg.ep,
                 v=cfg.v,
                 micro_batch_size=cfg.micro_batch_size,
@@ -317,7 +317,7 @@ def _why_slower(alt: Prediction, chosen: Prediction, top: int = 2) -> str:
 
 
 def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, limit, optimal,
-                  solve_s) -> list[Alternative]:
+                  solve_s, memo=None) -> list[Alternative]:
     """The chosen configuration first, then the other priced ones ranked by step time, then
     memory failures and rejections, at most `limit`. Why this size: one list per kind of
     alternative, each built in its own short loop."""
@@ -344,7 +344,7 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
     bounded = sorted((e for e in others if e.note and e.cfg != cc.cfg), key=lambda e: e.lb_s)
     keep = max(0, limit // 2)
     for e in bounded[:keep]:
-        ecc = e.cc or config_costs(profile, cluster, e.cfg)
+        ecc = e.cc or config_costs(profile, cluster, e.cfg, memo)   # (the search's caches)
         y = heuristic_partition(ecc, profile.num_layers)
         if y is None:
             continue
