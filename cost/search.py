@@ -41,15 +41,17 @@ from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (least_activation_bytes, memory_coefficients,
                                  step_input_bytes)
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
-                                layer_activation_bytes,
+                                layer_activation_bytes, load_parts_s,
                                 optimizer_step_s, rank_params,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
+from autopar.cost.model import _ns   # (seconds to the model's integer ns, as load_costs)
 from autopar.cost.profile import ModelProfile
 from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
-                                 quick_lower_bound_scaled)
+                                 quick_bound_scaled_ns)
+from autopar.cost.comm import chunk_p2p_s, p2p_hop_s
 
 # float slack on the family bound: it must never exceed a member's quick bound, which is
 # computed along another path of float operations
@@ -71,12 +73,15 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     key = (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)
     layer_ns = memo.family_loads.get(key)
     if layer_ns is None:
-        lc = load_costs(profile, cluster, Config(
-            t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
-            micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
-            sequence_parallel=fam.sp), memo)
-        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns)
-    layer, embed, head = layer_ns
+        cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
+                     micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
+                     sequence_parallel=fam.sp)
+        lc = load_costs(profile, cluster, cfg, memo)
+        comp, tp, _, _, _, cp, ep = load_parts_s(profile, cluster, cfg, memo)
+        # (and a layer's load in s, as _load_parts_s sums it: the quick bound's p2p reads it)
+        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns,
+                                             comp + tp + cp + ep)
+    layer, embed, head, _ = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
     V = fam.bubble_v   # the largest v·bubble_div of its rows
@@ -127,6 +132,28 @@ def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
             ctx, fam.t, fam.b, fam.recompute, fam.sp and fam.t > 1)
     return (least_activation_bytes(layer, schedule, fam.p, v, fam.m, group, profile.num_layers)
             + step_input_bytes(profile, fam.b, fam.m))
+
+
+def _quick_bound_s(profile: ModelProfile, cluster: Cluster, member: tuple, div: int,
+                   memo: CostMemo, hops: dict) -> float:
+    """bounds.quick_lower_bound_scaled / v in s of a member (fam, schedule, v, N, zero) whose
+    schedule has bubble divisor `div`, without its Config: load_costs' integers from the
+    family's loads (`family_bound_s`, the same at every v and N) and its p2p from one hop
+    per (t, c, method, p, d, b, sp) (comm.p2p_hop_s, kept in `hops`) spread over its chunks
+    as comm.pipeline_p2p_s does."""
+    fam, _, v, group, _ = member
+    layer, embed, head, layer_s = memo.family_loads[
+        (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)]
+    p, l = fam.p, profile.num_layers
+    p2p = 0
+    if p > 1:
+        hkey = (fam.t, fam.c, fam.how, p, fam.d, fam.b, fam.sp)
+        one = hops.get(hkey)
+        if one is None:
+            cfg = _config(member)
+            one = hops[hkey] = p2p_hop_s(memo.rank_profile(profile, cluster, cfg), cluster, cfg)
+        p2p = _ns(chunk_p2p_s(one, p, v, group, cluster.comm_overlap * layer_s * l / (p * v)))
+    return float(quick_bound_scaled_ns(layer, embed, head, p2p, p, v, fam.m, div, l)) / v / 1e9
 
 
 def _level_states(profile, fam: Family, memo: CostMemo) -> tuple[tuple[int, float], ...]:
@@ -281,6 +308,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     usable = cluster.usable_memory_bytes
     memo = CostMemo() if memo is None else memo
     qmemo: dict = {}
+    hops: dict = {}    # one pipeline p2p hop per (t, c, method, p, d, b, sp): _quick_bound_s
     tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
     hmemo: dict = {}
     least_states: dict = {}
@@ -352,9 +380,7 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
                             fam.recompute, fam.sp, div, group)
                     if qkey not in qmemo:
                         stats.quick_bounds += 1
-                        twin = fam.config(schedule, v, group, zero)
-                        qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin,
-                                                                     memo)) / v / 1e9
+                        qmemo[qkey] = _quick_bound_s(profile, cluster, member, div, memo, hops)
                     bound0 = qmemo[qkey]
                 bound = bound0
                 if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
