@@ -23,7 +23,9 @@ one pricing everything would give (tests/unit/test_search_work.py against cost/b
 what the bounds change is what is never built or priced (counted in SolveStats).
 Members whose states, or states and least activations, overflow a GPU are never pushed
 (`search`'s build, from their keys); memory failures are kept as (bytes, maker) and built only
-for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
+for the few Plan.explain() shows (`_Failures`); a ZeRO level of a family whose states, or
+states and the family's least activations, overflow is kept as one group and its members are
+not even enumerated unless the explanation reaches them. For the explanation the search goes on past
 the best, building families, until the `need` closest pruned combinations are known.
 Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
 level they offer are never built: each is reported as one memory failure (its least-memory
@@ -299,7 +301,8 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     """(evaluated, memory failures, pruned): the combinations priced (with a heuristic split
     where one fits), those that overflow memory, and those pruned by a bound (with its note),
     the pruned ones including at least the `need` of least bound when that many exist (see the
-    module docstring). Why this size: the best-first loop keeps its heap, bound and memo in
+    module docstring). `memo`: the solve's CostMemo (enumerate_families fills part of it), a
+    new one if None. Why this size: the best-first loop keeps its heap, bound and memo in
     locals (the hot path of planning: attribute lookups cost measurable time here)."""
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
