@@ -1,7 +1,8 @@
 """Planning speed: GPT-3 175B on 1536 GPUs, a 1T model on 3072 GPUs (A100), Llama 3 405B
 (the unmodified transformers LlamaForCausalLM, sequence 8,192, global batch 2,048) on 16,384
-H100, and the encoder-decoder T5-11B (transformers T5ForConditionalGeneration, 512 tokens) on
-64 A100, from meta-device models.
+H100, the encoder-decoder T5-11B (transformers T5ForConditionalGeneration, 512 tokens) on
+64 A100, and the MoE Qwen3-235B-A22B (transformers Qwen3MoeForCausalLM, 128 experts, 4,096
+tokens, batch 1,024) on 512 H100, from meta-device models.
 
 Prints, for each case, the time to build the meta model (for Llama: importing transformers and
 building it), the end-to-end `parallelize` time (capture + layers + profile + CP-SAT) and the
@@ -19,11 +20,29 @@ import json
 import subprocess
 import sys
 
-# (preset, GPUs, global batch, cluster, solve goal in s)
+QWEN3 = f"{__file__}:qwen3_235b_a22b"   # a factory (below), planned as a user's file.py:factory
+
+# (preset or factory, GPUs, global batch, cluster, solve goal in s)
 CASES = [("gpt3-175b", 1536, 1536, "dgx-a100-80gb", 1.0),
          ("megatron-1t", 3072, 3072, "dgx-a100-80gb", 1.0),
          ("llama3-405b", 16384, 2048, "dgx-h100-80gb", 2.0),
-         ("t5-11b", 64, 2048, "dgx-a100-80gb", 1.0)]
+         ("t5-11b", 64, 2048, "dgx-a100-80gb", 1.0),
+         (QWEN3, 512, 1024, "dgx-h100-80gb", 2.0)]   # issue 32: a 100B+ MoE on 64-1,024 H100
+
+
+def qwen3_235b_a22b():
+    """Qwen3-235B-A22B (the unmodified transformers Qwen3MoeForCausalLM at its published
+    config: 94 layers, hidden 4,096, 64 query / 4 key-value heads of 128, 128 experts of FFN
+    1,536, top-8, vocabulary 151,936) at sequence 4,096: issue 32's MoE planning case."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    cfg = Qwen3MoeConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                         num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                         head_dim=128, moe_intermediate_size=1536, num_experts=128,
+                         num_experts_per_tok=8, max_position_embeddings=40960,
+                         tie_word_embeddings=False, use_cache=False)
+    return {"model": Qwen3MoeForCausalLM(cfg),
+            "example_inputs": (torch.zeros(1, 4096, dtype=torch.long),)}
 
 CHILD = r"""
 import json, resource, sys, time
@@ -68,7 +87,8 @@ def main() -> int:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         # End to end = building the meta model + capture + layers + profile + solve.
         ok &= r["build"] + r["parallelize"] < 10 and r["solve"] < solve_goal
-        print(f"{name:<12} {gpus:>5} {r['params_b']:>7.0f}B {r['imports']:>7.2f}s "
+        label = "qwen3-235b" if name == QWEN3 else name
+        print(f"{label:<12} {gpus:>5} {r['params_b']:>7.0f}B {r['imports']:>7.2f}s "
               f"{r['build']:>6.2f}s {r['parallelize']:>10.2f}s {r['solve']:>6.2f}s "
               f"{r['cpu']:>5.1f}s  -> {r['plan']}, {r['step_s']:.2f} s/step, "
               f"{r['tflops']:.0f} TFLOP/s/GPU ({r['work']})")

@@ -14,9 +14,11 @@ from typing import Callable, Iterator
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
+from autopar.cost.config import bubble_div
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, ConfigCosts, load_costs, rank_layers,
                                 rank_load_ns, rank_tail_ns, total_load_ns, total_tail_ns,
                                 v_step_ns)
+from autopar.cost.step import scaled_step_of
 from autopar.cost.profile import ModelProfile
 
 GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
@@ -259,12 +261,22 @@ def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,
                              memo: "CostMemo") -> int | Fraction:
-    """v·step time lower bound from the loads alone (tail >= 0): the loads sum to S for every
-    split, so their max is at least ceil(S/p), and at least any rank's load with v layers (the
-    first and the last rank's are the largest: they add the embedding and the head)."""
+    """v·step time lower bound from the loads alone (tail >= 0): `quick_bound_scaled_ns` of
+    cfg's load_costs."""
     lc = load_costs(profile, cluster, cfg, memo)
-    total = total_load_ns(lc, profile.num_layers)
-    lo = rank_minimums(cfg.p, cfg.v, profile.num_layers)
-    max_load = max(-(-total // cfg.p), rank_load_ns(lc, 0, lo[0]),
-                   rank_load_ns(lc, cfg.p - 1, lo[-1]))
-    return v_step_ns(cfg, max_load, total, 0)
+    return quick_bound_scaled_ns(lc.layer_ns, lc.embed_ns, lc.head_ns, lc.p2p_ns, cfg.p, cfg.v,
+                                 cfg.num_microbatches, bubble_div(cfg), profile.num_layers)
+
+
+def quick_bound_scaled_ns(layer_ns: int, embed_ns: int, head_ns: int, p2p_ns: int, p: int,
+                          v: int, m: int, div: int, num_layers: int) -> int | Fraction:
+    """v·step time lower bound (`v_step_ns` at tail 0) from a configuration's integer loads:
+    they sum to S for every split (total_load_ns), so their max is at least ceil(S/p), and at
+    least the first and the last rank's with their fewest layers (rank_load_ns: they add the
+    embedding and the head). `div`: the schedule's bubble divisor."""
+    total = layer_ns * num_layers + p * p2p_ns + embed_ns + head_ns
+    lo = rank_minimums(p, v, num_layers)
+    first = layer_ns * lo[0] + p2p_ns + embed_ns + (head_ns if p == 1 else 0)
+    last = layer_ns * lo[-1] + p2p_ns + (embed_ns if p == 1 else 0) + head_ns
+    scaled = scaled_step_of(m, v * div, max(-(-total // p), first, last), total, 0)
+    return scaled if div == 1 else Fraction(scaled, div)

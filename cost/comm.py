@@ -139,19 +139,34 @@ def pipeline_p2p_s(profile: ModelProfile, cluster: Cluster, cfg: Config, layer_s
     activation (b·s·h) leaves each chunk forward and its gradient comes back; scatter/gather:
     each tensor rank sends 1/t and the receiver all-gathers in-node. layer_s: a layer's load
     per micro-batch (what an interleaved group of N > p hides part of it under)."""
-    t, p, v = cfg.t, cfg.p, cfg.v
+    p, v = cfg.p, cfg.v
     if p <= 1:
         return 0.0
+    return chunk_p2p_s(p2p_hop_s(profile, cluster, cfg), p, v, cfg.microbatch_group,
+                       cluster.comm_overlap * layer_s * profile.num_layers / (p * v))
+
+
+def p2p_hop_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
+    """One hop of `pipeline_p2p_s` (p > 1): the activation sent to the next stage, scattered
+    over the t ranks and all-gathered by the receiver unless sequence-parallel. Reads cfg's t,
+    c, d, p, b, sp and GPUs only (the search keeps one per those: cost/search.py)."""
+    t, p = cfg.t, cfg.p
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
     pp_inter = group_spans_nodes(cluster, stride=t * cfg.c * cfg.d, size=p, gpus=cfg.gpus)
     act = cfg.micro_batch_size * profile.block.input_bytes
     one = p2p_s(cluster, act / t, pp_inter)
     if not (cfg.sequence_parallel and t > 1):
         one += allgather_s(cluster, act, t, tp_inter)
-    if cfg.microbatch_group is not None and cfg.microbatch_group > p:
-        return _grouped_p2p_s(one, p, v, cfg.microbatch_group,   # hides as comm overlaps
-                              cluster.comm_overlap * layer_s * profile.num_layers / (p * v))
-    return 2 * v * one
+    return one
+
+
+def chunk_p2p_s(one_s: float, p: int, v: int, group: int | None, chunk_s: float) -> float:
+    """`pipeline_p2p_s` from its hop: 2·v hops per micro-batch, less what an interleaved
+    group of N > p hides under the chunk_s of compute each extra micro-batch brings
+    (communication overlapping compute: cluster.comm_overlap · a chunk's load)."""
+    if group is not None and group > p:
+        return _grouped_p2p_s(one_s, p, v, group, chunk_s)   # hides as comm overlaps
+    return 2 * v * one_s
 
 
 def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float) -> float:

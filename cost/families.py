@@ -18,7 +18,7 @@ from autopar.cost.bounds import Family, row_facts
 from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.model import (SCHEDULE_TRAITS, Config, alltoall_heads_rule, context_comm_s)
+from autopar.cost.model import SCHEDULE_TRAITS, Config, alltoall_heads_rule
 from autopar.cost.profile import ModelProfile
 from autopar.plan import CP_ATTENTION, RECOMPUTE, ZERO_LEVELS
 from autopar.request import Pins as RequestPins
@@ -136,14 +136,16 @@ def enumerate_configs(profile: ModelProfile, cluster: Cluster, gpus: int, global
 
 
 def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: int,
-                       pins: Pins) -> tuple[list[Family], list[Rejection]]:
+                       pins: Pins, memo: CostMemo | None = None
+                       ) -> tuple[list[Family], list[Rejection]]:
     """The knob combinations the rules allow, in families that share a load-only bound
     (cost/search.py: one (t, c, p, d, ep, b, recompute, sp, attention), its schedules, v, N and
     ZeRO levels built only when the search needs them), and the rejected ones with reasons
-    (every rule checked, whether or not its family is ever built)."""
+    (every rule checked, whether or not its family is ever built). `memo`: the solve's
+    CostMemo, whose context profiles and exchange prices the search reads again."""
     families: list[Family] = []
     rejected: list[Rejection] = []
-    exchanges = _Exchanges(profile, cluster, pins, gpus, [])
+    exchanges = _Exchanges(profile, cluster, pins, gpus, [], memo)
     l = profile.num_layers
     for ti, t in enumerate(_divisors(gpus)):
         if not pins.allows("t", t):
@@ -198,11 +200,11 @@ class _Exchanges:
     dropped (enumerate_families lists each reason once, after the degrees' rules)."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, pins: Pins, gpus: int,
-                 rejected: list) -> None:
+                 rejected: list, memo: CostMemo | None = None) -> None:
         self.profile, self.cluster, self.pins, self.gpus = profile, cluster, pins, gpus
         self.rejected = rejected
         self.kept: dict[tuple, tuple[str, ...]] = {}   # (t, c, b, sp, recompute) -> methods
-        self.costs = CostMemo()
+        self.costs = CostMemo() if memo is None else memo
 
     def __call__(self, t: int, c: int, b: int, sp: bool, recompute: str) -> tuple[str, ...]:
         key = (t, c, b, sp and t > 1, recompute)
@@ -221,7 +223,7 @@ class _Exchanges:
             rank = self.costs.rank_profile(self.profile, self.cluster, cfg)
             if how == "hybrid" and hybrid_degree(rank, self.cluster, cfg) == 1:
                 continue     # no inner degree (c inside a node): the all-gather itself
-            cost[how] = context_comm_s(rank, self.cluster, cfg)
+            cost[how] = self.costs.context_comm_s(rank, self.cluster, cfg)
             mem[how] = context_saved_kv_bytes(rank, self.cluster, cfg)
         hows = tuple(cost)
         if "hybrid" in cost and "all-to-all" in cost and _stands_in(cost):

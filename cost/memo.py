@@ -41,10 +41,11 @@ class CostMemo:
     loads: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
     loads_ns: dict[tuple, tuple[int, ...]] = field(default_factory=dict)
     layers: dict[tuple, tuple[float, ...]] = field(default_factory=dict)
-    # the search's bounds (cost/search.py): state bytes per configuration, a layer's
-    # activation bytes per (t, c, method, b, recompute, sp)
+    # the search's bounds (cost/search.py): state bytes per configuration, a family's loads
+    # (layer, embedding and head ns, a layer's s), a layer's activation bytes per (t, c,
+    # method, b, recompute, sp)
     state_bytes: dict[tuple, float] = field(default_factory=dict)
-    family_loads: dict[tuple, tuple[int, int, int]] = field(default_factory=dict)
+    family_loads: dict[tuple, tuple[int, int, int, float]] = field(default_factory=dict)
     activation_bytes: dict[tuple, float] = field(default_factory=dict)
 
     def rank_profile(self, profile: ModelProfile, cluster: Cluster, cfg: Config) -> ModelProfile:

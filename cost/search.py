@@ -23,7 +23,9 @@ one pricing everything would give (tests/unit/test_search_work.py against cost/b
 what the bounds change is what is never built or priced (counted in SolveStats).
 Members whose states, or states and least activations, overflow a GPU are never pushed
 (`search`'s build, from their keys); memory failures are kept as (bytes, maker) and built only
-for the few Plan.explain() shows (`_Failures`). For the explanation the search goes on past
+for the few Plan.explain() shows (`_Failures`); a ZeRO level of a family whose states, or
+states and the family's least activations, overflow is kept as one group and its members are
+not even enumerated unless the explanation reaches them. For the explanation the search goes on past
 the best, building families, until the `need` closest pruned combinations are known.
 Families whose weights, gradients and optimizer states alone overflow a GPU at every ZeRO
 level they offer are never built: each is reported as one memory failure (its least-memory
@@ -38,17 +40,20 @@ from typing import Callable
 
 from autopar.cost.hardware import Cluster
 from autopar.cost.memo import CostMemo
-from autopar.cost.memory import least_activation_bytes, step_input_bytes
+from autopar.cost.memory import (least_activation_bytes, memory_coefficients,
+                                 step_input_bytes)
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
-                                layer_activation_bytes,
+                                layer_activation_bytes, load_parts_s,
                                 optimizer_step_s, rank_params,
                                 config_costs, load_costs, state_bytes_lower_bound,
                                 step_time_scaled)
+from autopar.cost.model import _ns   # (seconds to the model's integer ns, as load_costs)
 from autopar.cost.profile import ModelProfile
 from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
-                                 quick_lower_bound_scaled)
+                                 quick_bound_scaled_ns)
+from autopar.cost.comm import chunk_p2p_s, p2p_hop_s
 
 # float slack on the family bound: it must never exceed a member's quick bound, which is
 # computed along another path of float operations
@@ -70,12 +75,15 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     key = (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)
     layer_ns = memo.family_loads.get(key)
     if layer_ns is None:
-        lc = load_costs(profile, cluster, Config(
-            t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
-            micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
-            sequence_parallel=fam.sp), memo)
-        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns)
-    layer, embed, head = layer_ns
+        cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
+                     micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
+                     sequence_parallel=fam.sp)
+        lc = load_costs(profile, cluster, cfg, memo)
+        comp, tp, _, _, _, cp, ep = load_parts_s(profile, cluster, cfg, memo)
+        # (and a layer's load in s, as _load_parts_s sums it: the quick bound's p2p reads it)
+        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns,
+                                             comp + tp + cp + ep)
+    layer, embed, head, _ = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
     V = fam.bubble_v   # the largest v·bubble_div of its rows
@@ -128,6 +136,69 @@ def _activation_bytes(profile, cluster, member: tuple, memo: CostMemo) -> float:
             + step_input_bytes(profile, fam.b, fam.m))
 
 
+def _quick_bound_s(profile: ModelProfile, cluster: Cluster, member: tuple, div: int,
+                   memo: CostMemo, hops: dict) -> float:
+    """bounds.quick_lower_bound_scaled / v in s of a member (fam, schedule, v, N, zero) whose
+    schedule has bubble divisor `div`, without its Config: load_costs' integers from the
+    family's loads (`family_bound_s`, the same at every v and N) and its p2p from one hop
+    per (t, c, method, p, d, b, sp) (comm.p2p_hop_s, kept in `hops`) spread over its chunks
+    as comm.pipeline_p2p_s does."""
+    fam, _, v, group, _ = member
+    layer, embed, head, layer_s = memo.family_loads[
+        (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)]
+    p, l = fam.p, profile.num_layers
+    p2p = 0
+    if p > 1:
+        hkey = (fam.t, fam.c, fam.how, p, fam.d, fam.b, fam.sp)
+        one = hops.get(hkey)
+        if one is None:
+            cfg = _config(member)
+            one = hops[hkey] = p2p_hop_s(memo.rank_profile(profile, cluster, cfg), cluster, cfg)
+        p2p = _ns(chunk_p2p_s(one, p, v, group, cluster.comm_overlap * layer_s * l / (p * v)))
+    return float(quick_bound_scaled_ns(layer, embed, head, p2p, p, v, fam.m, div, l)) / v / 1e9
+
+
+def _level_states(profile, fam: Family, memo: CostMemo) -> tuple[tuple[int, float], ...]:
+    """(zero, weights + gradients + optimizer bytes) of each ZeRO level `fam` offers, in the
+    order its rows first offer them (`_state_memo`, its Config built on a miss only)."""
+    out = []
+    for first in fam.first_of_each_zero():
+        zero = first[3]
+        state = memo.state_bytes.get((fam.t, fam.c, fam.ep, fam.p, fam.d, zero, fam.sp))
+        if state is None:
+            state = _state_memo(profile, fam.config(*first), memo)
+        out.append((zero, state))
+    return tuple(out)
+
+
+def _first_order(fam: Family, seq: int, zero: int) -> tuple[int, int, int]:
+    """The order found (_Failures) of the first member of ZeRO level `zero` in the `seq`-th
+    family built: (seq, row, its place among the row's levels)."""
+    for r, (*_, zeros) in enumerate(fam.rows):
+        for zpos, (_, z) in enumerate(zeros):
+            if z == zero:
+                return seq, r, zpos
+    raise ValueError(f"_first_order: zero={zero} is not a level of the family; pass one of "
+                     f"{sorted(fam.zeros())}")
+
+
+def _level_failures(fam: Family, seq: int, zero: int, state: float,
+                    acts: list[float] | None) -> Callable[[], list[tuple]]:
+    """The maker of the `_Failures` items of every member of ZeRO level `zero` of `fam`: its
+    states alone overflow (`acts` None), or its states and each row's least activations."""
+    def members() -> list[tuple]:
+        out = []
+        for r, (_, schedule, v, group, zeros) in enumerate(fam.rows):
+            for zpos, (_, z) in enumerate(zeros):
+                if z == zero:
+                    member = (fam, schedule, v, group, zero)
+                    out.append((state, (seq, r, zpos), _state_of, member, 0.0) if acts is None
+                               else (state + acts[r], (seq, r, zpos), _activation_of, member,
+                                     0.0))
+        return out
+    return members
+
+
 def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
                    sharded: set[int]) -> float:
     """A lower bound (s) of the tail of every member of `fam` that fits its states: when
@@ -152,28 +223,57 @@ def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
 
 
 class _Failures:
-    """The search's memory failures in the order found, each as (bytes, order, kind, member,
-    bound): ~10^5 per large solve, of which the explanation shows the few needing the least
-    memory (solver._alternatives) and the error the least, so only `least(k)` builds them
-    (their Configs included) by `kind` (_state_of / _activation_of; None: built already)."""
+    """The search's memory failures, each as (bytes, order, kind, member, bound): ~10^5 per
+    large solve, of which the explanation shows the few needing the least memory
+    (solver._alternatives) and the error the least, so only `least(k)` builds them (their
+    Configs included) by `kind` (_state_of / _activation_of; None: built already). `order`
+    is where it was found, a tuple: (n,) for one found alone, (n, row, level) for the members
+    of the n-th family built (`stamp`), in that family's row and ZeRO-level order. A ZeRO
+    level all of whose members fail is kept as one group (`group`: its least bytes, its first
+    member's order and a maker of its members), expanded only if `least` reaches it."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
         self.items: list[tuple] = []
+        self.found = 0
+
+    def stamp(self) -> int:
+        """The next place in the order found."""
+        self.found += 1
+        return self.found
 
     def append(self, e: _Evaluated) -> None:
-        self.items.append((e.mem_lb, len(self.items), None, e, 0.0))
+        self.items.append((e.mem_lb, (self.stamp(),), None, e, 0.0))
 
     def lazy(self, need_bytes: float, kind: Callable[..., _Evaluated], member: tuple,
-             bound: float = 0.0) -> None:
-        self.items.append((need_bytes, len(self.items), kind, member, bound))
+             bound: float = 0.0, order: tuple | None = None) -> None:
+        self.items.append((need_bytes, order or (self.stamp(),), kind, member, bound))
+
+    def group(self, least_bytes: float, order: tuple, members: Callable[[], list]) -> None:
+        """Members of at least `least_bytes`, the first at `order`, made by `members()` as
+        items (the key, (least_bytes, order), is at most each member's)."""
+        self.items.append((least_bytes, order, _GROUP, members, 0.0))
 
     def least(self, k: int) -> list[_Evaluated]:
-        """The k failures of least memory (ties: the first found), in the order found: a
-        stable sort by memory of the result starts as the whole list's would."""
-        kept = sorted(heapq.nsmallest(k, self.items, key=lambda x: x[:2]), key=lambda x: x[1])
+        """The k failures of least memory (ties: the first found), in the order found: popped
+        by (bytes, order) from one heap, a group's members pushed when the group is popped."""
+        heap = list(self.items)   # (bytes, order) is unique: the rest is never compared
+        heapq.heapify(heap)
+        kept = []
+        while heap and len(kept) < k:
+            item = heapq.heappop(heap)
+            if item[2] is _GROUP:
+                for member in item[3]():
+                    heapq.heappush(heap, member)
+            else:
+                kept.append(item)
+        kept.sort(key=lambda x: x[1])
         return [e if kind is None else kind(self.cluster, e, bound, need)
                 for need, _, kind, e, bound in kept]
+
+
+def _GROUP() -> None:
+    """The kind of a `_Failures.group` entry (a marker, never called)."""
 
 
 def _state_of(cluster: Cluster, member: tuple, bound: float, state: float) -> _Evaluated:
@@ -196,24 +296,27 @@ def _state_failure(cluster: Cluster, cfg: Config, bound: float, state: float) ->
 
 
 def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need: int = 0,
-           stats: SolveStats | None = None
+           stats: SolveStats | None = None, memo: CostMemo | None = None
            ) -> tuple[list[_Evaluated], list[_Evaluated], list[_Evaluated]]:
     """(evaluated, memory failures, pruned): the combinations priced (with a heuristic split
     where one fits), those that overflow memory, and those pruned by a bound (with its note),
     the pruned ones including at least the `need` of least bound when that many exist (see the
-    module docstring). Why this size: the best-first loop keeps its heap, bound and memo in
+    module docstring). `memo`: the solve's CostMemo (enumerate_families fills part of it), a
+    new one if None. Why this size: the best-first loop keeps its heap, bound and memo in
     locals (the hot path of planning: attribute lookups cost measurable time here)."""
     stats = stats if stats is not None else SolveStats()
     l = profile.num_layers
     evaluated, pruned = [], []
     failures = _Failures(cluster)
     usable = cluster.usable_memory_bytes
-    memo = CostMemo()
+    memo = CostMemo() if memo is None else memo
     qmemo: dict = {}
+    hops: dict = {}    # one pipeline p2p hop per (t, c, method, p, d, b, sp): _quick_bound_s
     tmemo: dict = {}   # least tails and held bytes of sharded weights, by their keys
     hmemo: dict = {}
     least_states: dict = {}
     sharded = {z for z, traits in ZERO_TRAITS.items() if traits.sharded_weights}
+    bdiv: dict = {}   # (schedule, recompute) -> the schedule's bubble divisor
     heap: list[tuple] = []
     stats.families += len(families)
     for n, fam in enumerate(families):
@@ -231,43 +334,56 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     def build(fam: Family) -> None:
         stats.families_built += 1
         ri, spi, hi = fam.sub
-        bdiv, states = {}, {}
-        skey = (fam.t, fam.c, fam.ep, fam.p, fam.d)
-        for si, schedule, v, group, zeros in fam.rows:
-            act = bound0 = None   # a row's least activations and quick bound: every level's
-            for zi, zero in zeros:
+        seq = failures.stamp()
+        states = _level_states(profile, fam, memo)
+        acts = None   # each row's least activations (the same at every ZeRO level)
+        live = {}     # the levels whose members are checked one by one: zero -> state bytes
+        for zero, state in states:
+            # a level whose states, or states and the family's least activations, overflow
+            # a GPU fails at every member: one group, its members made only if explained
+            if state > usable:
+                failures.group(state, _first_order(fam, seq, zero),
+                               _level_failures(fam, seq, zero, state, None))
+                continue
+            if acts is None:
+                acts = [_activation_bytes(profile, cluster, (fam, schedule, v, group, zero),
+                                          memo) for _, schedule, v, group, _ in fam.rows]
+                least_act = min(acts)
+            if state + least_act > usable:
+                failures.group(state + least_act, _first_order(fam, seq, zero),
+                               _level_failures(fam, seq, zero, state, acts))
+                continue
+            live[zero] = state
+        if not live:
+            return
+        for r, (si, schedule, v, group, zeros) in enumerate(fam.rows):
+            act, bound0 = acts[r], None   # a row's least activations and quick bound
+            for zpos, (zi, zero) in enumerate(zeros):
+                state = live.get(zero)
+                if state is None:   # (its level failed as a group)
+                    continue
                 stats.configs += 1
                 member = (fam, schedule, v, group, zero)
-                # members whose states, or states and least activations, overflow a GPU at
-                # every split are never pushed (most of a large solve's; their bound cannot
-                # matter), kept as (bytes, maker): Configs built only for those explained
-                state = states.get(zero)
-                if state is None:
-                    state = states[zero] = memo.state_bytes.get(skey + (zero, fam.sp))
-                    if state is None:
-                        state = states[zero] = _state_memo(profile, _config(member), memo)
-                if state > usable:
-                    failures.lazy(state, _state_of, member)
-                    continue
-                if act is None:
-                    act = _activation_bytes(profile, cluster, member, memo)
+                # members whose states and least activations overflow a GPU are never pushed
+                # (their bound cannot matter), kept as (bytes, maker): Configs built only
+                # for those explained
                 if state + act > usable:
-                    failures.lazy(state + act, _activation_of, member)
+                    failures.lazy(state + act, _activation_of, member, order=(seq, r, zpos))
                     continue
                 # the quick bound depends on the loads only: shared by the ZeRO levels (each
                 # expert degree has its own: its all-to-alls and its most loaded expert rank
                 # are in the loads, and bounding ep > 1 by its ep = 1 twin priced ~10^5 MoE
                 # configurations the all-to-alls alone rule out)
                 if bound0 is None:
-                    if schedule not in bdiv:
-                        bdiv[schedule] = SCHEDULE_TRAITS[schedule].bubble_div(fam.recompute)
+                    div = bdiv.get((schedule, fam.recompute))
+                    if div is None:
+                        div = bdiv[schedule, fam.recompute] = SCHEDULE_TRAITS[
+                            schedule].bubble_div(fam.recompute)
                     qkey = (fam.t, fam.c, fam.how, fam.p, fam.d, fam.ep, v, fam.b,
-                            fam.recompute, fam.sp, bdiv[schedule], group)
+                            fam.recompute, fam.sp, div, group)
                     if qkey not in qmemo:
                         stats.quick_bounds += 1
-                        twin = fam.config(schedule, v, group, zero)
-                        qmemo[qkey] = float(quick_lower_bound_scaled(profile, cluster, twin,
-                                                                     memo)) / v / 1e9
+                        qmemo[qkey] = _quick_bound_s(profile, cluster, member, div, memo, hops)
                     bound0 = qmemo[qkey]
                 bound = bound0
                 if zero in sharded:   # the least tail of its ZeRO level (_least_tail_s)
@@ -349,11 +465,14 @@ def _least_held_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config,
                       memo: CostMemo) -> float:
     """A lower bound of the weights, gradients, optimizer states and gathered working set a
     sharded-weight configuration's busiest rank holds, for every one sharing cfg's keys of
-    `_least_tail_s`: cfg priced at the least gathers, spread evenly over the p ranks."""
-    low = config_costs(profile, cluster, cfg, memo,
-                       gathers=least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
-    return (min(sum(parts[:3]) for parts in low.mem_parts) * profile.num_layers
-            + sum(sum(parts[:3]) for parts in low.mem_fixed_parts)) / cfg.p
+    `_least_tail_s`: cfg's memory coefficients (those config_costs would give) at the least
+    gathers, spread evenly over the p ranks; its loads and tail are not needed here."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    _, _, parts, fixed_parts, _ = memory_coefficients(
+        rank, cluster, cfg, rank_params(rank, cfg),
+        least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v))
+    return (min(sum(layer[:3]) for layer in parts) * profile.num_layers
+            + sum(sum(fixed[:3]) for fixed in fixed_parts)) / cfg.p
 
 
 def _least_gathers_bound(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo,

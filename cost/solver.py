@@ -25,10 +25,12 @@ integer costs.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import re
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from autopar.cost.hardware import Cluster, get_cluster
 # the search's types and bounds (cost/bounds.py, shared with cost/search.py); chunk_minimums and
@@ -42,6 +44,7 @@ from autopar.cost.families import (AUTO_SCHEDULES, MAX_CHUNKS_PER_RANK,  # noqa:
                                    cp_attention_rule, enumerate_configs, enumerate_families,
                                    ring_attention_rule, tensor_degrees, tensor_rule)
 from autopar.cost.layout import late_heavy, spread_layers
+from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict, rank_layers)
 from autopar.cost.profile import ModelProfile
 from autopar.plan import CP_ATTENTION, ZERO_LEVELS, Alternative, Plan, Prediction, Stage
@@ -152,15 +155,41 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     except ValueError as exc:
         raise ValueError(f"solve: {exc}") from None
     _validate(profile, cluster, gpus, global_batch_size, pins)
+    with _collector_paused():
+        return _solve(profile, cluster, gpus, global_batch_size, pins, max_alternatives, stats)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the solve: the search allocates ~10^5
+    short-lived acyclic tuples (heap entries, memory failures, memo keys), each allocation
+    burst triggering collections that walk every object alive, torch's and the captured
+    graph's included (measured ~1 s of a 1T solve's ~6 s CPU, 2026-11-26). Nothing the solve
+    makes is cyclic garbage; the collector's previous state is restored."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _solve(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch_size: int,
+           pins: Pins, max_alternatives: int, stats: SolveStats | None) -> Plan:
+    """`solve` after validation: enumerate, search, CP-SAT, ties, the walked memory fit and
+    the plan."""
     from autopar.cost.search import search   # (search imports this module's bounds)
     t0 = time.perf_counter()
-    families, rejected = enumerate_families(profile, cluster, gpus, global_batch_size, pins)
+    memo = CostMemo()   # shared: the enumeration's exchange prices are the search's too
+    families, rejected = enumerate_families(profile, cluster, gpus, global_batch_size, pins,
+                                            memo)
     if not families:
         raise ValueError(_no_config_message(profile, gpus, global_batch_size, pins, rejected))
     stats = stats if stats is not None else SolveStats()
     evaluated, memory_fail, pruned = search(
         profile, cluster, families, max(0, max_alternatives // 2) + max(0, max_alternatives // 4),
-        stats)
+        stats, memo)
     feasible = evaluated
     if not feasible:
         raise ValueError(_no_fit_message(profile, cluster, gpus, pins, memory_fail))
@@ -190,7 +219,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     chosen, x = _fit_walked_memory(profile, cluster, chosen, x, survivors)
     solve_s = time.perf_counter() - t0
     return _build_plan(profile, cluster, global_batch_size, chosen.cc, x, survivors + pruned,
-                       memory_fail, rejected, max_alternatives, optimal, solve_s)
+                       memory_fail, rejected, max_alternatives, optimal, solve_s, memo)
 
 
 TIE_RTOL = 1e-9   # step times this close are one time (float noise of the ns-integer model)
@@ -247,7 +276,7 @@ def _fit_walked_memory(profile, cluster, chosen, x, survivors):
 
 
 def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, rejected,
-                max_alternatives, optimal, solve_s) -> Plan:
+                max_alternatives, optimal, solve_s, memo=None) -> Plan:
     """The Plan of the chosen configuration `cc` at layer split `x`, with its alternatives.
     Why this size: it hands `solve`'s results (the others priced, the memory failures, the
     rejections, the solve status) through to `_alternatives` unchanged."""
@@ -259,7 +288,7 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
                             embedding=c == 0, head=c == len(x) - 1))
         first += n
     alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
-                         max_alternatives, optimal, solve_s)
+                         max_alternatives, optimal, solve_s, memo)
     return Plan(t=cfg.t, p=cfg.p, d=cfg.d, c=cfg.c, cp_attention=cfg.cp_attention, ep=cfg.ep,
                 v=cfg.v,
                 micro_batch_size=cfg.micro_batch_size,
@@ -288,7 +317,7 @@ def _why_slower(alt: Prediction, chosen: Prediction, top: int = 2) -> str:
 
 
 def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, limit, optimal,
-                  solve_s) -> list[Alternative]:
+                  solve_s, memo=None) -> list[Alternative]:
     """The chosen configuration first, then the other priced ones ranked by step time, then
     memory failures and rejections, at most `limit`. Why this size: one list per kind of
     alternative, each built in its own short loop."""
@@ -315,7 +344,7 @@ def _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected, lim
     bounded = sorted((e for e in others if e.note and e.cfg != cc.cfg), key=lambda e: e.lb_s)
     keep = max(0, limit // 2)
     for e in bounded[:keep]:
-        ecc = e.cc or config_costs(profile, cluster, e.cfg)
+        ecc = e.cc or config_costs(profile, cluster, e.cfg, memo)   # (the search's caches)
         y = heuristic_partition(ecc, profile.num_layers)
         if y is None:
             continue

@@ -103,8 +103,14 @@ def scaled_step_ns(cfg: Config, load_max_ns: Lin, load_sum_ns: Lin, tail_max_ns:
     The one statement of the step-time formula: step_time_scaled, both lower bounds and the
     solver's objective (which scales each combination's by W / V to a common denominator W)
     call it."""
-    V = step_scale(cfg)
-    return (cfg.num_microbatches * V - 1) * load_max_ns + load_sum_ns + V * tail_max_ns
+    return scaled_step_of(cfg.num_microbatches, step_scale(cfg), load_max_ns, load_sum_ns,
+                          tail_max_ns)
+
+
+def scaled_step_of(m: int, V: int, load_max_ns: Lin, load_sum_ns: Lin, tail_max_ns: Lin) -> Lin:
+    """`scaled_step_ns` from m micro-batches and V = v · bubble_div (no Config: the search's
+    quick bound)."""
+    return (m * V - 1) * load_max_ns + load_sum_ns + V * tail_max_ns
 
 
 def v_step_ns(cfg: Config, load_max_ns: int, load_sum_ns: int,

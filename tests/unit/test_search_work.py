@@ -53,9 +53,14 @@ def _moe_421b():
     # The same counts after the per-member work was cut (2026-11-26, plan-speed3: row facts,
     # one activation bound and quick bound per row, failures as tuples): the analytic 1T
     # solve 8.7 -> ~4.7 s CPU, the MoE 6.0 -> ~3 s, Llama 3 2.4 -> ~1.5 s
-    (MEGATRON_1T, "dgx-a100-80gb", 3072, 3072, (2_900, 200_000, 16_000, 1_300)),
-    (LLAMA3_405B, "dgx-h100-80gb", 16384, 2048, (450, 24_000, 4_000, 100)),
-    ("moe", "dgx-h100-80gb", 512, 1024, (700, 33_000, 6_000, 1_400)),
+    # A ZeRO level whose states, or states and the family's least activations, overflow a GPU
+    # kept as one failure group, its members never enumerated (2026-11-26, plan-speed4):
+    # configurations 1T 189,480 -> 93,160, Llama 3 21,972 -> 10,330, the MoE 29,192 ->
+    # 16,965 (measured 2,660 / 93,160 / 14,494 / 410 + 780; 390 / 10,330 / 3,417 / 33 + 44;
+    # 554 / 16,965 / 5,198 / 848 + 379), the plans and their explanations unchanged
+    (MEGATRON_1T, "dgx-a100-80gb", 3072, 3072, (2_900, 100_000, 16_000, 1_300)),
+    (LLAMA3_405B, "dgx-h100-80gb", 16384, 2048, (450, 12_000, 4_000, 100)),
+    ("moe", "dgx-h100-80gb", 512, 1024, (700, 19_000, 6_000, 1_400)),
 ], ids=["1T-3072", "llama3-405b-16384", "moe-421b-512"])
 def test_search_work_is_bounded(dims, cluster, gpus, batch, most):
     from autopar.cost.memory import _compute_order
@@ -127,3 +132,33 @@ def test_least_gathers_undercut_every_walked_plan(schedule, p, v, m, group):
         assert dict(walked.reduce_leads).get(0, 0) >= 1, walked
         assert walked.peak_gathered >= least.peak_gathered >= 1
         assert walked.peak_pending >= least.peak_pending
+
+
+def test_quick_bound_without_config_equals_the_configs():
+    """The search's quick bound of a member (its family's loads and one pipeline hop, no
+    Config: search._quick_bound_s) is exactly bounds.quick_lower_bound_scaled of the member's
+    Config, over every schedule, v and N (groups N > p hiding p2p included) of families with
+    p > 1, each ZeRO level and context method."""
+    from autopar.cost.bounds import quick_lower_bound_scaled
+    from autopar.cost.config import bubble_div
+    from autopar.cost.families import Pins, enumerate_families
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.search import _quick_bound_s, family_bound_s
+    cluster = get_cluster("dgx-a100-80gb")
+    prof = transformer_profile(**MEGATRON_1T).for_cluster(cluster)
+    families, _ = enumerate_families(prof, cluster, 256, 512, Pins())
+    memo, twin_memo, hops, grouped, checked = CostMemo(), CostMemo(), {}, 0, 0
+    for fam in families[::23]:
+        if fam.p == 1:
+            continue
+        family_bound_s(prof, cluster, fam, memo)
+        for _, schedule, v, group, zero in fam.members():
+            cfg = fam.config(schedule, v, group, zero)
+            want = float(quick_lower_bound_scaled(prof, cluster, cfg, twin_memo)) / v / 1e9
+            got = _quick_bound_s(prof, cluster, (fam, schedule, v, group, zero),
+                                 bubble_div(cfg), memo, hops)
+            assert got == want, (cfg, got, want)
+            grouped += group is not None and group > fam.p
+            checked += 1
+    assert checked > 200 and grouped > 20, (checked, grouped)
