@@ -157,7 +157,8 @@ def parallelize(model: torch.nn.Module, gpus: int, *, example_inputs: tuple,
     around attention, DeepSpeed-Ulysses, autopar/runtime/ulysses.py: heads divisible by t·c)
     or "hybrid" (the all-to-all inside a node, the K/V all-gather across: Megatron-Core's
     a2a+p2p; its inner degree autopar/runtime/groups.py hybrid_inner_degree: weighed where a
-    context group spans nodes) or "hybrid-ring" (the same with ring attention across, pin-only);
+    context group spans nodes) or "hybrid-ring" (the same with ring attention across, weighed
+    where its exchange costs no more than the hybrid's);
     None: the cheapest, as the cost model prices them (cost.model.context_comm_s), among those
     the context-parallel pass can build.
 
@@ -486,7 +487,7 @@ def context_offer(gm: Any, seq_len: int, pins: Pins) -> ContextOffer:
     if c == 1 or how == "all-gather":
         return ContextOffer(c=c, methods=CP_ATTENTION, split_refused=split)
     refused = {m: verdict.refusal(m) for m in (CP_ATTENTION if how is None else (how,))
-               if m != "all-gather"}   # a pin may name a pin-only method (hybrid-ring)
+               if m != "all-gather"}
     if how is not None and refused.get(how) is not None:
         raise ValueError(f"parallelize: cp_attention={how!r}: {refused[how]}") from None
     return ContextOffer(c=c, methods=tuple(m for m in CP_ATTENTION if refused.get(m) is None),

@@ -188,7 +188,7 @@ class Plan:
     # "all-gather" before attention, "ring" (blocks passed round while attending) or
     # "all-to-all" (tokens traded for heads around attention: heads divisible by c) or
     # "hybrid" (all-to-all inside a node, all-gather across: groups.hybrid_inner_degree) or
-    # "hybrid-ring" (the same, ring attention across; pin-only: CP_ATTENTION_PINNED). Old
+    # "hybrid-ring" (the same, ring attention across: cost/exchanges.py hybrid_ring_weighed). Old
     # plan.json files have none: "all-gather", the only method before ring attention.
     cp_attention: str = "all-gather"
     # expert parallelism: the experts of a mixture split over ep of the c·d ranks that hold the

@@ -27,13 +27,14 @@ ZERO_LEVELS = (0, 1, 2, 3)
 # attending (ring attention, 2310.01889), autopar/runtime/ring_attention.py, or traded for
 # heads by all-to-all around attention (DeepSpeed-Ulysses, 2309.14509), runtime/ulysses.py, or
 # "hybrid": all-to-all inside a node, the K/V all-gather across (Megatron-Core's a2a+p2p; its
-# inner degree: autopar/runtime/groups.py hybrid_inner_degree): the methods the solver weighs
-# (the hybrid only where a context group spans nodes and it is not dominated:
-# cost/families.py _Exchanges). CP_ATTENTION_PINNED: what a pin may name, those and
-# "hybrid-ring" (the all-to-all inside a node, ring attention across: a2a+p2p as
-# TransformerEngine runs it; pin-only, not in the solver's free set).
-CP_ATTENTION = ("all-gather", "ring", "all-to-all", "hybrid")
-CP_ATTENTION_PINNED = CP_ATTENTION + ("hybrid-ring",)
+# inner degree: autopar/runtime/groups.py hybrid_inner_degree), or "hybrid-ring": the
+# all-to-all inside a node, ring attention across (a2a+p2p as TransformerEngine runs it): the
+# methods the solver weighs (the hybrids only where a context group spans nodes and they are
+# not dominated; hybrid-ring only where its exchange costs no more than the hybrid's:
+# cost/families.py _Exchanges, cost/exchanges.py hybrid_ring_weighed). CP_ATTENTION_PINNED:
+# what a pin may name (the same methods).
+CP_ATTENTION = ("all-gather", "ring", "all-to-all", "hybrid", "hybrid-ring")
+CP_ATTENTION_PINNED = CP_ATTENTION
 # the schedules that run several chunks per pipeline rank (v > 1); cost.model's
 # SCHEDULE_TRAITS[...].multi_chunk says the same (tests/unit/test_rules.py)
 MULTI_CHUNK = ("interleaved-1f1b", "interleaved-zb", "breadth-first")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from autopar.cost.bounds import Family, row_facts
-from autopar.cost.exchanges import context_saved_kv_bytes, hybrid_degree
+from autopar.cost.exchanges import (HYBRID_RING_SLOWER, context_saved_kv_bytes,
+                                    hybrid_degree, hybrid_ring_weighed)
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import SCHEDULE_TRAITS, Config, alltoall_heads_rule
@@ -221,14 +222,17 @@ class _Exchanges:
             cfg = Config(t=t, p=1, d=self.gpus // (t * c), c=c, cp_attention=how,
                          micro_batch_size=b, recompute=recompute, sequence_parallel=sp)
             rank = self.costs.rank_profile(self.profile, self.cluster, cfg)
-            if how == "hybrid" and hybrid_degree(rank, self.cluster, cfg) == 1:
-                continue     # no inner degree (c inside a node): the all-gather itself
+            if how in ("hybrid", "hybrid-ring") and hybrid_degree(rank, self.cluster, cfg) == 1:
+                continue     # no inner degree (c inside a node): the all-gather / ring itself
             cost[how] = self.costs.context_comm_s(rank, self.cluster, cfg)
             mem[how] = context_saved_kv_bytes(rank, self.cluster, cfg)
         hows = tuple(cost)
         if "hybrid" in cost and "all-to-all" in cost and _stands_in(cost):
             hows = tuple(h for h in hows if h != "all-to-all")
             self._reject(t, c, b, sp, recompute, "all-to-all", _STANDS_IN)
+        if not hybrid_ring_weighed(cost):
+            hows = tuple(h for h in hows if h != "hybrid-ring")
+            self._reject(t, c, b, sp, recompute, "hybrid-ring", HYBRID_RING_SLOWER)
         kept = []
         for x in hows:
             by = next((y for y in hows if y != x and _beats(y, x, cost, mem, hows)), None)

@@ -23,7 +23,7 @@ def test_the_rules_agree_with_the_cost_models_tables():
     assert autopar.plan.CP_ATTENTION is rules.CP_ATTENTION   # one tuple, re-exported
     # the hybrid context method: weighed by the free solver like the others
     assert "hybrid" in rules.CP_ATTENTION   # and the hybrid with the ring across, pin-only
-    assert rules.CP_ATTENTION_PINNED == rules.CP_ATTENTION + ("hybrid-ring",)
+    assert rules.CP_ATTENTION_PINNED == rules.CP_ATTENTION
     assert rules.knob_refusal("cp_attention", "hybrid") is None
 
 

@@ -58,6 +58,9 @@ def _moe_421b():
     # configurations 1T 189,480 -> 93,160, Llama 3 21,972 -> 10,330, the MoE 29,192 ->
     # 16,965 (measured 2,660 / 93,160 / 14,494 / 410 + 780; 390 / 10,330 / 3,417 / 33 + 44;
     # 554 / 16,965 / 5,198 / 848 + 379), the plans and their explanations unchanged
+    # hybrid-ring weighed freely where its exchange costs no more than the hybrid's
+    # (exchanges.hybrid_ring_weighed): the 1T and the MoE unchanged, Llama 3 372 / 9,916 /
+    # 3,295 / 30 + 41, the same plans
     (MEGATRON_1T, "dgx-a100-80gb", 3072, 3072, (2_900, 100_000, 16_000, 1_300)),
     (LLAMA3_405B, "dgx-h100-80gb", 16384, 2048, (450, 12_000, 4_000, 100)),
     ("moe", "dgx-h100-80gb", 512, 1024, (700, 19_000, 6_000, 1_400)),
