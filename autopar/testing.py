@@ -168,12 +168,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             conns.append(parent_end)
     finally:
         _restore(saved)
+    grace_s = 2.0
     try:
         return _collect(procs, conns, time.monotonic() + timeout_s, timeout_s, allowed)
+    except TimeoutError:
+        grace_s = 0.0   # the unfinished ranks are stuck: no point waiting for them to exit
+        raise
     finally:
         for c in conns:
             c.close()  # finished children exit on EOF; the rest are terminated
-        _kill_all(procs)
+        _kill_all(procs, grace_s)
 
 
 def _collect(procs, conns, deadline: float, timeout_s: float, allowed: set[int]) -> list[Any]:
@@ -244,8 +248,8 @@ def _read(rank: int, conn, proc) -> tuple[str, Any] | None:
               f"is defined at module level of an importable module); its stderr is above")
 
 
-def _kill_all(procs) -> None:
-    end = time.monotonic() + 2.0
+def _kill_all(procs, grace_s: float) -> None:
+    end = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, end - time.monotonic()))
     for p in procs:
