@@ -95,6 +95,44 @@ def _child(conn, fn, rank, world_size, port, pg_timeout_s, backend, env_at_call,
     os._exit(0)
 
 
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
+def _server_environment() -> dict[str, str | None]:
+    """Set what the fork server inherits (one thread; PYTHONPATH = the caller's sys.path: the
+    server ignores the sys.path multiprocessing hands it on Python 3.11, and could not preload
+    modules found through a test folder); returns the previous values for `_restore`. The
+    children get the caller's environment with one thread, the caller's PYTHONPATH."""
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")}
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    return saved
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def start_server() -> None:
+    """Start the fork server now; its imports (`preload`) run in the background while the
+    caller goes on (a test session: while pytest collects), and the first `spawn` finds it
+    ready instead of waiting for them. Optional: `spawn` starts it otherwise."""
+    from multiprocessing import forkserver
+    _context()
+    saved = _server_environment()
+    try:
+        forkserver.ensure_running()
+    finally:
+        _restore(saved)
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
           pg_timeout_s: float | None = None, backend: str = "gloo",
           allow_exit: Iterable[int] = (), **kwargs: Any) -> list[Any]:
@@ -109,17 +147,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         raise ValueError(f"world_size={world_size}: must be >= 1; pass the number of ranks")
     pg_timeout_s = pg_timeout_s if pg_timeout_s is not None else min(60.0, timeout_s / 2)
     allowed = set(allow_exit)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOAD))
+    ctx = _context()
     port = free_port()
     procs, conns = [], []
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")}
-    # inherited by the fork server (started by the first call) and handed to the children
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env = dict(os.environ)
-    # the fork server ignores the sys.path multiprocessing hands it (Python 3.11): without
-    # this it cannot preload modules found through the caller's sys.path (a test folder)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    saved = _server_environment()   # the server is started by the first call
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if saved["PYTHONPATH"] is not None:   # the children: the caller's own
+        env["PYTHONPATH"] = saved["PYTHONPATH"]
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -133,17 +167,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             procs.append(proc)
             conns.append(parent_end)
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore(saved)
+    grace_s = 2.0
     try:
         return _collect(procs, conns, time.monotonic() + timeout_s, timeout_s, allowed)
+    except TimeoutError:
+        grace_s = 0.0   # the unfinished ranks are stuck: no point waiting for them to exit
+        raise
     finally:
         for c in conns:
             c.close()  # finished children exit on EOF; the rest are terminated
-        _kill_all(procs)
+        _kill_all(procs, grace_s)
 
 
 def _collect(procs, conns, deadline: float, timeout_s: float, allowed: set[int]) -> list[Any]:
@@ -214,8 +248,8 @@ def _read(rank: int, conn, proc) -> tuple[str, Any] | None:
               f"is defined at module level of an importable module); its stderr is above")
 
 
-def _kill_all(procs) -> None:
-    end = time.monotonic() + 2.0
+def _kill_all(procs, grace_s: float) -> None:
+    end = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, end - time.monotonic()))
     for p in procs:

@@ -12,6 +12,7 @@ from itertools import combinations
 from typing import Iterator
 
 from autopar.cost.hardware import Cluster, get_cluster
+from autopar.cost.memo import CostMemo
 from autopar.cost.model import Config, config_costs, fits, rank_layers, step_time_scaled
 from autopar.cost.profile import ModelProfile
 from autopar.cost.solver import Pins, chunk_minimums, enumerate_configs
@@ -38,8 +39,9 @@ def brute_force(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int,
     cluster = get_cluster(cluster)
     configs, _ = enumerate_configs(profile, cluster, gpus, global_batch_size, Pins(**pins))
     best = None
+    memo = CostMemo()  # pure functions' caches: the same integers as pricing each config alone
     for cfg in configs:
-        cc = config_costs(profile, cluster, cfg)
+        cc = config_costs(profile, cluster, cfg, memo)
         for x in compositions(profile.num_layers, cfg.p * cfg.v):
             y = rank_layers(x, cfg.p)
             if not fits(cc, y):

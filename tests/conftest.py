@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.testing import preload
+from autopar.testing import preload, start_server
 from models import PASS_MODELS
 
 # the spawned ranks of the numerics tests build these models: the fork server imports them once
@@ -20,3 +20,12 @@ preload(*(f"transformers.models.{m}.modeling_{m}" for m in (
 @pytest.fixture(params=PASS_MODELS)
 def tiny_name(request) -> str:
     return request.param
+
+
+def pytest_configure(config) -> None:
+    """Start the spawn fork server before collection when numerics tests may run: its ~12 CPU-s
+    of imports and warm-up (fork_warmup.py) then overlap pytest's ~13 CPU-s of collection on
+    the second core, instead of stalling the first spawning test."""
+    args = [str(a) for a in config.args]
+    if not args or any("unit" not in a and "passes" not in a for a in args):
+        start_server()

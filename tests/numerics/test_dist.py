@@ -87,11 +87,18 @@ def _dead_peer(rank, world_size):
     return _recv_from_rank_1()
 
 
-def _silent_peer(rank, world_size):
+def _silent_peer(rank, world_size, flag):
+    """Rank 1 stays alive without sending until rank 0's receive has given up (it writes
+    `flag`), at most 60 s: no fixed sleep to outlast the group timeout."""
     if rank == 1:
-        time.sleep(6)  # alive, but never sends
-        return "slept"
-    return _recv_from_rank_1()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return "waited"
+    try:
+        return _recv_from_rank_1()
+    finally:
+        open(flag, "w").close()
 
 
 def _p2p(rank, world_size):
@@ -120,8 +127,8 @@ def test_spawn_reraises_with_remote_traceback():
 def test_spawn_deadline_kills_and_names_ranks():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 had not finished"):
-        spawn(_hang_on_1, 2, timeout_s=15)  # generous: rank 0 must start and finish first
-    assert time.monotonic() - start < 35
+        spawn(_hang_on_1, 2, timeout_s=8)  # rank 0 must start and finish first (~1 s)
+    assert time.monotonic() - start < 25
 
 
 def test_spawn_reports_dead_rank_unless_allowed():
@@ -187,8 +194,10 @@ def test_dead_peer_raises_peer_error_not_hang():
     assert elapsed < 10
 
 
-def test_silent_peer_times_out_with_peer_error():
-    kind, elapsed, msg, peers = spawn(_silent_peer, 2, timeout_s=60, pg_timeout_s=2)[0]
+def test_silent_peer_times_out_with_peer_error(tmp_path):
+    res = spawn(_silent_peer, 2, str(tmp_path / "rank0-gave-up"), timeout_s=60, pg_timeout_s=2)
+    assert res[1] == "waited"
+    kind, elapsed, msg, peers = res[0]
     assert kind == "peer" and peers == (1,)
     assert "rank 1" in msg and "imed out" in msg
     assert 1.5 < elapsed < 10

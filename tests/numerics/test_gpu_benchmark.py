@@ -5,6 +5,7 @@ image has none), on one process (a group of one) and on gloo ranks sharing one d
 (`compile(device=...)`), and writes its JSON and text table. The same script on CUDA is the
 GPU test, skipped here with its reason.
 """
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,6 +23,17 @@ NO_ORTOOLS = ("import sys, runpy; sys.modules['ortools'] = None; sys.argv = sys.
               "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
+def _script():
+    """benchmarks/gpu.py as a module of this process (where the solver is: `prepare` and the
+    argument checks need no interpreter of their own)."""
+    if "autopar_gpu_benchmark" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("autopar_gpu_benchmark", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module   # its dataclasses look their module up while defined
+        spec.loader.exec_module(module)
+    return sys.modules["autopar_gpu_benchmark"]
+
+
 def _run(args: list[str], block_ortools: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable] + (["-c", NO_ORTOOLS] if block_ortools else []) + [str(SCRIPT)]
     out = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -33,7 +45,8 @@ def _run(args: list[str], block_ortools: bool = False) -> subprocess.CompletedPr
 @pytest.mark.slow
 def test_gpu_benchmark_plumbing_on_cpu(tmp_path):
     plans, results = tmp_path / "plans", tmp_path / "out"
-    _run(["prepare", "--device", "cpu", "--quick", "--dir", str(plans), "--cases", CASES])
+    assert _script().main(["prepare", "--device", "cpu", "--quick", "--dir", str(plans),
+                           "--cases", CASES]) == 0
     assert sorted(p.name for p in plans.glob("*.json")) == sorted(
         [f"{c}.json" for c in CASES.split(",")] + ["manifest.json"])
     out = _run(["run", "--device", "cpu", "--quick", "--dir", str(plans), "--out",
@@ -60,11 +73,12 @@ def test_gpu_benchmark_plumbing_on_cpu(tmp_path):
     assert text.strip().splitlines()[-1] in out.stdout
 
 
-def test_gpu_benchmark_refuses_bad_input():
-    out = subprocess.run([sys.executable, str(SCRIPT), "run", "--parts", "single,gpuz",
-                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "--parts 'gpuz': not a part; pick from" in out.stderr.strip().splitlines()[-1]
+def test_gpu_benchmark_refuses_bad_input(capsys):
+    with pytest.raises(SystemExit) as e:
+        _script().main(["run", "--parts", "single,gpuz", "--device", "cpu"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--parts 'gpuz': not a part; pick from" in err.strip().splitlines()[-1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),

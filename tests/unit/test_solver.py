@@ -29,8 +29,14 @@ def _random_instance(rng: random.Random):
 
 
 def test_cp_sat_equals_brute_force_on_random_instances():
+    """24 random feasible instances, each solved and brute-forced exhaustively. The sample
+    exercises every constraint family of cost/cpsat.py: optima with p, v > 1 (the partition and
+    per-rank loads), d > 1 (the tail), an empty first or last chunk, and at least 3 instances
+    where memory binds (checked against an unbounded-memory brute force until 3 are found:
+    the count is the sample's property, the comparison above runs on every instance)."""
     rng = random.Random(2024)
     compared = infeasible = memory_bound = 0
+    seen = set()
     while compared < 24:
         prof, cluster, gpus, batch = _random_instance(rng)
         bf = brute_force(prof, cluster, gpus=gpus, global_batch_size=batch)
@@ -41,13 +47,18 @@ def test_cp_sat_equals_brute_force_on_random_instances():
             continue
         plan = solve(prof, cluster, gpus=gpus, global_batch_size=batch)
         assert plan_objective(prof, cluster, plan) == bf[0], (prof.num_layers, gpus, batch)
-        big = with_overrides(cluster, memory_bytes=1e15)
-        if brute_force(prof, big, gpus=gpus, global_batch_size=batch)[0] < bf[0]:
-            memory_bound += 1
+        cfg, chunks = bf[1], bf[2]
+        seen |= {k for k in ("p", "v", "d") if getattr(cfg, k) > 1}
+        seen |= {"empty"} if 0 in chunks else set()
+        if memory_bound < 3:
+            big = with_overrides(cluster, memory_bytes=1e15)
+            if brute_force(prof, big, gpus=gpus, global_batch_size=batch)[0] < bf[0]:
+                memory_bound += 1
         compared += 1
     print(f"\nbrute force == CP-SAT on {compared} instances ({memory_bound} memory-bound), "
           f"{infeasible} infeasible for both")
     assert memory_bound >= 3
+    assert seen == {"p", "v", "d", "empty"}, seen
 
 
 def test_pure_data_parallel_when_model_fits():
