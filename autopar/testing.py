@@ -120,16 +120,31 @@ def _restore(saved: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def start_server() -> None:
+def start_server(log_path: str | os.PathLike | None = None) -> None:
     """Start the fork server now; its imports (`preload`) run in the background while the
     caller goes on (a test session: while pytest collects), and the first `spawn` finds it
-    ready instead of waiting for them. Optional: `spawn` starts it otherwise."""
+    ready instead of waiting for them. Optional: `spawn` starts it otherwise.
+
+    log_path: the server's and its ranks' standard error go to this file (appended) instead
+    of the caller's terminal — the ranks' warnings and the native libraries' messages, which
+    a test session started before pytest captures anything would print between its dots;
+    failures still come back through `spawn` with their tracebacks."""
     from multiprocessing import forkserver
     _context()
     saved = _server_environment()
+    err = None
+    if log_path is not None:
+        sys.stderr.flush()
+        err = os.dup(2)
+        fd = os.open(os.fspath(log_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         forkserver.ensure_running()
     finally:
+        if err is not None:
+            os.dup2(err, 2)
+            os.close(err)
         _restore(saved)
 
 

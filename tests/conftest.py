@@ -2,6 +2,9 @@
 reference.py (see README.md in this folder for the layout of the tests)."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from autopar.testing import preload, start_server
@@ -28,4 +31,5 @@ def pytest_configure(config) -> None:
     the second core, instead of stalling the first spawning test."""
     args = [str(a) for a in config.args]
     if not args or any("unit" not in a and "passes" not in a for a in args):
-        start_server()
+        # the ranks' stderr (warnings, gloo / profiler messages) to a file, not between the dots
+        start_server(os.path.join(tempfile.gettempdir(), f"autopar-ranks-{os.getpid()}.log"))
