@@ -9,7 +9,6 @@ context attention methods needs (`_Exchanges`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from dataclasses import dataclass
@@ -198,8 +197,7 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
                 again = rejected[n:]
                 for ei, ep in enumerate(eps[1:], 1):
                     rejected.extend(again)
-                    families.extend(dataclasses.replace(f, key=(ti, ci, pi, ei) + f.key[4:],
-                                                        ep=ep) for f in shared)
+                    families.extend(f.with_ep((ti, ci, pi, ei) + f.key[4:], ep) for f in shared)
     # the methods a cheaper one displaced last, one per distinct reason: explain() lists the
     # first distinct rules, and the degrees' own come first
     seen = set()
