@@ -61,6 +61,8 @@ def _moe_421b():
     # hybrid-ring weighed freely where its exchange costs no more than the hybrid's
     # (exchanges.hybrid_ring_weighed): the 1T and the MoE unchanged, Llama 3 372 / 9,916 /
     # 3,295 / 30 + 41, the same plans
+    # a (t, c, p, d)'s families enumerated once for every ep, the memory check once per rows
+    # tuple (plan-speed5): the same counts, the same plans
     (MEGATRON_1T, "dgx-a100-80gb", 3072, 3072, (2_900, 100_000, 16_000, 1_300)),
     (LLAMA3_405B, "dgx-h100-80gb", 16384, 2048, (450, 12_000, 4_000, 100)),
     ("moe", "dgx-h100-80gb", 512, 1024, (700, 19_000, 6_000, 1_400)),
