@@ -179,10 +179,25 @@ def enumerate_families(profile: ModelProfile, cluster: Cluster, gpus: int, globa
                         f"global batch {global_batch} not divisible by d={d}"))
                     continue
                 where = {"t": t, "c": c, "p": p, "d": d}
-                for ei, ep in enumerate(_expert_degrees(profile, c * d, pins, rejected, where)):
-                    families.extend(_inner_families(profile, t, p, d, global_batch, pins,
-                                                    rejected, c, ep, (ti, ci, pi, ei),
-                                                    exchanges))
+                eps = _expert_degrees(profile, c * d, pins, rejected, where)
+                if not eps:
+                    continue
+                if pins.sequence_parallel:   # (its rejection is recorded once: per ep)
+                    for ei, ep in enumerate(eps):
+                        families.extend(_inner_families(profile, t, p, d, global_batch, pins,
+                                                        rejected, c, ep, (ti, ci, pi, ei),
+                                                        exchanges))
+                    continue
+                # nothing of a (t, c, p, d)'s rows depends on ep: built once, its families
+                # and its rejections repeated per expert degree in the order of one call each
+                n = len(rejected)
+                shared = list(_inner_families(profile, t, p, d, global_batch, pins, rejected,
+                                              c, eps[0], (ti, ci, pi, 0), exchanges))
+                families.extend(shared)
+                again = rejected[n:]
+                for ei, ep in enumerate(eps[1:], 1):
+                    rejected.extend(again)
+                    families.extend(f.with_ep((ti, ci, pi, ei) + f.key[4:], ep) for f in shared)
     # the methods a cheaper one displaced last, one per distinct reason: explain() lists the
     # first distinct rules, and the degrees' own come first
     seen = set()

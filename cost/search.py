@@ -43,11 +43,12 @@ from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (least_activation_bytes, memory_coefficients,
                                  step_input_bytes)
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
-                                layer_activation_bytes, load_parts_s,
+                                layer_activation_bytes,
                                 optimizer_step_s, rank_params,
-                                config_costs, load_costs, state_bytes_lower_bound,
+                                config_costs, state_bytes_lower_bound,
                                 step_time_scaled)
 from autopar.cost.model import _ns   # (seconds to the model's integer ns, as load_costs)
+from autopar.cost.model import _layer_parts_s   # (load_parts_s but the p2p)
 from autopar.cost.profile import ModelProfile
 from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
@@ -71,18 +72,21 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
     family's largest, the bound holds for every member (all of one ep: its all-to-alls and
     its most loaded expert rank are in the loads)."""
     # the loads but the p2p: the same integers at every p, d, v and N (CostMemo.layer_parts),
-    # so one load_costs per (t, c, method, ep, b, recompute, sp) serves every family
+    # so one layer_parts per (t, c, method, ep, b, recompute, sp) serves every family
     key = (fam.t, fam.c, fam.how, fam.ep, fam.b, fam.recompute, fam.sp)
     layer_ns = memo.family_loads.get(key)
     if layer_ns is None:
         cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
                      micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
                      sequence_parallel=fam.sp)
-        lc = load_costs(profile, cluster, cfg, memo)
-        comp, tp, _, _, _, cp, ep = load_parts_s(profile, cluster, cfg, memo)
+        # load_costs' integers but the p2p (LoadCosts.layer_ns: the parts rounded, summed),
+        # from the layer's parts alone: no pipeline p2p priced per family
+        rank = memo.rank_profile(profile, cluster, cfg)
+        comp, tp, emb, head, cp, ep = memo.layer_parts(
+            cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
         # (and a layer's load in s, as _load_parts_s sums it: the quick bound's p2p reads it)
-        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns,
-                                             comp + tp + cp + ep)
+        layer_ns = memo.family_loads[key] = (_ns(comp) + _ns(tp) + _ns(cp) + _ns(ep),
+                                             _ns(emb), _ns(head), comp + tp + cp + ep)
     layer, embed, head, _ = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
@@ -199,18 +203,22 @@ def _level_failures(fam: Family, seq: int, zero: int, state: float,
     return members
 
 
+def _sharded_fits(fam: Family, memo: CostMemo, usable: float,
+                  sharded: set[int]) -> tuple[int, ...]:
+    """The ZeRO levels of `fam` whose states fit a GPU when all are sharded-weight levels
+    (the others' members fail memory when popped and can never be the plan), else ()."""
+    fits = tuple(z for *_, z in fam.first_of_each_zero()
+                 if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable)
+    return fits if fits and set(fits) <= sharded else ()
+
+
 def _family_tail_s(profile, cluster, fam: Family, memo: CostMemo, tmemo: dict,
-                   sharded: set[int]) -> float:
-    """A lower bound (s) of the tail of every member of `fam` that fits its states: when
-    only sharded-weight ZeRO levels do (the others' members fail memory when popped and can
-    never be the plan), the least `_least_tail_s` over them at the family's largest v (the
-    least tail shrinks as v grows: each chunk's gathers and reduce-scatters are 1/v of the
-    layer's); else 0. `tmemo` is the search's memo of least tails."""
-    usable = cluster.usable_memory_bytes
-    fits = [z for *_, z in fam.first_of_each_zero()
-            if memo.state_bytes[(fam.t, fam.c, fam.ep, fam.p, fam.d, z, fam.sp)] <= usable]
-    if not fits or not set(fits) <= sharded:
-        return 0.0
+                   fits: tuple[int, ...]) -> float:
+    """A lower bound (s) of the tail of every member of `fam` that fits its states, given
+    `fits` (`_sharded_fits`: only sharded-weight ZeRO levels fit): the least `_least_tail_s`
+    over them at the family's largest v (the least tail shrinks as v grows: each chunk's
+    gathers and reduce-scatters are 1/v of the layer's). `tmemo` is the search's memo of
+    least tails."""
     _, schedule, v, group, _ = fam.widest   # the first row of the largest v
     tails = []
     for zero in fits:
@@ -319,15 +327,22 @@ def search(profile: ModelProfile, cluster: Cluster, families: list[Family], need
     bdiv: dict = {}   # (schedule, recompute) -> the schedule's bubble divisor
     heap: list[tuple] = []
     stats.families += len(families)
+    fits_at: dict = {}   # the ZeRO levels whose states fit, per (rows, t, c, ep, p, d, sp)
     for n, fam in enumerate(families):
-        failed = _memory_family(profile, cluster, fam, memo, least_states)
-        if failed is not None:
-            stats.families_memory += 1
-            failures.append(failed)
-            continue
+        # the families of one (t, c, p, d, ep, b) share their rows (one tuple): the memory
+        # check and the levels that fit read nothing else of them but sp
+        fkey = (id(fam.rows), fam.t, fam.c, fam.ep, fam.p, fam.d, fam.sp)
+        fits = fits_at.get(fkey)
+        if fits is None:
+            failed = _memory_family(profile, cluster, fam, memo, least_states)
+            if failed is not None:
+                stats.families_memory += 1
+                failures.append(failed)
+                continue
+            fits = fits_at[fkey] = _sharded_fits(fam, memo, usable, sharded)
         bound = family_bound_s(profile, cluster, fam, memo)
-        if fam.zeros() & sharded:
-            bound += _family_tail_s(profile, cluster, fam, memo, tmemo, sharded) * _SLACK
+        if fits:
+            bound += _family_tail_s(profile, cluster, fam, memo, tmemo, fits) * _SLACK
         heap.append((bound, 0, fam.key + fam.sub, n))
     heapq.heapify(heap)
 

@@ -61,6 +61,8 @@ def _moe_421b():
     # hybrid-ring weighed freely where its exchange costs no more than the hybrid's
     # (exchanges.hybrid_ring_weighed): the 1T and the MoE unchanged, Llama 3 372 / 9,916 /
     # 3,295 / 30 + 41, the same plans
+    # a (t, c, p, d)'s families enumerated once for every ep, the memory check once per rows
+    # tuple (plan-speed5): the same counts, the same plans
     (MEGATRON_1T, "dgx-a100-80gb", 3072, 3072, (2_900, 100_000, 16_000, 1_300)),
     (LLAMA3_405B, "dgx-h100-80gb", 16384, 2048, (450, 12_000, 4_000, 100)),
     ("moe", "dgx-h100-80gb", 512, 1024, (700, 19_000, 6_000, 1_400)),
@@ -165,3 +167,27 @@ def test_quick_bound_without_config_equals_the_configs():
             grouped += group is not None and group > fam.p
             checked += 1
     assert checked > 200 and grouped > 20, (checked, grouped)
+
+
+def test_families_shared_across_expert_degrees_equal_each_degrees_own():
+    """enumerate_families builds a (t, c, p, d)'s families once and repeats them per expert
+    degree (Family.with_ep): each equals what _inner_families yields at that degree alone,
+    and every rejection of a degree's own call is recorded as often as that call records it."""
+    from collections import Counter
+    from autopar.cost.families import Pins, _Exchanges, _inner_families, enumerate_families
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.memo import CostMemo
+    prof, cluster, pins = _moe_421b(), get_cluster("dgx-h100-80gb"), Pins()
+    families, rejected = enumerate_families(prof, cluster, 64, 128, pins, CostMemo())
+    groups: dict[tuple, list] = {}
+    for fam in families:
+        groups.setdefault((fam.t, fam.c, fam.p, fam.d, fam.ep, fam.key[:4]), []).append(fam)
+    assert len({fam.ep for fam in families}) >= 4
+    exchanges = _Exchanges(prof, cluster, pins, 64, [], CostMemo())
+    own_rejections: list = []
+    for (t, c, p, d, ep, prefix), fams in groups.items():
+        assert list(_inner_families(prof, t, p, d, 128, pins, own_rejections, c, ep, prefix,
+                                    exchanges)) == fams
+    count = Counter((r.reason, repr(r.config)) for r in rejected)
+    count.subtract(Counter((r.reason, repr(r.config)) for r in own_rejections))
+    assert min(count.values()) >= 0
