@@ -175,11 +175,17 @@ class PackFile:
         if direct and hasattr(os, "O_DIRECT"):
             try:
                 self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                self._map = mmap.mmap(-1, _BOUNCE_BYTES)       # page-aligned
-                self._bounce = memoryview(self._map)
-                return
             except OSError:
                 pass
+            else:
+                self._map = mmap.mmap(-1, _BOUNCE_BYTES)       # page-aligned
+                self._bounce = memoryview(self._map)
+                if _direct_writes(self._fd, self._bounce):
+                    return
+                self._bounce.release()   # opened O_DIRECT, but its writes are refused
+                self._map.close()
+                self._bounce = None
+                os.close(self._fd)
         self._fd = os.open(path, flags, 0o644)
 
     @property
@@ -235,3 +241,15 @@ class PackFile:
         done = 0
         while done < len(block):
             done += os.write(self._fd, block[done:])
+
+
+def _direct_writes(fd: int, block: memoryview) -> bool:
+    """Whether an O_DIRECT file takes an aligned write: some file systems accept the open and
+    refuse the writes (EINVAL); one block written at offset 0 and truncated away tells."""
+    try:
+        os.write(fd, block[:_DIRECT_ALIGN])
+    except OSError:
+        return False
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return True

@@ -200,3 +200,33 @@ def test_every_piece_form_loads_through_the_layout(tmp_path: Path, form: str):
                         ("optim/step/w", got["optim/step/w"], [])], 64)
     assert torch.equal(got["w"][1:5], full["w"][1:5]) and stats.whole_items == 0
     assert torch.equal(got["optim/step/w"], full["optim/step/w"])
+
+
+def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path: Path, monkeypatch):
+    """Some file systems accept an O_DIRECT open and refuse its writes (EINVAL): PackFile's
+    probe finds it at open and writes buffered, the same bytes and CRC-32; where direct writes
+    work the probe leaves nothing behind."""
+    import errno
+    import fcntl
+    import os
+    import zlib
+
+    from autopar.runtime import ckpt_packs
+    data = memoryview(bytes(range(256)) * 40)       # 10,240 bytes: not a block multiple
+    ok = ckpt_packs.PackFile(str(tmp_path / "direct"))
+    ok.write(data)
+    ok.close()
+    real_write = os.write
+
+    def refuse_direct(fd, block):       # as such a file system: EINVAL on an O_DIRECT file
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, block)
+    monkeypatch.setattr(os, "write", refuse_direct)
+    fallback = ckpt_packs.PackFile(str(tmp_path / "buffered"))
+    assert not fallback.direct
+    fallback.write(data)
+    fallback.close()
+    for name, f in (("direct", ok), ("buffered", fallback)):
+        assert (tmp_path / name).read_bytes() == bytes(data), name
+        assert f.crc == zlib.crc32(data) and f.size == len(data), name
