@@ -182,6 +182,12 @@ def test_cli_factory_file(tmp_path, capsys):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "autopar.cli", "--help"], capture_output=True,
-                         text=True, timeout=120)
+    """The `autopar` console script pip installs beside the interpreter (pyproject's
+    [project.scripts]), run as a user runs it; `python -m autopar.cli` is not that script."""
+    import shutil
+    from pathlib import Path
+    script = shutil.which("autopar", path=str(Path(sys.executable).parent))
+    assert script is not None, (f"no `autopar` script beside {sys.executable}: install the "
+                                f"package (pip install -e .)")
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "plan" in out.stdout
