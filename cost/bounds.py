@@ -18,7 +18,7 @@ from autopar.cost.config import bubble_div
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, ConfigCosts, load_costs, rank_layers,
                                 rank_load_ns, rank_tail_ns, total_load_ns, total_tail_ns,
                                 v_step_ns)
-from autopar.cost.step import scaled_step_of
+from autopar.cost.step import load_of_ns, scaled_step_of, total_load_of_ns
 from autopar.cost.profile import ModelProfile
 
 GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
@@ -282,9 +282,9 @@ def quick_bound_scaled_ns(layer_ns: int, embed_ns: int, head_ns: int, p2p_ns: in
     they sum to S for every split (total_load_ns), so their max is at least ceil(S/p), and at
     least the first and the last rank's with their fewest layers (rank_load_ns: they add the
     embedding and the head). `div`: the schedule's bubble divisor."""
-    total = layer_ns * num_layers + p * p2p_ns + embed_ns + head_ns
+    total = total_load_of_ns(layer_ns, p2p_ns, embed_ns, head_ns, p, num_layers)
     lo = rank_minimums(p, v, num_layers)
-    first = layer_ns * lo[0] + p2p_ns + embed_ns + (head_ns if p == 1 else 0)
-    last = layer_ns * lo[-1] + p2p_ns + (embed_ns if p == 1 else 0) + head_ns
+    first = load_of_ns(layer_ns, p2p_ns, embed_ns, head_ns, p, 0, lo[0])
+    last = load_of_ns(layer_ns, p2p_ns, embed_ns, head_ns, p, p - 1, lo[-1])
     scaled = scaled_step_of(m, v * div, max(-(-total // p), first, last), total, 0)
     return scaled if div == 1 else Fraction(scaled, div)

@@ -143,7 +143,7 @@ def pipeline_p2p_s(profile: ModelProfile, cluster: Cluster, cfg: Config, layer_s
     if p <= 1:
         return 0.0
     return chunk_p2p_s(p2p_hop_s(profile, cluster, cfg), p, v, cfg.microbatch_group,
-                       cluster.comm_overlap * layer_s * profile.num_layers / (p * v))
+                       layer_s, profile.num_layers, cluster.comm_overlap)
 
 
 def p2p_hop_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
@@ -160,12 +160,15 @@ def p2p_hop_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     return one
 
 
-def chunk_p2p_s(one_s: float, p: int, v: int, group: int | None, chunk_s: float) -> float:
+def chunk_p2p_s(one_s: float, p: int, v: int, group: int | None, layer_s: float,
+                num_layers: int, comm_overlap: float) -> float:
     """`pipeline_p2p_s` from its hop: 2·v hops per micro-batch, less what an interleaved
-    group of N > p hides under the chunk_s of compute each extra micro-batch brings
-    (communication overlapping compute: cluster.comm_overlap · a chunk's load)."""
-    if group is not None and group > p:
-        return _grouped_p2p_s(one_s, p, v, group, chunk_s)   # hides as comm overlaps
+    group of N > p hides under the compute each extra micro-batch brings (communication
+    overlapping compute: comm_overlap · a chunk's load, num_layers / (p·v) layers of layer_s).
+    Why this size: the hop and the pipeline's shape (p, v, N) and a chunk's load
+    (layer_s, num_layers, comm_overlap) without a Config (the search's quick bound)."""
+    if group is not None and group > p:   # hides as comm overlaps
+        return _grouped_p2p_s(one_s, p, v, group, comm_overlap * layer_s * num_layers / (p * v))
     return 2 * v * one_s
 
 

@@ -31,7 +31,7 @@ import dataclasses
 
 # re-exported: the cost model's names as callers (solver, search, simulate, report, tests) use
 from autopar.cost.comm import (allgather_s, allreduce_s, alltoall_s,  # noqa: F401
-                               group_spans_nodes, p2p_s, pipeline_p2p_s)
+                               chunk_p2p_s, group_spans_nodes, p2p_s, pipeline_p2p_s)
 from autopar.cost.compute import (block_times_s, edge_times_s, elementwise_time_s,  # noqa: F401
                                   flops_per_seq, fp8_cast_time_s, fused_attention_time_s,
                                   gemm_efficiency, gemm_time_s, local_gemm_time_s,
@@ -114,6 +114,27 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         _ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
                      p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
+
+
+def layer_loads(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                memo: CostMemo) -> tuple[LoadCosts, float]:
+    """`load_costs` but the p2p (its p2p_ns 0: the other integers are the same at every p, d,
+    v and N, from the layer's parts alone), and a layer's load in s as `_load_parts_s` hands
+    it to pipeline_p2p_s: the search's family bound and, with `p2p_load_ns`, its quick bound."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    comp, tp, emb, head, cp, ep = memo.layer_parts(
+        cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
+    return (LoadCosts(cfg=cfg, layer_compute_ns=_ns(comp), layer_tp_ns=_ns(tp),
+                      embed_ns=_ns(emb), head_ns=_ns(head), p2p_ns=0, layer_cp_ns=_ns(cp),
+                      layer_ep_ns=_ns(ep)),
+            comp + tp + cp + ep)
+
+
+def p2p_load_ns(hop_s: float, p: int, v: int, group: int | None, layer_s: float,
+                num_layers: int, comm_overlap: float) -> int:
+    """`load_costs`' p2p_ns from one pipeline hop (comm.p2p_hop_s) and a layer's load in s
+    (`layer_loads`), without a Config: comm.chunk_p2p_s rounded as load_costs rounds."""
+    return _ns(chunk_p2p_s(hop_s, p, v, group, layer_s, num_layers, comm_overlap))
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,

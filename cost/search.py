@@ -43,18 +43,16 @@ from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (least_activation_bytes, memory_coefficients,
                                  step_input_bytes)
 from autopar.cost.model import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, dp_terms_s,
-                                layer_activation_bytes,
+                                layer_activation_bytes, layer_loads, p2p_load_ns,
                                 optimizer_step_s, rank_params,
                                 config_costs, state_bytes_lower_bound,
                                 step_time_scaled)
-from autopar.cost.model import _ns   # (seconds to the model's integer ns, as load_costs)
-from autopar.cost.model import _layer_parts_s   # (load_parts_s but the p2p)
 from autopar.cost.profile import ModelProfile
 from autopar.weight_gathers import least_counts
 from autopar.cost.bounds import (GIB, Family, SolveStats, _Evaluated, heuristic_partition,
                                  lower_bound_scaled, memory_lower_bound,
                                  quick_bound_scaled_ns)
-from autopar.cost.comm import chunk_p2p_s, p2p_hop_s
+from autopar.cost.comm import p2p_hop_s
 
 # float slack on the family bound: it must never exceed a member's quick bound, which is
 # computed along another path of float operations
@@ -79,14 +77,10 @@ def family_bound_s(profile: ModelProfile, cluster: Cluster, fam: Family,
         cfg = Config(t=fam.t, p=fam.p, d=fam.d, c=fam.c, cp_attention=fam.how, ep=fam.ep, v=1,
                      micro_batch_size=fam.b, num_microbatches=fam.m, recompute=fam.recompute,
                      sequence_parallel=fam.sp)
-        # load_costs' integers but the p2p (LoadCosts.layer_ns: the parts rounded, summed),
-        # from the layer's parts alone: no pipeline p2p priced per family
-        rank = memo.rank_profile(profile, cluster, cfg)
-        comp, tp, emb, head, cp, ep = memo.layer_parts(
-            cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
-        # (and a layer's load in s, as _load_parts_s sums it: the quick bound's p2p reads it)
-        layer_ns = memo.family_loads[key] = (_ns(comp) + _ns(tp) + _ns(cp) + _ns(ep),
-                                             _ns(emb), _ns(head), comp + tp + cp + ep)
+        # load_costs' integers but the p2p: no pipeline p2p priced per family (and a layer's
+        # load in s: the quick bound's p2p reads it)
+        lc, layer_s = layer_loads(profile, cluster, cfg, memo)
+        layer_ns = memo.family_loads[key] = (lc.layer_ns, lc.embed_ns, lc.head_ns, layer_s)
     layer, embed, head, _ = layer_ns
     total = layer * profile.num_layers + embed + head
     most = max(total / fam.p, layer + embed, layer + head)
@@ -158,7 +152,7 @@ def _quick_bound_s(profile: ModelProfile, cluster: Cluster, member: tuple, div: 
         if one is None:
             cfg = _config(member)
             one = hops[hkey] = p2p_hop_s(memo.rank_profile(profile, cluster, cfg), cluster, cfg)
-        p2p = _ns(chunk_p2p_s(one, p, v, group, cluster.comm_overlap * layer_s * l / (p * v)))
+        p2p = p2p_load_ns(one, p, v, group, layer_s, l, cluster.comm_overlap)
     return float(quick_bound_scaled_ns(layer, embed, head, p2p, p, v, fam.m, div, l)) / v / 1e9
 
 

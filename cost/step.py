@@ -45,16 +45,28 @@ def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[i
 
 def rank_load_ns(lc: LoadCosts, r: int, y_r: Lin) -> Lin:
     """tau_r, the per-micro-batch load of pipeline rank r holding y_r layers: its layers, its
-    p2p, the embedding on rank 0 and the head on rank p-1."""
-    p = lc.cfg.p
-    fixed = lc.p2p_ns + (lc.embed_ns if r == 0 else 0) + (lc.head_ns if r == p - 1 else 0)
-    return lc.layer_ns * y_r + fixed
+    p2p, the embedding on rank 0 and the head on rank p-1 (`load_of_ns`)."""
+    return load_of_ns(lc.layer_ns, lc.p2p_ns, lc.embed_ns, lc.head_ns, lc.cfg.p, r, y_r)
 
 
 def total_load_ns(lc: LoadCosts, num_layers: int) -> int:
-    """Σ_r tau_r, the same for every split of num_layers layers: `rank_load_ns` summed (one
-    slope on every rank, p2p on each, the embedding and the head once)."""
-    return lc.layer_ns * num_layers + lc.cfg.p * lc.p2p_ns + lc.embed_ns + lc.head_ns
+    """Σ_r tau_r, the same for every split of num_layers layers (`total_load_of_ns`)."""
+    return total_load_of_ns(lc.layer_ns, lc.p2p_ns, lc.embed_ns, lc.head_ns, lc.cfg.p,
+                            num_layers)
+
+
+def load_of_ns(layer_ns: int, p2p_ns: int, embed_ns: int, head_ns: int, p: int, r: int,
+               y_r: Lin) -> Lin:
+    """`rank_load_ns` from a LoadCosts' integers and p (no Config: the search's quick bound)."""
+    fixed = p2p_ns + (embed_ns if r == 0 else 0) + (head_ns if r == p - 1 else 0)
+    return layer_ns * y_r + fixed
+
+
+def total_load_of_ns(layer_ns: int, p2p_ns: int, embed_ns: int, head_ns: int, p: int,
+                     num_layers: int) -> int:
+    """`load_of_ns` summed over the p ranks: one slope on every rank, p2p on each, the
+    embedding and the head once."""
+    return layer_ns * num_layers + p * p2p_ns + embed_ns + head_ns
 
 
 def tail_layer_ns(cc: ConfigCosts) -> int:
