@@ -522,7 +522,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
                record["memory_source"],
                "elementwise: eager (autopar's runtime runs its chunks op by op)",
                "comm_overlap: the part of a 4 MiB all-reduce that hid behind a GEMM loop run "
-               "meanwhile, every rank at once",
+               "meanwhile, every rank at once (tp_comm_overlap the same)",
                f"tp_row_pieces {ROW_PIECES}: autopar's runtime issues a row-parallel GEMM's "
                f"reduction in that many calls (its collective matmul, cost/overlap.py)"]
     curves: list[CollectiveCurve] = []
@@ -549,6 +549,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
         optimizer_param_s=record.get("optimizer_param_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
         comm_overlap=record.get("comm_overlap", 1.0),
+        tp_comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
         collective_curves=tuple(curves), tp_row_pieces=ROW_PIECES, **flash,
         sources=tuple(sources))

@@ -214,20 +214,22 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     passes = 3 if recompute == "full" else 2
     tp = (passes - 1) * one + back + extra if ar_elems else 0.0
     if cluster.tp_overlap and ar_elems:   # collective matmuls; dx reduction under dW
-        tp = _overlapped_tp_s(blk.gemms, gemm, one, back + extra, passes - 1)
+        tp = _overlapped_tp_s(blk.gemms, gemm, one, back + extra, passes - 1,
+                             cluster.tp_comm_overlap)
     x_fwd, x_bwd = inserted_collectives_s(cluster, fix, t, b, e, tp_inter)
     tp += (2 if recompute == "full" else 1) * x_fwd + x_bwd
     return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
 
 
 def _overlapped_tp_s(gemms: Sequence[Gemm], times_s: Sequence[float], fwd_comm_s: float,
-                     bwd_comm_s: float, forward_passes: int) -> float:
+                     bwd_comm_s: float, forward_passes: int, overlap: float) -> float:
     """The block's TP communication left exposed by the runtime's overlap (cost/overlap.py):
     forward collectives pipelined with the row-parallel ("k"-split) GEMMs, backward ones
     under the column-parallel ("n"-split) projections' weight gradients."""
     row = sum(s for g, s in zip(gemms, times_s) if g.tp_split == "k" and g.has_weight_grad)
     col = sum(s for g, s in zip(gemms, times_s) if g.tp_split == "n" and g.has_weight_grad)
-    return block_tp_exposed_s(fwd_comm_s, bwd_comm_s, row, col, ROW_PIECES, forward_passes)
+    return block_tp_exposed_s(fwd_comm_s, bwd_comm_s, row, col, ROW_PIECES, forward_passes,
+                              overlap)
 
 
 def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bool,

@@ -113,6 +113,14 @@ class Cluster:
     # passes/overlap.py; Megatron-Core --tp-comm-overlap); priced by cost/overlap.py. False in
     # the presets: the runs they are calibrated on exposed TP communication
     tp_overlap: bool = False
+    # where tp_overlap: the fraction of a TP collective pipelined with its GEMM that costs
+    # nothing; the rest still costs its time (the collective's kernels take SMs and HBM
+    # bandwidth from the GEMM; cost/overlap.py). Fitted to torchtitan's Llama 3 70B on 256
+    # H100 (FSDP 32 x TP 8, bf16, 2025-06: async TP 652.4 vs vanilla 597.3 tokens/s/GPU,
+    # pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md; not fitted:
+    # its 8B on 64 H100, tests/passes/test_tp_overlap_calibration.py); measured by
+    # `autopar calibrate` (as comm_overlap) on a calibrated cluster
+    tp_comm_overlap: float = 0.53
     # the calls a row-parallel GEMM's forward reduction is issued as: autopar's runtime's
     # collective matmul (runtime.collectives.ROW_CHUNKS, cost/overlap.py ROW_PIECES) on a
     # cluster `autopar calibrate` measured; 1 in the presets (the Megatron-LM runs they are
@@ -144,6 +152,10 @@ class Cluster:
         if not 0 <= self.comm_overlap <= 1:
             raise ValueError(f"Cluster.comm_overlap={self.comm_overlap!r}: must be in [0, 1], "
                              f"the fraction of a collective that hides behind compute")
+        if not 0 <= self.tp_comm_overlap <= 1:
+            raise ValueError(f"Cluster.tp_comm_overlap={self.tp_comm_overlap!r}: must be in "
+                             f"[0, 1], the fraction of an overlapped TP collective that "
+                             f"costs nothing")
         if self.tp_row_pieces < 1:
             raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
                              f"the calls a row-parallel reduction is issued as (1: one)")

@@ -14,7 +14,12 @@ async TP), a collective costs only the part of it that its GEMM cannot cover:
     their weight gradients dW = dyᵀ·x are computed (Megatron-LM's asynchronous TP all-reduce,
     2205.05198 §4.2.2): exposed max(0, comm - dW GEMMs).
 
-Pure functions of seconds; no constant fitted.
+Hidden is not free: while a collective runs beside a GEMM it takes SMs and memory bandwidth
+from it (NCCL's kernels, the copy engines; on CPU ranks the cores), so the part that hides
+still costs (1 - overlap) of its time, `overlap` being the cluster's `tp_comm_overlap` (fitted
+to torchtitan's async-TP runs on H100 in the presets, measured by `autopar calibrate`).
+
+Pure functions of seconds.
 """
 from __future__ import annotations
 
@@ -38,10 +43,17 @@ def hidden_behind_s(comm_s: float, gemm_s: float) -> float:
 
 
 def block_tp_exposed_s(fwd_comm_s: float, bwd_comm_s: float, row_gemm_s: float,
-                       col_gemm_s: float, pieces: int, forward_passes: int = 1) -> float:
+                       col_gemm_s: float, pieces: int, forward_passes: int = 1,
+                       overlap: float = 1.0) -> float:
     """Exposed TP communication of one block per micro-batch: `fwd_comm_s` (one forward's
     collectives, run `forward_passes` times: 2 with full recompute) pipelined with the
     row-parallel GEMMs `row_gemm_s`; `bwd_comm_s` under the column-parallel projections'
-    weight gradients, which take their forward time `col_gemm_s`."""
-    return (forward_passes * pipelined_exposed_s(fwd_comm_s, row_gemm_s, pieces)
-            + hidden_behind_s(bwd_comm_s, col_gemm_s))
+    weight gradients, which take their forward time `col_gemm_s`; of what hides, the part
+    1 - `overlap` still costs its time (module doc)."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"block_tp_exposed_s(overlap={overlap}): the fraction of a hidden "
+                         f"collective that costs nothing must be in [0, 1]")
+    exposed = (forward_passes * pipelined_exposed_s(fwd_comm_s, row_gemm_s, pieces)
+               + hidden_behind_s(bwd_comm_s, col_gemm_s))
+    hidden = forward_passes * fwd_comm_s + bwd_comm_s - exposed
+    return exposed + (1.0 - overlap) * hidden

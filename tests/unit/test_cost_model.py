@@ -215,6 +215,11 @@ def test_tp_overlap_exposes_only_what_the_gemm_cannot_hide():
     assert pipelined_exposed_s(4.0, 1.0, 4) == pytest.approx(1.0 + 0.75 * 3.0)
     assert pipelined_exposed_s(4.0, 9.0, 1) == 4.0 and hidden_behind_s(2.0, 3.0) == 0.0
     assert block_tp_exposed_s(4.0, 2.0, 4.0, 1.0, 4, forward_passes=2) == pytest.approx(3.0)
+    # what hides still costs 1 - overlap of its time: of 10 s, 3 exposed, 7 hidden
+    assert block_tp_exposed_s(4.0, 2.0, 4.0, 1.0, 4, 2, overlap=0.5) == pytest.approx(6.5)
+    assert block_tp_exposed_s(4.0, 2.0, 4.0, 1.0, 4, 2, overlap=0.0) == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="overlap"):
+        block_tp_exposed_s(4.0, 2.0, 4.0, 1.0, 4, 2, overlap=1.5)
     with pytest.raises(ValueError, match="pieces"):
         pipelined_exposed_s(1.0, 1.0, 0)
     assert not any(get_cluster(n).tp_overlap for n in CLUSTER_NAMES)
@@ -224,8 +229,10 @@ def test_tp_overlap_exposes_only_what_the_gemm_cannot_hide():
     h100 = get_cluster("dgx-h100-80gb")
     exposed = M.predict(prof, h100, cfg)
     hidden = M.predict(prof, with_overrides(h100, tp_overlap=True), cfg)
-    assert hidden.compute_s == exposed.compute_s
-    assert exposed.tp_comm_s / ROW_PIECES / 2 < hidden.tp_comm_s < exposed.tp_comm_s
+    free = M.predict(prof, with_overrides(h100, tp_overlap=True, tp_comm_overlap=1.0), cfg)
+    assert hidden.compute_s == exposed.compute_s == free.compute_s
+    assert exposed.tp_comm_s / ROW_PIECES / 2 < free.tp_comm_s < hidden.tp_comm_s
+    assert hidden.tp_comm_s < exposed.tp_comm_s
     assert hidden.step_time_s < exposed.step_time_s
 
 

@@ -1,0 +1,88 @@
+"""Tensor-parallel overlap priced against published runs: torchtitan's async TP (PyTorch's
+collective matmul on symmetric memory) against its vanilla TP on the same jobs, Llama 3.1 on
+Grand Teton H100s (pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md;
+torch.compile, bf16, sequence 8,192, FSDP × TP 8, no pipeline; 2025-06):
+
+- 70B on 256 GPUs (FSDP 32, TP 8, full AC, local batch 16): 597.3 tokens/s/GPU vanilla,
+  652.4 async (1.09×). `Cluster.tp_comm_overlap` (0.53: what hides behind a GEMM still costs
+  47% of its time) is fitted to this pair's speed-up; benchmarks/calibration.py prints it.
+- 8B on 64 GPUs (FSDP 8, TP 8, per-op SAC, local batch 12): 4,378 vanilla, 4,809.4 async
+  (1.10×). Not fitted: checked here.
+
+The vanilla run is priced with TP communication exposed (`tp_overlap` False, as the presets),
+the async one with `tp_overlap` (cost/overlap.py). Grand Teton's cluster and the bf16 GEMM
+efficiency are test_fp8_calibration's (fitted to torchtitan's 8B FSDP row, Table 1). Known
+misses, printed and not asserted: the 70B pair is priced ~17% slow in both modes (the
+speed-up right), and the 8B's per-op SAC (torchtitan recomputes every other matmul) is priced
+as Megatron's selective recompute (the attention core only), which leaves the 8B ~9% fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+import autopar
+from autopar.cost.model import Config, predict
+from test_fp8_calibration import SEQ, grand_teton, llama31
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pair:
+    """One published job run with vanilla and with async TP (tokens/s/GPU)."""
+    name: str
+    model: str
+    gpus: int
+    batch: int
+    vanilla_tps: float
+    async_tps: float
+    pins: tuple
+
+
+_TP8 = (("t", 8), ("p", 1), ("zero", 3), ("sequence_parallel", True))
+PAIR_70B = Pair(name="70B, 256 GPUs, FSDP 32 x TP 8, full AC (fitted)", model="70b", gpus=256,
+                batch=512, vanilla_tps=597.3, async_tps=652.4,
+                pins=_TP8 + (("d", 32), ("micro_batch_size", 16), ("recompute", "full")))
+PAIR_8B = Pair(name="8B, 64 GPUs, FSDP 8 x TP 8, per-op SAC", model="8b", gpus=64, batch=96,
+               vanilla_tps=4378.0, async_tps=4809.4,
+               pins=_TP8 + (("d", 8), ("micro_batch_size", 12), ("recompute", "selective")))
+PAIRS = (PAIR_70B, PAIR_8B)
+
+
+@lru_cache(maxsize=None)
+def tokens_per_gpu_s(pair: Pair) -> dict[str, float]:
+    """Predicted tokens/s/GPU of the pair's pinned bf16 plan, TP exposed and overlapped."""
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    cl = grand_teton()
+    prog = autopar.parallelize(llama31(pair.model), gpus=pair.gpus, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=pair.batch,
+                               cluster=cl, name=f"llama3.1-{pair.model}", precision="bf16",
+                               **dict(pair.pins))
+    overlapped = predict(prog.profile, dataclasses.replace(cl, tp_overlap=True),
+                         Config.of_plan(prog.plan))
+    tokens = pair.batch * SEQ / pair.gpus
+    return {"vanilla": tokens / prog.plan.predicted.step_time_s,
+            "async": tokens / overlapped.step_time_s}
+
+
+def comparison(pair: Pair) -> str:
+    got = tokens_per_gpu_s(pair)
+    published = {"vanilla": pair.vanilla_tps, "async": pair.async_tps}
+    lines = [f"{pair.name}, {k} TP: predicted {got[k]:,.0f} tokens/s/GPU, published "
+             f"{published[k]:,.1f} ({got[k] / published[k] - 1:+.1%})" for k in got]
+    lines.append(f"{pair.name}, async / vanilla: predicted {got['async'] / got['vanilla']:.3f}"
+                 f", published {pair.async_tps / pair.vanilla_tps:.3f}")
+    return "\n".join(lines)
+
+
+def test_async_tp_speedup_of_the_8b_pair_not_fitted_within_3_percent():
+    """The overlap's price: the 8B's async / vanilla speed-up with tp_comm_overlap fitted to
+    the 70B pair; without the interference (everything hidden free) it would be 1.21."""
+    got = tokens_per_gpu_s(PAIR_8B)
+    print("\n" + comparison(PAIR_8B))
+    speedup = got["async"] / got["vanilla"]
+    assert abs(speedup / (PAIR_8B.async_tps / PAIR_8B.vanilla_tps) - 1) < 0.03
+    for mode, published in (("vanilla", PAIR_8B.vanilla_tps), ("async", PAIR_8B.async_tps)):
+        assert abs(got[mode] / published - 1) < 0.10, (mode, got[mode], published)
