@@ -146,8 +146,8 @@ def test_hybrid_c4_with_t_p_d_equals_one_device():
     model as above, the ring over the 2 nodes) and hybrid-ring in bf16 with d = 2 and ZeRO-2
     (GPT, against one device in bf16, clipped so the check can fail); 2 ranks a node where p
     or d take the outer factor, so the 4 context ranks span 2 nodes. Each equals one device
-    (fp32: rtol 1e-4 / atol 1e-5), every rank ran the planned method at k = 2. Cost: ~100
-    CPU-s summed over the 8 ranks (2026-11-26, 2-core host), so ~55 s on it idle."""
+    (fp32: rtol 1e-4 / atol 1e-5), every rank ran the planned method at k = 2. Cost: ~90
+    CPU-s summed over the 8 ranks (2026-11-26, 2-core host), so ~50 s on it idle."""
     from programs import adamw_decayed, check_case, compare_training, spawn_cases
     hybrid = dict(c=4, cp_attention="hybrid")
     ring = dict(c=4, cp_attention="hybrid-ring")
