@@ -622,9 +622,9 @@ DECODERS = ("hf_falcon_mq", "hf_gptj", "hf_phi3", "hf_phi", "hf_opt", "hf_bigcod
 
 
 def runtime_model(name: str, layers: int) -> Model:
-    """One of RUNTIME_MODELS or DECODERS at vocab 64, hidden 32, 16 positions, seed 0: the same
-    model in every process (GPT: 2 heads; the transformers ones keep their default KV cache
-    setting)."""
+    """One of RUNTIME_MODELS, DECODERS or hf_deepseek_v3 at vocab 64, hidden 32, 16
+    positions, seed 0: the same model in every process (GPT: 2 heads; the transformers ones
+    keep their default KV cache setting)."""
     torch.manual_seed(0)
     if name in ("gpt", "gpt_untied"):
         return gpt(layers=layers, heads=2, tie_embeddings=name == "gpt")
@@ -652,5 +652,7 @@ def runtime_model(name: str, layers: int) -> Model:
         return hf_olmo2(layers=layers, ffn=48)
     if name in DECODERS:
         return BUILDERS[name](layers=layers)
+    if name == "hf_deepseek_v3":   # latent attention, group-limited routing (not in DECODERS)
+        return hf_deepseek_v3(layers=layers)
     raise ValueError(f"runtime_model: unknown model {name!r}; known: "
-                     f"{RUNTIME_MODELS + DECODERS}")
+                     f"{RUNTIME_MODELS + DECODERS + ('hf_deepseek_v3',)}")
