@@ -17,16 +17,20 @@ fallbacks priced by passes/tp_cost.py): `LayerKind.profile`. The planner sees:
     its t / c / ep collectives), and cut c falls at the layer boundary whose cumulative time
     is nearest the chunks' cumulative share of the total. So a stage of the heavier kind holds
     fewer layers, and every stage's time is the sum of its layers' kinds (`stage_times_ns`).
+    The times are one context rank's at c > 1 (`kind_layer_ns` goes through the cost model's
+    rank profile, as every price does);
+  - `kinds_memory_slopes`: the memory rows of `config_costs` (the search's fits and CP-SAT's
+    constraints, affine in a rank's mean layers) restated by the layers the cut of the even
+    split gives each rank, each priced by its kind's own memory coefficients
+    (cost.memory.memory_coefficients on the kind's rank profile: weights, gradients,
+    optimizer states, activations per layer): a stage of MoE layers holds more than the
+    mean, and p / v / recompute / ZeRO are chosen for it;
+  - `kinds_rank_memory`: the same at the chosen split, exactly (the schedule's walk over the
+    chunks' own activation bytes): what `predict` reports, so the plan's per-rank memory and
+    the solver's walked-memory fit (cost/solver.py `_fit_walked_memory`) see the kinds.
 
-  - `kinds_rank_memory`: each pipeline rank's memory from the layers that cut gives it, each
-    priced by its kind's own memory coefficients (cost.memory.memory_coefficients on the
-    kind's rank profile: weights, gradients, optimizer states, activations per layer; the
-    schedule's walk over the chunks' own activation bytes): what `predict` reports for a
-    stack of kinds, so the plan's per-rank memory and the solver's walked-memory fit
-    (cost/solver.py `_fit_walked_memory`) see a stage of MoE layers hold more than the mean.
-
-Not modelled: CP-SAT's memory rows (cost/cpsat.py) stay the mean layer's, checked exactly
-only for the plan it picks and the survivors it falls back to (docs/known-gaps.md).
+Not modelled: CP-SAT's rows are exact at the even split only (a split off it is checked after,
+by `predict`; docs/known-gaps.md).
 """
 from __future__ import annotations
 

@@ -200,9 +200,10 @@ def test_kinds_memory_of_one_kind_twice_is_the_one_kind_stack():
                 assert getattr(y, f.name) == pytest.approx(getattr(x, f.name), rel=1e-9)
 
 
-def test_kind_times_restated_for_context_slices():
+def test_kind_times_restated_for_context_slices_and_fp8():
     """The per-kind times the cut weighs are one context rank's at c = 2 (its half of the
-    sequence: less than the whole sequence's), as every profile the cost model prices."""
+    sequence: less than the whole sequence's), as every profile the cost model prices, and
+    FP8's where the GEMMs run in FP8."""
     from autopar.cost.kinds import kind_layer_ns
     from autopar.cost.model import Config
     profile = _light_heavy()
@@ -213,3 +214,6 @@ def test_kind_times_restated_for_context_slices():
     half = kind_layer_ns(profile, h100, Config(c=2, d=2, **base))
     assert all(h < w for h, w in zip(half, whole))
     assert half[1] / half[0] != pytest.approx(whole[1] / whole[0], rel=1e-3)
+    # and FP8 GEMMs (`with_gemm_precision`) in the kinds' own profiles, as in the mean layer's
+    fp8 = kind_layer_ns(profile.with_gemm_precision("fp8", h100), h100, Config(c=1, d=4, **base))
+    assert all(f < w for f, w in zip(fp8, whole))
