@@ -17,12 +17,24 @@ fallbacks priced by passes/tp_cost.py): `LayerKind.profile`. The planner sees:
     its t / c / ep collectives), and cut c falls at the layer boundary whose cumulative time
     is nearest the chunks' cumulative share of the total. So a stage of the heavier kind holds
     fewer layers, and every stage's time is the sum of its layers' kinds (`stage_times_ns`).
+    The times are one context rank's at c > 1 (`kind_layer_ns` goes through the cost model's
+    rank profile, as every price does);
+  - `kinds_memory_slopes`: the memory rows of `config_costs` (the search's fits and CP-SAT's
+    constraints, affine in a rank's mean layers) restated by the layers the cut of the even
+    split gives each rank, each priced by its kind's own memory coefficients
+    (cost.memory.memory_coefficients on the kind's rank profile: weights, gradients,
+    optimizer states, activations per layer): a stage of MoE layers holds more than the
+    mean, and p / v / recompute / ZeRO are chosen for it;
+  - `kinds_rank_memory`: the same at the chosen split, exactly (the schedule's walk over the
+    chunks' own activation bytes): what `predict` reports, so the plan's per-rank memory and
+    the solver's walked-memory fit (cost/solver.py `_fit_walked_memory`) see the kinds.
 
-Not modelled: a stage's memory is priced at the mean layer by the solver (a stage of MoE
-layers holds more weights than the mean; docs/known-gaps.md).
+Not modelled: CP-SAT's rows are exact at the even split only (a split off it is checked after,
+by `predict`; docs/known-gaps.md).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import fields, replace
 from typing import Any, Sequence
 
@@ -135,16 +147,114 @@ def _mean_fallback(fixes: Sequence[TPRegionFallback], w: Sequence[float],
 
 # ----- stages over the kinds --------------------------------------------------------------------
 
-def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any) -> list[int]:
+def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = None) -> list[int]:
     """Per micro-batch time of one layer of each kind at `cfg` (compute, recompute and its
-    tensor- / context- / expert-parallel collectives: cost.model.load_costs on the kind's own
-    profile)."""
-    from autopar.cost.model import load_costs
-    out = []
-    for k in profile.layer_kinds:
-        lc = load_costs(k.profile.for_cluster(cluster), cluster, cfg)
-        out.append(lc.layer_compute_ns + lc.layer_tp_ns + lc.layer_cp_ns + lc.layer_ep_ns)
+    tensor- / context- / expert-parallel collectives: cost.model.layer_loads on the kind's own
+    profile, restated for one of cfg.c context ranks as every profile the cost model prices).
+    `memo` (a solve's CostMemo, optional) caches them per `CostMemo.layer_parts` key."""
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.model import layer_loads
+
+    def times() -> list[int]:
+        return [layer_loads(k.profile.for_cluster(cluster), cluster, cfg, CostMemo())[0].layer_ns
+                for k in profile.layer_kinds]
+    if memo is None:
+        return times()
+    return memo.cached(("times", cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size,
+                        cfg.recompute, cfg.sequence_parallel, cfg.gpus), times)
+
+
+def chunk_kind_layers(profile: ModelProfile, cluster: Any, cfg: Any,
+                      layers_per_chunk: Sequence[int], memo: Any = None) -> list[list[int]]:
+    """Per chunk, its layers of each kind when the solver's split `layers_per_chunk` (mean
+    layers) is cut over the model's layers by the kinds' per-layer times (`stage_layers`)."""
+    weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+    out, first = [], 0
+    for n in stage_layers(layers_per_chunk, weights):
+        out.append([sum(first <= i < first + n for i in k.layers) for k in profile.layer_kinds])
+        first += n
     return out
+
+
+def _kind_memory(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any,
+                 gathers: Any = None) -> list[tuple]:
+    """Per kind: memory.memory_coefficients' per-rank parts per layer and its micro-batch
+    activations, on the kind's rank profile (its own parameters, experts and activations);
+    `gathers`: the weight-gather counts sharded weights are priced with (as config_costs')."""
+    from autopar.cost.memory import memory_coefficients
+    from autopar.cost.shares import rank_params
+    out = []
+    for i, k in enumerate(profile.layer_kinds):
+        kp = _kind_rank_profile(i, k.profile, cluster, cfg, memo)
+        _, _, parts, _, acts = memory_coefficients(kp, cluster, cfg, rank_params(kp, cfg),
+                                                   gathers)
+        out.append((parts, acts))
+    return out
+
+
+def _kind_rank_profile(i: int, kind: ModelProfile, cluster: Any, cfg: Any, memo: Any) -> Any:
+    from autopar.cost.shares import rank_profile
+    if memo is None:
+        return rank_profile(kind, cluster, cfg)
+    return memo.cached(("profile", i, cluster.attention, cfg.c, cfg.cp_attention),
+                       lambda: rank_profile(kind, cluster, cfg))
+
+
+def kinds_memory_slopes(profile: ModelProfile, cluster: Any, cfg: Any,
+                        parts: Sequence[tuple[float, ...]], fparts: Sequence[tuple[float, ...]],
+                        memo: Any = None, gathers: Any = None
+                        ) -> tuple[tuple[int, ...], tuple[int, ...], tuple, tuple]:
+    """memory.memory_coefficients' (mem_layer, mem_fixed, parts, fparts) of the mean-layer
+    profile restated by the real layers: each rank's bytes per (mean) layer are those of the
+    layers the cost cut gives it from the even split of the mean layers (`chunk_kind_layers`),
+    each priced by its kind; the working set of a recomputed layer is the largest kind's. So
+    the solver's memory rows (affine in a rank's mean layers, cost/step.py) are exact at the
+    even split and see a stage of MoE layers hold more than the mean; `predict` prices the
+    chosen split exactly (`kinds_rank_memory`). `parts`, `fparts`: the mean layer's;
+    `memo`, `gathers`: config_costs'."""
+    n = cfg.p * cfg.v
+    q, rem = divmod(profile.num_layers, n)
+    chunks = [q + (1 if c < rem else 0) for c in range(n)]
+    counts = chunk_kind_layers(profile, cluster, cfg, chunks, memo)
+    per_kind = _kind_memory(profile, cluster, cfg, memo, gathers)
+    work = max(a.work for _, a in per_kind)
+    new_parts, new_fixed = [], []
+    for r in range(cfg.p):
+        y = sum(chunks[r::cfg.p])
+        n_k = [sum(row[k] for row in counts[r::cfg.p]) for k in range(len(per_kind))]
+        new_parts.append(tuple(sum(nk * kp[r][i] for nk, (kp, _) in zip(n_k, per_kind)) / y
+                               for i in range(4)) if y else parts[r])
+        new_fixed.append(tuple(fparts[r][:4]) + (work,) + tuple(fparts[r][5:]))
+    return (tuple(int(math.ceil(sum(x))) for x in new_parts),
+            tuple(int(math.ceil(sum(x[:5]))) for x in new_fixed), tuple(new_parts),
+            tuple(new_fixed))
+
+
+def kinds_rank_memory(profile: ModelProfile, cluster: Any, cfg: Any, cc: Any,
+                      layers_per_chunk: Sequence[int]) -> tuple[Any, ...]:
+    """Per pipeline rank, its Memory when its chunks hold the real layers of the cost cut
+    (`chunk_kind_layers`): each kind's per-layer weights / gradients / optimizer states and
+    activations from memory_coefficients on the kind's rank profile, the fixed parts
+    (embedding, head, shared blocks, reserve, the largest kind's recompute working set) from
+    `cc` (`kinds_memory_slopes`); activations walked over the schedule as `predict` walks
+    them, each chunk with its own layers' bytes."""
+    from autopar.cost.memory import rank_memory_parts, schedule_activation_bytes
+    from autopar.plan import Memory
+    counts = chunk_kind_layers(profile, cluster, cfg, layers_per_chunk)
+    per_kind = _kind_memory(profile, cluster, cfg, None)
+    chunk_bytes = [(sum(n * a.layer for n, (_, a) in zip(row, per_kind)),
+                    sum(n * a.pending_layer for n, (_, a) in zip(row, per_kind)))
+                   for row in counts]
+    acts = schedule_activation_bytes(cc, layers_per_chunk, chunk_bytes=chunk_bytes)
+    out = []
+    for r in range(cfg.p):
+        n_k = [sum(row[k] for row in counts[r::cfg.p]) for k in range(len(per_kind))]
+        w, g, o = (sum(n * kp[r][i] for n, (kp, _) in zip(n_k, per_kind)) for i in range(3))
+        fixed = rank_memory_parts(cc, r, 0)
+        out.append(replace(fixed, weights_bytes=fixed.weights_bytes + w,
+                           gradients_bytes=fixed.gradients_bytes + g,
+                           optimizer_bytes=fixed.optimizer_bytes + o, activations_bytes=acts[r]))
+    return tuple(out)
 
 
 def layer_weights(profile: ModelProfile, per_kind: Sequence[float]) -> list[float]:

@@ -47,6 +47,16 @@ class CostMemo:
     state_bytes: dict[tuple, float] = field(default_factory=dict)
     family_loads: dict[tuple, tuple[int, int, int, float]] = field(default_factory=dict)
     activation_bytes: dict[tuple, float] = field(default_factory=dict)
+    # a stack of several kinds (cost/kinds.py): each kind's rank profile per (kind, attention,
+    # c, method) and the kinds' per-layer ns per `layer_parts` key
+    kinds: dict[tuple, object] = field(default_factory=dict)
+
+    def cached(self, key: tuple, compute: Callable[[], object]) -> object:
+        """`kinds[key]`, `compute()` on a miss (the key names everything the value reads)."""
+        out = self.kinds.get(key)
+        if out is None:
+            out = self.kinds[key] = compute()
+        return out
 
     def rank_profile(self, profile: ModelProfile, cluster: Cluster, cfg: Config) -> ModelProfile:
         """`shares.rank_profile`: priced on the cluster, restated for one of c context ranks."""

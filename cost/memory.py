@@ -232,7 +232,9 @@ def _least_inflight(schedule: str, p: int, v: int, m: int, group: int | None) ->
 
 
 def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...] | list[int],
-                              *, deferred: bool = True) -> list[float]:
+                              *, deferred: bool = True,
+                              chunk_bytes: list[tuple[float, float]] | None = None
+                              ) -> list[float]:
     """Per pipeline rank, the activation bytes at its peak, found by walking the schedule's
     compute order (the lists the runtime executes) with each chunk's own size: its layers ×
     the per-layer bytes, plus the embedding's (chunk 0) and the head's (last chunk). Exact
@@ -242,18 +244,27 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     split backward's deferred W's (the linear form bounds their count by
     `pending_weight_grads`). With one chunk per rank (v = 1) and no split backward the linear
     form is exact and no schedule is built. `deferred=False`: without the deferred W's
-    recorded gradients (the saved tensors alone, what a saved-tensor hook sees)."""
+    recorded gradients (the saved tensors alone, what a saved-tensor hook sees).
+    `chunk_bytes`: per chunk, (its layers' activation bytes per micro-batch, a deferred W's)
+    where its layers differ from the profile's one layer (a stack of several kinds:
+    cost/kinds.py `kinds_rank_memory`); default: its layer count × the per-layer bytes."""
     cfg = cc.cfg
-    if cfg.v == 1 and SCHEDULE_TRAITS[cfg.schedule].pending is None:
-        return [cc.mem_parts[r][3] * n + cc.mem_fixed_parts[r][3]
-                for r, n in enumerate(layers_per_chunk)]
+    if chunk_bytes is None:
+        if cfg.v == 1 and SCHEDULE_TRAITS[cfg.schedule].pending is None:
+            return [cc.mem_parts[r][3] * n + cc.mem_fixed_parts[r][3]
+                    for r, n in enumerate(layers_per_chunk)]
+        chunk_bytes = [(cc.act_layer_bytes * n, cc.pending_layer_bytes * n)
+                       for n in layers_per_chunk]
+    elif cfg.v == 1 and SCHEDULE_TRAITS[cfg.schedule].pending is None:
+        return [a * inflight(cfg, r) + cc.mem_fixed_parts[r][3]
+                for r, (a, _) in enumerate(chunk_bytes)]
     last = len(layers_per_chunk) - 1
-    weight = [cc.act_layer_bytes * n + (cc.act_embed_bytes if c == 0 else 0.0)
-              + (cc.act_head_bytes if c == last else 0.0) for c, n in enumerate(layers_per_chunk)]
+    weight = [a + (cc.act_embed_bytes if c == 0 else 0.0) + (cc.act_head_bytes if c == last
+                                                             else 0.0)
+              for c, (a, _) in enumerate(chunk_bytes)]
     # chunk 0 receives no input gradient: its B is empty and its W the whole backward
-    pending = [0.0 if c == 0 else cc.pending_layer_bytes * n
-               + (cc.pending_head_bytes if c == last else 0.0)
-               for c, n in enumerate(layers_per_chunk)]
+    pending = [0.0 if c == 0 else w + (cc.pending_head_bytes if c == last else 0.0)
+               for c, (_, w) in enumerate(chunk_bytes)]
     group = cfg.microbatch_group if cfg.schedule in GROUPED else None
 
     def peaks(m: int) -> list[float]:

@@ -45,6 +45,7 @@ from autopar.cost.exchanges import (alltoall_attention_s, alltoall_exchange_elem
                                     ring_attention_s, ring_exposed_s)
 from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import expert_gemm_extra_s
+from autopar.cost.kinds import kinds_memory_slopes, kinds_rank_memory
 from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (activation_bytes_lower_bound,  # noqa: F401
                                  layer_activation_bytes, memory_coefficients,
@@ -162,6 +163,9 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
     mem_layer, mem_fixed, parts, fparts, acts = memory_coefficients(profile, cluster, cfg,
                                                                     params, gathers)
+    if profile.mixed:   # a stack of kinds: each rank's bytes from its real layers (cost/kinds.py)
+        mem_layer, mem_fixed, parts, fparts = kinds_memory_slopes(profile, cluster, cfg, parts,
+                                                                  fparts, memo, gathers)
     flops_fwd_seq, rec_seq = memo.flops_per_seq(profile, cfg)
     # a rank's share of a sequence is 1/c of its FLOPs (the balanced split): the sequence's are c×
     B = cfg.global_batch_size * cfg.c
@@ -209,9 +213,12 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     yc = y[crit]
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))
-    acts = schedule_activation_bytes(cc, layers_per_chunk)
-    ranks = tuple(dataclasses.replace(rank_memory_parts(cc, r, y[r]), activations_bytes=acts[r])
-                  for r in range(cfg.p))
+    if profile.mixed:   # a stack of kinds: each rank's real layers (cost/kinds.py)
+        ranks = kinds_rank_memory(profile, cluster, cfg, cc, layers_per_chunk)
+    else:
+        acts = schedule_activation_bytes(cc, layers_per_chunk)
+        ranks = tuple(dataclasses.replace(rank_memory_parts(cc, r, y[r]),
+                                          activations_bytes=acts[r]) for r in range(cfg.p))
     mem = max(ranks, key=lambda m: m.total_bytes)
     step_s = step_ns / NS
     return Prediction(

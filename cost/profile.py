@@ -376,7 +376,8 @@ class ModelProfile:
                             recipe: str = "tensorwise") -> "ModelProfile":
         """This profile priced with its blocks' linear GEMMs in `precision` ("bf16" or "fp8";
         "fp8" needs the cluster's FP8 rate, Cluster.fp8_flops); recipe: the FP8 scaling
-        (autopar/build.py FP8_RECIPES), whether ZeRO-2/3 gather the weights in FP8."""
+        (autopar/build.py FP8_RECIPES), whether ZeRO-2/3 gather the weights in FP8. The layer
+        kinds' profiles (cost/kinds.py) follow, so their stage cut weighs the same GEMMs."""
         if precision not in GEMM_PRECISIONS:
             raise ValueError(f"precision={precision!r}: the planner prices {GEMM_PRECISIONS} "
                              f"(fp32, bf16 and fp16 runs are priced as 16-bit GEMMs)")
@@ -385,7 +386,10 @@ class ModelProfile:
                              f"(Cluster.fp8_flops = 0: no FP8 tensor cores, e.g. A100, V100); "
                              f"plan in bf16, pick an FP8 cluster (dgx-h100-80gb, "
                              f"dgx-h200-141gb), or give the Cluster an fp8_flops")
-        return replace(self, gemm_precision=precision, fp8_gathers=recipe == "tensorwise")
+        kinds = tuple(replace(k, profile=k.profile.with_gemm_precision(precision, cluster, recipe))
+                      if k.profile is not None else k for k in self.layer_kinds)
+        return replace(self, gemm_precision=precision, fp8_gathers=recipe == "tensorwise",
+                       layer_kinds=kinds)
 
     def with_training_bytes(self, bytes_per_elem: int) -> "ModelProfile":
         """This profile with its floating activations in `bytes_per_elem` (4: an fp32 run, as

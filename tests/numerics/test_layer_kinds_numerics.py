@@ -12,7 +12,8 @@ p = 2 cuts between the two stages. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2
 ep = 2 × d = 2: a dense first layer, then routed experts chosen by sigmoid scores plus a
 score-correction bias within the best of 2 groups, a shared expert, and multi-head latent
 attention (low-rank q and kv projections, heads split into rotary and no-rotary parts, one
-rotary key for all heads); Mixtral, OLMoE, Qwen2-MoE and GPT-OSS at p = 2. Weights shared
+rotary key for all heads); Mixtral, OLMoE, Qwen2-MoE and GPT-OSS at p = 2; Cohere2 at
+t = 2 and p = 2, SmolLM3 at t = 2, Qwen2-MoE's shared expert at ep = 2 × d = 2. Weights shared
 across depth (issue 31 item 2): ALBERT at t = 2, p = 2 and p = 3 (every stage holding the
 shared block; two layer groups, the second held by stages 1 and 2 only), a hand-written decoder calling one block twice at p = 2;
 no repeated stack (item 5): a hand-written decoder of named attn / mlp modules at t = 2 and
@@ -40,7 +41,11 @@ SEQ = 8
 # labelled variants of tests/models.py's builders (a label without an entry is the builder)
 VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss", {"kv_heads": 1}),
             "albert_g2": ("hf_albert", {"layers": 4, "groups": 2}),
-            "deepseek_a2a": ("hf_deepseek_v3", {})}
+            "deepseek_a2a": ("hf_deepseek_v3", {}),
+            # the block with fewer ops first: the finder's first-block rule (T5's position bias)
+            # would take a first block with rotary over a second without for one kind
+            "cohere2_gl": ("hf_cohere2", {"types": ("full_attention", "sliding_attention")}),
+            "smollm3_nope": ("hf_smollm3", {"rope": (0, 1)})}
 METHODS = {"deepseek_a2a": "all-to-all"}   # plan.cp_attention (others: the all-gather)
 LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4}   # others: 2
 
@@ -97,8 +102,13 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 
 
 # one process group per mode (the suite's time budget); verified once beyond these, not kept:
-# Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at t = 2 and c = 2, Cohere2 at
-# p = 2, Swin at t = 2, GPT-OSS with 2 kv heads at t = 2. Issue 31 items 2 and 5 ride in the
+# Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at c = 2, Swin at t = 2, GPT-OSS
+# with 2 kv heads at t = 2. Kept (issue 31 item 1, issue 32 item 2): Cohere2 (a full-attention
+# layer without rotary, then a sliding-window one with it: two kinds) at t = 2 and p = 2 (the
+# cut between the two), SmolLM3 (a NoPE layer, then a rotary one: two kinds) at t = 2,
+# Qwen2-MoE (routed experts and a shared expert behind its sigmoid gate) at ep = 2 × d = 2
+# (at t = 2: test_tp_numerics.py). In the other order (rotary first) the finder takes the two
+# blocks for one kind whose first block adds ops (T5's rule), as in the c2 group's Cohere2. Issue 31 items 2 and 5 ride in the
 # t2 / p2 process groups: ALBERT (one layer group called at every depth, tied MLM decoder) at
 # t = 2 and at p = 2 (the cut between two calls of the shared block: both stages hold it and
 # sum its gradients with the tied embedding's), the hand-written decoder calling one block
@@ -118,12 +128,13 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # (its latent attention's key buffer, expand_kv's new_empty filled by slice copies, and its
 # router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 @pytest.mark.parametrize("names,mode", [
-    (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate"), "t2"),
+    (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate",
+      "cohere2_gl", "smollm3_nope"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
-      "hf_qwen2_moe", "hf_gpt_oss"), "p2"),
+      "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl"), "p2"),
     (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
       "deepseek_a2a"), "c2"),
-    (("hf_qwen3_moe_alternate", "hf_deepseek_v3"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
+    (("hf_qwen3_moe_alternate", "hf_deepseek_v3", "hf_qwen2_moe"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)
 def test_blocks_of_two_kinds_equal_one_device(names, mode):

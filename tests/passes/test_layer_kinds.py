@@ -3,6 +3,7 @@ each kind profiled once, the stack priced as the sum of its layers' kinds and cu
 pipeline stages by cost (cost/kinds.py), at a scale where the kinds' costs differ."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar
@@ -122,3 +123,97 @@ def test_shared_block_weights_priced_once_per_stage():
     untied = replace(profile, tied_embeddings=False)
     assert tied_sync_s(untied, cl, Config(t=1, p=2, d=1, micro_batch_size=1,
                                           num_microbatches=2)) > 0
+
+
+# ----- memory by the real layers of each stage (issue 31 item 1, issue 32 item 2) ----------------
+
+def _light_heavy(light_ffn: int = 512, heavy_ffn: int = 32768):
+    """16 layers: 8 light (a 512-wide MLP, the time in attention at 8k tokens) then 8 heavy
+    (32768 wide: 16× the weights per unit of time), as a dense-then-MoE stack is."""
+    from autopar.cost.kinds import mixed_profile
+    from autopar.cost.profile import transformer_profile
+    dims = dict(hidden=2048, heads=16, seq_len=8192, vocab=32000, num_layers=8)
+    light = transformer_profile(name="light", ffn=light_ffn, **dims)
+    heavy = transformer_profile(name="heavy", ffn=heavy_ffn, **dims)
+    return mixed_profile([light, heavy], [tuple(range(8)), tuple(range(8, 16))],
+                         ["light", "heavy"])
+
+
+_PINS = dict(gpus=8, global_batch_size=64, t=1, p=4, d=2, v=1, micro_batch_size=1,
+             schedule="1f1b", zero=1, max_alternatives=0)
+
+
+def test_stage_memory_is_its_real_layers_and_the_solver_refuses_the_mean_layers_fit():
+    """The mean-layer price of the solver's choice fits a GPU its real heaviest stage
+    overflows: priced by the mean layer the solver keeps recompute off; priced by each
+    stage's real layers it refuses that and recomputes. Per-rank memory follows the kinds:
+    a rank of 3 heavy layers holds more weights than one of 8 light + 1 heavy."""
+    import dataclasses
+    from autopar.api import over_kinds
+    from autopar.cost.model import predict
+    from autopar.cost.solver import solve
+    profile = _light_heavy()
+    mean = dataclasses.replace(profile, layer_kinds=())     # the L mean layers alone
+    h100 = get_cluster("dgx-h100-80gb")
+    mean_plan = solve(mean, h100, **_PINS)
+    split = [st.num_layers for st in mean_plan.stages]
+    real = predict(profile, h100, plan_config(mean_plan), split).memory_bytes_per_gpu
+    assert real > 1.05 * mean_plan.predicted.memory_bytes_per_gpu
+    gpu = dataclasses.replace(h100, memory_bytes=(real + mean_plan.predicted.memory_bytes_per_gpu) / 2)
+    cap = gpu.usable_memory_bytes + gpu.reserved_bytes
+    mean_plan = solve(mean, gpu, **_PINS)                    # the mean layer: fits, no recompute
+    assert mean_plan.recompute == "none" and mean_plan.predicted.memory_bytes_per_gpu <= cap
+    assert predict(profile, gpu, plan_config(mean_plan), split).memory_bytes_per_gpu > cap
+    plan = over_kinds(solve(profile, gpu, **_PINS), profile)
+    assert plan.recompute != "none" and plan.predicted.memory_bytes_per_gpu <= cap
+    roomy = over_kinds(solve(profile, h100, **_PINS), profile)
+    ranks, stages = roomy.predicted.rank_memory, roomy.stages
+    assert [st.kinds for st in stages] == ["8 × light + 1 × heavy", "2 × heavy", "3 × heavy",
+                                           "2 × heavy"]
+    assert ranks[2].weights_bytes > ranks[0].weights_bytes > ranks[1].weights_bytes
+    lines = roomy.explain()
+    assert "Predicted memory per GPU by pipeline rank" in lines
+
+
+def test_kinds_memory_of_one_kind_twice_is_the_one_kind_stack():
+    """A stack of two kinds that are the same block prices every rank's memory as the stack
+    of one kind does (the kinds' coefficients are memory.memory_coefficients' own), at v = 1,
+    under the interleaved schedule's walk and with ZeRO-3's gathered weights."""
+    import dataclasses
+    from autopar.cost.model import Config, predict
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.kinds import mixed_profile
+    dims = dict(hidden=1024, heads=8, seq_len=2048, vocab=32000, ffn=4096)
+    one = transformer_profile(num_layers=8, **dims)
+    half = transformer_profile(num_layers=4, **dims)
+    two = mixed_profile([half, half], [(0, 2, 4, 6), (1, 3, 5, 7)], ["a", "b"])
+    h100 = get_cluster("dgx-h100-80gb")
+    for v, schedule, zero in ((1, "1f1b", 1), (2, "interleaved-1f1b", 1),
+                              (2, "breadth-first", 3)):
+        cfg = Config(t=2, p=2, d=2, v=v, micro_batch_size=1, num_microbatches=8,
+                     schedule=schedule, recompute="selective", sequence_parallel=True,
+                     zero=zero)
+        a = predict(one, h100, cfg).rank_memory
+        b = predict(two, h100, cfg).rank_memory
+        for x, y in zip(a, b):
+            for f in dataclasses.fields(x):
+                assert getattr(y, f.name) == pytest.approx(getattr(x, f.name), rel=1e-9)
+
+
+def test_kind_times_restated_for_context_slices_and_fp8():
+    """The per-kind times the cut weighs are one context rank's at c = 2 (its half of the
+    sequence: less than the whole sequence's), as every profile the cost model prices, and
+    FP8's where the GEMMs run in FP8."""
+    from autopar.cost.kinds import kind_layer_ns
+    from autopar.cost.model import Config
+    profile = _light_heavy()
+    h100 = get_cluster("dgx-h100-80gb")
+    base = dict(t=1, p=1, micro_batch_size=1, num_microbatches=16, schedule="1f1b",
+                recompute="none", zero=1)
+    whole = kind_layer_ns(profile, h100, Config(c=1, d=4, **base))
+    half = kind_layer_ns(profile, h100, Config(c=2, d=2, **base))
+    assert all(h < w for h, w in zip(half, whole))
+    assert half[1] / half[0] != pytest.approx(whole[1] / whole[0], rel=1e-3)
+    # and FP8 GEMMs (`with_gemm_precision`) in the kinds' own profiles, as in the mean layer's
+    fp8 = kind_layer_ns(profile.with_gemm_precision("fp8", h100), h100, Config(c=1, d=4, **base))
+    assert all(f < w for f, w in zip(fp8, whole))
