@@ -597,11 +597,26 @@ def _is_subsequence(short: tuple, long: tuple) -> bool:
     return all(any(op == x for x in rest) for op in short)
 
 
+def _added_compute(short: tuple, long: tuple) -> bool:
+    """Whether `long` (which holds `short` as a subsequence) adds an aten op of its own, not
+    only graph bookkeeping (torch.export's `_guards_fn` call lands in the first block)."""
+    rest, added = iter(long), []
+    for op in short:
+        for x in rest:
+            if x == op:
+                break
+            added.append(x)
+    added.extend(rest)
+    return any(str(x[0]).startswith("aten.") for x in added)
+
+
 def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
                  repeat_keys: dict[str, tuple[str, ...]]) -> LayerStructure:
     """Each stack's blocks grouped by signature into kinds (dense and MoE layers, layers with
-    and without rotary, ...); a stack whose blocks all match (its first may add ops: T5's
-    position bias) stays one kind. With kinds, every kind lists its graph blocks and its
+    and without rotary, ...); a stack whose blocks all match stays one kind, its first block
+    allowed to add ops when they compute a value it hands the later blocks (T5's position
+    bias: block 0 has more outputs) or are no compute (export's guard call); a first block that only adds ops of its own (rotary in a
+    sliding layer before a full-attention one) is a kind. With kinds, every kind lists its graph blocks and its
     model-wide layers: a truncated capture's REPEAT_KEYS give the kept block each true layer
     stands for (capture keeps one block of every parameter layout)."""
     sig = structure.signatures
@@ -613,8 +628,11 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
             grp = next((g for g in groups if sig[g[0]] == sig[i]), None)
             groups.append([i]) if grp is None else grp.append(i)
         match = next((g for g in groups if sig[g[0]] == sig[ids[0]]), None)
-        if match is None:   # the first block may add ops (T5's position bias)
-            match = max((g for g in groups if _is_subsequence(sig[g[0]], sig[ids[0]])),
+        outs = structure.block_outputs
+        if match is None:   # the first block may add ops that hand the others a value
+            match = max((g for g in groups if _is_subsequence(sig[g[0]], sig[ids[0]])
+                         and (len(outs[ids[0]]) > len(outs[g[0]])   # T5's position bias
+                              or not _added_compute(sig[g[0]], sig[ids[0]]))),
                         key=lambda g: len(sig[g[0]]), default=None)
         groups.insert(0, [ids[0]]) if match is None else match.insert(0, ids[0])
         per_stack.append(sorted(groups, key=lambda g: g[0]))

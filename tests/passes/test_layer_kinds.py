@@ -73,6 +73,24 @@ def test_local_global_3_to_1_48_layers_balanced_at_1024_gpus():
     _check_balanced(plan, profile)
 
 
+def test_a_first_layer_adding_only_its_own_ops_is_a_kind():
+    """Cohere2 alternating 1:1, sliding (rotary) first: the first block holds the full layer's
+    ops and more, as T5's first block does, but hands the next block nothing besides the
+    hidden state (T5's also hands on its position bias), so it is a kind of its own, both in
+    a 2-layer capture and in the planning capture of 48 layers (which keeps two blocks)."""
+    from autopar.passes.capture import capture
+    from autopar.passes.layers import find_layers
+    cap = capture(models.build("hf_cohere2", seed=0, layers=2),
+                  (torch.zeros(2, 8, dtype=torch.long),), autopar.cross_entropy)
+    s = find_layers(cap)
+    assert [k.num_layers for k in s.kinds] == [1, 1] and s.pattern == (0, 1)
+    types = ("sliding_attention", "full_attention")
+    plan, profile = _plan("hf_cohere2", 48, types=types * 24)
+    assert [k.num_layers for k in profile.layer_kinds] == [24, 24]
+    assert profile.layer_kinds[0].layers == tuple(range(0, 48, 2))
+    _check_balanced(plan, profile)
+
+
 def test_attention_sinks_split_with_their_heads():
     """GPT-OSS's sinks (one logit per head, viewed (1, H, 1, 1), expanded and concatenated to
     the scores) are split with the heads at t = 2, not held whole while the scores are split
