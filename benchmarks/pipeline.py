@@ -87,7 +87,8 @@ def make_plan(args, schedule: str, v: int, split: list[int] | None = None,
                       dp_comm_s=0.0, bubble_s=0.0)
     return Plan(t=1, p=p, d=1, v=v, micro_batch_size=args.b, num_microbatches=args.m,
                 schedule=schedule, recompute="none", sequence_parallel=False, zero=0,
-                microbatch_group=group, stages=stages, predicted=pred, global_batch_size=args.b * args.m,
+                microbatch_group=group, stages=stages, predicted=pred,
+                global_batch_size=args.b * args.m,
                 seq_len=args.seq, cluster="local-cpu", num_layers=args.layers)
 
 
