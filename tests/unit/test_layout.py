@@ -184,8 +184,9 @@ def test_benchmark_plans_cut_is_the_best_simulated_in_its_own_group():
     others = _same_rank_totals(x, 2)
     assert len(others) > 5 and x in others
     assert all(best <= _sim(cc, o) * (1 + 1e-9) for o in others)
-    # and the ranking is the order's: in torch's order (N = p) another split is faster
-    assert plan.microbatch_group == 4
-    at_p = M.config_costs(prof, get_cluster("local-cpu"),
-                          dataclasses.replace(cfg, microbatch_group=2))
-    assert min(_sim(at_p, o) for o in others) < _sim(at_p, x)
+    # and the ranking is the order's: in torch's order (N = p) another split is faster (the
+    # planner picks N = 4 here today; should a cost change pick N = p, the check above is it)
+    if (plan.microbatch_group or 2) > 2:
+        at_p = M.config_costs(prof, get_cluster("local-cpu"),
+                              dataclasses.replace(cfg, microbatch_group=2))
+        assert min(_sim(at_p, o) for o in others) < _sim(at_p, x)
