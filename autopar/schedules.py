@@ -33,14 +33,15 @@ send/recv with other than the ordering times the ranks can lose time to the rend
 
 Blocking semantics (what `validate` checks; the strictest a runtime can impose): a send and
 its matching receive complete together (rendezvous); a rank blocked in one of them does nothing
-else. The gloo runtime (autopar/runtime/executor.py) is looser: sends are isends and receives
-are irecvs posted ahead of their RECV action and waited for by the consuming F/B, so every wait
-of the runtime is also a wait under rendezvous and a list valid here cannot deadlock there; the
-RECV positions then no longer cost time (cost.simulate comm="irecv" times exactly that). Computes never
-block once their inputs were received. REDUCE is asynchronous (it is issued and overlaps what
-follows). Every generator here orders each rank's sends/receives by one global message order,
-so the lists are deadlock-free under rendezvous whatever the real compute times are:
-the smallest unfinished message in that order always has both ends at their heads.
+else. The gloo runtime (autopar/runtime/executor.py) is looser: sends are isends (issued right
+after their compute: `eager_sends`) and receives are irecvs posted ahead of their RECV action
+and waited for by the consuming F/B, so every wait of the runtime is also a wait under
+rendezvous and a list valid here cannot deadlock there; the RECV positions then no longer
+cost time (cost.simulate comm="irecv" times exactly that). Computes never block once their
+inputs were received. REDUCE is asynchronous (it is issued and overlaps what follows). Every
+generator here orders each rank's sends/receives by one global message order, so the lists
+are deadlock-free under rendezvous whatever the real compute times are: the smallest
+unfinished message in that order always has both ends at their heads.
 The global order comes from a dataflow simulation of the compute order with forward/backward
 times `times_fb` (default 1 and 2 units): each message is placed at the instant in [producer
 end, consumer start] where the rendezvous waits least (zero where neither rank is inside a
@@ -566,6 +567,25 @@ def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None
         f, b = times_fb
         return interleaved_zb(p, v, m, group=group, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)
+
+
+def eager_sends(actions: Sequence[Action]) -> dict[int, int]:
+    """For each F / B of one rank's list whose SEND comes later in the list, the SEND's
+    position: where a runtime whose sends never block (isend) issues that send right after its
+    compute instead (autopar/runtime/executor.py; cost.simulate's "isend" / "irecv"). The
+    lists place each message for rendezvous semantics by a dataflow of equal chunk times
+    (`_with_comms`), so on an uneven cut a SEND can trail its compute by another compute."""
+    at = {}
+    for n, a in enumerate(actions):
+        if a.kind in ("F", "B"):
+            at[(a.kind, a.chunk, a.mb)] = n
+    out = {}
+    for n, a in enumerate(actions):
+        if a.kind in ("SEND_F", "SEND_B"):
+            src = at.get(a.message())
+            if src is not None and src < n - 1:
+                out[src] = n
+    return out
 
 
 def compute_order(name: str, p: int, v: int, m: int, *, group: int | None = None,

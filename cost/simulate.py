@@ -17,7 +17,9 @@ Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
   compute (interleaved 1F1B loses some time this way when compute edges of neighbours never
   line up);
 - comm="isend" (what the gloo runtime, autopar/runtime/executor.py, really does): the sender
-  posts an isend, is busy for send_s seconds (copy + enqueue) and goes on; gloo moves the bytes
+  posts an isend right after the compute that produced the message (wherever the list places
+  its SEND: `autopar.schedules.eager_sends`), is busy for send_s seconds (copy + enqueue) and
+  goes on; gloo moves the bytes
   only once the receiver has posted its blocking recv (a rendezvous on the wire, not on the
   sender), so a receive ends at max(recv posted, send posted + send_s) + p2p_s: p2p_s is paid
   by every receive, even when the message was sent long before. Deadlock-free wherever
@@ -57,7 +59,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from autopar.schedules import Action, infer_dims, parse_action, validate
+from autopar.schedules import Action, eager_sends, infer_dims, parse_action, validate
 
 
 class Event(NamedTuple):
@@ -170,6 +172,8 @@ def _run(per_rank: Sequence[Sequence[Action]], dur: dict[str, list[float]], redu
     st = _Ranks.at_start(p)
     pos, clock, stream, busy, events = st.pos, st.clock, st.stream, st.busy, st.events
     reached, gap_s, input_ready_s = rule.reached, rule.gap_s, rule.input_ready_s  # (hot loop)
+    eager = rule.eager
+    early = [set(e.values()) for e in eager]
     progressed = True
     while progressed:
         progressed = False
@@ -178,6 +182,9 @@ def _run(per_rank: Sequence[Sequence[Action]], dur: dict[str, list[float]], redu
             while pos[r] < len(acts):
                 n, a = pos[r], acts[pos[r]]
                 reached(st, r, n)
+                if n in early[r]:  # sent right after its compute (eager_sends)
+                    pos[r] += 1
+                    continue
                 start = clock[r] + gap_s(n, a)
                 if a.kind in dur:
                     start = input_ready_s(st, r, a, start)
@@ -187,6 +194,9 @@ def _run(per_rank: Sequence[Sequence[Action]], dur: dict[str, list[float]], redu
                     clock[r] = start + d
                     busy[r] += d
                     events.append(Event(r, a, start, clock[r]))
+                    if n in eager[r]:
+                        send = acts[eager[r][n]]
+                        rule.send(st, r, send, clock[r] + gap_s(eager[r][n], send))
                 elif a.kind == "REDUCE":  # queued on the rank's own stream: never blocks
                     begin = max(start, stream[r])
                     stream[r] = begin + reduce_s
@@ -207,6 +217,9 @@ class _CommRule:
 
     def __init__(self, per_rank: Sequence[Sequence[Action]], p2p_s: float) -> None:
         self.per_rank, self.p2p_s = per_rank, p2p_s
+        # per rank: compute position -> its later SEND's, sent at the compute's end (modes
+        # whose sends never block and are issued by the executor right after the compute)
+        self.eager: list[dict[int, int]] = [{} for _ in per_rank]
 
     def gap_s(self, n: int, a: Action) -> float:
         """Dispatch time between a rank's action n - 1 and action n (`a`)."""
@@ -281,6 +294,7 @@ class _PostedSend(_CommRule):
         super().__init__(per_rank, p2p_s)
         self.send_s, self.overhead_s = send_s, overhead_s
         self.sent: dict[tuple[str, int, int], float] = {}  # message -> its isend was posted
+        self.eager = [eager_sends(acts) for acts in per_rank]
 
     def gap_s(self, n: int, a: Action) -> float:
         return self.overhead_s if n else 0.0

@@ -9,9 +9,15 @@ Per step the executor runs, in order, the actions of this rank:
              unless the Runner weighs micro-batches by their counted tokens); the gradients of its
              received inputs are kept for SEND_B or handed to chunk c-1 locally.
   SEND_F / SEND_B   dist.isend (the sender never blocks); a send is forgotten once complete, all
-             are waited for at the end of the step. After SEND_F the sent outputs' data is
-             freed (`release_data`, Megatron-LM's deallocate_output_tensor; not for split
-             backwards): their backward needs only their grad_fn (`backward_from`).
+             are waited for at the end of the step. With `async_send` (default) a compute's
+             send is issued right after that compute, wherever the list places the SEND (the
+             lists place messages for rendezvous semantics by equal chunk times; on an uneven
+             cut that can be a compute later, which the consumer then waits for; torch's
+             pipelining also sends right after the compute); the SEND action itself then only
+             runs its hook (eager_send=False keeps each send at its place: an ablation).
+             After SEND_F the sent outputs' data is freed (`release_data`, Megatron-LM's
+             deallocate_output_tensor; not for split backwards): their backward needs only
+             their grad_fn (`backward_from`).
   RECV_F / RECV_B   with `async_recv` (default) the receive is a dist.irecv into a fresh
              buffer, posted `prefetch` actions before the RECV action (RECV_PREFETCH; None:
              every receive of the step is posted when the step starts), so gloo moves the
@@ -57,7 +63,7 @@ import torch.distributed as dist
 
 from autopar.runtime.dist import peer_guard
 from autopar.runtime.split_backward import backward_input, backward_weight
-from autopar.schedules import Action
+from autopar.schedules import Action, eager_sends
 
 
 @dataclass
@@ -146,6 +152,7 @@ class PipelineExecutor:
     record: bool = False
     async_send: bool = True
     async_recv: bool = True
+    eager_send: bool = True       # async_send: each send right after its compute (ablation)
     prefetch: int | None = RECV_PREFETCH
     before_action: Callable[[int, Action], None] | None = None
     after_run: Callable[[], None] | None = None
@@ -175,8 +182,10 @@ class PipelineExecutor:
                     "RECV_F": self._recv_f, "SEND_B": self._send_b, "RECV_B": self._recv_b,
                     "REDUCE": _noop}
         actions = self.actions
-        recvs, self._split = self._list_facts()
+        recvs, self._split, eager = self._list_facts()
         ahead = recvs if self.async_recv else []
+        eager = eager if self.async_send and self.eager_send else {}
+        early = set(eager.values())
         nxt, L = 0, len(actions) if self.prefetch is None else self.prefetch
         record, events, pp = self.record, self.events, self.pp_rank
         clock = time.time
@@ -190,10 +199,17 @@ class PipelineExecutor:
             if action.kind in _NEEDS and self._posted:
                 self._ready(action)     # wait outside the compute's recorded interval
             self._reap_sends()
+            if n in early:
+                continue                # sent right after its compute (eager)
             start = clock()
             handlers[action.kind](action)
             if record and not (self.async_recv and action.kind[:4] == "RECV"):
                 events.append((pp, str(action), start, clock()))
+            if n in eager:
+                send, start = actions[eager[n]], clock()
+                handlers[send.kind](send)
+                if record:
+                    events.append((pp, str(send), start, clock()))
         if self.after_run is not None:
             self.after_run()
         self._wait_sends()
@@ -224,14 +240,16 @@ class PipelineExecutor:
             self.actions, self.before_action, self.after_run = saved
             self._forward_only = False
 
-    def _list_facts(self) -> tuple[list[int], frozenset[tuple[int, int]]]:
+    def _list_facts(self) -> tuple[list[int], frozenset[tuple[int, int]], dict[int, int]]:
         """Of the action list, cached while it is unchanged: the positions of its RECV actions,
-        and the (chunk, micro-batch) whose backward it splits into B and W."""
+        the (chunk, micro-batch) whose backward it splits into B and W, and for each F / B
+        whose SEND comes later, the SEND's position (`eager_sends`)."""
         key = tuple(self.actions)
         if getattr(self, "_facts_key", None) != key:
             self._facts_key = key
             self._facts = ([n for n, a in enumerate(key) if a.kind[:4] == "RECV"],
-                           frozenset((a.chunk, a.mb) for a in key if a.kind == "W"))
+                           frozenset((a.chunk, a.mb) for a in key if a.kind == "W"),
+                           eager_sends(key))
         return self._facts
 
     # ---- compute ------------------------------------------------------------------------

@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.schedules import eager_sends, parse_action
 from autopar.testing import spawn
 
 from programs import make_data, make_plan, make_program
 
 pytestmark = pytest.mark.distributed
 
-MODES = [("blocking", False, None), ("irecv-all", True, None), ("irecv-0", True, 0),
-         ("irecv-2", True, 2)]
+# (name, async_recv, prefetch, async_send): "blocking" sends at the SEND's place in the list;
+# every other mode sends right after the producing compute (executor: eager_sends)
+MODES = [("blocking", False, None, False), ("blocking-recv", False, None, True),
+         ("irecv-all", True, None, True), ("irecv-0", True, 0, True), ("irecv-2", True, 2, True)]
 
 
 def _modes_rank(rank, world, plan):
@@ -22,9 +25,9 @@ def _modes_rank(rank, world, plan):
     runner = prog.compile(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0), timeout_s=60)
     x, y = make_data(plan, vocab)[0]
     out = {}
-    for name, async_recv, prefetch in MODES:
+    for name, async_recv, prefetch, async_send in MODES:
         ex = runner.executor
-        ex.async_recv, ex.prefetch = async_recv, prefetch
+        ex.async_recv, ex.prefetch, ex.async_send = async_recv, prefetch, async_send
         runner.record_timeline(True)
         losses = [runner.train_step(x, y) for _ in range(2)]   # the 2nd from the 1st's state
         grads = {k: p.grad.clone() for k, p in runner.named_parameters()}
@@ -50,6 +53,14 @@ def test_receive_modes_are_bit_identical_and_waits_are_recorded(schedule, v, m):
             # one rank runs one action at a time: no recorded interval overlaps the next
             spans = sorted((s, e) for _, _, s, e in timeline)
             assert all(e <= s2 + 1e-6 for (_, e), (s2, _) in zip(spans, spans[1:])), name
+            if name != "blocking":   # eager: each send recorded right after its compute
+                order = [a for _, a, _, _ in sorted(timeline, key=lambda ev: ev[2])]
+                for i, a in enumerate(order):
+                    if a[0] == "s":
+                        assert order[i - 1] == a[1:a.index(">")], (rank, name, order)
+        trailing = eager_sends([parse_action(a) for a in out["blocking"][3]])
+        if schedule == "interleaved-1f1b":   # the list puts some send after a later compute
+            assert trailing, out["blocking"][3]
 
 
 # ---- what a stage holds ------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Spreading a rank's layers over its chunks by simulating the schedule (cost/layout.py)."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import pytest
 
 from autopar.cost import layout
@@ -151,3 +154,39 @@ def test_layers_over_kinds_keeps_empty_edge_chunks_and_one_layer_per_chunk():
 def test_layers_over_kinds_refuses_units_that_do_not_match_the_depths():
     with pytest.raises(ValueError, match="units"):
         layout.layers_over_kinds([1, 1], _kinds(1, 1, 3))
+
+
+def _same_rank_totals(x: list[int], p: int) -> list[list[int]]:
+    """Every split with x's per-rank totals whose middle chunks keep a layer (layer_moves'
+    rule: only the embedding's and the head's chunks may be empty)."""
+    C, out = len(x), []
+    for cand in itertools.product(range(sum(x) + 1), repeat=C):
+        if (_ranks(list(cand), p) == _ranks(x, p) and min(cand[1:-1]) >= 1):
+            out.append(list(cand))
+    return out
+
+
+def test_benchmark_plans_cut_is_the_best_simulated_in_its_own_group():
+    """benchmarks/pipeline.py's model (GPT, 8 layers, hidden 256, vocab 8192, p = 2, v = 2,
+    m = 4) on local-cpu: the planner runs it in micro-batch groups N and cuts its chunks by
+    simulating THAT order, so of every split with the solver's rank totals the plan's is the
+    fastest under the plan's own action lists. The cut belongs to its N: measured 2026-11-26,
+    [1, 2, 4, 1] ran 0.83 × torch's step at N = 4 and 0.95 × at N = p, the order the benchmark
+    had run it in (docs/benchmarks.md)."""
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=64, vocab=8192)
+    plan = solve(prof, "local-cpu", gpus=2, global_batch_size=16, t=1, p=2, d=1, v=2,
+                 micro_batch_size=4, schedule="interleaved-1f1b")
+    cfg = M.Config.of_plan(plan)
+    assert cfg.microbatch_group == plan.microbatch_group
+    cc = M.config_costs(prof, get_cluster("local-cpu"), cfg)
+    x = [st.num_layers for st in plan.stages]
+    best = _sim(cc, x)
+    others = _same_rank_totals(x, 2)
+    assert len(others) > 5 and x in others
+    assert all(best <= _sim(cc, o) * (1 + 1e-9) for o in others)
+    # and the ranking is the order's: in torch's order (N = p) another split is faster (the
+    # planner picks N = 4 here today; should a cost change pick N = p, the check above is it)
+    if (plan.microbatch_group or 2) > 2:
+        at_p = M.config_costs(prof, get_cluster("local-cpu"),
+                              dataclasses.replace(cfg, microbatch_group=2))
+        assert min(_sim(at_p, o) for o in others) < _sim(at_p, x)
