@@ -107,8 +107,8 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # layer without rotary, then a sliding-window one with it: two kinds) at t = 2 and p = 2 (the
 # cut between the two), SmolLM3 (a NoPE layer, then a rotary one: two kinds) at t = 2,
 # Qwen2-MoE (routed experts and a shared expert behind its sigmoid gate) at ep = 2 × d = 2
-# (at t = 2: test_tp_numerics.py). In the other order (rotary first) the finder takes the two
-# blocks for one kind whose first block adds ops (T5's rule), as in the c2 group's Cohere2. Issue 31 items 2 and 5 ride in the
+# (at t = 2: test_tp_numerics.py). In the other order (rotary first, the c2 group's Cohere2)
+# they are two kinds too (a first block adding only its own ops is a kind). Issue 31 items 2 and 5 ride in the
 # t2 / p2 process groups: ALBERT (one layer group called at every depth, tied MLM decoder) at
 # t = 2 and at p = 2 (the cut between two calls of the shared block: both stages hold it and
 # sum its gradients with the tied embedding's), the hand-written decoder calling one block
