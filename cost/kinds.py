@@ -153,7 +153,7 @@ def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = Non
     profile, restated for one of cfg.c context ranks as every profile the cost model prices).
     `memo` (a solve's CostMemo, optional) caches them per `CostMemo.layer_parts` key."""
     from autopar.cost.memo import CostMemo
-    from autopar.cost.model import layer_loads
+    from autopar.cost.layer_parts import layer_loads
 
     def times() -> list[int]:
         return [layer_loads(k.profile.for_cluster(cluster), cluster, cfg, CostMemo())[0].layer_ns
@@ -293,7 +293,7 @@ def stage_layers(chunks: Sequence[int], weights: Sequence[float]) -> list[int]:
 
 def plan_config(plan: Any) -> Any:
     """The cost model's Config of `plan` (its degrees, batch and schedule)."""
-    from autopar.cost.model import Config
+    from autopar.cost.config import Config
     return Config(**{f.name: getattr(plan, f.name) for f in fields(Config)
                      if hasattr(plan, f.name)})
 

@@ -44,8 +44,8 @@ from autopar.cost.exchanges import (alltoall_attention_s, alltoall_exchange_elem
                                     alltoall_heads_rule, context_comm_s, expert_comm_s,
                                     ring_attention_s, ring_exposed_s)
 from autopar.cost.hardware import Cluster
-from autopar.cost.imbalance import expert_gemm_extra_s
 from autopar.cost.kinds import kinds_memory_slopes, kinds_rank_memory
+from autopar.cost.layer_parts import _layer_parts_s, _ns, layer_loads  # noqa: F401
 from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (activation_bytes_lower_bound,  # noqa: F401
                                  layer_activation_bytes, memory_coefficients,
@@ -88,24 +88,6 @@ def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
 
 
-def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
-                   ) -> tuple[float, float, float, float, float, float]:
-    """`load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head, layer
-    context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
-    comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
-    comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(
-        cluster, g, cfg.t, cfg.micro_batch_size, profile.activation_bytes_per_elem)
-    )   # the most loaded expert rank (cost/imbalance.py)
-    cp_s = memo.context_comm_s(profile, cluster, cfg)[1]
-    ep_s = expert_comm_s(profile, cluster, cfg)[1]
-    emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
-    return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
-
-
-def _ns(seconds: float) -> int:
-    return int(round(seconds * NS))
-
-
 def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
                memo: CostMemo | None = None) -> LoadCosts:
     """`load_parts_s` rounded to integer ns: the exact integers the solver and predict use."""
@@ -115,20 +97,6 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         _ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
                      p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
-
-
-def layer_loads(profile: ModelProfile, cluster: Cluster, cfg: Config,
-                memo: CostMemo) -> tuple[LoadCosts, float]:
-    """`load_costs` but the p2p (its p2p_ns 0: the other integers are the same at every p, d,
-    v and N, from the layer's parts alone), and a layer's load in s as `_load_parts_s` hands
-    it to pipeline_p2p_s: the search's family bound and, with `p2p_load_ns`, its quick bound."""
-    rank = memo.rank_profile(profile, cluster, cfg)
-    comp, tp, emb, head, cp, ep = memo.layer_parts(
-        cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
-    return (LoadCosts(cfg=cfg, layer_compute_ns=_ns(comp), layer_tp_ns=_ns(tp),
-                      embed_ns=_ns(emb), head_ns=_ns(head), p2p_ns=0, layer_cp_ns=_ns(cp),
-                      layer_ep_ns=_ns(ep)),
-            comp + tp + cp + ep)
 
 
 def p2p_load_ns(hop_s: float, p: int, v: int, group: int | None, layer_s: float,

@@ -1,0 +1,45 @@
+"""One layer's parts per micro-batch (compute, TP / context / expert communication, the
+embedding and head), the same at every p, d, v and N: the part of cost/model.py that
+cost/kinds.py prices each kind with. Below both (a module of its own so that model.py can use
+kinds.py and kinds.py these, without an import loop)."""
+from __future__ import annotations
+
+from autopar.cost.config import NS, Config, LoadCosts
+from autopar.cost.compute import local_gemm_time_s
+from autopar.cost.exchanges import expert_comm_s
+from autopar.cost.hardware import Cluster
+from autopar.cost.imbalance import expert_gemm_extra_s
+from autopar.cost.memo import CostMemo
+from autopar.cost.profile import ModelProfile
+
+
+def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
+                   ) -> tuple[float, float, float, float, float, float]:
+    """`load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head, layer
+    context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
+    comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
+    comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(
+        cluster, g, cfg.t, cfg.micro_batch_size, profile.activation_bytes_per_elem)
+    )   # the most loaded expert rank (cost/imbalance.py)
+    cp_s = memo.context_comm_s(profile, cluster, cfg)[1]
+    ep_s = expert_comm_s(profile, cluster, cfg)[1]
+    emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
+    return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
+
+
+def _ns(seconds: float) -> int:
+    return int(round(seconds * NS))
+
+
+def layer_loads(profile: ModelProfile, cluster: Cluster, cfg: Config,
+                memo: CostMemo) -> tuple[LoadCosts, float]:
+    """`load_costs` but the p2p (its p2p_ns 0: the other integers are the same at every p, d,
+    v and N, from the layer's parts alone), and a layer's load in s as `_load_parts_s` hands
+    it to pipeline_p2p_s: the search's family bound and, with `p2p_load_ns`, its quick bound."""
+    rank = memo.rank_profile(profile, cluster, cfg)
+    comp, tp, emb, head, cp, ep = memo.layer_parts(
+        cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
+    return (LoadCosts(cfg=cfg, layer_compute_ns=_ns(comp), layer_tp_ns=_ns(tp),
+                      embed_ns=_ns(emb), head_ns=_ns(head), p2p_ns=0, layer_cp_ns=_ns(cp),
+                      layer_ep_ns=_ns(ep)),
+            comp + tp + cp + ep)
