@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 import torch
 
-from autopar.build import build_program
-from autopar.codegen import chunk_source, save_program
 from autopar.cost.critical_batch import (check_training_inputs,
                                          critical_batch_tokens_from_params,
                                          loss_nats_from_params)
@@ -70,12 +68,15 @@ class ParallelProgram:
         return f"ParallelProgram(plan=t{self.plan.t}·{cp}p{self.plan.p}·d{self.plan.d}{ep}, " \
                f"v={self.plan.v}, schedule={self.plan.schedule!r})"
 
+    # build and codegen imported where used: planning (`autopar plan`) needs neither
     def _build(self):
+        from autopar.build import build_program
         return build_program(self)
 
     def source(self, chunk: int = 0, tp_rank: int = 0, precision: str = "fp32") -> str:
         """The generated Python of one pipeline chunk (as tensor rank `tp_rank` runs it in
         `precision`)."""
+        from autopar.codegen import chunk_source
         return chunk_source(self, chunk=chunk, tp_rank=tp_rank, precision=precision)
 
     def save(self, directory: str | Path, *, model: str | None = None,
@@ -84,6 +85,7 @@ class ParallelProgram:
         model: the `file.py:factory` the launcher builds by default (else it needs --model).
         precision: the one the chunks are generated for ("fp32" or "bf16": the graph is
         captured in the compute dtype); compile(program_dir=...) refuses another."""
+        from autopar.codegen import save_program
         return save_program(self, Path(directory), model=model, precision=precision)
 
     def compile(self, optimizer: Callable | None = None, max_grad_norm: float | None = None,

@@ -69,7 +69,9 @@ def _plan_from_args(args: argparse.Namespace):
     start = time.perf_counter()
     prog = plan_program(user.model, request, example_inputs=inputs, loss_fn=user.loss(),
                         example_targets=user.example_targets)
-    return prog, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    _resume_collector()   # planned: what follows (build's save, ...) collects as usual
+    return prog, seconds
 
 
 DEFAULT_CLUSTER = "dgx-a100-80gb"
@@ -400,15 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from autopar.user_errors import quiet_torch_warnings, report
 
-    own_process = argv is None   # the `autopar` command itself: see _freeze_heap
+    own_process = argv is None   # the `autopar` command itself: see _pause_collector
+    if own_process:
+        _pause_collector()
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = "--verbose" in argv       # accepted anywhere on the line
     quiet_torch_warnings()
     args = build_parser().parse_args([a for a in argv if a != "--verbose"])
     try:
         _check_args(args)
-        if own_process:
-            _freeze_heap()
+        if args.fn not in _PLANNING:
+            _resume_collector()
         return args.fn(args)
     except ValueError as err:
         # Bad input: the message already names the value, the rule and the fix (one line;
@@ -420,6 +424,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if own_process:
             _freeze_heap()
+
+
+_PAUSED = []   # [True] while main() holds the collector off for this process's start-up
+_PLANNING = (cmd_plan, cmd_build, cmd_timeline)   # resume it once planned (_plan_from_args)
+
+
+def _pause_collector() -> None:
+    """For the `autopar` process itself: the cyclic collector off from the start until the plan
+    is made (_resume_collector). Importing torch, torch._dynamo (torch.export's) and a model's
+    transformers module, building the meta model and capturing it allocate millions of
+    long-lived objects and free few; the collections they trigger found almost nothing and
+    cost ~0.6 s (the 1T preset) to ~0.9 s (Qwen3-235B-A22B) of CPU, measured with gc.callbacks
+    2026-11-26 (the solve pauses it too: cost/solver.py). Peak memory +~30 MB."""
+    if gc.isenabled():
+        gc.disable()
+        _PAUSED.append(True)
+
+
+def _resume_collector() -> None:
+    """The collector back on (a no-op unless _pause_collector paused it), the start-up's
+    objects frozen first (_freeze_heap) so its collections skip them."""
+    if _PAUSED:
+        _PAUSED.clear()
+        _freeze_heap()
+        gc.enable()
 
 
 def _freeze_heap() -> None:

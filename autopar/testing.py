@@ -37,9 +37,12 @@ import torch.multiprocessing as mp
 from autopar.runtime.dist import free_port  # noqa: F401  (tests and benchmarks import it here)
 
 _GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
-# autopar.compile pulls in the runtime and torch.distributed.pipelining (DTensor, dynamo): ~4 s
-# of imports a rank would otherwise pay at its first compile()
-_PRELOAD = ["torch", "torch.distributed", "autopar.api", "autopar.compile"]
+# autopar.compile pulls in the runtime; torch._dynamo (every compile()'s torch.export), the
+# checkpoint module (torch.distributed.checkpoint) and torch.distributed.pipelining (the split
+# backward's) are imported where first used, so named here: ~4 s of imports a rank would
+# otherwise pay at its first compile(), save or zero-bubble step
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "autopar.api", "autopar.compile",
+            "autopar.runtime.checkpoint", "torch.distributed.pipelining"]
 
 
 def preload(*modules: str) -> None:

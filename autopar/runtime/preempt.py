@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.ckpt_store import checkpoint_group
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -63,6 +62,9 @@ class CheckpointSaver:
         self.keep, self.async_save = keep, async_save
         self.preemption = Preemption() if path else None
         multi = path and dist.is_initialized() and dist.get_world_size() > 1
+        # imported here: the checkpoint store loads torch.distributed.checkpoint (~1 s a
+        # process), which a run without --checkpoint never needs
+        from autopar.runtime.ckpt_store import checkpoint_group
         self.group = checkpoint_group(runner.pg, "vote") if multi else None
 
     def after_step(self, step: int, user_state: dict | None = None) -> bool:

@@ -26,6 +26,7 @@ load_pretrained reads a `transformers` save_pretrained directory (autopar.runtim
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -33,9 +34,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.checkpoint import (load_program_version, read_user_state,
-                                        save_program_checkpoint, wait_for_save,
-                                        close_writer)
 from autopar.runtime.collectives import all_gather, all_reduce_
 from autopar.runtime.context_shard import ContextShard, context_cut
 from autopar.runtime.dist import peer_guard
@@ -249,6 +247,10 @@ class Runner:
         damaged). async_save: returns once the pieces are copied to shared host memory; a
         background process of this rank writes and commits them (the next save, a load and close() wait for it).
         Collective: every rank calls it."""
+        # imported here (and by load_checkpoint): the checkpoint module loads
+        # torch.distributed.checkpoint (~1 s a process), which a run that never saves or
+        # resumes does not need
+        from autopar.runtime.checkpoint import save_program_checkpoint
         if self.scaler is not None:   # the same on every rank: rank 0's is saved
             user_state = {**(user_state or {}), SCALER_KEY: self.scaler.state_dict()}
         save_program_checkpoint(path, self.params, self.regime, self.pg, self.steps,
@@ -257,6 +259,7 @@ class Runner:
 
     def wait_for_checkpoint(self) -> None:
         """Block until this rank's background save (if any) is committed."""
+        from autopar.runtime.checkpoint import wait_for_save
         wait_for_save()
 
     def load_checkpoint(self, path: str | os.PathLike, *, weights_only: bool = False) -> int:
@@ -265,6 +268,7 @@ class Runner:
         the optimizer state is not read and the runner's step count is left as it is (start
         a fine-tune from a trained checkpoint). Keys and full shapes must match this model's:
         otherwise ValueError naming them, on every rank. Collective: every rank calls it."""
+        from autopar.runtime.checkpoint import load_program_version, read_user_state
         step, self.checkpoint_version = load_program_version(
             path, self.params, self.regime, self.pg, weights_only=weights_only)
         if not weights_only:
@@ -290,7 +294,9 @@ class Runner:
         peer that vanishes mid-exchange is a failure of the job); a dead rank is a PeerError."""
         if not dist.is_initialized():
             return
-        close_writer()
+        ckpt = sys.modules.get("autopar.runtime.checkpoint")   # imported by a save or a load
+        if ckpt is not None:   # (without one, no writer was started)
+            ckpt.close_writer()
         with peer_guard("the closing barrier with", self.pg.world):
             dist.barrier(group=self.pg.world)
         if self._owns_default_group:

@@ -26,8 +26,6 @@ from typing import Any, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc,
-                                                    construct_reverse_graph, get_param_groups)
 
 
 @dataclass
@@ -52,6 +50,11 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return WeightWork()
     if not ins:                                   # first chunk: nothing to hand back early
         return WeightWork(full=([o for o, _ in outs], [g for _, g in outs]))
+    # imported here: torch.distributed.pipelining loads its schedules and torch._dynamo
+    # (~1.6 s a process), which a rank that never splits a backward does not need
+    from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc,
+                                                        construct_reverse_graph,
+                                                        get_param_groups)
     roots = [fn for fn in (_get_grad_fn_or_grad_acc(o) for o, _ in outs) if fn is not None]
     acc = {_get_grad_fn_or_grad_acc(w): w for w in ws}
     groups = get_param_groups([_get_grad_fn_or_grad_acc(x) for x in ins], list(acc),

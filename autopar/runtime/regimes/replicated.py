@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_key
 from autopar.runtime.ckpt_pieces import held_range
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradSync
@@ -103,6 +102,9 @@ class Replicated(Regime):
         return OrderedDict((q, p.detach()) for q, p in self.stepped.items())
 
     def optimizer_state(self) -> OptimState:
+        # imported here: autopar.runtime.checkpoint loads torch.distributed.checkpoint
+        # (~1 s a process), which a run that never saves or resumes does not need
+        from autopar.runtime.checkpoint import optimizer_state_by_key
         return optimizer_state_by_key(self.optimizer, self._by_key())
 
     def shard_state(self) -> list:
@@ -116,6 +118,7 @@ class Replicated(Regime):
                 self.params.tensors[q].copy_(w)
         if self.mp is not None:
             self.mp.to_compute()
+        from autopar.runtime.checkpoint import load_optimizer_state   # DCP: lazily
         load_optimizer_state(self.optimizer, self._by_key(), optimizer_state)
 
     def shards_loaded(self) -> None:

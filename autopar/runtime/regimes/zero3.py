@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.checkpoint import load_optimizer_state, optimizer_state_by_key
 from autopar.runtime.ckpt_pieces import held_range
 from autopar.runtime.flat_shard import held_segments
 from autopar.runtime.clip import local_sq_sum
@@ -197,6 +196,7 @@ class Zero3(Regime):
         infos = self.params.infos
         out = {infos[q].key: st for part in self.parts
                for q, st in part.gathered_state().items()}
+        from autopar.runtime.checkpoint import optimizer_state_by_key   # DCP: lazily
         out.update(optimizer_state_by_key(self.optimizer, self._replicated_by_key()))
         return out
 
@@ -222,6 +222,7 @@ class Zero3(Regime):
                    if optimizer_state else {})
         for part in self.parts:
             part.load({q: w for q, w in weights.items() if q not in reps}, by_name)
+        from autopar.runtime.checkpoint import load_optimizer_state   # DCP: lazily
         load_optimizer_state(self.optimizer, self._replicated_by_key(), optimizer_state)
 
     def shards_loaded(self) -> None:
