@@ -50,10 +50,11 @@ def measure_activations(captured: Captured, g: GraphFacts, regions: dict, run: s
     kept_by = {"materialized": (("act", True, False), ("eager_act", False, False)),
                "flash": (("fused_act", True, True),),
                "flash-eager": (("eager_fused_act", False, False),)}[run]
+    units = set(g.structure.unit_blocks)
     for field_name, fused_kernels, recomputed in kept_by:
         for (kind, idx), bytes3 in meter.totals(fused_kernels, recomputed).items():
-            if kind == "block" and idx != 0:
-                continue
+            if kind == "block" and idx not in units:   # the unit's blocks: a kind's first
+                continue                                # (each of an encoder-decoder's)
             r = regions[kind]
             if field_name == "act":
                 r.act_split += bytes3[0]

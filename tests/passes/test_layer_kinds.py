@@ -59,6 +59,10 @@ def test_dense_first_then_moe_60_layers_balanced_at_1024_gpus():
     plan, profile = _plan("hf_qwen3_moe", 60, dense=(0, 1, 2), experts=64, top_k=8)
     assert [k.num_layers for k in profile.layer_kinds] == [3, 57]
     assert profile.layer_kinds[0].layers == (0, 1, 2)
+    # each kind's activations are its own block's (they were the first kind's for every kind):
+    # an MoE layer saves its 8 routed copies of every token and their expert intermediates
+    dense, moe = (k.profile.block for k in profile.layer_kinds)
+    assert moe.act_split_bytes > 1.5 * dense.act_split_bytes, (moe, dense)
     _check_balanced(plan, profile)
     assert "× model.layers [Qwen3MoeMLP]" in str(plan)
 
