@@ -15,7 +15,12 @@ break is explicit and Dynamo does not try (and fail, and retry) to trace into th
 Compile work is cached across steps: a chunk sees the same shapes every micro-batch (the
 schedule's micro-batches have one size), so Dynamo compiles each region once and later calls
 hit its guard cache (`compile_counts` reads torch._dynamo's counters; tests assert that a
-second step compiles nothing new). Split backward (B now, W later) works on the compiled
+second step compiles nothing new). Expert parallelism is the exception: the tokens each rank
+sends its experts change every step (the all-to-all's sizes, read by `.item()`: a graph
+break), so the regions after the dispatch see new shapes; chunks compile with automatic
+dynamic shapes (`dynamic=None`: a region that meets a second shape is compiled once more with
+that dim symbolic), which recompiles them once on the second step and never after, where
+`dynamic=False` recompiled every step until Dynamo's cache limit sent them back to eager. Split backward (B now, W later) works on the compiled
 graph unchanged: a compiled region's backward is one autograd node, on the input path, so B
 runs it whole and W has only the regions off that path left (autopar.runtime.split_backward's
 fallback keeps the numbers those of a plain backward).
@@ -53,7 +58,7 @@ def compile_chunks(chunks: Iterable[Any], *, backend: str = "inductor",
     inductor_config.fallback_random = True
     for ch in chunks:
         _break_at_collectives(ch.module)   # its submodules' classes share these globals
-        ch.net.compile(backend=backend, mode=mode, dynamic=False)
+        ch.net.compile(backend=backend, mode=mode, dynamic=None)
 
 
 def compile_counts() -> dict[str, int]:
