@@ -192,6 +192,14 @@ def _kind_memory(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any,
     return out
 
 
+def _rank_layer_parts(counts: Sequence[Sequence[int]], per_kind: Sequence[tuple], p: int,
+                      r: int) -> tuple[float, ...]:
+    """Pipeline rank r's memory_coefficients parts (weights, gradients, optimizer states,
+    activations) summed over the layers its chunks (counts[r::p], each per kind) hold."""
+    n_k = [sum(row[k] for row in counts[r::p]) for k in range(len(per_kind))]
+    return tuple(sum(n * kp[r][i] for n, (kp, _) in zip(n_k, per_kind)) for i in range(4))
+
+
 def _kind_rank_profile(i: int, kind: ModelProfile, cluster: Any, cfg: Any, memo: Any) -> Any:
     from autopar.cost.shares import rank_profile
     if memo is None:
@@ -221,9 +229,8 @@ def kinds_memory_slopes(profile: ModelProfile, cluster: Any, cfg: Any,
     new_parts, new_fixed = [], []
     for r in range(cfg.p):
         y = sum(chunks[r::cfg.p])
-        n_k = [sum(row[k] for row in counts[r::cfg.p]) for k in range(len(per_kind))]
-        new_parts.append(tuple(sum(nk * kp[r][i] for nk, (kp, _) in zip(n_k, per_kind)) / y
-                               for i in range(4)) if y else parts[r])
+        new_parts.append(tuple(x / y for x in _rank_layer_parts(counts, per_kind, cfg.p, r))
+                         if y else parts[r])
         new_fixed.append(tuple(fparts[r][:4]) + (work,) + tuple(fparts[r][5:]))
     return (tuple(int(math.ceil(sum(x))) for x in new_parts),
             tuple(int(math.ceil(sum(x[:5]))) for x in new_fixed), tuple(new_parts),
@@ -248,8 +255,7 @@ def kinds_rank_memory(profile: ModelProfile, cluster: Any, cfg: Any, cc: Any,
     acts = schedule_activation_bytes(cc, layers_per_chunk, chunk_bytes=chunk_bytes)
     out = []
     for r in range(cfg.p):
-        n_k = [sum(row[k] for row in counts[r::cfg.p]) for k in range(len(per_kind))]
-        w, g, o = (sum(n * kp[r][i] for n, (kp, _) in zip(n_k, per_kind)) for i in range(3))
+        w, g, o, _ = _rank_layer_parts(counts, per_kind, cfg.p, r)
         fixed = rank_memory_parts(cc, r, 0)
         out.append(replace(fixed, weights_bytes=fixed.weights_bytes + w,
                            gradients_bytes=fixed.gradients_bytes + g,

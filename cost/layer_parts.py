@@ -13,10 +13,10 @@ from autopar.cost.memo import CostMemo
 from autopar.cost.profile import ModelProfile
 
 
-def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
-                   ) -> tuple[float, float, float, float, float, float]:
-    """`load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head, layer
-    context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
+def layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
+                  ) -> tuple[float, float, float, float, float, float]:
+    """`cost.model.load_parts_s` but the p2p: (layer compute, layer TP comm, embedding, head,
+    layer context-parallel comm, layer expert all-to-alls), the same at every p, d, v and N."""
     comp_s, tp_s, _ = memo.block_times_s(profile, cluster, cfg)
     comp_s += expert_gemm_extra_s(profile, cfg.ep, cfg.recompute, lambda g: local_gemm_time_s(
         cluster, g, cfg.t, cfg.micro_batch_size, profile.activation_bytes_per_elem)
@@ -27,19 +27,20 @@ def _layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: C
     return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
 
 
-def _ns(seconds: float) -> int:
+def seconds_to_ns(seconds: float) -> int:
+    """Seconds as the integer nanoseconds the solver and `predict` use."""
     return int(round(seconds * NS))
 
 
 def layer_loads(profile: ModelProfile, cluster: Cluster, cfg: Config,
                 memo: CostMemo) -> tuple[LoadCosts, float]:
     """`load_costs` but the p2p (its p2p_ns 0: the other integers are the same at every p, d,
-    v and N, from the layer's parts alone), and a layer's load in s as `_load_parts_s` hands
+    v and N, from the layer's parts alone), and a layer's load in s as `load_parts_s` hands
     it to pipeline_p2p_s: the search's family bound and, with `p2p_load_ns`, its quick bound."""
     rank = memo.rank_profile(profile, cluster, cfg)
     comp, tp, emb, head, cp, ep = memo.layer_parts(
-        cfg, lambda: _layer_parts_s(rank, cluster, cfg, memo))
-    return (LoadCosts(cfg=cfg, layer_compute_ns=_ns(comp), layer_tp_ns=_ns(tp),
-                      embed_ns=_ns(emb), head_ns=_ns(head), p2p_ns=0, layer_cp_ns=_ns(cp),
-                      layer_ep_ns=_ns(ep)),
+        cfg, lambda: layer_parts_s(rank, cluster, cfg, memo))
+    ns = seconds_to_ns
+    return (LoadCosts(cfg=cfg, layer_compute_ns=ns(comp), layer_tp_ns=ns(tp), embed_ns=ns(emb),
+                      head_ns=ns(head), p2p_ns=0, layer_cp_ns=ns(cp), layer_ep_ns=ns(ep)),
             comp + tp + cp + ep)

@@ -45,7 +45,7 @@ from autopar.cost.exchanges import (alltoall_attention_s, alltoall_exchange_elem
                                     ring_attention_s, ring_exposed_s)
 from autopar.cost.hardware import Cluster
 from autopar.cost.kinds import kinds_memory_slopes, kinds_rank_memory
-from autopar.cost.layer_parts import _layer_parts_s, _ns, layer_loads  # noqa: F401
+from autopar.cost.layer_parts import layer_loads, layer_parts_s, seconds_to_ns  # noqa: F401
 from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (activation_bytes_lower_bound,  # noqa: F401
                                  layer_activation_bytes, memory_coefficients,
@@ -83,7 +83,7 @@ def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
                   ) -> tuple[float, float, float, float, float, float, float]:
     profile = memo.rank_profile(profile, cluster, cfg)
     comp_s, tp_s, emb_s, head_s, cp_s, ep_s = memo.layer_parts(
-        cfg, lambda: _layer_parts_s(profile, cluster, cfg, memo))
+        cfg, lambda: layer_parts_s(profile, cluster, cfg, memo))
     p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
     return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
 
@@ -94,7 +94,7 @@ def load_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     if memo is None:
         memo = CostMemo()
     comp, tp, emb, head, p2p, cp, ep = memo.load_ns(cfg, lambda: tuple(
-        _ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
+        seconds_to_ns(x) for x in load_parts_s(profile, cluster, cfg, memo)))
     return LoadCosts(cfg=cfg, layer_compute_ns=comp, layer_tp_ns=tp, embed_ns=emb, head_ns=head,
                      p2p_ns=p2p, layer_cp_ns=cp, layer_ep_ns=ep)
 
@@ -103,7 +103,7 @@ def p2p_load_ns(hop_s: float, p: int, v: int, group: int | None, layer_s: float,
                 num_layers: int, comm_overlap: float) -> int:
     """`load_costs`' p2p_ns from one pipeline hop (comm.p2p_hop_s) and a layer's load in s
     (`layer_loads`), without a Config: comm.chunk_p2p_s rounded as load_costs rounds."""
-    return _ns(chunk_p2p_s(hop_s, p, v, group, layer_s, num_layers, comm_overlap))
+    return seconds_to_ns(chunk_p2p_s(hop_s, p, v, group, layer_s, num_layers, comm_overlap))
 
 
 def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
@@ -119,8 +119,8 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     lc = load_costs(profile, cluster, cfg, memo)
     profile = memo.rank_profile(profile, cluster, cfg)
     block_s = memo.block_times_s(profile, cluster, cfg)
-    fwd_ns = min(_ns(block_s[2] + memo.context_comm_s(profile, cluster, cfg)[0]
-                     + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
+    fwd_ns = min(seconds_to_ns(block_s[2] + memo.context_comm_s(profile, cluster, cfg)[0]
+                               + expert_comm_s(profile, cluster, cfg)[0]), lc.layer_ns)
     params = rank_params(profile, cfg)
     if not ZERO_TRAITS[cfg.zero].sharded_weights:
         gathers = None
@@ -138,7 +138,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     # a rank's share of a sequence is 1/c of its FLOPs (the balanced split): the sequence's are c×
     B = cfg.global_batch_size * cfg.c
 
-    ns = _ns
+    ns = seconds_to_ns
     return ConfigCosts(
         cfg=cfg, layer_compute_ns=lc.layer_compute_ns, layer_tp_ns=lc.layer_tp_ns,
         embed_ns=lc.embed_ns, head_ns=lc.head_ns, p2p_ns=lc.p2p_ns, layer_cp_ns=lc.layer_cp_ns,

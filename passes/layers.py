@@ -615,10 +615,11 @@ def _split_kinds(structure: LayerStructure, nodes: list, stacks: dict,
     """Each stack's blocks grouped by signature into kinds (dense and MoE layers, layers with
     and without rotary, ...); a stack whose blocks all match stays one kind, its first block
     allowed to add ops when they compute a value it hands the later blocks (T5's position
-    bias: block 0 has more outputs) or are no compute (export's guard call); a first block that only adds ops of its own (rotary in a
-    sliding layer before a full-attention one) is a kind. With kinds, every kind lists its graph blocks and its
-    model-wide layers: a truncated capture's REPEAT_KEYS give the kept block each true layer
-    stands for (capture keeps one block of every parameter layout)."""
+    bias: block 0 has more outputs) or are no compute (export's guard call); a first block
+    that only adds ops of its own (rotary in a sliding layer before a full-attention one) is
+    a kind. With kinds, every kind lists its graph blocks and its model-wide layers: a
+    truncated capture's REPEAT_KEYS give the kept block each true layer stands for (capture
+    keeps one block of every parameter layout)."""
     sig = structure.signatures
     per_stack = []
     for kind in structure.kinds:

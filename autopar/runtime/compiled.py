@@ -20,10 +20,12 @@ sends its experts change every step (the all-to-all's sizes, read by `.item()`: 
 break), so the regions after the dispatch see new shapes; chunks compile with automatic
 dynamic shapes (`dynamic=None`: a region that meets a second shape is compiled once more with
 that dim symbolic), which recompiles them once on the second step and never after, where
-`dynamic=False` recompiled every step until Dynamo's cache limit sent them back to eager. Split backward (B now, W later) works on the compiled
-graph unchanged: a compiled region's backward is one autograd node, on the input path, so B
-runs it whole and W has only the regions off that path left (autopar.runtime.split_backward's
-fallback keeps the numbers those of a plain backward).
+`dynamic=False` recompiled every step until Dynamo's cache limit sent them back to eager.
+
+Split backward (B now, W later) works on the compiled graph unchanged: a compiled region's
+backward is one autograd node, on the input path, so B runs it whole and W has only the
+regions off that path left (autopar.runtime.split_backward's fallback keeps the numbers those
+of a plain backward).
 """
 from __future__ import annotations
 
