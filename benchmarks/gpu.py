@@ -115,8 +115,13 @@ def hf_mixtral(s: Sizes) -> torch.nn.Module:
         router_jitter_noise=0.0, attn_implementation="sdpa"))
 
 
-def build_model(name: str, s: Sizes, device: str = "cpu") -> torch.nn.Module:
-    """Every case's model, built from a seed on `device` (the same weights on every rank)."""
+def build_model(name: str, s: Sizes, device: str = "cpu",
+                init: str | None = None) -> torch.nn.Module:
+    """Every case's model, built from a seed on `device` (the same weights on every rank);
+    `init` draws the weights on another device first (a GPU draws 1.3B weights in a second,
+    a CPU in half a minute) and moves them, ties kept."""
+    if init is not None and init != device:
+        return build_model(name, s, init).to(device)
     torch.manual_seed(SEED)
     with torch.device(device):
         if name == "gpt":
@@ -299,50 +304,80 @@ def measured_mfu(plan: Any, step_s: float) -> float:
 # the parts
 # ---------------------------------------------------------------------------------------------
 
-def part_single(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+class Rows(list):
+    """A part's rows, written out as each one lands (a call stopped at its time limit keeps
+    what it measured); a row that would start past the deadline is recorded as skipped."""
+
+    def __init__(self, save: Callable[[], None], deadline: float):
+        super().__init__()
+        self.save, self.deadline = save, deadline
+
+    def left_s(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def run(self, key: str, label: str, fn: Callable[[], dict]) -> dict:
+        if self.left_s() <= 0:
+            row = {"case": key, "variant": label, "skipped": "past --deadline-s"}
+        else:
+            row = _guard(key, label, fn)
+            _free()
+        self.append(row)
+        self.save()
+        return row
+
+    def skip(self, key: str, label: str, why: str) -> None:
+        self.append({"case": key, "variant": label, "skipped": why})
+
+
+def _free() -> None:
+    """Drop the last measurement's program, so the next one (or calibrate's process) finds
+    the device's memory free."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def part_single(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                rows: Rows) -> None:
     _group_of_one(device)
-    rows = []
-    bf16 = True
-    for key in sorted(k for k in plans if k.startswith("single-")):
+    compile_skip = quick and device == "cpu"
+    for key in keys:
         plan = plans[key]
         name = key.split("-", 1)[1]
         seq = seq_of(name, s)
         data = batches(plan, vocab_of(build_model(name, s, "meta")), seq, s.steps + 2, device)
-        variants = [("autopar eager", False), ("autopar compiled", True)]
-        for label, compiled in variants:
-            rows.append(_single_autopar(label, key, plan, name, s, device, data, compiled,
-                                        quick))
-        for label, compiled in (("plain eager", False), ("plain torch.compile", True)):
-            if compiled and quick and device == "cpu":
-                rows.append({"case": key, "variant": label, "skipped":
-                             "--quick on cpu: torch.compile takes minutes here"})
-                continue
-            rows.append(_guard(key, label, lambda: _single_plain(
-                label, key, plan, name, s, device, data, bf16, compiled)))
+        # eager first: the program on this device at all, then the compiled pair
+        for label, compiled, plain in (("autopar eager", False, False),
+                                       ("plain eager", False, True),
+                                       ("autopar compiled", True, False),
+                                       ("plain torch.compile", True, True)):
+            if compiled and compile_skip:
+                rows.skip(key, label, "--quick on cpu: torch.compile takes minutes here")
+            elif plain:
+                rows.run(key, label, lambda label=label, compiled=compiled: _single_plain(
+                    label, key, plan, name, s, device, data, True, compiled))
+            else:
+                rows.run(key, label, lambda label=label, compiled=compiled: _single_autopar(
+                    label, key, plan, name, s, device, data, compiled))
         _ratios(rows, key)
-    return rows
+        rows.save()
 
 
 def _single_autopar(label: str, key: str, plan: Any, name: str, s: Sizes, device: str,
-                    data: list, compiled: bool, quick: bool) -> dict:
-    if compiled and quick and device == "cpu":
-        return {"case": key, "variant": label,
-                "skipped": "--quick on cpu: torch.compile takes minutes here"}
-
-    def go() -> dict:
-        model = build_model(name, s, "cpu")
-        runner = autopar_runner(plan, model, seq_of(name, s), precision="bf16",
-                                device=device, lr=1e-4, torch_compile=compiled)
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        losses, times = time_steps(runner.train_step, data, 2, device)
-        return _timing_row(key, label, plan, losses, times, device)
-    return _guard(key, label, go)
+                    data: list, compiled: bool) -> dict:
+    model = build_model(name, s, "cpu", init=device)
+    runner = autopar_runner(plan, model, seq_of(name, s), precision="bf16",
+                            device=device, lr=1e-4, torch_compile=compiled)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = time_steps(runner.train_step, data, 2, device)
+    return _timing_row(key, label, plan, losses, times, device)
 
 
 def _single_plain(label: str, key: str, plan: Any, name: str, s: Sizes, device: str,
                   data: list, bf16: bool, compiled: bool) -> dict:
-    model = build_model(name, s, "cpu")
+    model = build_model(name, s, device)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     step = plain_step(model, plan, device=device, lr=1e-4, bf16=bf16, compiled=compiled)
@@ -415,26 +450,25 @@ def single_device_losses(plan: Any, model_name: str, s: Sizes, device: str,
     return out
 
 
-def part_multirank(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+def part_multirank(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                   rows: Rows) -> None:
     from autopar.testing import spawn
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    rows = []
     steps = 3
-    for key in sorted(k for k in plans if k.startswith("multirank-")):
+    for key in keys:
         plan = plans[key]
         name = "mixtral" if key.endswith("ep2") else "small_gpt"
 
         def go(plan=plan, name=name, key=key) -> dict:
             got = spawn(_rank_losses, plan.gpus, plan.to_json(), name, dataclasses.asdict(s),
-                        device, steps, timeout_s=900 if not quick else 300)[0]
+                        device, steps, timeout_s=max(30, min(900, rows.left_s())))[0]
             ref = single_device_losses(plan, name, s, device, steps)
             worst = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got, ref))
             return {"case": key, "variant": "gloo ranks sharing " + device, "losses": got,
                     "reference": ref, "max_rel_diff": worst, "equal": worst <= 1e-4}
-        rows.append(_guard(key, "gloo ranks sharing " + device, go))
-    return rows
+        rows.run(key, "gloo ranks sharing " + device, go)
 
 
 COMPARED = ("peak_flops", "gemm_max_efficiency", "gemm_half_dim", "hbm_bandwidth_Bps",
@@ -442,9 +476,15 @@ COMPARED = ("peak_flops", "gemm_max_efficiency", "gemm_half_dim", "hbm_bandwidth
             "flash_half_len", "memory_bytes")
 
 
-def part_calibrate(out: Path, device: str, quick: bool, cluster: str) -> list[dict]:
+def part_calibrate(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                   rows: Rows, out: Path, cluster: str) -> None:
     """`autopar calibrate` on this device, as a user runs it, into
     out/calibrated_cluster.json, beside the preset the plans were made for."""
+    rows.run("calibrate", "autopar calibrate",
+             lambda: _calibrate_row(out, device, quick, cluster, rows.left_s()))
+
+
+def _calibrate_row(out: Path, device: str, quick: bool, cluster: str, left_s: float) -> dict:
     from autopar.cost.hardware import get_cluster
     preset = get_cluster(cluster)
     target = out / "calibrated_cluster.json"
@@ -459,7 +499,8 @@ def part_calibrate(out: Path, device: str, quick: bool, cluster: str) -> list[di
     t0 = time.perf_counter()
     # not under torchrun: the group of one this process made must not look like a launcher's
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                         timeout=max(30, min(900, left_s)))
     row = {"case": "calibrate", "variant": " ".join(cmd[2:]), "rc": res.returncode,
            "seconds": time.perf_counter() - t0, "output_tail": (res.stdout + res.stderr)[-3000:]}
     if res.returncode == 0 and target.exists():
@@ -469,21 +510,19 @@ def part_calibrate(out: Path, device: str, quick: bool, cluster: str) -> list[di
                                      "measured": getattr(got, k, None)} for k in COMPARED}
     else:
         row["error"] = (res.stderr.strip().splitlines() or ["no output"])[-1]
-    return [row]
+    return row
 
 
-def part_memory(plans: dict, s: Sizes, device: str, quick: bool) -> list[dict]:
+def part_memory(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                rows: Rows) -> None:
     _group_of_one(device)
-    rows = []
-    for key in sorted(k for k in plans if k.startswith("memory-")):
-        plan = plans[key]
-        rows.append(_guard(key, "peak bytes", lambda plan=plan, key=key:
-                           _memory_row(key, plan, s, device)))
-    return rows
+    for key in keys:
+        rows.run(key, "peak bytes", lambda plan=plans[key], key=key:
+                 _memory_row(key, plan, s, device))
 
 
 def _memory_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
-    model = build_model("mem_gpt", s, "cpu")
+    model = build_model("mem_gpt", s, "cpu", init=device)
     runner = autopar_runner(plan, model, s.seq, precision="bf16", device=device, lr=1e-4)
     data = batches(plan, vocab_of(model), s.seq, 3, device)
     for x, y in data[:2]:                      # the optimizer state exists after a step
@@ -574,8 +613,29 @@ def _row_text(part: str, r: dict) -> str:
     return f"{head} rc={r.get('rc')} in {r.get('seconds', 0):.0f} s  {vs}"
 
 
-def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, ...]) -> dict:
+def part_steps(parts: tuple[str, ...], plans: dict) -> list[tuple[str, list[str]]]:
+    """`--parts` as (part, its cases) in the order given: `single` runs every single-* case,
+    `single:single-gpt` only that one (`+` joins several), so one call can run the cases that
+    matter most first and a part's rest last."""
+    steps = []
+    for entry in parts:
+        part, _, only = entry.partition(":")
+        mine = sorted(k for k in plans if k.startswith(part + "-"))
+        keys = [k for k in only.split("+") if k] or mine
+        bad = [k for k in keys if k not in mine]
+        if part not in PARTS or bad:
+            raise ValueError(f"--parts {entry!r}: " + (f"{part!r} is not a part; pick from "
+                             f"{', '.join(PARTS)}" if part not in PARTS else
+                             f"{bad[0]!r} is not a prepared {part} case; pick from "
+                             f"{', '.join(mine)} (or prepare it)"))
+        steps.append((part, keys))
+    return steps
+
+
+def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, ...],
+        deadline_s: float = 1e9) -> dict:
     import autopar
+    start = time.perf_counter()
     manifest = json.loads((directory / "manifest.json").read_text())
     s = Sizes(**manifest["sizes"])
     plans = {k: autopar.Plan.from_json((directory / f"{k}.json").read_text())
@@ -585,28 +645,31 @@ def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, 
         or platform.machine()
     results = {"device": device, "device_name": name, "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": quick,
-               "cluster": manifest["cluster"], "parts": {}}
-    runners = {"single": lambda: part_single(plans, s, device, quick),
-               "multirank": lambda: part_multirank(plans, s, device, quick),
-               "calibrate": lambda: part_calibrate(out, device, quick, manifest["cluster"]),
-               "memory": lambda: part_memory(plans, s, device, quick)}
-    for part in parts:
-        t0 = time.perf_counter()
-        results["parts"][part] = _guarded_part(part, runners[part])
-        results.setdefault("part_seconds", {})[part] = time.perf_counter() - t0
-        print(f"[{part}] done in {time.perf_counter() - t0:.0f} s", flush=True)
+               "cluster": manifest["cluster"], "parts": {}, "part_seconds": {}}
+
+    def save() -> None:
         (out / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
+
+    runners = {"single": part_single, "multirank": part_multirank, "memory": part_memory,
+               "calibrate": lambda *a: part_calibrate(*a, out, manifest["cluster"])}
+    for part, keys in part_steps(parts, plans):
+        t0 = time.perf_counter()
+        rows = Rows(save, start + deadline_s)
+        rows.extend(results["parts"].get(part, []))
+        results["parts"][part] = rows
+        try:
+            runners[part](plans, keys, s, device, quick, rows)
+        except Exception as exc:  # noqa: BLE001 - each part reports, the rest still run
+            rows.append(_guard(part, "whole part", lambda: (_ for _ in ()).throw(exc)))
+        seconds = results["part_seconds"].get(part, 0.0) + time.perf_counter() - t0
+        results["part_seconds"][part] = seconds
+        print(f"[{part}] {'+'.join(keys) or part} done in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        save()
     text = table(results)
     (out / "gpu_results.txt").write_text(text + "\n")
     print(text)
     return results
-
-
-def _guarded_part(part: str, fn: Callable[[], list[dict]]) -> list[dict]:
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001
-        return [_guard(part, "whole part", lambda: (_ for _ in ()).throw(exc))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,13 +683,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default=None,
                     help="the cluster the plans are made for (default: dgx-h100-80gb, "
                          "local-cpu with --device cpu)")
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of "
-                    + ", ".join(PARTS))
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts, in the "
+                    "order to run, from " + ", ".join(PARTS) + "; PART:CASE+CASE runs only "
+                    "those cases (e.g. single:single-gpt,calibrate,single:single-llama)")
+    ap.add_argument("--deadline-s", type=float, default=1e9, dest="deadline_s",
+                    help="no measurement starts after this many seconds of `run` (each is "
+                    "recorded as skipped), so a call with a time limit ends with its results")
     ap.add_argument("--cases", default="", help="comma-separated case names (e.g. "
                     "single-gpt,multirank-t2,memory-none-mb2) to keep; default: every case")
     a = ap.parse_args(argv)
     parts = tuple(p for p in a.parts.split(",") if p)
-    bad = [p for p in parts if p not in PARTS]
+    bad = [p for p in parts if p.partition(":")[0] not in PARTS]
     if bad:
         ap.error(f"--parts {bad[0]!r}: not a part; pick from {', '.join(PARTS)}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -644,7 +711,10 @@ def main(argv: list[str] | None = None) -> int:
         made = prepare(Path(a.dir), s, cluster, keep)
         print(f"prepared {len(made['cases'])} plans in {a.dir}/", flush=True)
     if a.command in ("run", "all"):
-        run(Path(a.dir), Path(a.out), device, a.quick, parts)
+        try:
+            run(Path(a.dir), Path(a.out), device, a.quick, parts, a.deadline_s)
+        except ValueError as exc:
+            ap.error(str(exc))
     return 0
 
 
