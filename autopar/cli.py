@@ -196,7 +196,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.cost.calibrate import calibrate
     result = calibrate(out=args.out, name=args.name, quick=args.quick,
                        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None,
-                       ranks=args.ranks, precision=args.precision)
+                       ranks=args.ranks, precision=args.precision, base=args.base)
     if result is not None:   # rank 0
         cluster, path = result
         print(_cluster_summary(cluster, header=True))
@@ -361,8 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   "local-cpu file, ~/.cache/autopar/local-cpu.json)")
     cb.add_argument("--name", default="local-cpu", help="the cluster's name in the file")
     cb.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for tests)")
-    cb.add_argument("--ranks", type=int, default=2,
-                    help="local CPU ranks when not under torchrun")
+    cb.add_argument("--ranks", type=int, default=None,
+                    help="local ranks when not under torchrun (default: one per GPU, or 2 CPU "
+                         "processes on a machine without one)")
+    cb.add_argument("--base", default=None, metavar="CLUSTER",
+                    help="a preset or cluster file whose link numbers a single rank (one GPU: "
+                         "no link to measure) keeps beside its measured device numbers")
     cb.add_argument("--precision", choices=["fp32", "bf16"],
                     help="the training precision compute is measured in (default: bf16 on "
                          "GPU, fp32 on CPU)")

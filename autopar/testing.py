@@ -198,6 +198,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         _kill_all(procs, grace_s)
 
 
+def _last_line(exc: BaseException) -> str:
+    """A rank's error in one line: the last line of its traceback text (the exception), not
+    the "rank N raised:" heading."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _collect(procs, conns, deadline: float, timeout_s: float, allowed: set[int]) -> list[Any]:
     n = len(procs)
     results: dict[int, Any] = {}
@@ -229,7 +236,7 @@ def _collect(procs, conns, deadline: float, timeout_s: float, allowed: set[int])
                 errors.append(value)
     if errors:
         first = errors[0]
-        others = "".join(f"\n(also rank {e.rank}: {str(e).splitlines()[0]})" for e in errors[1:])
+        others = "".join(f"\n(also rank {e.rank}: {_last_line(e)})" for e in errors[1:])
         raise SpawnError(first.rank, f"{first}{others}", first.remote_traceback) \
             from first.__cause__
     if pending:

@@ -160,8 +160,11 @@ class Case:
 
 
 def cases(s: Sizes, cluster: str) -> list[Case]:
+    # micro-batches of 4 x 2048 tokens: the free plan's 16 (one micro-batch) did not fit an
+    # H100's 80 GB, for the plain loop either (first run, 2026-11-26: activations ~2x priced)
     out = [Case(key=f"single-{m}", part="single", model=m, gpus=1, cluster=cluster,
-                pins=dict(t=1, p=1, d=1, c=1, zero=0)) for m in ("gpt", "llama")]
+                pins=dict(t=1, p=1, d=1, c=1, zero=0, micro_batch_size=4))
+           for m in ("gpt", "llama")]
     multi = {"t2": dict(t=2, p=1, d=1, c=1, sequence_parallel=False),
              "p2": dict(t=1, p=2, d=1, c=1, schedule="1f1b"),
              "c2-ring": dict(t=1, p=1, d=1, c=2, cp_attention="ring"),
@@ -491,7 +494,8 @@ def _calibrate_row(out: Path, device: str, quick: bool, cluster: str, left_s: fl
     cmd = [sys.executable, "-m", "autopar.cli", "calibrate", "--out", str(target),
            "--name", f"{cluster}-calibrated"]
     if device.startswith("cuda"):
-        cmd += ["--precision", "bf16", "--peak-tflops", f"{preset.peak_flops / 1e12:g}"]
+        cmd += ["--precision", "bf16", "--peak-tflops", f"{preset.peak_flops / 1e12:g}",
+                "--base", cluster]   # one GPU measures no link: the preset's links are kept
     else:
         cmd += ["--ranks", "2"]
     if quick:

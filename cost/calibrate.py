@@ -38,6 +38,7 @@ machine's `local-cpu` (hardware.local_cluster_path()).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -495,8 +496,9 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
 
 
 def cluster_from_record(record: dict[str, Any], name: str,
-                        peak_flops: float | None = None) -> Cluster:
-    """The Cluster a measurement record describes, each constant's source naming it."""
+                        peak_flops: float | None = None, base: Cluster | None = None) -> Cluster:
+    """The Cluster a measurement record describes, each constant's source naming it. With no
+    link measured (one rank: a single GPU) the links are `base`'s, said so in the sources."""
     where = (f"measured by `autopar calibrate` on {', '.join(record['hosts'])} at "
              f"{record['measured_at']} ({record['world']} ranks, {record['nodes']} node(s), "
              f"{record['device']}, {record['backend']}, {record['dtype']})")
@@ -526,6 +528,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                f"tp_row_pieces {ROW_PIECES}: autopar's runtime issues a row-parallel GEMM's "
                f"reduction in that many calls (its collective matmul, cost/overlap.py)"]
     curves: list[CollectiveCurve] = []
+    if not fits:
+        return _with_base_links(record, name, peak, emax, half, flash, sources, base)
     for link, other in (("intra", "inter"), ("inter", "intra")):
         if link in fits:
             curves += collective_curves(link, record["collectives"][link])
@@ -555,15 +559,42 @@ def cluster_from_record(record: dict[str, Any], name: str,
         sources=tuple(sources))
 
 
+_ONE_RANK = ("calibrate: {world} rank measures no link (collectives need two ranks); run it "
+             "with --ranks 2 or more (under torchrun: --nproc-per-node 2 or more), or pass "
+             "--base CLUSTER to keep that cluster's link numbers beside this device's measured "
+             "ones")
+
+
+def _with_base_links(record: dict[str, Any], name: str, peak: float, emax: float, half: float,
+                     flash: dict, sources: list[str], base: Cluster | None) -> Cluster:
+    """One rank measured the device and no link: the links (bandwidths, latencies, curves,
+    overlap) are the base cluster's; the device's numbers are the measured ones."""
+    if base is None:
+        raise ValueError(_ONE_RANK.format(world=record["world"]))
+    sources.append(f"intra_node and inter_node bandwidth, latency, collective curves, "
+                   f"comm_overlap, tp_comm_overlap, tp_row_pieces, gpus_per_node: not measured "
+                   f"(one rank); {base.name}'s, as given with --base")
+    return dataclasses.replace(
+        base, name=name, peak_flops=peak, memory_bytes=record["memory"][0],
+        hbm_bandwidth_Bps=record["hbm_bandwidth_Bps"], gemm_max_efficiency=emax,
+        gemm_half_dim=half, kernel_launch_s=record["kernel_launch_s"],
+        elementwise_efficiency=1.0, optimizer_param_s=record.get("optimizer_param_s", 0.0),
+        autograd_op_s=record.get("autograd_op_s", 0.0), reserved_bytes=record["memory"][1],
+        attention="flash", elementwise="eager", **flash, sources=tuple(sources))
+
+
 def calibrate_ranks(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
                     quick: bool = False, peak_flops: float | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[Cluster, Path] | None:
+                    dtype: torch.dtype | None = None,
+                    base: str | None = None) -> tuple[Cluster, Path] | None:
     """Measure (every rank of an initialised process group) and, on rank 0, write the cluster
     file to `out` (default: this machine's local-cpu file); rank 0 returns (Cluster, path)."""
+    from autopar.cost.hardware import get_cluster
+    base_cluster = get_cluster(base) if base is not None else None   # bad name: before measuring
     record = measure_ranks(quick=quick, dtype=dtype)
     result = None
     if dist.get_rank() == 0:
-        cluster = cluster_from_record(record, name, peak_flops)
+        cluster = cluster_from_record(record, name, peak_flops, base_cluster)
         record["fits"] = {link: dict(zip(("latency_s", "bandwidth_Bps"), fit_link(rows)))
                           for link, rows in record["collectives"].items()}
         result = (cluster, save_cluster(cluster, local_cluster_path(out), record))
@@ -579,17 +610,28 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
-              quick: bool = False, peak_flops: float | None = None, ranks: int = 2,
-              precision: str | None = None, timeout_s: float = 600.0) -> tuple[Cluster, Path]:
+              quick: bool = False, peak_flops: float | None = None, ranks: int | None = None,
+              precision: str | None = None, timeout_s: float = 600.0,
+              base: str | None = None) -> tuple[Cluster, Path]:
     """Calibrate: under torchrun (WORLD_SIZE set) on its ranks, joining or creating the
-    process group; otherwise on `ranks` local CPU processes (gloo). Returns (Cluster, path)
-    on rank 0 (None elsewhere). precision: "fp32" | "bf16" (default: bf16 on GPU, fp32 on
-    CPU), the training precision the compute is measured in."""
+    process group; otherwise on `ranks` local processes: one per GPU (NCCL) where there are
+    GPUs, else 2 CPU processes (gloo). Returns (Cluster, path) on rank 0 (None elsewhere).
+    precision: "fp32" | "bf16" (default: bf16 on GPU, fp32 on CPU), the training precision the
+    compute is measured in. base: the cluster whose link numbers a single rank keeps."""
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"calibrate: precision={precision!r}: must be one of "
                          f"{sorted(PRECISIONS)}, the precision you train in")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ranks is None:
+        ranks = gpus or 2
+    if gpus and ranks > gpus and "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"calibrate: --ranks {ranks}: more ranks than this machine's {gpus} "
+                         f"GPU(s) (one rank per GPU); pass --ranks {gpus} or fewer")
+    world = int(os.environ.get("WORLD_SIZE", ranks))
+    if world == 1 and base is None:
+        raise ValueError(_ONE_RANK.format(world=world))
     kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops,
-                  dtype=PRECISIONS.get(precision))
+                  dtype=PRECISIONS.get(precision), base=base)
     if "WORLD_SIZE" in os.environ:
         if not dist.is_initialized():
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -597,4 +639,4 @@ def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
         return calibrate_ranks(**kwargs)
     from autopar.testing import spawn
     return spawn(_spawned, ranks, kwargs, timeout_s=timeout_s,
-                 pg_timeout_s=timeout_s / 2)[0]
+                 pg_timeout_s=timeout_s / 2, backend="nccl" if gpus else "gloo")[0]

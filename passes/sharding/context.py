@@ -51,8 +51,9 @@ from autopar.passes import meta as K
 from autopar.passes.sharding.elementwise import pointwise_rule
 from autopar.passes.sharding.layout import R, Conflict, Layout, Partial, Replicate, Shard
 from autopar.passes.sharding.ops import (MATMUL_OPS, NEW_FACTORIES, NO_VALUE, SOFTMAX,
-                                         TRANSPARENT, is_grouped_mm, is_pointwise, is_tensor, like,
-                                         matmul_operands, norm_dim, packet, shape, tensor_args)
+                                         TRANSPARENT, is_grouped_mm, is_inplace, is_pointwise,
+                                         is_tensor, like, matmul_operands, norm_dim, packet, shape,
+                                         tensor_args)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.views import cat_rule
@@ -434,7 +435,7 @@ def _writes_converted(p: ContextPropagator, node: fx.Node) -> bool:
     on (a selection, a gather, a sum): it would write into the converted copy, and the buffer
     (or the base a sliced destination views) would never see the write."""
     return (node.op == "call_function" and bool(node.args)
-            and torch.Tag.inplace in getattr(node.target, "tags", ())
+            and is_inplace(node.target)
             and node.args[0] in p.convert.get(node, {}))
 
 

@@ -59,6 +59,25 @@ def is_pointwise(node: fx.Node) -> bool:
         return True
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
+def is_inplace(target: Any) -> bool:
+    """An in-place aten op (add_, copy_, scatter_, ...). torch.Tag.inplace where this torch
+    has it (2.13); torch 2.11 has no such tag, so there its schema says: the first argument
+    written and the op's name ending in `_` (which also counts a few list ops the tag leaves
+    out: conservative)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    tag = getattr(torch.Tag, "inplace", None)
+    if tag is not None:
+        return tag in target.tags
+    return schema_inplace(target)
+
+def schema_inplace(target: torch._ops.OpOverload) -> bool:
+    """`is_inplace` by the op's schema alone (torch without Tag.inplace)."""
+    schema = target._schema
+    alias = schema.arguments[0].alias_info if schema.arguments else None
+    return bool(alias is not None and alias.is_write
+                and schema.name.split("::")[-1].endswith("_"))
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 def dropout_is_identity(node: fx.Node) -> bool:

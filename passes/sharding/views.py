@@ -15,7 +15,8 @@ from autopar.passes import meta as K
 from autopar.passes.sharding.elementwise import pointwise_same_shape, replicated, split_operands
 from autopar.passes.sharding.layout import (R, Conflict, Layout, Refine, Shard, Whole, cumsum,
                                             map_reshape, prod, union, unflattened_sizes)
-from autopar.passes.sharding.ops import chain_dim, norm_dim, packet, selected_range, shape
+from autopar.passes.sharding.ops import (chain_dim, is_inplace, norm_dim, packet, selected_range,
+                                         shape)
 
 if TYPE_CHECKING:
     from autopar.passes.sharding.propagator import Propagator
@@ -252,7 +253,7 @@ def gather_scatter_rule(p: Propagator, node: fx.Node) -> Any:
     d = norm_dim(node.args[1], len(shape(x)))
     src = node.args[3] if len(node.args) > 3 else node.kwargs.get("src")
     operands = [a for a in (x, idx, src) if isinstance(a, fx.Node)]
-    inplace = torch.Tag.inplace in getattr(node.target, "tags", ())
+    inplace = is_inplace(node.target)
     first = next((l for _, l in split_operands(p, node, operands)), None)
     lay = p.eff(node, x) if inplace else first
     if not isinstance(lay, Shard):

@@ -290,3 +290,23 @@ def test_no_module_imports_a_private_name_of_the_engine():
                    "autopar.passes.sharding")
                for a in node.names if a.name.startswith("_")]
     assert private == []
+
+
+def test_inplace_ops_are_found_without_the_torch_213_tag():
+    """torch 2.11 (the GPU image's) has no torch.Tag.inplace: the c = 2 plan failed there with
+    an AttributeError. The schema rule finds every op the tag marks (and a few list ops more)."""
+    import torch
+    from autopar.passes.sharding.ops import is_inplace, schema_inplace
+    aten, tagged, extra = torch.ops.aten, 0, []
+    for name in dir(aten):
+        packet = getattr(aten, name, None)
+        for overload in getattr(packet, "overloads", lambda: [])():
+            op = getattr(packet, overload)
+            if torch.Tag.inplace in op.tags:
+                tagged += 1
+                assert schema_inplace(op), op
+            elif schema_inplace(op):
+                extra.append(str(op))
+    assert tagged > 100 and len(extra) <= 10, extra
+    assert is_inplace(aten.add_.Tensor) and not is_inplace(aten.add.Tensor)
+    assert not is_inplace(len)
