@@ -58,6 +58,23 @@ ATTENTION_LENS = (256, 1024)
 _QUICK_ATTENTION_LENS = (64, 256)
 _FULL_DIMS = (64, 128, 256, 512, 1024)
 _QUICK_DIMS = (32, 128)
+# A GPU's grids reach the shapes training runs: on an H100 (benchmarks/gpu.py, 2026-11-26) the
+# CPU grids' largest GEMM (1024³ under autograd) ran at 31 TFLOP/s, launch-bound, and the fit
+# extrapolated e_max 0.62 from it, and attention at length 1024 gave flash efficiencies of
+# 0.19 / 0.11 at an extrapolated L_half of 8192; an isolated 8192³ GEMM runs ~800 TFLOP/s there
+_GPU_DIMS = (512, 1024, 2048, 4096, 8192)
+_GPU_ATTENTION_LENS = (512, 1024, 2048, 4096, 8192)
+# the attention measured: (heads, head_dim) as a CPU can afford, as GPU models run it
+_CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
+
+
+def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(GEMM dims, attention lengths) measured on `device`."""
+    if quick:
+        return _QUICK_DIMS, _QUICK_ATTENTION_LENS
+    if device.type == "cuda":
+        return _GPU_DIMS, _GPU_ATTENTION_LENS
+    return _FULL_DIMS, ATTENTION_LENS
 _FULL_MSG_BYTES = (4, 1 << 12, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
 _QUICK_MSG_BYTES = (1 << 10, 1 << 18)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -144,20 +161,22 @@ def measure_optimizer(dtype: torch.dtype, device: torch.device, quick: bool) -> 
 
 def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
                       quick: bool) -> list[list[float]]:
-    """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal, 4
-    heads of 64) at each length: 4·heads·L²·64 × the causal part, backward 2.5 ×."""
+    """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal; 4
+    heads of 64 on a CPU, 16 of 128 on a GPU) at each length: 4·heads·L²·head_dim × the
+    causal part, backward 2.5 ×."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
     curve = []
     for length in lengths:
-        q, k, v = (torch.randn(1, 4, length, 64, dtype=dtype, device=device,
+        q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, device=device,
                                requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, 4, length, 64, dtype=dtype, device=device)
+        grad = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
         calls = 2 if quick else 5
         clock = compute_clock(device)
         fwd_s = _time_s(lambda: sdpa(q, k, v, is_causal=True), device, calls, 3, clock)
         both_s = _time_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad), device, calls,
                          3, clock)
-        flops = 4.0 * 4 * length * length * 64 * (length + 1) / (2 * length)
+        flops = 4.0 * heads * length * length * dim * (length + 1) / (2 * length)
         curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
     return curve
 
@@ -447,13 +466,12 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     nodes, _ = _node_layout()
     groups = link_groups(nodes)
     tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
-    dims = _QUICK_DIMS if quick else _FULL_DIMS
+    dims, lens = grids(device, quick)
     dist.barrier()
     rounds = 1 if quick else 2   # passes over the grid, the best rate of each row kept
     mine = {"matmul_curve": _best_rows(
         [measure_matmul(dims, dtype, device, quick) for _ in range(rounds)], 3)}
     tick("GEMM")
-    lens = _QUICK_ATTENTION_LENS if quick else ATTENTION_LENS
     mine["attention_curve"] = _best_rows(
         [measure_attention(lens, dtype, device, quick) for _ in range(rounds)], 1)
     tick("attention")

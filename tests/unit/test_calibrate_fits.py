@@ -211,3 +211,46 @@ def test_a_context_rank_keeps_the_weight_gradient_reductions_whole():
                    tp_fallbacks=(TPCorrection(t=2, sequence_parallel=True, block=fix),))
     got = context_rank_profile(prof, 2).tp_correction(2, True).block.collectives
     assert [x.elems for x in got] == [256, 2048]
+
+
+def test_one_gpu_keeps_the_base_clusters_links_and_is_refused_without_one(tmp_path):
+    """One rank (a single GPU, as the first H100 run had) measures the device and no link:
+    `--base CLUSTER` keeps that cluster's links beside the measured device; without it the
+    refusal comes before anything is measured (the run's calibrate spawned a second rank on a
+    one-GPU machine and failed). A GPU measures at training sizes (the CPU grids' 1024³ GEMM
+    was launch-bound there)."""
+    import dataclasses
+
+    import torch
+
+    from autopar.cost.calibrate import calibrate, cluster_from_record, grids
+    from autopar.cost.hardware import get_cluster
+    with pytest.raises(ValueError, match="1 rank measures no link.*--base CLUSTER"):
+        calibrate(ranks=1, out=tmp_path / "c.json")
+    assert not (tmp_path / "c.json").exists()
+    peak, half = 7e14, 256.0
+    f = lambda x: x / (x + half)  # noqa: E731
+    dims, lens = grids(torch.device("cuda"), quick=False)
+    assert max(dims) >= 8192 and max(lens) >= 8192
+    record = {"measured_at": "2026-11-26T20:31:53+00:00", "hosts": ["gpu"], "world": 1,
+              "nodes": 1, "ranks_per_node": 1, "device": "NVIDIA H100", "backend": "nccl",
+              "dtype": "bfloat16", "matmul_curve": [[m, n, k, peak * f(m) * f(n) * f(k)]
+                                                   for m in dims for n in dims for k in dims],
+              "attention_curve": [[L, 0.5 * peak * L / (L + 512), 0.4 * peak * L / (L + 512)]
+                                  for L in lens],
+              "hbm_bandwidth_Bps": 2.7e12, "kernel_launch_s": 1e-5, "autograd_op_s": 1.7e-5,
+              "optimizer_param_s": 4e-11, "collectives": {}, "memory": [85e9, 1e9],
+              "memory_source": "memory_bytes: measured", "cores": 16}
+    base = get_cluster("dgx-h100-80gb")
+    got = cluster_from_record(record, "h100-one", 989e12, base)
+    assert (got.intra_node_bandwidth_Bps, got.inter_node_latency_s, got.gpus_per_node,
+            got.collective_curves) == (base.intra_node_bandwidth_Bps, base.inter_node_latency_s,
+                                       base.gpus_per_node, base.collective_curves)
+    assert got.hbm_bandwidth_Bps == 2.7e12 and got.memory_bytes == 85e9
+    assert got.gemm_max_efficiency == pytest.approx(peak / 989e12, rel=0.05)
+    # flash efficiencies are against the GEMM asymptote (peak · e_max = 7e14 here)
+    assert got.flash_fwd_efficiency == pytest.approx(0.5, rel=0.1)
+    assert any("dgx-h100-80gb's, as given with --base" in s for s in got.sources)
+    with pytest.raises(ValueError, match="--base CLUSTER"):
+        cluster_from_record(record, "h100-one", 989e12, None)
+    assert dataclasses.replace(got, name=base.name) != base   # the device's numbers are new
