@@ -27,6 +27,18 @@ def _pins_from_args(args: argparse.Namespace) -> "Pins":
     return Pins(**pins, micro_batch_size=getattr(args, "micro_batch", None))
 
 
+def priced_kinds(args: argparse.Namespace) -> dict[str, str]:
+    """The cluster fields a command overrides: --attention, --elementwise; `build` prices
+    elementwise ops as the built program runs them unless --elementwise says otherwise:
+    fused with --compile (Inductor fuses the chunks' chains), else eager, which keeps more
+    (on an H100 a plan priced fused for eager chunks ran out of memory: docs/known-gaps.md)."""
+    kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
+             if getattr(args, k, None) is not None}
+    if getattr(args, "fn", None) is cmd_build and "elementwise" not in kinds:
+        kinds["elementwise"] = "fused" if args.compile else "eager"
+    return kinds
+
+
 def _plan_from_args(args: argparse.Namespace):
     import autopar
     from autopar.api import plan_program
@@ -51,13 +63,7 @@ def _plan_from_args(args: argparse.Namespace):
         real, _ = load_model(args.model, seq_len=args.seq, device="cpu")   # weights to route
         moe_imbalance = load_from_token_file(real.model, real.example_inputs, args.data)
     cluster = args.cluster
-    kinds = {k: getattr(args, k) for k in ("attention", "elementwise")
-             if getattr(args, k) is not None}
-    if getattr(args, "fn", None) is cmd_build and "elementwise" not in kinds:
-        # priced as the built program runs: Inductor fuses the chunks' elementwise chains
-        # (--compile), else op by op, which keeps more (on an H100 a plan priced fused for
-        # eager chunks ran out of memory: docs/known-gaps.md)
-        kinds["elementwise"] = "fused" if args.compile else "eager"
+    kinds = priced_kinds(args)
     if kinds:  # the cluster's attention kernel / elementwise execution, overridden
         cluster = dataclasses.replace(autopar.get_cluster(cluster), **kinds)
     try:

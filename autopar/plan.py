@@ -70,9 +70,10 @@ class Memory:
     """Predicted bytes per GPU of one pipeline rank (by default the most loaded), by part.
 
     activations_bytes: what the rank's in-flight micro-batches keep for their backwards (the
-    tensors autograd saves, or a recomputed layer's inputs); recompute_bytes: the working set
-    of one recomputed layer while its backward runs (its activations saved again; 0 without
-    recompute); other_bytes: the reserve (CUDA context, workspaces, fragmentation)."""
+    tensors autograd saves, or a recomputed layer's inputs); recompute_bytes: the backward's
+    working set beside them, the larger of one recomputed layer's activations saved again
+    while its backward runs (0 without recompute) and, on the last stage, the loss's
+    gradients over the vocabulary; other_bytes: the reserve (CUDA context, workspaces, fragmentation)."""
     weights_bytes: float
     gradients_bytes: float
     optimizer_bytes: float

@@ -225,13 +225,16 @@ def kinds_memory_slopes(profile: ModelProfile, cluster: Any, cfg: Any,
     chunks = [q + (1 if c < rem else 0) for c in range(n)]
     counts = chunk_kind_layers(profile, cluster, cfg, chunks, memo)
     per_kind = _kind_memory(profile, cluster, cfg, memo, gathers)
+    from autopar.cost.memory import backward_work
     work = max(a.work for _, a in per_kind)
+    head_work = max(a.head_work for _, a in per_kind)
     new_parts, new_fixed = [], []
     for r in range(cfg.p):
         y = sum(chunks[r::cfg.p])
         new_parts.append(tuple(x / y for x in _rank_layer_parts(counts, per_kind, cfg.p, r))
                          if y else parts[r])
-        new_fixed.append(tuple(fparts[r][:4]) + (work,) + tuple(fparts[r][5:]))
+        new_fixed.append(tuple(fparts[r][:4]) + (backward_work(work, head_work, r == cfg.p - 1),)
+                         + tuple(fparts[r][5:]))
     return (tuple(int(math.ceil(sum(x))) for x in new_parts),
             tuple(int(math.ceil(sum(x[:5]))) for x in new_fixed), tuple(new_parts),
             tuple(new_fixed))

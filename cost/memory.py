@@ -77,13 +77,18 @@ class MicrobatchActivations:
     per layer (under its recompute mode), in the embedding and in the head regions; under a
     split backward what a deferred W keeps per layer and in the head; and `work`, what one
     layer's backward needs besides (its activations recomputed: full; its attention tensors:
-    selective)."""
+    selective); `head_work`, what the loss's backward needs besides on the last stage: the
+    gradient into and out of the head's vocabulary-wide saved tensor (its log-softmax), two
+    more of its size at once (measured on an H100, benchmarks/gpu.py 2026-11-26: with it the
+    predicted activations of a 12-layer GPT, vocabulary 50,304, were within 1% of the
+    allocator's peak at micro-batches 1, 2 and 4; without it 29% short)."""
     layer: float
     embedding: float
     head: float
     pending_layer: float = 0.0
     pending_head: float = 0.0
     work: float = 0.0
+    head_work: float = 0.0
 
 
 def microbatch_activations(profile: ModelProfile, cfg: Config,
@@ -107,16 +112,17 @@ def microbatch_activations(profile: ModelProfile, cfg: Config,
                    + profile.embedding.act_replicated_bytes / (t if sp else 1)
                    + efix.act_split_bytes)
     vpad_ratio = vocab_pad_ratio(profile.vocab, t)
-    head_act = b * ((profile.head.act_split_bytes - hfix.act_split_bytes) * vpad_ratio / t
-                    + profile.head.act_replicated_bytes / (t if sp else 1)
-                    + hfix.act_split_bytes)
+    head_split = b * ((profile.head.act_split_bytes - hfix.act_split_bytes) * vpad_ratio / t
+                      + hfix.act_split_bytes)
+    head_act = head_split + b * profile.head.act_replicated_bytes / (t if sp else 1)
     # deferred weight gradients (split backward): held on top, per pending chunk-micro-batch
     pend_layer = pend_head = 0.0
     if SCHEDULE_TRAITS[cfg.schedule].pending is not None:
         pend_layer = pending_w_layer_bytes(profile, t, b)
         pend_head = _gemm_output_bytes(profile, profile.head, t, b) * vpad_ratio
     return MicrobatchActivations(layer=act_layer, embedding=emb_act, head=head_act,
-                                 pending_layer=pend_layer, pending_head=pend_head, work=work)
+                                 pending_layer=pend_layer, pending_head=pend_head, work=work,
+                                 head_work=2 * head_split)
 
 
 def _gathered_bytes_per_param(cfg: Config,
@@ -169,10 +175,18 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
                   + ((acts.head * mb + acts.pending_head * -(-pending // v))
                      if r == p - 1 else 0.0))
         fparts.append(((wb + edge_w) * edge_p, (gb + edge_g) * edge_p, ob * edge_p, edge_a,
-                       acts.work, cluster.reserved_bytes))
+                       backward_work(acts.work, acts.head_work, r == p - 1),
+                       cluster.reserved_bytes))
         mem_layer.append(int(math.ceil(sum(parts[-1]))))
         mem_fixed.append(int(math.ceil(sum(fparts[-1][:5]))))
     return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts), acts
+
+
+def backward_work(layer_work: float, head_work: float, last: bool) -> float:
+    """A rank's backward working set beside what it holds: a recomputed layer's (full,
+    selective), or on the last stage the loss's gradients over the vocabulary; they are not
+    alive at once (the head's backward ends before the first layer's starts)."""
+    return max(layer_work, head_work) if last else layer_work
 
 
 def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:

@@ -178,8 +178,7 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         if made_by_batch:
             nbytes /= self.g.batch  # per sequence; batch-independent tensors (positions) stay
         region = self.node.meta.get(K.REGION, ("embedding", None))
-        if key in self.lse or (t.dim() >= 2 and int(t.shape[-1]) == self.seq
-                               and int(t.shape[-2]) == self.seq):
+        if key in self.lse or self._scores_shaped(t, made_by_batch):
             cls = 2  # attention
         elif (t.dim() >= 2 and int(t.shape[-1]) == self.g.hidden
               and self.node.meta.get(K.GEMM_SPLIT) != "k"
@@ -191,6 +190,18 @@ class _SavedTensorMeter(torch.fx.Interpreter):
         if not self.fused and not internal:
             self.node.meta.setdefault(K.SAVED, []).append(
                 (made_by.name if made_by is not None else None, nbytes, _CLASSES[cls]))
+
+    def _scores_shaped(self, t: torch.Tensor, made_by_batch: bool) -> bool:
+        """(…, s, s): attention scores, probabilities, masks. Where the hidden width equals
+        the sequence (a 2048-wide model at sequence 2048) a token × hidden activation has that
+        shape too, (b, s, h) or (b·s, h) and batch-dependent: not attention (it was counted as
+        attention, so selective recompute priced the layer norms' and GEMMs' inputs as freed)."""
+        if t.dim() < 2 or int(t.shape[-1]) != self.seq or int(t.shape[-2]) != self.seq:
+            return False
+        if self.g.hidden != self.seq:
+            return True
+        tokens = t.dim() == 2 or (t.dim() == 3 and int(t.shape[0]) == self.g.batch)
+        return not (made_by_batch and tokens)
 
     def totals(self, fused_kernels: bool, recomputed: bool) -> dict[tuple, list[float]]:
         """(split, replicated, attention) bytes per region. fused_kernels: a fused elementwise

@@ -232,3 +232,18 @@ def test_chunk_files_point_at_the_users_source_lines(built):
     assert llama, src[:3000]
     assert any("self.embed_tokens(input_ids)" in c for c in llama), llama[:5]
     assert any("in forward:" in c for c in llama)
+
+
+def test_build_prices_elementwise_ops_as_the_built_program_runs_them():
+    """On an H100 a plan priced with the preset's fused elementwise ops ran eager chunks out
+    of memory: `build` prices eager unless it compiles the chunks; `plan` keeps the cluster's;
+    --elementwise wins over both."""
+    from autopar.cli import build_parser, priced_kinds
+    ap = build_parser()
+    assert priced_kinds(ap.parse_args(["build", "gpt-1.7b", "--gpus", "8", "--out", "x"])) \
+        == {"elementwise": "eager"}
+    assert priced_kinds(ap.parse_args(["build", "gpt-1.7b", "--gpus", "8", "--out", "x",
+                                       "--compile"])) == {"elementwise": "fused"}
+    assert priced_kinds(ap.parse_args(["build", "gpt-1.7b", "--gpus", "8", "--out", "x",
+                                       "--elementwise", "fused"])) == {"elementwise": "fused"}
+    assert priced_kinds(ap.parse_args(["plan", "gpt-1.7b", "--gpus", "8"])) == {}

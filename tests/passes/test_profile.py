@@ -183,3 +183,22 @@ def test_heads_of_attention_written_out_with_matmuls():
     gpt2 = _hf_profile(hf_gpt2(heads=8, dropout=0.1, attn_dropout=0.1,
                                attn_implementation="eager"))
     assert (gpt2.heads, gpt2.kv_heads, gpt2.ffn) == (8, 8, 128)
+
+
+def test_a_model_as_wide_as_its_sequence_keeps_its_attention_bytes_apart():
+    """Hidden = sequence (a 2048-wide model at sequence 2048): a token × hidden activation
+    (b, s, h) has the scores' trailing (s, s) shape. Only the attention's own tensors are
+    attention bytes (what selective recompute frees): the softmax on the math path, the
+    logsumexp of a fused kernel; the norms' and GEMMs' inputs were counted there before, so
+    selective recompute of a model as wide as its sequence priced them as freed (measured on
+    an H100, benchmarks/gpu.py 2026-11-26: the allocator held the same bytes as without)."""
+    from models import gpt
+    s = h = 32
+    torch.manual_seed(0)
+    model = gpt(vocab=VOCAB, seq=s, hidden=h, heads=A, layers=2, dropout=0.0)
+    ids, tgt = pass_batch(seq=s)
+    cap = capture(model, (ids,), lm_cross_entropy, tgt, repeat_limit=2)
+    p = profile_from_graph(cap, find_layers(cap))
+    t = transformer_profile(num_layers=2, hidden=h, heads=A, seq_len=s, vocab=VOCAB)
+    assert p.block.act_attention_bytes == t.block.act_attention_bytes - 3 * A * s * s
+    assert p.block.fused.act_attention_bytes == 4 * A * s

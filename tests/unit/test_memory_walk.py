@@ -89,3 +89,26 @@ def test_the_chosen_split_fits_the_gpu_by_the_schedule_walk_not_only_the_linear_
     assert plan.predicted.memory_bytes_per_gpu <= gpu.memory_bytes
     assert plan.predicted.step_time_s == pytest.approx(
         M.predict(prof, h100, cfg, late, costs=cc).step_time_s, rel=1e-6)
+
+
+def test_the_last_stage_holds_the_losss_backward_working_set():
+    """The loss's backward holds the gradient into and out of the vocabulary-wide log-softmax
+    beside the saved one: two more of its fp32 size, on the last stage only, and not at the
+    same time as a recomputed layer's working set (the larger counts). Without it an H100's
+    allocator held 29% more activations than priced (benchmarks/gpu.py, 2026-11-26)."""
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.memory import memory_coefficients, microbatch_activations
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.shares import rank_params
+    cl = get_cluster("dgx-h100-80gb")
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=512,
+                               vocab=50304).for_cluster(cl)
+    logsoftmax = 512 * 50304 * 4                      # one sequence's fp32 log-probabilities
+    for recompute in ("none", "full"):
+        cfg = Config(t=1, p=2, d=1, v=1, micro_batch_size=2, num_microbatches=4,
+                     schedule="1f1b", recompute=recompute)
+        acts = microbatch_activations(prof, cfg, cl)
+        assert acts.head_work == pytest.approx(2 * 2 * logsoftmax, rel=0.01)
+        *_, fparts, _ = memory_coefficients(prof, cl, cfg, rank_params(prof, cfg))
+        assert fparts[0][4] == acts.work                               # first stage: no loss
+        assert fparts[1][4] == max(acts.work, acts.head_work) > acts.work   # last stage
