@@ -4,9 +4,11 @@ A GPU is lent to this project only now and then, so what it can tell is ready to
 
     # on the CPU side (ortools is here): plan every case, write them into a folder
     python benchmarks/gpu.py prepare --dir gpu_run
-    # on the GPU machine, one call (its image has torch + CUDA but no ortools: the plans travel)
+    # on the GPU machine, one call (its image has torch + CUDA but no ortools: the plans travel;
+    # a 15-minute lease: what matters first, a deadline so the call ends with its results)
     pip install -q --no-deps --no-build-isolation -e . && \\
-        python benchmarks/gpu.py run --dir gpu_run --out $OUT
+        python benchmarks/gpu.py run --dir gpu_run --out $OUT --deadline-s 420 --parts \\
+        single:single-gpt,calibrate,memory,checkpoint,multirank,single:single-llama
     # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
     python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
 
@@ -31,6 +33,8 @@ reason and the rest still run; `--parts` picks some):
    profiler's tensor bytes) against the plan's predicted memory — the static part (weights,
    gradients, optimizer) and the activations separately — for recompute none / selective /
    full and micro-batch 1, 2, 4.
+5. `checkpoint`: a ~0.35B GPT's synchronous save against an asynchronous one while training
+   goes on (issue 27: the stall ≤ 20% of the synchronous save's time).
 
 `--quick` shrinks every model to a few layers of width 64 (the plumbing, not the numbers).
 The results: OUT/gpu_results.json (every number) and OUT/gpu_results.txt (the table, also
@@ -53,7 +57,7 @@ from typing import Any, Callable
 
 import torch
 
-PARTS = ("single", "multirank", "calibrate", "memory")
+PARTS = ("single", "multirank", "calibrate", "memory", "checkpoint")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "GROUP_RANK")
 SEED = 1234
@@ -77,6 +81,8 @@ class Sizes:
     small_hidden: int     # the multi-rank models
     small_seq: int
     steps: int            # timed steps (after warm-up)
+    ckpt_layers: int = 2  # the checkpoint part's GPT (width ckpt_hidden): ~0.35B, ~5.6 GB of
+    ckpt_hidden: int = 64  # fp32 masters + AdamW to save (the 1.3B's 21 GB would take minutes)
 
     @staticmethod
     def pick(quick: bool) -> "Sizes":
@@ -84,7 +90,8 @@ class Sizes:
             return Sizes(layers=2, hidden=64, heads=4, seq=32, vocab=128, ffn=176,
                          global_batch=4, mem_layers=2, small_hidden=32, small_seq=16, steps=2)
         return Sizes(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304, ffn=5504,
-                     global_batch=16, mem_layers=12, small_hidden=256, small_seq=256, steps=10)
+                     global_batch=16, mem_layers=12, small_hidden=256, small_seq=256, steps=10,
+                     ckpt_layers=24, ckpt_hidden=1024)
 
 
 def gpt(s: Sizes, layers: int | None = None, hidden: int | None = None,
@@ -135,6 +142,8 @@ def build_model(name: str, s: Sizes, device: str = "cpu",
             return gpt(s, layers=s.mem_layers)
         if name == "mixtral":
             return hf_mixtral(s)
+        if name == "ckpt_gpt":
+            return gpt(s, layers=s.ckpt_layers, hidden=s.ckpt_hidden)
     raise ValueError(f"gpu.py: unknown model {name!r}")
 
 
@@ -180,6 +189,8 @@ def cases(s: Sizes, cluster: str) -> list[Case]:
                  cluster=cluster, elementwise="eager", pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r,
                                             micro_batch_size=mb))
             for r in ("none", "selective", "full") for mb in (1, 2, 4)]
+    out.append(Case(key="checkpoint-gpt", part="checkpoint", model="ckpt_gpt", gpus=1,
+                    cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=1, micro_batch_size=4)))
     return out
 
 
@@ -195,7 +206,7 @@ def prepare(directory: Path, s: Sizes, cluster: str, keep: tuple[str, ...] = ())
         with torch.device("meta"):
             model = build_model(case.model, s, "meta")
         seq = seq_of(case.model, s)
-        batch = 4 if case.part == "memory" else s.global_batch
+        batch = {"memory": 4, "checkpoint": 8}.get(case.part, s.global_batch)
         example = torch.zeros(1, seq, dtype=torch.long, device="meta")
         cluster = case.cluster if case.elementwise is None else dataclasses.replace(
             autopar.get_cluster(case.cluster), elementwise=case.elementwise)
@@ -468,6 +479,11 @@ def part_multirank(plans: dict, keys: list[str], s: Sizes, device: str, quick: b
     for key in keys:
         plan = plans[key]
         name = "mixtral" if key.endswith("ep2") else "small_gpt"
+        if device.startswith("cuda") and (plan.p > 1 or plan.cp_attention == "ring"):
+            rows.skip(key, "gloo ranks sharing " + device, "gloo cannot send CUDA tensors "
+                      "point to point (`writev … Bad address`, H100 2026-11-26): needs NCCL, "
+                      "one GPU per rank")
+            continue
 
         def go(plan=plan, name=name, key=key) -> dict:
             got = spawn(_rank_losses, plan.gpus, plan.to_json(), name, dataclasses.asdict(s),
@@ -579,6 +595,62 @@ def _live_state(runner: Any) -> list[torch.Tensor]:
     return out
 
 
+def part_checkpoint(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                    rows: Rows) -> None:
+    """Issue 27 on a GPU: a synchronous save against an asynchronous one (pinned host staging,
+    the writer process) while training goes on: the stall, against the goal ≤ 20% of the
+    synchronous save's time (on the 2-core CPU host the writer had no idle core)."""
+    _group_of_one(device)
+    for key in keys:
+        rows.run(key, "sync vs async save", lambda key=key: _checkpoint_row(
+            key, plans[key], s, device))
+
+
+def _checkpoint_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
+    import tempfile
+    model = build_model("ckpt_gpt", s, "cpu", init=device)
+    runner = autopar_runner(plan, model, s.seq, precision="bf16", device=device, lr=1e-4)
+    data = batches(plan, vocab_of(model), s.seq, 4, device)
+
+    def steps(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(n):
+            runner.train_step(*data[i % len(data)])
+        _sync(device)
+        return time.perf_counter() - t0
+    steps(2)
+    step_s = steps(3) / 3
+    with tempfile.TemporaryDirectory(dir=os.environ.get("AUTOPAR_CKPT_DIR")) as tmp:
+        syncs = []
+        for i in range(3):                       # the first makes the version directory
+            t0 = time.perf_counter()
+            runner.save_checkpoint(f"{tmp}/sync")
+            syncs.append(time.perf_counter() - t0)
+        sync_s = statistics.median(syncs[1:])
+        written = sum(f.stat().st_size for f in Path(tmp, "sync").rglob("*") if f.is_file())
+        runner.save_checkpoint(f"{tmp}/async", async_save=True)   # starts the writer
+        runner.wait_for_checkpoint()
+        n = max(3, int(3 * sync_s / step_s) + 1)   # steps overlapping the write
+        trials = []
+        for _ in range(2):
+            before = steps(n)
+            t0 = time.perf_counter()
+            runner.save_checkpoint(f"{tmp}/async", async_save=True)
+            block = time.perf_counter() - t0
+            steps(n)
+            runner.wait_for_checkpoint()
+            with_save = time.perf_counter() - t0
+            after = steps(n)
+            trials.append((block, with_save - (before + after) / 2))
+    runner.close()
+    stall = statistics.median(t[1] for t in trials)
+    return {"case": key, "variant": "sync vs async save", "step_s": step_s,
+            "bytes_written": written, "sync_save_s": sync_s,
+            "async_block_s": statistics.median(t[0] for t in trials), "async_stall_s": stall,
+            "stall_over_sync": stall / sync_s, "overlapped_steps": n, "trials": trials}
+
+
 # ---------------------------------------------------------------------------------------------
 # the report
 # ---------------------------------------------------------------------------------------------
@@ -615,6 +687,11 @@ def _row_text(part: str, r: dict) -> str:
                 f"{(r['predicted_static_bytes'] + r['predicted_activation_bytes']) / g:7.3f} "
                 f"({r['total_error'] * 100:+.0f}%); activations {r['measured_activation_bytes'] / g:.3f}"
                 f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)")
+    if part == "checkpoint":
+        return (f"{head} {r['bytes_written'] / 2 ** 30:.2f} GiB: sync save "
+                f"{r['sync_save_s']:.2f} s; async blocks {r['async_block_s']:.2f} s, stall "
+                f"{r['async_stall_s']:.2f} s = {r['stall_over_sync'] * 100:.0f}% of sync "
+                f"(goal ≤ 20%) over {r['overlapped_steps']} steps of {r['step_s'] * 1e3:.0f} ms")
     vs = "  ".join(f"{k} {v['measured']:.3g} (preset {v['preset']:.3g})"
                    for k, v in r.get("against_preset", {}).items()
                    if isinstance(v["measured"], (int, float))
@@ -660,6 +737,7 @@ def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, 
         (out / "gpu_results.json").write_text(json.dumps(results, indent=1, default=str))
 
     runners = {"single": part_single, "multirank": part_multirank, "memory": part_memory,
+               "checkpoint": part_checkpoint,
                "calibrate": lambda *a: part_calibrate(*a, out, manifest["cluster"])}
     for part, keys in part_steps(parts, plans):
         t0 = time.perf_counter()
@@ -687,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=["prepare", "run", "all"])
     ap.add_argument("--dir", default="gpu_run", help="where the prepared plans are")
     ap.add_argument("--out", default="gpu_out", help="where the results go")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cuda where there is one, else cpu; plans "
+                    "are made for dgx-h100-80gb unless --device cpu is given")
     ap.add_argument("--quick", action="store_true", help="tiny models: the plumbing only")
     ap.add_argument("--cluster", default=None,
                     help="the cluster the plans are made for (default: dgx-h100-80gb, "
@@ -705,11 +784,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [p for p in parts if p.partition(":")[0] not in PARTS]
     if bad:
         ap.error(f"--parts {bad[0]!r}: not a part; pick from {', '.join(PARTS)}")
+    asked = a.device
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: torch sees no CUDA device here; run on the GPU machine "
                  f"or pass --device cpu")
     device = "cuda:0" if a.device == "cuda" else a.device
-    cluster = a.cluster or ("local-cpu" if device == "cpu" else "dgx-h100-80gb")
+    # `prepare` on the CPU side (no --device) plans for the GPU; --device cpu: for this host
+    cluster = a.cluster or ("local-cpu" if asked == "cpu" else "dgx-h100-80gb")
     s = Sizes.pick(a.quick)
     keep = tuple(k for k in a.cases.split(",") if k)
     known = {c.key for c in cases(s, cluster)}

@@ -16,8 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu.py"
-CASES = "single-gpt,multirank-t2,memory-none-mb2"
-PARTS = "single,multirank,calibrate,memory"
+CASES = "single-gpt,multirank-t2,memory-none-mb2,checkpoint-gpt"
+PARTS = "single:single-gpt,multirank,calibrate,memory,checkpoint"
 # the GPU image has no ortools: block it, so a solver import on the run's path fails here too
 NO_ORTOOLS = ("import sys, runpy; sys.modules['ortools'] = None; sys.argv = sys.argv[1:]; "
               "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -66,6 +66,8 @@ def test_gpu_benchmark_plumbing_on_cpu(tmp_path):
     mem = rows[("memory-none-mb2", "recompute=none mb=2")]
     assert mem["measured_peak_bytes"] > mem["measured_static_bytes"] > 0
     assert mem["predicted_activation_bytes"] > 0
+    ckpt = rows[("checkpoint-gpt", "sync vs async save")]
+    assert ckpt["bytes_written"] > 0 and ckpt["sync_save_s"] > 0 and len(ckpt["trials"]) == 2
     cal = rows[("calibrate", next(k[1] for k in rows if k[0] == "calibrate"))]
     assert cal["rc"] == 0 and cal["against_preset"]["gemm_max_efficiency"]["measured"] > 0
     text = (results / "gpu_results.txt").read_text()
@@ -79,6 +81,8 @@ def test_gpu_benchmark_refuses_bad_input(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--parts 'gpuz': not a part; pick from" in err.strip().splitlines()[-1]
+    with pytest.raises(ValueError, match="'single-gpz' is not a prepared single case"):
+        _script().part_steps(("single:single-gpz",), {"single-gpt": None})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
