@@ -214,6 +214,10 @@ class Plan:
     # N consecutive micro-batches per chunk visit of the interleaved schedules (None: p,
     # Megatron's order; m: the breadth-first end; Llama 3's tunable N in between)
     microbatch_group: int | None = None
+    # how the plan priced elementwise ops (Cluster.elementwise: "fused" as compiled chunks run,
+    # "eager" op by op; None: not recorded, a plan from before 2026-11-26): compile() says
+    # when eager chunks run a plan priced fused, which keeps fewer activations than they do
+    elementwise: str | None = None
     # The user model's parameters the plan was made for, "name (d0, d1, ...)" in the model's
     # named_parameters() order: compile() checks the model it is given against them (empty:
     # not recorded, e.g. a plan written by hand)

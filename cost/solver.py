@@ -297,7 +297,8 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
                 microbatch_group=cfg.microbatch_group,
                 stages=tuple(stages), predicted=pred, global_batch_size=global_batch,
                 seq_len=profile.seq_len, cluster=cluster.name, model=profile.name,
-                num_layers=profile.num_layers, alternatives=tuple(alts))
+                num_layers=profile.num_layers, elementwise=cluster.elementwise,
+                alternatives=tuple(alts))
 
 
 _TERMS = (("bubble", "bubble_s"), ("data-parallel comm exposed", "dp_comm_s"),

@@ -72,6 +72,7 @@ def test_stage_placement_rule_is_checked():
 
 
 def test_table_and_explain_show_the_essentials():
+    import autopar.report  # noqa: F401 - the plan's text lives there (alone, nothing loaded it)
     plan = make_plan()
     text = str(plan)
     for w in ["t=2", "p=2", "d=2", "v=2", "interleaved-1f1b", "chunk   0", "embedding",
@@ -98,3 +99,27 @@ def test_explain_table_uses_one_time_unit():
     assert _reason_in_unit("slower: 0.005547 s vs 0.00555 s", unit) == \
         "slower: 5.547 ms vs 5.55 ms"
     assert _reason_in_unit("p=3 does not divide 8 layers", unit) == "p=3 does not divide 8 layers"
+
+
+def test_a_plan_records_its_elementwise_pricing_and_eager_gpu_chunks_of_a_fused_one_are_named():
+    """On an H100 eager chunks of a plan priced fused (the GPU presets') kept more activations
+    than priced and a plan at the memory limit ran out: the plan records how it priced
+    elementwise ops, and compile() warns, on a GPU, when its chunks run otherwise."""
+    import torch
+
+    from autopar.compile import eager_chunks_of_a_fused_plan
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import solve
+    prof = transformer_profile(num_layers=2, hidden=64, heads=4, seq_len=32, vocab=128)
+    gpu = solve(prof, "dgx-h100-80gb", gpus=1, global_batch_size=4)
+    cpu = solve(prof, "local-cpu", gpus=1, global_batch_size=4)
+    assert (gpu.elementwise, cpu.elementwise) == ("fused", "eager")
+    assert Plan.from_json(gpu.to_json()).elementwise == "fused"
+    cuda, host = torch.device("cuda", 0), torch.device("cpu")
+    line = eager_chunks_of_a_fused_plan(gpu, False, cuda)
+    assert "fused elementwise" in line and "torch_compile=True" in line and "\n" not in line
+    assert eager_chunks_of_a_fused_plan(gpu, True, cuda) is None          # compiled: as priced
+    assert eager_chunks_of_a_fused_plan(gpu, False, host) is None         # not on a GPU
+    assert eager_chunks_of_a_fused_plan(cpu, False, cuda) is None         # priced eager
+    old = dataclasses.replace(gpu, elementwise=None)                      # a plan from before
+    assert eager_chunks_of_a_fused_plan(old, False, cuda) is None
