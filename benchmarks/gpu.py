@@ -5,10 +5,12 @@ A GPU is lent to this project only now and then, so what it can tell is ready to
     # on the CPU side (ortools is here): plan every case, write them into a folder
     python benchmarks/gpu.py prepare --dir gpu_run
     # on the GPU machine, one call (its image has torch + CUDA but no ortools: the plans travel;
-    # a 15-minute lease: what matters first, a deadline so the call ends with its results)
+    # a 15-minute lease: calibrate first, while the device is empty (it records what is
+    # already in use as the reserve: 8.8 GB after the single part on the first H100 run), then
+    # what matters most, and a deadline so the call ends with its results)
     pip install -q --no-deps --no-build-isolation -e . && \\
         python benchmarks/gpu.py run --dir gpu_run --out $OUT --deadline-s 420 --parts \\
-        single:single-gpt,calibrate,memory,checkpoint,multirank,single:single-llama
+        calibrate,single:single-gpt,memory,checkpoint,multirank,single:single-llama
     # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
     python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
 
