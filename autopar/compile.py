@@ -158,8 +158,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                              group=plan.microbatch_group)
     # a bar on rank 0's terminal only (torchrun sets RANK; a lone process is rank 0)
-    bar = Progress(total=4 + torch_compile, desc="compile",
-                   enabled=os.environ.get("RANK", "0") == "0")
+    rank0 = os.environ.get("RANK", "0") == "0"
+    bar = Progress(total=4 + torch_compile, desc="compile", enabled=rank0)
     bar.start("capture (torch.export)")
     built = build_program(prog, precision)  # local work only: capture, layers, cut
     check_program(plan, built.num_layers)
@@ -168,7 +168,7 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
     device = backend_device if device is None else torch.device(device)
     mismatch = eager_chunks_of_a_fused_plan(plan, torch_compile, device)
-    if mismatch and os.environ.get("RANK", "0") == "0":
+    if mismatch and rank0:
         warnings.warn(mismatch, stacklevel=2)
     pg = ProcessGroups.create(plan.t, plan.p, plan.d, c=plan.c, ep=plan.ep, timeout_s=timeout_s,
                               hybrid_node_ranks=hybrid_node_ranks(plan))

@@ -73,7 +73,8 @@ class Memory:
     tensors autograd saves, or a recomputed layer's inputs); recompute_bytes: the backward's
     working set beside them, the larger of one recomputed layer's activations saved again
     while its backward runs (0 without recompute) and, on the last stage, the loss's
-    gradients over the vocabulary; other_bytes: the reserve (CUDA context, workspaces, fragmentation)."""
+    gradients over the vocabulary; other_bytes: the reserve (CUDA context, workspaces,
+    fragmentation)."""
     weights_bytes: float
     gradients_bytes: float
     optimizer_bytes: float

@@ -188,8 +188,8 @@ def cases(s: Sizes, cluster: str) -> list[Case]:
     # the memory rows run eager chunks: priced so (the preset's fused accounting is what
     # compiled chunks keep: 34.2 GiB predicted against 35.1 measured, eager 38.7 against 38.8)
     out += [Case(key=f"memory-{r}-mb{mb}", part="memory", model="mem_gpt", gpus=1,
-                 cluster=cluster, elementwise="eager", pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r,
-                                            micro_batch_size=mb))
+                 cluster=cluster, elementwise="eager",
+                 pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r, micro_batch_size=mb))
             for r in ("none", "selective", "full") for mb in (1, 2, 4)]
     out.append(Case(key="checkpoint-gpt", part="checkpoint", model="ckpt_gpt", gpus=1,
                     cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=1, micro_batch_size=4)))

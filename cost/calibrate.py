@@ -50,8 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost.hardware import (GB, Cluster, CollectiveCurve, local_cluster_path,
-                                   save_cluster)
+from autopar.cost.hardware import (GB, Cluster, CollectiveCurve, get_cluster,
+                                   local_cluster_path, save_cluster)
 from autopar.cost.overlap import ROW_PIECES
 
 ATTENTION_LENS = (256, 1024)
@@ -607,7 +607,6 @@ def calibrate_ranks(*, out: str | os.PathLike | None = None, name: str = "local-
                     base: str | None = None) -> tuple[Cluster, Path] | None:
     """Measure (every rank of an initialised process group) and, on rank 0, write the cluster
     file to `out` (default: this machine's local-cpu file); rank 0 returns (Cluster, path)."""
-    from autopar.cost.hardware import get_cluster
     base_cluster = get_cluster(base) if base is not None else None   # bad name: before measuring
     record = measure_ranks(quick=quick, dtype=dtype)
     result = None
