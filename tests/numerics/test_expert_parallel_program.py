@@ -17,8 +17,9 @@ from autopar.runtime.pretrained import SINGLE_FILE
 from autopar.testing import spawn
 
 import models
-from programs import (BF16_LOSS_RTOL, BF16_UPDATE_RTOL, BF16_WEIGHT_ATOL, MAX_NORM, STEPS, adamw,
-                      adamw_decayed, check_trained, loss_fn, make_plan, train_steps)
+from programs import (BF16_LOSS_RTOL, BF16_MEDIAN_UPDATE_RTOL, BF16_UPDATE_RTOL,
+                      BF16_UPDATE_SCALE_RTOL, BF16_WEIGHT_ATOL, MAX_NORM, STEPS, adamw,
+                      check_trained, loss_fn, make_plan, train_steps)
 from reference import assert_weights_match, train
 
 pytestmark = pytest.mark.distributed
@@ -186,9 +187,13 @@ def sgd(params):
 
 
 def _optim(precision: str) -> tuple:
-    """(optimizer, max_grad_norm) of a case: fp32 SGD, bf16 as check_training (AdamW lr 1e-3:
-    a wrong gradient moves a master past BF16_WEIGHT_ATOL)."""
-    return (sgd, MAX_NORM) if precision == "fp32" else (adamw_decayed, BF16_MAX_NORM)
+    """(optimizer, max_grad_norm) of a case: SGD in both precisions, bf16 with clipping active.
+    Not AdamW in bf16: its normalised step turns bf16 rounding of near-zero gradients into
+    lr-sized moves, so on an AVX-512 AMD EPYC host Mixtral's experts' updates were 9-10% off
+    one device's at ep = 2, under ZeRO-0 and ZeRO-2 alike (5.6% at ep = 1), and one master
+    crossed BF16_WEIGHT_ATOL; with SGD every tensor's update was within 0.8% at ep = 1 and 2
+    (2026-11-27), so the median and scale checks below see a wrong gradient, not noise."""
+    return (sgd, MAX_NORM) if precision == "fp32" else (sgd, BF16_MAX_NORM)
 
 
 def _zero_rank(rank: int, world: int, path: str) -> list:
@@ -250,7 +255,9 @@ def test_zero2_zero3_with_ep2_match_single_device_and_resume_at_ep1_zero1(tmp_pa
             torch.testing.assert_close(torch.tensor(per_rank[i][0]), torch.tensor(ref.losses),
                                        rtol=BF16_LOSS_RTOL, atol=0.0)
         assert_weights_match(results[0][i][1], ref.state, init, rtol=0, atol=BF16_WEIGHT_ATOL,
-                             update_rtol=BF16_UPDATE_RTOL)
+                             update_rtol=BF16_UPDATE_RTOL,
+                             median_update_rtol=BF16_MEDIAN_UPDATE_RTOL,
+                             update_scale_rtol=BF16_UPDATE_SCALE_RTOL)
     resumed, ref = [per_rank[-1] for per_rank in results], refs[0]
     for r, (losses, _, _) in enumerate(resumed):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses[-1:]),
