@@ -1,8 +1,9 @@
 """Planning speed: GPT-3 175B on 1536 GPUs, a 1T model on 3072 GPUs (A100), Llama 3 405B
 (the unmodified transformers LlamaForCausalLM, sequence 8,192, global batch 2,048) on 16,384
 H100, the encoder-decoder T5-11B (transformers T5ForConditionalGeneration, 512 tokens) on
-64 A100, and the MoE Qwen3-235B-A22B (transformers Qwen3MoeForCausalLM, 128 experts, 4,096
-tokens, batch 1,024) on 512 H100, from meta-device models.
+64 A100, the MoE Qwen3-235B-A22B (transformers Qwen3MoeForCausalLM, 128 experts, 4,096
+tokens, batch 1,024) on 512 H100, and DeepSeek-V3 (transformers DeepseekV3ForCausalLM: 3 dense
+layers then 58 MoE ones, a stack of two kinds) on 2,048 H100, from meta-device models.
 
 Prints, for each case, the time to build the meta model (for Llama: importing transformers and
 building it), the end-to-end `parallelize` time (capture + layers + profile + CP-SAT) and the
@@ -21,13 +22,15 @@ import subprocess
 import sys
 
 QWEN3 = f"{__file__}:qwen3_235b_a22b"   # a factory (below), planned as a user's file.py:factory
+DSV3 = f"{__file__}:deepseek_v3"
 
 # (preset or factory, GPUs, global batch, cluster, solve goal in s)
 CASES = [("gpt3-175b", 1536, 1536, "dgx-a100-80gb", 1.0),
          ("megatron-1t", 3072, 3072, "dgx-a100-80gb", 1.0),
          ("llama3-405b", 16384, 2048, "dgx-h100-80gb", 2.0),
          ("t5-11b", 64, 2048, "dgx-a100-80gb", 1.0),
-         (QWEN3, 512, 1024, "dgx-h100-80gb", 2.0)]   # issue 32: a 100B+ MoE on 64-1,024 H100
+         (QWEN3, 512, 1024, "dgx-h100-80gb", 2.0),   # issue 32: a 100B+ MoE on 64-1,024 H100
+         (DSV3, 2048, 15360, "dgx-h100-80gb", 2.0)]  # issue 31: a stack of two kinds
 
 
 def qwen3_235b_a22b():
@@ -43,6 +46,26 @@ def qwen3_235b_a22b():
                          tie_word_embeddings=False, use_cache=False)
     return {"model": Qwen3MoeForCausalLM(cfg),
             "example_inputs": (torch.zeros(1, 4096, dtype=torch.long),)}
+
+def deepseek_v3():
+    """DeepSeek-V3 (the unmodified transformers DeepseekV3ForCausalLM at its published config,
+    2412.19437: 61 layers, the first 3 dense (FFN 18,432), then 256 routed experts of 2,048
+    and one shared, top-8 in 8 groups, multi-head latent attention of 128 heads, vocabulary
+    129,280) at sequence 4,096, as it was trained on 2,048 GPUs with batches of 15,360:
+    a stack of two kinds (issue 31) at the scale of its run."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                           moe_intermediate_size=2048, num_hidden_layers=61,
+                           first_k_dense_replace=3, num_attention_heads=128,
+                           num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
+                           num_experts_per_tok=8, n_group=8, topk_group=4, q_lora_rank=1536,
+                           kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                           v_head_dim=128, max_position_embeddings=4096,
+                           tie_word_embeddings=False, use_cache=False)
+    return {"model": DeepseekV3ForCausalLM(cfg),
+            "example_inputs": (torch.zeros(1, 4096, dtype=torch.long),)}
+
 
 CHILD = r"""
 import json, resource, sys, time
@@ -87,7 +110,7 @@ def main() -> int:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         # End to end = building the meta model + capture + layers + profile + solve.
         ok &= r["build"] + r["parallelize"] < 10 and r["solve"] < solve_goal
-        label = "qwen3-235b" if name == QWEN3 else name
+        label = {QWEN3: "qwen3-235b", DSV3: "deepseek-v3"}.get(name, name)
         print(f"{label:<12} {gpus:>5} {r['params_b']:>7.0f}B {r['imports']:>7.2f}s "
               f"{r['build']:>6.2f}s {r['parallelize']:>10.2f}s {r['solve']:>6.2f}s "
               f"{r['cpu']:>5.1f}s  -> {r['plan']}, {r['step_s']:.2f} s/step, "

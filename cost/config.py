@@ -260,10 +260,17 @@ class LoadCosts:
     p2p_ns: int              # per rank per micro-batch (all its chunks' sends/receives)
     layer_cp_ns: int = 0     # per layer per micro-batch: context-parallel K/V exchange
     layer_ep_ns: int = 0     # per layer per micro-batch: the experts' token all-to-alls
+    # a stack of several kinds (cost/kinds.py `kinds_cut_ns`): per pipeline rank, the time of
+    # the real layers the cost cut gives it minus its mean layers' (summing to 0); empty: none
+    rank_cut_ns: tuple[int, ...] = ()
 
     @property
     def layer_ns(self) -> int:
         return self.layer_compute_ns + self.layer_tp_ns + self.layer_cp_ns + self.layer_ep_ns
+
+    def cut_ns(self, r: int) -> int:
+        """Pipeline rank r's load beyond its mean layers' (`rank_cut_ns`; 0 for one kind)."""
+        return self.rank_cut_ns[r] if self.rank_cut_ns else 0
 
 
 @dataclass(frozen=True, kw_only=True)

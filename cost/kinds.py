@@ -29,8 +29,15 @@ fallbacks priced by passes/tp_cost.py): `LayerKind.profile`. The planner sees:
     chunks' own activation bytes): what `predict` reports, so the plan's per-rank memory and
     the solver's walked-memory fit (cost/solver.py `_fit_walked_memory`) see the kinds.
 
+  - `kinds_cut_ns`: the pipeline load rows of `config_costs` restated the same way, each
+    rank's load its real layers' time (`LoadCosts.rank_cut_ns`: what they take beyond its mean
+    layers'): the steady state is set by the heaviest stage the cut leaves, not by the mean (a
+    stage of few layers of a heavy kind cannot be balanced); `predict` restates them at the
+    chosen split.
+
 Not modelled: CP-SAT's rows are exact at the even split only (a split off it is checked after,
-by `predict`; docs/known-gaps.md).
+by `predict`; docs/known-gaps.md); the schedule simulations of cost/layout.py (breadth-first,
+the walked memory's timeline) run every chunk at the mean layer's time.
 """
 from __future__ import annotations
 
@@ -174,6 +181,35 @@ def chunk_kind_layers(profile: ModelProfile, cluster: Any, cfg: Any,
         out.append([sum(first <= i < first + n for i in k.layers) for k in profile.layer_kinds])
         first += n
     return out
+
+
+def kinds_cut_ns(profile: ModelProfile, cluster: Any, cfg: Any, layer_ns: int,
+                 layers_per_chunk: Sequence[int] | None = None,
+                 memo: Any = None) -> tuple[int, ...]:
+    """Per pipeline rank, the time its real layers take beyond its mean layers' (ns per
+    micro-batch) when the cost cut of `layers_per_chunk` (default: the even split) gives it
+    its chunks' real layers (`stage_layers`, each layer its kind's `kind_layer_ns`, scaled
+    to the mean layer's `layer_ns` so that the mean layers keep pricing the stack in sum):
+    the ranks' loads then sum to the mean layers' (the cut only moves time between ranks,
+    the rounding's residue put on the last rank) and the heaviest rank, which sets the
+    pipeline's steady state, is priced by what it holds: a cut that cannot balance (few
+    layers a stage, a heavy kind) costs what it costs. Exact at the split given (`predict`
+    passes the chosen one); the search's and CP-SAT's rows use the even split's, as the
+    memory rows do, so their step-time formula stays affine in the rank layer counts."""
+    n = cfg.p * cfg.v
+    if layers_per_chunk is None:
+        q, rem = divmod(profile.num_layers, n)
+        layers_per_chunk = [q + (1 if c < rem else 0) for c in range(n)]
+    weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+    scale = layer_ns * len(weights) / sum(weights) if sum(weights) else 0.0
+    real, mine, first = [0.0] * cfg.p, [0] * cfg.p, 0
+    for c, k in enumerate(stage_layers(layers_per_chunk, weights)):
+        real[c % cfg.p] += sum(weights[first:first + k]) * scale
+        mine[c % cfg.p] += layers_per_chunk[c]
+        first += k
+    out = [round(real[r] - layer_ns * mine[r]) for r in range(cfg.p)]
+    out[-1] -= sum(out)
+    return tuple(out)
 
 
 def _kind_memory(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any,

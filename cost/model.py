@@ -44,7 +44,7 @@ from autopar.cost.exchanges import (alltoall_attention_s, alltoall_exchange_elem
                                     alltoall_heads_rule, context_comm_s, expert_comm_s,
                                     ring_attention_s, ring_exposed_s)
 from autopar.cost.hardware import Cluster
-from autopar.cost.kinds import kinds_memory_slopes, kinds_rank_memory
+from autopar.cost.kinds import kinds_cut_ns, kinds_memory_slopes, kinds_rank_memory
 from autopar.cost.layer_parts import layer_loads, layer_parts_s, seconds_to_ns  # noqa: F401
 from autopar.cost.memo import CostMemo
 from autopar.cost.memory import (activation_bytes_lower_bound,  # noqa: F401
@@ -131,9 +131,11 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
     mem_layer, mem_fixed, parts, fparts, acts = memory_coefficients(profile, cluster, cfg,
                                                                     params, gathers)
-    if profile.mixed:   # a stack of kinds: each rank's bytes from its real layers (cost/kinds.py)
+    rank_cut_ns: tuple[int, ...] = ()
+    if profile.mixed:   # a stack of kinds: each rank's bytes and time from its real layers
         mem_layer, mem_fixed, parts, fparts = kinds_memory_slopes(profile, cluster, cfg, parts,
                                                                   fparts, memo, gathers)
+        rank_cut_ns = kinds_cut_ns(profile, cluster, cfg, lc.layer_ns, memo=memo)
     flops_fwd_seq, rec_seq = memo.flops_per_seq(profile, cfg)
     # a rank's share of a sequence is 1/c of its FLOPs (the balanced split): the sequence's are c×
     B = cfg.global_batch_size * cfg.c
@@ -142,7 +144,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
     return ConfigCosts(
         cfg=cfg, layer_compute_ns=lc.layer_compute_ns, layer_tp_ns=lc.layer_tp_ns,
         embed_ns=lc.embed_ns, head_ns=lc.head_ns, p2p_ns=lc.p2p_ns, layer_cp_ns=lc.layer_cp_ns,
-        layer_ep_ns=lc.layer_ep_ns,
+        layer_ep_ns=lc.layer_ep_ns, rank_cut_ns=rank_cut_ns,
         dp_layer_ns=ns(dp_layer), dp_first_ns=ns(dp_first), dp_last_ns=ns(dp_last),
         window_layer_ns=ns(window_layer),
         opt_layer_ns=ns(opt_layer), opt_first_ns=ns(opt_first), opt_last_ns=ns(opt_last),
@@ -169,6 +171,9 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     if len(layers_per_chunk) != nchunks or sum(layers_per_chunk) != profile.num_layers:
         raise ValueError(f"layers_per_chunk={list(layers_per_chunk)}: needs p·v = {nchunks} "
                          f"entries summing to num_layers={profile.num_layers}")
+    if profile.mixed:   # a stack of kinds: each rank's time from its real layers at this split
+        cc = dataclasses.replace(cc, rank_cut_ns=kinds_cut_ns(
+            profile, cluster, cfg, cc.layer_ns, layers_per_chunk))
     y = rank_layers(layers_per_chunk, cfg.p)
     m = cfg.num_microbatches
     loads = [rank_load_ns(cc, r, yr) for r, yr in enumerate(y)]
@@ -178,7 +183,9 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     tail_ns, opt_ns = max(tails[tr]), tails[tr][1]
     step_ns = step_time_ns(cc, y)
     bubble_ns = (sum(loads) - loads[crit]) / step_scale(cfg)
-    yc = y[crit]
+    # the critical rank's layers, its real layers' time when the stack has kinds (the parts in
+    # proportion to the mean layer's)
+    yc = y[crit] + (cc.cut_ns(crit) / cc.layer_ns if cc.layer_ns else 0)
     compute_ns = m * (cc.layer_compute_ns * yc + (cc.embed_ns if crit == 0 else 0)
                       + (cc.head_ns if crit == cfg.p - 1 else 0))
     if profile.mixed:   # a stack of kinds: each rank's real layers (cost/kinds.py)

@@ -45,12 +45,15 @@ def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[i
 
 def rank_load_ns(lc: LoadCosts, r: int, y_r: Lin) -> Lin:
     """tau_r, the per-micro-batch load of pipeline rank r holding y_r layers: its layers, its
-    p2p, the embedding on rank 0 and the head on rank p-1 (`load_of_ns`)."""
-    return load_of_ns(lc.layer_ns, lc.p2p_ns, lc.embed_ns, lc.head_ns, lc.cfg.p, r, y_r)
+    p2p, the embedding on rank 0 and the head on rank p-1 (`load_of_ns`), and when the stack
+    has kinds what its real layers take beyond its mean layers (`LoadCosts.cut_ns`)."""
+    return load_of_ns(lc.layer_ns, lc.p2p_ns, lc.embed_ns, lc.head_ns, lc.cfg.p, r,
+                      y_r) + lc.cut_ns(r)
 
 
 def total_load_ns(lc: LoadCosts, num_layers: int) -> int:
-    """Σ_r tau_r, the same for every split of num_layers layers (`total_load_of_ns`)."""
+    """Σ_r tau_r, the same for every split of num_layers layers (`total_load_of_ns`; a stack of
+    kinds too: the cut only moves time between ranks, `LoadCosts.rank_cut_ns` sums to 0)."""
     return total_load_of_ns(lc.layer_ns, lc.p2p_ns, lc.embed_ns, lc.head_ns, lc.cfg.p,
                             num_layers)
 

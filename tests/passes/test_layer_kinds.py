@@ -167,9 +167,11 @@ _PINS = dict(gpus=8, global_batch_size=64, t=1, p=4, d=2, v=1, micro_batch_size=
 
 def test_stage_memory_is_its_real_layers_and_the_solver_refuses_the_mean_layers_fit():
     """The mean-layer price of the solver's choice fits a GPU its real heaviest stage
-    overflows: priced by the mean layer the solver keeps recompute off; priced by each
-    stage's real layers it refuses that and recomputes. Per-rank memory follows the kinds:
-    a rank of 3 heavy layers holds more weights than one of 8 light + 1 heavy."""
+    overflows: priced by the mean layer the solver keeps recompute off at the even split;
+    priced by each stage's real layers it refuses that plan for one that fits (recompute, or
+    a split that leaves the first stage its light layers alone: each stage's load is its real
+    layers' too). Per-rank memory follows the kinds: a rank of 3 heavy layers holds more
+    weights than one of 8 light + 1 heavy."""
     import dataclasses
     from autopar.api import over_kinds
     from autopar.cost.model import predict
@@ -187,14 +189,51 @@ def test_stage_memory_is_its_real_layers_and_the_solver_refuses_the_mean_layers_
     assert mean_plan.recompute == "none" and mean_plan.predicted.memory_bytes_per_gpu <= cap
     assert predict(profile, gpu, plan_config(mean_plan), split).memory_bytes_per_gpu > cap
     plan = over_kinds(solve(profile, gpu, **_PINS), profile)
-    assert plan.recompute != "none" and plan.predicted.memory_bytes_per_gpu <= cap
+    assert plan.predicted.memory_bytes_per_gpu <= cap
+    assert (plan.recompute, [st.kinds for st in plan.stages]) != (
+        "none", [st.kinds for st in over_kinds(mean_plan, profile).stages])
     roomy = over_kinds(solve(profile, h100, **_PINS), profile)
     ranks, stages = roomy.predicted.rank_memory, roomy.stages
-    assert [st.kinds for st in stages] == ["8 × light + 1 × heavy", "2 × heavy", "3 × heavy",
-                                           "2 × heavy"]
-    assert ranks[2].weights_bytes > ranks[0].weights_bytes > ranks[1].weights_bytes
+    assert stages[0].kinds == "8 × light + 1 × heavy"
+    assert sorted(st.kinds for st in stages[1:]) == ["2 × heavy", "2 × heavy", "3 × heavy"]
+    three = next(r for r, st in enumerate(stages) if st.kinds == "3 × heavy")
+    two = next(r for r, st in enumerate(stages) if st.kinds == "2 × heavy")
+    assert ranks[three].weights_bytes > ranks[0].weights_bytes > ranks[two].weights_bytes
     lines = roomy.explain()
     assert "Predicted memory per GPU by pipeline rank" in lines
+
+
+def test_stage_time_is_its_real_layers_where_no_cut_balances():
+    """8 light then 8 heavy layers (~4× the time) at p = 8, 2 mean layers a stage: no cut
+    balances them (8 light layers are one stage, and 7 stages share the 8 heavy ones), so
+    the heaviest stage, two heavy layers, sets the pipeline's steady state: priced by its
+    real layers, not by the mean (before, every stage was priced at the mean and the step
+    ~12% short). At p = 2 the cut balances and the price is the mean's; the solver's plan
+    is priced by its own split."""
+    import dataclasses
+    from autopar.cost.kinds import kind_layer_ns, layer_weights
+    from autopar.cost.model import Config, config_costs, predict
+    from autopar.cost.solver import solve
+    profile = _light_heavy()
+    mean = dataclasses.replace(profile, layer_kinds=())
+    h100 = get_cluster("dgx-h100-80gb")
+    for p, worse in ((8, 1.1), (2, 1.0)):
+        cfg = Config(t=1, p=p, d=8 // p, v=1, micro_batch_size=1, num_microbatches=16,
+                     schedule="1f1b", zero=1, recompute="none")
+        kinds, flat = predict(profile, h100, cfg), predict(mean, h100, cfg)
+        weights = layer_weights(profile, kind_layer_ns(profile, h100, cfg))
+        cut = stage_layers([16 // p] * p, weights)
+        stages = [sum(weights[sum(cut[:r]):sum(cut[:r + 1])]) for r in range(p)]
+        heaviest = max(stages[1:-1] or stages) / (sum(weights) / p)
+        assert heaviest > worse
+        assert kinds.step_time_s == pytest.approx(flat.step_time_s, rel=0.02) if p == 2 else \
+            kinds.step_time_s > worse * flat.step_time_s
+        if p == 8:   # the critical rank (a middle one) computes its real layers
+            middle = 16 * config_costs(mean, h100, cfg).layer_compute_ns * 2 / 1e9
+            assert kinds.compute_s == pytest.approx(heaviest * middle, rel=0.01)
+    plan = solve(profile, h100, **dict(_PINS, p=8, d=1))
+    again = predict(profile, h100, plan_config(plan), [st.num_layers for st in plan.stages])
+    assert plan.predicted.step_time_s == pytest.approx(again.step_time_s, rel=1e-9)
 
 
 def test_kinds_memory_of_one_kind_twice_is_the_one_kind_stack():
