@@ -192,7 +192,7 @@ def _optim(precision: str) -> tuple:
     lr-sized moves, so on an AVX-512 AMD EPYC host Mixtral's experts' updates were 9-10% off
     one device's at ep = 2, under ZeRO-0 and ZeRO-2 alike (5.6% at ep = 1), and one master
     crossed BF16_WEIGHT_ATOL; with SGD every tensor's update was within 0.8% at ep = 1 and 2
-    (2026-11-27), so the median and scale checks below see a wrong gradient, not noise."""
+    (2026-11-26), so the median and scale checks below see a wrong gradient, not noise."""
     return (sgd, MAX_NORM) if precision == "fp32" else (sgd, BF16_MAX_NORM)
 
 
