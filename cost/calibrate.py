@@ -76,6 +76,9 @@ def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int
         return _GPU_DIMS, _GPU_ATTENTION_LENS
     return _FULL_DIMS, ATTENTION_LENS
 _FULL_MSG_BYTES = (4, 1 << 12, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
+# calls a collective's timed batch holds (a quarter above 1 MiB): enough that the rare long
+# waits training pays are in every batch at their rate (`measure_collectives`)
+COLLECTIVE_CALLS = 40
 _QUICK_MSG_BYTES = (1 << 10, 1 << 18)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -95,11 +98,13 @@ def compute_clock(device: torch.device) -> Callable[[], float]:
 
 
 def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int,
-            clock: Callable[[], float] = time.perf_counter) -> float:
+            clock: Callable[[], float] = time.perf_counter, typical: bool = False) -> float:
     """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
     that time collectives together run the same number); one warm-up call. The best, not the
     median: other load on the machine only ever adds time, so the least disturbed batch is the
-    hardware's rate. `clock`: wall time (collectives: waiting is their cost), or
+    hardware's rate. `typical`: the median batch instead, for a cost that comes in rare long
+    calls every job pays (a collective's wait: see `measure_collectives`), whose batches are
+    made long enough to hold them. `clock`: wall time (collectives: waiting is their cost), or
     `compute_clock` for compute."""
     fn()
     _sync(device)
@@ -110,7 +115,7 @@ def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
             fn()
         _sync(device)
         times.append((clock() - start) / calls)
-    return float(np.min(times))
+    return float(np.median(times) if typical else np.min(times))
 
 
 def _calls(work: float, target: float) -> int:
@@ -280,7 +285,14 @@ def _factor(name: str, n: int) -> float:
 def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device,
                         quick: bool, tick: Callable[[str], None]) -> dict[str, Any]:
     """{link: {collective: [[bytes, n, seconds], ...]}} measured on this rank's groups (every
-    rank creates every group, in the same order; ranks in none wait at the barrier)."""
+    rank creates every group, in the same order; ranks in none wait at the barrier). Each
+    timing is the mean call of a batch of COLLECTIVE_CALLS, the median of the batches: a rank
+    blocked in a collective is woken when the data is there, and on a virtual machine that
+    wake-up waits for the next timer tick now and then (on the 2-core development host ~15%
+    of gloo all-reduces took 4 or 8 ms where the median took 0.3; means 1.9 ms at 16 KB, 2.2 at
+    256 KB). Training pays every call's wait, so the best of a few short batches (what
+    calibrate took until 2026-11-26) priced the host's tensor- and context-parallel steps
+    1.5-2× fast; where waking is prompt (NCCL on a GPU) the mean is the typical call."""
     sizes = _QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES
     out: dict[str, Any] = {}
     for link, lists in groups.items():
@@ -298,8 +310,9 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                     continue
                 group, ranks = mine
                 fn, whole = _collective_fns(name, nbytes, group, ranks, device)
-                calls = 10 if nbytes <= (1 << 16) else (2 if quick else 5)
-                seconds = _time_s(fn, device, calls, 2 if quick else 3)
+                calls = COLLECTIVE_CALLS if not quick else 10
+                seconds = _time_s(fn, device, calls if nbytes <= (1 << 20) else calls // 4,
+                                  2 if quick else 3, typical=True)
                 if name == "send_recv":
                     seconds /= 2
                 rows[name].append([whole, len(ranks), seconds])

@@ -118,6 +118,19 @@ def p2p_s(cluster: Cluster, nbytes: float, inter: bool) -> float:
     return lat + nbytes / bw
 
 
+def pieces_s(cluster: Cluster, coll, nbytes: float, pieces: int, n: int, inter: bool) -> float:
+    """A collective `coll` (allreduce_s, reducescatter_s, ...) of nbytes issued as `pieces`
+    equal calls back to back, asynchronously, and waited for once (the runtime's collective
+    matmul, autopar.runtime.collectives.row_parallel): one call of the whole, whose wait a
+    measured curve holds (a blocked rank's wake-up, `autopar calibrate`), plus the link's
+    latency for every further piece. On a link priced by the formulas this is exactly
+    pieces × (latency + bytes / pieces / bandwidth)."""
+    whole = coll(cluster, nbytes, n, inter)
+    if pieces <= 1 or whole <= 0:
+        return whole
+    return whole + (pieces - 1) * link(cluster, inter)[1]
+
+
 def inserted_collectives_s(cluster: Cluster, fix: TPRegionFallback, t: int, b: int, e: int,
                            tp_inter: bool) -> tuple[float, float]:
     """(forward, backward) seconds of the collectives the tensor-parallel pass inserts in a

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from autopar.cost.comm import (allgather_s, allreduce_s, inserted_collectives_s,
+from autopar.cost.comm import (allgather_s, allreduce_s, inserted_collectives_s, pieces_s,
                                reducescatter_s)
 from autopar.cost.config import ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
@@ -198,17 +198,17 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     ar_bytes = b * ar_elems * e
     n_coll = max(1, round(ar_elems / (profile.seq_len * profile.hidden)))
     # the forward's row-parallel reductions are issued in `tp_row_pieces` calls each (the
-    # runtime's collective matmul), each paying the link's latency
+    # runtime's collective matmul), each paying the link's latency, waited for once
     one_b, pieces = ar_bytes / n_coll, cluster.tp_row_pieces
     if sp:
         gather = n_coll * allgather_s(cluster, one_b, t, tp_inter)
-        one = gather + n_coll * pieces * reducescatter_s(cluster, one_b / pieces, t, tp_inter)
+        one = gather + n_coll * pieces_s(cluster, reducescatter_s, one_b, pieces, t, tp_inter)
         back = gather + n_coll * reducescatter_s(cluster, one_b, t, tp_inter)
         # SP keeps only the sequence shard of each column-parallel input, so backward
         # all-gathers it again for the weight gradient (Megatron-LM 2205.05198 §4.2.2)
         extra = gather
     else:
-        one = n_coll * pieces * allreduce_s(cluster, one_b / pieces, t, tp_inter)
+        one = n_coll * pieces_s(cluster, allreduce_s, one_b, pieces, t, tp_inter)
         back = n_coll * allreduce_s(cluster, one_b, t, tp_inter)
         extra = 0.0
     passes = 3 if recompute == "full" else 2

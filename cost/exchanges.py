@@ -73,10 +73,14 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     return one, one + back + (one if cfg.recompute == "full" else 0.0)
 
 
-def ring_exposed_s(hop_s: float, step_s: float, steps: int) -> float:
+def ring_exposed_s(hop_s: float, step_s: float, steps: int, overlap: float = 1.0) -> float:
     """Exposed seconds of `steps` ring transfers of hop_s each, every one started before and
-    overlapped with an attention step of step_s: only what outlasts the step shows."""
-    return steps * max(0.0, hop_s - step_s)
+    overlapped with an attention step of step_s: what outlasts the step shows, and of what
+    hides behind it the part 1 − `overlap` still costs its time (Cluster.comm_overlap: ~1 on
+    a GPU, whose copies run beside its kernels; ~0 on CPU ranks that fill every core, measured
+    by `autopar calibrate`: there the ring's hops were priced 31% fast with full credit)."""
+    hidden = min(hop_s, step_s)
+    return steps * (hop_s - overlap * hidden)
 
 
 def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_bytes: float,
@@ -101,8 +105,9 @@ def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_by
     c = cfg.c if steps is None else steps
     fwd_s, bwd_s = attention_core_s(profile, cluster, cfg)
     block = kv_bytes / c
-    fwd = ring_exposed_s(p2p_s(cluster, block, inter), fwd_s / c, c - 1)
-    bwd = (ring_exposed_s(p2p_s(cluster, 2 * block, inter), bwd_s / c, c - 1)
+    fwd = ring_exposed_s(p2p_s(cluster, block, inter), fwd_s / c, c - 1, cluster.comm_overlap)
+    bwd = (ring_exposed_s(p2p_s(cluster, 2 * block, inter), bwd_s / c, c - 1,
+                          cluster.comm_overlap)
            + p2p_s(cluster, block, inter))
     step_f, step_b = attention_core_s(profile, cluster, cfg, keys_over=c)
     # fp32 (4 B), read twice and written once: the merged outputs with their lse, the dK/dV

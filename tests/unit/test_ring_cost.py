@@ -36,6 +36,10 @@ def _comm_s(prof, **cfg) -> dict[str, float]:
 def test_ring_exposes_only_what_outlasts_each_step():
     assert ring_exposed_s(hop_s=1.0, step_s=2.0, steps=3) == 0.0
     assert ring_exposed_s(hop_s=2.0, step_s=0.5, steps=3) == pytest.approx(4.5)
+    # where ranks fill every core nothing moves the data beside the attention
+    # (Cluster.comm_overlap ~0, measured by `autopar calibrate`): every hop costs its time
+    assert ring_exposed_s(hop_s=1.0, step_s=2.0, steps=3, overlap=0.0) == pytest.approx(3.0)
+    assert ring_exposed_s(hop_s=1.0, step_s=2.0, steps=3, overlap=0.5) == pytest.approx(1.5)
 
 
 def test_ring_wins_for_multi_head_attention_at_long_sequence_across_nodes():
