@@ -78,7 +78,7 @@ def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int
 _FULL_MSG_BYTES = (4, 1 << 12, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
 # calls a collective's timed batch holds (a quarter above 1 MiB): enough that the rare long
 # waits training pays are in every batch at their rate (`measure_collectives`)
-COLLECTIVE_CALLS = 40
+COLLECTIVE_CALLS = 100
 _QUICK_MSG_BYTES = (1 << 10, 1 << 18)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -102,10 +102,11 @@ def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
     """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
     that time collectives together run the same number); one warm-up call. The best, not the
     median: other load on the machine only ever adds time, so the least disturbed batch is the
-    hardware's rate. `typical`: the median batch instead, for a cost that comes in rare long
-    calls every job pays (a collective's wait: see `measure_collectives`), whose batches are
-    made long enough to hold them. `clock`: wall time (collectives: waiting is their cost), or
-    `compute_clock` for compute."""
+    hardware's rate. `typical`: the mean call over every batch instead, for a cost that comes
+    in rare long calls every job pays at their rate (a collective's wait: see
+    `measure_collectives`; they come in bursts, so the mean of all the calls, not a median
+    batch). `clock`: wall time (collectives: waiting is their cost), or `compute_clock` for
+    compute."""
     fn()
     _sync(device)
     times = []
@@ -115,7 +116,7 @@ def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
             fn()
         _sync(device)
         times.append((clock() - start) / calls)
-    return float(np.median(times) if typical else np.min(times))
+    return float(np.mean(times) if typical else np.min(times))
 
 
 def _calls(work: float, target: float) -> int:
@@ -264,15 +265,14 @@ def _collective_fns(name: str, nbytes: int, group: Any, ranks: list[int], device
         out = torch.empty_like(buf)
         return (lambda: dist.all_to_all_single(out, buf, group=group)), elems * 4
     peer = ranks[1 - me] if me < 2 else None
+    inbox = torch.empty_like(buf)
 
-    def ping_pong():   # ranks 0 and 1 of the group; one way is half the round trip
-        if me == 0:
-            dist.send(buf, peer, group=group)
-            dist.recv(buf, peer, group=group)
-        elif me == 1:
-            dist.recv(buf, peer, group=group)
-            dist.send(buf, peer, group=group)
-    return ping_pong, elems * 4
+    def exchange():   # ranks 0 and 1 of the group send each other a message, as the pipeline's
+        if me < 2:    # and the ring's hops run: isend and irecv posted together, then waited
+            works = [dist.irecv(inbox, peer, group=group), dist.isend(buf, peer, group=group)]
+            for w in works:
+                w.wait()
+    return exchange, elems * 4
 
 
 def _factor(name: str, n: int) -> float:
@@ -286,7 +286,7 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                         quick: bool, tick: Callable[[str], None]) -> dict[str, Any]:
     """{link: {collective: [[bytes, n, seconds], ...]}} measured on this rank's groups (every
     rank creates every group, in the same order; ranks in none wait at the barrier). Each
-    timing is the mean call of a batch of COLLECTIVE_CALLS, the median of the batches: a rank
+    timing is the mean call of 3 batches of COLLECTIVE_CALLS: a rank
     blocked in a collective is woken when the data is there, and on a virtual machine that
     wake-up waits for the next timer tick now and then (on the 2-core development host ~15%
     of gloo all-reduces took 4 or 8 ms where the median took 0.3; means 1.9 ms at 16 KB, 2.2 at
@@ -313,8 +313,6 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                 calls = COLLECTIVE_CALLS if not quick else 10
                 seconds = _time_s(fn, device, calls if nbytes <= (1 << 20) else calls // 4,
                                   2 if quick else 3, typical=True)
-                if name == "send_recv":
-                    seconds /= 2
                 rows[name].append([whole, len(ranks), seconds])
         if lists:
             out[link] = rows

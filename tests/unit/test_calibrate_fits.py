@@ -94,7 +94,7 @@ def test_pieces_waited_once_pay_one_call_and_a_latency_per_further_piece():
 
 
 def test_collective_timings_keep_the_rare_long_waits_every_call_pays():
-    """`_time_s(typical=True)` (collectives) is the median batch's mean call, so a wait that
+    """`_time_s(typical=True)` (collectives) is the mean call of every batch, so a wait that
     comes every few calls (a VM's timer tick waking a blocked rank) is in it at its rate; the
     best batch (compute) drops it: a call of ~0 s that sleeps 4 ms every 8th call."""
     import time
