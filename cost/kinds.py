@@ -41,6 +41,7 @@ the walked memory's timeline) run every chunk at the mean layer's time.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import fields, replace
 from typing import Any, Sequence
@@ -176,9 +177,13 @@ def chunk_kind_layers(profile: ModelProfile, cluster: Any, cfg: Any,
     """Per chunk, its layers of each kind when the solver's split `layers_per_chunk` (mean
     layers) is cut over the model's layers by the kinds' per-layer times (`stage_layers`)."""
     weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+    kind_of = layer_weights(profile, range(len(profile.layer_kinds)))
     out, first = [], 0
     for n in stage_layers(layers_per_chunk, weights):
-        out.append([sum(first <= i < first + n for i in k.layers) for k in profile.layer_kinds])
+        row = [0] * len(profile.layer_kinds)
+        for k in kind_of[first:first + n]:
+            row[int(k)] += 1
+        out.append(row)
         first += n
     return out
 
@@ -324,16 +329,31 @@ def stage_layers(chunks: Sequence[int], weights: Sequence[float]) -> list[int]:
     for x in weights:
         prefix.append(prefix[-1] + x)
     mins = [1 if u else 0 for u in chunks]
+    later = [0] * len(chunks)     # later[c]: the least layers chunks c+1.. need
+    for c in range(len(chunks) - 2, -1, -1):
+        later[c] = later[c + 1] + mins[c + 1]
     out, prev, done = [], 0, 0
     for c, u in enumerate(chunks[:-1]):
         done += u
-        lo, hi = prev + mins[c], n - sum(mins[c + 1:])
-        target = prefix[-1] * done / n
-        cut = prev if not u else min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - target))
+        lo, hi = prev + mins[c], n - later[c]
+        cut = prev if not u else _nearest(prefix, prefix[-1] * done / n, lo, hi)
         out.append(cut - prev)
         prev = cut
     out.append(n - prev)
     return out
+
+
+def _nearest(prefix: Sequence[float], target: float, lo: int, hi: int) -> int:
+    """The least i in [lo, hi] whose prefix[i] is nearest `target` (prefix nondecreasing):
+    min(range(lo, hi + 1), key=|prefix[i] − target|) by bisection (the solver asks for every
+    configuration's cut; a 61-layer stack cut in 32 chunks took 0.8 ms a cut by the scan)."""
+    i = bisect.bisect_left(prefix, target, lo, hi + 1)
+    best = min(i, hi)
+    if i > lo:
+        left = bisect.bisect_left(prefix, prefix[i - 1], lo, i)   # the least index of its value
+        if abs(prefix[left] - target) <= abs(prefix[best] - target):
+            best = left
+    return best
 
 
 def plan_config(plan: Any) -> Any:

@@ -23,6 +23,23 @@ def test_stage_layers_cut_by_cost():
     assert stage_layers([0, 8, 0], [1] * 8) == [0, 8, 0]    # edge-only chunks stay empty
 
 
+def test_stage_layers_bisection_equals_the_scan():
+    """The cut's nearest boundary by bisection is the scan's (the least index nearest the
+    target), on random stacks of kinds, zero-weight layers and empty chunks included."""
+    import random
+    from autopar.cost.kinds import _nearest
+    rng = random.Random(0)
+    for _ in range(3000):
+        prefix = [0.0]
+        for _ in range(rng.randint(1, 30)):
+            prefix.append(prefix[-1] + rng.choice([0.0, 1.0, 2.0, 7.5]))
+        lo = rng.randint(0, len(prefix) - 1)
+        hi = rng.randint(lo, len(prefix) - 1)
+        target = rng.uniform(-1.0, prefix[-1] + 1.0)
+        scan = min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - target))
+        assert _nearest(prefix, target, lo, hi) == scan, (prefix, target, lo, hi)
+
+
 def _plan(name: str, layers: int, **config):
     with torch.device("meta"):
         model = models.build(name, seed=0, layers=layers, vocab=32000, seq=4096, hidden=2048,
