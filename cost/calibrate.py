@@ -286,14 +286,17 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                         quick: bool, tick: Callable[[str], None]) -> dict[str, Any]:
     """{link: {collective: [[bytes, n, seconds], ...]}} measured on this rank's groups (every
     rank creates every group, in the same order; ranks in none wait at the barrier). Each
-    timing is the mean call of 3 batches of COLLECTIVE_CALLS: a rank
+    timing is the mean call of 3 batches of COLLECTIVE_CALLS, every call issued after a short
+    GEMM (`_after_compute_s`), as training issues its collectives between kernels: a rank
     blocked in a collective is woken when the data is there, and on a virtual machine that
     wake-up waits for the next timer tick now and then (on the 2-core development host ~15%
-    of gloo all-reduces took 4 or 8 ms where the median took 0.3; means 1.9 ms at 16 KB, 2.2 at
-    256 KB). Training pays every call's wait, so the best of a few short batches (what
-    calibrate took until 2026-11-26) priced the host's tensor- and context-parallel steps
-    1.5-2× fast; where waking is prompt (NCCL on a GPU) the mean is the typical call."""
+    of gloo all-reduces back to back took 4 or 8 ms where the median took 0.3; after a GEMM
+    every call from 16 KB to 256 KB, all-reduce or send/recv, took 0.8-1.2 ms). Training pays
+    every call's wait, so the best of a few short batches back to back (what calibrate took
+    until 2026-11-26) priced the host's tensor- and context-parallel steps 1.5-2× fast; where
+    waking is prompt (NCCL on a GPU) this is the call's own time."""
     sizes = _QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES
+    burst = _burst(device)
     out: dict[str, Any] = {}
     for link, lists in groups.items():
         mine = None
@@ -311,8 +314,9 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                 group, ranks = mine
                 fn, whole = _collective_fns(name, nbytes, group, ranks, device)
                 calls = COLLECTIVE_CALLS if not quick else 10
-                seconds = _time_s(fn, device, calls if nbytes <= (1 << 20) else calls // 4,
-                                  2 if quick else 3, typical=True)
+                seconds = _after_compute_s(fn, burst, device,
+                                           calls if nbytes <= (1 << 20) else calls // 4,
+                                           2 if quick else 3)
                 rows[name].append([whole, len(ranks), seconds])
         if lists:
             out[link] = rows
@@ -350,6 +354,22 @@ def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> fl
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     alone_c, alone_m, together = slowest.tolist()
     return float(min(1.0, max(0.0, (alone_c + alone_m - together) / min(alone_c, alone_m))))
+
+
+def _burst(device: torch.device) -> Callable[[], Any]:
+    """A short GEMM (~0.2 ms on a CPU core): what a rank computes between two collectives."""
+    x = torch.randn(256, 128, device=device)
+    w = torch.randn(256, 128, device=device)
+    return lambda: torch.nn.functional.linear(x, w)
+
+
+def _after_compute_s(fn: Callable[[], Any], burst: Callable[[], Any], device: torch.device,
+                     calls: int, repeats: int) -> float:
+    """Seconds of `fn` issued after `burst` (`measure_collectives`): the typical (mean) call of
+    burst + fn less the typical burst alone, both in wall time."""
+    both = _time_s(lambda: (burst(), fn()), device, calls, repeats, typical=True)
+    alone = _time_s(burst, device, calls, repeats, typical=True)
+    return max(both - alone, 1e-7)
 
 
 def fit_link(rows: dict[str, list]) -> tuple[float, float]:

@@ -114,6 +114,19 @@ def test_collective_timings_keep_the_rare_long_waits_every_call_pays():
     assert _time_s(fn, torch.device("cpu"), 5, 3) < 0.1e-3
 
 
+def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst():
+    """Collectives are issued as training issues them, after some compute, and charged only
+    their own part: burst + call less burst alone (a 1 ms call after a 2 ms burst)."""
+    import time
+
+    import torch
+
+    from autopar.cost.calibrate import _after_compute_s
+    got = _after_compute_s(lambda: time.sleep(0.001), lambda: time.sleep(0.002),
+                           torch.device("cpu"), 5, 2)
+    assert 0.8e-3 < got < 1.6e-3
+
+
 def test_calibrate_keeps_every_collective_curve_and_a_file_round_trips_them(tmp_path):
     from autopar.cost.calibrate import collective_curves
     from autopar.cost.hardware import CollectiveCurve, read_cluster_file, save_cluster
