@@ -20,7 +20,9 @@ processes do not slow the rate measured); rank 0 fits and writes:
   `autograd_op_s`; torch.optim.AdamW's step over one block's
   parameters → `optimizer_param_s` (seconds per parameter).
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
-  runtime's calls) and send/recv — at several sizes, inside a node and across nodes (ranks
+  runtime's calls) and send/recv (both ranks' isend + irecv, as the hops run) — each call
+  issued after a short GEMM and the mean of many taken, not the best (what training pays:
+  `measure_collectives`), at several sizes, inside a node and across nodes (ranks
   grouped by node from the launcher's environment: GROUP_RANK, else rank // LOCAL_WORLD_SIZE);
   per link one (latency, bandwidth) fitted by least squares (relative error) to every timing
   with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather / reduce-scatter / all-to-all
