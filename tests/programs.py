@@ -261,12 +261,20 @@ def check_training(name: str, plan: Plan, *, max_norm: float | None = None,
                                      precision=precision)
 
 
+def sgd_momentum(params):
+    """SGD with momentum for bf16 comparisons of models whose tensors see few tokens (experts):
+    AdamW's normalised step turns bf16 rounding of their near-zero gradients into lr-sized
+    moves (tests/numerics/test_expert_parallel_program.py's _optim), SGD keeps it in
+    proportion."""
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
 def compare_training(name: str, plan: Plan, results: list, *, max_norm: float | None = None,
-                     precision: str = "fp32") -> int:
+                     precision: str = "fp32", optimizer: Callable = adamw_decayed) -> int:
     """check_training's comparison of per-rank train_rank `results` (trained with
-    adamw_decayed, max_norm and precision: a spawn_cases case may train them) against one
+    `optimizer`, max_norm and precision: a spawn_cases case may train them) against one
     device; the reference's optimizer-state bytes."""
-    ref = train_single_device(name, plan, adamw_decayed, max_grad_norm=max_norm,
+    ref = train_single_device(name, plan, optimizer, max_grad_norm=max_norm,
                               precision=precision)
     if max_norm is not None:  # the check can fail: clipping really changed the gradients
         assert min(ref.grad_norms) > 2 * max_norm, ref.grad_norms

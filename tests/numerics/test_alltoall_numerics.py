@@ -10,9 +10,10 @@ unmodified transformers Llama (an explicit causal mask read whole); multi-query 
 kv head < c: repeated before the exchange); bf16; with d = 2 under ZeRO-2 and with p = 2 under
 breadth-first (in the hybrids' 4-rank spawn). The hybrids ("hybrid", "hybrid-ring":
 the all-to-all inside a node, the all-gather or the ring across) at c = 4 = 2 × 2 on ranks
-posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too) and with t = 2 + SP, p = 2
-under interleaved 1F1B, GPipe and interleaved zero-bubble, d = 2 under ZeRO-2 and ZeRO-3,
-recompute, bf16; every rank checked to run the planned method (`_ran_as_planned`)."""
+posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too, in fp32 and bf16) and with
+t = 2 + SP, p = 2 under interleaved 1F1B, GPipe and interleaved zero-bubble, d = 2 under
+ZeRO-2 and ZeRO-3, recompute, bf16; every rank checked to run the planned method
+(`_ran_as_planned`)."""
 from __future__ import annotations
 
 import pytest
@@ -102,9 +103,10 @@ def test_hybrid_c4_equals_one_device():
     over the 2 context ranks of a node, the K/V all-gather over the 2 nodes; autopar/runtime/
     ulysses.py context_hybrid_attention) at c = 4: GPT (is_causal) and the Llama-style model
     (grouped-query: its 2 kv heads exchanged, not repeated), the Llama-style model under full
-    recompute (both exchanges run again in the recomputed forward) and GPT in bf16 against one
-    device in bf16 (clipped, so the check can fail); "hybrid-ring" (the ring over the 2 nodes
-    instead of the all-gather: ulysses.context_hybrid_ring_attention) on GPT, the Llama-style
+    recompute (both exchanges run again in the recomputed forward), GPT (AdamW) and DeepSeek-V3
+    (SGD) in bf16 against one device in bf16 (clipped, so the check can fail); "hybrid-ring"
+    (the ring over the 2 nodes instead of the all-gather:
+    ulysses.context_hybrid_ring_attention) on GPT, the Llama-style
     model and DeepSeek-V3 (multi-head latent attention: q/k heads of 8 = 4 rotary + 4 not, one
     rotary key expanded to the heads; a dense layer, then routed experts on the rank's tokens).
     The all-to-all at c = 2 with d = 2 under ZeRO-2, and with p = 2 under breadth-first
@@ -112,7 +114,7 @@ def test_hybrid_c4_equals_one_device():
     at k = 2). With t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the
     ZeRO-2, breadth-first and DeepSeek-V3 cases: ~24 CPU-s summed over the 4 ranks
     (2026-11-26, 2-core host)."""
-    from programs import adamw_decayed, check_case, compare_training, spawn_cases
+    from programs import adamw_decayed, check_case, compare_training, sgd_momentum, spawn_cases
     cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
              for name in ("gpt", "llama_style")}
     cases["llama_style full recompute"] = ("llama_style", a2a(
@@ -125,11 +127,17 @@ def test_hybrid_c4_equals_one_device():
     bf16 = a2a(make_plan(), c=4, cp_attention="hybrid")
     jobs = {k: ((2, *c), {}) for k, c in cases.items()}
     jobs["gpt bf16"] = ((2, "gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
+    # DeepSeek-V3 in bf16 with SGD: its experts see few tokens, and AdamW turns their bf16
+    # rounding into lr-sized moves (programs.sgd_momentum)
+    jobs["deepseek bf16"] = ((2, "hf_deepseek_v3", bf16, sgd_momentum, 0.05, "bf16"), {})
     results = spawn_cases(_on_nodes, 4, jobs)
     for label, case in cases.items():
         check_case(label, case, _ran_as_planned(label, case[1], results[label]))
     compare_training("gpt", bf16, _ran_as_planned("gpt bf16", bf16, results["gpt bf16"]),
                      max_norm=0.05, precision="bf16")
+    compare_training("hf_deepseek_v3", bf16, _ran_as_planned(
+        "deepseek bf16", bf16, results["deepseek bf16"]), max_norm=0.05, precision="bf16",
+        optimizer=sgd_momentum)
 
 
 def test_hybrid_c4_with_t_p_d_equals_one_device():
@@ -148,7 +156,7 @@ def test_hybrid_c4_with_t_p_d_equals_one_device():
     or d take the outer factor, so the 4 context ranks span 2 nodes. Each equals one device
     (fp32: rtol 1e-4 / atol 1e-5), every rank ran the planned method at k = 2. Cost: ~90
     CPU-s summed over the 8 ranks (2026-11-26, 2-core host), so ~50 s on it idle."""
-    from programs import adamw_decayed, check_case, compare_training, spawn_cases
+    from programs import adamw_decayed, check_case, compare_training, sgd_momentum, spawn_cases
     hybrid = dict(c=4, cp_attention="hybrid")
     ring = dict(c=4, cp_attention="hybrid-ring")
     cases = {   # label: (ranks per node, model, plan)
