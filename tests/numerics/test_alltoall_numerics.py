@@ -2,7 +2,8 @@
 ranks equals one device: losses and full_state_dict after 3 AdamW steps (clipped at 1.0) at
 rtol 1e-4 / atol 1e-5, bf16 against one device in bf16. Each context rank trades its tokens of
 every head for the whole sequence of heads/c heads around attention (autopar/runtime/
-ulysses.py). GPT (is_causal, multi-head) alone, with d = 2 and ZeRO-3, and with p = 2 under
+ulysses.py). Every decoder of tests/models.py with fused attention alone; GPT (is_causal,
+multi-head) alone, with d = 2 and ZeRO-3, and with p = 2 under
 1F1B; the Llama-style model (grouped-query: only the kv heads exchanged) with t = 2 (each
 tensor rank's heads split again over c), sequence parallelism and selective recompute, and
 with p = 2 under interleaved zero-bubble (the exchange's backward in B) and full recompute;
@@ -40,6 +41,29 @@ PIPELINE = dict(p=2, m=2, layers=4)
 ])
 def test_alltoall_c2_equals_one_device(name, plan, over):
     check_against_reference(name, a2a(plan, **over))
+
+
+# every decoder of tests/models.py whose attention is a scaled_dot_product_attention call
+# (test_context_parallel_numerics.py's ARCHITECTURES and the Llama family), beyond the
+# parametrized cases above. Not BLOOM: its attention is written out (baddbmm with ALiBi,
+# softmax, bmm), which the context pass keeps on the all-gather under any method and the
+# planner never gives another (cost.families.cp_attention_rule; a hand-made plan pinning
+# all-to-all on it ran the all-gather, this test's method check found)
+EVERY_DECODER = ("hf_gpt2", "hf_falcon", "hf_gptj", "hf_olmo2", "hf_qwen3", "hf_phi3",
+                 "hf_gemma", "hf_phi", "hf_opt", "hf_bigcode", "hf_mistral", "hf_neox")
+
+
+def test_alltoall_c2_every_decoder_equals_one_device():
+    """All-to-all attention at c = 2 on every decoder we build, one 2-rank spawn: each writes
+    attention and positions its own way (Conv1D's merged rows, fused and multi-query
+    projections, interleaved and partial rotary, ALiBi from the mask, q / k norms over all
+    heads, learned positions at an offset), and each rank ran the all-to-all over 2 and no
+    other context method (`_ran_as_planned`)."""
+    from programs import check_case, spawn_cases
+    cases = {n: (n, a2a(make_plan())) for n in EVERY_DECODER}
+    results = spawn_cases(_on_nodes, 2, {k: ((2, *c), {}) for k, c in cases.items()})
+    for label, case in cases.items():
+        check_case(label, case, _ran_as_planned(label, case[1], results[label]))
 
 
 def test_alltoall_c2_bf16_equals_one_device_bf16():
