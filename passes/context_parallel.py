@@ -50,9 +50,11 @@ Under plan.cp_attention == "ring" a scaled-dot-product attention instead becomes
 `context_ring_attention` (autopar/runtime/ring_attention.py) on the local q, k, v: the K/V
 blocks travel round the context group at run time, only the kv heads of a grouped-query repeat
 (its group found by replaying the repeat on one token), the mask's query rows selected as
-above; a ring attention with dropout is refused. Written-out attention keeps the all-gather
-under either method (its softmax between the two products is not the pass's to split into
-ring steps).
+above; a ring attention with dropout is refused. Written-out attention is split only by the
+all-gather (its softmax between the two products is not the pass's to split into ring steps):
+under any other method a product reading the other ranks' tokens is refused in one line (the
+solver never offers one there: cost.families.cp_attention_rule; a hand-made plan did, and ran
+the all-gather without saying so).
 
 Under plan.cp_attention == "all-to-all" (DeepSpeed-Ulysses) a scaled-dot-product attention
 becomes `context_alltoall_attention` (autopar/runtime/ulysses.py) on the local q, k, v: at run
@@ -439,6 +441,11 @@ class _ContextRewrite:
                 raise _refuse(n, "a product whose right operand holds the rank's tokens")
             if db not in (rb - 1, rb - 2):
                 raise _refuse(n, "a product split along a batch dim of its right operand")
+            if self.method != "all-gather":   # a hand-made plan: the solver offers it no other
+                raise _refuse_method(n, f"cp_attention={self.method!r} replaces "
+                                        f"scaled_dot_product_attention calls, and this product "
+                                        f"reads the other ranks' tokens (attention written out: "
+                                        f"q·kᵀ, softmax, p·v), which only the all-gather splits")
             # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
             g = self.rg.gather(b, n)
             n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]

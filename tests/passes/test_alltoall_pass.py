@@ -66,3 +66,20 @@ def test_cli_pins_alltoall(capsys):
                  "all-to-all", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["c"], plan["cp_attention"]) == (2, "all-to-all")
+
+
+@pytest.mark.parametrize("method", ["all-to-all", "ring"])
+def test_attention_written_out_is_refused_under_another_method_than_the_all_gather(method):
+    """BLOOM writes its attention out (ALiBi scores by baddbmm, softmax, bmm): only the K/V
+    all-gather splits it. The solver never offers another method there; a hand-made plan that
+    names one is refused in one line naming the scores node and the user's source line (it
+    ran the all-gather without saying so before)."""
+    import models
+    ids = torch.zeros(2, SEQ, dtype=torch.long)
+    gm = capture(models.build("hf_bloom", seed=0), (ids,), autopar.cross_entropy,
+                 ids.clone()).gm
+    with pytest.raises(ValueError, match=rf"baddbmm.*modeling_bloom.py.*cp_attention='{method}'"
+                                         r".*only the all-gather splits; plan "
+                                         r"cp_attention='all-gather'"):
+        apply_context_parallel(copy.deepcopy(gm), 2, SEQ, method)
+    apply_context_parallel(copy.deepcopy(gm), 2, SEQ, "all-gather")   # the all-gather splits it
