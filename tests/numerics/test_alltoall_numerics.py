@@ -133,6 +133,9 @@ def test_hybrid_c4_equals_one_device():
     ulysses.context_hybrid_ring_attention) on GPT, the Llama-style
     model and DeepSeek-V3 (multi-head latent attention: q/k heads of 8 = 4 rotary + 4 not, one
     rotary key expanded to the heads; a dense layer, then routed experts on the rank's tokens).
+    The hybrid on every decoder of tests/models.py with fused attention (EVERY_DECODER,
+    transformers' Llama and multi-query Falcon: one kv head, repeated up to the inner degree;
+    the hybrid-ring on all of them too, checked once, 2026-11-26 night).
     The all-to-all at c = 2 with d = 2 under ZeRO-2, and with p = 2 under breadth-first
     (v = 2). Every rank ran the planned method (`_ran_as_planned`: the hybrids
     at k = 2). With t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the
@@ -145,6 +148,8 @@ def test_hybrid_c4_equals_one_device():
         make_plan(), c=4, cp_attention="hybrid", recompute="full"))
     for name in ("gpt", "llama_style", "hf_deepseek_v3"):   # the ring across (hybrid-ring)
         cases[f"{name} ring across"] = (name, a2a(make_plan(), c=4, cp_attention="hybrid-ring"))
+    for name in EVERY_DECODER + ("hf_llama", "hf_falcon_mq"):   # every decoder, the hybrid
+        cases[f"{name} hybrid"] = (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
     cases["all-to-all d=2 ZeRO-2"] = ("gpt", a2a(make_plan(d=2), zero=2))
     cases["all-to-all p=2 breadth-first"] = ("gpt", a2a(make_plan(
         v=2, schedule="breadth-first", **PIPELINE)))
