@@ -443,9 +443,9 @@ class _ContextRewrite:
                 raise _refuse(n, "a product split along a batch dim of its right operand")
             if self.method != "all-gather":   # a hand-made plan: the solver offers it no other
                 raise _refuse_method(n, f"cp_attention={self.method!r} replaces "
-                                        f"scaled_dot_product_attention calls, and this product "
-                                        f"reads the other ranks' tokens (attention written out: "
-                                        f"q·kᵀ, softmax, p·v), which only the all-gather splits")
+                                     f"scaled_dot_product_attention calls, and this product "
+                                     f"reads the other ranks' tokens (attention written out: "
+                                     f"q·kᵀ, softmax, p·v), which only the all-gather splits")
             # keys (n dim: q·kᵀ) or values (k dim: p·v): the whole sequence, in order
             g = self.rg.gather(b, n)
             n.args = n.args[:at + 1] + (g,) + n.args[at + 2:]
