@@ -9,8 +9,8 @@ tensor rank's heads split again over c), sequence parallelism and selective reco
 with p = 2 under interleaved zero-bubble (the exchange's backward in B) and full recompute;
 unmodified transformers Llama (an explicit causal mask read whole); multi-query Falcon (one
 kv head < c: repeated before the exchange); bf16; with d = 2 under ZeRO-2 and with p = 2 under
-breadth-first (in the hybrids' 4-rank spawn). The hybrids ("hybrid", "hybrid-ring":
-the all-to-all inside a node, the all-gather or the ring across) at c = 4 = 2 × 2 on ranks
+breadth-first, GPipe and interleaved 1F1B (in the hybrids' 4-rank spawn). The hybrids
+("hybrid", "hybrid-ring": the all-to-all inside a node, the all-gather or the ring across) at c = 4 = 2 × 2 on ranks
 posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too, in fp32 and bf16) and with
 t = 2 + SP, p = 2 under interleaved 1F1B, GPipe and interleaved zero-bubble, d = 2 under
 ZeRO-2 and ZeRO-3, recompute, bf16; every rank checked to run the planned method
@@ -137,8 +137,9 @@ def test_hybrid_c4_equals_one_device():
     transformers' Llama and multi-query Falcon: one kv head, repeated up to the inner degree;
     the hybrid-ring on all of them too, checked once, 2026-11-26 night).
     The all-to-all at c = 2 with d = 2 under ZeRO-2, and with p = 2 under breadth-first
-    (v = 2). Every rank ran the planned method (`_ran_as_planned`: the hybrids
-    at k = 2). With t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the
+    (v = 2), GPipe and interleaved 1F1B (1F1B and interleaved zero-bubble: the parametrized
+    test above; the hybrids' schedules: test_hybrid_c4_with_t_p_d_equals_one_device). Every
+    rank ran the planned method (`_ran_as_planned`: the hybrids at k = 2). With t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the
     ZeRO-2, breadth-first and DeepSeek-V3 cases: ~24 CPU-s summed over the 4 ranks
     (2026-11-26, 2-core host)."""
     from programs import adamw_decayed, check_case, compare_training, sgd_momentum, spawn_cases
@@ -151,8 +152,9 @@ def test_hybrid_c4_equals_one_device():
     for name in EVERY_DECODER + ("hf_llama", "hf_falcon_mq"):   # every decoder, the hybrid
         cases[f"{name} hybrid"] = (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
     cases["all-to-all d=2 ZeRO-2"] = ("gpt", a2a(make_plan(d=2), zero=2))
-    cases["all-to-all p=2 breadth-first"] = ("gpt", a2a(make_plan(
-        v=2, schedule="breadth-first", **PIPELINE)))
+    for schedule, v in (("breadth-first", 2), ("gpipe", 1), ("interleaved-1f1b", 2)):
+        cases[f"all-to-all p=2 {schedule}"] = ("gpt", a2a(make_plan(
+            v=v, schedule=schedule, **PIPELINE)))
     bf16 = a2a(make_plan(), c=4, cp_attention="hybrid")
     jobs = {k: ((2, *c), {}) for k, c in cases.items()}
     jobs["gpt bf16"] = ((2, "gpt", bf16, adamw_decayed, 0.05, "bf16"), {})
