@@ -10,8 +10,8 @@ with p = 2 under interleaved zero-bubble (the exchange's backward in B) and full
 unmodified transformers Llama (an explicit causal mask read whole); multi-query Falcon (one
 kv head < c: repeated before the exchange); bf16; with d = 2 under ZeRO-2 and with p = 2 under
 breadth-first, GPipe and interleaved 1F1B (in the hybrids' 4-rank spawn). The hybrids
-("hybrid", "hybrid-ring": the all-to-all inside a node, the all-gather or the ring across) at c = 4 = 2 × 2 on ranks
-posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too, in fp32 and bf16) and with
+("hybrid", "hybrid-ring": the all-to-all inside a node, the all-gather or the ring across)
+at c = 4 = 2 × 2 on ranks posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too, in fp32 and bf16) and with
 t = 2 + SP, p = 2 under interleaved 1F1B, GPipe and interleaved zero-bubble, d = 2 under
 ZeRO-2 and ZeRO-3, recompute, bf16; every rank checked to run the planned method
 (`_ran_as_planned`)."""
@@ -139,9 +139,10 @@ def test_hybrid_c4_equals_one_device():
     The all-to-all at c = 2 with d = 2 under ZeRO-2, and with p = 2 under breadth-first
     (v = 2), GPipe and interleaved 1F1B (1F1B and interleaved zero-bubble: the parametrized
     test above; the hybrids' schedules: test_hybrid_c4_with_t_p_d_equals_one_device). Every
-    rank ran the planned method (`_ran_as_planned`: the hybrids at k = 2). With t, p and d: test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the
-    ZeRO-2, breadth-first and DeepSeek-V3 cases: ~24 CPU-s summed over the 4 ranks
-    (2026-11-26, 2-core host)."""
+    rank ran the planned method (`_ran_as_planned`: the hybrids at k = 2). With t, p and d:
+    test_hybrid_c4_with_t_p_d_equals_one_device. Cost of the ZeRO-2, breadth-first and
+    DeepSeek-V3 cases: ~24 CPU-s summed over the 4 ranks (2026-11-26, 2-core host); the
+    whole test 34 s on the faster host of 2026-11-26 night."""
     from programs import adamw_decayed, check_case, compare_training, sgd_momentum, spawn_cases
     cases = {name: (name, a2a(make_plan(), c=4, cp_attention="hybrid"))
              for name in ("gpt", "llama_style")}
