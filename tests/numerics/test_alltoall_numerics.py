@@ -11,10 +11,10 @@ unmodified transformers Llama (an explicit causal mask read whole); multi-query 
 kv head < c: repeated before the exchange); bf16; with d = 2 under ZeRO-2 and with p = 2 under
 breadth-first, GPipe and interleaved 1F1B (in the hybrids' 4-rank spawn). The hybrids
 ("hybrid", "hybrid-ring": the all-to-all inside a node, the all-gather or the ring across)
-at c = 4 = 2 × 2 on ranks posing as nodes of 2 (or 4 with t = 2), alone (DeepSeek-V3 too, in fp32 and bf16) and with
-t = 2 + SP, p = 2 under interleaved 1F1B, GPipe and interleaved zero-bubble, d = 2 under
-ZeRO-2 and ZeRO-3, recompute, bf16; every rank checked to run the planned method
-(`_ran_as_planned`)."""
+at c = 4 = 2 × 2 on ranks posing as nodes of 2 (or 4 with t = 2), alone (every decoder;
+DeepSeek-V3 in fp32 and bf16) and with t = 2 + SP, p = 2 under interleaved 1F1B, GPipe and
+interleaved zero-bubble, d = 2 under ZeRO-2 and ZeRO-3, recompute, bf16; every rank checked
+to run the planned method (`_ran_as_planned`)."""
 from __future__ import annotations
 
 import pytest
