@@ -15,7 +15,7 @@ from models import PASS_MODELS
 preload(*(f"transformers.models.{m}.modeling_{m}" for m in (
     "gpt2", "llama", "bert", "gpt_neox", "falcon", "gptj", "bloom", "olmo2", "phi", "mistral",
     "mixtral", "olmoe", "qwen2_moe", "qwen3", "gemma", "vit", "gpt_bigcode", "phi3", "t5",
-    "bart", "mbart", "umt5", "whisper", "qwen3_moe", "cohere2", "gpt_oss", "swin")),
+    "bart", "mbart", "umt5", "whisper", "qwen3_moe", "cohere2", "gpt_oss", "swin", "modernbert")),
     "torch.export", "autopar.examples.gpt", "autopar.examples.llama", "models", "programs",
     "fork_warmup")
 

@@ -509,6 +509,20 @@ class SharedBlockLM(torch.nn.Module):
         return self.head(self.ln_f(x))
 
 
+def hf_modernbert(*, vocab: int = 64, seq: int = 16, layers: int = 3, heads: int = 4,
+                  hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """ModernBERT masked LM: its first layer's attention norm is an identity (the others a
+    LayerNorm), and global attention every 3rd layer with a sliding window (4 tokens) between:
+    layer 0 global without the norm, layers 1-2 local (issue 31's first-layer pattern)."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+    return ModernBertForMaskedLM(ModernBertConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=seq, global_attn_every_n_layers=3,
+        local_attention=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2,
+        sep_token_id=1, attention_dropout=0.0, mlp_dropout=0.0, embedding_dropout=0.0,
+        **config))
+
+
 def shared_block(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
                  hidden: int = 32) -> Model:
     return SharedBlockLM(vocab=vocab, hidden=hidden, heads=heads, seq=seq, layers=layers)
@@ -550,7 +564,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
-    hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, shared_block, no_list)}
+    hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -15,9 +15,11 @@ attention (low-rank q and kv projections, heads split into rotary and no-rotary 
 rotary key for all heads); Mixtral, OLMoE, Qwen2-MoE and GPT-OSS at p = 2; Cohere2 at
 t = 2 and p = 2, SmolLM3 at t = 2, Qwen2-MoE's shared expert at ep = 2 × d = 2. Weights shared
 across depth (issue 31 item 2): ALBERT at t = 2, p = 2 and p = 3 (every stage holding the
-shared block; two layer groups, the second held by stages 1 and 2 only), a hand-written decoder calling one block twice at p = 2;
-no repeated stack (item 5): a hand-written decoder of named attn / mlp modules at t = 2 and
-p = 2."""
+shared block; two layer groups, the second held by stages 1 and 2 only), a hand-written
+decoder calling one block twice at p = 2; no repeated stack (item 5): a hand-written decoder
+of named attn / mlp modules at t = 2 and p = 2. ModernBERT (a first layer whose attention
+norm is an identity: a kind of its own; global attention every 3rd layer, a sliding window
+between) at t = 2 and p = 2 (the cut between the kinds)."""
 from __future__ import annotations
 
 import dataclasses
@@ -47,7 +49,8 @@ VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss"
             "cohere2_gl": ("hf_cohere2", {"types": ("full_attention", "sliding_attention")}),
             "smollm3_nope": ("hf_smollm3", {"rope": (0, 1)})}
 METHODS = {"deepseek_a2a": "all-to-all"}   # plan.cp_attention (others: the all-gather)
-LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4}   # others: 2
+LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4,
+          "hf_modernbert": 3}   # others: 2
 
 
 def _build(label: str):
@@ -129,9 +132,9 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate",
-      "cohere2_gl", "smollm3_nope"), "t2"),
+      "cohere2_gl", "smollm3_nope", "hf_modernbert"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
-      "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl"), "p2"),
+      "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl", "hf_modernbert"), "p2"),
     (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
       "deepseek_a2a"), "c2"),
     (("hf_qwen3_moe_alternate", "hf_deepseek_v3", "hf_qwen2_moe"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
