@@ -8,7 +8,7 @@ full-attention layer without: p = 2 cuts between blocks of different kinds. GPT-
 c = 2, all-gather and all-to-all. Swin
 (hierarchical): two stages of blocks of different widths, the second block of each shifting
 its windows (a roll), a patch-merging step between them (counted in the block before it);
-p = 2 cuts between the two stages. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
+p = 2 cuts between the two stages, and t = 2 splits both stages' blocks. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
 ep = 2 × d = 2: a dense first layer, then routed experts chosen by sigmoid scores plus a
 score-correction bias within the best of 2 groups, a shared expert, and multi-head latent
 attention (low-rank q and kv projections, heads split into rotary and no-rotary parts, one
@@ -50,7 +50,7 @@ VARIANTS = {"albert3": ("hf_albert", {"layers": 3}), "gpt_oss_mq": ("hf_gpt_oss"
             "smollm3_nope": ("hf_smollm3", {"rope": (0, 1)})}
 METHODS = {"deepseek_a2a": "all-to-all"}   # plan.cp_attention (others: the all-gather)
 LAYERS = {"albert3": 3, "albert_g2": 4, "hf_qwen3_moe_alternate": 4,
-          "hf_modernbert": 3}   # others: 2
+          "hf_modernbert": 3, "hf_swin": 4}   # others: 2
 
 
 def _build(label: str):
@@ -105,8 +105,8 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 
 
 # one process group per mode (the suite's time budget); verified once beyond these, not kept:
-# Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at c = 2, Swin at t = 2, GPT-OSS
-# with 2 kv heads at t = 2. Kept (issue 31 item 1, issue 32 item 2): Cohere2 (a full-attention
+# Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at c = 2, GPT-OSS with 2 kv
+# heads at t = 2 (Swin at t = 2 is kept since 2026-11-26 night). Kept (issue 31 item 1, issue 32 item 2): Cohere2 (a full-attention
 # layer without rotary, then a sliding-window one with it: two kinds) at t = 2 and p = 2 (the
 # cut between the two), SmolLM3 (a NoPE layer, then a rotary one: two kinds) at t = 2,
 # Qwen2-MoE (routed experts and a shared expert behind its sigmoid gate) at ep = 2 × d = 2
@@ -132,7 +132,7 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate",
-      "cohere2_gl", "smollm3_nope", "hf_modernbert"), "t2"),
+      "cohere2_gl", "smollm3_nope", "hf_modernbert", "hf_swin"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl", "hf_modernbert"), "p2"),
     (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
