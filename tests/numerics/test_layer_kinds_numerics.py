@@ -8,7 +8,8 @@ full-attention layer without: p = 2 cuts between blocks of different kinds. GPT-
 c = 2, all-gather and all-to-all. Swin
 (hierarchical): two stages of blocks of different widths, the second block of each shifting
 its windows (a roll), a patch-merging step between them (counted in the block before it);
-p = 2 cuts between the two stages, and t = 2 splits both stages' blocks. DeepSeek-V3 (issue 32 item 2) at t = 2, p = 2 and at
+p = 2 cuts between the two stages, and t = 2 splits both stages' blocks. DeepSeek-V3 (issue 32 item
+2) at t = 2, p = 2 and at
 ep = 2 × d = 2: a dense first layer, then routed experts chosen by sigmoid scores plus a
 score-correction bias within the best of 2 groups, a shared expert, and multi-head latent
 attention (low-rank q and kv projections, heads split into rotary and no-rotary parts, one
@@ -106,12 +107,14 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 
 # one process group per mode (the suite's time budget); verified once beyond these, not kept:
 # Qwen3-MoE (dense first layer) at t = 2 and p = 2, SmolLM3 at c = 2, GPT-OSS with 2 kv
-# heads at t = 2 (Swin at t = 2 is kept since 2026-11-26 night). Kept (issue 31 item 1, issue 32 item 2): Cohere2 (a full-attention
+# heads at t = 2 (Swin at t = 2 is kept since 2026-11-26 night). Kept (issue 31 item 1, issue 32
+# item 2): Cohere2 (a full-attention
 # layer without rotary, then a sliding-window one with it: two kinds) at t = 2 and p = 2 (the
 # cut between the two), SmolLM3 (a NoPE layer, then a rotary one: two kinds) at t = 2,
 # Qwen2-MoE (routed experts and a shared expert behind its sigmoid gate) at ep = 2 × d = 2
 # (at t = 2: test_tp_numerics.py). In the other order (rotary first, the c2 group's Cohere2)
-# they are two kinds too (a first block adding only its own ops is a kind). Issue 31 items 2 and 5 ride in the
+# they are two kinds too (a first block adding only its own ops is a kind). Issue 31 items 2 and 5
+# ride in the
 # t2 / p2 process groups: ALBERT (one layer group called at every depth, tied MLM decoder) at
 # t = 2 and at p = 2 (the cut between two calls of the shared block: both stages hold it and
 # sum its gradients with the tied embedding's), the hand-written decoder calling one block
@@ -120,9 +123,10 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # shared block, summed over the pipeline group; the tied embedding over the first and last)
 # and of 4 layers in 2 layer groups (stages of 2, 1, 1 layers: the first group on stage 0
 # alone, the second on stages 1 and 2, its gradients summed over a group of those two and
-# clipping counting stage 1's copy; ALBERT of 2 layers, stages 0 and 1, verified once). Per-head attention sinks (GPT-OSS) at t = 2 with one
+# clipping counting stage 1's copy; ALBERT of 2 layers, stages 0 and 1, verified once). Per-head
+# attention sinks (GPT-OSS) at t = 2 with one
 # kv head (the q heads split, k/v replicated) and at c = 2 (written-out attention: the keys
-# all-gathered, the sinks whole; "ring" and "all-to-all" keep that gather, verified once).
+# all-gathered, the sinks whole; "ring" and "all-to-all" are refused there in one line).
 # Qwen3-MoE with MoE every other layer (4 layers, dense / MoE alternating) at t = 2, at
 # ep = 2 × d = 2, and with Swin at p = 2 (each stage one dense and one MoE layer); the MoE
 # families (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GPT-OSS) at p = 2, DeepSeek-V3's cut
