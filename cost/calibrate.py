@@ -374,6 +374,12 @@ def _after_compute_s(fn: Callable[[], Any], burst: Callable[[], Any], device: to
     return max(both - alone, 1e-7)
 
 
+# the least share of the largest message's time its bytes must take in a fitted link for the
+# bandwidth to count as measured (`fit_link`; a quick calibration's 256 KiB calls on the 2-vCPU
+# development VM, ~1 ms of waits each, fitted 34 TB/s: a transfer of 1e-8 of their time)
+_IDENTIFIED = 0.05
+
+
 def fit_link(rows: dict[str, list]) -> tuple[float, float]:
     """(latency_s, bandwidth_Bps) minimising the relative error of lat + factor · B / bw over
     every timing of every collective (numpy least squares, weights 1 / measured)."""
@@ -383,8 +389,11 @@ def fit_link(rows: dict[str, list]) -> tuple[float, float]:
             a.append([1.0 / seconds, _factor(name, n) * nbytes / seconds])
             y.append(1.0)
     (lat, inv_bw), *_ = np.linalg.lstsq(np.array(a), np.array(y), rcond=None)
-    if inv_bw <= 0:   # latency-bound timings: the bandwidth from the largest message alone
-        nbytes, n, seconds = max((r for t in rows.values() for r in t), key=lambda r: r[0])
+    nbytes, n, seconds = max((r for t in rows.values() for r in t), key=lambda r: r[0])
+    if inv_bw * nbytes < _IDENTIFIED * seconds:
+        # latency-bound timings (even the largest message's time is nearly all latency, or
+        # noise: the waits a call pays make small differences of sizes): the bandwidth is
+        # not identified by them; the largest message's, all of its time taken as transfer
         inv_bw = seconds / nbytes
     return max(float(lat), 0.0), 1.0 / float(inv_bw)
 

@@ -17,6 +17,15 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert got_lat == pytest.approx(lat, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
 
 
+def test_fit_link_takes_the_largest_message_where_the_sizes_do_not_tell_a_bandwidth():
+    """Timings that are all latency (a quick calibration's 1 KiB and 256 KiB calls each paying
+    ~1 ms of waits) fit a bandwidth no link has (the slope is noise): the largest message's
+    time is taken as its transfer instead, a bandwidth it did reach."""
+    rows = {name: [[1024, 2, 1.0e-3], [1 << 18, 2, 1.0001e-3]] for name in COLLECTIVES}
+    lat, bw = fit_link(rows)
+    assert bw == pytest.approx((1 << 18) / 1.0001e-3, rel=1e-9) and lat < 1.1e-3
+
+
 def test_fit_gemm_and_flash_recover_their_curves():
     peak, half = 8e10, 24.0
     f = lambda x: x / (x + half)  # noqa: E731
