@@ -48,6 +48,7 @@ from typing import Any, Sequence
 
 from autopar.cost.profile import (EagerOps, FusedAttention, LayerKind, ModelProfile,
                                   NO_FALLBACK, RegionProfile, TPCorrection, TPRegionFallback)
+from autopar.cost.step import even_chunks
 
 
 def mixed_profile(parts: Sequence[ModelProfile], layers: Sequence[tuple[int, ...]],
@@ -155,6 +156,12 @@ def _mean_fallback(fixes: Sequence[TPRegionFallback], w: Sequence[float],
 
 # ----- stages over the kinds --------------------------------------------------------------------
 
+def _times_key(cfg: Any) -> tuple:
+    """What a kind's per-layer time reads of cfg (`CostMemo.layer_parts`' knobs)."""
+    return (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
+            cfg.sequence_parallel, cfg.gpus)
+
+
 def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = None) -> list[int]:
     """Per micro-batch time of one layer of each kind at `cfg` (compute, recompute and its
     tensor- / context- / expert-parallel collectives: cost.model.layer_loads on the kind's own
@@ -168,18 +175,31 @@ def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = Non
                 for k in profile.layer_kinds]
     if memo is None:
         return times()
-    return memo.cached(("times", cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size,
-                        cfg.recompute, cfg.sequence_parallel, cfg.gpus), times)
+    return memo.cached(("times",) + _times_key(cfg), times)
+
+
+def _cost_cut(profile: ModelProfile, cluster: Any, cfg: Any, layers_per_chunk: Sequence[int],
+              memo: Any = None) -> tuple[list[float], list[int]]:
+    """(every layer's time `layer_weights`, the model's layers per chunk `stage_layers`) of the
+    solver's split `layers_per_chunk`; `memo` caches it per split and kinds' times, so the
+    memory rows and the load rows of one configuration (`chunk_kind_layers`, `kinds_cut_ns`)
+    cut once."""
+    def cut() -> tuple[list[float], list[int]]:
+        weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+        return weights, stage_layers(layers_per_chunk, weights)
+    if memo is None:
+        return cut()
+    return memo.cached(("cut", tuple(layers_per_chunk)) + _times_key(cfg), cut)
 
 
 def chunk_kind_layers(profile: ModelProfile, cluster: Any, cfg: Any,
                       layers_per_chunk: Sequence[int], memo: Any = None) -> list[list[int]]:
     """Per chunk, its layers of each kind when the solver's split `layers_per_chunk` (mean
     layers) is cut over the model's layers by the kinds' per-layer times (`stage_layers`)."""
-    weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+    _, cut = _cost_cut(profile, cluster, cfg, layers_per_chunk, memo)
     kind_of = layer_weights(profile, range(len(profile.layer_kinds)))
     out, first = [], 0
-    for n in stage_layers(layers_per_chunk, weights):
+    for n in cut:
         row = [0] * len(profile.layer_kinds)
         for k in kind_of[first:first + n]:
             row[int(k)] += 1
@@ -201,14 +221,12 @@ def kinds_cut_ns(profile: ModelProfile, cluster: Any, cfg: Any, layer_ns: int,
     layers a stage, a heavy kind) costs what it costs. Exact at the split given (`predict`
     passes the chosen one); the search's and CP-SAT's rows use the even split's, as the
     memory rows do, so their step-time formula stays affine in the rank layer counts."""
-    n = cfg.p * cfg.v
     if layers_per_chunk is None:
-        q, rem = divmod(profile.num_layers, n)
-        layers_per_chunk = [q + (1 if c < rem else 0) for c in range(n)]
-    weights = layer_weights(profile, kind_layer_ns(profile, cluster, cfg, memo))
+        layers_per_chunk = even_chunks(profile.num_layers, cfg.p * cfg.v)
+    weights, cut = _cost_cut(profile, cluster, cfg, layers_per_chunk, memo)
     scale = layer_ns * len(weights) / sum(weights) if sum(weights) else 0.0
     real, mine, first = [0.0] * cfg.p, [0] * cfg.p, 0
-    for c, k in enumerate(stage_layers(layers_per_chunk, weights)):
+    for c, k in enumerate(cut):
         real[c % cfg.p] += sum(weights[first:first + k]) * scale
         mine[c % cfg.p] += layers_per_chunk[c]
         first += k
@@ -261,9 +279,7 @@ def kinds_memory_slopes(profile: ModelProfile, cluster: Any, cfg: Any,
     even split and see a stage of MoE layers hold more than the mean; `predict` prices the
     chosen split exactly (`kinds_rank_memory`). `parts`, `fparts`: the mean layer's;
     `memo`, `gathers`: config_costs'."""
-    n = cfg.p * cfg.v
-    q, rem = divmod(profile.num_layers, n)
-    chunks = [q + (1 if c < rem else 0) for c in range(n)]
+    chunks = even_chunks(profile.num_layers, cfg.p * cfg.v)
     counts = chunk_kind_layers(profile, cluster, cfg, chunks, memo)
     per_kind = _kind_memory(profile, cluster, cfg, memo, gathers)
     from autopar.cost.memory import backward_work

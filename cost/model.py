@@ -55,7 +55,7 @@ from autopar.cost.profile import ModelProfile
 from autopar.cost.shares import (RankParams, expert_params_elems, padded_vocab,  # noqa: F401
                                  rank_params, rank_profile, shard_params_elems,
                                  vocab_pad_ratio)
-from autopar.cost.step import (Lin, fits, rank_layers, rank_load_ns,  # noqa: F401
+from autopar.cost.step import (Lin, even_chunks, fits, rank_layers, rank_load_ns,  # noqa: F401
                                rank_memory_bytes, rank_tail_ns, rank_tail_terms_ns,
                                scaled_step_ns, step_scale, step_time_ns, step_time_scaled,
                                tail_layer_ns, total_load_ns, total_tail_ns, v_step_ns)
@@ -166,8 +166,7 @@ def predict(profile: ModelProfile, cluster: Cluster, cfg: Config,
     profile = rank_profile(profile, cluster, cfg)
     nchunks = cfg.p * cfg.v
     if layers_per_chunk is None:
-        q, rem = divmod(profile.num_layers, nchunks)
-        layers_per_chunk = [q + (1 if c < rem else 0) for c in range(nchunks)]
+        layers_per_chunk = even_chunks(profile.num_layers, nchunks)
     if len(layers_per_chunk) != nchunks or sum(layers_per_chunk) != profile.num_layers:
         raise ValueError(f"layers_per_chunk={list(layers_per_chunk)}: needs p·v = {nchunks} "
                          f"entries summing to num_layers={profile.num_layers}")

@@ -35,6 +35,13 @@ from autopar.cost.config import Config, ConfigCosts, LoadCosts, bubble_div
 Lin = TypeVar("Lin")  # an int, or a CP-SAT linear expression
 
 
+def even_chunks(num_layers: int, chunks: int) -> list[int]:
+    """Layers per chunk of the even split: num_layers // chunks each, the earlier chunks one
+    more while the remainder lasts."""
+    q, rem = divmod(num_layers, chunks)
+    return [q + (1 if c < rem else 0) for c in range(chunks)]
+
+
 def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[int]:
     """y_r: layers on pipeline rank r when chunk c runs on rank c mod p."""
     y = [0] * p
