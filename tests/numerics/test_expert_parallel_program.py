@@ -19,7 +19,7 @@ from autopar.testing import spawn
 import models
 from programs import (BF16_LOSS_RTOL, BF16_MEDIAN_UPDATE_RTOL, BF16_UPDATE_RTOL,
                       BF16_UPDATE_SCALE_RTOL, BF16_WEIGHT_ATOL, MAX_NORM, STEPS, adamw,
-                      check_trained, loss_fn, make_plan, train_steps)
+                      check_trained, loss_fn, make_plan, sgd_momentum, train_steps)
 from reference import assert_weights_match, train
 
 pytestmark = pytest.mark.distributed
@@ -180,20 +180,16 @@ def _zero_plan(zero: int, ep: int = 2):
     return dataclasses.replace(make_plan(d=4, m=1), ep=ep, zero=zero)
 
 
-def sgd(params):
-    """fp32 cases: SGD with momentum (its buffer checkpointed), not AdamW, which divides out a
-    gradient wrong by a constant factor (the experts' divisor c·d against c·d/ep)."""
-    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-
-
 def _optim(precision: str) -> tuple:
-    """(optimizer, max_grad_norm) of a case: SGD in both precisions, bf16 with clipping active.
-    Not AdamW in bf16: its normalised step turns bf16 rounding of near-zero gradients into
+    """(optimizer, max_grad_norm) of a case: SGD with momentum (programs.sgd_momentum; its
+    buffer checkpointed) in both precisions, bf16 with clipping active. Not AdamW in fp32: it
+    divides out a gradient wrong by a constant factor (the experts' divisor c·d against
+    c·d/ep). Not AdamW in bf16: its normalised step turns bf16 rounding of near-zero gradients into
     lr-sized moves, so on an AVX-512 AMD EPYC host Mixtral's experts' updates were 9-10% off
     one device's at ep = 2, under ZeRO-0 and ZeRO-2 alike (5.6% at ep = 1), and one master
     crossed BF16_WEIGHT_ATOL; with SGD every tensor's update was within 0.8% at ep = 1 and 2
     (2026-11-26), so the median and scale checks below see a wrong gradient, not noise."""
-    return (sgd, MAX_NORM) if precision == "fp32" else (sgd, BF16_MAX_NORM)
+    return sgd_momentum, MAX_NORM if precision == "fp32" else BF16_MAX_NORM
 
 
 def _zero_rank(rank: int, world: int, path: str) -> list:
