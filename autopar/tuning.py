@@ -217,11 +217,10 @@ class PlanRun:
         113 ms against 95 ms alone, 102 ms with the collector's traversals frozen."""
         for _ in range(warmup):
             self.runner.train_step(*self.batch)
+        from autopar.cost.solver import collector_paused   # loaded by the planning already
         times = []
         gc.collect()
-        paused = gc.isenabled()
-        gc.disable()
-        try:
+        with collector_paused():
             for _ in range(steps):
                 dist.barrier()
                 start = time.perf_counter()
@@ -231,9 +230,6 @@ class PlanRun:
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times.append(float(elapsed))
-        finally:
-            if paused:
-                gc.enable()
         return statistics.median(times)
 
     def memory_bytes(self) -> float:

@@ -155,17 +155,18 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     except ValueError as exc:
         raise ValueError(f"solve: {exc}") from None
     _validate(profile, cluster, gpus, global_batch_size, pins)
-    with _collector_paused():
+    with collector_paused():
         return _solve(profile, cluster, gpus, global_batch_size, pins, max_alternatives, stats)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the solve: the search allocates ~10^5
     short-lived acyclic tuples (heap entries, memory failures, memo keys), each allocation
     burst triggering collections that walk every object alive, torch's and the captured
     graph's included (measured ~1 s of a 1T solve's ~6 s CPU, 2026-11-26). Nothing the solve
-    makes is cyclic garbage; the collector's previous state is restored."""
+    makes is cyclic garbage; the collector's previous state is restored. autopar.tuning times
+    its steps under it too."""
     was = gc.isenabled()
     gc.disable()
     try:
