@@ -299,6 +299,9 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
     waking is prompt (NCCL on a GPU) this is the call's own time."""
     sizes = _QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES
     burst = _burst(device)
+    calls = COLLECTIVE_CALLS if not quick else 10
+    dist.barrier()   # the burst alone, every rank at once (as it runs beside each collective)
+    burst_s = _time_s(burst, device, calls, 2 if quick else 3, typical=True)
     out: dict[str, Any] = {}
     for link, lists in groups.items():
         mine = None
@@ -315,8 +318,7 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                     continue
                 group, ranks = mine
                 fn, whole = _collective_fns(name, nbytes, group, ranks, device)
-                calls = COLLECTIVE_CALLS if not quick else 10
-                seconds = _after_compute_s(fn, burst, device,
+                seconds = _after_compute_s(fn, burst, burst_s, device,
                                            calls if nbytes <= (1 << 20) else calls // 4,
                                            2 if quick else 3)
                 rows[name].append([whole, len(ranks), seconds])
@@ -365,13 +367,12 @@ def _burst(device: torch.device) -> Callable[[], Any]:
     return lambda: torch.nn.functional.linear(x, w)
 
 
-def _after_compute_s(fn: Callable[[], Any], burst: Callable[[], Any], device: torch.device,
-                     calls: int, repeats: int) -> float:
+def _after_compute_s(fn: Callable[[], Any], burst: Callable[[], Any], burst_s: float,
+                     device: torch.device, calls: int, repeats: int) -> float:
     """Seconds of `fn` issued after `burst` (`measure_collectives`): the typical (mean) call of
-    burst + fn less the typical burst alone, both in wall time."""
+    burst + fn less `burst_s`, the typical burst alone (timed once, as this), in wall time."""
     both = _time_s(lambda: (burst(), fn()), device, calls, repeats, typical=True)
-    alone = _time_s(burst, device, calls, repeats, typical=True)
-    return max(both - alone, 1e-7)
+    return max(both - burst_s, 1e-7)
 
 
 # the least share of the largest message's time its bytes must take in a fitted link for the

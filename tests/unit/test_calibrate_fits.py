@@ -131,7 +131,7 @@ def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst():
     import torch
 
     from autopar.cost.calibrate import _after_compute_s
-    got = _after_compute_s(lambda: time.sleep(0.001), lambda: time.sleep(0.002),
+    got = _after_compute_s(lambda: time.sleep(0.001), lambda: time.sleep(0.002), 0.002,
                            torch.device("cpu"), 5, 2)
     assert 0.8e-3 < got < 1.6e-3
 
