@@ -8,9 +8,13 @@ A GPU is lent to this project only now and then, so what it can tell is ready to
     # a 15-minute lease: calibrate first, while the device is empty (it records what is
     # already in use as the reserve: 8.8 GB after the single part on the first H100 run), then
     # what matters most, and a deadline so the call ends with its results)
-    pip install -q --no-deps --no-build-isolation -e . && \\
-        python benchmarks/gpu.py run --dir gpu_run --out $OUT --deadline-s 420 --parts \\
-        calibrate,single:single-gpt,memory,checkpoint,multirank,single:single-llama
+    # (`python3 -m pip`: the image's bare `pip` belongs to another interpreter; the checkout
+    # on PYTHONPATH is not enough, autopar.cost lives in ./cost by the editable install's map)
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && \\
+        AUTOPAR_CKPT_DIR=/dev/shm python3 benchmarks/gpu.py run --dir gpu_run --out $OUT \\
+        --deadline-s 420 --parts calibrate,checkpoint,single:single-gpt,memory,profile
+    # times on the H100 (2026-11-27): calibrate 20 s, checkpoint ~3 min (0.35B GPT: ~5 GB a
+    # save, even into /dev/shm), profile 51 s, a memory row ~4 s, single ~2 min a model
     # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
     python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
 
@@ -36,7 +40,11 @@ reason and the rest still run; `--parts` picks some):
    gradients, optimizer) and the activations separately — for recompute none / selective /
    full and micro-batch 1, 2, 4.
 5. `checkpoint`: a ~0.35B GPT's synchronous save against an asynchronous one while training
-   goes on (issue 27: the stall ≤ 20% of the synchronous save's time).
+   goes on (issue 27: the stall ≤ 20% of the synchronous save's time), the staging buffer
+   pinned or not, and each save loaded back on the device equal to what was saved, bit for bit.
+6. `profile`: one eager step of the `single` plans under torch.profiler: the device's busy
+   time against the step's wall time, and the kernels that take it (where a measured step
+   parts from the predicted one), the table into OUT/profile-CASE.txt.
 
 `--quick` shrinks every model to a few layers of width 64 (the plumbing, not the numbers).
 The results: OUT/gpu_results.json (every number) and OUT/gpu_results.txt (the table, also
@@ -59,7 +67,7 @@ from typing import Any, Callable
 
 import torch
 
-PARTS = ("single", "multirank", "calibrate", "memory", "checkpoint")
+PARTS = ("single", "multirank", "calibrate", "memory", "checkpoint", "profile")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "GROUP_RANK")
 SEED = 1234
@@ -191,6 +199,9 @@ def cases(s: Sizes, cluster: str) -> list[Case]:
                  cluster=cluster, elementwise="eager",
                  pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r, micro_batch_size=mb))
             for r in ("none", "selective", "full") for mb in (1, 2, 4)]
+    out += [Case(key=f"profile-{m}", part="profile", model=m, gpus=1, cluster=cluster,
+                 pins=dict(t=1, p=1, d=1, c=1, zero=0, micro_batch_size=4))
+            for m in ("gpt", "llama")]
     out.append(Case(key="checkpoint-gpt", part="checkpoint", model="ckpt_gpt", gpus=1,
                     cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=1, micro_batch_size=4)))
     return out
@@ -645,12 +656,87 @@ def _checkpoint_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
             with_save = time.perf_counter() - t0
             after = steps(n)
             trials.append((block, with_save - (before + after) / 2))
+        equal = {kind: _reloads_equal(runner, f"{tmp}/{kind}", kind == "async", steps)
+                 for kind in ("sync", "async")}
+    from autopar.runtime import ckpt_writer
+    pinned = ckpt_writer.WRITER._pinned
     runner.close()
     stall = statistics.median(t[1] for t in trials)
     return {"case": key, "variant": "sync vs async save", "step_s": step_s,
             "bytes_written": written, "sync_save_s": sync_s,
             "async_block_s": statistics.median(t[0] for t in trials), "async_stall_s": stall,
-            "stall_over_sync": stall / sync_s, "overlapped_steps": n, "trials": trials}
+            "stall_over_sync": stall / sync_s, "overlapped_steps": n, "trials": trials,
+            "reload_equal": equal, "staging_pinned": pinned}
+
+
+def _reloads_equal(runner: Any, path: str, async_save: bool, steps: Callable) -> bool:
+    """Save (sync or async) from the device, train a step (the state moves), load the save
+    back: every weight and optimizer tensor equal to the saved ones, bit for bit."""
+    runner.save_checkpoint(path, async_save=async_save)
+    if async_save:
+        runner.wait_for_checkpoint()
+    saved = {k: t.cpu().clone() for k, t in _keyed_state(runner).items()}
+    steps(1)
+    runner.load_checkpoint(path)
+    now = _keyed_state(runner)
+    return saved.keys() == now.keys() and all(
+        a.dtype == now[k].dtype and torch.equal(a, now[k].cpu()) for k, a in saved.items())
+
+
+def _keyed_state(runner: Any) -> dict[str, torch.Tensor]:
+    """The weights and optimizer state by a key that survives a load (the optimizer's state
+    is rebuilt in another order): the parameter's place, and the state's name."""
+    out = {f"param{i}": p.detach() for i, p in enumerate(runner.parameters())}
+    opt = getattr(runner.regime, "optimizer", None)
+    if opt is not None:
+        place = {id(p): i for i, p in enumerate(
+            p for g in opt.param_groups for p in g["params"])}
+        for p, state in opt.state.items():
+            for name, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    out[f"opt{place[id(p)]}.{name}"] = t.detach()
+    return out
+
+
+def part_profile(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
+                 rows: Rows, out: Path) -> None:
+    _group_of_one(device)
+    for key in keys:
+        rows.run(key, "one eager step profiled", lambda key=key: _profile_row(
+            key, plans[key], s, device, out))
+
+
+def _profile_row(key: str, plan: Any, s: Sizes, device: str, out: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    name = key.split("-", 1)[1]
+    model = build_model(name, s, "cpu", init=device)
+    runner = autopar_runner(plan, model, seq_of(name, s), precision="bf16", device=device,
+                            lr=1e-4)
+    data = batches(plan, vocab_of(model), seq_of(name, s), 3, device)
+    for x, y in data[:2]:
+        runner.train_step(x, y)
+    _sync(device)
+    cuda = device.startswith("cuda")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        runner.train_step(*data[2])
+        _sync(device)
+    wall = time.perf_counter() - t0
+    runner.close()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    top = sorted(events, key=lambda e: getattr(e, attr, 0), reverse=True)[:30]
+    # kernels only: CUPTI's "Command Buffer Full" marks the host waiting on a full launch
+    # queue (196 ms of the Llama's step on the H100, 2026-11-27), not device work
+    busy_us = sum(getattr(e, attr, 0) for e in events
+                  if not e.key.startswith("Command Buffer Full") and (
+                      not cuda or "CUDA" in str(getattr(e, "device_type", ""))))
+    (out / f"{key}.txt").write_text(events.table(sort_by=attr, row_limit=40) + "\n")
+    return {"case": key, "variant": "one eager step profiled", "wall_s": wall,
+            "device_busy_s": busy_us / 1e6, "predicted_step_s": plan.predicted.step_time_s,
+            "top": [{"name": e.key[:90], "calls": e.count, "self_s": getattr(e, attr, 0) / 1e6}
+                    for e in top]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -689,11 +775,18 @@ def _row_text(part: str, r: dict) -> str:
                 f"{(r['predicted_static_bytes'] + r['predicted_activation_bytes']) / g:7.3f} "
                 f"({r['total_error'] * 100:+.0f}%); activations {r['measured_activation_bytes'] / g:.3f}"
                 f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)")
+    if part == "profile":
+        tops = "; ".join(f"{t['name'][:40]} {t['self_s'] * 1e3:.0f} ms" for t in r["top"][:4])
+        return (f"{head} wall {r['wall_s'] * 1e3:.0f} ms, device busy "
+                f"{r['device_busy_s'] * 1e3:.0f} ms (predicted {r['predicted_step_s'] * 1e3:.0f}"
+                f" ms): {tops}")
     if part == "checkpoint":
         return (f"{head} {r['bytes_written'] / 2 ** 30:.2f} GiB: sync save "
                 f"{r['sync_save_s']:.2f} s; async blocks {r['async_block_s']:.2f} s, stall "
                 f"{r['async_stall_s']:.2f} s = {r['stall_over_sync'] * 100:.0f}% of sync "
-                f"(goal ≤ 20%) over {r['overlapped_steps']} steps of {r['step_s'] * 1e3:.0f} ms")
+                f"(goal ≤ 20%) over {r['overlapped_steps']} steps of {r['step_s'] * 1e3:.0f} ms; "
+                f"staging {'pinned' if r.get('staging_pinned') else 'pageable'}; reloaded "
+                f"equal: {r.get('reload_equal')}")
     vs = "  ".join(f"{k} {v['measured']:.3g} (preset {v['preset']:.3g})"
                    for k, v in r.get("against_preset", {}).items()
                    if isinstance(v["measured"], (int, float))
@@ -740,6 +833,7 @@ def run(directory: Path, out: Path, device: str, quick: bool, parts: tuple[str, 
 
     runners = {"single": part_single, "multirank": part_multirank, "memory": part_memory,
                "checkpoint": part_checkpoint,
+               "profile": lambda *a: part_profile(*a, out),
                "calibrate": lambda *a: part_calibrate(*a, out, manifest["cluster"])}
     for part, keys in part_steps(parts, plans):
         t0 = time.perf_counter()

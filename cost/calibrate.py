@@ -121,9 +121,19 @@ def _time_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
     return float(np.mean(times) if typical else np.min(times))
 
 
-def _calls(work: float, target: float) -> int:
-    """Calls that make a batch last about `target` seconds at `work` seconds each, 1..50."""
-    return max(1, min(50, int(target / max(work, 1e-7))))
+def _batch_calls(fn: Callable[[], Any], device: torch.device, clock: Callable[[], float],
+                 target: float, most: int = 200) -> int:
+    """Calls that make a timed batch last about `target` seconds at `fn`'s own measured rate
+    (1..most): a warm-up call (one-time costs: library handles, kernel choice), then one timed
+    call. Measured, not guessed from a FLOP rate: on a GPU a guess made for a CPU gave one
+    call per batch, and each call then carried a synchronisation (~0.2 ms on an H100, the
+    first run of 2026-11-27), 70x a 512³ GEMM's own time."""
+    fn()
+    _sync(device)
+    start = clock()
+    fn()
+    _sync(device)
+    return max(1, min(most, int(target / max(clock() - start, 1e-7))))
 
 
 def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
@@ -144,9 +154,9 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
                 def step():
                     x.grad = w.grad = None
                     torch.nn.functional.linear(x, w).backward(dy)
-                guess = 6.0 * m * n * k / 2e10
-                s = _time_s(step, device, _calls(guess, 0.003 if quick else 0.01), 3,
-                            compute_clock(device))
+                clock = compute_clock(device)
+                calls = _batch_calls(step, device, clock, 0.003 if quick else 0.01)
+                s = _time_s(step, device, calls, 3, clock)
                 curve.append([m, n, k, 6.0 * m * n * k / s])
     return curve
 
@@ -179,11 +189,16 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
         q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, device=device,
                                requires_grad=True) for _ in range(3))
         grad = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
-        calls = 2 if quick else 5
         clock = compute_clock(device)
-        fwd_s = _time_s(lambda: sdpa(q, k, v, is_causal=True), device, calls, 3, clock)
-        both_s = _time_s(lambda: sdpa(q, k, v, is_causal=True).backward(grad), device, calls,
-                         3, clock)
+        target = 0.003 if quick else 0.01
+
+        def fwd():
+            sdpa(q, k, v, is_causal=True)
+
+        def both():
+            sdpa(q, k, v, is_causal=True).backward(grad)
+        fwd_s = _time_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
+        both_s = _time_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
         flops = 4.0 * heads * length * length * dim * (length + 1) / (2 * length)
         curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
     return curve
@@ -415,9 +430,15 @@ def collective_curves(link: str, rows: dict[str, list], as_link: str | None = No
     return out
 
 
-def fit_gemm(curve: list[list[float]]) -> tuple[float, float]:
-    """(asymptotic FLOP/s P, half_dim) of rate = P · f(m)f(n)f(k) (least squares: P closed-form
-    for each half_dim on a log grid)."""
+def fit_gemm(curve: list[list[float]], floor_s: float = 0.0) -> tuple[float, float]:
+    """(asymptotic FLOP/s P, half_dim) of rate = P · f(m)f(n)f(k) (least squares of the
+    relative error: P closed-form for each half_dim on a log grid). `floor_s`: the measured
+    step's own dispatch (cost.hardware.Cluster kernel_launch_s, autograd_op_s, which the cost
+    model prices apart); a shape whose step takes under twice that is timing the dispatch,
+    not the GEMM (on a GPU, every shape up to ~1024³), and is left out of the fit while at
+    least 3 shapes remain."""
+    slow = [r for r in curve if 6.0 * r[0] * r[1] * r[2] / r[3] >= 2.0 * floor_s]
+    curve = slow if len(slow) >= 3 else curve
     best = (max(r[3] for r in curve), 1.0, float("inf"))
     for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 45)]:
         x = np.array([(m / (m + half)) * (n / (n + half)) * (k / (k + half))
@@ -428,6 +449,12 @@ def fit_gemm(curve: list[list[float]]) -> tuple[float, float]:
         if err < best[2]:
             best = (peak, half, err)
     return best[0], best[1]
+
+
+def dispatch_floor_s(record: dict[str, Any]) -> float:
+    """What one measured GEMM step (y = x·Wᵀ forward and backward) spends dispatching, by the
+    record's own per-op numbers: 3 kernels launched and one autograd node."""
+    return 3.0 * record.get("kernel_launch_s", 0.0) + record.get("autograd_op_s", 0.0)
 
 
 def fit_flash(curve: list, peak: float) -> dict[str, float]:
@@ -563,14 +590,15 @@ def cluster_from_record(record: dict[str, Any], name: str,
     where = (f"measured by `autopar calibrate` on {', '.join(record['hosts'])} at "
              f"{record['measured_at']} ({record['world']} ranks, {record['nodes']} node(s), "
              f"{record['device']}, {record['backend']}, {record['dtype']})")
-    asymptote, half = fit_gemm(record["matmul_curve"])
+    asymptote, half = fit_gemm(record["matmul_curve"], dispatch_floor_s(record))
     peak = peak_flops or asymptote
     emax = min(1.0, asymptote / peak)
     flash = fit_flash(record["attention_curve"], peak * emax)
     fits = {link: fit_link(rows) for link, rows in record["collectives"].items()}
     sources = [f"all constants below {where}",
                f"peak_flops, gemm_max_efficiency, gemm_half_dim: fitted to the GEMM curve "
-               f"({len(record['matmul_curve'])} shapes, forward + backward under autograd)" + (
+               f"({len(record['matmul_curve'])} shapes, forward + backward under autograd; "
+               f"those timing their dispatch left out)" + (
                    "; peak_flops the datasheet's, as given" if peak_flops else
                    "; peak_flops the fitted asymptote, e_max 1"),
                "flash efficiencies, flash_half_len: fitted to the attention curve (forward, "

@@ -68,6 +68,7 @@ from autopar.runtime.ckpt_store import (LAYOUT_FILE, ChecksumFileSystem, adopt_c
                                         file_records, own_files)
 from autopar.runtime.ckpt_writer import WRITER
 from autopar.runtime.dist import peer_guard
+from autopar.runtime.optim_state import state_value
 from autopar.runtime.params import LocalParams, ParamInfo
 from autopar.runtime.shard import gather_unshard, local_shard
 
@@ -466,7 +467,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
     """Install per-key state (from load_checkpoint) into a plain torch optimizer."""
     for key, p in named_params.items():
         if key in state:
-            optimizer.state[p] = {k: v.to(torch.float32) if v.dim() == 0 else v.to(p.dtype)
+            optimizer.state[p] = {k: state_value(optimizer, p, v)
                                   for k, v in state[key].items()}
 
 

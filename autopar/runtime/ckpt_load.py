@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadat
 
 from autopar.runtime.ckpt_packs import nbytes
 from autopar.runtime.ckpt_pieces import Held, flat_boxes, map_box, split_runs
+from autopar.runtime.optim_state import state_value
 from autopar.runtime.params import LocalParams
 
 Box = list[tuple[int, int]]
@@ -422,7 +423,7 @@ def _with_state(held: list[Held], layout: dict, params: LocalParams, optimizer: 
         tensors = {"weight": h.tensors["weight"]}
         for sname, name in sorted(names.get(key, [])):
             if not layout["tensors"][name]["global_shape"]:
-                state[sname] = torch.zeros((), dtype=torch.float32)
+                state[sname] = state_value(optimizer, param, torch.zeros(()))
                 scalars.append((h, sname, name))
                 continue
             mine = old.get(sname)

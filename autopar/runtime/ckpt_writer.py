@@ -10,9 +10,9 @@ steps slowed by 1.03–1.23× the whole synchronous save). A process shares no l
 training, and at nice 19 it takes only the cycles training leaves idle. Megatron-Core's
 persistent async worker and DCP's own `AsyncCheckpointerType.PROCESS` are built the same way.
 
-Protocol. The caller stages the pieces (`stage`): one flat shared-memory byte buffer (pinned
-when the pieces are on a GPU is not done: the device-to-host copy goes to shared host memory)
-holding every piece at its offset of autopar.runtime.ckpt_packs.piece_index, zeros between,
+Protocol. The caller stages the pieces (`stage`): one flat shared-memory byte buffer (page-locked
+with cudaHostRegister once the pieces are on a GPU, as DCP's pinned shared staging does, so the
+device-to-host copies are DMA transfers that overlap one another; `pin_host`) holding every piece at its offset of autopar.runtime.ckpt_packs.piece_index, zeros between,
 reused from save to save (1× the rank's written bytes of host memory while the job runs).
 `ProcessWriter.start(fn, job, staged, groups)` sends `fn`, `job` and the buffer (one file
 descriptor, torch.multiprocessing's sharing) down a pipe; the process rebuilds the packs
@@ -88,6 +88,23 @@ class Staged:
                 for key, value in self.pieces().items()}
 
 
+def pin_host(buffer: torch.Tensor) -> bool:
+    """Page-lock `buffer` (host memory this process already owns, here shared memory) for the
+    CUDA device in place: cudaHostRegister, flag 1 (portable), as torch.distributed's
+    _create_cpu_state_dict(pin_memory=True, share_memory=True) does; `pin_memory()` would copy
+    it out of shared memory. False where it cannot be pinned (no CUDA, an empty buffer, the
+    driver refused): the copies then go to pageable memory, correct and slower."""
+    if not torch.cuda.is_available() or buffer.numel() == 0:
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1)
+    return int(err) == 0
+
+
+def unpin_host(buffer: torch.Tensor) -> None:
+    """Undo pin_host."""
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
 class ProcessWriter:
     """The rank's background writer process (module docstring)."""
 
@@ -98,6 +115,7 @@ class ProcessWriter:
         self._rank = 0
         self._pending = False
         self._buffer: torch.Tensor | None = None
+        self._pinned = False
         self._error: BaseException | None = None
 
     # ---- staging ----------------------------------------------------------------------------
@@ -109,7 +127,10 @@ class ProcessWriter:
         self.wait()
         index, total = piece_index(tensors)
         if self._buffer is None or self._buffer.numel() != total:
+            self._release()
             self._buffer = torch.zeros(total, dtype=torch.uint8).share_memory_()
+        if not self._pinned and any(v.is_cuda for v in tensors.values()):
+            self._pinned = pin_host(self._buffer)
         staged = Staged(flat=self._buffer, index=index)
         ends = [offset + nbytes(shape, getattr(torch, dtype))
                 for _, dtype, shape, offset in index]
@@ -157,10 +178,17 @@ class ProcessWriter:
         """A save is in flight and has not answered yet."""
         return self._pending and not self._conn.poll()
 
+    def _release(self) -> None:
+        """Unpin the staging buffer (before it is dropped or replaced)."""
+        if self._pinned and self._buffer is not None:
+            unpin_host(self._buffer)
+        self._pinned = False
+
     def close(self) -> None:
         """Wait for the save in flight, then stop the process."""
         try:
             self.wait()
+            self._release()
         finally:
             if self._proc is not None:
                 try:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.collectives import all_gather, group_size
+from autopar.runtime.optim_state import state_value
 
 OptimState = dict[str, dict[str, torch.Tensor]]
 
@@ -119,8 +120,8 @@ def load_state(layout: FlatLayout, masters: Sequence[torch.Tensor],
             raise ValueError(f"load_state: no optimizer state for {key!r}; the state must "
                              f"hold every tensor of the layout (a checkpoint of this model)")
         optimizer.state[m] = {
-            name: (v.detach().clone().to(torch.float32) if v.dim() == 0 else
-                   v.detach().reshape(-1)[s.lo:s.hi].clone().to(m.dtype))
+            name: state_value(optimizer, m, v.detach().clone() if v.dim() == 0 else
+                              v.detach().reshape(-1)[s.lo:s.hi].clone())
             for name, v in state[key].items()}
 
 

@@ -319,3 +319,21 @@ def test_one_gpu_keeps_the_base_clusters_links_and_is_refused_without_one(tmp_pa
     with pytest.raises(ValueError, match="--base CLUSTER"):
         cluster_from_record(record, "h100-one", 989e12, None)
     assert dataclasses.replace(got, name=base.name) != base   # the device's numbers are new
+
+
+def test_gemm_fit_leaves_out_shapes_that_time_their_dispatch():
+    """On a GPU a small GEMM step takes its dispatch (launches, the autograd node), whatever
+    its FLOPs: fitted with them, the curve's asymptote and half dim go wrong for the large
+    shapes that training runs. With the record's own dispatch floor they are left out."""
+    from cost.calibrate import dispatch_floor_s
+    peak, half, floor = 7e14, 256.0, 60e-6
+    f = lambda x: x / (x + half)  # noqa: E731
+    dims = (512, 1024, 2048, 4096, 8192)
+    curve = [[m, n, k, 6.0 * m * n * k / max(6.0 * m * n * k / (peak * f(m) * f(n) * f(k)),
+                                            floor)] for m in dims for n in dims for k in dims]
+    record = {"kernel_launch_s": 10e-6, "autograd_op_s": 30e-6}
+    assert dispatch_floor_s(record) == pytest.approx(floor)
+    got_peak, got_half = fit_gemm(curve, dispatch_floor_s(record))
+    assert got_peak == pytest.approx(peak, rel=0.05) and got_half == pytest.approx(half, rel=0.2)
+    naive_peak, naive_half = fit_gemm(curve)
+    assert abs(naive_peak / peak - 1) > 0.2   # the dispatch-bound shapes mislead a plain fit

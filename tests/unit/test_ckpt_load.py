@@ -230,3 +230,24 @@ def test_a_file_system_refusing_direct_writes_gets_buffered_ones(tmp_path: Path,
     for name, f in (("direct", ok), ("buffered", fallback)):
         assert (tmp_path / name).read_bytes() == bytes(data), name
         assert f.crc == zlib.crc32(data) and f.size == len(data), name
+
+
+def test_loaded_optimizer_state_sits_where_torchs_own_load_puts_it():
+    """Adam's step: on the CPU, unless the group is fused or capturable (its kernels read it
+    on the parameter's device: a CPU step failed a fused AdamW on an H100 after a load); the
+    moments on the parameter's device and dtype. Meta parameters stand in for a GPU's, and
+    torch's own load_state_dict is the reference."""
+    from autopar.runtime.optim_state import state_value
+    for flags in ({}, {"fused": True}, {"capturable": True}):
+        param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16, device="meta"))
+        opt = torch.optim.AdamW([param], lr=1e-3, foreach=False, **flags)
+        step = state_value(opt, param, torch.tensor(3.0, dtype=torch.float64))
+        moment = state_value(opt, param, torch.ones(4, dtype=torch.float32))
+        ref = torch.optim.AdamW([param], lr=1e-3, foreach=False, **flags)
+        ref.load_state_dict({"state": {0: {"step": torch.tensor(3.0),
+                                           "exp_avg": torch.ones(4)}},
+                             "param_groups": opt.state_dict()["param_groups"]})
+        want_step = ref.state[param]["step"]
+        assert (step.device, step.dtype) == (want_step.device, torch.float32), flags
+        assert step.device.type == ("meta" if flags else "cpu"), flags
+        assert (moment.device.type, moment.dtype) == ("meta", torch.bfloat16), flags
