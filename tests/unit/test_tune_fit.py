@@ -69,3 +69,18 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833, rel=1e-6)
+
+
+def test_one_plan_the_scales_cannot_fit_leaves_the_others_fitted():
+    """A plan whose time the cost model misses (here 30% slower than its terms say) must not
+    pull the scales off for the rest: the refit is the least absolute relative error."""
+    cluster = get_cluster("h100-eth100g")
+    plans, _ = _plans(cluster)
+    comm = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+    measured = [1.7 * (pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in comm))
+                + 2.5 * sum(getattr(pl.predicted, k) for k in comm) for pl in plans]
+    measured[1] *= 1.3
+    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
+              for pl, m in zip(plans, measured)]
+    a, b = fit_scales(trials)
+    assert a == pytest.approx(1.7, rel=1e-3) and b == pytest.approx(2.5, rel=1e-3)
