@@ -345,15 +345,21 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
 def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
     """The fraction of a collective that hides behind compute run meanwhile, every rank at
     once: an all-reduce of 4 MiB over all ranks (async) and a GEMM loop (a projection's
-    forward + backward), timed alone and together; (alone_c + alone_m − together) /
-    min(alone_c, alone_m), clipped to [0, 1]. A GPU's collectives run beside its kernels (~1);
-    CPU ranks that fill every core leave none to move the data (~0)."""
+    forward + backward), timed alone and together in rounds; 1 − the median over rounds of
+    (together − compute alone) / collective alone, each round's three timings back to back
+    (the slowest rank's), clipped to [0, 1]. A GPU's collectives run beside its kernels (~1);
+    CPU ranks that fill every core leave none to move the data (~0). Paired per round and the
+    median taken: on 2 CPU ranks the compute alone wandered ±30% between batches, more than
+    the all-reduce's whole time, and one ratio of three best-of-5 timings read 0.0, 0.10 and
+    0.79 in three calibrations minutes apart (2026-11-27)."""
     buf = torch.ones((1 << 20) if not quick else (1 << 16), dtype=torch.float32, device=device)
     x = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
 
+    loops = [1]
+
     def compute():
-        for _ in range(2 if quick else 8):
+        for _ in range(loops[0]):
             x.grad = w.grad = None
             torch.nn.functional.linear(x, w).sum().backward()
 
@@ -364,15 +370,25 @@ def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> fl
         work = dist.all_reduce(buf, async_op=True)
         compute()
         work.wait()
-    times = []
-    for fn in (compute, comm, both):
-        dist.barrier()
-        times.append(_time_s(fn, device, 2, 3 if quick else 5))
+    # the GEMM loop sized to ~1.5x the collective (the slowest rank's), every rank the same:
+    # room to hide it all, and compute's own wander small against the collective's time
+    sizes = torch.tensor([_time_s(comm, device, 2, 3), _time_s(compute, device, 2, 3)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    loops[0] = max(1, min(64, round(1.5 * sizes[0].item() / max(sizes[1].item(), 1e-9))))
+    rounds = []
+    for _ in range(5 if quick else 15):
+        row = []
+        for fn in (compute, comm, both):
+            dist.barrier()
+            row.append(_time_s(fn, device, 2, 1))
+        rounds.append(row)
     # the slowest rank's times (the step waits for it): every rank computes the same fraction
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    slowest = torch.tensor(rounds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    alone_c, alone_m, together = slowest.tolist()
-    return float(min(1.0, max(0.0, (alone_c + alone_m - together) / min(alone_c, alone_m))))
+    exposed = [(together - alone_c) / max(alone_m, 1e-9)
+               for alone_c, alone_m, together in slowest.tolist()]
+    return float(min(1.0, max(0.0, 1.0 - float(np.median(exposed)))))
 
 
 def _burst(device: torch.device) -> Callable[[], Any]:
