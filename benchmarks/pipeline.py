@@ -335,7 +335,7 @@ def main() -> None:
     print("ratios of median step times:")
     target = ratio_line("autopar (planner's cut) / torch Interleaved1F1B (even cut)",
                         "ours_plan", "theirs", res["ratios"]["ours_plan"])
-    ratio_line("autopar interleaved-zb (opt-in; planner's cut) / torch (even cut)",
+    ratio_line("autopar interleaved-zb (planner's cut) / torch (even cut)",
                "ours_zb_plan", "theirs", res["ratios"]["ours_zb_plan"])
     ratio_line("runtime alone, even cut: autopar / torch Interleaved1F1B", "ours", "theirs",
                res["ratios"]["ours"])

@@ -44,6 +44,7 @@ PLANS = (
     dict(p=2, schedule="1f1b", micro_batch_size=1),
     dict(p=2, schedule="gpipe", micro_batch_size=2),
     dict(p=2, v=2, schedule="interleaved-1f1b", micro_batch_size=2),
+    dict(p=2, v=2, schedule="interleaved-zb", micro_batch_size=2),
     dict(c=2, cp_attention="all-gather", micro_batch_size=4),
     dict(c=2, cp_attention="ring", micro_batch_size=4),
 )

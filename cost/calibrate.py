@@ -214,7 +214,8 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     x, y = torch.ones(8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
     op_s = _time_s(lambda: torch.add(x, y), device, 200, 3, clock)
     return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s,
-            "autograd_op_s": measure_autograd_op(dtype, device, clock)}
+            "autograd_op_s": measure_autograd_op(dtype, device, clock),
+            "split_backward_op_s": measure_split_backward(dtype, device, clock)}
 
 
 def measure_autograd_op(dtype: torch.dtype, device: torch.device,
@@ -235,6 +236,36 @@ def measure_autograd_op(dtype: torch.dtype, device: torch.device,
     fwd_s = _time_s(forward, device, 20, 3, clock)
     both_s = _time_s(both, device, 20, 3, clock)
     return max(0.0, both_s - fwd_s) / ops
+
+
+def measure_split_backward(dtype: torch.dtype, device: torch.device,
+                           clock: Callable[[], float], layers: int = 8) -> float:
+    """Seconds the B/W split (autopar.runtime.split_backward, interleaved-zb) adds to a
+    backward per forward op of the chunk: a chain of `layers` blocks of one projection and
+    three elementwise ops (a transformer block's mix of GEMMs and eager ops, ~1 : 4), tiny so
+    that the split's own work shows (the reverse graph, the parameter groups, one engine call
+    per weight), its backward split into B and W less the same backward whole, per op."""
+    from autopar.runtime.split_backward import backward_input, backward_weight
+    width = 16
+    lins = [torch.nn.Linear(width, width).to(device=device, dtype=dtype) for _ in range(layers)]
+    weights = [q for lin in lins for q in lin.parameters()]
+    x = torch.randn(4, width, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.ones(4, width, dtype=dtype, device=device)
+
+    def forward():
+        y = x
+        for lin in lins:
+            y = torch.tanh(lin(y) * 0.5 + 1.0)
+        return y
+
+    def whole():
+        forward().backward(grad)
+
+    def split():
+        backward_weight(backward_input([forward()], [grad], [x], weights))
+    whole_s = _time_s(whole, device, 20, 5, clock)
+    split_s = _time_s(split, device, 20, 5, clock)
+    return max(0.0, split_s - whole_s) / (4 * layers)
 
 
 # ---- collectives ----
@@ -592,6 +623,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
         "optimizer_param_s": float(np.median([g[0]["optimizer_param_s"] for g in gathered])),
         "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
+        "split_backward_op_s": float(np.median([g[0]["split_backward_op_s"]
+                                                for g in gathered])),
         "comm_overlap": float(np.median([g[0]["comm_overlap"] for g in gathered])),
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -622,7 +655,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
                "kernel_launch_s: one tiny elementwise op's time (dispatch + launch); "
-               "autograd_op_s: the backward a chain of tiny ops adds per op",
+               "autograd_op_s: the backward a chain of tiny ops adds per op; "
+               "split_backward_op_s: what interleaved-zb's B/W split adds to it per op",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",
@@ -657,6 +691,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
         kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
         optimizer_param_s=record.get("optimizer_param_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
+        split_backward_op_s=record.get("split_backward_op_s", 0.0),
         comm_overlap=record.get("comm_overlap", 1.0),
         tp_comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
@@ -684,7 +719,9 @@ def _with_base_links(record: dict[str, Any], name: str, peak: float, emax: float
         hbm_bandwidth_Bps=record["hbm_bandwidth_Bps"], gemm_max_efficiency=emax,
         gemm_half_dim=half, kernel_launch_s=record["kernel_launch_s"],
         elementwise_efficiency=1.0, optimizer_param_s=record.get("optimizer_param_s", 0.0),
-        autograd_op_s=record.get("autograd_op_s", 0.0), reserved_bytes=record["memory"][1],
+        autograd_op_s=record.get("autograd_op_s", 0.0),
+        split_backward_op_s=record.get("split_backward_op_s", 0.0),
+        reserved_bytes=record["memory"][1],
         attention="flash", elementwise="eager", **flash, sources=tuple(sources))
 
 

@@ -25,11 +25,11 @@ from autopar.plan import CP_ATTENTION, RECOMPUTE, ZERO_LEVELS
 from autopar.request import Pins as RequestPins
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS
 
-# Schedules the solver picks on its own. interleaved-zb is opt-in (pin it, or list it in
-# `schedules=`): its bubble is priced (a third of interleaved 1F1B's) but not the cost of
-# splitting each backward into B and W, which on the CPU runtime measured 10-25 % of a
-# backward at benchmark sizes (benchmarks/pipeline.py) — more than the bubble it saved there.
-AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first")
+# Schedules the solver picks on its own, every one: interleaved-zb's bubble is priced (a third
+# of interleaved 1F1B's) and so is splitting each backward into B and W (cost/compute.py
+# `split_backward_s`: the measured host work per op, ~9 us on a CPU core, 10-25 % of a
+# backward at benchmark sizes; 0 where a fused GPU stack's kernels hide it, like dispatch).
+AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
 MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
 MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble
 SOLVER_TIME_LIMIT_S = 20.0

@@ -142,6 +142,11 @@ class Cluster:
     # dispatch), measured by `autopar calibrate`; with kernel_launch_s forward, priced per op
     # of a region (`RegionProfile.eager_ops`) where elementwise is "eager"
     autograd_op_s: float = 0.0
+    # what interleaved-zb's B/W split (autopar.runtime.split_backward) adds to a backward per
+    # forward op of the chunk (its reverse graph, parameter groups, an engine call per weight),
+    # measured by `autopar calibrate`; priced like dispatch, only where elementwise is "eager"
+    # (cost/compute.py `split_backward_s`); 0: not measured
+    split_backward_op_s: float = 0.0
     # the fraction of a collective that hides behind compute run meanwhile (measured by
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
     # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core

@@ -20,6 +20,7 @@ from autopar.cost.exchanges import context_comm_s
 from autopar.cost.hardware import Cluster
 from autopar.cost.profile import ModelProfile
 from autopar.cost.shares import rank_profile
+from autopar.schedules import SPLIT_BACKWARD
 from autopar.weight_gathers import GatherCounts
 
 
@@ -123,8 +124,9 @@ class CostMemo:
     def load_parts(self, cfg: Config,
                    compute: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
         """`model.load_parts_s` of cfg (`compute()` on a miss), keyed by what it reads: every
-        field but the schedule, the ZeRO level and m (the loads are per micro-batch; the
-        ZeRO levels and schedules of one (t, c, p, d, ep, b, v, N, ...) share them)."""
+        field but the ZeRO level, m and the schedule past whether it splits the backward (the
+        loads are per micro-batch; the ZeRO levels and schedules of one (t, c, p, d, ep, b, v,
+        N, ...) share them)."""
         key = _load_key(cfg)
         out = self.loads.get(key)
         if out is None:
@@ -161,7 +163,8 @@ class CostMemo:
 
 
 def _load_key(cfg: Config) -> tuple:
-    """What the loads read of cfg: every field but the schedule, the ZeRO level and m
-    (`CostMemo.load_parts` and `load_ns` share it)."""
+    """What the loads read of cfg: every field but the ZeRO level, m and the schedule, of
+    which only whether it splits the backward (`CostMemo.load_parts` and `load_ns` share it)."""
     return (cfg.t, cfg.c, cfg.cp_attention, cfg.p, cfg.d, cfg.ep, cfg.v, cfg.micro_batch_size,
-            cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group)
+            cfg.recompute, cfg.sequence_parallel, cfg.microbatch_group,
+            cfg.schedule in SPLIT_BACKWARD)

@@ -134,7 +134,7 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     validated there), plus the solver's own limits; the body validates, searches, solves and
     assembles, each a call.
     `schedules`: the schedules the solver may choose (None: AUTO_SCHEDULES, every one the
-    cost model knows except the opt-in interleaved-zb); a pinned `schedule` is always
+    cost model knows); a pinned `schedule` is always
     planned. `microbatch_group`: pin N of the interleaved schedules (p <= N <= m, N | m).
     `cp_attention`: pin how context parallelism's attention meets the other ranks' K/V
     (autopar.plan.CP_ATTENTION); None: the cheapest per configuration, as the cost model

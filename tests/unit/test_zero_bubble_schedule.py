@@ -211,18 +211,19 @@ def test_cost_model_bubble_equals_simulator(p, v, m):
 
 
 def test_solver_picks_zero_bubble_where_faster_never_with_zero3():
-    """interleaved-zb is opt-in (AUTO_SCHEDULES leaves it out): listed, it wins on its bubble
-    where the pipeline is deep (p = 8 pinned). Priced with attention written out, as when this
-    was set up. Left free the solver prefers a shallower interleaved pipeline with ZeRO-2
-    (zero-bubble cannot shard weights, and its deferred W's keep their recorded gradients:
-    cost/model.py pending_weight_grads)."""
+    """interleaved-zb is searched with the rest (AUTO_SCHEDULES): it wins on its bubble where
+    the pipeline is deep (p = 8 pinned), against the best plan without it. Priced with
+    attention written out, as when this was set up. Left free the solver prefers a shallower
+    interleaved pipeline with ZeRO-2 (zero-bubble cannot shard weights, and its deferred W's
+    keep their recorded gradients: cost/model.py pending_weight_grads)."""
     prof = transformer_profile(name="40L", num_layers=40, hidden=5120, heads=40, seq_len=2048,
                                vocab=51200)
     A100 = replace(globals()["A100"], attention="materialized")
-    free = solve(prof, A100, gpus=32, global_batch_size=512, p=8, max_alternatives=50,
-                 schedules=AUTO_SCHEDULES + ("interleaved-zb",))
+    assert "interleaved-zb" in AUTO_SCHEDULES
+    free = solve(prof, A100, gpus=32, global_batch_size=512, p=8, max_alternatives=50)
     assert free.schedule == "interleaved-zb" and free.zero != 3
-    il = solve(prof, A100, gpus=32, global_batch_size=512, p=8)
+    il = solve(prof, A100, gpus=32, global_batch_size=512, p=8,
+               schedules=tuple(s for s in AUTO_SCHEDULES if s != "interleaved-zb"))
     assert il.schedule != "interleaved-zb"
     assert free.predicted.step_time_s < il.predicted.step_time_s
     assert free.predicted.bubble_fraction < il.predicted.bubble_fraction
@@ -246,3 +247,30 @@ def test_timeline_draws_w(tmp_path):
     r = simulate(interleaved_zb(2, 2, 4), [1.0] * 4, [2.0] * 4, comm="irecv")
     path = draw_timeline(r.events, 2, str(tmp_path / "zb.png"), title="zb")
     assert (tmp_path / "zb.png").stat().st_size > 0 and path.endswith("zb.png")
+
+
+def test_the_split_backward_is_priced_where_the_runtime_pays_it():
+    """interleaved-zb's B/W split costs every forward op of a chunk the cluster's measured
+    split_backward_op_s, per micro-batch, on an eager cluster (calibrated: its host work is
+    the step's); a fused GPU stack's kernels hide it, like dispatch. One memo prices both
+    schedules: the split is part of the loads' key."""
+    from autopar.cost.compute import split_backward_s
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.model import load_parts_s
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=128, vocab=1000)
+    eager = replace(get_cluster("local-cpu"), elementwise="eager", split_backward_op_s=1e-5)
+    common = dict(t=1, p=2, d=1, v=2, micro_batch_size=1, num_microbatches=4)
+    zb, il = (Config(schedule=s, **common) for s in ("interleaved-zb", "interleaved-1f1b"))
+    memo = CostMemo()
+    il_parts, zb_parts = load_parts_s(prof, eager, il, memo), load_parts_s(prof, eager, zb, memo)
+    blk = prof.block       # its ops: eager ones, GEMMs, fused attention calls for their GEMMs
+    ops = blk.eager_ops + len(blk.gemms) + (
+        len(blk.fused.calls) - len(blk.fused.gemm_indices) if blk.fused else 0)
+    assert ops > 0
+    assert zb_parts[0] - il_parts[0] == pytest.approx(ops * 1e-5)
+    assert zb_parts[3] > il_parts[3]                          # the head's chunk is split too
+    fused = replace(eager, elementwise="fused")
+    assert load_parts_s(prof, fused, zb) == load_parts_s(prof, fused, il)
+    slower = predict(prof, eager, zb).step_time_s - predict(prof, replace(
+        eager, split_backward_op_s=0.0), zb).step_time_s
+    assert slower > 0
