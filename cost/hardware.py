@@ -401,11 +401,15 @@ _LOCAL_DEFAULT = Cluster(
     # other op eagerly
     attention="flash", elementwise="eager",
     flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
+    split_backward_op_s=8e-6,
     sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
              "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
              "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
              "2-core development machine (fitted to 256 and 1,024 tokens)",
-             "elementwise: eager (autopar's runtime runs its chunks op by op)"))
+             "elementwise: eager (autopar's runtime runs its chunks op by op)",
+             "split_backward_op_s 8 us: interleaved-zb's B/W split per forward op, measured on "
+             "an AVX-512 EPYC core, 2026-11-27 (7.7-10.3 us a op on calibrate's chain, 8.4 on "
+             "two GPT blocks of width 64)"))
 
 
 def local_cluster_path(path: str | os.PathLike | None = None) -> Path:
