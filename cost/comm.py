@@ -176,24 +176,30 @@ def p2p_hop_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
 def chunk_p2p_s(one_s: float, p: int, v: int, group: int | None, layer_s: float,
                 num_layers: int, comm_overlap: float) -> float:
     """`pipeline_p2p_s` from its hop: 2·v hops per micro-batch, less what an interleaved
-    group of N > p hides under the compute each extra micro-batch brings (communication
-    overlapping compute: comm_overlap · a chunk's load, num_layers / (p·v) layers of layer_s).
-    Why this size: the hop and the pipeline's shape (p, v, N) and a chunk's load
+    group of N > p hides under the compute each extra micro-batch brings (a chunk's load,
+    num_layers / (p·v) layers of layer_s, as far as communication overlaps compute:
+    comm_overlap). Why this size: the hop and the pipeline's shape (p, v, N) and a chunk's load
     (layer_s, num_layers, comm_overlap) without a Config (the search's quick bound)."""
     if group is not None and group > p:   # hides as comm overlaps
-        return _grouped_p2p_s(one_s, p, v, group, comm_overlap * layer_s * num_layers / (p * v))
+        return _grouped_p2p_s(one_s, p, v, group, layer_s * num_layers / (p * v), comm_overlap)
     return 2 * v * one_s
 
 
-def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float) -> float:
+def _grouped_p2p_s(one_s: float, p: int, v: int, group: int, chunk_s: float,
+                   overlap: float) -> float:
     """Exposed p2p per micro-batch of the interleaved order with groups of N > p.
 
     With N = p (Megatron's order) a chunk's first micro-batch of a group comes back round the
     ring just when the rank needs it: each of the 2·v·m/N chunk visits per step waits for the
     ring's p hops, 2·v·one per micro-batch — what the p2p term charges for every schedule.
     A group of N > p leaves the rank N − p more micro-batches of the chunk (chunk_s each, its
-    forward + backward) to compute before it needs the first one back, which hide as much of
-    the ring's latency: max(0, p·one − (N − p)·chunk_s) per visit.
+    forward + backward) to compute before it needs the first one back, behind which the ring's
+    hops run: max(0, p·one − (N − p)·chunk_s) per visit — as far as communication overlaps
+    compute (`overlap`, Cluster.comm_overlap). The rest, 1 − overlap of every hop, costs its
+    time as with N = p: on CPU ranks that fill every core (overlap ~0) a hop is work the rank
+    does, not a wait it hides (a group of N = 8 at p = 2 priced with its hops hidden measured
+    22% slower than priced, 2026-11-27, calibrate's overlap 0.10). A GPU (overlap 1): what
+    outlasts the compute.
     """
-    return 2 * v * max(0.0, p * one_s - (group - p) * chunk_s) / group
-
+    hidden = 2 * v * max(0.0, p * one_s - (group - p) * chunk_s) / group
+    return (1.0 - overlap) * 2 * v * one_s + overlap * hidden

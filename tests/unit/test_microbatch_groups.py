@@ -101,3 +101,20 @@ def test_pinned_p_with_fewer_microbatches_than_ranks_is_planned():
     assert 0.75 < plan.predicted.bubble_fraction <= 1.5
     free = solve(prof, A100, gpus=4, global_batch_size=2)
     assert free.num_microbatches >= free.p
+
+
+def test_a_groups_hops_hide_only_as_far_as_communication_overlaps_compute():
+    """Interleaved groups of N > p run the ring's hops behind the extra micro-batches'
+    compute: on a GPU (overlap 1) only what outlasts that compute shows; on CPU ranks that
+    fill every core (overlap 0) every hop costs its time, as with N = p; between, 1 − overlap
+    of every hop still costs its time."""
+    from autopar.cost.comm import chunk_p2p_s
+    one, p, v, layer_s, layers = 1e-3, 2, 2, 4e-3, 8        # a chunk: 2 layers, 8 ms
+    whole = chunk_p2p_s(one, p, v, None, layer_s, layers, 1.0)
+    assert whole == pytest.approx(2 * v * one)
+    assert chunk_p2p_s(one, p, v, 8, layer_s, layers, 1.0) == 0.0          # 6 chunks hide 2 ms
+    assert chunk_p2p_s(one, p, v, 8, layer_s, layers, 0.0) == pytest.approx(whole)
+    assert chunk_p2p_s(one, p, v, 8, layer_s, layers, 0.25) == pytest.approx(0.75 * whole)
+    # the ring's 20 ms outlasts one extra micro-batch's chunk (8 ms): 12 ms a visit shows
+    assert chunk_p2p_s(10 * one, p, v, 3, layer_s, layers, 1.0) == pytest.approx(
+        2 * v * (20e-3 - 8e-3) / 3)
