@@ -79,3 +79,33 @@ def test_weight_joining_late_and_weight_off_the_input_path():
     assert other.grad is not None and lin.weight.grad is not None    # all done in B
     backward_weight(work)
     torch.testing.assert_close(other.grad, torch.full((4,), 2.0))
+
+
+def test_a_chunks_saved_tensors_live_until_its_w_and_no_longer():
+    """B runs with retain_graph (W resumes from what it recorded), so the chunk's saved tensors
+    stay between B and W — what the cost model holds for a pending micro-batch
+    (cost/memory.py `inflight`) — and are freed once its W has run: the attention node's
+    saved query, which W never reads, is the probe."""
+    import gc
+    import weakref
+    net = _blocks()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    y = net[1](net[0](x))
+    nodes, stack, attention = set(), [y.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        attention += [node] if hasattr(node, "_saved_query") else []
+        stack += [f for f, _ in node.next_functions]
+    assert len(attention) == 2                          # one scaled-dot-product node a block
+    probes = [weakref.ref(node._saved_query) for node in attention]
+    work = backward_input([y], [torch.ones_like(y)], [x], list(net.parameters()))
+    del y, nodes, stack, attention, node
+    gc.collect()
+    assert all(p() is not None for p in probes)         # pending: held until its W
+    backward_weight(work)
+    del work
+    gc.collect()
+    assert all(p() is None for p in probes)             # after W: freed
