@@ -10,9 +10,10 @@ steps slowed by 1.03–1.23× the whole synchronous save). A process shares no l
 training, and at nice 19 it takes only the cycles training leaves idle. Megatron-Core's
 persistent async worker and DCP's own `AsyncCheckpointerType.PROCESS` are built the same way.
 
-Protocol. The caller stages the pieces (`stage`): one flat shared-memory byte buffer (page-locked
-with cudaHostRegister once the pieces are on a GPU, as DCP's pinned shared staging does, so the
-device-to-host copies are DMA transfers that overlap one another; `pin_host`) holding every piece at its offset of autopar.runtime.ckpt_packs.piece_index, zeros between,
+Protocol. The caller stages the pieces (`stage`): one flat shared-memory byte buffer
+(page-locked with cudaHostRegister once the pieces are on a GPU, as DCP's pinned shared staging
+does, so the device-to-host copies are DMA transfers that overlap one another; `pin_host`)
+holding every piece at its offset of autopar.runtime.ckpt_packs.piece_index, zeros between,
 reused from save to save (1× the rank's written bytes of host memory while the job runs).
 `ProcessWriter.start(fn, job, staged, groups)` sends `fn`, `job` and the buffer (one file
 descriptor, torch.multiprocessing's sharing) down a pipe; the process rebuilds the packs
