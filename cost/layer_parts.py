@@ -5,12 +5,13 @@ kinds.py and kinds.py these, without an import loop)."""
 from __future__ import annotations
 
 from autopar.cost.config import NS, Config, LoadCosts
-from autopar.cost.compute import local_gemm_time_s
+from autopar.cost.compute import local_gemm_time_s, split_backward_s
 from autopar.cost.exchanges import expert_comm_s
 from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import expert_gemm_extra_s
 from autopar.cost.memo import CostMemo
 from autopar.cost.profile import ModelProfile
+from autopar.schedules import SPLIT_BACKWARD
 
 
 def layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: CostMemo
@@ -24,6 +25,10 @@ def layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     cp_s = memo.context_comm_s(profile, cluster, cfg)[1]
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
+    if cfg.schedule in SPLIT_BACKWARD:     # B and W: the split's host work (0 on fused stacks)
+        comp_s += split_backward_s(cluster, profile.block)
+        emb_s += split_backward_s(cluster, profile.embedding)
+        head_s += split_backward_s(cluster, profile.head)
     return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
 
 

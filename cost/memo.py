@@ -144,10 +144,10 @@ class CostMemo:
     def layer_parts(self, cfg: Config,
                     compute: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
         """`model.load_parts_s` less the p2p (`compute()` on a miss), keyed by what it reads:
-        (t, c, method, ep, b, recompute, sp) — the GPUs are the solve's, so neither p, d, v
-        nor N changes it."""
+        (t, c, method, ep, b, recompute, sp, whether the schedule splits the backward) — the
+        GPUs are the solve's, so neither p, d, v nor N changes it."""
         key = (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, cfg.gpus)
+               cfg.sequence_parallel, cfg.gpus, cfg.schedule in SPLIT_BACKWARD)
         out = self.layers.get(key)
         if out is None:
             out = self.layers[key] = compute()

@@ -35,7 +35,7 @@ from autopar.cost.comm import (allgather_s, allreduce_s, alltoall_s,  # noqa: F4
 from autopar.cost.compute import (block_times_s, edge_times_s, elementwise_time_s,  # noqa: F401
                                   flops_per_seq, fp8_cast_time_s, fused_attention_time_s,
                                   gemm_efficiency, gemm_time_s, local_gemm_time_s,
-                                  optimizer_step_s, split_backward_s)
+                                  optimizer_step_s)
 from autopar.cost.config import (NS, RECOMPUTE, SCHEDULE_TRAITS, ZERO_TRAITS,  # noqa: F401
                                  Config, ConfigCosts, LoadCosts, ScheduleTraits, ZeroTraits,
                                  bubble_div, inflight, pending_weight_grads)
@@ -60,7 +60,6 @@ from autopar.cost.step import (Lin, even_chunks, fits, rank_layers, rank_load_ns
                                scaled_step_ns, step_scale, step_time_ns, step_time_scaled,
                                tail_layer_ns, total_load_ns, total_tail_ns, v_step_ns)
 from autopar.plan import Prediction
-from autopar.schedules import SPLIT_BACKWARD
 from autopar.weight_gathers import GatherCounts
 
 
@@ -85,10 +84,6 @@ def _load_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     profile = memo.rank_profile(profile, cluster, cfg)
     comp_s, tp_s, emb_s, head_s, cp_s, ep_s = memo.layer_parts(
         cfg, lambda: layer_parts_s(profile, cluster, cfg, memo))
-    if cfg.schedule in SPLIT_BACKWARD:     # B and W: the split's host work (0 on fused stacks)
-        comp_s += split_backward_s(cluster, profile.block)
-        emb_s += split_backward_s(cluster, profile.embedding)
-        head_s += split_backward_s(cluster, profile.head)
     p2p_total = pipeline_p2p_s(profile, cluster, cfg, comp_s + tp_s + cp_s + ep_s)
     return comp_s, tp_s, emb_s, head_s, p2p_total, cp_s, ep_s
 
