@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from autopar.plan import CP_ATTENTION_PINNED, RECOMPUTE, SCHEDULES, ZERO_LEVELS, Plan
-from autopar.schedules import GROUPED, check_group, first_group_size
+from autopar.schedules import GROUPED, SPLIT_BACKWARD, check_group, first_group_size
 
 # Fraction of the last micro-batch's backward that can hide the data-parallel reduction.
 # Megatron-LM (2021) starts the reduction after the backward pass: no overlap.
@@ -248,6 +248,14 @@ assert set(SCHEDULE_TRAITS) <= set(SCHEDULES) and set(ZERO_TRAITS) <= set(ZERO_L
 
 
 # ----- per-configuration constants ---------------------------------------------------------------
+def layer_parts_key(cfg: Config) -> tuple:
+    """What one layer's parts per micro-batch read of cfg (cost/layer_parts.py, cached by
+    `CostMemo.layer_parts` and per kind by cost/kinds.py): (t, c, method, ep, b, recompute,
+    sp, GPUs, whether the schedule splits the backward); neither p, d, v nor N."""
+    return (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
+            cfg.sequence_parallel, cfg.gpus, cfg.schedule in SPLIT_BACKWARD)
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadCosts:
     """Integer ns of the per-micro-batch pipeline load (`rank_load_ns`): all a lower bound of

@@ -48,6 +48,7 @@ from typing import Any, Sequence
 
 from autopar.cost.profile import (EagerOps, FusedAttention, LayerKind, ModelProfile,
                                   NO_FALLBACK, RegionProfile, TPCorrection, TPRegionFallback)
+from autopar.cost.config import layer_parts_key
 from autopar.cost.step import even_chunks
 
 
@@ -156,12 +157,6 @@ def _mean_fallback(fixes: Sequence[TPRegionFallback], w: Sequence[float],
 
 # ----- stages over the kinds --------------------------------------------------------------------
 
-def _times_key(cfg: Any) -> tuple:
-    """What a kind's per-layer time reads of cfg (`CostMemo.layer_parts`' knobs)."""
-    return (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
-            cfg.sequence_parallel, cfg.gpus)
-
-
 def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = None) -> list[int]:
     """Per micro-batch time of one layer of each kind at `cfg` (compute, recompute and its
     tensor- / context- / expert-parallel collectives: cost.model.layer_loads on the kind's own
@@ -175,7 +170,7 @@ def kind_layer_ns(profile: ModelProfile, cluster: Any, cfg: Any, memo: Any = Non
                 for k in profile.layer_kinds]
     if memo is None:
         return times()
-    return memo.cached(("times",) + _times_key(cfg), times)
+    return memo.cached(("times",) + layer_parts_key(cfg), times)
 
 
 def _cost_cut(profile: ModelProfile, cluster: Any, cfg: Any, layers_per_chunk: Sequence[int],
@@ -189,7 +184,7 @@ def _cost_cut(profile: ModelProfile, cluster: Any, cfg: Any, layers_per_chunk: S
         return weights, stage_layers(layers_per_chunk, weights)
     if memo is None:
         return cut()
-    return memo.cached(("cut", tuple(layers_per_chunk)) + _times_key(cfg), cut)
+    return memo.cached(("cut", tuple(layers_per_chunk)) + layer_parts_key(cfg), cut)
 
 
 def chunk_kind_layers(profile: ModelProfile, cluster: Any, cfg: Any,

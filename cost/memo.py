@@ -13,7 +13,7 @@ from typing import Callable
 
 from autopar.cost.comm import group_spans_nodes
 from autopar.cost.compute import block_times_s, edge_times_s, flops_per_seq
-from autopar.cost.config import ZERO_TRAITS, Config
+from autopar.cost.config import ZERO_TRAITS, Config, layer_parts_key
 from autopar.cost.context import context_rank_profile
 from autopar.cost.dp_terms import weight_gather_stats
 from autopar.cost.exchanges import context_comm_s
@@ -143,11 +143,9 @@ class CostMemo:
 
     def layer_parts(self, cfg: Config,
                     compute: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
-        """`model.load_parts_s` less the p2p (`compute()` on a miss), keyed by what it reads:
-        (t, c, method, ep, b, recompute, sp, whether the schedule splits the backward) — the
-        GPUs are the solve's, so neither p, d, v nor N changes it."""
-        key = (cfg.t, cfg.c, cfg.cp_attention, cfg.ep, cfg.micro_batch_size, cfg.recompute,
-               cfg.sequence_parallel, cfg.gpus, cfg.schedule in SPLIT_BACKWARD)
+        """`model.load_parts_s` less the p2p (`compute()` on a miss), keyed by what it reads
+        (`config.layer_parts_key`)."""
+        key = layer_parts_key(cfg)
         out = self.layers.get(key)
         if out is None:
             out = self.layers[key] = compute()

@@ -295,3 +295,24 @@ def test_kind_times_restated_for_context_slices_and_fp8():
     # and FP8 GEMMs (`with_gemm_precision`) in the kinds' own profiles, as in the mean layer's
     fp8 = kind_layer_ns(profile.with_gemm_precision("fp8", h100), h100, Config(c=1, d=4, **base))
     assert all(f < w for f, w in zip(fp8, whole))
+
+
+def test_each_kinds_layer_time_carries_the_split_backward_of_its_schedule():
+    """On an eager cluster interleaved-zb's B/W split costs every layer more; one memo prices
+    both schedules, so a kind's cached per-layer time must know which one it priced
+    (`config.layer_parts_key`): an interleaved-1f1b time reused for interleaved-zb would
+    drop the split from each stage's real layers."""
+    import dataclasses
+    from autopar.cost.compute import split_backward_s
+    from autopar.cost.config import Config
+    from autopar.cost.kinds import kind_layer_ns
+    from autopar.cost.memo import CostMemo
+    profile = _light_heavy()
+    eager = dataclasses.replace(get_cluster("local-cpu"), split_backward_op_s=1e-5)
+    common = dict(t=1, p=2, d=1, v=2, micro_batch_size=1, num_microbatches=4)
+    il, zb = (Config(schedule=s, **common) for s in ("interleaved-1f1b", "interleaved-zb"))
+    memo = CostMemo()
+    plain, split = kind_layer_ns(profile, eager, il, memo), kind_layer_ns(profile, eager, zb, memo)
+    for k, a, b in zip(profile.layer_kinds, plain, split):
+        extra = split_backward_s(eager, k.profile.for_cluster(eager).block)
+        assert extra > 0 and b - a == pytest.approx(extra * 1e9, abs=2), k.name
