@@ -182,9 +182,10 @@ class Case:
 def cases(s: Sizes, cluster: str) -> list[Case]:
     # micro-batches of 4 x 2048 tokens: the free plan's 16 (one micro-batch) did not fit an
     # H100's 80 GB, for the plain loop either (first run, 2026-11-26: activations ~2x priced)
-    out = [Case(key=f"single-{m}", part="single", model=m, gpus=1, cluster=cluster,
-                pins=dict(t=1, p=1, d=1, c=1, zero=0, micro_batch_size=4))
-           for m in ("gpt", "llama")]
+    one_device = dict(t=1, p=1, d=1, c=1, zero=0, micro_batch_size=4)
+    # the single and profile parts run the same plans
+    out = [Case(key=f"{part}-{m}", part=part, model=m, gpus=1, cluster=cluster,
+                pins=one_device) for part in ("single", "profile") for m in ("gpt", "llama")]
     multi = {"t2": dict(t=2, p=1, d=1, c=1, sequence_parallel=False),
              "p2": dict(t=1, p=2, d=1, c=1, schedule="1f1b"),
              "c2-ring": dict(t=1, p=1, d=1, c=2, cp_attention="ring"),
@@ -199,9 +200,6 @@ def cases(s: Sizes, cluster: str) -> list[Case]:
                  cluster=cluster, elementwise="eager",
                  pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r, micro_batch_size=mb))
             for r in ("none", "selective", "full") for mb in (1, 2, 4)]
-    out += [Case(key=f"profile-{m}", part="profile", model=m, gpus=1, cluster=cluster,
-                 pins=dict(t=1, p=1, d=1, c=1, zero=0, micro_batch_size=4))
-            for m in ("gpt", "llama")]
     out.append(Case(key="checkpoint-gpt", part="checkpoint", model="ckpt_gpt", gpus=1,
                     cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=1, micro_batch_size=4)))
     return out
@@ -442,9 +440,14 @@ def _guard(key: str, label: str, fn: Callable[[], dict]) -> dict:
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - each part reports, the rest still runs
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return {"case": key, "variant": label, "error": f"{type(exc).__name__}: {line}",
+        return {"case": key, "variant": label, "error": _one_line(exc),
                 "traceback": traceback.format_exc(limit=8)}
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{type(exc).__name__}: {line}"
 
 
 def _rank_losses(rank: int, world: int, plan_json: str, model_name: str, sizes: dict,
@@ -675,8 +678,7 @@ def _guarded_reload(runner: Any, path: str, async_save: bool, steps: Callable) -
     try:
         return _reloads_equal(runner, path, async_save, steps)
     except Exception as exc:  # noqa: BLE001 - recorded, the row keeps its timings
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return f"FAILED: {type(exc).__name__}: {line}"
+        return f"FAILED: {_one_line(exc)}"
 
 
 def _reloads_equal(runner: Any, path: str, async_save: bool, steps: Callable) -> bool:

@@ -47,6 +47,7 @@ def qwen3_235b_a22b():
     return {"model": Qwen3MoeForCausalLM(cfg),
             "example_inputs": (torch.zeros(1, 4096, dtype=torch.long),)}
 
+
 def deepseek_v3():
     """DeepSeek-V3 (the unmodified transformers DeepseekV3ForCausalLM at its published config,
     2412.19437: 61 layers, the first 3 dense (FFN 18,432), then 256 routed experts of 2,048

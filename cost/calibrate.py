@@ -387,10 +387,10 @@ def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> fl
     x = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
     w = torch.randn(256, 256, dtype=dtype, device=device, requires_grad=True)
 
-    loops = [1]
+    loops = 1   # sized below, before the rounds: compute reads it when it runs
 
     def compute():
-        for _ in range(loops[0]):
+        for _ in range(loops):
             x.grad = w.grad = None
             torch.nn.functional.linear(x, w).sum().backward()
 
@@ -406,7 +406,7 @@ def measure_overlap(dtype: torch.dtype, device: torch.device, quick: bool) -> fl
     sizes = torch.tensor([_time_s(comm, device, 2, 3), _time_s(compute, device, 2, 3)],
                          dtype=torch.float64, device=device)
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    loops[0] = max(1, min(64, round(1.5 * sizes[0].item() / max(sizes[1].item(), 1e-9))))
+    loops = max(1, min(64, round(1.5 * sizes[0].item() / max(sizes[1].item(), 1e-9))))
     rounds = []
     for _ in range(5 if quick else 15):
         row = []
