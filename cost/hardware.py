@@ -168,6 +168,12 @@ class Cluster:
                      "intra_node_bandwidth_Bps", "inter_node_bandwidth_Bps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be positive")
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s",
+                     "optimizer_param_s", "autograd_op_s", "split_backward_op_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, "
+                                 f"seconds (0: not counted); measure it with `autopar "
+                                 f"calibrate` or leave it out")
         if not 0 < self.gemm_max_efficiency <= 1:
             raise ValueError(f"Cluster.gemm_max_efficiency={self.gemm_max_efficiency}: must be "
                              f"in (0, 1], a fraction of peak_flops")

@@ -72,6 +72,9 @@ def test_a_bad_file_names_the_field_the_rule_and_the_fix(tmp_path):
     assert "must be a number" in _bad(tmp_path, {**good, "peak_flops": "fast"})
     assert "must be positive" in _bad(tmp_path, {**good, "gpus_per_node": 0})
     assert "one JSON object" in _bad(tmp_path, [good])
+    # a Cluster built in Python is held to the same: seconds per op never negative
+    with pytest.raises(ValueError, match=r"split_backward_op_s=-1e-06: must be >= 0"):
+        dataclasses.replace(get_cluster("local-cpu"), split_backward_op_s=-1e-6)
     # fields with a default may be left out of a hand-written file
     short = {k: v for k, v in good.items() if k not in ("kernel_launch_s", "sources")}
     assert cluster_from_dict(short).kernel_launch_s == Cluster.__dataclass_fields__[
