@@ -21,6 +21,7 @@ Failure modes, all of which end every child:
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -28,7 +29,7 @@ import sys
 import time
 import traceback
 from multiprocessing import connection
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -304,6 +305,22 @@ def refuse_reduce_scatter() -> list[tuple]:
     return refused
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null for the block: what C++ prints there (torch 2.13's
+    kineto announces every profiler start and stop, at any KINETO_LOG_LEVEL that keeps its
+    errors) is dropped; Python's own stderr is flushed first and unchanged after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     """(fn(), peak, end): the most CPU tensor bytes live at once while `fn` ran, and those
     still live when it returned, both counted from its start (torch.profiler's allocator
@@ -313,8 +330,14 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():       # kineto's "USDT: profiler_start" lines, one per call
+        prof.start()
+    try:
         result = fn()
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
     live = peak = 0
     for event in prof.profiler.kineto_results.events():
         if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:

@@ -15,10 +15,12 @@ single number.
 
     autopar calibrate                       # this machine's local-cpu cluster file
     python benchmarks/plan_vs_measured.py [--cluster FILE.json] [--steps 3] [--refit-out F]
+        [--model gpt|llama] [--hidden 128] [--layers 4] [--seq 128] [--kv-heads K] [--batch 8]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -52,21 +54,29 @@ GPT_CONFIG = dict(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=12
 BATCH = 8
 
 
-def _model():
-    from autopar.examples.gpt import GPT, GPTConfig
+def _model(kind: str = "gpt", hidden: int = 128, layers: int = 4, seq: int = 128,
+           kv_heads: int | None = None):
+    """The measured model: the examples' GPT (the default, GPT_CONFIG) or Llama-style decoder
+    (RMSNorm, rotary, SwiGLU; grouped-query attention with --kv-heads), 4 heads."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(**GPT_CONFIG))
+    cfg = dict(GPT_CONFIG, n_embd=hidden, n_layer=layers, block_size=seq)
+    if kind == "llama":
+        from autopar.examples.llama import LlamaStyle, LlamaStyleConfig
+        return LlamaStyle(LlamaStyleConfig(**cfg, n_kv_head=kv_heads))
+    from autopar.examples.gpt import GPT, GPTConfig
+    return GPT(GPTConfig(**cfg))
 
 
-def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: int):
+def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: int,
+            shape: dict, batch: int):
     from autopar import cross_entropy
     from autopar.tuning import tune
 
-    ids = torch.zeros(1, GPT_CONFIG["block_size"], dtype=torch.long)
-    return tune(_model, gpus=world, example_inputs=(ids,), loss_fn=cross_entropy,
-                global_batch_size=BATCH, cluster=cluster, top=top, steps=steps, plans=PLANS,
-                rounds=rounds,
-                vocab=GPT_CONFIG["vocab_size"], name="gpt-4x128",
+    ids = torch.zeros(1, shape["seq"], dtype=torch.long)
+    return tune(functools.partial(_model, **shape), gpus=world, example_inputs=(ids,),
+                loss_fn=cross_entropy, global_batch_size=batch, cluster=cluster, top=top,
+                steps=steps, plans=PLANS, rounds=rounds, vocab=GPT_CONFIG["vocab_size"],
+                name=f"{shape['kind']}-{shape['layers']}x{shape['hidden']}",
                 log=lambda line: print(line, flush=True))
 
 
@@ -108,11 +118,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all plans in turn")
     ap.add_argument("--top", type=int, default=1, help="best predicted plans besides PLANS")
     ap.add_argument("--refit-out", help="save the refitted cluster file here")
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="another model than the default GPT: fit mechanisms, not these plans")
+    ap.add_argument("--hidden", type=int, default=GPT_CONFIG["n_embd"])
+    ap.add_argument("--layers", type=int, default=GPT_CONFIG["n_layer"])
+    ap.add_argument("--seq", type=int, default=GPT_CONFIG["block_size"])
+    ap.add_argument("--kv-heads", type=int, help="llama: grouped-query attention's kv heads")
+    ap.add_argument("--batch", type=int, default=BATCH, help="global batch (a multiple of 8: "
+                    "the pinned micro-batch sizes 1, 2, 4 divide its share at d = 2)")
     args = ap.parse_args()
+    if args.batch % 8:
+        ap.error(f"--batch {args.batch}: the pinned plans need a multiple of 8; pass 8, 16, ...")
+    shape = dict(kind=args.model, hidden=args.hidden, layers=args.layers, seq=args.seq,
+                 kv_heads=args.kv_heads)
     from autopar.testing import spawn
     start = time.perf_counter()
-    result = spawn(_worker, 2, args.cluster, args.steps, args.top, args.rounds, timeout_s=3000,
-                   pg_timeout_s=300)[0]
+    result = spawn(_worker, 2, args.cluster, args.steps, args.top, args.rounds, shape,
+                   args.batch, timeout_s=3000, pg_timeout_s=300)[0]
     ok = report(result)
     if args.refit_out:
         from autopar.cost.hardware import save_cluster

@@ -18,7 +18,8 @@ from autopar.cost.config import bubble_div
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, ConfigCosts, load_costs, rank_layers,
                                 rank_load_ns, rank_tail_ns, total_load_ns, total_tail_ns,
                                 v_step_ns)
-from autopar.cost.step import load_of_ns, scaled_step_of, total_load_of_ns
+from autopar.cost.step import (chunks_from_ranks, load_of_ns, scaled_step_of,  # noqa: F401
+                               total_load_of_ns)   # chunks_from_ranks re-exported
 from autopar.cost.profile import ModelProfile
 
 GIB = 1024 ** 3   # every printed memory size is in GiB (issue 16: one unit)
@@ -249,22 +250,6 @@ def heuristic_partition(cc: ConfigCosts, num_layers: int) -> list[int] | None:
     fixed = [rank_load_ns(cc, r, 0) for r in range(p)]
     return balance(fixed, cc.layer_ns, num_layers, rank_minimums(p, v, num_layers), caps,
                    tie=lambda r, n: rank_tail_ns(cc, r, n))
-
-
-def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
-    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank,
-    the earlier chunks taking the remainder; a rank with fewer layers than chunks leaves the
-    first / last chunk of the pipeline (embedding / head) empty first."""
-    C = p * v
-    x = [0] * C
-    for r in range(p):
-        q, rem = divmod(y[r], v)
-        order = list(range(v))
-        if q == 0:  # middle chunks first: only an edge chunk may be empty
-            order.sort(key=lambda j: j * p + r in (0, C - 1))
-        for k, j in enumerate(order):
-            x[j * p + r] = q + (1 if k < rem else 0)
-    return x
 
 
 def quick_lower_bound_scaled(profile: ModelProfile, cluster: Cluster, cfg: Config,

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from autopar.cost.model import NS, ConfigCosts
+from autopar.cost.config import NS, ConfigCosts
 from autopar.cost.profile import LayerKind
 from autopar.cost.simulate import simulate
+from autopar.cost.step import chunks_from_ranks
 from autopar.schedules import Action, make_schedule
 
 # cost.compute.edge_times_s prices the embedding and the head as one forward plus a backward
@@ -68,7 +69,26 @@ def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
     comm="irecv"); the data-parallel tail and optimizer (the same for every x of one y) are
     not included. check=False: `per_rank` was validated already."""
     fwd, bwd, p2p = chunk_times_s(cc, x)
-    return simulate(per_rank, fwd, bwd, p2p, comm="irecv", check=check).makespan_s
+    # zero-bubble's W as the step formula prices it (bubble_div: F : B : W = 1 : 1 : 1, or
+    # 1 : 2 : 1 under full recompute): a chunk's weight gradients take its forward's time
+    return simulate(per_rank, fwd, bwd, p2p, comm="irecv", wgt_s=fwd, check=check).makespan_s
+
+
+def schedule_pipe_s(cc: ConfigCosts, x: Sequence[int],
+                    max_actions: int = MAX_SIMULATED_ACTIONS // 4) -> float | None:
+    """Seconds from the step's first forward to the last backward (its data-parallel tail and
+    optimizer not included) of the plan's own action lists at layers per chunk `x`, simulated
+    (`simulated_step_s`); None for one pipeline rank, or when the lists hold more than
+    `max_actions` compute actions (large m: the equal-chunk formula of cost/step.py is then
+    what remains, and the one most plans of that size need)."""
+    cfg = cc.cfg
+    if cfg.p == 1 or 2 * cfg.p * cfg.v * cfg.num_microbatches > max_actions:
+        return None
+    fwd, bwd, _ = chunk_times_s(cc, x)
+    c0 = max(range(len(x)), key=lambda c: fwd[c])
+    per_rank = make_schedule(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
+                             group=cfg.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
+    return simulated_step_s(cc, x, per_rank, check=False)
 
 
 def layer_moves(x: list[int], p: int) -> list[list[int]]:
@@ -129,11 +149,10 @@ def spread_layers(cc: ConfigCosts, x: Sequence[int],
 
 def late_heavy(y: Sequence[int], p: int, v: int) -> list[int]:
     """Layers per chunk from rank totals `y` with each rank's remainder in its LAST chunks
-    (bounds.chunks_from_ranks puts it in the first). Under the interleaved schedules a rank's
+    (step.chunks_from_ranks puts it in the first). Under the interleaved schedules a rank's
     earlier chunks hold more micro-batches in flight, so this placement holds the fewest
     activations of the near-even ones. A rank with fewer layers than chunks keeps
     chunks_from_ranks' placement (only an edge chunk may be empty)."""
-    from autopar.cost.bounds import chunks_from_ranks
     x = chunks_from_ranks(list(y), p, v)
     for r in range(p):
         q, rem = divmod(y[r], v)

@@ -42,6 +42,22 @@ def even_chunks(num_layers: int, chunks: int) -> list[int]:
     return [q + (1 if c < rem else 0) for c in range(chunks)]
 
 
+def chunks_from_ranks(y: list[int], p: int, v: int) -> list[int]:
+    """Layers per chunk (chunk c on rank c mod p) from rank totals: near-even split per rank,
+    the earlier chunks taking the remainder; a rank with fewer layers than chunks leaves the
+    first / last chunk of the pipeline (embedding / head) empty first."""
+    C = p * v
+    x = [0] * C
+    for r in range(p):
+        q, rem = divmod(y[r], v)
+        order = list(range(v))
+        if q == 0:  # middle chunks first: only an edge chunk may be empty
+            order.sort(key=lambda j: j * p + r in (0, C - 1))
+        for k, j in enumerate(order):
+            x[j * p + r] = q + (1 if k < rem else 0)
+    return x
+
+
 def rank_layers(layers_per_chunk: tuple[int, ...] | list[int], p: int) -> list[int]:
     """y_r: layers on pipeline rank r when chunk c runs on rank c mod p."""
     y = [0] * p

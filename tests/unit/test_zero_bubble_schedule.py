@@ -8,7 +8,9 @@ from dataclasses import replace
 import pytest
 
 from autopar.cost.hardware import get_cluster
+from autopar.cost.layout import chunk_times_s
 from autopar.cost.model import SCHEDULE_TRAITS, Config, config_costs, predict
+from autopar.cost.step import rank_load_ns, step_scale
 from autopar.cost.profile import transformer_profile
 from autopar.cost.simulate import fit_measured, simulate
 from autopar.cost.solver import AUTO_SCHEDULES, solve
@@ -186,8 +188,10 @@ def test_fit_measured_round_trip(comm):
 
 @pytest.mark.parametrize("p,v,m", [(4, 1, 8), (4, 2, 8), (2, 4, 6), (8, 2, 16), (3, 1, 7)])
 def test_cost_model_bubble_equals_simulator(p, v, m):
-    """predict's zero-bubble term (Σ load − max load)/(3v) equals the simulated idle of
-    interleaved_zb's lists for equal chunks with predict's per-chunk times (W = forward)."""
+    """The step formula's zero-bubble term (Σ load − max load)/(3v) equals the simulated idle
+    of interleaved_zb's lists for equal chunks at F : B : W = 1 : 1 : 1, and predict prices
+    the larger of it and the same lists simulated with predict's own per-chunk times
+    (cost/model.py schedule_stall_ns; here F is 35% of a chunk, not a third)."""
     prof = transformer_profile(num_layers=p * v * 2, hidden=256, heads=4, seq_len=128,
                                vocab=128)
     cfg = Config(t=1, p=p, d=1, v=v, micro_batch_size=1, num_microbatches=m,
@@ -197,16 +201,22 @@ def test_cost_model_bubble_equals_simulator(p, v, m):
     base = predict(prof, A100, replace(cfg, schedule="interleaved-1f1b" if v > 1 else "1f1b"),
                    costs=replace(cc, cfg=replace(cfg, schedule="interleaved-1f1b"
                                                  if v > 1 else "1f1b")))
+    loads = [rank_load_ns(cc, r, 2 * v) for r in range(p)]
+    formula_s = (sum(loads) - max(loads)) / step_scale(cfg) / 1e9
     chunk = cc.layer_ns * 2 / 1e9               # 2 layers per chunk
     fwd = chunk / 3
     for comm in ("irecv", "blocking"):
         sim = simulate(make_schedule("interleaved-zb", p, v, m, times_fb=(1.0, 2.0)),
                        [fwd] * (p * v), [chunk - fwd] * (p * v), comm=comm,
                        wgt_s=[fwd] * (p * v))
-        assert sim.bubble_over_compute == pytest.approx(pr.bubble_fraction, rel=1e-6)
-        assert sim.makespan_s == pytest.approx(m * v * chunk + pr.bubble_s, rel=1e-6)
-    assert pr.bubble_fraction == pytest.approx((p - 1) / (3 * v * m), rel=1e-6)
-    assert pr.bubble_s == pytest.approx(base.bubble_s / 3, rel=1e-6)
+        assert sim.bubble_over_compute == pytest.approx(formula_s / (m * v * chunk), rel=1e-6)
+        assert sim.makespan_s == pytest.approx(m * v * chunk + formula_s, rel=1e-6)
+    assert formula_s / (m * v * chunk) == pytest.approx((p - 1) / (3 * v * m), rel=1e-6)
+    assert formula_s == pytest.approx(base.bubble_s / 3, rel=1e-6)
+    f, b, _ = chunk_times_s(cc, [2] * (p * v))
+    own = simulate(make_schedule("interleaved-zb", p, v, m, times_fb=(f[0], b[0])), f, b,
+                   comm="irecv", wgt_s=f).makespan_s - m * v * chunk
+    assert pr.bubble_s == pytest.approx(max(formula_s, own), rel=1e-6)
     assert pr.step_time_s < base.step_time_s
 
 
