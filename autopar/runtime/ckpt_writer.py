@@ -246,6 +246,7 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
         store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timeout)
+    kept = None
     while True:
         try:
             msg = conn.recv()
@@ -254,6 +255,13 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
         if msg is None:
             break
         fn, job, staged = msg
+        # The staging buffer arrives as a file descriptor with every save, and torch reuses
+        # its mapping of that memory (torch.multiprocessing's shared cache) only while a
+        # tensor over it lives. Kept here, the next save reads the same mapping instead of
+        # mapping it again and page-faulting through all of it (the writer's CPU per 48 MiB
+        # save 0.07 → 0.04 s, benchmarks/checkpoint.py). A buffer the rank replaced (its
+        # shard size changed) is let go at the next save.
+        kept = staged.flat  # noqa: F841 (held, not read)
         try:
             _profiled(fn, job, staged, rank)
             answer = ("ok", None)
