@@ -18,12 +18,14 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
    tensors one step allocates (autopar.testing.peak_tensor_bytes).
 3. The fastest measured is the choice (written as plan.json by the CLI).
 4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
-   communication terms), least absolute relative error (numpy, reweighted least squares) over
-   the measured plans, so one plan the two scales cannot fit does not move the rest; the
-   cluster's compute rates (gemm_max_efficiency, the flash efficiencies,
-   elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1)
-   divided by a (its measured optimizer seconds per parameter multiplied), its link bandwidths
-   divided and latencies (and measured collective curves' times) multiplied by b. The refined
+   collectives' terms) + c · (the pipeline's send/recv), least absolute relative error (numpy,
+   reweighted least squares) over the measured plans, so one plan the scales cannot fit does
+   not move the rest (c apart from b only on a cluster with a measured send/recv curve and
+   enough plans: `fit_scales`); the cluster's compute rates (gemm_max_efficiency, the flash
+   efficiencies, elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency
+   would pass 1) divided by a (its measured optimizer seconds per parameter multiplied), its
+   link bandwidths divided and latencies (and measured collective curves' times) multiplied by
+   b, its measured send/recv curve's times by c. The refined
    cluster is re-solved for every measured plan to report the error before and after. Overlap
    is not a constant of this cost model (it is modelled per term), so it is not refitted.
 """
@@ -46,7 +48,11 @@ from autopar.request import Pins
 
 PIN_KEYS = tuple(f.name for f in dataclasses.fields(Pins))   # the request's knobs
 _COMPUTE_TERMS = ("compute_s", "bubble_s", "optimizer_s")
-_COMM_TERMS = ("tp_comm_s", "pp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+_COMM_TERMS = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+_P2P_TERMS = ("pp_comm_s",)
+# a third scale for the pipeline's send/recv is fitted only with enough plans to hold it: at
+# least this many plans that send pipeline messages, and this many more plans than scales
+MIN_P2P_PLANS, SPARE_PLANS = 2, 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,7 +73,7 @@ class TuneResult:
     trials: tuple[Trial, ...]
     cluster: Cluster            # the cluster planned with
     refit: Cluster              # the refitted cluster
-    scales: tuple[float, float]  # (compute a, communication b) of the refit
+    scales: tuple[float, float, float]   # (compute a, collectives b, pipeline p2p c)
 
     @property
     def best(self) -> Plan:
@@ -91,7 +97,8 @@ class TuneResult:
                  if tr.refit_s is not None]
         lines.append(f"median |error| {before * 100:.0f}% as planned"
                      + (f", {statistics.median(after) * 100:.0f}% refitted (compute ×"
-                        f"{self.scales[0]:.2f}, communication ×{self.scales[1]:.2f})"
+                        f"{self.scales[0]:.2f}, collectives ×{self.scales[1]:.2f}, pipeline "
+                        f"messages ×{self.scales[2]:.2f})"
                         if after else ""))
         return "\n".join(lines)
 
@@ -264,25 +271,45 @@ def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
 
 # ---- refitting ----
 
-def fit_scales(trials: list[Trial], rounds: int = 50) -> tuple[float, float]:
-    """(a, b) minimising Σ |(a·compute + b·comm) / measured − 1|: the least absolute relative
-    error, by iteratively reweighted least squares (numpy; each round weighs a plan by the
-    inverse of its last error). Plain least squares let one plan the two scales cannot fit (a
-    term the cost model misses: t = 2 SP 21% slow while the rest were within 5%) pull every
-    other plan off: on 2 local ranks it doubled the median error it was meant to halve
-    (2.3% → 4.4%, 2026-11-27). A scale with no term to fit, or fitted non-positive, is
-    refitted alone or kept at 1."""
-    comp = np.array([sum(getattr(t.plan.predicted, k) for k in _COMPUTE_TERMS) for t in trials])
-    comm = np.array([sum(getattr(t.plan.predicted, k) for k in _COMM_TERMS) for t in trials])
+def fit_scales(trials: list[Trial], rounds: int = 50,
+               separate_p2p: bool = False) -> tuple[float, float, float]:
+    """(a, b, c) minimising Σ |(a·compute + b·collectives + c·pipeline p2p) / measured − 1|:
+    the least absolute relative error, by iteratively reweighted least squares (numpy; each
+    round weighs a plan by the inverse of its last error). Plain least squares let one plan the
+    scales cannot fit (a term the cost model misses: t = 2 SP 21% slow while the rest were
+    within 5%) pull every other plan off: on 2 local ranks it doubled the median error it was
+    meant to halve (2.3% → 4.4%, 2026-11-27).
+
+    c, the pipeline's send/recv, is its own scale with `separate_p2p` (the cluster prices it
+    from its own measured curve, `has_p2p_curve`) and enough plans to hold three (MIN_P2P_PLANS
+    with pipeline messages, SPARE_PLANS more plans than scales): a blocked receive's wake-up
+    on a host, or NCCL's send/recv against its all-reduce on a cluster, is not the collectives'
+    ratio (on 2 local CPU ranks a 64 KiB send/recv took 0.42 – 1.59 ms between calibrations,
+    the collectives ~1 ms throughout). Otherwise c = b. A scale with no term to fit, or fitted
+    non-positive, is dropped (kept at 1, or c = b)."""
+    def col(keys):
+        return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
+    comp, comm, p2p = col(_COMPUTE_TERMS), col(_COMM_TERMS), col(_P2P_TERMS)
     meas = np.array([t.measured_s for t in trials])
-    a_mat = np.stack([comp / meas, comm / meas], axis=1)
-    if comm.sum() > 0:
+    if separate_p2p and int((p2p > 0).sum()) >= MIN_P2P_PLANS \
+            and len(trials) >= 3 + SPARE_PLANS and comm.sum() > 0:
+        a, b, c = _least_absolute(np.stack([comp, comm, p2p], axis=1) / meas[:, None], rounds)
+        if a > 0 and b > 0 and c > 0:
+            return float(a), float(b), float(c)
+    a_mat = np.stack([comp, comm + p2p], axis=1) / meas[:, None]
+    if (comm + p2p).sum() > 0:
         a, b = _least_absolute(a_mat, rounds)
         if a > 0 and b > 0:
-            return float(a), float(b)
+            return float(a), float(b), float(b)
     # compute alone (communication kept as calibrated)
     (a,) = _least_absolute(a_mat[:, :1], rounds, 1 - a_mat[:, 1])
-    return max(float(a), 1e-3), 1.0
+    return max(float(a), 1e-3), 1.0, 1.0
+
+
+def has_p2p_curve(cluster: Cluster) -> bool:
+    """The cluster prices a pipeline message from its own measured send/recv curve
+    (`autopar calibrate`), which the refit can scale apart from the collectives'."""
+    return any(c.kind == "send_recv" for c in cluster.collective_curves)
 
 
 def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None) -> np.ndarray:
@@ -296,8 +323,15 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
     return x
 
 
-def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
-    """`cluster` with its compute rates divided by a and its links slowed by b (module doc)."""
+def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
+                  p2p: float | None = None) -> Cluster:
+    """`cluster` with its compute rates divided by a, its links slowed by b and its measured
+    send/recv curve by `p2p` (default b; module doc)."""
+    c = b if p2p is None else p2p
+    if c != b and not has_p2p_curve(cluster):
+        raise ValueError(f"refit_cluster: p2p={c} differs from b={b}, but {cluster.name} "
+                         f"prices pipeline messages from its links, as its collectives: pass "
+                         f"p2p=None (a cluster file from `autopar calibrate` has the curve)")
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
     emax = min(1.0, cluster.gemm_max_efficiency / a)
     peak = gemm_rate / emax
@@ -305,12 +339,13 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
     elem = min(1.0, cluster.elementwise_efficiency / a)
     flash = {k: min(1.0, getattr(cluster, k) * cluster.peak_flops / (a * peak))
              for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
+    curves = tuple(dataclasses.replace(
+        cv, seconds=tuple(x * (c if cv.kind == "send_recv" else b) for x in cv.seconds))
+        for cv in cluster.collective_curves)
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
-        optimizer_param_s=cluster.optimizer_param_s * a,
-        collective_curves=tuple(dataclasses.replace(c, seconds=tuple(x * b for x in c.seconds))
-                                for c in cluster.collective_curves),
+        optimizer_param_s=cluster.optimizer_param_s * a, collective_curves=curves,
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
         inter_node_bandwidth_Bps=cluster.inter_node_bandwidth_Bps / b,
@@ -319,8 +354,9 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str) -> Cluster:
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
             f"an efficiency would pass 1; optimizer_param_s × {a:.3f}), link bandwidths ÷ "
-            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}); "
-            f"least absolute relative error over the measured plans",))
+            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}; the "
+            f"send/recv curve's × {c:.3f}); least absolute relative error over the measured "
+            f"plans",))
 
 
 # ---- the whole run ----
@@ -365,11 +401,12 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
               for plan, (s, m) in zip(candidates, measured)]
     dist.barrier()   # not runner.close(): that would end the caller's process group
-    a, b = fit_scales(trials)
-    refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}")
+    a, b, c = fit_scales(trials, separate_p2p=has_p2p_curve(cl))
+    refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}",
+                          p2p=c)
     trials = [dataclasses.replace(tr, refit_s=solve_pins(refit, plan_pins(tr.plan))
                                   .predicted.step_time_s) for tr in trials]
-    return TuneResult(trials=tuple(trials), cluster=cl, refit=refit, scales=(a, b))
+    return TuneResult(trials=tuple(trials), cluster=cl, refit=refit, scales=(a, b, c))
 
 
 # ---- the command line (`autopar tune`) ----

@@ -15,10 +15,10 @@ from autopar.tuning import Trial, fit_scales, plan_pins, refit_cluster, spearman
 PINS = (dict(d=8), dict(t=8), dict(t=2, d=4), dict(p=2, d=4), dict(t=4, p=2), dict(t=2, p=4))
 
 
-def _plans(cluster):
+def _plans(cluster, pins_list=PINS):
     prof = transformer_profile(num_layers=8, hidden=512, heads=8, seq_len=256, vocab=2000)
     return [solve(prof, cluster, gpus=8, global_batch_size=32, micro_batch_size=1, **pins)
-            for pins in PINS], prof
+            for pins in pins_list], prof
 
 
 def test_refit_recovers_compute_and_communication_scales():
@@ -29,8 +29,8 @@ def test_refit_recovers_compute_and_communication_scales():
                 + 2.5 * sum(getattr(pl.predicted, k) for k in comm) for pl in plans]
     trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
               for pl, m in zip(plans, measured)]
-    a, b = fit_scales(trials)
-    assert a == pytest.approx(1.7, rel=1e-6) and b == pytest.approx(2.5, rel=1e-6)
+    a, b, c = fit_scales(trials)
+    assert a == pytest.approx(1.7, rel=1e-6) and b == pytest.approx(2.5, rel=1e-6) and c == b
     refit = refit_cluster(cluster, a, b, "test")
     assert refit.gemm_max_efficiency == pytest.approx(cluster.gemm_max_efficiency / 1.7)
     assert refit.intra_node_bandwidth_Bps == pytest.approx(cluster.intra_node_bandwidth_Bps / 2.5)
@@ -82,5 +82,43 @@ def test_one_plan_the_scales_cannot_fit_leaves_the_others_fitted():
     measured[1] *= 1.3
     trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
               for pl, m in zip(plans, measured)]
-    a, b = fit_scales(trials)
+    a, b, _ = fit_scales(trials)
     assert a == pytest.approx(1.7, rel=1e-3) and b == pytest.approx(2.5, rel=1e-3)
+
+
+def test_the_pipeline_messages_get_their_own_scale_where_calibrate_measured_them():
+    """On a cluster with a measured send/recv curve the refit scales the pipeline's messages
+    apart from the collectives (a host's blocked-receive wake-up drifts on its own): with
+    compute ×1.1, collectives ×0.9 and pipeline messages ×0.4 "measured", the three scales
+    come back, and the refitted cluster prices a send/recv 0.4× and an all-reduce 0.9×. Where
+    the cluster prices messages from its links (no curve) c is b."""
+    from autopar.cost.comm import allreduce_s, p2p_s
+    from autopar.cost.hardware import CollectiveCurve
+    from autopar.tuning import has_p2p_curve
+    curves = tuple(CollectiveCurve(link=link, kind=kind, ranks=2, bytes=(8.0, 1e6, 1e8),
+                                   seconds=(1e-4, 1e-3, 5e-2))
+                   for link in ("intra", "inter") for kind in ("all_reduce", "all_gather",
+                                                               "reduce_scatter", "send_recv"))
+    cluster = dataclasses.replace(get_cluster("h100-eth100g"), collective_curves=curves)
+    assert has_p2p_curve(cluster) and not has_p2p_curve(get_cluster("h100-eth100g"))
+    # 1F1B's order charges every hop (an interleaved group of N > p hides them on a GPU)
+    plans, _ = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
+                                                 for pins in PINS[3:]))
+    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+    parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
+              - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
+              pl.predicted.pp_comm_s) for pl in plans]
+    assert sum(1 for *_, pp in parts if pp > 0) >= 2
+    measured = [1.1 * x + 0.9 * y + 0.4 * z for x, y, z in parts]
+    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
+              for pl, m in zip(plans, measured)]
+    a, b, c = fit_scales(trials, separate_p2p=True)
+    assert (a, b, c) == pytest.approx((1.1, 0.9, 0.4), rel=1e-4)
+    refit = refit_cluster(cluster, a, b, "test", p2p=c)
+    assert p2p_s(refit, 5e5, False) == pytest.approx(c * p2p_s(cluster, 5e5, False))
+    assert allreduce_s(refit, 5e5, 8, False) == pytest.approx(b * allreduce_s(cluster, 5e5, 8,
+                                                                              False))
+    _, b2, c2 = fit_scales(trials)                      # no curve: one scale for both
+    assert c2 == b2
+    with pytest.raises(ValueError, match="p2p=0.4 differs from b"):
+        refit_cluster(get_cluster("h100-eth100g"), 1.0, 1.0, "test", p2p=0.4)
