@@ -310,4 +310,7 @@ class ConfigCosts(LoadCosts):
     # split backward: what a deferred W keeps per layer / in the head, per micro-batch
     pending_layer_bytes: float = 0.0
     pending_head_bytes: float = 0.0
+    # every rank: the latency of its data-parallel calls beyond one, exposed
+    # (cost/dp_terms.py calls_latency_s)
+    dp_rank_ns: int = 0
 

@@ -128,7 +128,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         gathers = None
     elif gathers is None:
         gathers = memo.weight_gathers(cfg)
-    dp_layer, window_layer, dp_first, dp_last = dp_terms_s(
+    dp_layer, window_layer, dp_first, dp_last, dp_rank = dp_terms_s(
         profile, cluster, cfg, params, block_s, lc.layer_compute_ns / NS, gathers)
     opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
     mem_layer, mem_fixed, parts, fparts, acts = memory_coefficients(profile, cluster, cfg,
@@ -156,7 +156,8 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         model_flops_per_step=B * 3 * flops_fwd_seq,
         mem_parts=parts, mem_fixed_parts=fparts, layer_fwd_ns=fwd_ns,
         act_layer_bytes=acts.layer, act_embed_bytes=acts.embedding, act_head_bytes=acts.head,
-        pending_layer_bytes=acts.pending_layer, pending_head_bytes=acts.pending_head)
+        pending_layer_bytes=acts.pending_layer, pending_head_bytes=acts.pending_head,
+        dp_rank_ns=ns(dp_rank))
 
 
 # ----- prediction ----------------------------------------------------------------------------

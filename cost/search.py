@@ -458,16 +458,17 @@ def _least_tail_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     so neither the schedule, N, b, m nor recompute enters), summed over the layers as
     step.total_tail_ns does and spread evenly over the p ranks (the max is at least the
     mean). Each of the full price's rounded terms is within 1 ns of a term at least this
-    one's, hence the 2l + 4 ns given back."""
+    one's, hence the 2l + p + 4 ns given back."""
     rank = memo.rank_profile(profile, cluster, cfg)
     params = rank_params(rank, cfg)
     least = least_counts(ZERO_TRAITS[cfg.zero].keep(cfg.v), cfg.v)
-    dp, hidden, first, last = dp_terms_s(rank, cluster, cfg, params,
-                                         memo.block_times_s(rank, cluster, cfg), 0.0, least)
+    dp, hidden, first, last, each = dp_terms_s(rank, cluster, cfg, params,
+                                               memo.block_times_s(rank, cluster, cfg), 0.0,
+                                               least)
     opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
     l = profile.num_layers
-    total = (dp - hidden + opt) * l + first + last + opt_first + opt_last
-    return max(0.0, total - (2 * l + 4) / 1e9) / cfg.p
+    total = (dp - hidden + opt) * l + first + last + opt_first + opt_last + cfg.p * each
+    return max(0.0, total - (2 * l + 4 + cfg.p) / 1e9) / cfg.p
 
 
 def _least_held_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config,

@@ -106,7 +106,8 @@ def rank_tail_terms_ns(cc: ConfigCosts, r: int, y_r: Lin) -> tuple[Lin, Lin]:
     than the optimizer step."""
     p = cc.cfg.p
     opt_fixed = (cc.opt_first_ns if r == 0 else 0) + (cc.opt_last_ns if r == p - 1 else 0)
-    dp_fixed = (cc.dp_first_ns if r == 0 else 0) + (cc.dp_last_ns if r == p - 1 else 0)
+    dp_fixed = (cc.dp_first_ns if r == 0 else 0) + (cc.dp_last_ns if r == p - 1 else 0) \
+        + cc.dp_rank_ns
     return (tail_layer_ns(cc) * y_r + (dp_fixed + opt_fixed),
             cc.opt_layer_ns * y_r + opt_fixed)
 
@@ -120,7 +121,7 @@ def total_tail_ns(cc: ConfigCosts, num_layers: int) -> int:
     """Σ_r of the first tail term, the same for every split of num_layers layers:
     `rank_tail_terms_ns` summed (one slope on every rank, the edge terms once)."""
     return (tail_layer_ns(cc) * num_layers + cc.dp_first_ns + cc.dp_last_ns + cc.opt_first_ns
-            + cc.opt_last_ns)
+            + cc.opt_last_ns + cc.cfg.p * cc.dp_rank_ns)
 
 
 def rank_memory_bytes(cc: ConfigCosts, r: int, y_r: Lin) -> Lin:
