@@ -20,12 +20,12 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
 4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
    collectives' terms) + c · (the pipeline's send/recv), least absolute relative error (numpy,
    reweighted least squares) over the measured plans, so one plan the scales cannot fit does
-   not move the rest (c apart from b only on a cluster with a measured send/recv curve and
-   enough plans: `fit_scales`); the cluster's compute rates (gemm_max_efficiency, the flash
-   efficiencies, elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency
-   would pass 1) divided by a (its measured optimizer seconds per parameter multiplied), its
-   link bandwidths divided and latencies (and measured collective curves' times) multiplied by
-   b, its measured send/recv curve's times by c. The refined
+   not move the rest (c apart from b only with enough plans: `fit_scales`); the cluster's
+   compute rates (gemm_max_efficiency, the flash efficiencies, elementwise_efficiency;
+   peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1) divided by a (its
+   measured optimizer seconds per parameter multiplied), its link bandwidths divided and
+   latencies (and measured collective curves' times) multiplied by b, its pipeline messages'
+   (`Cluster.pipeline_p2p_scale`) by c. The refined
    cluster is re-solved for every measured plan to report the error before and after. Overlap
    is not a constant of this cost model (it is modelled per term), so it is not refitted.
 """
@@ -272,7 +272,7 @@ def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
 # ---- refitting ----
 
 def fit_scales(trials: list[Trial], rounds: int = 50,
-               separate_p2p: bool = False) -> tuple[float, float, float]:
+               separate_p2p: bool = True) -> tuple[float, float, float]:
     """(a, b, c) minimising Σ |(a·compute + b·collectives + c·pipeline p2p) / measured − 1|:
     the least absolute relative error, by iteratively reweighted least squares (numpy; each
     round weighs a plan by the inverse of its last error). Plain least squares let one plan the
@@ -280,13 +280,12 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
     within 5%) pull every other plan off: on 2 local ranks it doubled the median error it was
     meant to halve (2.3% → 4.4%, 2026-11-27).
 
-    c, the pipeline's send/recv, is its own scale with `separate_p2p` (the cluster prices it
-    from its own measured curve, `has_p2p_curve`) and enough plans to hold three (MIN_P2P_PLANS
-    with pipeline messages, SPARE_PLANS more plans than scales): a blocked receive's wake-up
-    on a host, or NCCL's send/recv against its all-reduce on a cluster, is not the collectives'
-    ratio (on 2 local CPU ranks a 64 KiB send/recv took 0.42 – 1.59 ms between calibrations,
-    the collectives ~1 ms throughout). Otherwise c = b. A scale with no term to fit, or fitted
-    non-positive, is dropped (kept at 1, or c = b)."""
+    c, the pipeline's messages, is its own scale (`separate_p2p`) where enough plans hold
+    three (MIN_P2P_PLANS with pipeline messages, SPARE_PLANS more plans than scales): the
+    pipeline's pre-posted sends and receives cost what a blocking exchange (calibrate's) or
+    the collectives do not (on 2 local CPU ranks 0.1 – 0.4 of calibrate's send/recv in four
+    runs, while the collectives' scale stayed 0.8 – 1.2). Otherwise c = b. A scale with no
+    term to fit, or fitted non-positive, is dropped (kept at 1, or c = b)."""
     def col(keys):
         return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
     comp, comm, p2p = col(_COMPUTE_TERMS), col(_COMM_TERMS), col(_P2P_TERMS)
@@ -306,12 +305,6 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
     return max(float(a), 1e-3), 1.0, 1.0
 
 
-def has_p2p_curve(cluster: Cluster) -> bool:
-    """The cluster prices a pipeline message from its own measured send/recv curve
-    (`autopar calibrate`), which the refit can scale apart from the collectives'."""
-    return any(c.kind == "send_recv" for c in cluster.collective_curves)
-
-
 def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None) -> np.ndarray:
     """x minimising Σ |mat·x − rhs| (rhs: ones), IRLS from the least-squares start; an
     error under 1e-4 weighs as 1e-4 (a plan fitted exactly must not take every weight)."""
@@ -325,13 +318,9 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
 
 def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
                   p2p: float | None = None) -> Cluster:
-    """`cluster` with its compute rates divided by a, its links slowed by b and its measured
-    send/recv curve by `p2p` (default b; module doc)."""
+    """`cluster` with its compute rates divided by a, its links slowed by b and its pipeline
+    messages by `p2p` (default b; module doc)."""
     c = b if p2p is None else p2p
-    if c != b and not has_p2p_curve(cluster):
-        raise ValueError(f"refit_cluster: p2p={c} differs from b={b}, but {cluster.name} "
-                         f"prices pipeline messages from its links, as its collectives: pass "
-                         f"p2p=None (a cluster file from `autopar calibrate` has the curve)")
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
     emax = min(1.0, cluster.gemm_max_efficiency / a)
     peak = gemm_rate / emax
@@ -339,13 +328,13 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
     elem = min(1.0, cluster.elementwise_efficiency / a)
     flash = {k: min(1.0, getattr(cluster, k) * cluster.peak_flops / (a * peak))
              for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
-    curves = tuple(dataclasses.replace(
-        cv, seconds=tuple(x * (c if cv.kind == "send_recv" else b) for x in cv.seconds))
-        for cv in cluster.collective_curves)
+    curves = tuple(dataclasses.replace(cv, seconds=tuple(x * b for x in cv.seconds))
+                   for cv in cluster.collective_curves)
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
         optimizer_param_s=cluster.optimizer_param_s * a, collective_curves=curves,
+        pipeline_p2p_scale=cluster.pipeline_p2p_scale * c / b,
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
         inter_node_bandwidth_Bps=cluster.inter_node_bandwidth_Bps / b,
@@ -354,9 +343,9 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
             f"an efficiency would pass 1; optimizer_param_s × {a:.3f}), link bandwidths ÷ "
-            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}; the "
-            f"send/recv curve's × {c:.3f}); least absolute relative error over the measured "
-            f"plans",))
+            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}), pipeline "
+            f"messages × {c:.3f} (pipeline_p2p_scale); least absolute relative error over the "
+            f"measured plans",))
 
 
 # ---- the whole run ----
@@ -401,7 +390,7 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
               for plan, (s, m) in zip(candidates, measured)]
     dist.barrier()   # not runner.close(): that would end the caller's process group
-    a, b, c = fit_scales(trials, separate_p2p=has_p2p_curve(cl))
+    a, b, c = fit_scales(trials)
     refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}",
                           p2p=c)
     trials = [dataclasses.replace(tr, refit_s=solve_pins(refit, plan_pins(tr.plan))

@@ -167,7 +167,7 @@ def p2p_hop_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     tp_inter = group_spans_nodes(cluster, stride=1, size=t, gpus=cfg.gpus)
     pp_inter = group_spans_nodes(cluster, stride=t * cfg.c * cfg.d, size=p, gpus=cfg.gpus)
     act = cfg.micro_batch_size * profile.block.input_bytes
-    one = p2p_s(cluster, act / t, pp_inter)
+    one = p2p_s(cluster, act / t, pp_inter) * cluster.pipeline_p2p_scale
     if not (cfg.sequence_parallel and t > 1):
         one += allgather_s(cluster, act, t, tp_inter)
     return one

@@ -151,6 +151,11 @@ class Cluster:
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
     # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
     comm_overlap: float = 1.0
+    # a pipeline message's time over the send/recv it is priced as (p2p_s: the measured curve
+    # or the link), fitted by `autopar tune` where what the pipeline's pre-posted messages
+    # cost drifts apart from the collectives and ring attention's hops (on 2 local CPU ranks
+    # 0.1 - 0.4 of calibrate's exchange); 1: as measured (the presets, a fresh calibration)
+    pipeline_p2p_scale: float = 1.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -161,6 +166,10 @@ class Cluster:
             raise ValueError(f"Cluster.tp_comm_overlap={self.tp_comm_overlap!r}: must be in "
                              f"[0, 1], the fraction of an overlapped TP collective that "
                              f"costs nothing")
+        if not self.pipeline_p2p_scale > 0:
+            raise ValueError(f"Cluster.pipeline_p2p_scale={self.pipeline_p2p_scale!r}: must be "
+                             f"positive, a pipeline message's time over its send/recv's (1: "
+                             f"as measured)")
         if self.tp_row_pieces < 1:
             raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
                              f"the calls a row-parallel reduction is issued as (1: one)")

@@ -86,24 +86,18 @@ def test_one_plan_the_scales_cannot_fit_leaves_the_others_fitted():
     assert a == pytest.approx(1.7, rel=1e-3) and b == pytest.approx(2.5, rel=1e-3)
 
 
-def test_the_pipeline_messages_get_their_own_scale_where_calibrate_measured_them():
-    """On a cluster with a measured send/recv curve the refit scales the pipeline's messages
-    apart from the collectives (a host's blocked-receive wake-up drifts on its own): with
-    compute ×1.1, collectives ×0.9 and pipeline messages ×0.4 "measured", the three scales
-    come back, and the refitted cluster prices a send/recv 0.4× and an all-reduce 0.9×. Where
-    the cluster prices messages from its links (no curve) c is b."""
-    from autopar.cost.comm import allreduce_s, p2p_s
-    from autopar.cost.hardware import CollectiveCurve
-    from autopar.tuning import has_p2p_curve
-    curves = tuple(CollectiveCurve(link=link, kind=kind, ranks=2, bytes=(8.0, 1e6, 1e8),
-                                   seconds=(1e-4, 1e-3, 5e-2))
-                   for link in ("intra", "inter") for kind in ("all_reduce", "all_gather",
-                                                               "reduce_scatter", "send_recv"))
-    cluster = dataclasses.replace(get_cluster("h100-eth100g"), collective_curves=curves)
-    assert has_p2p_curve(cluster) and not has_p2p_curve(get_cluster("h100-eth100g"))
+def test_the_pipeline_messages_get_their_own_scale():
+    """The refit scales the pipeline's messages apart from the collectives (what pre-posted
+    sends cost drifts on its own): with compute ×1.1, collectives ×0.9 and pipeline messages
+    ×0.4 "measured", the three scales come back, and the refitted cluster prices a pipeline
+    hop 0.4× and an all-reduce and ring attention's send/recv 0.9×. Asked for one scale (or
+    with too few plans), c is b."""
+    from autopar.cost.comm import allreduce_s, p2p_hop_s, p2p_s
+    from autopar.cost.model import Config
+    cluster = get_cluster("h100-eth100g")
     # 1F1B's order charges every hop (an interleaved group of N > p hides them on a GPU)
-    plans, _ = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
-                                                 for pins in PINS[3:]))
+    plans, prof = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
+                                                     for pins in PINS[3:]))
     coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
     parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
               - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
@@ -112,13 +106,18 @@ def test_the_pipeline_messages_get_their_own_scale_where_calibrate_measured_them
     measured = [1.1 * x + 0.9 * y + 0.4 * z for x, y, z in parts]
     trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
               for pl, m in zip(plans, measured)]
-    a, b, c = fit_scales(trials, separate_p2p=True)
+    a, b, c = fit_scales(trials)
     assert (a, b, c) == pytest.approx((1.1, 0.9, 0.4), rel=1e-4)
     refit = refit_cluster(cluster, a, b, "test", p2p=c)
-    assert p2p_s(refit, 5e5, False) == pytest.approx(c * p2p_s(cluster, 5e5, False))
+    assert refit.pipeline_p2p_scale == pytest.approx(c / b)
+    cfg = Config.of_plan(plans[3])
+    assert p2p_hop_s(prof, refit, cfg) == pytest.approx(c * p2p_hop_s(prof, cluster, cfg))
+    assert p2p_s(refit, 5e5, False) == pytest.approx(b * p2p_s(cluster, 5e5, False))
     assert allreduce_s(refit, 5e5, 8, False) == pytest.approx(b * allreduce_s(cluster, 5e5, 8,
                                                                               False))
-    _, b2, c2 = fit_scales(trials)                      # no curve: one scale for both
+    _, b1, c1 = fit_scales(trials, separate_p2p=False)
+    assert c1 == b1
+    _, b2, c2 = fit_scales(trials[:4])                  # 4 plans: too few for three scales
     assert c2 == b2
-    with pytest.raises(ValueError, match="p2p=0.4 differs from b"):
-        refit_cluster(get_cluster("h100-eth100g"), 1.0, 1.0, "test", p2p=0.4)
+    with pytest.raises(ValueError, match="pipeline_p2p_scale=0"):
+        dataclasses.replace(cluster, pipeline_p2p_scale=0.0)
