@@ -1,0 +1,75 @@
+"""Data-parallel collectives priced per call (cost/dp_terms.py): a layer's share of the call
+that holds it, and every call's latency beyond one where nothing overlaps it. Pure: the cost
+model on a profile, a preset and a CPU-like cluster with a measured curve."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopar.cost.comm import allreduce_s
+from autopar.cost.config import Config
+from autopar.cost.dp_terms import GradGroup, _layer_sync_s, calls_latency_s, grad_reduce_bytes
+from autopar.cost.hardware import CollectiveCurve, get_cluster
+from autopar.cost.model import config_costs, predict
+from autopar.cost.profile import transformer_profile
+from autopar.cost.shares import rank_params
+
+LAT = 5e-4
+PROF = transformer_profile(num_layers=8, hidden=64, heads=4, seq_len=64, vocab=512)
+
+
+def _curved(overlap: float):
+    """2 CPU ranks as calibrate measures them: a small call costs far more than its bytes
+    (a 200 KB all-reduce 1.5 ms, ten times its bytes 3 ms), nothing overlaps."""
+    curves = tuple(CollectiveCurve(link=link, kind=kind, ranks=2, bytes=(8.0, 2e5, 2e6, 2e7),
+                                   seconds=(LAT, 1.5e-3, 3e-3, 1.5e-2))
+                   for link in ("intra", "inter")
+                   for kind in ("all_reduce", "all_gather", "reduce_scatter"))
+    return replace(get_cluster("local-cpu"), collective_curves=curves, comm_overlap=overlap,
+                   intra_node_latency_s=LAT, inter_node_latency_s=LAT)
+
+
+def _cfg(v: int, zero: int = 0, m: int = 1) -> Config:
+    return Config(t=1, p=1, d=2, v=v, micro_batch_size=8 // m, num_microbatches=m,
+                  schedule="breadth-first" if v > 1 else "1f1b", zero=zero)
+
+
+def test_one_bucket_is_priced_as_one_call_not_one_per_layer():
+    """1F1B reduces the rank's eight layers in one bucket: their gradients are priced as the
+    curve's call of all of them, not eight small calls (8 × 1.5 ms against ~3 ms)."""
+    cl = _curved(0.0)
+    cfg = _cfg(1)
+    cc = config_costs(PROF, cl, cfg)
+    block_bytes = rank_params(PROF, cfg).block * grad_reduce_bytes(PROF)
+    whole = allreduce_s(cl, 8 * block_bytes, 2, False) - LAT
+    assert cc.dp_layer_ns * 8 / 1e9 == pytest.approx(whole, rel=1e-3)
+    assert whole < 8 * (allreduce_s(cl, block_bytes, 2, False) - LAT) / 2
+    assert cc.dp_rank_ns == 0                            # one call: its latency in the edges
+
+
+@pytest.mark.parametrize("zero,calls", [(0, 8), (1, 16), (2, 16)])
+def test_each_call_of_breadth_first_pays_its_latency_where_nothing_overlaps(zero, calls):
+    """Breadth-first with eight one-layer chunks: a reduction a chunk (ZeRO-1 its weights'
+    all-gather too; ZeRO-2 a gather and a reduce-scatter a chunk, the plan's counts): every
+    call's latency beyond one is on the tail, and the step is priced above 1F1B's at the
+    same ZeRO level (measured on 2 CPU ranks: +3–5 ms of ~36 at ZeRO-0, +10 ms at ZeRO-2).
+    Where collectives overlap compute (a GPU: comm_overlap 1) the latency hides."""
+    cl = _curved(0.0)
+    bf = config_costs(PROF, cl, _cfg(8, zero))
+    assert bf.dp_rank_ns == round((calls - 1) * LAT * 1e9)
+    assert predict(PROF, cl, _cfg(8, zero)).step_time_s > \
+        predict(PROF, cl, _cfg(1, zero)).step_time_s
+    assert config_costs(PROF, _curved(1.0), _cfg(8, zero)).dp_rank_ns == 0
+    assert calls_latency_s(cl, _cfg(8, zero), calls, LAT) == pytest.approx((calls - 1) * LAT)
+
+
+def test_a_linear_link_prices_a_layer_alike_in_any_call():
+    """On a preset's link (latency + bytes / bandwidth) a layer's share of a call of k layers
+    is its bandwidth time whatever k: the presets' prices do not move."""
+    a100 = get_cluster("dgx-a100-80gb")
+    params = rank_params(PROF, _cfg(1))
+    grp = GradGroup(cluster=a100, size=64, inter=True, sharded_optimizer=False)
+    one = _layer_sync_s(grp, None, params)
+    for k in (2.0, 8.0, 0.5):
+        assert _layer_sync_s(grp, None, params, per_call=k) == pytest.approx(one, rel=1e-9)
