@@ -1,7 +1,8 @@
 """Data-parallel terms of the step (`dp_terms_s`): the gradient reduction over the replicas
 (the c·d ranks holding the same weights), ZeRO's weight all-gathers, and how much of them
-the schedule hides. Per-layer terms are bandwidth only; each rank's collective latency is
-counted once in the edge terms (bucketed, pipelined collectives).
+the schedule hides. Per-layer terms are bandwidth only, a layer's share of the call that holds
+it (a bucket of the rank's layers, or a chunk's); one collective latency is counted in the edge
+terms, and each further call's as far as compute does not hide it (`calls_latency_s`).
 
 - Data parallel, 1F1B / interleaved / GPipe: one gradient reduction per step per pipeline rank
   (ZeRO-1: reduce-scatter of gradients + all-gather of 16-bit weights, the same volume), of which
@@ -146,7 +147,7 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
     dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
     return DpTerms(layer_s=dp_layer, hidden_layer_s=hidden * cluster.comm_overlap,
                    first_s=dp_first, last_s=dp_last,        # what can hide does
-                   rank_s=calls_latency_s(cluster, cfg, calls, lat))
+                   rank_s=calls_latency_s(cluster, calls, lat))
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
@@ -200,7 +201,7 @@ def _layer_sync_s(grp: GradGroup, experts: GradGroup | None, params: RankParams,
     return G, R
 
 
-def calls_latency_s(cluster: Cluster, cfg: Config, calls: int, lat: float) -> float:
+def calls_latency_s(cluster: Cluster, calls: int, lat: float) -> float:
     """Per rank and step: the latency of its data-parallel calls beyond the one the edge terms
     count, as far as it does not hide behind compute (1 − comm_overlap: a GPU's collectives
     run beside its kernels; CPU ranks that fill every core wait for each one — on 2 local

@@ -61,7 +61,7 @@ def test_each_call_of_breadth_first_pays_its_latency_where_nothing_overlaps(zero
     assert predict(PROF, cl, _cfg(8, zero)).step_time_s > \
         predict(PROF, cl, _cfg(1, zero)).step_time_s
     assert config_costs(PROF, _curved(1.0), _cfg(8, zero)).dp_rank_ns == 0
-    assert calls_latency_s(cl, _cfg(8, zero), calls, LAT) == pytest.approx((calls - 1) * LAT)
+    assert calls_latency_s(cl, calls, LAT) == pytest.approx((calls - 1) * LAT)
 
 
 def test_a_linear_link_prices_a_layer_alike_in_any_call():
