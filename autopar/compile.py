@@ -38,7 +38,7 @@ from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.fp8 import fp8_only_weights
 from autopar.passes.router_stats import DATA_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
-from autopar.plan import Plan, check_model
+from autopar.plan import Plan, check_model, recorded_chunk_times
 from autopar.progress import Progress
 from autopar.rules import ZERO_LEVELS
 from autopar.runtime.compiled import compile_chunks
@@ -156,7 +156,7 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     if program_dir is not None:
         check_saved_precision(program_dir, plan, precision)
     schedule = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
-                             group=plan.microbatch_group)
+                             group=plan.microbatch_group, chunk_times=recorded_chunk_times(plan))
     # a bar on rank 0's terminal only (torchrun sets RANK; a lone process is rank 0)
     rank0 = os.environ.get("RANK", "0") == "0"
     bar = Progress(total=4 + torch_compile, desc="compile", enabled=rank0)

@@ -47,6 +47,12 @@ class Stage:
     # (forward + backward, ms); "" / 0 for a stack of one kind
     kinds: str = ""
     layers_ms: float = 0.0
+    # the cost model's forward and backward of the chunk per micro-batch (ms: its layers, the
+    # embedding or the head; cost/layout.py chunk_times_s), by which interleaved-zb places its
+    # weight-gradient W's (autopar.schedules.make_schedule chunk_times); 0: not recorded (a
+    # plan from before 2026-11-27 or written by hand: equal chunks assumed)
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -285,6 +291,13 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
+
+
+def recorded_chunk_times(plan: "Plan") -> list[tuple[float, float]] | None:
+    """(forward, backward) ms of every chunk as the plan's stages record them, or None when
+    any stage records none (the schedules then take equal chunks)."""
+    times = [(st.fwd_ms, st.bwd_ms) for st in plan.stages]
+    return times if times and all(f > 0 or b > 0 for f, b in times) else None
 
 
 def parameter_signature(model: Any) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
 # schedules whose backward is split into B (input gradients) and W (weight gradients)
@@ -257,10 +257,11 @@ def _interleaved_ops(p: int, v: int, m: int, group: int | None = None, hop: int 
     return out
 
 
-def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
+def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[Sequence[float]],
                         bound: Sequence[int]) -> list[list[Op]]:
     """Insert W c.i after each B c.i of the F/B orders `ops` (zero-bubble, 2401.10241) by a
-    list-scheduling simulation with durations `times` = (F, input-gradient B, W).
+    list-scheduling simulation with durations `times[c]` = (F, input-gradient B, W) of chunk
+    c (equal chunks: one triple repeated).
 
     At each instant a free rank, in this priority: (1) runs its oldest deferred W if its next
     action is an F and it holds bound[r] chunk-micro-batches whose W has not run (the memory
@@ -269,7 +270,7 @@ def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
     (4) otherwise waits. After its last F/B it flushes the remaining W's. A deferred W always
     exists in case (1): the F/B order keeps F's minus B's below bound[r] before each F.
     """
-    dur = _durations(times)
+    dur = [_durations(t) for t in times]
     p = len(ops)
     end: dict[Op, float] = {}
     free = [0.0] * p
@@ -296,7 +297,7 @@ def _place_weight_grads(ops: list[list[Op]], C: int, times: Sequence[float],
                 op = pending[r].pop(0)
             else:
                 continue  # waits for data
-            end[op] = free[r] = t + dur[op[0]]
+            end[op] = free[r] = t + dur[op[1]][op[0]]
             out[r].append(op)
             if op[0] == "F":
                 live[r] += 1
@@ -484,7 +485,7 @@ def interleaved_1f1b(p: int, v: int, m: int, *, group: int | None = None,
 
 
 def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: bool = False,
-                   times: Sequence[float] = (_ORDER_F, _ORDER_B / 2, _ORDER_B / 2),
+                   times: Sequence[Any] = (_ORDER_F, _ORDER_B / 2, _ORDER_B / 2),
                    max_inflight: Sequence[int] | int | None = None) -> list[list[Action]]:
     """Zero-bubble interleaved 1F1B: 2401.10241's split of each backward into B (input
     gradient, what the previous stage waits for) and W (weight gradient, which nothing waits
@@ -504,9 +505,7 @@ def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: 
     c's last W."""
     _check_dims(p, v, m, "interleaved-zb")
     check_group(p, m, group, "interleaved-zb")
-    if len(_durations(times)) != 3:
-        raise ValueError(f"interleaved-zb: times={tuple(times)!r}: expected (forward, "
-                         f"input-gradient backward, weight-gradient backward) durations")
+    per_chunk = _zb_chunk_times(times, p * v)
     ops = _interleaved_ops(p, v, m, group, hop=1) if v > 1 else _one_f_one_b_ops(p, m)
     floor = [_peak_live(rank_ops, "B") for rank_ops in ops]
     if max_inflight is None:
@@ -521,8 +520,23 @@ def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: 
     if any(b < f for b, f in zip(bound, floor)):
         raise ValueError(f"interleaved-zb: max_inflight={bound} is below what its F/B order "
                          f"itself keeps in flight ({floor})")
-    zb = _place_weight_grads(ops, p * v, tuple(times), bound)
-    return _with_comms(zb, p, v, reduce, tuple(times))
+    zb = _place_weight_grads(ops, p * v, per_chunk, bound)
+    # the messages are ordered by one chunk's times (the heaviest forward's)
+    return _with_comms(zb, p, v, reduce, max(per_chunk, key=lambda x: x[0]))
+
+
+def _zb_chunk_times(times: Sequence[Any], C: int) -> list[tuple[float, float, float]]:
+    """interleaved_zb's `times`: one (F, B, W) triple for every chunk, or one per chunk (C of
+    them: uneven chunks, an embedding-only first one, a heavy head)."""
+    per_chunk = [tuple(times)] if times and not isinstance(times[0], Sequence) \
+        else [tuple(t) for t in times]
+    if len(per_chunk) == 1:
+        per_chunk = per_chunk * C
+    if len(per_chunk) != C or any(len(_durations(t)) != 3 for t in per_chunk):
+        raise ValueError(f"interleaved-zb: times={tuple(times)!r}: expected (forward, "
+                         f"input-gradient backward, weight-gradient backward) durations, one "
+                         f"triple or one per chunk ({C})")
+    return per_chunk
 
 
 def breadth_first(p: int, v: int, m: int, *, reduce: bool = True,
@@ -548,13 +562,39 @@ def _check_schedule(name: str, p: int, v: int, group: int | None) -> None:
                          f"to None")
 
 
+def zb_weight_times(fwd: Sequence[float], bwd: Sequence[float]) -> list[float]:
+    """W of every chunk from its forward and backward: the forward's time (the weight-gradient
+    GEMMs have the forward's FLOPs; cost/step.py's bubble_div), at most the backward; chunk 0's
+    whole backward — it receives no input to send a gradient back for, so its B does nothing
+    and its W runs all of it (autopar.runtime.split_backward)."""
+    return [b if c == 0 else min(f, b) for c, (f, b) in enumerate(zip(fwd, bwd))]
+
+
+def zb_chunk_times(chunk_times: Sequence[tuple[float, float]]
+                   ) -> list[tuple[float, float, float]]:
+    """(F, B, W) per chunk from (forward, backward): W as `zb_weight_times`, B the rest of the
+    backward; a time recorded as 0, or a B left empty, gets a positive stand-in (a tenth of
+    the least positive time)."""
+    least = min((x for fb in chunk_times for x in fb if x > 0), default=1.0) / 10
+    fwd = [max(f, least) for f, _ in chunk_times]
+    bwd = [max(b, 2 * least) for _, b in chunk_times]
+    return [(f, max(b - w, least), max(min(w, b - least), least))
+            for f, b, w in zip(fwd, bwd, zb_weight_times(fwd, bwd))]
+
+
 def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None,
                   reduce: bool | None = None,
-                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B)) -> list[list[Action]]:
+                  times_fb: tuple[float, float] = (_ORDER_F, _ORDER_B),
+                  chunk_times: Sequence[tuple[float, float]] | None = None
+                  ) -> list[list[Action]]:
     """Dispatch on a Plan schedule name. `group`: N micro-batches per chunk visit, for the
     interleaved schedules only (None: p). `reduce=None` emits R{c} only for breadth-first.
     `times_fb`: (forward, backward) time of a chunk, only used to order the messages (and,
-    for interleaved-zb, to place the W's: B and W each take half the backward)."""
+    for interleaved-zb, to place the W's: B and W each take half the backward).
+    `chunk_times`: (forward, backward) of every chunk (`zb_chunk_times`: a Plan's stages
+    record them), by which interleaved-zb places its W's instead — W the forward's time, as
+    the step formula prices it — so that they fill the waits uneven chunks leave (an
+    embedding-only first chunk's cool-down); the other schedules ignore it."""
     _check_schedule(name, p, v, group)
     red = (name == "breadth-first") if reduce is None else reduce
     if name == "gpipe":
@@ -564,6 +604,9 @@ def make_schedule(name: str, p: int, v: int, m: int, *, group: int | None = None
     if name == "interleaved-1f1b":
         return interleaved_1f1b(p, v, m, group=group, reduce=red, times_fb=times_fb)
     if name in SPLIT_BACKWARD:  # input-gradient and weight-gradient halves of the backward
+        if chunk_times is not None:
+            return interleaved_zb(p, v, m, group=group, reduce=red,
+                                  times=zb_chunk_times(chunk_times))
         f, b = times_fb
         return interleaved_zb(p, v, m, group=group, reduce=red, times=(f, b / 2, b / 2))
     return breadth_first(p, v, m, reduce=red, times_fb=times_fb)

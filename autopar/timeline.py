@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 
 from autopar.cost.simulate import simulate
 from autopar.words import bubble_text
-from autopar.schedules import Action, interleaved_zb, make_schedule, parse_action
+from autopar.schedules import Action, make_schedule, parse_action, zb_weight_times
 
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 
@@ -100,13 +100,17 @@ def _legend(drawn: set[str], v: int, Patch) -> list:
 
 
 def chunk_times(plan) -> tuple[list[float], list[float]]:
-    """Per-chunk forward/backward seconds per micro-batch for `plan`.
-
-    Plans carry no per-chunk times, so each chunk's share is proportional to its layer count
-    (an embedding- or head-only chunk counts as zero layers), scaled so the most loaded rank's
-    compute over the step equals `plan.predicted.compute_s` (unit layers when that is 0).
-    Backward = 2 × forward (2104.04473 §5.1), 3 × with full recompute (one extra forward).
+    """Per-chunk forward/backward seconds per micro-batch for `plan`: what its stages record
+    (`plan.recorded_chunk_times`), else (a plan from before 2026-11-27) each chunk's share
+    proportional to its layer count (an embedding- or head-only chunk counts as zero layers),
+    scaled so the most loaded rank's compute over the step equals `plan.predicted.compute_s`
+    (unit layers when that is 0), backward = 2 × forward (2104.04473 §5.1), 3 × with full
+    recompute (one extra forward).
     """
+    from autopar.plan import recorded_chunk_times
+    recorded = recorded_chunk_times(plan)
+    if recorded is not None:
+        return [f / 1e3 for f, _ in recorded], [b / 1e3 for _, b in recorded]
     layers = [max(0, st.num_layers) for st in plan.stages]
     if not any(layers):
         layers = [1] * len(plan.stages)
@@ -126,11 +130,11 @@ def plan_timeline(plan, path: str) -> str:
     simulation uses the runtime's pre-posted receives (comm="irecv")."""
     fwd, bwd = chunk_times(plan)
     c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
-    if plan.schedule == "interleaved-zb":
-        per_rank = interleaved_zb(plan.p, plan.v, plan.num_microbatches,
-                                  group=plan.microbatch_group,
-                                  times=(fwd[c0], bwd[c0] - fwd[c0], fwd[c0]))
-        res = simulate(per_rank, fwd, bwd, comm="irecv", wgt_s=fwd)
+    if plan.schedule == "interleaved-zb":    # the runtime's lists (autopar/compile.py)
+        per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
+                                 group=plan.microbatch_group,
+                                 chunk_times=[(f * 1e3, b * 1e3) for f, b in zip(fwd, bwd)])
+        res = simulate(per_rank, fwd, bwd, comm="irecv", wgt_s=zb_weight_times(fwd, bwd))
     else:
         per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                                  group=plan.microbatch_group, times_fb=(fwd[c0], bwd[c0]))

@@ -35,7 +35,7 @@ from autopar.cost.config import NS, ConfigCosts
 from autopar.cost.profile import LayerKind
 from autopar.cost.simulate import simulate
 from autopar.cost.step import chunks_from_ranks
-from autopar.schedules import Action, make_schedule
+from autopar.schedules import Action, make_schedule, zb_weight_times
 
 # cost.compute.edge_times_s prices the embedding and the head as one forward plus a backward
 # of twice its work (GEMMs: dX and dW, each of the forward's size; elementwise: 2x the
@@ -63,6 +63,14 @@ def chunk_times_s(cc: ConfigCosts, x: Sequence[int]) -> tuple[list[float], list[
     return fwd, bwd, cc.p2p_ns / (2 * cc.cfg.v) / NS
 
 
+def chunk_times_ms(cc: ConfigCosts, x: Sequence[int]) -> list[tuple[float, float]]:
+    """(forward, backward) ms per micro-batch of every chunk at layers per chunk `x`
+    (`chunk_times_s`): what a Plan's stages record and interleaved-zb's lists are placed by
+    (autopar.schedules.make_schedule chunk_times), the same numbers here and in the runtime."""
+    fwd, bwd, _ = chunk_times_s(cc, x)
+    return [(f * 1e3, b * 1e3) for f, b in zip(fwd, bwd)]
+
+
 def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
                      per_rank: Sequence[Sequence[Action]], check: bool = True) -> float:
     """Makespan of the action lists `per_rank` with `x`'s per-chunk times (cost/simulate.py,
@@ -70,8 +78,10 @@ def simulated_step_s(cc: ConfigCosts, x: Sequence[int],
     not included. check=False: `per_rank` was validated already."""
     fwd, bwd, p2p = chunk_times_s(cc, x)
     # zero-bubble's W as the step formula prices it (bubble_div: F : B : W = 1 : 1 : 1, or
-    # 1 : 2 : 1 under full recompute): a chunk's weight gradients take its forward's time
-    return simulate(per_rank, fwd, bwd, p2p, comm="irecv", wgt_s=fwd, check=check).makespan_s
+    # 1 : 2 : 1 under full recompute): a chunk's weight gradients take its forward's time;
+    # chunk 0's its whole backward (its B has no input to return a gradient to)
+    return simulate(per_rank, fwd, bwd, p2p, comm="irecv", wgt_s=zb_weight_times(fwd, bwd),
+                    check=check).makespan_s
 
 
 def schedule_pipe_s(cc: ConfigCosts, x: Sequence[int],
@@ -87,7 +97,8 @@ def schedule_pipe_s(cc: ConfigCosts, x: Sequence[int],
     fwd, bwd, _ = chunk_times_s(cc, x)
     c0 = max(range(len(x)), key=lambda c: fwd[c])
     per_rank = make_schedule(cfg.schedule, cfg.p, cfg.v, cfg.num_microbatches,
-                             group=cfg.microbatch_group, times_fb=(fwd[c0], bwd[c0]))
+                             group=cfg.microbatch_group, times_fb=(fwd[c0], bwd[c0]),
+                             chunk_times=chunk_times_ms(cc, x))   # the runtime's lists
     return simulated_step_s(cc, x, per_rank, check=False)
 
 

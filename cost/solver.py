@@ -43,7 +43,7 @@ from autopar.cost.families import (AUTO_SCHEDULES, MAX_CHUNKS_PER_RANK,  # noqa:
                                    MAX_MICRO_BATCH, Pins, Rejection, context_rule,
                                    cp_attention_rule, enumerate_configs, enumerate_families,
                                    ring_attention_rule, tensor_degrees, tensor_rule)
-from autopar.cost.layout import late_heavy, spread_layers
+from autopar.cost.layout import chunk_times_ms, late_heavy, spread_layers
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict, rank_layers)
 from autopar.cost.profile import ModelProfile
@@ -284,9 +284,9 @@ def _build_plan(profile, cluster, global_batch, cc, x, others, memory_fail, reje
     cfg = cc.cfg
     pred = predict(profile, cluster, cfg, x, costs=cc)
     stages, first = [], 0
-    for c, n in enumerate(x):
+    for c, (n, (f_ms, b_ms)) in enumerate(zip(x, chunk_times_ms(cc, x))):
         stages.append(Stage(chunk=c, rank=c % cfg.p, first_layer=first, last_layer=first + n,
-                            embedding=c == 0, head=c == len(x) - 1))
+                            embedding=c == 0, head=c == len(x) - 1, fwd_ms=f_ms, bwd_ms=b_ms))
         first += n
     alts = _alternatives(profile, cluster, cc, pred, others, memory_fail, rejected,
                          max_alternatives, optimal, solve_s, memo)

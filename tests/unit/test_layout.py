@@ -203,8 +203,8 @@ def test_zero_bubble_lists_of_uneven_chunks_are_priced_by_their_stalls(group):
     """A 2-layer GPT at p = v = 2 (embedding-only first chunk, a layer each in the middle,
     head-only last chunk; per-layer F 10 / B 21 ms as measured on CPU): interleaved-zb's
     lists stall where the step formula sees a third of a bubble, and predict adds the
-    simulated excess (schedule_stall_ns), which prices it no faster than interleaved 1F1B
-    (the formula alone: 7% faster; measured 23–27% slower with N = 4); equal chunks at
+    simulated excess (schedule_stall_ns); with groups of N = 4 that prices it above
+    interleaved 1F1B (the formula alone: 7% below; measured 23–27% slower). Equal chunks at
     F : B : W = 1 : 1 : 1 do not stall."""
     x = [0, 1, 1, 0]
     zb = _costs(2, 2, 4, 10, 21, 0.3, 4.8, schedule="interleaved-zb")
@@ -215,8 +215,9 @@ def test_zero_bubble_lists_of_uneven_chunks_are_priced_by_their_stalls(group):
     assert stall > 0.1 * pipe
     one = dataclasses.replace(zb, cfg=dataclasses.replace(zb.cfg, schedule="interleaved-1f1b"))
     one_pipe = _formula_pipe_ns(one, x)
-    assert pipe < one_pipe < pipe + stall
-    assert one_pipe + M.schedule_stall_ns(one, x, one_pipe) <= pipe + stall
+    assert pipe < one_pipe
+    if group == 4:
+        assert one_pipe + M.schedule_stall_ns(one, x, one_pipe) < pipe + stall
     assert M.schedule_stall_ns(zb, x, pipe, mixed=True) == 0.0   # kinds: not simulated
     even = _costs(2, 2, 4, 10, 20, 0, 0, schedule="interleaved-zb")
     assert M.schedule_stall_ns(even, [1] * 4, _formula_pipe_ns(even, [1] * 4)) == 0.0

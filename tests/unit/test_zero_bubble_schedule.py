@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from autopar.cost.hardware import get_cluster
-from autopar.cost.layout import chunk_times_s
+from autopar.cost.layout import chunk_times_ms, chunk_times_s
+from autopar.schedules import zb_weight_times
 from autopar.cost.model import SCHEDULE_TRAITS, Config, config_costs, predict
 from autopar.cost.step import rank_load_ns, step_scale
 from autopar.cost.profile import transformer_profile
@@ -190,8 +191,9 @@ def test_fit_measured_round_trip(comm):
 def test_cost_model_bubble_equals_simulator(p, v, m):
     """The step formula's zero-bubble term (Σ load − max load)/(3v) equals the simulated idle
     of interleaved_zb's lists for equal chunks at F : B : W = 1 : 1 : 1, and predict prices
-    the larger of it and the same lists simulated with predict's own per-chunk times
-    (cost/model.py schedule_stall_ns; here F is 35% of a chunk, not a third)."""
+    the larger of it and the runtime's lists simulated with predict's own per-chunk times
+    (cost/model.py schedule_stall_ns; here F is 35% of a chunk, not a third, and chunk 0's W
+    its whole backward: schedules.zb_weight_times)."""
     prof = transformer_profile(num_layers=p * v * 2, hidden=256, heads=4, seq_len=128,
                                vocab=128)
     cfg = Config(t=1, p=p, d=1, v=v, micro_batch_size=1, num_microbatches=m,
@@ -214,8 +216,10 @@ def test_cost_model_bubble_equals_simulator(p, v, m):
     assert formula_s / (m * v * chunk) == pytest.approx((p - 1) / (3 * v * m), rel=1e-6)
     assert formula_s == pytest.approx(base.bubble_s / 3, rel=1e-6)
     f, b, _ = chunk_times_s(cc, [2] * (p * v))
-    own = simulate(make_schedule("interleaved-zb", p, v, m, times_fb=(f[0], b[0])), f, b,
-                   comm="irecv", wgt_s=f).makespan_s - m * v * chunk
+    lists = make_schedule("interleaved-zb", p, v, m, times_fb=(f[0], b[0]),
+                          chunk_times=chunk_times_ms(cc, [2] * (p * v)))   # the runtime's
+    own = simulate(lists, f, b, comm="irecv",
+                   wgt_s=zb_weight_times(f, b)).makespan_s - m * v * chunk
     assert pr.bubble_s == pytest.approx(max(formula_s, own), rel=1e-6)
     assert pr.step_time_s < base.step_time_s
 
@@ -284,3 +288,58 @@ def test_the_split_backward_is_priced_where_the_runtime_pays_it():
     slower = predict(prof, eager, zb).step_time_s - predict(prof, replace(
         eager, split_backward_op_s=0.0), zb).step_time_s
     assert slower > 0
+
+
+# per chunk on the default GPT of benchmarks/plan_vs_measured.py at p = v = 2 (ms, measured on
+# CPU): chunk 0 the embedding + a layer, chunk 3 a layer + the head; F, and B + W; and W alone
+# (the embedding's dense weight gradient makes chunk 0's the longest)
+_UNEVEN = [(1.7, 3.55), (1.8, 4.2), (1.7, 3.9), (2.5, 5.4)]
+_UNEVEN_W = [3.5, 1.7, 1.5, 2.4]
+
+
+def test_zero_bubble_places_its_ws_by_each_chunks_own_times():
+    """With each chunk's times (a Plan's stages record them) interleaved-zb's W's fill the
+    cool-down's waits that equal chunks would not have: rank 0 runs chunk 2's last W before
+    chunk 0's backwards instead of after them, and the lists, still valid, run shorter on the
+    measured times than the equal-chunk lists do (simulated 57.5 against 61.4 ms)."""
+    from autopar.schedules import make_schedule, validate, zb_chunk_times
+    p, v, m, g = 2, 2, 4, 4
+    even = make_schedule("interleaved-zb", p, v, m, group=g)
+    own = make_schedule("interleaved-zb", p, v, m, group=g, chunk_times=_UNEVEN)
+    validate(own, p, v, m)
+    order = [str(a) for a in own[0] if str(a)[0] in "FBW"]
+    assert order.index("W2.3") < order.index("B0.0")
+    even_order = [str(a) for a in even[0] if str(a)[0] in "FBW"]
+    assert even_order.index("W2.3") > even_order.index("B0.3")
+    fwd = [f for f, _ in _UNEVEN]
+    bwd = [b for _, b in _UNEVEN]
+    assert len(zb_chunk_times(_UNEVEN)) == 4
+    sim = {name: simulate(lists, fwd, bwd, 0.1, comm="irecv", wgt_s=_UNEVEN_W).makespan_s
+           for name, lists in (("even", even), ("own", own))}
+    assert sim["own"] < 0.97 * sim["even"]
+
+
+def test_zb_chunk_times_take_w_as_the_forward_and_keep_every_time_positive():
+    """W a chunk's forward time, chunk 0's its backward (its B has no input to return a
+    gradient to: a stand-in a tenth of the least time), every time positive."""
+    from autopar.schedules import zb_chunk_times
+    got = zb_chunk_times([(1.0, 2.0), (3.0, 6.0), (2.0, 4.0)])
+    want = [(1.0, 0.1, 1.9), (3.0, 3.0, 3.0), (2.0, 2.0, 2.0)]
+    assert [x for t in got for x in t] == pytest.approx([x for t in want for x in t])
+    out = zb_chunk_times([(1.0, 2.0), (0.0, 0.0), (2.0, 1.0)])   # none recorded; B < F
+    assert all(x > 0 for t in out for x in t) and out[2][2] < 1.0
+
+
+def test_a_solved_plan_records_each_chunks_times_and_a_file_keeps_them():
+    """The solver's stages carry the cost model's per-chunk (forward, backward), embedding and
+    head included, through plan.json; a plan without them (older, or by hand) records none."""
+    from autopar.plan import Plan, recorded_chunk_times
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=128, vocab=50000)
+    plan = solve(prof, A100, gpus=2, global_batch_size=8, p=2, v=2, micro_batch_size=1,
+                 schedule="interleaved-zb")
+    times = recorded_chunk_times(plan)
+    assert times is not None and len(times) == 4 and all(f > 0 and b > f for f, b in times)
+    assert recorded_chunk_times(Plan.from_json(plan.to_json())) == times
+    bare = replace(plan, stages=tuple(replace(st, fwd_ms=0.0, bwd_ms=0.0)
+                                      for st in plan.stages))
+    assert recorded_chunk_times(bare) is None
