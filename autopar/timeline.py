@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from autopar.cost.simulate import simulate
+from autopar.plan import recorded_chunk_times
 from autopar.words import bubble_text
 from autopar.schedules import Action, make_schedule, parse_action, zb_weight_times
 
@@ -107,7 +108,6 @@ def chunk_times(plan) -> tuple[list[float], list[float]]:
     (unit layers when that is 0), backward = 2 × forward (2104.04473 §5.1), 3 × with full
     recompute (one extra forward).
     """
-    from autopar.plan import recorded_chunk_times
     recorded = recorded_chunk_times(plan)
     if recorded is not None:
         return [f / 1e3 for f, _ in recorded], [b / 1e3 for _, b in recorded]
@@ -125,15 +125,17 @@ def chunk_times(plan) -> tuple[list[float], list[float]]:
 
 def plan_timeline(plan, path: str) -> str:
     """Simulate `plan`'s schedule (per-chunk times from `chunk_times`, p2p and reduction time
-    not drawn: 0) with blocking send/recv, and draw it at `path`. interleaved-zb: the weight
-    gradient W takes the forward's time (same GEMM FLOPs; B the rest of the backward) and the
-    simulation uses the runtime's pre-posted receives (comm="irecv")."""
+    not drawn: 0) with blocking send/recv, and draw it at `path`. interleaved-zb: the
+    runtime's own lists (placed by the stages' recorded times, equal chunks when none), the
+    weight gradient W the forward's time (same GEMM FLOPs; chunk 0's its whole backward:
+    `zb_weight_times`; B the rest of the backward), and the runtime's pre-posted receives
+    (comm="irecv")."""
     fwd, bwd = chunk_times(plan)
     c0 = next(c for c, f in enumerate(fwd) if f > 0)  # order messages with real time ratios
-    if plan.schedule == "interleaved-zb":    # the runtime's lists (autopar/compile.py)
+    if plan.schedule == "interleaved-zb":    # the runtime's lists, as autopar/compile.py
         per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,
                                  group=plan.microbatch_group,
-                                 chunk_times=[(f * 1e3, b * 1e3) for f, b in zip(fwd, bwd)])
+                                 chunk_times=recorded_chunk_times(plan))
         res = simulate(per_rank, fwd, bwd, comm="irecv", wgt_s=zb_weight_times(fwd, bwd))
     else:
         per_rank = make_schedule(plan.schedule, plan.p, plan.v, plan.num_microbatches,

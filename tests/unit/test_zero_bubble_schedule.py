@@ -343,3 +343,25 @@ def test_a_solved_plan_records_each_chunks_times_and_a_file_keeps_them():
     bare = replace(plan, stages=tuple(replace(st, fwd_ms=0.0, bwd_ms=0.0)
                                       for st in plan.stages))
     assert recorded_chunk_times(bare) is None
+
+
+def test_a_zb_plans_timeline_draws_the_lists_its_runtime_runs(tmp_path, monkeypatch):
+    """`plan_timeline` simulates what autopar/compile.py builds: the lists placed by the
+    stages' recorded times (equal chunks for a plan recording none), not lists of its own."""
+    import autopar.timeline as timeline
+    from autopar.plan import recorded_chunk_times
+    from autopar.schedules import make_schedule
+    prof = transformer_profile(num_layers=4, hidden=256, heads=4, seq_len=128, vocab=50000)
+    plan = solve(prof, A100, gpus=2, global_batch_size=8, p=2, v=2, micro_batch_size=1,
+                 schedule="interleaved-zb")
+    bare = replace(plan, stages=tuple(replace(st, fwd_ms=0.0, bwd_ms=0.0)
+                                      for st in plan.stages))
+    seen = []
+    real = timeline.simulate
+    monkeypatch.setattr(timeline, "simulate",
+                        lambda lists, *a, **k: seen.append(lists) or real(lists, *a, **k))
+    for pl in (plan, bare):
+        timeline.plan_timeline(pl, str(tmp_path / "zb.png"))
+        assert seen[-1] == make_schedule(pl.schedule, pl.p, pl.v, pl.num_microbatches,
+                                         group=pl.microbatch_group,
+                                         chunk_times=recorded_chunk_times(pl))
