@@ -505,7 +505,7 @@ def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: 
     c's last W."""
     _check_dims(p, v, m, "interleaved-zb")
     check_group(p, m, group, "interleaved-zb")
-    per_chunk = _zb_chunk_times(times, p * v)
+    per_chunk = _per_chunk_triples(times, p * v)
     ops = _interleaved_ops(p, v, m, group, hop=1) if v > 1 else _one_f_one_b_ops(p, m)
     floor = [_peak_live(rank_ops, "B") for rank_ops in ops]
     if max_inflight is None:
@@ -525,7 +525,7 @@ def interleaved_zb(p: int, v: int, m: int, *, group: int | None = None, reduce: 
     return _with_comms(zb, p, v, reduce, max(per_chunk, key=lambda x: x[0]))
 
 
-def _zb_chunk_times(times: Sequence[Any], C: int) -> list[tuple[float, float, float]]:
+def _per_chunk_triples(times: Sequence[Any], C: int) -> list[tuple[float, float, float]]:
     """interleaved_zb's `times`: one (F, B, W) triple for every chunk, or one per chunk (C of
     them: uneven chunks, an embedding-only first one, a heavy head)."""
     per_chunk = [tuple(times)] if times and not isinstance(times[0], Sequence) \

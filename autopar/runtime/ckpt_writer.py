@@ -259,7 +259,7 @@ def _serve(conn: Any, addr: str, port: int, rank: int, world: int, timeout_s: fl
         # its mapping of that memory (torch.multiprocessing's shared cache) only while a
         # tensor over it lives. Kept here, the next save reads the same mapping instead of
         # mapping it again and page-faulting through all of it (the writer's CPU per 48 MiB
-        # save 0.07 → 0.04 s, benchmarks/checkpoint.py). A buffer the rank replaced (its
+        # save 0.07 → 0.03–0.04 s, benchmarks/checkpoint.py). A buffer the rank replaced (its
         # shard size changed) is let go at the next save.
         kept = staged.flat  # noqa: F841 (held, not read)
         try:
