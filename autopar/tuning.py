@@ -282,10 +282,11 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
 
     c, the pipeline's messages, is its own scale (`separate_p2p`) where enough plans hold
     three (MIN_P2P_PLANS with pipeline messages, SPARE_PLANS more plans than scales): the
-    pipeline's pre-posted sends and receives cost what a blocking exchange (calibrate's) or
-    the collectives do not (on 2 local CPU ranks 0.1 – 0.4 of calibrate's send/recv in four
-    runs, while the collectives' scale stayed 0.8 – 1.2). Otherwise c = b. A scale with no
-    term to fit, or fitted non-positive, is dropped (kept at 1, or c = b)."""
+    pipeline's pre-posted sends and receives cost apart from the collectives (on 2 local CPU
+    ranks, priced from calibrate's blocking exchange, 0.1 – 0.4 of it in four runs while the
+    collectives' scale stayed 0.8 – 1.2; priced from its relay, `comm.hop_s`, 0.7 – 3.3 of a
+    hop ~0.1 ms, a few % of a step). Otherwise c = b. A scale with no term to fit, or fitted
+    non-positive, is dropped (kept at 1, or c = b)."""
     def col(keys):
         return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
     comp, comm, p2p = col(_COMPUTE_TERMS), col(_COMM_TERMS), col(_P2P_TERMS)

@@ -20,14 +20,16 @@ processes do not slow the rate measured); rank 0 fits and writes:
   `autograd_op_s`; torch.optim.AdamW's step over one block's
   parameters → `optimizer_param_s` (seconds per parameter).
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
-  runtime's calls) and send/recv (both ranks' isend + irecv, as the hops run) — each call
+  runtime's calls), send/recv (both ranks' isend + irecv at once, as ring attention's steps
+  run) and the pipeline's hop (a relay: one rank sends, its peer blocked on a pre-posted
+  irecv wakes and sends back; half the round trip) — each call
   issued after a short GEMM and the mean of many taken, not the best (what training pays:
   `measure_collectives`), at several sizes, inside a node and across nodes (ranks
   grouped by node from the launcher's environment: GROUP_RANK, else rank // LOCAL_WORLD_SIZE);
   per link one (latency, bandwidth) fitted by least squares (relative error) to every timing
-  with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather / reduce-scatter / all-to-all
-  (n-1)/n · B of the whole, send B). A link with no pair of ranks on it is not measured and
-  takes the other link's numbers (said in the sources).
+  but the hop's with cost.model's formulas (all-reduce 2(n-1)/n · B, all-gather /
+  reduce-scatter / all-to-all (n-1)/n · B of the whole, send B). A link with no pair of ranks
+  on it is not measured and takes the other link's numbers (said in the sources).
 - Overlap: how much of an all-reduce hides behind compute run meanwhile → `comm_overlap`.
 - Memory: the GPU's total (its free memory at start → reserved_bytes); on CPU the RAM over the
   ranks of a node.
@@ -82,7 +84,10 @@ _FULL_MSG_BYTES = (4, 1 << 12, 1 << 16, 1 << 20, 1 << 23)   # 4 B .. 8 MiB
 # waits training pays are in every batch at their rate (`measure_collectives`)
 COLLECTIVE_CALLS = 100
 _QUICK_MSG_BYTES = (1 << 10, 1 << 18)
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# the collectives a link's (latency, bandwidth) is fitted to (`fit_link`), and all measured:
+# the pipeline's hop besides (a relay: no wake-up a collective pays is in it; its own curve)
+LINK_FITTED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COLLECTIVES = LINK_FITTED + ("hop",)
 
 
 def _sync(device: torch.device) -> None:
@@ -315,12 +320,23 @@ def _collective_fns(name: str, nbytes: int, group: Any, ranks: list[int], device
     peer = ranks[1 - me] if me < 2 else None
     inbox = torch.empty_like(buf)
 
-    def exchange():   # ranks 0 and 1 of the group send each other a message, as the pipeline's
-        if me < 2:    # and the ring's hops run: isend and irecv posted together, then waited
+    def exchange():   # ranks 0 and 1 of the group send each other a message, as the ring's
+        if me < 2:    # steps run: isend and irecv posted together, then waited
             works = [dist.irecv(inbox, peer, group=group), dist.isend(buf, peer, group=group)]
             for w in works:
                 w.wait()
-    return exchange, elems * 4
+
+    def relay():      # a pipeline's hops: rank 0 sends; rank 1, blocked on the irecv it posted,
+        if me < 2:    # wakes and sends back, which rank 0 waits for on its own posted irecv
+            back = dist.irecv(inbox, peer, group=group)
+            if me == 0:
+                sent = dist.isend(buf, peer, group=group)
+                back.wait()
+            else:
+                back.wait()
+                sent = dist.isend(buf, peer, group=group)
+            sent.wait()
+    return (relay if name == "hop" else exchange), elems * 4
 
 
 def _factor(name: str, n: int) -> float:
@@ -367,6 +383,8 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
                 seconds = _after_compute_s(fn, burst, burst_s, device,
                                            calls if nbytes <= (1 << 20) else calls // 4,
                                            2 if quick else 3)
+                if name == "hop":   # a relay's call is a round trip: two hops
+                    seconds /= 2
                 rows[name].append([whole, len(ranks), seconds])
         if lists:
             out[link] = rows
@@ -445,8 +463,9 @@ _IDENTIFIED = 0.05
 
 def fit_link(rows: dict[str, list]) -> tuple[float, float]:
     """(latency_s, bandwidth_Bps) minimising the relative error of lat + factor · B / bw over
-    every timing of every collective (numpy least squares, weights 1 / measured)."""
+    every timing of the LINK_FITTED collectives (numpy least squares, weights 1 / measured)."""
     a, y = [], []
+    rows = {name: table for name, table in rows.items() if name in LINK_FITTED}
     for name, table in rows.items():
         for nbytes, n, seconds in table:
             a.append([1.0 / seconds, _factor(name, n) * nbytes / seconds])
@@ -673,8 +692,9 @@ def cluster_from_record(record: dict[str, Any], name: str,
         if link in fits:
             curves += collective_curves(link, record["collectives"][link])
             sources.append(f"{link}_node bandwidth, latency: fitted (least squares, relative "
-                           f"error) to {', '.join(COLLECTIVES)} timings; collective_curves "
-                           f"({link}): each collective's timings against size, as measured")
+                           f"error) to {', '.join(LINK_FITTED)} timings; collective_curves "
+                           f"({link}): each collective's timings against size, as measured, "
+                           f"and the pipeline's hop (a relay's half round trip)")
         else:
             fits[link] = fits[other]
             curves += collective_curves(other, record["collectives"].get(other, {}), link)

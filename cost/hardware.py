@@ -41,7 +41,11 @@ from autopar.cost.profile import ATTENTION_KINDS, ELEMENTWISE_KINDS
 
 GB = 1e9
 GIB = 1024 ** 3
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# send_recv: two ranks exchange messages at once (both isend + irecv, then wait: ring
+# attention's step); hop: one rank's message to a peer blocked on a pre-posted irecv (a
+# pipeline's hop, `autopar calibrate` times it as a relay), priced apart where measured
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
+                    "hop")
 LINKS = ("intra", "inter")
 
 
@@ -151,10 +155,11 @@ class Cluster:
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
     # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
     comm_overlap: float = 1.0
-    # a pipeline message's time over the send/recv it is priced as (p2p_s: the measured curve
-    # or the link), fitted by `autopar tune` where what the pipeline's pre-posted messages
-    # cost drifts apart from the collectives and ring attention's hops (on 2 local CPU ranks
-    # 0.1 - 0.4 of calibrate's exchange); 1: as measured (the presets, a fresh calibration)
+    # a pipeline message's time over what it is priced as (comm.hop_s: the measured hop
+    # curve, else the send/recv curve or the link), fitted by `autopar tune` where the
+    # pipeline's messages cost apart from the collectives (against calibrate's blocking
+    # exchange, before the hop was measured: 0.1 - 0.4 on 2 local CPU ranks; against the hop
+    # 0.7 - 3.3); 1: as measured (the presets, a fresh calibration)
     pipeline_p2p_scale: float = 1.0
     sources: tuple[str, ...] = field(default=())
 

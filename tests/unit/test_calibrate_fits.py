@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.cost.calibrate import COLLECTIVES, fit_flash, fit_gemm, fit_link, link_groups
+from autopar.cost.calibrate import (COLLECTIVES, LINK_FITTED, fit_flash, fit_gemm, fit_link,
+                                    link_groups)
 
 
-def test_fit_link_recovers_latency_and_bandwidth():
+def test_fit_link_recovers_latency_and_bandwidth_and_leaves_the_pipeline_hop_out():
     lat, bw = 40e-6, 2e9
     factor = {"all_reduce": 1.0, "send_recv": 1.0}   # n = 2: 2(n-1)/n = 1 and 1
-    factor.update({name: 0.5 for name in COLLECTIVES if name not in factor})
+    factor.update({name: 0.5 for name in LINK_FITTED if name not in factor})
     rows = {name: [[b, 2, lat + factor[name] * b / bw] for b in (1024, 1 << 16, 1 << 22)]
-            for name in COLLECTIVES}
+            for name in LINK_FITTED}
+    # the relay's hop pays no wake-up a collective does: its own curve, not the link's fit
+    rows["hop"] = [[b, 2, lat / 20 + b / (3 * bw)] for b in (1024, 1 << 16, 1 << 22)]
+    assert set(rows) == set(COLLECTIVES)
     got_lat, got_bw = fit_link(rows)
     assert got_lat == pytest.approx(lat, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
 
@@ -78,6 +82,32 @@ def test_a_measured_curve_prices_its_collective_and_only_that_one():
     assert allreduce_s(cl, 65536.0, 2, True) == allreduce_s(plain, 65536.0, 2, True)
     assert allreduce_s(cl, 65536.0, 4, False) == allreduce_s(plain, 65536.0, 4, False)
     assert p2p_s(cl, 65536.0, False) == p2p_s(plain, 65536.0, False)
+
+
+def test_a_pipeline_hop_is_priced_from_the_measured_relay_and_ring_steps_from_the_exchange():
+    """The runtime's pipeline hop (the receiver blocked on an irecv it posted) is priced from
+    calibrate's `hop` curve, not from the blocking exchange ring attention runs (on the 2-vCPU
+    host 0.06 ms against 0.4-1.4 ms at 64 KiB); a cluster without a hop curve (files written
+    before it) prices the hop as the exchange, as before."""
+    from autopar.cost.comm import hop_s, p2p_hop_s, p2p_s
+    from autopar.cost.config import Config
+    from autopar.cost.hardware import CollectiveCurve
+    from autopar.cost.profile import transformer_profile
+    sizes = (8.0, 65536.0, 1048576.0)
+    exchange = CollectiveCurve(link="intra", kind="send_recv", ranks=2, bytes=sizes,
+                               seconds=(8e-4, 1e-3, 2e-3))
+    relay = CollectiveCurve(link="intra", kind="hop", ranks=2, bytes=sizes,
+                            seconds=(5e-5, 6e-5, 3e-4))
+    both, old = _cpu(collective_curves=(exchange, relay)), _cpu(collective_curves=(exchange,))
+    assert hop_s(both, 65536.0, False) == pytest.approx(6e-5)
+    assert p2p_s(both, 65536.0, False) == pytest.approx(1e-3)       # ring attention's step
+    assert hop_s(old, 65536.0, False) == p2p_s(old, 65536.0, False)
+    assert hop_s(both, 65536.0, True) == p2p_s(both, 65536.0, True)  # no inter-node curve
+    prof = transformer_profile(num_layers=4, hidden=128, heads=4, seq_len=128, vocab=512)
+    cfg = Config(t=1, p=2, d=1, micro_batch_size=1, num_microbatches=8)
+    act = prof.block.input_bytes    # one micro-batch's activation, t = 1: sent whole
+    assert p2p_hop_s(prof, both, cfg) == pytest.approx(hop_s(both, act, False))
+    assert p2p_hop_s(prof, old, cfg) == pytest.approx(p2p_s(old, act, False))
 
 
 def test_pieces_waited_once_pay_one_call_and_a_latency_per_further_piece():
