@@ -320,22 +320,27 @@ def _collective_fns(name: str, nbytes: int, group: Any, ranks: list[int], device
     peer = ranks[1 - me] if me < 2 else None
     inbox = torch.empty_like(buf)
 
+    gloo = dist.get_backend(group) == "gloo"
+
     def exchange():   # ranks 0 and 1 of the group send each other a message, as the ring's
-        if me < 2:    # steps run: isend and irecv posted together, then waited
-            works = [dist.irecv(inbox, peer, group=group), dist.isend(buf, peer, group=group)]
+        if me < 2:    # steps run (autopar.runtime.ring_attention): isend and irecv together
+            if gloo:
+                works = [dist.irecv(inbox, peer, group=group), dist.isend(buf, peer, group=group)]
+            else:     # NCCL runs separate p2p calls in order on one stream: batched, as the ring
+                works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, inbox, peer, group),
+                                                dist.P2POp(dist.isend, buf, peer, group)])
             for w in works:
                 w.wait()
 
     def relay():      # a pipeline's hops: rank 0 sends; rank 1, blocked on the irecv it posted,
-        if me < 2:    # wakes and sends back, which rank 0 waits for on its own posted irecv
-            back = dist.irecv(inbox, peer, group=group)
-            if me == 0:
-                sent = dist.isend(buf, peer, group=group)
-                back.wait()
-            else:
-                back.wait()
-                sent = dist.isend(buf, peer, group=group)
+        if me == 0:   # wakes and sends back, which rank 0 waits for on its own irecv, posted
+            sent = dist.isend(buf, peer, group=group)    # after its send (in-order streams
+            back = dist.irecv(inbox, peer, group=group)  # would otherwise hold each other)
+            back.wait()
             sent.wait()
+        elif me == 1:
+            dist.irecv(inbox, peer, group=group).wait()
+            dist.isend(buf, peer, group=group).wait()
     return (relay if name == "hop" else exchange), elems * 4
 
 
