@@ -334,7 +334,8 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
-        optimizer_param_s=cluster.optimizer_param_s * a, collective_curves=curves,
+        optimizer_param_s=cluster.optimizer_param_s * a,
+        optimizer_tensor_s=cluster.optimizer_tensor_s * a, collective_curves=curves,
         pipeline_p2p_scale=cluster.pipeline_p2p_scale * c / b,
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
@@ -343,8 +344,9 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
         sources=cluster.sources + (
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
-            f"an efficiency would pass 1; optimizer_param_s × {a:.3f}), link bandwidths ÷ "
-            f"{b:.3f} and latencies × {b:.3f} (collective_curves' times × {b:.3f}), pipeline "
+            f"an efficiency would pass 1; optimizer_param_s and _tensor_s × {a:.3f}), link "
+            f"bandwidths ÷ {b:.3f} and latencies × {b:.3f} (collective_curves' times × "
+            f"{b:.3f}), pipeline "
             f"messages × {c:.3f} (pipeline_p2p_scale); least absolute relative error over the "
             f"measured plans",))
 

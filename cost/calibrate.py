@@ -15,10 +15,12 @@ processes do not slow the rate measured); rank 0 fits and writes:
   backward against sequence length → `flash_fwd_efficiency`, `flash_bwd_efficiency`,
   `flash_half_len` (backward FLOPs 2.5 × forward, cost.model's convention).
 - Streaming bandwidth (a large copy: bytes read + written per second) → `hbm_bandwidth_Bps`
-  (elementwise_efficiency 1: the measured rate is the achieved one); one tiny op's time →
-  `kernel_launch_s` (dispatch + launch), what backward adds per op of a chain of them →
+  (elementwise_efficiency 1: the measured rate is the achieved one); per op of a transformer
+  block's non-GEMM op mix on tiny tensors (norms, views, softmax, adds, the activation) its
+  forward → `kernel_launch_s` (dispatch + launch) and what its backward adds →
   `autograd_op_s`; torch.optim.AdamW's step over one block's
-  parameters → `optimizer_param_s` (seconds per parameter).
+  parameters → `optimizer_param_s` (seconds per parameter), and over many tiny tensors →
+  `optimizer_tensor_s` (seconds per tensor beyond its elements).
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
   runtime's calls), send/recv (both ranks' isend + irecv at once, as ring attention's steps
   run) and the pipeline's hop (a relay: one rank sends, its peer blocked on a pre-posted
@@ -166,20 +168,29 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
     return curve
 
 
-def measure_optimizer(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
-    """Seconds per parameter of torch.optim.AdamW's step (its defaults on this device) over
-    the parameters of one transformer block of width 1024 (4 weight matrices 1024 x 3072,
-    1024², 1024 x 4096, 4096 x 1024, their biases and two norms): what the runtime's
-    default optimizer costs per parameter a rank owns, tensor overheads included."""
+def measure_optimizer(dtype: torch.dtype, device: torch.device,
+                      quick: bool) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of torch.optim.AdamW's step (its defaults
+    on this device): per parameter over the parameters of one transformer block of width 1024
+    (4 weight matrices 1024 x 3072, 1024², 1024 x 4096, 4096 x 1024, their biases and two
+    norms), what the runtime's default optimizer costs per parameter a rank owns; per tensor
+    over 32 tensors of 16 elements each, less their elements at that rate (single-tensor
+    AdamW on a CPU runs each tensor's update as its own ops)."""
     h = 256 if quick else 1024
     shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
               (h,), (h,), (h,), (h,)]
-    params = [torch.zeros(sh, dtype=dtype, device=device, requires_grad=True) for sh in shapes]
-    for prm in params:
-        prm.grad = torch.full_like(prm, 1e-3)
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    s = _time_s(opt.step, device, 2 if quick else 5, 3, compute_clock(device))
-    return s / sum(prm.numel() for prm in params)
+    clock = compute_clock(device)
+
+    def step_s(shapes, calls):
+        params = [torch.zeros(sh, dtype=dtype, device=device, requires_grad=True)
+                  for sh in shapes]
+        for prm in params:
+            prm.grad = torch.full_like(prm, 1e-3)
+        return _time_s(torch.optim.AdamW(params, lr=1e-4).step, device, calls, 3, clock)
+    per_param = step_s(shapes, 2 if quick else 5) / sum(np.prod(sh) for sh in shapes)
+    tiny = [(16,)] * 32
+    per_tensor = step_s(tiny, 10) / len(tiny) - 16 * per_param
+    return float(per_param), max(0.0, float(per_tensor))
 
 
 def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
@@ -210,37 +221,59 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
 
 
 def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
-    """A large copy's bytes read + written per second, and one tiny elementwise op's time."""
+    """A large copy's bytes read + written per second, and per dispatched op of a block's
+    op mix its forward and backward times (`measure_dispatch`)."""
     nbytes = (8 if quick else 64) << 20
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     clock = compute_clock(device)
     copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
-    x, y = torch.ones(8, dtype=dtype, device=device), torch.ones(8, dtype=dtype, device=device)
-    op_s = _time_s(lambda: torch.add(x, y), device, 200, 3, clock)
-    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": op_s,
-            "autograd_op_s": measure_autograd_op(dtype, device, clock),
+    launch_s, autograd_s = measure_dispatch(dtype, device, clock)
+    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": launch_s,
+            "autograd_op_s": autograd_s,
             "split_backward_op_s": measure_split_backward(dtype, device, clock)}
 
 
-def measure_autograd_op(dtype: torch.dtype, device: torch.device,
-                        clock: Callable[[], float], ops: int = 32) -> float:
-    """Seconds autograd's backward adds per forward op: a chain of `ops` tiny elementwise ops
-    on a tensor that requires grad, forward + backward, less the same forward (its graph
-    recorded), per op."""
-    x = torch.ones(8, dtype=dtype, device=device, requires_grad=True)
+def _block_ops(dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """(forward, ops): the non-GEMM ops of a pre-norm transformer block — norms, the heads'
+    views and transposes and their layout copies, a scale, the softmax, the residual adds, the
+    activation — as aten overloads on tiny tensors that require grad, as autopar's generated
+    chunks dispatch them (`RegionProfile.eager_ops` counts the same: views included)."""
+    aten = torch.ops.aten
+    batch, length, heads, dim = 4, 8, 2, 8
+    width = heads * dim
+    x = torch.randn(batch, length, width, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
+    b = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
+    dense = torch.contiguous_format
 
     def forward():
-        y = x
-        for _ in range(ops // 2):
-            y = y * 1.5 + 1.0
-        return y
+        h = aten.native_layer_norm.default(x, [width], w, b, 1e-5)[0]
+        q = aten.transpose.int(aten.view.default(h, [batch, length, heads, dim]), 1, 2)
+        s = aten._softmax.default(aten.mul.Tensor(aten.clone.default(q, memory_format=dense),
+                                                  0.5), -1, False)
+        o = aten.clone.default(aten.transpose.int(s, 1, 2), memory_format=dense)
+        r = aten.add.Tensor(x, aten.view.default(o, [batch, length, width]))
+        g = aten.gelu.default(aten.native_layer_norm.default(r, [width], w, b, 1e-5)[0])
+        return aten.add.Tensor(r, g)
+    return forward, 13
+
+
+def measure_dispatch(dtype: torch.dtype, device: torch.device,
+                     clock: Callable[[], float]) -> tuple[float, float]:
+    """(kernel_launch_s, autograd_op_s): a block's op mix (`_block_ops`), per op, its forward
+    (the graph recorded) and what its backward adds. A block's ops, not one add: on a CPU core
+    an add of 8 floats took 1.0 µs and a chain of multiply-adds 2.5 µs forward / 3.2 µs
+    backward per op, where the block's mix took 3.9 / 7.0 (norms, softmax and the activation
+    have costlier kernels to set up, their backward nodes dispatch several ops each); priced
+    with the add, a 4-layer GPT's micro-batch carried ~1.3 ms the model lacked (2026-11-27)."""
+    forward, ops = _block_ops(dtype, device)
 
     def both():
         forward().sum().backward()
     fwd_s = _time_s(forward, device, 20, 3, clock)
     both_s = _time_s(both, device, 20, 3, clock)
-    return max(0.0, both_s - fwd_s) / ops
+    return fwd_s / ops, max(0.0, both_s - fwd_s) / ops
 
 
 def measure_split_backward(dtype: torch.dtype, device: torch.device,
@@ -617,7 +650,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         [measure_attention(lens, dtype, device, quick) for _ in range(rounds)], 1)
     tick("attention")
     mine.update(measure_streaming(dtype, device, quick))
-    mine["optimizer_param_s"] = measure_optimizer(dtype, device, quick)
+    mine["optimizer_param_s"], mine["optimizer_tensor_s"] = measure_optimizer(dtype, device,
+                                                                              quick)
     tick("streaming")
     collectives = measure_collectives(groups, device, quick, tick)
     mine["comm_overlap"] = measure_overlap(dtype, device, quick) if len(nodes) > 1 else 1.0
@@ -646,6 +680,7 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
         "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
         "optimizer_param_s": float(np.median([g[0]["optimizer_param_s"] for g in gathered])),
+        "optimizer_tensor_s": float(np.median([g[0]["optimizer_tensor_s"] for g in gathered])),
         "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
         "split_backward_op_s": float(np.median([g[0]["split_backward_op_s"]
                                                 for g in gathered])),
@@ -678,12 +713,15 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "backward against sequence length)",
                "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
-               "kernel_launch_s: one tiny elementwise op's time (dispatch + launch); "
-               "autograd_op_s: the backward a chain of tiny ops adds per op; "
+               "kernel_launch_s: per op of a block's non-GEMM op mix on tiny tensors, its "
+               "forward (dispatch + launch); autograd_op_s: what its backward adds per op; "
                "split_backward_op_s: what interleaved-zb's B/W split adds to it per op",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",
+               "optimizer_tensor_s: its step over 32 tensors of 16 elements, per tensor, less "
+               "their elements" if "optimizer_tensor_s" in record else
+               "optimizer_tensor_s: not measured (a record from before); 0, not counted",
                record["memory_source"],
                "elementwise: eager (autopar's runtime runs its chunks op by op)",
                "comm_overlap: the part of a 4 MiB all-reduce that hid behind a GEMM loop run "
@@ -715,6 +753,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
         gemm_max_efficiency=emax, gemm_half_dim=half,
         kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
         optimizer_param_s=record.get("optimizer_param_s", 0.0),
+        optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
         split_backward_op_s=record.get("split_backward_op_s", 0.0),
         comm_overlap=record.get("comm_overlap", 1.0),
@@ -744,6 +783,7 @@ def _with_base_links(record: dict[str, Any], name: str, peak: float, emax: float
         hbm_bandwidth_Bps=record["hbm_bandwidth_Bps"], gemm_max_efficiency=emax,
         gemm_half_dim=half, kernel_launch_s=record["kernel_launch_s"],
         elementwise_efficiency=1.0, optimizer_param_s=record.get("optimizer_param_s", 0.0),
+        optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
         split_backward_op_s=record.get("split_backward_op_s", 0.0),
         reserved_bytes=record["memory"][1],

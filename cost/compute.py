@@ -321,17 +321,21 @@ def flops_per_seq(profile: ModelProfile, t: int, recompute: str) -> tuple[float,
     return fwd, rec
 
 
-def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams) -> tuple[float, float,
-                                                                                 float]:
+def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams,
+                     profile: ModelProfile) -> tuple[float, float, float]:
     """(per layer, embedding on rank 0, head on rank p-1) seconds of the Adam step over the
     parameters one rank of cfg owns (`shares.rank_params`): the cluster's measured seconds per
-    parameter (`Cluster.optimizer_param_s`), else its bytes at elementwise HBM bandwidth."""
+    parameter (`Cluster.optimizer_param_s`), else its bytes at elementwise HBM bandwidth; and
+    the cluster's seconds per tensor (`Cluster.optimizer_tensor_s`) for each tensor it steps:
+    the region's (`RegionProfile.param_tensors`), 1/d of them under a sharded optimizer (ZeRO
+    hands a rank's shard to the optimizer as one segment per parameter piece it holds)."""
     d = cfg.replicas   # the weights' replicas: ZeRO shards over c·d
     sharded = ZERO_TRAITS[cfg.zero].sharded_optimizer
     own = 1.0 / d if sharded else 1.0
     own_e = cfg.ep / d if sharded else 1.0   # experts sharded over c·d/ep
     per_param_s = cluster.optimizer_param_s or ADAM_BYTES_PER_PARAM / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
-    adam = lambda params: params * own * per_param_s  # noqa: E731
-    return (adam(params.block) + adam(params.experts * own_e / own), adam(params.embedding),
-            adam(params.head))
+    adam = lambda params, region: own * (params * per_param_s  # noqa: E731
+                                         + region.param_tensors * cluster.optimizer_tensor_s)
+    return (adam(params.block, profile.block) + params.experts * own_e * per_param_s,
+            adam(params.embedding, profile.embedding), adam(params.head, profile.head))

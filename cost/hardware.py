@@ -142,6 +142,11 @@ class Cluster:
     # (measured by `autopar calibrate`); 0: its bytes (cost/compute.py ADAM_BYTES_PER_PARAM)
     # at HBM bandwidth (the presets: fused multi-tensor kernels, memory bound)
     optimizer_param_s: float = 0.0
+    # what the optimizer step costs per parameter tensor it steps, beyond its elements (AdamW
+    # on a CPU runs each tensor's update as its own ops: ~17 µs a tensor on the development
+    # host), measured by `autopar calibrate`; priced per `RegionProfile.param_tensors` a rank
+    # steps (1/d of them under ZeRO: a segment per piece of its shard); 0: not counted
+    optimizer_tensor_s: float = 0.0
     # an eager runtime's backward per forward op it dispatched (autograd's node, its kernels'
     # dispatch), measured by `autopar calibrate`; with kernel_launch_s forward, priced per op
     # of a region (`RegionProfile.eager_ops`) where elementwise is "eager"
@@ -183,7 +188,8 @@ class Cluster:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be positive")
         for name in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s",
-                     "optimizer_param_s", "autograd_op_s", "split_backward_op_s"):
+                     "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
+                     "split_backward_op_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, "
                                  f"seconds (0: not counted); measure it with `autopar "

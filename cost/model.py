@@ -130,7 +130,7 @@ def config_costs(profile: ModelProfile, cluster: Cluster, cfg: Config,
         gathers = memo.weight_gathers(cfg)
     dp_layer, window_layer, dp_first, dp_last, dp_rank = dp_terms_s(
         profile, cluster, cfg, params, block_s, lc.layer_compute_ns / NS, gathers)
-    opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
+    opt_layer, opt_first, opt_last = optimizer_step_s(cluster, cfg, params, profile)
     mem_layer, mem_fixed, parts, fparts, acts = memory_coefficients(profile, cluster, cfg,
                                                                     params, gathers)
     rank_cut_ns: tuple[int, ...] = ()

@@ -202,6 +202,9 @@ class RegionProfile:
     # (views included): what an eager runtime pays `Cluster.kernel_launch_s` for forward and
     # `Cluster.autograd_op_s` backward each (cost/compute.py `dispatch_s`); 0: not counted
     eager_ops: int = 0
+    # parameter tensors of the region (tied ones once): what an optimizer stepping the model's
+    # own tensors pays `Cluster.optimizer_tensor_s` for each (ZeRO-0); 0: not counted
+    param_tensors: int = 0
     # context parallelism (cost/context.py): elements of K and V, full length and all kv
     # heads, one sequence's attention gathers from the other context ranks; 0 until the
     # profile is restated for c > 1

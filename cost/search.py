@@ -465,7 +465,7 @@ def _least_tail_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     dp, hidden, first, last, each = dp_terms_s(rank, cluster, cfg, params,
                                                memo.block_times_s(rank, cluster, cfg), 0.0,
                                                least)
-    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params)
+    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params, rank)
     l = profile.num_layers
     total = (dp - hidden + opt) * l + first + last + opt_first + opt_last + cfg.p * each
     return max(0.0, total - (2 * l + 4 + cfg.p) / 1e9) / cfg.p

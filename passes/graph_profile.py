@@ -219,7 +219,8 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         input_bytes=input_bytes, other_bytes=round(r.other), other_split_bytes=round(r.other_split),
         tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager,
         expert_params_elems=sum(r.params[pid][0] for pid in r.expert_params if pid in r.params),
-        experts=r.experts, expert_dispatch_elems=r.dispatch, eager_ops=r.ops)
+        experts=r.experts, expert_dispatch_elems=r.dispatch, eager_ops=r.ops,
+        param_tensors=len(r.params))
 
 
 def param_identity(captured: Captured) -> dict[str, tuple[int, int]]:

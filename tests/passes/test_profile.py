@@ -202,3 +202,34 @@ def test_a_model_as_wide_as_its_sequence_keeps_its_attention_bytes_apart():
     t = transformer_profile(num_layers=2, hidden=h, heads=A, seq_len=s, vocab=VOCAB)
     assert p.block.act_attention_bytes == t.block.act_attention_bytes - 3 * A * s * s
     assert p.block.fused.act_attention_bytes == 4 * A * s
+
+
+def test_each_region_counts_its_parameter_tensors_and_the_optimizer_pays_for_its_share():
+    """The optimizer pays per tensor it steps, beyond the elements (AdamW runs each tensor's
+    update as its own ops on a CPU): the graph profile counts each region's parameter tensors
+    as the module holds them (a GPT block's: two norms, four projections, weight and bias
+    each), and the cost model charges `Cluster.optimizer_tensor_s` for each under ZeRO-0 and
+    for 1/d of them under ZeRO-1..3 (a rank's shard is stepped as one segment per parameter
+    piece it holds)."""
+    import dataclasses
+
+    import pytest
+
+    from autopar.cost.compute import optimizer_step_s
+    from autopar.cost.config import Config
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.shares import rank_params
+    model, cap = captured("gpt")
+    p = profile_from_graph(cap, find_layers(cap), name="gpt")
+    assert p.block.param_tensors == len(list(model.transformer.h[0].parameters())) == 12
+    assert p.embedding.param_tensors == 2      # token and position tables (the head ties)
+    assert p.head.param_tensors == 2           # the final norm's weight and bias
+    base = get_cluster("dgx-a100-80gb")
+    per_tensor = dataclasses.replace(base, optimizer_tensor_s=1e-5)
+    for zero, extra in ((0, 1e-5), (1, 0.5e-5), (3, 0.5e-5)):
+        cfg = Config(t=1, p=1, d=2, zero=zero)
+        params = rank_params(p, cfg)
+        with_t = optimizer_step_s(per_tensor, cfg, params, p)
+        without = optimizer_step_s(base, cfg, params, p)
+        assert [a - b for a, b in zip(with_t, without)] == pytest.approx(
+            [12 * extra, 2 * extra, 2 * extra], abs=1e-12)

@@ -367,3 +367,31 @@ def test_gemm_fit_leaves_out_shapes_that_time_their_dispatch():
     assert got_peak == pytest.approx(peak, rel=0.05) and got_half == pytest.approx(half, rel=0.2)
     naive_peak, naive_half = fit_gemm(curve)
     assert abs(naive_peak / peak - 1) > 0.2   # the dispatch-bound shapes mislead a plain fit
+
+
+def test_dispatch_is_measured_on_a_block_op_mix_of_as_many_ops_as_it_divides_by():
+    """calibrate's per-op dispatch (`measure_dispatch`) divides the op mix's time by the ops
+    `_block_ops` says it dispatches: counted here op by op as the dispatcher sees them (the
+    generated chunks' aten overloads, views included, GEMMs none), each on a tensor that
+    requires grad."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.cost.calibrate import _block_ops
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+    forward, ops = _block_ops(torch.float32, torch.device("cpu"))
+    with Count() as seen:
+        out = forward()
+    # the graph's ops; autograd's own detach of an output it saves (the softmax's) aside
+    graph_ops = [f for f in seen.ops if f is not torch.ops.aten.detach.default]
+    assert len(graph_ops) == ops and len(seen.ops) == ops + 1
+    assert not any("mm" in str(f) or "linear" in str(f) for f in graph_ops)
+    assert out.requires_grad and out.grad_fn is not None
