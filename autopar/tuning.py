@@ -356,7 +356,7 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
 def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: tuple,
          loss_fn: Callable | None = None, example_targets: Any = None,
          global_batch_size: int, cluster: Any = "local-cpu", top: int = 4, steps: int = 3,
-         warmup: int = 2, rounds: int = 2, plans: tuple[dict, ...] = (),
+         warmup: int = 2, rounds: int = 3, plans: tuple[dict, ...] = (),
          vocab: int | None = None,
          name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Plan, measure, choose, refit (module doc); call on every rank of an initialised
