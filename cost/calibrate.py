@@ -229,9 +229,11 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     clock = compute_clock(device)
     copy_s = _time_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
     launch_s, autograd_s = measure_dispatch(dtype, device, clock)
+    per_op_s = measure_split_backward(dtype, device, clock)
     return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": launch_s,
             "autograd_op_s": autograd_s,
-            "split_backward_op_s": measure_split_backward(dtype, device, clock)}
+            "split_backward_op_s": per_op_s,
+            "split_backward_frac": measure_split_backward_frac(dtype, device, clock, per_op_s)}
 
 
 def _block_ops(dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
@@ -283,27 +285,69 @@ def measure_split_backward(dtype: torch.dtype, device: torch.device,
     three elementwise ops (a transformer block's mix of GEMMs and eager ops, ~1 : 4), tiny so
     that the split's own work shows (the reverse graph, the parameter groups, one engine call
     per weight), its backward split into B and W less the same backward whole, per op."""
-    from autopar.runtime.split_backward import backward_input, backward_weight
     width = 16
     lins = [torch.nn.Linear(width, width).to(device=device, dtype=dtype) for _ in range(layers)]
-    weights = [q for lin in lins for q in lin.parameters()]
     x = torch.randn(4, width, dtype=dtype, device=device, requires_grad=True)
-    grad = torch.ones(4, width, dtype=dtype, device=device)
 
     def forward():
         y = x
         for lin in lins:
             y = torch.tanh(lin(y) * 0.5 + 1.0)
         return y
+    whole_s, split_s = _split_times_s(forward, x, [q for m in lins for q in m.parameters()],
+                                      device, clock)
+    return max(0.0, split_s - whole_s) / (4 * layers)
+
+
+def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
+                                clock: Callable[[], float], per_op_s: float) -> float:
+    """What the B/W split adds beyond its per-op work (`measure_split_backward`), as a
+    fraction of the chunk's forward + backward: two pre-norm transformer blocks (norms,
+    projections, causal fused attention, GELU, residual adds; width 128, 4 sequences of 128)
+    split and whole, less their ops at `per_op_s`. On a CPU the split's backward runs with
+    the graph retained, so its gradients take fresh memory and colder caches: 11% of two GPT
+    blocks' step at that size, where the per-op work explained 2% (2026-11-27)."""
+    width, heads, batch, length = 128, 4, 4, 128
+    mods = [torch.nn.ModuleDict({
+        "ln1": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
+        "proj": torch.nn.Linear(width, width), "ln2": torch.nn.LayerNorm(width),
+        "fc": torch.nn.Linear(width, 4 * width), "out": torch.nn.Linear(4 * width, width),
+    }).to(device=device, dtype=dtype) for _ in range(2)]
+    x = torch.randn(batch, length, width, dtype=dtype, device=device, requires_grad=True)
+    F = torch.nn.functional
+
+    def forward():
+        y = x
+        for m in mods:
+            q, k, v = (t.view(batch, length, heads, -1).transpose(1, 2)
+                       for t in m["qkv"](m["ln1"](y)).split(width, -1))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y + m["proj"](a.transpose(1, 2).reshape(batch, length, width))
+            y = y + m["out"](F.gelu(m["fc"](m["ln2"](y))))
+        return y
+    ops = 2 * (15 + 4)     # per block: its eager ops (views, norms, adds, ...) and 4 GEMMs
+    rounds = [_split_times_s(forward, x, [q for m in mods for q in m.parameters()], device,
+                             clock, calls=3, repeats=1) for _ in range(9)]
+    # paired rounds, the median: the two timings' own wander (±10%) exceeds their difference
+    return max(0.0, float(np.median([(split_s - whole_s - ops * per_op_s) / whole_s
+                                     for whole_s, split_s in rounds])))
+
+
+def _split_times_s(forward: Callable[[], torch.Tensor], x: torch.Tensor, weights: list,
+                   device: torch.device, clock: Callable[[], float], calls: int = 20,
+                   repeats: int = 5) -> tuple[float, float]:
+    """(forward + backward whole, forward + backward split into B and W) seconds, each the
+    best of `repeats` batches of `calls`."""
+    from autopar.runtime.split_backward import backward_input, backward_weight
+    grad = torch.ones_like(forward())
 
     def whole():
         forward().backward(grad)
 
     def split():
         backward_weight(backward_input([forward()], [grad], [x], weights))
-    whole_s = _time_s(whole, device, 20, 5, clock)
-    split_s = _time_s(split, device, 20, 5, clock)
-    return max(0.0, split_s - whole_s) / (4 * layers)
+    return (_time_s(whole, device, calls, repeats, clock),
+            _time_s(split, device, calls, repeats, clock))
 
 
 # ---- collectives ----
@@ -684,6 +728,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
         "split_backward_op_s": float(np.median([g[0]["split_backward_op_s"]
                                                 for g in gathered])),
+        "split_backward_frac": float(np.median([g[0]["split_backward_frac"]
+                                                for g in gathered])),
         "comm_overlap": float(np.median([g[0]["comm_overlap"] for g in gathered])),
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -715,7 +761,9 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
                "kernel_launch_s: per op of a block's non-GEMM op mix on tiny tensors, its "
                "forward (dispatch + launch); autograd_op_s: what its backward adds per op; "
-               "split_backward_op_s: what interleaved-zb's B/W split adds to it per op",
+               "split_backward_op_s: what interleaved-zb's B/W split adds to it per op; "
+               "split_backward_frac: what it adds beyond that on two transformer blocks "
+               "(width 128, 4 x 128 tokens), a fraction of their forward + backward",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",
@@ -756,6 +804,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
         optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
         split_backward_op_s=record.get("split_backward_op_s", 0.0),
+        split_backward_frac=record.get("split_backward_frac", 0.0),
         comm_overlap=record.get("comm_overlap", 1.0),
         tp_comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
@@ -786,6 +835,7 @@ def _with_base_links(record: dict[str, Any], name: str, peak: float, emax: float
         optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
         autograd_op_s=record.get("autograd_op_s", 0.0),
         split_backward_op_s=record.get("split_backward_op_s", 0.0),
+        split_backward_frac=record.get("split_backward_frac", 0.0),
         reserved_bytes=record["memory"][1],
         attention="flash", elementwise="eager", **flash, sources=tuple(sources))
 

@@ -166,17 +166,18 @@ def dispatch_s(cluster: Cluster, region: RegionProfile) -> tuple[float, float]:
             region.eager_ops * cluster.autograd_op_s)
 
 
-def split_backward_s(cluster: Cluster, region: RegionProfile) -> float:
+def split_backward_s(cluster: Cluster, region: RegionProfile, compute_s: float) -> float:
     """Seconds the B/W split of interleaved-zb adds to a region's backward per micro-batch:
     every forward op of the region (its eager ops, GEMMs and attention kernels) × the cluster's
-    measured split_backward_op_s. Like `dispatch_s`, 0 unless the cluster runs elementwise ops
-    "eager": it is host work, which a fused GPU stack's kernels hide."""
+    measured split_backward_op_s, and its `split_backward_frac` of the region's compute
+    (`compute_s`, forward + backward). Like `dispatch_s`, 0 unless the cluster runs
+    elementwise ops "eager": it is host work, which a fused GPU stack's kernels hide."""
     if cluster.elementwise != "eager":
         return 0.0
     fused = region.fused
     ops = region.eager_ops + len(region.gemms) + (
         len(fused.calls) - len(fused.gemm_indices) if fused else 0)
-    return ops * cluster.split_backward_op_s
+    return ops * cluster.split_backward_op_s + cluster.split_backward_frac * compute_s
 
 
 def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,

@@ -27,8 +27,9 @@ from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS
 
 # Schedules the solver picks on its own, every one: interleaved-zb's bubble is priced (a third
 # of interleaved 1F1B's) and so is splitting each backward into B and W (cost/compute.py
-# `split_backward_s`: the measured host work per op, ~9 us on a CPU core, 10-25 % of a
-# backward at benchmark sizes; 0 where a fused GPU stack's kernels hide it, like dispatch).
+# `split_backward_s`: the measured host work per op, ~9 us on a CPU core, and the measured
+# share of the compute its retained-graph backward adds there, ~0.1; 0 where a fused GPU
+# stack's kernels hide it, like dispatch).
 AUTO_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "breadth-first", "interleaved-zb")
 MAX_MICRO_BATCH = 64      # larger micro-batches never pay off: GEMMs saturate at b·s >> 1000
 MAX_CHUNKS_PER_RANK = 8   # interleaving deeper than 8 multiplies p2p for < 1% bubble

@@ -156,6 +156,11 @@ class Cluster:
     # measured by `autopar calibrate`; priced like dispatch, only where elementwise is "eager"
     # (cost/compute.py `split_backward_s`); 0: not measured
     split_backward_op_s: float = 0.0
+    # what that split adds beyond its per-op work, as a fraction of the region's forward +
+    # backward (on a CPU its backward runs with the graph retained: fresh memory for its
+    # gradients, colder caches; ~0.1 measured here), measured by `autopar calibrate`; priced
+    # where elementwise is "eager", like split_backward_op_s; 0: not measured
+    split_backward_frac: float = 0.0
     # the fraction of a collective that hides behind compute run meanwhile (measured by
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
     # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
@@ -189,7 +194,7 @@ class Cluster:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be positive")
         for name in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s",
                      "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
-                     "split_backward_op_s"):
+                     "split_backward_op_s", "split_backward_frac"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, "
                                  f"seconds (0: not counted); measure it with `autopar "

@@ -26,9 +26,9 @@ def layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
     if cfg.schedule in SPLIT_BACKWARD:     # B and W: the split's host work (0 on fused stacks)
-        comp_s += split_backward_s(cluster, profile.block)
-        emb_s += split_backward_s(cluster, profile.embedding)
-        head_s += split_backward_s(cluster, profile.head)
+        comp_s += split_backward_s(cluster, profile.block, comp_s)
+        emb_s += split_backward_s(cluster, profile.embedding, emb_s)
+        head_s += split_backward_s(cluster, profile.head, head_s)
     return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
 
 

@@ -314,5 +314,5 @@ def test_each_kinds_layer_time_carries_the_split_backward_of_its_schedule():
     memo = CostMemo()
     plain, split = kind_layer_ns(profile, eager, il, memo), kind_layer_ns(profile, eager, zb, memo)
     for k, a, b in zip(profile.layer_kinds, plain, split):
-        extra = split_backward_s(eager, k.profile.for_cluster(eager).block)
+        extra = split_backward_s(eager, k.profile.for_cluster(eager).block, 0.0)  # frac 0
         assert extra > 0 and b - a == pytest.approx(extra * 1e9, abs=2), k.name

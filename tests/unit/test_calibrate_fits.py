@@ -395,3 +395,22 @@ def test_dispatch_is_measured_on_a_block_op_mix_of_as_many_ops_as_it_divides_by(
     assert len(graph_ops) == ops and len(seen.ops) == ops + 1
     assert not any("mm" in str(f) or "linear" in str(f) for f in graph_ops)
     assert out.requires_grad and out.grad_fn is not None
+
+
+def test_the_split_backward_costs_its_ops_and_its_measured_share_of_the_compute():
+    """interleaved-zb's B/W split: per op (`split_backward_op_s`) and, on a CPU, a share of
+    the region's forward + backward (`split_backward_frac`: its backward runs with the graph
+    retained; ~0.1 measured here), both host costs a fused GPU stack does not pay."""
+    import dataclasses
+
+    from autopar.cost.compute import split_backward_s
+    from autopar.cost.profile import transformer_profile
+    block = transformer_profile(num_layers=2, hidden=64, heads=4, seq_len=32, vocab=64).block
+    per_op = _cpu(elementwise="eager", split_backward_op_s=1e-5)
+    both = dataclasses.replace(per_op, split_backward_frac=0.1)
+    assert split_backward_s(both, block, 2e-3) - split_backward_s(per_op, block, 2e-3) == \
+        pytest.approx(2e-4)
+    assert split_backward_s(per_op, block, 2e-3) == split_backward_s(per_op, block, 5e-3) > 0
+    assert split_backward_s(dataclasses.replace(both, elementwise="fused"), block, 2e-3) == 0
+    with pytest.raises(ValueError, match="split_backward_frac"):
+        dataclasses.replace(both, split_backward_frac=-0.1)
