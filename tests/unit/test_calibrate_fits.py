@@ -133,24 +133,24 @@ def test_pieces_waited_once_pay_one_call_and_a_latency_per_further_piece():
 
 
 def test_collective_timings_keep_the_rare_long_waits_every_call_pays():
-    """`_time_s(typical=True)` (collectives) is the mean call of every batch, so a wait that
+    """`timed_s(typical=True)` (collectives) is the mean call of every batch, so a wait that
     comes every few calls (a VM's timer tick waking a blocked rank) is in it at its rate; the
     best batch (compute) drops it: a call of ~0 s that sleeps 4 ms every 8th call."""
     import time
 
     import torch
 
-    from autopar.cost.calibrate import _time_s
+    from autopar.cost.calibrate_compute import timed_s
     calls = [0]
 
     def fn():
         calls[0] += 1
         if calls[0] % 8 == 0:
             time.sleep(0.004)
-    typical = _time_s(fn, torch.device("cpu"), 40, 3, typical=True)
+    typical = timed_s(fn, torch.device("cpu"), 40, 3, typical=True)
     assert 0.4e-3 < typical < 0.8e-3
     calls[0] = 1      # batches of 5 between the long calls: the best batch holds none
-    assert _time_s(fn, torch.device("cpu"), 5, 3) < 0.1e-3
+    assert timed_s(fn, torch.device("cpu"), 5, 3) < 0.1e-3
 
 
 def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst():
@@ -377,7 +377,7 @@ def test_dispatch_is_measured_on_a_block_op_mix_of_as_many_ops_as_it_divides_by(
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autopar.cost.calibrate import _block_ops
+    from autopar.cost.calibrate_compute import _block_ops
 
     class Count(TorchDispatchMode):
         def __init__(self):

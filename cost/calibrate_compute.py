@@ -1,0 +1,292 @@
+"""`autopar calibrate`'s compute measurements (cost/calibrate.py runs them on every rank):
+the timing helpers, the grids of shapes, and what one rank's compute costs — GEMMs under
+autograd, fused attention, streaming bandwidth, per-op dispatch on a block's op mix,
+AdamW per parameter and per tensor, interleaved-zb's B/W split. Each returns seconds or
+rates; cost/calibrate.py fits them and writes the cluster file."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+ATTENTION_LENS = (256, 1024)
+_QUICK_ATTENTION_LENS = (64, 256)
+_FULL_DIMS = (64, 128, 256, 512, 1024)
+_QUICK_DIMS = (32, 128)
+# A GPU's grids reach the shapes training runs: on an H100 (benchmarks/gpu.py, 2026-11-26) the
+# CPU grids' largest GEMM (1024³ under autograd) ran at 31 TFLOP/s, launch-bound, and the fit
+# extrapolated e_max 0.62 from it, and attention at length 1024 gave flash efficiencies of
+# 0.19 / 0.11 at an extrapolated L_half of 8192; an isolated 8192³ GEMM runs ~800 TFLOP/s there
+_GPU_DIMS = (512, 1024, 2048, 4096, 8192)
+_GPU_ATTENTION_LENS = (512, 1024, 2048, 4096, 8192)
+# the attention measured: (heads, head_dim) as a CPU can afford, as GPU models run it
+_CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
+
+
+def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(GEMM dims, attention lengths) measured on `device`."""
+    if quick:
+        return _QUICK_DIMS, _QUICK_ATTENTION_LENS
+    if device.type == "cuda":
+        return _GPU_DIMS, _GPU_ATTENTION_LENS
+    return _FULL_DIMS, ATTENTION_LENS
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_clock(device: torch.device) -> Callable[[], float]:
+    """The clock compute is timed with: on a CPU rank running one thread, the process's CPU
+    time (what the work took on the core it ran on: time the scheduler gave other processes
+    of a shared machine is not the hardware's rate); otherwise wall time."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
+def timed_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int,
+            clock: Callable[[], float] = time.perf_counter, typical: bool = False) -> float:
+    """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
+    that time collectives together run the same number); one warm-up call. The best, not the
+    median: other load on the machine only ever adds time, so the least disturbed batch is the
+    hardware's rate. `typical`: the mean call over every batch instead, for a cost that comes
+    in rare long calls every job pays at their rate (a collective's wait: see
+    `measure_collectives`; they come in bursts, so the mean of all the calls, not a median
+    batch). `clock`: wall time (collectives: waiting is their cost), or `compute_clock` for
+    compute."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        times.append((clock() - start) / calls)
+    return float(np.mean(times) if typical else np.min(times))
+
+
+def _batch_calls(fn: Callable[[], Any], device: torch.device, clock: Callable[[], float],
+                 target: float, most: int = 200) -> int:
+    """Calls that make a timed batch last about `target` seconds at `fn`'s own measured rate
+    (1..most): a warm-up call (one-time costs: library handles, kernel choice), then one timed
+    call. Measured, not guessed from a FLOP rate: on a GPU a guess made for a CPU gave one
+    call per batch, and each call then carried a synchronisation (~0.2 ms on an H100, the
+    first run of 2026-11-27), 70x a 512³ GEMM's own time."""
+    fn()
+    _sync(device)
+    start = clock()
+    fn()
+    _sync(device)
+    return max(1, min(most, int(target / max(clock() - start, 1e-7))))
+
+
+def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
+                   quick: bool) -> list[list[float]]:
+    """[m, n, k, flops_per_s] for every (m, n, k) in dims³: a GEMM as training runs it, a
+    projection y = x·Wᵀ forward and backward under autograd (dX = dY·W and dW = dYᵀ·x, the
+    cost model's backward of 2 GEMMs; fresh outputs and gradients each call), its 3 GEMMs'
+    FLOPs over the time. An isolated GEMM into a preallocated output ran ~1.5x faster on the
+    2-core development machine than the same shape inside autograd (fp32, one thread)."""
+    curve = []
+    for m in dims:
+        for n in dims:
+            for k in dims:
+                x = torch.randn(m, k, dtype=dtype, device=device, requires_grad=True)
+                w = torch.randn(n, k, dtype=dtype, device=device, requires_grad=True)
+                dy = torch.randn(m, n, dtype=dtype, device=device)
+
+                def step():
+                    x.grad = w.grad = None
+                    torch.nn.functional.linear(x, w).backward(dy)
+                clock = compute_clock(device)
+                calls = _batch_calls(step, device, clock, 0.003 if quick else 0.01)
+                s = timed_s(step, device, calls, 3, clock)
+                curve.append([m, n, k, 6.0 * m * n * k / s])
+    return curve
+
+
+def measure_optimizer(dtype: torch.dtype, device: torch.device,
+                      quick: bool) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of torch.optim.AdamW's step (its defaults
+    on this device): per parameter over the parameters of one transformer block of width 1024
+    (4 weight matrices 1024 x 3072, 1024², 1024 x 4096, 4096 x 1024, their biases and two
+    norms), what the runtime's default optimizer costs per parameter a rank owns; per tensor
+    over 32 tensors of 16 elements each, less their elements at that rate (single-tensor
+    AdamW on a CPU runs each tensor's update as its own ops)."""
+    h = 256 if quick else 1024
+    shapes = [(3 * h, h), (3 * h,), (h, h), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,),
+              (h,), (h,), (h,), (h,)]
+    clock = compute_clock(device)
+
+    def step_s(shapes, calls):
+        params = [torch.zeros(sh, dtype=dtype, device=device, requires_grad=True)
+                  for sh in shapes]
+        for prm in params:
+            prm.grad = torch.full_like(prm, 1e-3)
+        return timed_s(torch.optim.AdamW(params, lr=1e-4).step, device, calls, 3, clock)
+    per_param = step_s(shapes, 2 if quick else 5) / sum(np.prod(sh) for sh in shapes)
+    tiny = [(16,)] * 32
+    per_tensor = step_s(tiny, 10) / len(tiny) - 16 * per_param
+    return float(per_param), max(0.0, float(per_tensor))
+
+
+def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
+                      quick: bool) -> list[list[float]]:
+    """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal; 4
+    heads of 64 on a CPU, 16 of 128 on a GPU) at each length: 4·heads·L²·head_dim × the
+    causal part, backward 2.5 ×."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+    curve = []
+    for length in lengths:
+        q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, device=device,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
+        clock = compute_clock(device)
+        target = 0.003 if quick else 0.01
+
+        def fwd():
+            sdpa(q, k, v, is_causal=True)
+
+        def both():
+            sdpa(q, k, v, is_causal=True).backward(grad)
+        fwd_s = timed_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
+        both_s = timed_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
+        flops = 4.0 * heads * length * length * dim * (length + 1) / (2 * length)
+        curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
+    return curve
+
+
+def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
+    """A large copy's bytes read + written per second, and per dispatched op of a block's
+    op mix its forward and backward times (`measure_dispatch`)."""
+    nbytes = (8 if quick else 64) << 20
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    clock = compute_clock(device)
+    copy_s = timed_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
+    launch_s, autograd_s = measure_dispatch(dtype, device, clock)
+    per_op_s = measure_split_backward(dtype, device, clock)
+    return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": launch_s,
+            "autograd_op_s": autograd_s,
+            "split_backward_op_s": per_op_s,
+            "split_backward_frac": measure_split_backward_frac(dtype, device, clock, per_op_s)}
+
+
+def _block_ops(dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """(forward, ops): the non-GEMM ops of a pre-norm transformer block — norms, the heads'
+    views and transposes and their layout copies, a scale, the softmax, the residual adds, the
+    activation — as aten overloads on tiny tensors that require grad, as autopar's generated
+    chunks dispatch them (`RegionProfile.eager_ops` counts the same: views included)."""
+    aten = torch.ops.aten
+    batch, length, heads, dim = 4, 8, 2, 8
+    width = heads * dim
+    x = torch.randn(batch, length, width, dtype=dtype, device=device, requires_grad=True)
+    w = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
+    b = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
+    dense = torch.contiguous_format
+
+    def forward():
+        h = aten.native_layer_norm.default(x, [width], w, b, 1e-5)[0]
+        q = aten.transpose.int(aten.view.default(h, [batch, length, heads, dim]), 1, 2)
+        s = aten._softmax.default(aten.mul.Tensor(aten.clone.default(q, memory_format=dense),
+                                                  0.5), -1, False)
+        o = aten.clone.default(aten.transpose.int(s, 1, 2), memory_format=dense)
+        r = aten.add.Tensor(x, aten.view.default(o, [batch, length, width]))
+        g = aten.gelu.default(aten.native_layer_norm.default(r, [width], w, b, 1e-5)[0])
+        return aten.add.Tensor(r, g)
+    return forward, 13
+
+
+def measure_dispatch(dtype: torch.dtype, device: torch.device,
+                     clock: Callable[[], float]) -> tuple[float, float]:
+    """(kernel_launch_s, autograd_op_s): a block's op mix (`_block_ops`), per op, its forward
+    (the graph recorded) and what its backward adds. A block's ops, not one add: on a CPU core
+    an add of 8 floats took 1.0 µs and a chain of multiply-adds 2.5 µs forward / 3.2 µs
+    backward per op, where the block's mix took 3.9 / 7.0 (norms, softmax and the activation
+    have costlier kernels to set up, their backward nodes dispatch several ops each); priced
+    with the add, a 4-layer GPT's micro-batch carried ~1.3 ms the model lacked (2026-11-27)."""
+    forward, ops = _block_ops(dtype, device)
+
+    def both():
+        forward().sum().backward()
+    fwd_s = timed_s(forward, device, 20, 3, clock)
+    both_s = timed_s(both, device, 20, 3, clock)
+    return fwd_s / ops, max(0.0, both_s - fwd_s) / ops
+
+
+def measure_split_backward(dtype: torch.dtype, device: torch.device,
+                           clock: Callable[[], float], layers: int = 8) -> float:
+    """Seconds the B/W split (autopar.runtime.split_backward, interleaved-zb) adds to a
+    backward per forward op of the chunk: a chain of `layers` blocks of one projection and
+    three elementwise ops (a transformer block's mix of GEMMs and eager ops, ~1 : 4), tiny so
+    that the split's own work shows (the reverse graph, the parameter groups, one engine call
+    per weight), its backward split into B and W less the same backward whole, per op."""
+    width = 16
+    lins = [torch.nn.Linear(width, width).to(device=device, dtype=dtype) for _ in range(layers)]
+    x = torch.randn(4, width, dtype=dtype, device=device, requires_grad=True)
+
+    def forward():
+        y = x
+        for lin in lins:
+            y = torch.tanh(lin(y) * 0.5 + 1.0)
+        return y
+    whole_s, split_s = _split_times_s(forward, x, [q for m in lins for q in m.parameters()],
+                                      device, clock)
+    return max(0.0, split_s - whole_s) / (4 * layers)
+
+
+def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
+                                clock: Callable[[], float], per_op_s: float) -> float:
+    """What the B/W split adds beyond its per-op work (`measure_split_backward`), as a
+    fraction of the chunk's forward + backward: two pre-norm transformer blocks (norms,
+    projections, causal fused attention, GELU, residual adds; width 128, 4 sequences of 128)
+    split and whole, less their ops at `per_op_s`. On a CPU the split's backward runs with
+    the graph retained, so its gradients take fresh memory and colder caches: 11% of two GPT
+    blocks' step at that size, where the per-op work explained 2% (2026-11-27)."""
+    width, heads, batch, length = 128, 4, 4, 128
+    mods = [torch.nn.ModuleDict({
+        "ln1": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
+        "proj": torch.nn.Linear(width, width), "ln2": torch.nn.LayerNorm(width),
+        "fc": torch.nn.Linear(width, 4 * width), "out": torch.nn.Linear(4 * width, width),
+    }).to(device=device, dtype=dtype) for _ in range(2)]
+    x = torch.randn(batch, length, width, dtype=dtype, device=device, requires_grad=True)
+    F = torch.nn.functional
+
+    def forward():
+        y = x
+        for m in mods:
+            q, k, v = (t.view(batch, length, heads, -1).transpose(1, 2)
+                       for t in m["qkv"](m["ln1"](y)).split(width, -1))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = y + m["proj"](a.transpose(1, 2).reshape(batch, length, width))
+            y = y + m["out"](F.gelu(m["fc"](m["ln2"](y))))
+        return y
+    ops = 2 * (15 + 4)     # per block: its eager ops (views, norms, adds, ...) and 4 GEMMs
+    rounds = [_split_times_s(forward, x, [q for m in mods for q in m.parameters()], device,
+                             clock, calls=3, repeats=1) for _ in range(9)]
+    # paired rounds, the median: the two timings' own wander (±10%) exceeds their difference
+    return max(0.0, float(np.median([(split_s - whole_s - ops * per_op_s) / whole_s
+                                     for whole_s, split_s in rounds])))
+
+
+def _split_times_s(forward: Callable[[], torch.Tensor], x: torch.Tensor, weights: list,
+                   device: torch.device, clock: Callable[[], float], calls: int = 20,
+                   repeats: int = 5) -> tuple[float, float]:
+    """(forward + backward whole, forward + backward split into B and W) seconds, each the
+    best of `repeats` batches of `calls`."""
+    from autopar.runtime.split_backward import backward_input, backward_weight
+    grad = torch.ones_like(forward())
+
+    def whole():
+        forward().backward(grad)
+
+    def split():
+        backward_weight(backward_input([forward()], [grad], [x], weights))
+    return (timed_s(whole, device, calls, repeats, clock),
+            timed_s(split, device, calls, repeats, clock))
