@@ -13,6 +13,19 @@ from autopar.cost.hardware import read_cluster_file
 from autopar.testing import free_port
 
 
+def _outputs(procs: list, timeout_s: float) -> list[str]:
+    """Each launcher's output; past `timeout_s` every launcher is killed and the test fails
+    with what each had printed (a run timed out once, 2026-11-27, with nothing to read)."""
+    try:
+        return [p.communicate(timeout=timeout_s)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [p.communicate()[0][-3000:] for p in procs]
+        pytest.fail(f"calibrate under two launchers ran past {timeout_s} s; their output:"
+                    + "".join(f"\n--- node {i} ---\n{t}" for i, t in enumerate(tails)))
+
+
 @pytest.mark.distributed
 def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
     out, port = tmp_path / "two-nodes.json", free_port()
@@ -23,7 +36,7 @@ def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
          "-m", "autopar.cli", "calibrate", "--quick", "--name", "two-nodes", "--out", str(out)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    logs = _outputs(procs, timeout_s=240)
     assert [p.returncode for p in procs] == [0, 0], logs
     assert f"wrote {out}" in logs[0]
     cluster, record = read_cluster_file(out)
