@@ -302,15 +302,23 @@ def collective_curves(link: str, rows: dict[str, list], as_link: str | None = No
     return out
 
 
-def fit_gemm(curve: list[list[float]], floor_s: float = 0.0) -> tuple[float, float]:
+def fit_gemm(curve: list[list[float]], floor_s: float = 0.0,
+             priced_s: float = 0.0) -> tuple[float, float]:
     """(asymptotic FLOP/s P, half_dim) of rate = P · f(m)f(n)f(k) (least squares of the
     relative error: P closed-form for each half_dim on a log grid). `floor_s`: the measured
-    step's own dispatch (cost.hardware.Cluster kernel_launch_s, autograd_op_s, which the cost
-    model prices apart); a shape whose step takes under twice that is timing the dispatch,
-    not the GEMM (on a GPU, every shape up to ~1024³), and is left out of the fit while at
-    least 3 shapes remain."""
+    step's own dispatch (cost.hardware.Cluster kernel_launch_s, autograd_op_s); a shape whose
+    step takes under twice that is timing the dispatch, not the GEMM (on a GPU, every shape
+    up to ~1024³), and is left out of the fit while at least 3 shapes remain. `priced_s`: what
+    the cost model adds to the step's GEMMs apart from their rate (a launch each,
+    cost/compute.py `gemm_time_s`), taken off each step's time before its rate is fitted:
+    fitted with it in, a CPU's curve priced those launches twice (the 128-512 shapes 5% slow)
+    and put the asymptote ~8% over the 512-1024 shapes' plateau to make up for it."""
     slow = [r for r in curve if 6.0 * r[0] * r[1] * r[2] / r[3] >= 2.0 * floor_s]
     curve = slow if len(slow) >= 3 else curve
+    if priced_s > 0:
+        flops = [6.0 * m * n * k for m, n, k, _ in curve]
+        rest = [(r, f / r[3] - priced_s) for r, f in zip(curve, flops)]
+        curve = [r[:3] + [f / t] for (r, t), f in zip(rest, flops) if t > 0] or curve
     best = (max(r[3] for r in curve), 1.0, float("inf"))
     for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 45)]:
         x = np.array([(m / (m + half)) * (n / (n + half)) * (k / (k + half))
@@ -468,7 +476,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
     where = (f"measured by `autopar calibrate` on {', '.join(record['hosts'])} at "
              f"{record['measured_at']} ({record['world']} ranks, {record['nodes']} node(s), "
              f"{record['device']}, {record['backend']}, {record['dtype']})")
-    asymptote, half = fit_gemm(record["matmul_curve"], dispatch_floor_s(record))
+    asymptote, half = fit_gemm(record["matmul_curve"], dispatch_floor_s(record),
+                               3.0 * record["kernel_launch_s"])   # forward + backward GEMMs
     peak = peak_flops or asymptote
     emax = min(1.0, asymptote / peak)
     flash = fit_flash(record["attention_curve"], peak * emax)

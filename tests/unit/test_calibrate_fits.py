@@ -414,3 +414,19 @@ def test_the_split_backward_costs_its_ops_and_its_measured_share_of_the_compute(
     assert split_backward_s(dataclasses.replace(both, elementwise="fused"), block, 2e-3) == 0
     with pytest.raises(ValueError, match="split_backward_frac"):
         dataclasses.replace(both, split_backward_frac=-0.1)
+
+
+def test_gemm_fit_takes_off_the_launches_the_cost_model_adds_apart():
+    """A measured GEMM step holds the launches that cost/compute.py `gemm_time_s` adds to
+    every GEMM apart from its rate: fitted with them in, a curve priced them twice (small
+    shapes slow, the asymptote above the plateau to make up for it). Taken off, the fit
+    recovers the rate that generated the steps."""
+    peak, half, launches = 1.1e11, 8.0, 12e-6
+    f = lambda x: x / (x + half)  # noqa: E731
+    dims = (64, 128, 256, 512, 1024)
+    curve = [[m, n, k, 6.0 * m * n * k / (6.0 * m * n * k / (peak * f(m) * f(n) * f(k))
+                                          + launches)] for m in dims for n in dims for k in dims]
+    got_peak, got_half = fit_gemm(curve, priced_s=launches)
+    assert got_peak == pytest.approx(peak, rel=0.02) and got_half == pytest.approx(half, rel=0.1)
+    naive_peak, naive_half = fit_gemm(curve)
+    assert naive_half > 1.3 * half     # the launches read as a slower ramp
