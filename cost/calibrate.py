@@ -454,19 +454,23 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "matmul_curve": _mean_curves([g[0]["matmul_curve"] for g in gathered], 3),
         "attention_curve": _mean_curves([g[0]["attention_curve"] for g in gathered], 1),
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
-        "kernel_launch_s": float(np.median([g[0]["kernel_launch_s"] for g in gathered])),
-        "optimizer_param_s": float(np.median([g[0]["optimizer_param_s"] for g in gathered])),
-        "optimizer_tensor_s": float(np.median([g[0]["optimizer_tensor_s"] for g in gathered])),
-        "autograd_op_s": float(np.median([g[0]["autograd_op_s"] for g in gathered])),
-        "split_backward_op_s": float(np.median([g[0]["split_backward_op_s"]
-                                                for g in gathered])),
-        "split_backward_frac": float(np.median([g[0]["split_backward_frac"]
-                                                for g in gathered])),
-        "comm_overlap": float(np.median([g[0]["comm_overlap"] for g in gathered])),
+        **{key: float(np.median([g[0][key] for g in gathered]))    # the ranks' median
+           for key in ("kernel_launch_s", *_DEVICE_CONSTANTS, "comm_overlap")},
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else (os.cpu_count() or 1),
     }
+
+
+# the device's measured constants beyond the presets' (0 in a record from before one was
+# measured: not counted), each the median over the ranks
+_DEVICE_CONSTANTS = ("optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
+                     "split_backward_op_s", "split_backward_frac")
+
+
+def _device_constants(record: dict[str, Any]) -> dict[str, float]:
+    """The Cluster fields of `_DEVICE_CONSTANTS` as the record has them (0 where it has none)."""
+    return {key: record.get(key, 0.0) for key in _DEVICE_CONSTANTS}
 
 
 def cluster_from_record(record: dict[str, Any], name: str,
@@ -533,12 +537,7 @@ def cluster_from_record(record: dict[str, Any], name: str,
         inter_node_bandwidth_Bps=fits["inter"][1], inter_node_latency_s=fits["inter"][0],
         gemm_max_efficiency=emax, gemm_half_dim=half,
         kernel_launch_s=record["kernel_launch_s"], elementwise_efficiency=1.0,
-        optimizer_param_s=record.get("optimizer_param_s", 0.0),
-        optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
-        autograd_op_s=record.get("autograd_op_s", 0.0),
-        split_backward_op_s=record.get("split_backward_op_s", 0.0),
-        split_backward_frac=record.get("split_backward_frac", 0.0),
-        comm_overlap=record.get("comm_overlap", 1.0),
+        **_device_constants(record), comm_overlap=record.get("comm_overlap", 1.0),
         tp_comm_overlap=record.get("comm_overlap", 1.0),
         reserved_bytes=record["memory"][1], attention="flash", elementwise="eager",
         collective_curves=tuple(curves), tp_row_pieces=ROW_PIECES, **flash,
@@ -564,12 +563,7 @@ def _with_base_links(record: dict[str, Any], name: str, peak: float, emax: float
         base, name=name, peak_flops=peak, memory_bytes=record["memory"][0],
         hbm_bandwidth_Bps=record["hbm_bandwidth_Bps"], gemm_max_efficiency=emax,
         gemm_half_dim=half, kernel_launch_s=record["kernel_launch_s"],
-        elementwise_efficiency=1.0, optimizer_param_s=record.get("optimizer_param_s", 0.0),
-        optimizer_tensor_s=record.get("optimizer_tensor_s", 0.0),
-        autograd_op_s=record.get("autograd_op_s", 0.0),
-        split_backward_op_s=record.get("split_backward_op_s", 0.0),
-        split_backward_frac=record.get("split_backward_frac", 0.0),
-        reserved_bytes=record["memory"][1],
+        elementwise_efficiency=1.0, **_device_constants(record), reserved_bytes=record["memory"][1],
         attention="flash", elementwise="eager", **flash, sources=tuple(sources))
 
 
