@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from autopar.plan import CP_ATTENTION_PINNED
+from autopar.plan import CP_ATTENTION_PINNED, RECOMPUTE
 from autopar.user_errors import OneLineParser
 
 
@@ -307,7 +307,10 @@ def _add_plan_args(sp: argparse.ArgumentParser) -> None:
                          "priced at the tiles it leaves; train with launch.py --eod ID")
     sp.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b", "breadth-first",
                                                "interleaved-zb"])
-    sp.add_argument("--recompute", choices=["none", "selective", "full"])
+    sp.add_argument("--recompute", choices=list(RECOMPUTE),
+                    help="pin activation recomputation: none, selective (the attention core), "
+                         "full (whole blocks) or op (torchtitan's per-op selective: every "
+                         "other GEMM's output kept)")
     sp.add_argument("--precision", choices=["fp32", "bf16", "fp16", "fp8", "fp8-rowwise", "auto"],
                     help="the run's precision, priced (fp8: the blocks' GEMMs at the cluster's "
                          "FP8 rate; auto: bf16 and fp8 compared) and, for build, the chunks' "

@@ -17,6 +17,7 @@ import linecache
 import math
 import os
 import re
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -257,13 +258,16 @@ def chunk_source(prog: Any, chunk: int = 0, tp_rank: int = 0, precision: str = "
 
 def load_chunk_module(source: str, filename: str = "<autopar chunk>") -> types.ModuleType:
     """Execute chunk source as a fresh module, registered with linecache (as torch.fx does for
-    its generated code) so tracebacks show the generated lines. The module is not put in
-    sys.modules: it lives as long as the runtime holds it."""
+    its generated code) so tracebacks show the generated lines, and in sys.modules under a
+    name its source determines: Dynamo looks a function's module up there when it inlines a
+    call into it from another module (torch.compile of an 'op'-recompute block, which
+    passes.recompute.checkpoint_ops calls back)."""
     digest = hashlib.sha1(f"{filename}\n{source}".encode()).hexdigest()[:16]
     module = types.ModuleType(f"autopar_generated_chunk_{digest}")
     module.__file__ = filename
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - our own codegen
+    sys.modules[module.__name__] = module
     return module
 
 

@@ -13,7 +13,8 @@ from typing import Any, Callable
 from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401 (re-exported)
 # what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
 from autopar.rules import (CP_ATTENTION, CP_ATTENTION_PINNED, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
-                           cp_attention_refusal, expert_degree_refusal, knob_refusal)
+                           cp_attention_refusal, expert_degree_refusal, knob_refusal,
+                           recompute_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
@@ -353,6 +354,8 @@ def _validate_plan(plan: Plan) -> None:
     if why := expert_degree_refusal(plan.ep, plan.c, plan.d):
         raise ValueError(f"Plan.{why}")
     if why := cp_attention_refusal(plan.cp_attention, plan.c):
+        raise ValueError(f"Plan.{why}")
+    if why := recompute_refusal(plan.recompute, plan.schedule):
         raise ValueError(f"Plan.{why}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "

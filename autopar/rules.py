@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.schedules import GROUPED, SCHEDULE_NAMES
+from autopar.schedules import GROUPED, SCHEDULE_NAMES, SPLIT_BACKWARD
 
-RECOMPUTE = ("none", "selective", "full")
+# activation recomputation (passes/recompute.py): none, Megatron's selective (the attention
+# core) and full (whole blocks), and torchtitan's per-op selective ("op": every other GEMM's
+# output kept, the rest recomputed)
+RECOMPUTE = ("none", "selective", "full", "op")
 ZERO_LEVELS = (0, 1, 2, 3)
 # how context parallelism's attention reads the other ranks' keys and values: all-gathered
 # before attention (Llama 3's method), or passed round the context ranks block by block while
@@ -85,6 +88,18 @@ def schedule_refusal(schedule: str | None, v: int | None,
                 f"interleaved schedules {GROUPED} run micro-batches in groups; unpin one of "
                 f"them")
     return None
+
+
+def recompute_refusal(recompute: str | None, schedule: str | None) -> str | None:
+    """'op' recompute runs under PyTorch's selective checkpoint, whose kept outputs a region's
+    backward may read once; a split backward (the zero-bubble schedules) runs each chunk's
+    backward in two parts, input gradients then weight gradients, and would read them twice."""
+    if recompute != "op" or schedule not in SPLIT_BACKWARD:
+        return None
+    return (f"recompute='op' with schedule={schedule!r}: PyTorch's selective checkpoint lets a "
+            f"region's backward run once, and {schedule}'s split backward runs it in two parts "
+            f"(input, then weight gradients); use recompute 'full' or 'selective' with it, or "
+            f"another schedule")
 
 
 def expert_degree_refusal(ep: int, c: int, d: int) -> str | None:

@@ -11,6 +11,17 @@ Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
              call, or the unfused matmul → (scale / mask) → softmax → (dropout) → matmul chain.
              Its O(b·h·s²) activations (scores, probabilities, dropout mask) are recomputed; the
              cheap-to-store O(b·s·h) ones stay (the paper's §4.2 choice).
+  op         torchtitan's per-op selective checkpointing (its `selective_ac_option = "op"`,
+             torchtitan/models/llama3/infra/parallelize.py): each block is outlined as for
+             full, and checkpointed under PyTorch's selective-checkpoint policy
+             (torch.utils.checkpoint.create_selective_checkpoint_contexts, `op_policy`): the
+             outputs of the block's 1st, 3rd, 5th... 2-D GEMM (mm / addmm / _scaled_mm, in
+             execution order) and of the fused attention kernels are saved; everything else
+             — every 2nd GEMM, norms, activations, rotary, dropout, the unfused attention
+             core and the collectives — is recomputed in backward. torchtitan also saves its
+             functional reduce-scatter outputs; autopar's collectives write into buffers
+             they allocate (c10d's in-place ops, whose results a policy cannot hand back), so
+             they run again in the recomputation.
 
 RNG: checkpoint(preserve_rng_state=True) snapshots the default generator when the block runs
 forward and replays it during recomputation, so dropout masks are identical. Tensor-parallel
@@ -38,9 +49,10 @@ Reads node.meta (keys of passes/meta.py): REGION, VAL, STACK_TRACE (in errors). 
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx
@@ -48,10 +60,11 @@ import torch.utils.checkpoint
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
+from autopar.rules import RECOMPUTE
 from autopar.runtime.context_shard import context_causal_attention
 from autopar.runtime.shard import DropoutStreams, tp_dropout, tp_sdpa
 
-MODES = ("none", "selective", "full")
+MODES = RECOMPUTE
 
 _aten = torch.ops.aten
 _SDPA = {_aten.scaled_dot_product_attention.default,
@@ -67,11 +80,13 @@ _SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.defau
 
 
 def recompute_pass(mode: str) -> Pass:
-    """The pass checkpointing a chunk's blocks ('full') or attention cores ('selective')."""
+    """The pass checkpointing a chunk's blocks ('full', 'op') or attention cores
+    ('selective')."""
     if mode not in MODES:
         raise ValueError(f"apply_recompute: mode={mode!r} is not one of {MODES}; use "
-                         f"'none' (keep activations), 'selective' (recompute the attention core) "
-                         f"or 'full' (recompute whole blocks)")
+                         f"'none' (keep activations), 'selective' (recompute the attention "
+                         f"core), 'op' (keep every other GEMM's output) or 'full' (recompute "
+                         f"whole blocks)")
     return Pass(f"recompute[{mode}]", partial(_checkpoint_regions, mode=mode),
                 reads=(K.REGION, K.VAL), writes=(K.REGION, K.VAL, K.RECOMPUTE))
 
@@ -84,9 +99,10 @@ def apply_recompute(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule
 
 def _checkpoint_regions(gm: torch.fx.GraphModule, mode: str) -> torch.fx.GraphModule:
     names: list[str] = []
-    if mode == "full":
+    if mode in ("full", "op"):
         for i, nodes in _blocks(gm).items():
-            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i)))
+            names.append(_outline(gm, nodes, f"recompute_block_{i}", ("block", i),
+                                  per_op=mode == "op"))
     elif mode == "selective":
         for k, (region, nodes) in enumerate(_attention_cores(gm)):
             tag = f"{region[1]}" if region and region[1] is not None else f"{k}"
@@ -192,8 +208,9 @@ def _reach(start: torch.fx.Node, step: Callable) -> set[torch.fx.Node]:
 
 # ---- outlining -------------------------------------------------------------------------
 def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
-             region: Any) -> str:
-    """Replace `nodes` (graph order) by `checkpoint(self.<name>, *inputs)`; return name."""
+             region: Any, per_op: bool = False) -> str:
+    """Replace `nodes` (graph order) by `checkpoint(self.<name>, *inputs)`; return name.
+    per_op: through `checkpoint_ops` (the 'op' mode's policy)."""
     nodes = _absorb(gm, nodes)
     inside = set(nodes)
     inputs: list[torch.fx.Node] = []
@@ -222,8 +239,12 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
     # region with tensor-parallel dropout calls checkpoint through a named wrapper instead,
     # handing it the program's dropout streams (a graph input of the region) to replay
     streams = _dropout_streams(nodes)
-    target, lead, kwargs = ((checkpoint_tp_rng, (streams,), {}) if streams is not None else
-                            (torch.utils.checkpoint.checkpoint, (), dict(_CHECKPOINT_KWARGS)))
+    if per_op:
+        target, lead, kwargs = checkpoint_ops, (streams,), {}
+    elif streams is not None:
+        target, lead, kwargs = checkpoint_tp_rng, (streams,), {}
+    else:
+        target, lead, kwargs = torch.utils.checkpoint.checkpoint, (), dict(_CHECKPOINT_KWARGS)
     with gm.graph.inserting_after(last):
         fn = gm.graph.get_attr(name)
     with gm.graph.inserting_after(fn):
@@ -294,3 +315,82 @@ def checkpoint_tp_rng(streams: DropoutStreams, fn: Any, *args: Any) -> Any:
     """checkpoint(fn, *args) that also replays the tensor-parallel dropout streams."""
     return torch.utils.checkpoint.checkpoint(fn, *args, **_CHECKPOINT_KWARGS,
                                              context_fn=streams.recompute_context)
+
+
+# ---- per-op selective checkpointing ('op') -------------------------------------------------
+# the 2-D GEMMs of linear layers as the dispatcher sees them (aten.linear decomposes to mm on
+# folded rows, addmm with a bias; the FP8 pass's GEMMs are _scaled_mm): every other one saved
+_LINEAR_GEMMS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
+# fused attention kernels: their outputs (and logsumexp) saved, as torchtitan's save list
+_ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
+                      _aten._scaled_dot_product_efficient_attention.default,
+                      _aten._scaled_dot_product_cudnn_attention.default,
+                      _aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def op_policy(gemms_seen: list[int]) -> Callable:
+    """The 'op' mode's selective-checkpoint policy for one checkpointed region: save the 1st,
+    3rd, ... 2-D GEMM's output (gemms_seen[0] counts them) and the fused attention kernels';
+    recompute the rest (torchtitan's `_custom_policy`, its mm count per region).
+
+    A collective (c10d's in-place ops) that writes into a kept output — the all-reduce a
+    row-parallel GEMM's piece gets in place — is kept too: the recomputation hands back the
+    kept tensor, which already holds the reduced values, so reducing it again would double
+    them; a collective writing into anything else runs again."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    kept: set[int] = set()          # storages of the outputs kept so far
+
+    def policy(ctx, func, *args, **kwargs):
+        if func in _LINEAR_GEMMS:
+            gemms_seen[0] += 1
+            save = gemms_seen[0] % 2 == 1
+        elif func.namespace == "c10d":
+            save = any(_storage(t) in kept for t in _written(ctx.op_output, args))
+        else:
+            save = func in _ATTENTION_KERNELS
+        if save:
+            kept.update(_storage(t) for t in _tensors(ctx.op_output))
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _written(output: Any, args: tuple) -> list[torch.Tensor]:
+    """The tensors a c10d op writes: what it returns (allreduce_, _reduce_scatter_base_, ...:
+    their schemas carry no alias annotations), else its first argument (the coalesced ops'
+    outputs)."""
+    return _tensors(output) or _tensors(args[0] if args else ())
+
+
+def _op_contexts(streams: DropoutStreams | None) -> tuple:
+    """checkpoint's context_fn for 'op': the policy's (forward, recompute) contexts, each
+    entered together with the dropout streams' snapshot / replay when the region has any."""
+    # a kept row-parallel piece is reduced in place after it is kept (op_policy): expected
+    sac = torch.utils.checkpoint.create_selective_checkpoint_contexts(
+        op_policy([0]), allow_cache_entry_mutation=True)
+    if streams is None:
+        return sac
+    rng = streams.recompute_context()
+    return tuple(_entered(a, b) for a, b in zip(sac, rng))
+
+
+@contextlib.contextmanager
+def _entered(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for m in managers:
+            stack.enter_context(m)
+        yield
+
+
+def checkpoint_ops(streams: DropoutStreams | None, fn: Any, *args: Any) -> Any:
+    """checkpoint(fn, *args) under the 'op' policy (module doc), replaying the tensor-parallel
+    dropout streams when given (as checkpoint_tp_rng)."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, **_CHECKPOINT_KWARGS,
+                                             context_fn=partial(_op_contexts, streams))

@@ -64,14 +64,14 @@ def _data(vocab: int = 128):
     ("llama_style", 0.0, False),    # rotary, GQA, SwiGLU, RMSNorm
     ("hf_gpt2", 0.1, True),         # unfused attention core, Conv1D
 ])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_numerics_equal_to_no_recompute(name, dropout, eager, mode):
     x, y = _data()
     ref_loss, ref_grads = _loss_and_grads(
         build_program(_program(name, "none", dropout=dropout, eager=eager)).chunks(0), x, y)
     chunks = build_program(_program(name, mode, dropout=dropout, eager=eager)).chunks(0)
     regions = [r for gm in chunks for r in gm.meta[K.RECOMPUTE]["regions"]]
-    assert len(regions) == 2, regions          # one per block (full) / attention core (selective)
+    assert len(regions) == 2, regions   # one per block (full, op) / attention core (selective)
     loss, grads = _loss_and_grads(chunks, x, y)
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     assert grads.keys() == ref_grads.keys()
@@ -146,3 +146,57 @@ def test_none_is_identity_and_bad_mode_is_rejected():
     assert apply_recompute(gm, "none").code == before
     with pytest.raises(ValueError, match="mode='everything'.*'full'"):
         apply_recompute(gm, "everything")
+
+
+class _GemmCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """The 2-D GEMMs (mm / addmm) dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama_style"])
+def test_op_mode_recomputes_every_other_gemm_and_keeps_the_others(name, monkeypatch):
+    """'op' (torchtitan's per-op selective checkpointing): the policy keeps the 1st, 3rd, ...
+    GEMM's output and the attention kernel's, and the backward reruns the others — but not a
+    block's last GEMM: its output feeds the residual add, which saves nothing, so the
+    recomputation stops before it (checkpoint's early stop), in full recompute too."""
+    import autopar.passes.recompute as R
+    decisions, policy_of = [], R.op_policy
+
+    def recording(seen):
+        inner = policy_of(seen)
+
+        def policy(ctx, func, *args, **kwargs):
+            out = inner(ctx, func, *args, **kwargs)
+            decisions.append((func, out.name))
+            return out
+        return policy
+    monkeypatch.setattr(R, "op_policy", recording)
+    x, y = _data()
+    counts = {}
+    for mode in ("none", "full", "op"):
+        chunk = build_program(_program(name, mode, p=1, layers=2)).chunks(0)[0]
+        torch.manual_seed(0)
+        fwd, bwd = _GemmCount(), _GemmCount()
+        with fwd:
+            loss = chunk(x, y)
+        with bwd:
+            loss.backward()
+        counts[mode] = (fwd.n, bwd.n)
+    (f_none, b_none), (f_full, b_full), (f_op, b_op) = counts["none"], counts["full"], counts["op"]
+    assert f_none == f_full == f_op
+    per_block = (f_none - 1) // 2                # 2 blocks and the head's GEMM
+    assert per_block >= 4, counts
+    assert b_full - b_none == 2 * (per_block - 1), counts
+    assert b_op - b_none == 2 * ((per_block - 1) // 2), counts
+    gemms = [d for f, d in decisions if f in (torch.ops.aten.mm.default,
+                                              torch.ops.aten.addmm.default)]
+    assert gemms == (["MUST_SAVE", "PREFER_RECOMPUTE"] * per_block)[:per_block] * 2, gemms
+    attention = [d for f, d in decisions if f in R._ATTENTION_KERNELS]
+    assert attention == ["MUST_SAVE"] * 2, decisions

@@ -46,6 +46,8 @@ def test_the_cli_pins_the_hybrid():
     (dict(ep=3, c=1, d=4), ["ep=3", "must divide 4"]),
     (dict(c=2, cp_attention="hybrid"), ["cp_attention='hybrid' with c=2", "1 < k < c",
                                         "pin cp_attention='all-to-all'"]),
+    (dict(recompute="op", schedule="interleaved-zb"), [
+        "recompute='op' with schedule='interleaved-zb'", "run once", "use recompute 'full'"]),
 ])
 def test_bad_pins_are_one_line_naming_value_rule_and_fix(pins, words):
     with pytest.raises(ValueError) as err:
@@ -99,3 +101,24 @@ def test_parallelize_and_the_cli_build_the_same_request_and_refuse_before_captur
     args = argparse.Namespace(t=2, c=None, cp_attention=None, ep=None, p=None, d=None, v=None,
                               schedule="1f1b", recompute=None, zero=1, micro_batch=4)
     assert _pins_from_args(args) == Pins(t=2, schedule="1f1b", zero=1, micro_batch_size=4)
+
+
+def test_op_recompute_is_never_planned_with_a_split_backward():
+    """The solver skips op with the zero-bubble schedules (rules.recompute_refusal) while it
+    searches op with every other schedule, and a Plan holding the pair is refused."""
+    import dataclasses
+    from autopar.cost.families import Pins as SolverPins
+    from autopar.cost.families import enumerate_families
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import AUTO_SCHEDULES
+    from programs import make_plan
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=256, vocab=1024)
+    fams, _ = enumerate_families(prof, get_cluster("dgx-a100-80gb"), 8, 32,
+                                 SolverPins(schedules=AUTO_SCHEDULES + ("interleaved-zb",)))
+    pairs = {(f.recompute, row[1]) for f in fams for row in f.rows}
+    assert ("op", "interleaved-1f1b") in pairs and ("full", "interleaved-zb") in pairs
+    assert ("op", "interleaved-zb") not in pairs
+    with pytest.raises(ValueError, match=r"^Plan.recompute='op' with schedule='interleaved-zb'"):
+        dataclasses.replace(make_plan(p=2, v=2, m=2, layers=4, schedule="interleaved-zb"),
+                            recompute="op")
