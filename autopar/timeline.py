@@ -114,7 +114,8 @@ def chunk_times(plan) -> tuple[list[float], list[float]]:
     layers = [max(0, st.num_layers) for st in plan.stages]
     if not any(layers):
         layers = [1] * len(plan.stages)
-    bwd_ratio = 3.0 if plan.recompute == "full" else 2.0
+    # backward + recompute per forward: full reruns the forward, op about half its GEMMs
+    bwd_ratio = {"full": 3.0, "op": 2.5}.get(plan.recompute, 2.0)
     per_rank = [sum(layers[c] for c in range(r, len(layers), plan.p)) for r in range(plan.p)]
     step_units = max(per_rank) * plan.num_microbatches * (1.0 + bwd_ratio)
     compute_s = getattr(plan.predicted, "compute_s", 0.0) or 0.0

@@ -31,12 +31,12 @@ from typing import Sequence
 
 from autopar.cost.comm import (allgather_s, allreduce_s, inserted_collectives_s, pieces_s,
                                reducescatter_s)
-from autopar.cost.config import ZERO_TRAITS, Config
+from autopar.cost.config import BLOCK_CHECKPOINTED, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
 from autopar.cost.profile import AttentionCall, Gemm, ModelProfile, RegionProfile, TPRegionFallback
-from autopar.cost.shares import (RankParams, rank_attention_bytes, rank_other_bytes,
-                                 tp_fallback, vocab_pad_ratio)
+from autopar.cost.shares import (RankParams, op_checkpoint, rank_attention_bytes,
+                                 rank_other_bytes, tp_fallback, vocab_pad_ratio)
 
 # Backward of the non-GEMM ops (norms, softmax, dropout, GeLU) per forward byte: it reads the
 # incoming gradient and the saved input and writes one gradient, ~2x the forward traffic.
@@ -203,6 +203,8 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     elif recompute == "selective":  # the attention core again: GEMMs or the fused kernel
         rec = attn_gemm + k_fwd + elementwise_time_s(
             cluster, rank_attention_bytes(blk, t, fix, 2 * b))
+    elif recompute == "op":   # every other GEMM, all the elementwise work and its dispatch
+        rec = sum(gemm[i] for i in op_checkpoint(profile, blk)[1]) + fwd_other + d_fwd
     else:
         rec = 0.0
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
@@ -225,13 +227,13 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
         one = n_coll * pieces_s(cluster, allreduce_s, one_b, pieces, t, tp_inter)
         back = n_coll * allreduce_s(cluster, one_b, t, tp_inter)
         extra = 0.0
-    passes = 3 if recompute == "full" else 2
+    passes = 3 if recompute in BLOCK_CHECKPOINTED else 2
     tp = (passes - 1) * one + back + extra if ar_elems else 0.0
     if cluster.tp_overlap and ar_elems:   # collective matmuls; dx reduction under dW
         tp = _overlapped_tp_s(blk.gemms, gemm, one, back + extra, passes - 1,
                              cluster.tp_comm_overlap)
     x_fwd, x_bwd = inserted_collectives_s(cluster, fix, t, b, e, tp_inter)
-    tp += (2 if recompute == "full" else 1) * x_fwd + x_bwd
+    tp += (2 if recompute in BLOCK_CHECKPOINTED else 1) * x_fwd + x_bwd
     return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
 
 
@@ -316,9 +318,14 @@ def flops_per_seq(profile: ModelProfile, t: int, recompute: str) -> tuple[float,
     context rank's share of one, on a profile restated for c)."""
     fwd = profile.fwd_flops_per_seq()
     fwd += profile.head.fwd_flops * (vocab_pad_ratio(profile.vocab, t) - 1)
-    rec = {"none": 0.0, "full": profile.num_layers * profile.block.fwd_flops,
-           "selective": profile.num_layers * sum(
-               g.fwd_flops for g in profile.block.gemms if g.batch_scales)}[recompute]
+    blk = profile.block
+    if recompute == "op":
+        rec = profile.num_layers * sum(blk.gemms[i].fwd_flops
+                                       for i in op_checkpoint(profile, blk)[1])
+    else:
+        rec = {"none": 0.0, "full": profile.num_layers * blk.fwd_flops,
+               "selective": profile.num_layers * sum(
+                   g.fwd_flops for g in blk.gemms if g.batch_scales)}[recompute]
     return fwd, rec
 
 

@@ -229,6 +229,12 @@ class ZeroTraits:
         return self.keep is not None
 
 
+# The recompute modes that checkpoint each block whole (passes/recompute.py: full, op): the
+# backward reruns the block's forward collectives (tensor-parallel, context and expert
+# exchanges) and keeps none of the tensors inside the block but what the mode saves (the
+# context ranks' gathered K/V included).
+BLOCK_CHECKPOINTED = ("full", "op")
+
 ZERO_TRAITS: dict[int, ZeroTraits] = {
     0: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0, sharded_optimizer=False),
     1: ZeroTraits(lambda d: 2.0, lambda d: 4.0, lambda d: 12.0 / d, sharded_optimizer=True),

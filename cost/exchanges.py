@@ -14,17 +14,17 @@ all-to-alls (`expert_comm_s`), per layer per micro-batch on one rank.
   reduced over those c·d/ep ranks (`expert_data_groups`, stride t·ep), the rest over c·d.
   Tokens reach their experts' rank by an all-to-all and come back by another, per MoE layer:
   2 in forward, 2 in backward (the reverse exchanges of the gradients), 2 more forward under
-  full recompute, each of micro-batch · tokens · top-k · hidden elements per rank, (ep−1)/ep
-  of them leaving the rank (`alltoall_s`), exposed (Megatron-Core's dispatcher runs them on
-  the compute stream), on the link the expert group spans (stride t, ep ranks). Routing is
-  priced balanced: every rank computes tokens · k expert rows, as without ep.
+  full or op recompute, each of micro-batch · tokens · top-k · hidden elements per rank,
+  (ep−1)/ep of them leaving the rank (`alltoall_s`), exposed (Megatron-Core's dispatcher
+  runs them on the compute stream), on the link the expert group spans (stride t, ep ranks).
+  Routing is priced balanced: every rank computes tokens · k expert rows, as without ep.
 """
 from __future__ import annotations
 
 from autopar.cost.comm import (allgather_s, alltoall_s, group_spans_nodes, link, p2p_s,
                                reducescatter_s)
 from autopar.cost.compute import attention_core_s, elementwise_time_s
-from autopar.cost.config import Config
+from autopar.cost.config import BLOCK_CHECKPOINTED, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import alltoall_factor
 from autopar.cost.profile import ModelProfile
@@ -39,7 +39,7 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
 
     cfg.cp_attention "all-gather": Llama 3's all-gather of K and V along the sequence before
     attention, exposed on the critical path (2407.21783 §3.3.2), and in backward the
-    reduce-scatter of their gradients (the same bytes), again in forward under full recompute;
+    reduce-scatter of their gradients (the same bytes), again in forward under full or op recompute;
     K and V in a call each (the runtime's), each way;
     ring all-gather over the c context ranks on their link (context groups: stride t, inside a
     node when t·c <= GPUs per node). "ring": `ring_attention_s`, the blocks' transfers exposed
@@ -55,22 +55,22 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     kv_bytes = cfg.micro_batch_size * local * profile.activation_bytes_per_elem
     if cfg.cp_attention == "ring":
         fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
-        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+        return fwd, fwd + bwd + (fwd if cfg.recompute in BLOCK_CHECKPOINTED else 0.0)
     if cfg.cp_attention == "all-to-all":
         fwd, bwd = alltoall_attention_s(profile, cluster, cfg, cp_inter)
-        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+        return fwd, fwd + bwd + (fwd if cfg.recompute in BLOCK_CHECKPOINTED else 0.0)
     if cfg.cp_attention in HYBRIDS and hybrid_degree(profile, cluster, cfg) > 1:
         fwd, bwd = hybrid_attention_s(profile, cluster, cfg)
-        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+        return fwd, fwd + bwd + (fwd if cfg.recompute in BLOCK_CHECKPOINTED else 0.0)
     if cfg.cp_attention == "hybrid-ring":   # no inner degree: the ring over the c ranks
         fwd, bwd = ring_attention_s(profile, cluster, cfg, kv_bytes, cp_inter)
-        return fwd, fwd + bwd + (fwd if cfg.recompute == "full" else 0.0)
+        return fwd, fwd + bwd + (fwd if cfg.recompute in BLOCK_CHECKPOINTED else 0.0)
     # the runtime (passes/context_parallel.py) gathers K and V in a call each and
     # reduce-scatters each gradient: two calls each way, each paying its latency (on gloo a
     # reduce-scatter is not an all-gather's cost: the measured curves price them apart)
     one = 2 * allgather_s(cluster, kv_bytes / 2, c, cp_inter)
     back = 2 * reducescatter_s(cluster, kv_bytes / 2, c, cp_inter)
-    return one, one + back + (one if cfg.recompute == "full" else 0.0)
+    return one, one + back + (one if cfg.recompute in BLOCK_CHECKPOINTED else 0.0)
 
 
 def ring_exposed_s(hop_s: float, step_s: float, steps: int, overlap: float = 1.0) -> float:
@@ -256,7 +256,7 @@ def hybrid_ring_weighed(cost: dict[str, tuple[float, float]]) -> bool:
 def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     """Bytes per layer per micro-batch of the other context ranks' K/V that cfg's context
     attention saves for the backward on one rank (on the rank's profile; none under full
-    recompute, which keeps only the layer's input): the all-gather the (c−1)/c of the whole
+    or op recompute, which checkpoint the block whole): the all-gather the (c−1)/c of the whole
     sequence's K/V it gathered (split by t: cost/context.py charges it in the profile), ring,
     all-to-all and hybrid-ring none (the ring's blocks are the rank's own K/V size), the
     hybrid the m − 1 outer ranks' share of the K/V its inner group holds (heads/k heads of
@@ -264,8 +264,8 @@ def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config)
     all-gather's where kv heads are not repeated (cost/context.py charges its least, 1/c of
     the whole sequence's at m = 2, and cost/memory.py the rest
     (`hybrid_saved_excess_bytes`): its k needs the cluster, which the profile does not know)."""
-    if cfg.c <= 1 or cfg.recompute == "full" or cfg.cp_attention in ("ring", "all-to-all",
-                                                                      "hybrid-ring"):
+    if (cfg.c <= 1 or cfg.recompute in BLOCK_CHECKPOINTED
+            or cfg.cp_attention in ("ring", "all-to-all", "hybrid-ring")):
         return 0.0
     e, b = profile.activation_bytes_per_elem, cfg.micro_batch_size
     k = hybrid_degree(profile, cluster, cfg) if cfg.cp_attention == "hybrid" else 1
@@ -278,7 +278,7 @@ def context_saved_kv_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config)
 def hybrid_saved_excess_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:
     """What the hybrid saves per layer per micro-batch (`context_saved_kv_bytes`) beyond the
     least the restated profile charges it (1/c of the whole sequence's K/V, split by t)."""
-    if cfg.c <= 1 or cfg.recompute == "full":
+    if cfg.c <= 1 or cfg.recompute in BLOCK_CHECKPOINTED:
         return 0.0
     kv = profile.block.cp_gather_elems
     least = cfg.micro_batch_size * profile.activation_bytes_per_elem * -(-kv // cfg.c) / cfg.t
@@ -303,7 +303,8 @@ def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple
 
     Per MoE layer the dispatch all-to-all sends each token's hidden vector to the ranks of its
     k experts and the combine brings the results back: 2 in forward, their reverses in
-    backward, 2 more under full recompute (Megatron-Core's alltoall token dispatcher, exposed).
+    backward, 2 more under full or op recompute (Megatron-Core's alltoall token dispatcher,
+    exposed).
     Each rank exchanges micro-batch · its tokens · k · hidden elements
     (`RegionProfile.expert_dispatch_elems`; every tensor rank of a replicated token stream
     sends them for its expert shards), (ep−1)/ep of them leaving it, over the expert group:
@@ -314,4 +315,4 @@ def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple
     inter = group_spans_nodes(cluster, stride=cfg.t, size=cfg.ep, gpus=cfg.gpus)
     one = alltoall_s(cluster, cfg.micro_batch_size * elems * profile.activation_bytes_per_elem,
                      cfg.ep, inter) * alltoall_factor(profile, cfg.ep)   # the busiest rank
-    return 2 * one, (6 if cfg.recompute == "full" else 4) * one
+    return 2 * one, (6 if cfg.recompute in BLOCK_CHECKPOINTED else 4) * one

@@ -23,6 +23,7 @@ from autopar.cost.model import SCHEDULE_TRAITS, Config, alltoall_heads_rule
 from autopar.cost.profile import ModelProfile
 from autopar.plan import CP_ATTENTION, RECOMPUTE, ZERO_LEVELS
 from autopar.request import Pins as RequestPins
+from autopar.rules import recompute_refusal
 from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS
 
 # Schedules the solver picks on its own, every one: interleaved-zb's bubble is priced (a third
@@ -339,7 +340,10 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
         rows = tuple(rows)
         facts_at = row_facts(rows)
         for ri, recompute in recs:
-            facts = facts_at(recompute)
+            kept_rows = tuple(r for r in rows if recompute_refusal(recompute, r[1]) is None)
+            if not kept_rows:
+                continue
+            facts = (facts_at if kept_rows == rows else row_facts(kept_rows))(recompute)
             for spi, sp in sps:
                 # the methods no other one dominates at these knobs (_Exchanges), each keyed
                 # by its place among all of them so the search order is the flat one's
@@ -350,7 +354,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                         continue
                     yield Family(key=prefix + (bi,), sub=(ri, spi, hi), t=t, c=c, p=p, d=d,
                                  ep=ep, b=b, m=m, recompute=recompute, sp=sp, how=how,
-                                 rows=rows, **facts)
+                                 rows=kept_rows, **facts)
 
 
 def _zero_levels(schedule, t, p, d, pins, rejected) -> tuple[tuple[int, int], ...]:

@@ -20,7 +20,7 @@ The imbalance is given one of two ways (`ExpertLoad`):
 
 Both are priced as pure functions of the profile and the configuration: `expert_gemm_extra_s`
 (the rank's expert GEMMs beyond the balanced price: forward, twice for backward, once more under
-full recompute) and `alltoall_factor` (the all-to-alls' multiplier). cost/model.py calls them
+full or op recompute) and `alltoall_factor` (the all-to-alls' multiplier). cost/model.py calls them
 from `load_parts_s` and `expert_comm_s`. Neither has a fitted constant.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
+
+from autopar.cost.config import BLOCK_CHECKPOINTED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,12 +107,13 @@ def expert_gemm_extra_s(profile: Any, ep: int, recompute: str,
                         gemm_s: Callable[[Any], float]) -> float:
     """Seconds per layer per micro-batch the most loaded expert rank spends on its expert
     GEMMs beyond the balanced price: (rank_factor − 1) × the block's expert GEMMs (forward
-    `gemm_s(g)` each; backward twice that, full recompute once more)."""
+    `gemm_s(g)` each; backward twice that, once more when the block is checkpointed whole: full
+    and op recompute (op keeps no expert GEMM's output))."""
     if profile.expert_load is None or ep <= 1:   # the dense / balanced fast path
         return 0.0
     f = _rank_factor(profile, ep)
     fwd = sum(gemm_s(g) for g in profile.block.gemms if g.expert)
-    return (f - 1.0) * fwd * (4 if recompute == "full" else 3)
+    return (f - 1.0) * fwd * (4 if recompute in BLOCK_CHECKPOINTED else 3)
 
 
 def alltoall_factor(profile: Any, ep: int) -> float:

@@ -29,8 +29,9 @@ from autopar.cost.exchanges import hybrid_saved_excess_bytes
 from autopar.cost.hardware import Cluster
 from autopar.cost.precision import gathered_bytes_ratio
 from autopar.cost.profile import ModelProfile, RegionProfile
-from autopar.cost.shares import (RankParams, expert_params_elems, rank_attention_bytes,
-                                 shard_params_elems, tp_fallback, vocab_pad_ratio)
+from autopar.cost.shares import (RankParams, expert_params_elems, op_checkpoint,
+                                 rank_attention_bytes, shard_params_elems, tp_fallback,
+                                 vocab_pad_ratio)
 from autopar.plan import Memory
 from autopar.schedules import GROUPED, compute_order, first_group_size, peak_held
 from autopar.weight_gathers import GatherCounts, settled_walks
@@ -59,11 +60,18 @@ def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int) -> float:
 
 def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str,
                            sp: bool) -> float:
-    """Activations kept per layer per micro-batch (2205.05198 §4 per recompute mode)."""
+    """Activations kept per layer per micro-batch (2205.05198 §4 per recompute mode; op: the
+    block's input and the GEMM / attention-kernel outputs it keeps, cost/shares.op_checkpoint)."""
     blk = profile.block
     if recompute == "full":
         return b * blk.input_bytes / (t if sp else 1)
     fix = tp_fallback(profile, "block", t, sp)
+    if recompute == "op":   # the block's input and the outputs the policy keeps
+        e, whole = profile.activation_bytes_per_elem, set(fix.replicated_gemms)
+        kept = sum(g.batch * g.m * g.n * e
+                   / (t if g.tp_split in ("n", "batch") and i not in whole else 1)
+                   for i, g in ((i, blk.gemms[i]) for i in op_checkpoint(profile, blk)[0]))
+        return b * (blk.input_bytes / (t if sp else 1) + kept)
     repl = blk.act_replicated_bytes / (t if sp else 1)
     kept = (blk.act_split_bytes - fix.act_split_bytes) / t + repl + fix.act_split_bytes
     if recompute == "none":
@@ -104,9 +112,11 @@ def microbatch_activations(profile: ModelProfile, cfg: Config,
         act_layer += hybrid_saved_excess_bytes(profile, cluster, cfg)
         full_layer += hybrid_saved_excess_bytes(profile, cluster, replace(cfg, recompute="none"))
     # working memory while one layer runs its backward: its full activations when recomputed
-    # (full) or its attention tensors (selective)
-    work = {"full": full_layer, "selective": rank_attention_bytes(
-        profile.block, t, tp_fallback(profile, "block", t, sp), b), "none": 0.0}[cfg.recompute]
+    # (full; op: those it does not keep) or its attention tensors (selective)
+    work = {"full": full_layer, "op": max(0.0, full_layer - act_layer),
+            "selective": rank_attention_bytes(profile.block, t,
+                                              tp_fallback(profile, "block", t, sp), b),
+            "none": 0.0}[cfg.recompute]
     efix, hfix = tp_fallback(profile, "embedding", t, sp), tp_fallback(profile, "head", t, sp)
     emb_act = b * ((profile.embedding.act_split_bytes - efix.act_split_bytes) / t
                    + profile.embedding.act_replicated_bytes / (t if sp else 1)

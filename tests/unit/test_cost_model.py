@@ -189,6 +189,10 @@ def test_recompute_and_sequence_parallel_tradeoffs():
     assert pr["none"].step_time_s < pr["selective"].step_time_s < pr["full"].step_time_s
     assert (pr["full"].memory.activations_bytes < pr["selective"].memory.activations_bytes
             < pr["none"].memory.activations_bytes)
+    # op (every other GEMM's output kept) lies between selective and full on both counts
+    assert pr["selective"].step_time_s < pr["op"].step_time_s < pr["full"].step_time_s
+    assert (pr["full"].memory.activations_bytes < pr["op"].memory.activations_bytes
+            < pr["selective"].memory.activations_bytes)
     sp = M.predict(prof, A100, M.Config(recompute="selective", sequence_parallel=True, **base))
     assert sp.memory.activations_bytes < pr["selective"].memory.activations_bytes
 
@@ -247,3 +251,23 @@ def test_a_tied_table_is_held_once_at_p_1_and_copied_at_p_2():
     assert two.head - one.head == table
     pad = (padded_vocab(1000, 1) - 1000) * 256
     assert one.block * 4 + one.embedding + one.head == prof.params_elems + pad
+
+
+@pytest.mark.parametrize("attention", ["flash", "materialized"])
+def test_op_recompute_keeps_every_other_gemm_output_and_reruns_the_rest(attention):
+    """op (passes/recompute.py op_policy) on GPT's block (qkv, scores, context, proj, fc_in,
+    fc_out): keeps qkv's and fc_in's outputs (and a fused kernel's), reruns proj and a
+    written-out attention core, never the last GEMM (early stop); priced accordingly."""
+    from autopar.cost.compute import flops_per_seq
+    from autopar.cost.shares import op_checkpoint
+    prof = _gpt(num_layers=2, hidden=256, heads=4, seq_len=512).with_attention(attention)
+    blk, e, b = prof.block, prof.activation_bytes_per_elem, 2
+    names = [g.name for g in blk.gemms]
+    kept, again = op_checkpoint(prof, blk)
+    want_kept = {"qkv", "fc_in"} | ({"context"} if attention == "flash" else set())
+    want_again = {"proj"} | ({"scores", "context"} if attention == "materialized" else set())
+    assert {names[i] for i in kept} == want_kept and {names[i] for i in again} == want_again
+    out = sum(g.batch * g.m * g.n * e for g in blk.gemms if g.name in want_kept)
+    assert M.layer_activation_bytes(prof, 1, b, "op", False) == b * (blk.input_bytes + out)
+    rec = flops_per_seq(prof, 1, "op")[1]
+    assert rec == prof.num_layers * sum(g.fwd_flops for g in blk.gemms if g.name in want_again)
