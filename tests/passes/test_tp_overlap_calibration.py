@@ -4,17 +4,22 @@ Grand Teton H100s (pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_tor
 torch.compile, bf16, sequence 8,192, FSDP × TP 8, no pipeline; 2025-06):
 
 - 70B on 256 GPUs (FSDP 32, TP 8, full AC, local batch 16): 597.3 tokens/s/GPU vanilla,
-  652.4 async (1.09×). `Cluster.tp_comm_overlap` (0.53: what hides behind a GEMM still costs
-  47% of its time) is fitted to this pair's speed-up; benchmarks/calibration.py prints it.
+  652.4 async (1.09×). `Cluster.tp_comm_overlap` (0.49: what hides behind a GEMM still costs
+  51% of its time) is fitted to this pair's speed-up.
 - 8B on 64 GPUs (FSDP 8, TP 8, per-op SAC, local batch 12): 4,378 vanilla, 4,809.4 async
   (1.10×). Not fitted: checked here.
 
 The vanilla run is priced with TP communication exposed (`tp_overlap` False, as the presets),
-the async one with `tp_overlap` (cost/overlap.py). Grand Teton's cluster and the bf16 GEMM
-efficiency are test_fp8_calibration's (fitted to torchtitan's 8B FSDP row, Table 1). Known
-misses, printed and not asserted: the 70B pair is priced ~17% slow in both modes (the
-speed-up right), and the 8B's per-op SAC (torchtitan recomputes every other matmul) is priced
-as Megatron's selective recompute (the attention core only), which leaves the 8B ~9% fast.
+the async one with `tp_overlap` (cost/overlap.py). Grand Teton's cluster, its bf16 GEMM
+efficiency and its attention (PyTorch's SDPA: FlashAttention-2 on Hopper) are
+test_fp8_calibration's (the e_max fitted to torchtitan's 8B FSDP row, Table 1). The 8B's
+per-op SAC is autopar's recompute "op" (passes/recompute.py: every other GEMM's output kept;
+autopar also reruns the reduce-scatters torchtitan keeps). Both pairs, both modes, within 10%
+(issue 28: "published runs with t = 8 and no pipeline priced within 10%"): the 70B ~9% slow
+(its full AC is priced as a whole forward again; checkpoint's early stop skips the block's
+last GEMM, which neither stack reruns), the 8B ~2% slow. Before the SDPA kernel and the
+per-op SAC were priced as run (FlashAttention-3 rates; the 8B's SAC as Megatron's selective
+recompute) the e_max fitted to 0.39, the 70B pair was 17% slow and the 8B 9% fast.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ PAIR_70B = Pair(name="70B, 256 GPUs, FSDP 32 x TP 8, full AC (fitted)", model="7
                 pins=_TP8 + (("d", 32), ("micro_batch_size", 16), ("recompute", "full")))
 PAIR_8B = Pair(name="8B, 64 GPUs, FSDP 8 x TP 8, per-op SAC", model="8b", gpus=64, batch=96,
                vanilla_tps=4378.0, async_tps=4809.4,
-               pins=_TP8 + (("d", 8), ("micro_batch_size", 12), ("recompute", "selective")))
+               pins=_TP8 + (("d", 8), ("micro_batch_size", 12), ("recompute", "op")))
 PAIRS = (PAIR_70B, PAIR_8B)
 
 
@@ -85,4 +90,16 @@ def test_async_tp_speedup_of_the_8b_pair_not_fitted_within_3_percent():
     speedup = got["async"] / got["vanilla"]
     assert abs(speedup / (PAIR_8B.async_tps / PAIR_8B.vanilla_tps) - 1) < 0.03
     for mode, published in (("vanilla", PAIR_8B.vanilla_tps), ("async", PAIR_8B.async_tps)):
+        assert abs(got[mode] / published - 1) < 0.10, (mode, got[mode], published)
+
+
+def test_async_tp_pair_of_the_70b_fitted_and_within_10_percent():
+    """The 70B pair: its speed-up is what tp_comm_overlap is fitted to (within 1%), and both
+    modes within 10% of the published tokens/s/GPU."""
+    got = tokens_per_gpu_s(PAIR_70B)
+    print("\n" + comparison(PAIR_70B))
+    speedup = got["async"] / got["vanilla"]
+    assert abs(speedup / (PAIR_70B.async_tps / PAIR_70B.vanilla_tps) - 1) < 0.01
+    for mode, published in (("vanilla", PAIR_70B.vanilla_tps),
+                            ("async", PAIR_70B.async_tps)):
         assert abs(got[mode] / published - 1) < 0.10, (mode, got[mode], published)
