@@ -3,7 +3,9 @@
 The meter: every tensor autograd saves for backward goes through a saved-tensors hook that
 charges its storage once (shared storages counted once, parameters and buffers not at all) and
 releases it when autograd drops the last reference; the arguments of an activation checkpoint
-(what full / selective recompute keeps instead) are charged the same way. Its peak over one
+(what full / selective recompute keeps instead) are charged the same way, and so are the
+outputs op recompute's policy keeps (held in the checkpoint's storage, not as saved tensors:
+charged when kept, released with the checkpoint). Its peak over one
 training step on a pipeline rank is the activation memory that rank's plan predicts
 (`plan.predicted.rank_memory[r].activations_bytes`): the profile's saved bytes per region ×
 the chunk-micro-batches the schedule holds at once.
@@ -36,7 +38,8 @@ RTOL = 0.05
 CASES = [("1f1b", 1, 2, 4, "none"), ("gpipe", 1, 1, 4, "selective"),
          ("1f1b", 1, 1, 4, "full"), ("interleaved-1f1b", 2, 1, 4, "none"),
          ("interleaved-1f1b", 2, 1, 6, "full"), ("breadth-first", 2, 1, 4, "selective"),
-         ("interleaved-zb", 2, 1, 4, "none"), ("interleaved-zb", 2, 1, 4, "full")]
+         ("interleaved-zb", 2, 1, 4, "none"), ("interleaved-zb", 2, 1, 4, "full"),
+         ("1f1b", 1, 2, 4, "op")]
 
 
 class _Meter:
@@ -88,8 +91,21 @@ def _program(schedule, v, b, m, recompute):
 
 def _measure(rank, world, cases):
     import torch.utils.checkpoint as checkpoint
+    import autopar.passes.recompute as recompute
     from autopar.cost.model import Config, config_costs, schedule_activation_bytes
     out = []
+    policy_of, kept_by = recompute.op_policy, [None]
+
+    def charging_policy(seen):               # op: the outputs it keeps are held too
+        inner = policy_of(seen)
+
+        def policy(ctx, func, *args, **kwargs):
+            decision = inner(ctx, func, *args, **kwargs)
+            if decision.name == "MUST_SAVE" and kept_by[0] is not None:
+                kept_by[0] += [meter.pack(t) for t in recompute._tensors(ctx.op_output)]
+            return decision
+        return policy
+    recompute.op_policy = charging_policy
     for case in cases:
         prog = _program(*case)
         runner = prog.compile(precision="bf16", timeout_s=60)
@@ -105,7 +121,11 @@ def _measure(rank, world, cases):
 
             def run(*a, _held=held):         # `held` lives as long as the checkpoint does
                 return fn(*a)
-            return plain(run, *args, **kw)
+            kept_by[0] = held                # (op's kept outputs join it while it runs)
+            try:
+                return plain(run, *args, **kw)
+            finally:
+                kept_by[0] = None
         checkpoint.checkpoint = charged
         try:
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack):
