@@ -112,8 +112,9 @@ def microbatch_activations(profile: ModelProfile, cfg: Config,
         act_layer += hybrid_saved_excess_bytes(profile, cluster, cfg)
         full_layer += hybrid_saved_excess_bytes(profile, cluster, replace(cfg, recompute="none"))
     # working memory while one layer runs its backward: its full activations when recomputed
-    # (full; op: those it does not keep) or its attention tensors (selective)
-    work = {"full": full_layer, "op": max(0.0, full_layer - act_layer),
+    # (full; op: at most those, since what it keeps need not be what a layer saves: a row-
+    # parallel GEMM's partial sums) or its attention tensors (selective)
+    work = {"full": full_layer, "op": full_layer,
             "selective": rank_attention_bytes(profile.block, t,
                                               tp_fallback(profile, "block", t, sp), b),
             "none": 0.0}[cfg.recompute]

@@ -321,6 +321,7 @@ def checkpoint_tp_rng(streams: DropoutStreams, fn: Any, *args: Any) -> Any:
 # the 2-D GEMMs of linear layers as the dispatcher sees them (aten.linear decomposes to mm on
 # folded rows, addmm with a bias; the FP8 pass's GEMMs are _scaled_mm): every other one saved
 _LINEAR_GEMMS = {_aten.mm.default, _aten.addmm.default, _aten._scaled_mm.default}
+_WEIGHT_ARG = {_aten.mm.default: 1, _aten.addmm.default: 2, _aten._scaled_mm.default: 1}
 # fused attention kernels: their outputs (and logsumexp) saved, as torchtitan's save list
 _ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
                       _aten._scaled_dot_product_efficient_attention.default,
@@ -330,8 +331,9 @@ _ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
 
 def op_policy(gemms_seen: list[int]) -> Callable:
     """The 'op' mode's selective-checkpoint policy for one checkpointed region: save the 1st,
-    3rd, ... 2-D GEMM's output (gemms_seen[0] counts them) and the fused attention kernels';
-    recompute the rest (torchtitan's `_custom_policy`, its mm count per region).
+    3rd, ... 2-D GEMM's output (gemms_seen[0] counts them; the row pieces of a collective
+    matmul are one GEMM: they share its weight) and the fused attention kernels'; recompute
+    the rest (torchtitan's `_custom_policy`, its mm count per region).
 
     A collective (c10d's in-place ops) that writes into a kept output — the all-reduce a
     row-parallel GEMM's piece gets in place — is kept too: the recomputation hands back the
@@ -339,11 +341,17 @@ def op_policy(gemms_seen: list[int]) -> Callable:
     them; a collective writing into anything else runs again."""
     from torch.utils.checkpoint import CheckpointPolicy
     kept: set[int] = set()          # storages of the outputs kept so far
+    last = [None, False]            # the previous GEMM's weight storage and decision
 
     def policy(ctx, func, *args, **kwargs):
         if func in _LINEAR_GEMMS:
-            gemms_seen[0] += 1
-            save = gemms_seen[0] % 2 == 1
+            # the pieces of one GEMM (a row-parallel collective matmul's row pieces) share
+            # its weight: one GEMM, one decision
+            weight = _storage(args[_WEIGHT_ARG[func]])
+            if weight != last[0]:
+                gemms_seen[0] += 1
+                last[:] = weight, gemms_seen[0] % 2 == 1
+            save = last[1]
         elif func.namespace == "c10d":
             save = any(_storage(t) in kept for t in _written(ctx.op_output, args))
         else:

@@ -55,6 +55,50 @@ def test_op_recompute_across_stages_and_sharded_weights_equals_single_device(nam
     check_against_reference(name, plan)
 
 
+def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
+    """One step of `plan` (op recompute), recording the policy's decision for every 2-D GEMM
+    call in a block's forward: (its weight's storage, the decision)."""
+    import autopar.passes.recompute as R
+    from programs import make_program
+    decisions, policy_of = [], R.op_policy
+
+    def recording(seen):
+        inner = policy_of(seen)
+
+        def policy(ctx, func, *args, **kwargs):
+            out = inner(ctx, func, *args, **kwargs)
+            if func in R._LINEAR_GEMMS:
+                decisions.append((R._storage(args[R._WEIGHT_ARG[func]]), out.name))
+            return out
+        return policy
+    R.op_policy = recording
+    prog, vocab = make_program("gpt", plan)
+    runner = prog.compile(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), timeout_s=120)
+    x, y = make_data(plan, vocab)[0]
+    runner.train_step(x, y)
+    return decisions
+
+
+@pytest.mark.distributed
+def test_op_recompute_decides_per_gemm_not_per_row_piece():
+    """At t = 2 a row-parallel GEMM runs as row pieces (the collective matmul), each an mm
+    call: op counts the GEMM once (its pieces share its weight), so a block's GEMMs are kept
+    and rerun alternately as cost/shares.py op_checkpoint prices them (GPT: c_attn kept,
+    attention c_proj rerun, c_fc kept, MLP c_proj last)."""
+    plan = dataclasses.replace(make_plan(t=2, layers=2), recompute="op")
+    for decisions in spawn(_op_decisions_rank, 2, plan, timeout_s=240):
+        runs = []                                  # consecutive calls on one weight
+        for weight, decision in decisions:
+            if runs and runs[-1][0] == weight:
+                runs[-1][1].append(decision)
+            else:
+                runs.append((weight, [decision]))
+        assert max(len(d) for _, d in runs) > 1    # some GEMM did run in pieces
+        assert all(len(set(d)) == 1 for _, d in runs), runs
+        per_gemm = [d[0] for _, d in runs]
+        assert per_gemm == ["MUST_SAVE", "PREFER_RECOMPUTE"] * (len(per_gemm) // 2), per_gemm
+
+
 def _tp_dropout_rank(rank: int, world: int, mode: str) -> dict:
     """t=2 GPT with attention and residual dropout: one SGD step's loss and weights, whether
     its attention runs on per-rank dropout streams, and how many regions were checkpointed."""
