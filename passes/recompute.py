@@ -347,7 +347,7 @@ def op_policy(gemms_seen: list[int]) -> Callable:
         if func in _LINEAR_GEMMS:
             # the pieces of one GEMM (a row-parallel collective matmul's row pieces) share
             # its weight: one GEMM, one decision
-            weight = _storage(args[_WEIGHT_ARG[func]])
+            weight = args[_WEIGHT_ARG[func]].data_ptr()   # a view of a flat buffer: its own
             if weight != last[0]:
                 gemms_seen[0] += 1
                 last[:] = weight, gemms_seen[0] % 2 == 1

@@ -59,7 +59,7 @@ def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
     """One step of `plan` (op recompute), recording the policy's decision for every 2-D GEMM
     call in a block's forward: (its weight's storage, the decision)."""
     import autopar.passes.recompute as R
-    from programs import make_program
+    from programs import make_program, train_steps
     decisions, policy_of = [], R.op_policy
 
     def recording(seen):
@@ -68,24 +68,27 @@ def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
         def policy(ctx, func, *args, **kwargs):
             out = inner(ctx, func, *args, **kwargs)
             if func in R._LINEAR_GEMMS:
-                decisions.append((R._storage(args[R._WEIGHT_ARG[func]]), out.name))
+                decisions.append((args[R._WEIGHT_ARG[func]].data_ptr(), out.name))
             return out
         return policy
     R.op_policy = recording
     prog, vocab = make_program("gpt", plan)
     runner = prog.compile(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), timeout_s=120)
-    x, y = make_data(plan, vocab)[0]
-    runner.train_step(x, y)
+    train_steps(runner, plan, make_data(plan, vocab)[:1])   # this replica's rows
     return decisions
 
 
 @pytest.mark.distributed
-def test_op_recompute_decides_per_gemm_not_per_row_piece():
+@pytest.mark.parametrize("plan", [
+    dataclasses.replace(make_plan(t=2, layers=2), recompute="op"),
+    dataclasses.replace(make_plan(d=2, layers=2), recompute="op", zero=3),
+], ids=["t2-row-pieces", "d2-zero3-flat-buffer"])
+def test_op_recompute_decides_per_gemm_not_per_row_piece(plan):
     """At t = 2 a row-parallel GEMM runs as row pieces (the collective matmul), each an mm
     call: op counts the GEMM once (its pieces share its weight), so a block's GEMMs are kept
     and rerun alternately as cost/shares.py op_checkpoint prices them (GPT: c_attn kept,
-    attention c_proj rerun, c_fc kept, MLP c_proj last)."""
-    plan = dataclasses.replace(make_plan(t=2, layers=2), recompute="op")
+    attention c_proj rerun, c_fc kept, MLP c_proj last). Under ZeRO-3 the weights are views
+    of one gathered buffer: told apart by their own addresses, not their storage's."""
     for decisions in spawn(_op_decisions_rank, 2, plan, timeout_s=240):
         runs = []                                  # consecutive calls on one weight
         for weight, decision in decisions:
@@ -93,7 +96,7 @@ def test_op_recompute_decides_per_gemm_not_per_row_piece():
                 runs[-1][1].append(decision)
             else:
                 runs.append((weight, [decision]))
-        assert max(len(d) for _, d in runs) > 1    # some GEMM did run in pieces
+        assert (max(len(d) for _, d in runs) > 1) == (plan.t > 1)   # pieces at t = 2
         assert all(len(set(d)) == 1 for _, d in runs), runs
         per_gemm = [d[0] for _, d in runs]
         assert per_gemm == ["MUST_SAVE", "PREFER_RECOMPUTE"] * (len(per_gemm) // 2), per_gemm
