@@ -41,6 +41,7 @@ PLANS = (
     dict(d=2, zero=3, micro_batch_size=4),
     dict(d=2, recompute="full", micro_batch_size=4),
     dict(d=2, recompute="selective", micro_batch_size=4),
+    dict(d=2, recompute="op", micro_batch_size=4),
     dict(t=2, micro_batch_size=4),
     dict(t=2, sequence_parallel=True, micro_batch_size=4),
     dict(p=2, schedule="1f1b", micro_batch_size=1),

@@ -175,7 +175,8 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": launch_s,
             "autograd_op_s": autograd_s,
             "split_backward_op_s": per_op_s,
-            "split_backward_frac": measure_split_backward_frac(dtype, device, clock, per_op_s)}
+            "split_backward_frac": measure_split_backward_frac(dtype, device, clock, per_op_s),
+            "checkpoint_op_s": measure_checkpoint_op(dtype, device, clock)}
 
 
 def _block_ops(dtype: torch.dtype, device: torch.device) -> tuple[Callable[[], Any], int]:
@@ -220,6 +221,30 @@ def measure_dispatch(dtype: torch.dtype, device: torch.device,
     return fwd_s / ops, max(0.0, both_s - fwd_s) / ops
 
 
+def measure_checkpoint_op(dtype: torch.dtype, device: torch.device,
+                          clock: Callable[[], float]) -> float:
+    """What PyTorch's selective checkpoint (recompute 'op', passes/recompute.py) adds per
+    forward op of a checkpointed region: two transformer blocks (`_two_blocks`) checkpointed
+    under op's policy against checkpointed plainly, forward only — what its dispatch mode
+    costs as it sees each op (a policy call, the output stored) — per op the profile counts,
+    twice: the recomputation passes every op through its other mode again. Per counted op,
+    not per dispatched aten op: a linear dispatches a transpose, a view and an addmm. ~45 µs
+    a counted op on an EPYC core (2026-11-27), where op's recompute priced without it was
+    9-12% fast on a 4-layer GPT."""
+    from autopar.passes.recompute import checkpoint_ops
+    forward, x, _, ops = _two_blocks(dtype, device)
+
+    def plain():
+        torch.utils.checkpoint.checkpoint(forward, x, use_reentrant=False,
+                                          preserve_rng_state=True)
+
+    def op():
+        checkpoint_ops(None, forward, x)
+    rounds = [(timed_s(op, device, 5, 1, clock), timed_s(plain, device, 5, 1, clock))
+              for _ in range(7)]
+    return 2.0 * max(0.0, float(np.median([a - b for a, b in rounds]))) / ops
+
+
 def measure_split_backward(dtype: torch.dtype, device: torch.device,
                            clock: Callable[[], float], layers: int = 8) -> float:
     """Seconds the B/W split (autopar.runtime.split_backward, interleaved-zb) adds to a
@@ -249,6 +274,19 @@ def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
     split and whole, less their ops at `per_op_s`. On a CPU the split's backward runs with
     the graph retained, so its gradients take fresh memory and colder caches: 11% of two GPT
     blocks' step at that size, where the per-op work explained 2% (2026-11-27)."""
+    forward, x, weights, ops = _two_blocks(dtype, device)
+    rounds = [_split_times_s(lambda: forward(x), x, weights, device, clock, calls=3,
+                             repeats=1) for _ in range(9)]
+    # paired rounds, the median: the two timings' own wander (±10%) exceeds their difference
+    return max(0.0, float(np.median([(split_s - whole_s - ops * per_op_s) / whole_s
+                                     for whole_s, split_s in rounds])))
+
+
+def _two_blocks(dtype: torch.dtype, device: torch.device
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, list, int]:
+    """(forward, its input, the weights, the ops the profile counts) of two pre-norm
+    transformer blocks: norms, projections, causal fused attention, GELU, residual adds;
+    width 128, 4 sequences of 128."""
     width, heads, batch, length = 128, 4, 4, 128
     mods = [torch.nn.ModuleDict({
         "ln1": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
@@ -258,8 +296,7 @@ def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
     x = torch.randn(batch, length, width, dtype=dtype, device=device, requires_grad=True)
     F = torch.nn.functional
 
-    def forward():
-        y = x
+    def forward(y: torch.Tensor) -> torch.Tensor:
         for m in mods:
             q, k, v = (t.view(batch, length, heads, -1).transpose(1, 2)
                        for t in m["qkv"](m["ln1"](y)).split(width, -1))
@@ -268,11 +305,7 @@ def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
             y = y + m["out"](F.gelu(m["fc"](m["ln2"](y))))
         return y
     ops = 2 * (15 + 4)     # per block: its eager ops (views, norms, adds, ...) and 4 GEMMs
-    rounds = [_split_times_s(forward, x, [q for m in mods for q in m.parameters()], device,
-                             clock, calls=3, repeats=1) for _ in range(9)]
-    # paired rounds, the median: the two timings' own wander (±10%) exceeds their difference
-    return max(0.0, float(np.median([(split_s - whole_s - ops * per_op_s) / whole_s
-                                     for whole_s, split_s in rounds])))
+    return forward, x, [q for m in mods for q in m.parameters()], ops
 
 
 def _split_times_s(forward: Callable[[], torch.Tensor], x: torch.Tensor, weights: list,

@@ -174,10 +174,15 @@ def split_backward_s(cluster: Cluster, region: RegionProfile, compute_s: float) 
     elementwise ops "eager": it is host work, which a fused GPU stack's kernels hide."""
     if cluster.elementwise != "eager":
         return 0.0
+    return (forward_ops(region) * cluster.split_backward_op_s
+            + cluster.split_backward_frac * compute_s)
+
+
+def forward_ops(region: RegionProfile) -> int:
+    """The ops a region's forward dispatches: its eager ops, GEMMs and attention kernels."""
     fused = region.fused
-    ops = region.eager_ops + len(region.gemms) + (
+    return region.eager_ops + len(region.gemms) + (
         len(fused.calls) - len(fused.gemm_indices) if fused else 0)
-    return ops * cluster.split_backward_op_s + cluster.split_backward_frac * compute_s
 
 
 def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recompute: str,
@@ -203,8 +208,11 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
     elif recompute == "selective":  # the attention core again: GEMMs or the fused kernel
         rec = attn_gemm + k_fwd + elementwise_time_s(
             cluster, rank_attention_bytes(blk, t, fix, 2 * b))
-    elif recompute == "op":   # every other GEMM, all the elementwise work and its dispatch
-        rec = sum(gemm[i] for i in op_checkpoint(profile, blk)[1]) + fwd_other + d_fwd
+    elif recompute == "op":   # every other GEMM, all the elementwise work and its dispatch,
+        # and on an eager host the selective checkpoint's own per-op work
+        rec = sum(gemm[i] for i in op_checkpoint(profile, blk)[1]) + fwd_other + d_fwd + (
+            forward_ops(blk) * cluster.checkpoint_op_s if cluster.elementwise == "eager"
+            else 0.0)
     else:
         rec = 0.0
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,

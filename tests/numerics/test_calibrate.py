@@ -59,3 +59,4 @@ def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
             for kind in record["collectives"]["inter"]} == kinds
     assert 0 <= cluster.comm_overlap <= 1 and cluster.tp_row_pieces == 4
     assert cluster.optimizer_param_s > 0 and cluster.autograd_op_s > 0
+    assert cluster.checkpoint_op_s > 0             # recompute op's selective checkpoint

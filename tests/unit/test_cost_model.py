@@ -271,3 +271,23 @@ def test_op_recompute_keeps_every_other_gemm_output_and_reruns_the_rest(attentio
     assert M.layer_activation_bytes(prof, 1, b, "op", False) == b * (blk.input_bytes + out)
     rec = flops_per_seq(prof, 1, "op")[1]
     assert rec == prof.num_layers * sum(g.fwd_flops for g in blk.gemms if g.name in want_again)
+
+
+def test_op_recompute_pays_the_selective_checkpoints_per_op_work_on_an_eager_host():
+    """Cluster.checkpoint_op_s (calibrate: PyTorch's selective checkpoint per forward op) is
+    added to an op-recomputed block once per forward op, where ops run eagerly; a fused GPU
+    stack's host work hides behind its kernels."""
+    import dataclasses
+    from autopar.cost.compute import block_times_s, forward_ops
+    prof = _gpt(num_layers=2, hidden=256, heads=4, seq_len=512)
+    for kind, paid in (("eager", True), ("fused", False)):
+        cl = dataclasses.replace(get_cluster("local-cpu"), elementwise=kind, checkpoint_op_s=0.0)
+        p = prof.for_cluster(cl)
+        base = block_times_s(p, cl, 1, 2, "op", False, False)[0]
+        more = block_times_s(p, dataclasses.replace(cl, checkpoint_op_s=2e-5), 1, 2, "op",
+                             False, False)[0]
+        assert more - base == pytest.approx(forward_ops(p.block) * 2e-5 if paid else 0.0)
+        assert forward_ops(p.block) > 0
+        full = block_times_s(p, dataclasses.replace(cl, checkpoint_op_s=2e-5), 1, 2, "full",
+                             False, False)[0]
+        assert full == block_times_s(p, cl, 1, 2, "full", False, False)[0]
