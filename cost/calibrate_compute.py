@@ -239,7 +239,7 @@ def measure_checkpoint_op(dtype: torch.dtype, device: torch.device,
                                           preserve_rng_state=True)
 
     def op():
-        checkpoint_ops(None, forward, x)
+        checkpoint_ops(None, None, forward, x)
     rounds = [(timed_s(op, device, 5, 1, clock), timed_s(plain, device, 5, 1, clock))
               for _ in range(7)]
     return 2.0 * max(0.0, float(np.median([a - b for a, b in rounds]))) / ops

@@ -53,8 +53,8 @@ def op_checkpoint(profile: ModelProfile, region: RegionProfile
     """Recompute mode 'op' (torchtitan's per-op selective checkpointing, passes/recompute.py
     `op_policy`) on a block: (the GEMMs whose outputs it keeps, those its backward runs again),
     as indices into region.gemms. Of the 2-D weight GEMMs in order it keeps the 1st, 3rd, ...
-    and reruns the others, but not the block's last GEMM (its output feeds the residual add,
-    which saves nothing: the recomputation stops before it); experts' grouped GEMMs and an
+    and reruns the others, but neither keeps nor reruns the block's last GEMM (its output feeds
+    the residual add, which saves nothing: the recomputation stops before it); experts' grouped GEMMs and an
     attention core written out are rerun; a fused attention kernel's output is kept (its
     context GEMM's output) and not rerun."""
     fused = (frozenset(i for c in region.fused.calls for i in c.gemms)
@@ -63,9 +63,10 @@ def op_checkpoint(profile: ModelProfile, region: RegionProfile
     linear = [i for i, g in enumerate(gemms) if not (g.batch_scales or g.expert)]
     again = set(linear[1::2]) | {i for i, g in enumerate(gemms)
                                  if g.expert or (g.batch_scales and i not in fused)}
+    kept = set(linear[0::2])
     if linear and linear[-1] == len(gemms) - 1:
         again.discard(linear[-1])
-    kept = set(linear[0::2])
+        kept.discard(linear[-1])
     if fused:
         kept |= {c.gemms[-1] for c in region.fused.calls if c.gemms}
     return frozenset(kept), frozenset(again)

@@ -240,7 +240,7 @@ def _outline(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], name: str,
     # handing it the program's dropout streams (a graph input of the region) to replay
     streams = _dropout_streams(nodes)
     if per_op:
-        target, lead, kwargs = checkpoint_ops, (streams,), {}
+        target, lead, kwargs = checkpoint_ops, (streams, _last_weight(gm, nodes, inputs)), {}
     elif streams is not None:
         target, lead, kwargs = checkpoint_tp_rng, (streams,), {}
     else:
@@ -295,6 +295,26 @@ def _check_contiguous(gm: torch.fx.GraphModule, inside: set, last: torch.fx.Node
                              f"as one call — use recompute='none' for this model")
 
 
+def _last_weight(gm: torch.fx.GraphModule, nodes: list[torch.fx.Node],
+                 inputs: list[torch.fx.Node]) -> torch.fx.Node | None:
+    """The 2-D parameter the region reads last (a get_attr input): its last GEMM's weight,
+    whose output 'op' need not keep (module doc), or None."""
+    def matrix(n: torch.fx.Node) -> bool:
+        try:
+            value = operator.attrgetter(n.target)(gm)
+        except AttributeError:
+            return False
+        return (isinstance(value, torch.Tensor) and value.dim() == 2
+                and value.is_floating_point())
+    weights = {i for i in inputs if i.op == "get_attr" and matrix(i)}
+    last = None
+    for n in nodes:
+        for i in n.all_input_nodes:
+            if i in weights:
+                last = i
+    return last
+
+
 def _dropout_streams(nodes: Iterable[torch.fx.Node]) -> torch.fx.Node | None:
     """The DropoutStreams argument (the `tp_rng` get_attr) of the region's first
     stream-drawn dropout (tp_dropout, tp_sdpa, context_causal_attention's), or None."""
@@ -329,11 +349,15 @@ _ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
                       _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def op_policy(gemms_seen: list[int]) -> Callable:
+def op_policy(gemms_seen: list[int], last_weight: int | None = None) -> Callable:
     """The 'op' mode's selective-checkpoint policy for one checkpointed region: save the 1st,
     3rd, ... 2-D GEMM's output (gemms_seen[0] counts them; the row pieces of a collective
     matmul are one GEMM: they share its weight) and the fused attention kernels'; recompute
-    the rest (torchtitan's `_custom_policy`, its mm count per region).
+    the rest (torchtitan's `_custom_policy`, its mm count per region). The block's last GEMM
+    (its weight at address `last_weight`) is not kept whatever its place: its output feeds
+    the residual add, which saves nothing, so the recomputation stops before it (under
+    sequence parallelism a row-parallel GEMM's output is the whole partial sum: keeping it
+    cost more than the layer saves without recompute). torchtitan keeps it when odd.
 
     A collective (c10d's in-place ops) that writes into a kept output — the all-reduce a
     row-parallel GEMM's piece gets in place — is kept too: the recomputation hands back the
@@ -350,7 +374,7 @@ def op_policy(gemms_seen: list[int]) -> Callable:
             weight = args[_WEIGHT_ARG[func]].data_ptr()   # a view of a flat buffer: its own
             if weight != last[0]:
                 gemms_seen[0] += 1
-                last[:] = weight, gemms_seen[0] % 2 == 1
+                last[:] = weight, gemms_seen[0] % 2 == 1 and weight != last_weight
             save = last[1]
         elif func.namespace == "c10d":
             save = any(_storage(t) in kept for t in _written(ctx.op_output, args))
@@ -377,12 +401,13 @@ def _written(output: Any, args: tuple) -> list[torch.Tensor]:
     return _tensors(output) or _tensors(args[0] if args else ())
 
 
-def _op_contexts(streams: DropoutStreams | None) -> tuple:
+def _op_contexts(streams: DropoutStreams | None, last: torch.Tensor | None) -> tuple:
     """checkpoint's context_fn for 'op': the policy's (forward, recompute) contexts, each
     entered together with the dropout streams' snapshot / replay when the region has any."""
     # a kept row-parallel piece is reduced in place after it is kept (op_policy): expected
     sac = torch.utils.checkpoint.create_selective_checkpoint_contexts(
-        op_policy([0]), allow_cache_entry_mutation=True)
+        op_policy([0], None if last is None else last.data_ptr()),
+        allow_cache_entry_mutation=True)
     if streams is None:
         return sac
     rng = streams.recompute_context()
@@ -397,8 +422,10 @@ def _entered(*managers: contextlib.AbstractContextManager) -> Iterator[None]:
         yield
 
 
-def checkpoint_ops(streams: DropoutStreams | None, fn: Any, *args: Any) -> Any:
+def checkpoint_ops(streams: DropoutStreams | None, last: torch.Tensor | None, fn: Any,
+                   *args: Any) -> Any:
     """checkpoint(fn, *args) under the 'op' policy (module doc), replaying the tensor-parallel
-    dropout streams when given (as checkpoint_tp_rng)."""
+    dropout streams when given (as checkpoint_tp_rng); `last`: the region's last GEMM's
+    weight (op_policy), or None."""
     return torch.utils.checkpoint.checkpoint(fn, *args, **_CHECKPOINT_KWARGS,
-                                             context_fn=partial(_op_contexts, streams))
+                                             context_fn=partial(_op_contexts, streams, last))

@@ -96,8 +96,8 @@ def _measure(rank, world, cases):
     out = []
     policy_of, kept_by = recompute.op_policy, [None]
 
-    def charging_policy(seen):               # op: the outputs it keeps are held too
-        inner = policy_of(seen)
+    def charging_policy(seen, *last):        # op: the outputs it keeps are held too
+        inner = policy_of(seen, *last)
 
         def policy(ctx, func, *args, **kwargs):
             decision = inner(ctx, func, *args, **kwargs)

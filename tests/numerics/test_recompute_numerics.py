@@ -62,8 +62,8 @@ def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
     from programs import make_program, train_steps
     decisions, policy_of = [], R.op_policy
 
-    def recording(seen):
-        inner = policy_of(seen)
+    def recording(seen, *last):
+        inner = policy_of(seen, *last)
 
         def policy(ctx, func, *args, **kwargs):
             out = inner(ctx, func, *args, **kwargs)
