@@ -16,9 +16,10 @@ Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
              full, and checkpointed under PyTorch's selective-checkpoint policy
              (torch.utils.checkpoint.create_selective_checkpoint_contexts, `op_policy`): the
              outputs of the block's 1st, 3rd, 5th... 2-D GEMM (mm / addmm / _scaled_mm, in
-             execution order) and of the fused attention kernels are saved; everything else
-             — every 2nd GEMM, norms, activations, rotary, dropout, the unfused attention
-             core and the collectives — is recomputed in backward. torchtitan also saves its
+             execution order; a collective matmul's row pieces are one GEMM) and of the fused
+             attention kernels are saved, but not its last GEMM's (the backward never reads
+             it); everything else — every 2nd GEMM, norms, activations, rotary, dropout, the
+             unfused attention core and the collectives — is recomputed in backward. torchtitan also saves its
              functional reduce-scatter outputs; autopar's collectives write into buffers
              they allocate (c10d's in-place ops, whose results a policy cannot hand back), so
              they run again in the recomputation.
