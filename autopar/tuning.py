@@ -23,7 +23,8 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
    not move the rest (c apart from b only with enough plans: `fit_scales`); the cluster's
    compute rates (gemm_max_efficiency, the flash efficiencies, elementwise_efficiency;
    peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1) divided by a (its
-   measured optimizer seconds per parameter multiplied), its link bandwidths divided and
+   measured host work per op, parameter or tensor multiplied: dispatch, autograd, the
+   optimizer, the zb split's and op recompute's per-op work), its link bandwidths divided and
    latencies (and measured collective curves' times) multiplied by b, its pipeline messages'
    (`Cluster.pipeline_p2p_scale`) by c. The refined
    cluster is re-solved for every measured plan to report the error before and after. Overlap
@@ -317,6 +318,13 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
     return x
 
 
+# the host's work per op, parameter or tensor, measured in isolation by calibrate: slowed by
+# the compute scale a with the kernels (what slows a step's kernels on shared cores slows its
+# dispatch too)
+_HOST_WORK_S = ("kernel_launch_s", "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
+                "split_backward_op_s", "checkpoint_op_s")
+
+
 def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
                   p2p: float | None = None) -> Cluster:
     """`cluster` with its compute rates divided by a, its links slowed by b and its pipeline
@@ -331,11 +339,10 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
              for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
     curves = tuple(dataclasses.replace(cv, seconds=tuple(x * b for x in cv.seconds))
                    for cv in cluster.collective_curves)
+    host = {k: getattr(cluster, k) * a for k in _HOST_WORK_S}
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
-        elementwise_efficiency=elem, kernel_launch_s=cluster.kernel_launch_s * a, **flash,
-        optimizer_param_s=cluster.optimizer_param_s * a,
-        optimizer_tensor_s=cluster.optimizer_tensor_s * a, collective_curves=curves,
+        elementwise_efficiency=elem, **host, **flash, collective_curves=curves,
         pipeline_p2p_scale=cluster.pipeline_p2p_scale * c / b,
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
@@ -344,7 +351,8 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
         sources=cluster.sources + (
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
-            f"an efficiency would pass 1; optimizer_param_s and _tensor_s × {a:.3f}), link "
+            f"an efficiency would pass 1; the host work per op, parameter or tensor, "
+            f"{', '.join(_HOST_WORK_S)}, × {a:.3f}), link "
             f"bandwidths ÷ {b:.3f} and latencies × {b:.3f} (collective_curves' times × "
             f"{b:.3f}), pipeline "
             f"messages × {c:.3f} (pipeline_p2p_scale); least absolute relative error over the "

@@ -59,9 +59,12 @@ def test_the_refit_scales_what_calibrate_measured_with_the_rest():
     curve = CollectiveCurve(link="intra", kind="all_reduce", ranks=2, bytes=(8.0, 1e6),
                             seconds=(1e-3, 2e-3))
     cpu = dataclasses.replace(get_cluster("local-cpu"), collective_curves=(curve,),
-                              optimizer_param_s=1e-8)
+                              optimizer_param_s=1e-8, autograd_op_s=5e-6)
     refit = refit_cluster(cpu, 1.5, 3.0, "test")
     assert refit.optimizer_param_s == pytest.approx(1.5e-8)
+    for host in ("kernel_launch_s", "autograd_op_s", "split_backward_op_s", "checkpoint_op_s"):
+        assert getattr(refit, host) == pytest.approx(1.5 * getattr(cpu, host)), host
+    assert refit.split_backward_frac == cpu.split_backward_frac      # a share: as it was
     assert allreduce_s(refit, 5e5, 2, False) == pytest.approx(3 * allreduce_s(cpu, 5e5, 2, False))
 
 
