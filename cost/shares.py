@@ -53,10 +53,10 @@ def op_checkpoint(profile: ModelProfile, region: RegionProfile
     """Recompute mode 'op' (torchtitan's per-op selective checkpointing, passes/recompute.py
     `op_policy`) on a block: (the GEMMs whose outputs it keeps, those its backward runs again),
     as indices into region.gemms. Of the 2-D weight GEMMs in order it keeps the 1st, 3rd, ...
-    and reruns the others, but neither keeps nor reruns the block's last GEMM (its output feeds
-    the residual add, which saves nothing: the recomputation stops before it); experts' grouped GEMMs and an
-    attention core written out are rerun; a fused attention kernel's output is kept (its
-    context GEMM's output) and not rerun."""
+    and reruns the others, but neither keeps nor reruns the block's last GEMM (its output
+    feeds the residual add, which saves nothing: the recomputation stops before it); experts'
+    grouped GEMMs and an attention core written out are rerun; a fused attention kernel's
+    output is kept (its context GEMM's output) and not rerun."""
     fused = (frozenset(i for c in region.fused.calls for i in c.gemms)
              if profile.attention == "flash" and region.fused is not None else frozenset())
     gemms = region.gemms

@@ -19,10 +19,12 @@ Modes (2205.05198, Korthikanti et al., "Reducing Activation Recomputation"):
              execution order; a collective matmul's row pieces are one GEMM) and of the fused
              attention kernels are saved, but not its last GEMM's (the backward never reads
              it); everything else — every 2nd GEMM, norms, activations, rotary, dropout, the
-             unfused attention core and the collectives — is recomputed in backward. torchtitan also saves its
-             functional reduce-scatter outputs; autopar's collectives write into buffers
-             they allocate (c10d's in-place ops, whose results a policy cannot hand back), so
-             they run again in the recomputation.
+             unfused attention core and the collectives — is recomputed in backward.
+             torchtitan also saves its functional reduce-scatter outputs; autopar's
+             collectives write into buffers they allocate (c10d's in-place ops, whose results
+             a policy cannot hand back), so they run again in the recomputation, but for an
+             all-reduce made in place on a kept output, which is kept with it (op_policy).
+             Not with interleaved-zb (autopar/rules.py recompute_refusal).
 
 RNG: checkpoint(preserve_rng_state=True) snapshots the default generator when the block runs
 forward and replays it during recomputation, so dropout masks are identical. Tensor-parallel
@@ -366,7 +368,7 @@ def op_policy(gemms_seen: list[int], last_weight: int | None = None) -> Callable
     them; a collective writing into anything else runs again."""
     from torch.utils.checkpoint import CheckpointPolicy
     kept: set[int] = set()          # storages of the outputs kept so far
-    last = [None, False]            # the previous GEMM's weight storage and decision
+    last = [None, False]            # the previous GEMM's weight address and decision
 
     def policy(ctx, func, *args, **kwargs):
         if func in _LINEAR_GEMMS:
