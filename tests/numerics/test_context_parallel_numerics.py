@@ -46,7 +46,7 @@ def test_c2_p2_every_schedule_equals_one_device():
 
 def test_c2_recompute_equals_one_device():
     check_cases_against_reference({mode: ("llama_style", with_c(make_plan(), 2, recompute=mode))
-                                   for mode in ("selective", "full")})
+                                   for mode in ("selective", "full", "op")})
 
 
 def test_c2_t2_equals_one_device():

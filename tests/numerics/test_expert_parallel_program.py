@@ -60,6 +60,12 @@ def test_ep2_d2_program_matches_single_device(name):
     _check(name, dataclasses.replace(make_plan(d=2), ep=2))
 
 
+def test_ep2_d2_op_recompute_matches_single_device():
+    """Recompute op with experts: their token all-to-alls (c10d ops writing fresh buffers)
+    and grouped GEMMs run again in the recomputation, the dense GEMMs alternate."""
+    _check("hf_mixtral", dataclasses.replace(make_plan(d=2), ep=2, recompute="op"))
+
+
 @pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True)])
 def test_t2_ep2_program_splits_experts_both_ways(name, sp):
     """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split

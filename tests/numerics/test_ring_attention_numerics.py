@@ -42,7 +42,7 @@ def test_ring_c4_equals_one_device():
     check_against_reference("llama_style", ring(make_plan(), 4))
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("mode", ["selective", "full", "op"])
 def test_ring_c2_recompute_equals_one_device(mode):
     """Recomputation runs the ring's forward again inside the backward, on every context
     rank in the same order."""
