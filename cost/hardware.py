@@ -280,10 +280,12 @@ _FLASH_A100 = dict(flash_fwd_efficiency=0.74, flash_bwd_efficiency=0.64)
 _FLASH_H100 = dict(flash_fwd_efficiency=0.63, flash_bwd_efficiency=0.60)
 # FlashAttention-2 on H100 (2407.08608 Fig. 5-6, the same charts: 335 TFLOP/s forward causal,
 # 322 backward, head dim 128, 16K tokens, the key-length factor taken out): what PyTorch's
-# scaled_dot_product_attention runs on Hopper unless its cuDNN backend is chosen (it dispatches
-# FLASH_ATTENTION, FlashAttention-2: pytorch/torchtitan#1042; torchtitan picks cuDNN on B200
-# only, #1196). The H100 presets keep FlashAttention-3's rates (the stacks they are fitted to);
-# a cluster running SDPA on Hopper takes these (`with_overrides(cluster, **FLASH2_H100)`).
+# scaled_dot_product_attention ran on Hopper in torch 2.6-2.8 (FLASH_ATTENTION first,
+# FlashAttention-2: pytorch/torchtitan#1042; torchtitan picked cuDNN on B200 only, #1196), so
+# the torchtitan rows of those versions take it (`with_overrides(cluster, **FLASH2_H100)`).
+# The H100 presets keep FlashAttention-3's rates: the stacks they are fitted to, and torch
+# 2.11's SDPA on an H100, which dispatched cuDNN's fused attention (benchmarks/results/
+# gpu-2026-11-27-h100-profile-*.txt).
 FLASH2_H100 = dict(flash_fwd_efficiency=0.343, flash_bwd_efficiency=0.330)
 
 _COMMON_SOURCES = (

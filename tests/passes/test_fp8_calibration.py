@@ -3,9 +3,9 @@
 torchao's tensorwise recipe on every block linear with FP8 FSDP all-gathers, the LM head bf16;
 versions of 2024-12). Grand Teton: 8 H100 per host on NVLink, 96 GB of HBM2e at 2.4 TB/s, a
 500 W power limit, 400 Gb/s RDMA per GPU between hosts (the H100 preset's inter-node link).
-Its attention is PyTorch's scaled_dot_product_attention, which runs FlashAttention-2 on
-Hopper (cost/hardware.py FLASH2_H100, sourced, not fitted; the preset prices
-FlashAttention-3).
+Its attention is PyTorch's scaled_dot_product_attention, which ran FlashAttention-2 on
+Hopper in those torch versions (cost/hardware.py FLASH2_H100, sourced, not fitted; the preset
+prices FlashAttention-3, as cuDNN's kernel that torch 2.11's SDPA runs there).
 
 The fitted row, Table 1: Llama 3.1 8B, FSDP over 8 GPUs, local batch 2 (global 16), sequence
 8,192, selective activation checkpointing (torchtitan's per-op SAC: autopar's recompute "op")
