@@ -352,12 +352,12 @@ _ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
                       _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def op_policy(gemms_seen: list[int], last_weight: int | None = None) -> Callable:
+def op_policy(gemms_seen: list[int], last_weight: tuple | None = None) -> Callable:
     """The 'op' mode's selective-checkpoint policy for one checkpointed region: save the 1st,
     3rd, ... 2-D GEMM's output (gemms_seen[0] counts them; the row pieces of a collective
     matmul are one GEMM: they share its weight) and the fused attention kernels'; recompute
     the rest (torchtitan's `_custom_policy`, its mm count per region). The block's last GEMM
-    (its weight at address `last_weight`) is not kept whatever its place: its output feeds
+    (its weight at `last_weight`, a `_place`) is not kept whatever its place: its output feeds
     the residual add, which saves nothing, so the recomputation stops before it (under
     sequence parallelism a row-parallel GEMM's output is the whole partial sum: keeping it
     cost more than the layer saves without recompute). torchtitan keeps it when odd.
@@ -368,13 +368,13 @@ def op_policy(gemms_seen: list[int], last_weight: int | None = None) -> Callable
     them; a collective writing into anything else runs again."""
     from torch.utils.checkpoint import CheckpointPolicy
     kept: set[int] = set()          # storages of the outputs kept so far
-    last = [None, False]            # the previous GEMM's weight address and decision
+    last = [None, False]            # the previous GEMM's weight's place and decision
 
     def policy(ctx, func, *args, **kwargs):
         if func in _LINEAR_GEMMS:
             # the pieces of one GEMM (a row-parallel collective matmul's row pieces) share
             # its weight: one GEMM, one decision
-            weight = args[_WEIGHT_ARG[func]].data_ptr()   # a view of a flat buffer: its own
+            weight = _place(args[_WEIGHT_ARG[func]])   # a view of a flat buffer: its own
             if weight != last[0]:
                 gemms_seen[0] += 1
                 last[:] = weight, gemms_seen[0] % 2 == 1 and weight != last_weight
@@ -390,7 +390,15 @@ def op_policy(gemms_seen: list[int], last_weight: int | None = None) -> Callable
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The storage's identity: its C object, which Dynamo's fake tensors have too (their
+    data pointers all read 0 while torch.compile traces the policy)."""
+    return t.untyped_storage()._cdata
+
+
+def _place(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's elements start: its storage and offset (a weight and its transpose
+    agree; the weights viewing one gathered ZeRO-3 buffer do not)."""
+    return _storage(t), t.storage_offset()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -409,7 +417,7 @@ def _op_contexts(streams: DropoutStreams | None, last: torch.Tensor | None) -> t
     entered together with the dropout streams' snapshot / replay when the region has any."""
     # a kept row-parallel piece is reduced in place after it is kept (op_policy): expected
     sac = torch.utils.checkpoint.create_selective_checkpoint_contexts(
-        op_policy([0], None if last is None else last.data_ptr()),
+        op_policy([0], None if last is None else _place(last)),
         allow_cache_entry_mutation=True)
     if streams is None:
         return sac

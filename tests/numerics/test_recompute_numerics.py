@@ -68,7 +68,7 @@ def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
         def policy(ctx, func, *args, **kwargs):
             out = inner(ctx, func, *args, **kwargs)
             if func in R._LINEAR_GEMMS:
-                decisions.append((args[R._WEIGHT_ARG[func]].data_ptr(), out.name))
+                decisions.append((R._place(args[R._WEIGHT_ARG[func]]), out.name))
             return out
         return policy
     R.op_policy = recording
@@ -88,7 +88,7 @@ def test_op_recompute_decides_per_gemm_not_per_row_piece(plan):
     call: op counts the GEMM once (its pieces share its weight), so a block's GEMMs are kept
     and rerun alternately as cost/shares.py op_checkpoint prices them (GPT: c_attn kept,
     attention c_proj rerun, c_fc kept, MLP c_proj last). Under ZeRO-3 the weights are views
-    of one gathered buffer: told apart by their own addresses, not their storage's."""
+    of one gathered buffer: told apart by their offsets, not by their storage alone."""
     for decisions in spawn(_op_decisions_rank, 2, plan, timeout_s=240):
         runs = []                                  # consecutive calls on one weight
         for weight, decision in decisions:
