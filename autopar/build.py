@@ -24,8 +24,8 @@ per tensor rank, the pass pipeline (passes/manager.py: lint + recompile after ea
     split_chunks        the plan's p·v chunks
     chunk_passes        per chunk, the loss in fp32 (passes/loss_precision.py: a no-op under
                         fp32, fp32 logits under bf16), then recompute per plan.recompute (whole
-                        blocks for 'full', the attention core for 'selective'; after the cut,
-                        so region meta is intact)
+                        blocks for 'full' and 'op', the attention core for 'selective'; after
+                        the cut, so region meta is intact)
 
 The result is cached on the program per precision (`prog._autopar_built`).
 """
