@@ -228,7 +228,7 @@ def measure_checkpoint_op(dtype: torch.dtype, device: torch.device,
     under op's policy against checkpointed plainly, forward only — what its dispatch mode
     costs as it sees each op (a policy call, the output stored) — per op the profile counts,
     twice: the recomputation passes every op through its other mode again. Per counted op,
-    not per dispatched aten op: a linear dispatches a transpose, a view and an addmm. ~45 µs
+    not per dispatched aten op: a linear dispatches a transpose, a view and an addmm. 52-65 µs
     a counted op on an EPYC core (2026-11-27), where op's recompute priced without it was
     9-12% fast on a 4-layer GPT."""
     from autopar.passes.recompute import checkpoint_ops
