@@ -15,7 +15,8 @@ from autopar.passes import meta as K
 from autopar.testing import spawn
 
 import models
-from programs import check_against_reference, loss_fn, make_data, make_plan
+from programs import (check_against_reference, check_training, loss_fn, make_data, make_plan,
+                      with_zero)
 
 
 @pytest.mark.distributed
@@ -53,6 +54,14 @@ def test_op_recompute_across_stages_and_sharded_weights_equals_single_device(nam
     kept, already reduced piece again (ln_2's weight update was 3% off after 3 AdamW steps,
     9% under SGD)."""
     check_against_reference(name, plan)
+
+
+@pytest.mark.distributed
+def test_op_recompute_under_bf16_zero3_equals_the_bf16_single_device():
+    """op with bf16 compute: the ZeRO-3 weights gathered in bf16 views, the kept GEMM outputs
+    in bf16, the fp32 masters stepped (the bf16 single device's tolerances)."""
+    plan = dataclasses.replace(with_zero(make_plan(d=2, layers=2), 3), recompute="op")
+    check_training("gpt", plan, precision="bf16")
 
 
 def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
