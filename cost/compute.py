@@ -35,7 +35,7 @@ from autopar.cost.config import BLOCK_CHECKPOINTED, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
 from autopar.cost.profile import AttentionCall, Gemm, ModelProfile, RegionProfile, TPRegionFallback
-from autopar.cost.shares import (RankParams, op_checkpoint, rank_attention_bytes,
+from autopar.cost.shares import (RankParams, fused_calls, op_checkpoint, rank_attention_bytes,
                                  rank_other_bytes, tp_fallback, vocab_pad_ratio)
 
 # Backward of the non-GEMM ops (norms, softmax, dropout, GeLU) per forward byte: it reads the
@@ -105,14 +105,6 @@ def fused_attention_time_s(cluster: Cluster, call: AttentionCall, b: float,
     # backward reads q, k, v, output, its gradient and the logsumexp, writes dq, dk, dv: ~2x
     return (max(fwd, io_s) + cluster.kernel_launch_s,
             max(bwd, 2 * io_s) + cluster.kernel_launch_s)
-
-
-def fused_calls(profile: ModelProfile, region: RegionProfile) -> tuple[AttentionCall, ...]:
-    """The region's attention calls priced as fused kernels: those of a profile priced with
-    flash attention (`ModelProfile.with_attention`); none otherwise."""
-    if profile.attention != "flash" or region.fused is None:
-        return ()
-    return region.fused.calls
 
 
 def fused_times_s(cluster: Cluster, calls: tuple[AttentionCall, ...], fix: TPRegionFallback,

@@ -68,9 +68,10 @@ def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str
     fix = tp_fallback(profile, "block", t, sp)
     if recompute == "op":   # the block's input and the outputs the policy keeps
         e, whole = profile.activation_bytes_per_elem, set(fix.replicated_gemms)
-        kept = sum(g.batch * g.m * g.n * e
-                   / (t if g.tp_split in ("n", "batch") and i not in whole else 1)
-                   for i, g in ((i, blk.gemms[i]) for i in op_checkpoint(profile, blk)[0]))
+        gemms = blk.gemms
+        kept = sum(gemms[i].batch * gemms[i].m * gemms[i].n * e
+                   / (t if gemms[i].tp_split in ("n", "batch") and i not in whole else 1)
+                   for i in op_checkpoint(profile, blk)[0])
         return b * (blk.input_bytes / (t if sp else 1) + kept)
     repl = blk.act_replicated_bytes / (t if sp else 1)
     kept = (blk.act_split_bytes - fix.act_split_bytes) / t + repl + fix.act_split_bytes

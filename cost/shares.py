@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from autopar.cost.config import Config
 from autopar.cost.context import context_rank_profile
 from autopar.cost.hardware import Cluster
-from autopar.cost.profile import NO_FALLBACK, ModelProfile, RegionProfile, TPRegionFallback
+from autopar.cost.profile import (NO_FALLBACK, AttentionCall, ModelProfile, RegionProfile,
+                                  TPRegionFallback)
 
 
 def rank_profile(profile: ModelProfile, cluster: Cluster, cfg: Config) -> ModelProfile:
@@ -48,6 +49,14 @@ def rank_other_bytes(region: RegionProfile, t: int, b: int, sp: bool,
     return b * (split / t + repl / (t if sp else 1) + fix.other_split_bytes)
 
 
+def fused_calls(profile: ModelProfile, region: RegionProfile) -> tuple[AttentionCall, ...]:
+    """The region's attention calls priced as fused kernels: those of a profile priced with
+    flash attention (`ModelProfile.with_attention`); none otherwise."""
+    if profile.attention != "flash" or region.fused is None:
+        return ()
+    return region.fused.calls
+
+
 def op_checkpoint(profile: ModelProfile, region: RegionProfile
                   ) -> tuple[frozenset[int], frozenset[int]]:
     """Recompute mode 'op' (torchtitan's per-op selective checkpointing, passes/recompute.py
@@ -57,8 +66,8 @@ def op_checkpoint(profile: ModelProfile, region: RegionProfile
     feeds the residual add, which saves nothing: the recomputation stops before it); experts'
     grouped GEMMs and an attention core written out are rerun; a fused attention kernel's
     output is kept (its context GEMM's output) and not rerun."""
-    fused = (frozenset(i for c in region.fused.calls for i in c.gemms)
-             if profile.attention == "flash" and region.fused is not None else frozenset())
+    calls = fused_calls(profile, region)
+    fused = frozenset(i for c in calls for i in c.gemms)
     gemms = region.gemms
     linear = [i for i, g in enumerate(gemms) if not (g.batch_scales or g.expert)]
     again = set(linear[1::2]) | {i for i, g in enumerate(gemms)
@@ -67,8 +76,7 @@ def op_checkpoint(profile: ModelProfile, region: RegionProfile
     if linear and linear[-1] == len(gemms) - 1:
         again.discard(linear[-1])
         kept.discard(linear[-1])
-    if fused:
-        kept |= {c.gemms[-1] for c in region.fused.calls if c.gemms}
+    kept |= {c.gemms[-1] for c in calls if c.gemms}
     return frozenset(kept), frozenset(again)
 
 
