@@ -36,6 +36,7 @@ from autopar.passes import meta as K
 from autopar.passes.device import RANK_DEVICE
 from autopar.passes.expert_parallel import EP_GROUP_ATTR
 from autopar.passes.fp8 import fp8_only_weights
+from autopar.passes.recompute import op_mode_refusal
 from autopar.passes.router_stats import DATA_GROUP_ATTR
 from autopar.passes.tensor_parallel import param_splits
 from autopar.plan import Plan, check_model, recorded_chunk_times
@@ -103,6 +104,8 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
 
 
 def _check_options(plan: Plan, max_grad_norm: float | None, precision: str) -> None:
+    if plan.recompute == "op" and (why := op_mode_refusal()):
+        raise ValueError(why)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be > 0 (or None for no clipping)")
     if precision not in PRECISIONS:

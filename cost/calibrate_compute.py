@@ -230,8 +230,11 @@ def measure_checkpoint_op(dtype: torch.dtype, device: torch.device,
     twice: the recomputation passes every op through its other mode again. Per counted op,
     not per dispatched aten op: a linear dispatches a transpose, a view and an addmm. 52-65 µs
     a counted op on an EPYC core (2026-11-27), where op's recompute priced without it was
-    9-12% fast on a 4-layer GPT."""
-    from autopar.passes.recompute import checkpoint_ops
+    9-12% fast on a 4-layer GPT. 0 (not measured) on a torch that cannot run op
+    (`op_mode_refusal`: compile refuses the mode there)."""
+    from autopar.passes.recompute import checkpoint_ops, op_mode_refusal
+    if op_mode_refusal():
+        return 0.0
     forward, x, _, ops = _two_blocks(dtype, device)
 
     def plain():

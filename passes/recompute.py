@@ -53,6 +53,7 @@ Reads node.meta (keys of passes/meta.py): REGION, VAL, STACK_TRACE (in errors). 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator
@@ -387,6 +388,20 @@ def op_policy(gemms_seen: list[int], last_weight: tuple | None = None) -> Callab
             kept.update(_storage(t) for t in _tensors(ctx.op_output))
         return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
+
+
+def op_mode_refusal() -> str | None:
+    """Why this torch cannot run recompute 'op', or None: `op_policy` reads each op's output
+    (`SelectiveCheckpointContext.op_output`: the storages it keeps, the tensors a collective
+    writes), which a torch that calls the policy before the op runs does not hand it (the
+    H200 image's torch 2.11, 2026-11-27: AttributeError in the first forward)."""
+    ctx = getattr(torch.utils.checkpoint, "SelectiveCheckpointContext", None)
+    if ctx is not None and "op_output" in inspect.signature(ctx).parameters:
+        return None
+    return (f"recompute='op' on torch {torch.__version__}: its selective-checkpoint policy "
+            f"reads each op's output (SelectiveCheckpointContext.op_output), which this torch "
+            f"does not pass; install a torch that does (2.13 does), or plan with recompute "
+            f"'full' or 'selective'")
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -202,3 +202,28 @@ def test_op_mode_recomputes_every_other_gemm_and_keeps_the_others(name, monkeypa
     assert gemms == (block + ["PREFER_RECOMPUTE"]) * 2, gemms
     attention = [d for f, d in decisions if f in R._ATTENTION_KERNELS]
     assert attention == ["MUST_SAVE"] * 2, decisions
+
+
+def test_op_mode_is_refused_in_one_line_where_torch_does_not_hand_the_policy_the_output(
+        monkeypatch):
+    """op's policy reads each op's output (SelectiveCheckpointContext.op_output). A torch that
+    calls the policy before the op runs — the H200 image's 2.11 (2026-11-27) — failed the
+    first forward with an AttributeError: compile now refuses such a plan in one line (the
+    torch, the rule, the fix) before building anything, and calibrate measures no
+    checkpoint_op_s there."""
+    import time
+
+    import autopar.passes.recompute as R
+    from autopar.cost.calibrate_compute import measure_checkpoint_op
+    assert R.op_mode_refusal() is None            # this torch hands the policy the output
+
+    class PolicyBeforeTheOp:                      # torch 2.11's context: no op_output
+        def __init__(self, *, is_recompute):
+            self.is_recompute = is_recompute
+    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", PolicyBeforeTheOp)
+    why = R.op_mode_refusal()
+    assert torch.__version__ in why and "op_output" in why and "'full'" in why
+    assert "\n" not in why
+    with pytest.raises(ValueError, match=r"recompute='op' on torch .*install a torch"):
+        _program("gpt", "op", p=1).compile()
+    assert measure_checkpoint_op(torch.float32, torch.device("cpu"), time.perf_counter) == 0.0
