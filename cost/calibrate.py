@@ -334,8 +334,19 @@ def fit_gemm(curve: list[list[float]], floor_s: float = 0.0,
 
 def dispatch_floor_s(record: dict[str, Any]) -> float:
     """What one measured GEMM step (y = x·Wᵀ forward and backward) spends dispatching, by the
-    record's own per-op numbers: 3 kernels launched and one autograd node."""
-    return 3.0 * record.get("kernel_launch_s", 0.0) + record.get("autograd_op_s", 0.0)
+    record's own per-op numbers: 3 kernels launched and one autograd node. On an asynchronous
+    device (a GPU: the host queues the kernels and runs ahead) a step takes the longer of its
+    host work and its device work, and the host's part is more than those ops: each call's
+    Python backward() hands the graph to the engine's device thread — 120-190 µs a step on
+    the H200 (2026-11-27) against the 101 µs counted, so shapes up to 1024 x 4096 x 2048 still
+    timed the host and the fit took e_max 1.0, half dim 2048 (a 1.3B GPT's step priced 2x
+    slow). There the grid's smallest shape, whose device work is a few µs, times the floor."""
+    counted = 3.0 * record.get("kernel_launch_s", 0.0) + record.get("autograd_op_s", 0.0)
+    curve = record.get("matmul_curve") or []
+    if record.get("device", "cpu") == "cpu" or not curve:
+        return counted
+    m, n, k, rate = min(curve, key=lambda r: r[0] * r[1] * r[2])
+    return max(counted, 6.0 * m * n * k / rate)
 
 
 def fit_flash(curve: list, peak: float) -> dict[str, float]:

@@ -23,6 +23,11 @@ _GPU_DIMS = (512, 1024, 2048, 4096, 8192)
 _GPU_ATTENTION_LENS = (512, 1024, 2048, 4096, 8192)
 # the attention measured: (heads, head_dim) as a CPU can afford, as GPU models run it
 _CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
+# a GPU's attention rows hold this many tokens (batch = tokens / length), as FlashAttention's
+# own benchmarks (2205.14135, 2307.08691, 2407.08608: batch x seqlen = 16k): at batch 1 the
+# H200's rows up to 2,048 tokens timed the host's dispatch (each backward 156-191 µs, the
+# GEMM steps' own host floor), and the fit's half length came out at 4,871 tokens
+_GPU_ATTENTION_TOKENS = 16384
 
 
 def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -138,15 +143,17 @@ def measure_optimizer(dtype: torch.dtype, device: torch.device,
 def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
                       quick: bool) -> list[list[float]]:
     """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal; 4
-    heads of 64 on a CPU, 16 of 128 on a GPU) at each length: 4·heads·L²·head_dim × the
-    causal part, backward 2.5 ×."""
+    heads of 64 on a CPU, a sequence each; 16 of 128 on a GPU, `_GPU_ATTENTION_TOKENS` tokens
+    each) at each length: batch·4·heads·L²·head_dim × the causal part, backward 2.5 ×."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+    gpu = device.type == "cuda"
+    heads, dim = _GPU_HEADS if gpu else _CPU_HEADS
     curve = []
     for length in lengths:
-        q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, device=device,
+        batch = max(1, _GPU_ATTENTION_TOKENS // length) if gpu else 1
+        q, k, v = (torch.randn(batch, heads, length, dim, dtype=dtype, device=device,
                                requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, heads, length, dim, dtype=dtype, device=device)
+        grad = torch.randn(batch, heads, length, dim, dtype=dtype, device=device)
         clock = compute_clock(device)
         target = 0.003 if quick else 0.01
 
@@ -157,7 +164,7 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
             sdpa(q, k, v, is_causal=True).backward(grad)
         fwd_s = timed_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
         both_s = timed_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
-        flops = 4.0 * heads * length * length * dim * (length + 1) / (2 * length)
+        flops = 4.0 * batch * heads * length * length * dim * (length + 1) / (2 * length)
         curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
     return curve
 
