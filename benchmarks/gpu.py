@@ -15,6 +15,10 @@ A GPU is lent to this project only now and then, so what it can tell is ready to
         --deadline-s 420 --parts calibrate,checkpoint,single:single-gpt,memory,profile
     # times on the H100 (2026-11-27): calibrate 20 s, checkpoint ~3 min (0.35B GPT: ~5 GB a
     # save, even into /dev/shm), profile 51 s, a memory row ~4 s, single ~2 min a model
+    # (the H200, same day: calibrate 25 s, checkpoint ~2 min, 12 memory rows 41 s, single-gpt
+    # 115 s, single-llama 165 s; a lent machine started in ~30 s). On an H200 prepare with
+    # --cluster dgx-h200-141gb. The device tool copies untracked files git does not ignore:
+    # where gpu_run/ is ignored (.git/info/exclude), name it in the call's carry list
     # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
     python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
 
@@ -38,7 +42,8 @@ reason and the rest still run; `--parts` picks some):
 4. `memory`: the peak allocated bytes of a step (torch.cuda.max_memory_allocated; on CPU the
    profiler's tensor bytes) against the plan's predicted memory — the static part (weights,
    gradients, optimizer) and the activations separately — for recompute none / selective /
-   full and micro-batch 1, 2, 4.
+   full / op and micro-batch 1, 2, 4; and two steps' median time against the predicted step
+   (eager chunks, priced eager: what each recompute mode costs).
 5. `checkpoint`: a ~0.35B GPT's synchronous save against an asynchronous one while training
    goes on (issue 27: the stall ≤ 20% of the synchronous save's time), the staging buffer
    pinned or not, and each save loaded back on the device equal to what was saved, bit for bit.
@@ -199,7 +204,7 @@ def cases(s: Sizes, cluster: str) -> list[Case]:
     out += [Case(key=f"memory-{r}-mb{mb}", part="memory", model="mem_gpt", gpus=1,
                  cluster=cluster, elementwise="eager",
                  pins=dict(t=1, p=1, d=1, c=1, zero=0, recompute=r, micro_batch_size=mb))
-            for r in ("none", "selective", "full") for mb in (1, 2, 4)]
+            for r in ("none", "selective", "full", "op") for mb in (1, 2, 4)]
     out.append(Case(key="checkpoint-gpt", part="checkpoint", model="ckpt_gpt", gpus=1,
                     cluster=cluster, pins=dict(t=1, p=1, d=1, c=1, zero=1, micro_batch_size=4)))
     return out
@@ -565,10 +570,11 @@ def part_memory(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool
 def _memory_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
     model = build_model("mem_gpt", s, "cpu", init=device)
     runner = autopar_runner(plan, model, s.seq, precision="bf16", device=device, lr=1e-4)
-    data = batches(plan, vocab_of(model), s.seq, 3, device)
+    data = batches(plan, vocab_of(model), s.seq, 5, device)
     for x, y in data[:2]:                      # the optimizer state exists after a step
         runner.train_step(x, y)
-    x, y = data[2]
+    _, times = time_steps(runner.train_step, data[2:4], 0, device)
+    x, y = data[4]
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         static = torch.cuda.memory_allocated()
@@ -581,12 +587,15 @@ def _memory_row(key: str, plan: Any, s: Sizes, device: str) -> dict:
         static = sum(t.numel() * t.element_size() for t in _live_state(runner))
         _, grown, _ = peak_tensor_bytes(lambda: runner.train_step(x, y))
         peak = static + grown
+    step_s = statistics.median(times)
     mem = plan.predicted.memory
     predicted_static = mem.weights_bytes + mem.gradients_bytes + mem.optimizer_bytes
     predicted_act = mem.activations_bytes + mem.recompute_bytes
     return {"case": key, "variant": f"recompute={plan.recompute} mb={plan.micro_batch_size}",
             "measured_peak_bytes": peak, "measured_static_bytes": static,
             "measured_activation_bytes": peak - static,
+            # two steps' median wall time (eager chunks, priced eager): the recompute's price
+            "measured_step_s": step_s, "predicted_step_s": plan.predicted.step_time_s,
             "predicted_static_bytes": predicted_static,
             "predicted_activation_bytes": predicted_act,
             "predicted_total_bytes": mem.total_bytes - mem.other_bytes,
@@ -786,7 +795,9 @@ def _row_text(part: str, r: dict) -> str:
         return (f"{head} peak {r['measured_peak_bytes'] / g:7.3f} GiB vs predicted "
                 f"{(r['predicted_static_bytes'] + r['predicted_activation_bytes']) / g:7.3f} "
                 f"({r['total_error'] * 100:+.0f}%); activations {r['measured_activation_bytes'] / g:.3f}"
-                f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)")
+                f" vs {r['predicted_activation_bytes'] / g:.3f} ({r['activation_error'] * 100:+.0f}%)"
+                + (f"; step {r['measured_step_s'] * 1e3:.0f} ms vs predicted "
+                   f"{r['predicted_step_s'] * 1e3:.0f}" if "measured_step_s" in r else ""))
     if part == "profile":
         tops = "; ".join(f"{t['name'][:40]} {t['self_s'] * 1e3:.0f} ms" for t in r["top"][:4])
         return (f"{head} wall {r['wall_s'] * 1e3:.0f} ms, device busy "
