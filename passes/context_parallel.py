@@ -30,9 +30,11 @@ cumulative op, a norm, a sort or reduction along the sequence, an op with no rul
 at recording with ValueError naming the node and the user's source line.
 
 The rewrite: local VALs; shape constants that name the sequence (`view(B, T, H, D)`, expand,
-unflatten) become the local value's sizes (T/c); the tensor-parallel pass's sequence-parallel
-scatter / gather keep the rank's tokens (cut again between its tensor ranks, in local order)
-and its per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become (T/c,) · B.
+unflatten) become the local value's sizes (T/c), a view so resized a reshape (a view valid on
+the whole sequence's strides need not be on the rank's part); the tensor-parallel pass's
+sequence-parallel scatter / gather keep the rank's tokens (cut again between its tensor ranks,
+in local order) and its per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become
+(T/c,) · B.
 Attention is the one op that needs the other ranks' tokens: its keys and values are
 all-gathered along the sequence in global order (`context_gather`, Llama 3's method) — under
 grouped-query attention before the head repeat that feeds it (repeat_kv's expand / reshape or
@@ -426,6 +428,11 @@ class _ContextRewrite:
         lead = len(local) - len(n.args[1])
         sizes = [s if s == -1 else local[lead + k] for k, s in enumerate(n.args[1])]
         n.args = (n.args[0], sizes) + tuple(n.args[2:])
+        if n.target is aten.view.default:
+            # a view valid on the whole sequence's strides need not be on the rank's part
+            # (torch 2.11's export of nn.MultiheadAttention: a view of a permuted (T, B, E)
+            # merging T and B): reshape views where it can and copies where it must
+            n.target = aten.reshape.default
 
     def matmul(self, n: fx.Node, at: int = 0) -> None:
         """a @ b with a = args[at], b = args[at + 1]: queries (a) stay local, keys / values

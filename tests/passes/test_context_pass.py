@@ -66,8 +66,15 @@ def test_keys_values_gathered_positions_selected_shapes_local(builder):
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             assert tuple(n.meta[K.VAL].shape) == (2, SEQ // 2)
-        if n.target is torch.ops.aten.view.default and K.CP_SEQ_DIM in n.meta:
-            assert SEQ not in n.args[1] and SEQ // 2 in n.args[1]
+    # the views that name the sequence take the rank's sizes, as reshapes: a view valid on
+    # the whole sequence's strides need not be on the rank's part (torch 2.11's export of
+    # nn.MultiheadAttention viewed a permuted (T, B, E), and c = 2 failed there)
+    aten = torch.ops.aten
+    resized = [n for n in gm.graph.nodes if K.CP_SEQ_DIM in n.meta
+               and n.target in (aten.view.default, aten.reshape.default)
+               and -1 not in n.args[1]]            # the loss's flattening names no length
+    assert resized and all(n.target is aten.reshape.default for n in resized)
+    assert all(SEQ not in n.args[1] and SEQ // 2 in n.args[1] for n in resized)
 
 
 def test_causal_attention_of_the_rank_chunks_equals_the_whole_sequence_rows():
