@@ -29,4 +29,9 @@ def _warm() -> None:
         loss_fn(prog.model(x), x).backward()
 
 
-_warm()
+# Not on a CUDA build of torch (the default wheel; torch 2.11+cu130 on this CPU host): there
+# the autograd engine's first use starts its device threads, and every rank forked after it
+# failed at its first backward ("Unable to handle autograd's threading in combination with
+# fork-based multiprocessing"). Its ranks start cold instead.
+if not torch.backends.cuda.is_built():
+    _warm()

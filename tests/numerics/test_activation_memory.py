@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.passes.recompute import op_mode_refusal
 from autopar.testing import spawn
 
 import models
@@ -38,8 +39,10 @@ RTOL = 0.05
 CASES = [("1f1b", 1, 2, 4, "none"), ("gpipe", 1, 1, 4, "selective"),
          ("1f1b", 1, 1, 4, "full"), ("interleaved-1f1b", 2, 1, 4, "none"),
          ("interleaved-1f1b", 2, 1, 6, "full"), ("breadth-first", 2, 1, 4, "selective"),
-         ("interleaved-zb", 2, 1, 4, "none"), ("interleaved-zb", 2, 1, 4, "full"),
-         ("1f1b", 1, 2, 4, "op")]
+         ("interleaved-zb", 2, 1, 4, "none"), ("interleaved-zb", 2, 1, 4, "full")]
+# op where this torch runs it (compile refuses it on 2.11: one spawn measures every case, so
+# a refused case would fail the others with it)
+CASES += [("1f1b", 1, 2, 4, "op")] if op_mode_refusal() is None else []
 
 
 class _Meter:

@@ -84,9 +84,16 @@ def test_repeat_limit_truncates_and_restores(name, path):
 
 
 def test_repeat_limit_restores_on_error():
+    """A capture that fails while the stack is cut to `repeat_limit` blocks gives the model
+    its blocks back. The failure is the model's own (a block that raises), not torch's: float
+    ids, used before, made torch 2.13's export fail and 2.11's succeed."""
     model = pass_model("gpt", layers=4)
+
+    def fails(module, args):
+        raise RuntimeError("this block cannot be traced")
+    model.transformer.h[0].register_forward_pre_hook(fails)
     with pytest.raises(CaptureError):
-        capture(model, (torch.zeros(2, 16),), repeat_limit=2)  # float ids: embedding fails
+        capture(model, (torch.zeros(2, 16, dtype=torch.long),), repeat_limit=2)
     assert len(model.transformer.h) == 4
 
 
