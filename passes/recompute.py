@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.fx
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
@@ -353,7 +354,33 @@ _ATTENTION_KERNELS = {_aten._scaled_dot_product_flash_attention.default,
                       _aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def op_policy(gemms_seen: list[int], last_weight: tuple | None = None) -> Callable:
+class KeptStorages(set):
+    """The storages of the outputs op's policy kept so far in one region. `pending`: the
+    policy decided to keep an op it saw before the op ran (a torch whose selective
+    checkpoint calls the policy first: 2.11), so `_RecordKept` adds that op's outputs once
+    it has run."""
+    pending: bool = False
+
+
+class _RecordKept(TorchDispatchMode):
+    """Entered under the selective checkpoint's forward mode, it sees each op after the policy
+    decided on it: the outputs of an op the policy kept go into `kept` (where the policy
+    cannot read them from its context: `KeptStorages`)."""
+
+    def __init__(self, kept: KeptStorages):
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.kept.pending:
+            self.kept.pending = False
+            self.kept.update(_storage(t) for t in _tensors(out))
+        return out
+
+
+def op_policy(gemms_seen: list[int], last_weight: tuple | None = None,
+              kept: KeptStorages | None = None) -> Callable:
     """The 'op' mode's selective-checkpoint policy for one checkpointed region: save the 1st,
     3rd, ... 2-D GEMM's output (gemms_seen[0] counts them; the row pieces of a collective
     matmul are one GEMM: they share its weight) and the fused attention kernels'; recompute
@@ -366,12 +393,32 @@ def op_policy(gemms_seen: list[int], last_weight: tuple | None = None) -> Callab
     A collective (c10d's in-place ops) that writes into a kept output — the all-reduce a
     row-parallel GEMM's piece gets in place — is kept too: the recomputation hands back the
     kept tensor, which already holds the reduced values, so reducing it again would double
-    them; a collective writing into anything else runs again."""
+    them; a collective writing into anything else runs again.
+
+    Across torch versions: 2.13 calls the policy once per op, after it ran, with its output;
+    2.11 calls it before the op, with no output (`kept` is then filled through `_RecordKept`:
+    `_op_contexts` makes both), and again for every op it recomputes (`is_recompute`): those
+    calls get the forward's decisions back in order, not a second count of the GEMMs."""
     from torch.utils.checkpoint import CheckpointPolicy
-    kept: set[int] = set()          # storages of the outputs kept so far
+    kept = KeptStorages() if kept is None else kept
     last = [None, False]            # the previous GEMM's weight's place and decision
+    # the forward's decisions per op, replayed in order while recomputing (per op, as 2.11's
+    # cache keeps the saved outputs: an op the forward ran and the recomputation does not
+    # shifts no other op's answers)
+    decided: dict[Any, list[bool]] = {}
+    replayed: dict[Any, int] = {}
 
     def policy(ctx, func, *args, **kwargs):
+        if getattr(ctx, "is_recompute", False):
+            i = replayed.get(func, 0)
+            replayed[func] = i + 1
+            save = decided[func][i]
+        else:
+            save = decide(ctx, func, args)
+            decided.setdefault(func, []).append(save)
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def decide(ctx, func, args) -> bool:
         if func in _LINEAR_GEMMS:
             # the pieces of one GEMM (a row-parallel collective matmul's row pieces) share
             # its weight: one GEMM, one decision
@@ -381,27 +428,39 @@ def op_policy(gemms_seen: list[int], last_weight: tuple | None = None) -> Callab
                 last[:] = weight, gemms_seen[0] % 2 == 1 and weight != last_weight
             save = last[1]
         elif func.namespace == "c10d":
-            save = any(_storage(t) in kept for t in _written(ctx.op_output, args))
+            out = getattr(ctx, "op_output", None)
+            save = any(_storage(t) in kept for t in _written(out, args))
         else:
             save = func in _ATTENTION_KERNELS
-        if save:
+        if save and POLICY_SEES_OUTPUT:
             kept.update(_storage(t) for t in _tensors(ctx.op_output))
-        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        elif save:
+            kept.pending = True
+        return save
     return policy
 
 
+def _sac_parameters(name: str) -> frozenset[str]:
+    """The parameters of torch.utils.checkpoint's `name` (empty where this torch has none)."""
+    obj = getattr(torch.utils.checkpoint, name, None)
+    return frozenset(inspect.signature(obj).parameters) if obj is not None else frozenset()
+
+
+# torch 2.13's selective checkpoint calls the policy after the op with its output
+# (SelectiveCheckpointContext.op_output); 2.11's (the GPU image's, 2026-11-27) before it
+POLICY_SEES_OUTPUT = "op_output" in _sac_parameters("SelectiveCheckpointContext")
+
+
 def op_mode_refusal() -> str | None:
-    """Why this torch cannot run recompute 'op', or None: `op_policy` reads each op's output
-    (`SelectiveCheckpointContext.op_output`: the storages it keeps, the tensors a collective
-    writes), which a torch that calls the policy before the op runs does not hand it (the
-    H200 image's torch 2.11, 2026-11-27: AttributeError in the first forward)."""
-    ctx = getattr(torch.utils.checkpoint, "SelectiveCheckpointContext", None)
-    if ctx is not None and "op_output" in inspect.signature(ctx).parameters:
+    """Why this torch cannot run recompute 'op', or None: it needs PyTorch's selective
+    checkpoint with cache-entry mutation allowed (`_op_contexts`: a kept row-parallel piece is
+    reduced in place after it is kept)."""
+    if "allow_cache_entry_mutation" in _sac_parameters("create_selective_checkpoint_contexts"):
         return None
-    return (f"recompute='op' on torch {torch.__version__}: its selective-checkpoint policy "
-            f"reads each op's output (SelectiveCheckpointContext.op_output), which this torch "
-            f"does not pass; install a torch that does (2.13 does), or plan with recompute "
-            f"'full' or 'selective'")
+    return (f"recompute='op' on torch {torch.__version__}: it needs torch.utils.checkpoint."
+            f"create_selective_checkpoint_contexts(..., allow_cache_entry_mutation=True), "
+            f"which this torch lacks (2.11 and 2.13 have it); install a newer torch, or plan "
+            f"with recompute 'full' or 'selective'")
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -431,9 +490,12 @@ def _op_contexts(streams: DropoutStreams | None, last: torch.Tensor | None) -> t
     """checkpoint's context_fn for 'op': the policy's (forward, recompute) contexts, each
     entered together with the dropout streams' snapshot / replay when the region has any."""
     # a kept row-parallel piece is reduced in place after it is kept (op_policy): expected
+    kept = KeptStorages()
     sac = torch.utils.checkpoint.create_selective_checkpoint_contexts(
-        op_policy([0], None if last is None else _place(last)),
+        op_policy([0], None if last is None else _place(last), kept),
         allow_cache_entry_mutation=True)
+    if not POLICY_SEES_OUTPUT:      # the policy's kept outputs recorded after each op runs
+        sac = (_entered(_RecordKept(kept), sac[0]), sac[1])
     if streams is None:
         return sac
     rng = streams.recompute_context()

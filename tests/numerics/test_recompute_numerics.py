@@ -76,7 +76,7 @@ def _op_decisions_rank(rank: int, world: int, plan) -> list[tuple[int, str]]:
 
         def policy(ctx, func, *args, **kwargs):
             out = inner(ctx, func, *args, **kwargs)
-            if func in R._LINEAR_GEMMS:
+            if func in R._LINEAR_GEMMS and not getattr(ctx, "is_recompute", False):
                 decisions.append((R._place(args[R._WEIGHT_ARG[func]]), out.name))
             return out
         return policy

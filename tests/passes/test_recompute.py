@@ -175,7 +175,8 @@ def test_op_mode_recomputes_every_other_gemm_and_keeps_the_others(name, monkeypa
 
         def policy(ctx, func, *args, **kwargs):
             out = inner(ctx, func, *args, **kwargs)
-            decisions.append((func, out.name))
+            if not getattr(ctx, "is_recompute", False):   # torch 2.11 asks again then
+                decisions.append((func, out.name))
             return out
         return policy
     monkeypatch.setattr(R, "op_policy", recording)
@@ -204,26 +205,58 @@ def test_op_mode_recomputes_every_other_gemm_and_keeps_the_others(name, monkeypa
     assert attention == ["MUST_SAVE"] * 2, decisions
 
 
-def test_op_mode_is_refused_in_one_line_where_torch_does_not_hand_the_policy_the_output(
-        monkeypatch):
-    """op's policy reads each op's output (SelectiveCheckpointContext.op_output). A torch that
-    calls the policy before the op runs — the H200 image's 2.11 (2026-11-27) — failed the
-    first forward with an AttributeError: compile now refuses such a plan in one line (the
-    torch, the rule, the fix) before building anything, and calibrate measures no
-    checkpoint_op_s there."""
+def test_op_policy_keeps_its_outputs_where_the_policy_runs_before_the_op(monkeypatch):
+    """torch 2.11's selective checkpoint (the GPU image's, 2026-11-27) calls the policy before
+    the op runs, with no op_output: the first forward failed with an AttributeError. The
+    policy then marks its decision and `_RecordKept`, entered under the checkpoint's forward
+    mode, records the kept op's outputs once it has run — so a collective writing in place
+    into a kept GEMM output (the row-parallel all-reduce) is still kept, and one writing into
+    anything else is still rerun. 2.11 also asks again for every op it recomputes: those
+    calls get the forward's decisions back in order."""
+    import autopar.passes.recompute as R
+    monkeypatch.setattr(R, "POLICY_SEES_OUTPUT", False)
+    kept = R.KeptStorages()
+    policy = R.op_policy([0], None, kept)
+
+    class Context:                      # 2.11's context: no op_output
+        def __init__(self, is_recompute=False):
+            self.is_recompute = is_recompute
+
+    def run(func, *args):
+        decision = policy(Context(), func, *args).name
+        with R._RecordKept(kept):
+            return decision, func(*args)
+    mm = torch.ops.aten.mm.default
+    x, w1, w2, w3 = torch.randn(4, 8), torch.randn(8, 6), torch.randn(6, 8), torch.randn(8, 8)
+    first, y = run(mm, x, w1)
+    second, z = run(mm, y, w2)
+    assert (first, second) == ("MUST_SAVE", "PREFER_RECOMPUTE")
+    assert R._storage(y) in kept and R._storage(z) not in kept and not kept.pending
+    allreduce = torch.ops.c10d.allreduce_.default     # decided on its arguments: not run here
+    assert policy(Context(), allreduce, [y]).name == "MUST_SAVE"
+    assert policy(Context(), allreduce, [z]).name == "PREFER_RECOMPUTE"
+    # the recomputation asks again, with other GEMMs' weights in its arguments: the answers
+    # are the forward's, in order (counted afresh, its first GEMM would be the 3rd: kept)
+    again = [policy(Context(is_recompute=True), mm, x, w3).name for _ in range(2)]
+    assert again == ["MUST_SAVE", "PREFER_RECOMPUTE"]
+
+
+def test_op_mode_is_refused_in_one_line_where_torch_cannot_mutate_kept_outputs(monkeypatch):
+    """op needs create_selective_checkpoint_contexts(..., allow_cache_entry_mutation=True) (a
+    kept row-parallel piece is reduced in place): a torch without it gets one line from
+    compile, naming the torch, the rule and the fix, before anything is built; calibrate
+    measures no checkpoint_op_s there."""
     import time
 
     import autopar.passes.recompute as R
     from autopar.cost.calibrate_compute import measure_checkpoint_op
-    assert R.op_mode_refusal() is None            # this torch hands the policy the output
+    assert R.op_mode_refusal() is None
 
-    class PolicyBeforeTheOp:                      # torch 2.11's context: no op_output
-        def __init__(self, *, is_recompute):
-            self.is_recompute = is_recompute
-    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", PolicyBeforeTheOp)
+    def older(policy_fn_or_list):
+        raise AssertionError("not reached: compile refuses first")
+    monkeypatch.setattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts", older)
     why = R.op_mode_refusal()
-    assert torch.__version__ in why and "op_output" in why and "'full'" in why
-    assert "\n" not in why
-    with pytest.raises(ValueError, match=r"recompute='op' on torch .*install a torch"):
+    assert torch.__version__ in why and "allow_cache_entry_mutation" in why and "\n" not in why
+    with pytest.raises(ValueError, match=r"recompute='op' on torch .*'full' or 'selective'"):
         _program("gpt", "op", p=1).compile()
     assert measure_checkpoint_op(torch.float32, torch.device("cpu"), time.perf_counter) == 0.0
