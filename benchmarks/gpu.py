@@ -18,7 +18,10 @@ A GPU is lent to this project only now and then, so what it can tell is ready to
     # (the H200, same day: calibrate 25 s, checkpoint ~2 min, 12 memory rows 41 s, single-gpt
     # 115 s, single-llama 165 s; a lent machine started in ~30 s). On an H200 prepare with
     # --cluster dgx-h200-141gb. The device tool copies untracked files git does not ignore:
-    # where gpu_run/ is ignored (.git/info/exclude), name it in the call's carry list
+    # where gpu_run/ is ignored (.git/info/exclude), name it in the call's carry list.
+    # Not yet run on a GPU (fixed after the H200 run): calibrate's host floor and 16K-token
+    # attention rows, recompute op on the image's torch 2.11 — first, next time:
+    #   --parts calibrate,memory:memory-op-mb1+memory-op-mb2+memory-op-mb4,single:single-gpt
     # both in one process, e.g. the plumbing on CPU (tests/numerics/test_gpu_benchmark.py, CI):
     python benchmarks/gpu.py all --device cpu --quick --out /tmp/gpu_quick
 
