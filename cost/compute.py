@@ -170,6 +170,16 @@ def split_backward_s(cluster: Cluster, region: RegionProfile, compute_s: float) 
             + cluster.split_backward_frac * compute_s)
 
 
+def selective_checkpoint_s(cluster: Cluster, region: RegionProfile) -> float:
+    """Seconds recompute op's selective checkpoint adds to a region per micro-batch: every
+    forward op × the cluster's measured checkpoint_op_s (its dispatch mode sees each op in the
+    forward and again in the recomputation). Like `dispatch_s`, 0 unless the cluster runs
+    elementwise ops "eager": it is host work, which a fused GPU stack's kernels hide."""
+    if cluster.elementwise != "eager":
+        return 0.0
+    return forward_ops(region) * cluster.checkpoint_op_s
+
+
 def forward_ops(region: RegionProfile) -> int:
     """The ops a region's forward dispatches: its eager ops, GEMMs and attention kernels."""
     fused = region.fused
@@ -201,10 +211,9 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
         rec = attn_gemm + k_fwd + elementwise_time_s(
             cluster, rank_attention_bytes(blk, t, fix, 2 * b))
     elif recompute == "op":   # every other GEMM, all the elementwise work and its dispatch,
-        # and on an eager host the selective checkpoint's own per-op work
-        rec = sum(gemm[i] for i in op_checkpoint(profile, blk)[1]) + fwd_other + d_fwd + (
-            forward_ops(blk) * cluster.checkpoint_op_s if cluster.elementwise == "eager"
-            else 0.0)
+        # and the selective checkpoint's own per-op work
+        rec = (sum(gemm[i] for i in op_checkpoint(profile, blk)[1]) + fwd_other + d_fwd
+               + selective_checkpoint_s(cluster, blk))
     else:
         rec = 0.0
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
