@@ -34,6 +34,12 @@ class WeightWork:
     groups: list[dict[str, Any]] | None = None
     full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
     weights: dict[Any, torch.Tensor] | None = None     # AccumulateGrad node -> weight
+    # B's outputs, held until W: they hold the graph the recorded nodes belong to. A Python
+    # autograd.Function's node (expert parallelism's all-to-all, a torch.library op's
+    # autograd) is held by its Python object only weakly on torch 2.11; dropped with the
+    # outputs, its recorded edge is dead at W ("element 0 of tensors does not require grad").
+    # Their data is what the executor left (released where sent).
+    roots: list[torch.Tensor] | None = None
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -77,7 +83,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     finally:
         for h in handles:
             h.remove()
-    return WeightWork(groups=groups, weights=acc)
+    return WeightWork(groups=groups, weights=acc, roots=[o for o, _ in outs])
 
 
 def backward_weight(work: WeightWork) -> None:
@@ -108,3 +114,4 @@ def backward_weight(work: WeightWork) -> None:
             for h in handles:
                 h.remove()
         group.clear()
+    work.roots = None

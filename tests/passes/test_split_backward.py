@@ -109,3 +109,34 @@ def test_a_chunks_saved_tensors_live_until_its_w_and_no_longer():
     del work
     gc.collect()
     assert all(p() is None for p in probes)             # after W: freed
+
+
+
+class _Matmul(torch.autograd.Function):
+    """x·wᵀ as a Python autograd.Function, as transformers' grouped_mm op under expert
+    parallelism: the weight's branch joins the input's path at a Python Function's node."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def test_w_after_the_outputs_are_dropped_at_a_python_functions_node():
+    """The executor drops a chunk's outputs after B. A recorded node that is a Python
+    Function's lives only through the graph on torch 2.11: W must still reach it."""
+    w0, x0, dy = torch.randn(4, 4), torch.randn(3, 4), torch.randn(3, 4)
+    wr, w = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    (_Matmul.apply(x0.clone().requires_grad_(), wr) * 3).backward(dy)
+
+    x = x0.clone().requires_grad_()
+    y = _Matmul.apply(x, w) * 3
+    work = backward_input([y], [dy], [x], [w])
+    del y
+    backward_weight(work)
+    torch.testing.assert_close(w.grad, wr.grad)
