@@ -25,6 +25,7 @@ or casts its shards with the weight's all-reduced amax: `fp8_shard_cast`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -86,7 +87,25 @@ def scaled_gemm(a: torch.Tensor, b: torch.Tensor | tuple, a_dtype: torch.dtype,
                                                   b_dtype, recipe.pow2_scales)
     if recipe.rowwise:
         sb = sb.t()                    # (1, N): one scale per column of bᵀ
+        if a8.device.type == "cpu" and not _cpu_takes_rowwise_scales():
+            one = torch.ones((), device=a8.device)
+            c = torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            return (c * sa * sb).to(a.dtype)
     return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=a.dtype)
+
+
+@functools.cache
+def _cpu_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes a scale per row (2.13 does; 2.11's takes
+    one per operand, and a rowwise GEMM there is the unscaled product scaled after, in fp32:
+    the same C = diag(sA)·(A8·B8ᵀ)·diag(sB))."""
+    a = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _groups(r: Fp8Recipe, tp: Any, cp: Any, partial_fwd: bool,
