@@ -57,3 +57,22 @@ def test_gemm_dims_not_multiple_of_16_is_one_line():
         build_program(prog, "fp8").chunks(0, weights=False)
     msg = str(err.value)
     assert "\n" not in msg and "40" in msg and "multiple of 16" in msg and "pad" in msg
+
+
+def test_rowwise_gemm_where_the_cpu_kernel_takes_one_scale_per_operand(monkeypatch):
+    """torch 2.11's CPU `_scaled_mm` refuses rowwise scales: there the GEMM is the unscaled
+    FP8 product scaled after. Both ways equal the dequantised operands' product (fp32)."""
+    from autopar.runtime import fp8
+    torch.manual_seed(0)
+    a = torch.randn(32, 64) * torch.logspace(-3, 3, 32)[:, None]    # rows far apart
+    b = torch.randn(16, 64)
+    r = fp8.RECIPES["rowwise"]
+    a8, sa = fp8._cast(a, fp8._amax(a, True, ()), fp8.E4M3, True)
+    b8, sb = fp8._cast(b, fp8._amax(b, True, ()), fp8.E4M3, True)
+    want = (a8.float() * sa) @ (b8.float() * sb).t()
+    got = []
+    for native in ([True] if fp8._cpu_takes_rowwise_scales() else []) + [False]:
+        monkeypatch.setattr(fp8, "_cpu_takes_rowwise_scales", lambda n=native: n)
+        got.append(fp8.scaled_gemm(a, b, fp8.E4M3, fp8.E4M3, r))
+    for c in got:
+        torch.testing.assert_close(c, want, rtol=1e-5, atol=0)
