@@ -122,5 +122,34 @@ def test_the_pipeline_messages_get_their_own_scale():
     assert c1 == b1
     _, b2, c2 = fit_scales(trials[:4])                  # 4 plans: too few for three scales
     assert c2 == b2
-    with pytest.raises(ValueError, match="pipeline_p2p_scale=0"):
-        dataclasses.replace(cluster, pipeline_p2p_scale=0.0)
+    with pytest.raises(ValueError, match="pipeline_p2p_scale=-0.1"):
+        dataclasses.replace(cluster, pipeline_p2p_scale=-0.1)
+
+
+def test_pipeline_messages_fitted_below_zero_are_priced_hidden():
+    """Where the plans with pipeline messages are over-priced by more than their messages,
+    the unconstrained c is negative; the fit takes its bound, c = 0 (messages hidden behind
+    compute), with a and b fitted again — not c = b, which leaves the pipeline plans
+    over-priced. The refitted cluster prices a hop at 0, and its plans nearer the measured."""
+    from autopar.cost.comm import p2p_hop_s
+    from autopar.cost.model import Config
+    cluster = get_cluster("h100-eth100g")
+    plans, prof = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
+                                                     for pins in PINS[3:]))
+    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+    parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
+              - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
+              pl.predicted.pp_comm_s) for pl in plans]
+    measured = [1.1 * x + 0.9 * y - 0.3 * z for x, y, z in parts]
+    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
+              for pl, m in zip(plans, measured)]
+    a, b, c = fit_scales(trials)
+    assert c == 0.0 and a > 0 and b > 0
+
+    def error(a, b, c):
+        return sum(abs((a * x + b * y + c * z) / m - 1) for (x, y, z), m in zip(parts, measured))
+    assert error(a, b, c) < error(*fit_scales(trials, separate_p2p=False))
+    refit = refit_cluster(cluster, a, b, "test", p2p=c)
+    assert refit.pipeline_p2p_scale == 0.0
+    cfg = Config.of_plan(plans[3])                     # p = 2, t = 1: no all-gather
+    assert p2p_hop_s(prof, cluster, cfg) > 0 and p2p_hop_s(prof, refit, cfg) == 0.0
