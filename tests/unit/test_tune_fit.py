@@ -89,6 +89,24 @@ def test_one_plan_the_scales_cannot_fit_leaves_the_others_fitted():
     assert a == pytest.approx(1.7, rel=1e-3) and b == pytest.approx(2.5, rel=1e-3)
 
 
+def _pipeline_plans(cluster):
+    """The PINS plans, the pipelined ones under 1F1B (whose order charges every hop: an
+    interleaved group of N > p hides them on a GPU), their profile, and each plan's
+    (compute, collectives, pipeline messages) seconds as `fit_scales` splits them."""
+    plans, prof = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
+                                                     for pins in PINS[3:]))
+    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
+    parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
+              - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
+              pl.predicted.pp_comm_s) for pl in plans]
+    return plans, prof, parts
+
+
+def _trials(plans, measured):
+    return [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
+            for pl, m in zip(plans, measured)]
+
+
 def test_the_pipeline_messages_get_their_own_scale():
     """The refit scales the pipeline's messages apart from the collectives (what pre-posted
     sends cost drifts on its own): with compute ×1.1, collectives ×0.9 and pipeline messages
@@ -98,17 +116,10 @@ def test_the_pipeline_messages_get_their_own_scale():
     from autopar.cost.comm import allreduce_s, p2p_hop_s, p2p_s
     from autopar.cost.model import Config
     cluster = get_cluster("h100-eth100g")
-    # 1F1B's order charges every hop (an interleaved group of N > p hides them on a GPU)
-    plans, prof = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
-                                                     for pins in PINS[3:]))
-    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
-    parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
-              - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
-              pl.predicted.pp_comm_s) for pl in plans]
+    plans, prof, parts = _pipeline_plans(cluster)
     assert sum(1 for *_, pp in parts if pp > 0) >= 2
     measured = [1.1 * x + 0.9 * y + 0.4 * z for x, y, z in parts]
-    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
-              for pl, m in zip(plans, measured)]
+    trials = _trials(plans, measured)
     a, b, c = fit_scales(trials)
     assert (a, b, c) == pytest.approx((1.1, 0.9, 0.4), rel=1e-4)
     refit = refit_cluster(cluster, a, b, "test", p2p=c)
@@ -130,19 +141,13 @@ def test_pipeline_messages_fitted_below_zero_are_priced_hidden():
     """Where the plans with pipeline messages are over-priced by more than their messages,
     the unconstrained c is negative; the fit takes its bound, c = 0 (messages hidden behind
     compute), with a and b fitted again — not c = b, which leaves the pipeline plans
-    over-priced. The refitted cluster prices a hop at 0, and its plans nearer the measured."""
+    over-priced (a larger total error). The refitted cluster prices a hop at 0."""
     from autopar.cost.comm import p2p_hop_s
     from autopar.cost.model import Config
     cluster = get_cluster("h100-eth100g")
-    plans, prof = _plans(cluster, PINS[:3] + tuple(dict(pins, schedule="1f1b")
-                                                     for pins in PINS[3:]))
-    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s")
-    parts = [(pl.predicted.step_time_s - sum(getattr(pl.predicted, k) for k in coll)
-              - pl.predicted.pp_comm_s, sum(getattr(pl.predicted, k) for k in coll),
-              pl.predicted.pp_comm_s) for pl in plans]
+    plans, prof, parts = _pipeline_plans(cluster)
     measured = [1.1 * x + 0.9 * y - 0.3 * z for x, y, z in parts]
-    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
-              for pl, m in zip(plans, measured)]
+    trials = _trials(plans, measured)
     a, b, c = fit_scales(trials)
     assert c == 0.0 and a > 0 and b > 0
 
