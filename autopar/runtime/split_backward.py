@@ -34,12 +34,12 @@ class WeightWork:
     groups: list[dict[str, Any]] | None = None
     full: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
     weights: dict[Any, torch.Tensor] | None = None     # AccumulateGrad node -> weight
-    # B's outputs, held until W: they hold the graph the recorded nodes belong to. A Python
+    # what holds the graph of the recorded nodes until W (`_graph_holds`): a Python
     # autograd.Function's node (expert parallelism's all-to-all, a torch.library op's
-    # autograd) is held by its Python object only weakly on torch 2.11; dropped with the
-    # outputs, its recorded edge is dead at W ("element 0 of tensors does not require grad").
-    # Their data is what the executor left (released where sent).
-    roots: list[torch.Tensor] | None = None
+    # autograd) is held by its Python object only weakly on torch 2.11; with the chunk's
+    # outputs dropped after B, its recorded edge is dead at W ("element 0 of tensors does not
+    # require grad")
+    roots: list[Any] | None = None
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -83,7 +83,15 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     finally:
         for h in handles:
             h.remove()
-    return WeightWork(groups=groups, weights=acc, roots=[o for o, _ in outs])
+    return WeightWork(groups=groups, weights=acc, roots=_graph_holds([o for o, _ in outs]))
+
+
+def _graph_holds(outputs: Sequence[torch.Tensor]) -> list[Any]:
+    """Per output, what keeps its autograd graph alive without its data: its grad_fn where
+    that is a C++ node (whose Python object owns it), else the output itself (a Python
+    Function's node is owned by the graph only)."""
+    from torch.autograd.function import BackwardCFunction
+    return [o if isinstance(o.grad_fn, BackwardCFunction) else o.grad_fn for o in outputs]
 
 
 def backward_weight(work: WeightWork) -> None:

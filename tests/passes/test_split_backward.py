@@ -127,15 +127,21 @@ class _Matmul(torch.autograd.Function):
         return g @ w, g.t() @ x
 
 
-def test_w_after_the_outputs_are_dropped_at_a_python_functions_node():
+@pytest.mark.parametrize("scale", [3.0, None])
+def test_w_after_the_outputs_are_dropped_at_a_python_functions_node(scale):
     """The executor drops a chunk's outputs after B. A recorded node that is a Python
-    Function's lives only through the graph on torch 2.11: W must still reach it."""
+    Function's lives only through the graph on torch 2.11: W must still reach it, whether
+    the output's own node is a C++ one (× scale) or that Python Function's (None)."""
     w0, x0, dy = torch.randn(4, 4), torch.randn(3, 4), torch.randn(3, 4)
     wr, w = w0.clone().requires_grad_(), w0.clone().requires_grad_()
-    (_Matmul.apply(x0.clone().requires_grad_(), wr) * 3).backward(dy)
+
+    def chunk(x, w):
+        y = _Matmul.apply(x, w)
+        return y if scale is None else y * scale
+    chunk(x0.clone().requires_grad_(), wr).backward(dy)
 
     x = x0.clone().requires_grad_()
-    y = _Matmul.apply(x, w) * 3
+    y = chunk(x, w)
     work = backward_input([y], [dy], [x], [w])
     del y
     backward_weight(work)
