@@ -54,6 +54,10 @@ _P2P_TERMS = ("pp_comm_s",)
 # a third scale for the pipeline's send/recv is fitted only with enough plans to hold it: at
 # least this many plans that send pipeline messages, and this many more plans than scales
 MIN_P2P_PLANS, SPARE_PLANS = 2, 2
+# the least pipeline-message scale a fit returns (`fit_scales`): 1% of the priced message, not
+# 0, so that the messages stay a term the next tune can fit (a cluster pricing them at 0
+# would give every plan a p2p term of 0, and no later fit could raise it)
+P2P_FLOOR = 0.01
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -286,14 +290,14 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
     pipeline's pre-posted sends and receives cost apart from the collectives (on 2 local CPU
     ranks, priced from calibrate's blocking exchange, 0.1 – 0.4 of it in four runs while the
     collectives' scale stayed 0.8 – 1.2; priced from its relay, `comm.hop_s`, 0.7 – 3.3 of a
-    hop ~0.1 ms, a few % of a step). Otherwise c = b. c may be 0, not below: the runtime's
-    pre-posted sends and receives can hide every message behind compute, so a c fitted
-    negative (the plans with messages over-priced by more than their messages) is fitted
-    again at its bound, c = 0, the least error where c ≥ 0; taking c = b there instead left
-    the pipeline plans over-priced (Llama GQA on 2 local ranks: c = −0.06 unconstrained; at
-    c = b the worst error 14.6%, at c = 0 7.7%, the median 1.3% / 1.2%). A compute or
-    collectives scale with no term to fit, or fitted non-positive, is dropped (kept at 1, or
-    c = b): neither can cost nothing."""
+    hop ~0.1 ms, a few % of a step). Otherwise c = b. c may go down to P2P_FLOOR, not below:
+    the runtime's pre-posted sends and receives can hide nearly every message behind compute,
+    so a c fitted below it (the plans with messages over-priced by more than their messages)
+    is fitted again at that bound, the least error where c ≥ P2P_FLOOR; taking c = b there
+    instead left the pipeline plans over-priced (Llama GQA on 2 local ranks: c = −0.06
+    unconstrained; at c = b the worst error 14.6%, at the bound 7.7%, the median 1.3% /
+    1.2%). A compute or collectives scale with no term to fit, or fitted non-positive, is
+    dropped (kept at 1, or c = b): neither can cost nothing."""
     def col(keys):
         return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
     comp, comm, p2p = col(_COMPUTE_TERMS), col(_COMM_TERMS), col(_P2P_TERMS)
@@ -301,12 +305,13 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
     if separate_p2p and int((p2p > 0).sum()) >= MIN_P2P_PLANS \
             and len(trials) >= 3 + SPARE_PLANS and comm.sum() > 0:
         a, b, c = _least_absolute(np.stack([comp, comm, p2p], axis=1) / meas[:, None], rounds)
-        if a > 0 and b > 0 and c > 0:
+        if a > 0 and b > 0 and c >= P2P_FLOOR:
             return float(a), float(b), float(c)
-        if c <= 0:                                   # at its bound: messages priced as hidden
-            a, b = _least_absolute(np.stack([comp, comm], axis=1) / meas[:, None], rounds)
+        if c < P2P_FLOOR:                       # at its bound: the messages nearly all hidden
+            a, b = _least_absolute(np.stack([comp, comm], axis=1) / meas[:, None], rounds,
+                                   1 - P2P_FLOOR * p2p / meas)
             if a > 0 and b > 0:
-                return float(a), float(b), 0.0
+                return float(a), float(b), P2P_FLOOR
     a_mat = np.stack([comp, comm + p2p], axis=1) / meas[:, None]
     if (comm + p2p).sum() > 0:
         a, b = _least_absolute(a_mat, rounds)

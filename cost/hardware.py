@@ -175,8 +175,8 @@ class Cluster:
     # curve, else the send/recv curve or the link), fitted by `autopar tune` where the
     # pipeline's messages cost apart from the collectives (against calibrate's blocking
     # exchange, before the hop was measured: 0.1 - 0.4 on 2 local CPU ranks; against the hop
-    # 0.7 - 3.3); 1: as measured (the presets, a fresh calibration); 0: every message hidden
-    # behind compute (what a fit finds where the runtime's pre-posted messages cost nothing)
+    # 0.7 - 3.3); 1: as measured (the presets, a fresh calibration); near 0 where the
+    # runtime's pre-posted messages hide behind compute (tuning.P2P_FLOOR)
     pipeline_p2p_scale: float = 1.0
     sources: tuple[str, ...] = field(default=())
 
@@ -188,10 +188,10 @@ class Cluster:
             raise ValueError(f"Cluster.tp_comm_overlap={self.tp_comm_overlap!r}: must be in "
                              f"[0, 1], the fraction of an overlapped TP collective that "
                              f"costs nothing")
-        if not self.pipeline_p2p_scale >= 0:
+        if not self.pipeline_p2p_scale > 0:
             raise ValueError(f"Cluster.pipeline_p2p_scale={self.pipeline_p2p_scale!r}: must be "
-                             f">= 0, a pipeline message's time over its send/recv's (1: as "
-                             f"measured, 0: hidden behind compute)")
+                             f"positive, a pipeline message's time over its send/recv's (1: "
+                             f"as measured)")
         if self.tp_row_pieces < 1:
             raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
                              f"the calls a row-parallel reduction is issued as (1: one)")
