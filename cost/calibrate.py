@@ -165,12 +165,21 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
     every call from 16 KB to 256 KB, all-reduce or send/recv, took 0.8-1.2 ms). Training pays
     every call's wait, so the best of a few short batches back to back (what calibrate took
     until 2026-11-26) priced the host's tensor- and context-parallel steps 1.5-2× fast; where
-    waking is prompt (NCCL on a GPU) this is the call's own time."""
+    waking is prompt (NCCL on a GPU) this is the call's own time.
+
+    The batches go in rounds over every (collective, size) of a link, not three back to back:
+    how often those waits come drifts over seconds, and three batches within a third of a
+    second caught one collective at one rate and the next at another (the send/recv exchange
+    at 64 KiB read 0.53 – 1.89 ms in five calibrations of one afternoon, 2026-11-27, while
+    the all-reduce beside it stayed within ±12%), which priced ring attention −16% in one
+    calibration and +15% in the next; in rounds each timing spans the link's whole
+    measurement."""
     sizes = _QUICK_MSG_BYTES if quick else _FULL_MSG_BYTES
     burst = _burst(device)
     calls = COLLECTIVE_CALLS if not quick else 10
+    rounds = 2 if quick else 3
     dist.barrier()   # the burst alone, every rank at once (as it runs beside each collective)
-    burst_s = timed_s(burst, device, calls, 2 if quick else 3, typical=True)
+    burst_s = timed_s(burst, device, calls, rounds, typical=True)
     out: dict[str, Any] = {}
     for link, lists in groups.items():
         mine = None
@@ -178,21 +187,25 @@ def measure_collectives(groups: dict[str, list[list[int]]], device: torch.device
             group = dist.new_group(ranks)
             if dist.get_rank() in ranks:
                 mine = (group, ranks)
+        taken: dict[tuple[str, int], list[float]] = {}
+        for r in range(rounds):
+            for name in COLLECTIVES:
+                if r == rounds - 1:
+                    tick(f"{link}-node {name.replace('_', '-')}")
+                for nbytes in sizes:
+                    dist.barrier()
+                    if mine is None:
+                        continue
+                    # buffers made per batch, as before: a calibration holds one size's
+                    # (its device memory reading comes after)
+                    fn, whole = _collective_fns(name, nbytes, *mine, device)
+                    taken.setdefault((name, whole), []).append(_after_compute_s(
+                        fn, burst, burst_s, device,
+                        calls if nbytes <= (1 << 20) else calls // 4, 1))
         rows: dict[str, list] = {name: [] for name in COLLECTIVES}
-        for name in COLLECTIVES:
-            tick(f"{link}-node {name.replace('_', '-')}")
-            for nbytes in sizes:
-                dist.barrier()
-                if mine is None:
-                    continue
-                group, ranks = mine
-                fn, whole = _collective_fns(name, nbytes, group, ranks, device)
-                seconds = _after_compute_s(fn, burst, burst_s, device,
-                                           calls if nbytes <= (1 << 20) else calls // 4,
-                                           2 if quick else 3)
-                if name == "hop":   # a relay's call is a round trip: two hops
-                    seconds /= 2
-                rows[name].append([whole, len(ranks), seconds])
+        for (name, whole), times in taken.items():   # a relay's call is a round trip: 2 hops
+            rows[name].append([whole, len(mine[1]),
+                               float(np.mean(times)) / (2 if name == "hop" else 1)])
         if lists:
             out[link] = rows
     return out

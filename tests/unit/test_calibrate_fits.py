@@ -453,3 +453,38 @@ def test_gemm_fit_takes_off_the_launches_the_cost_model_adds_apart():
     assert got_peak == pytest.approx(peak, rel=0.02) and got_half == pytest.approx(half, rel=0.1)
     naive_peak, naive_half = fit_gemm(curve)
     assert naive_half > 1.3 * half     # the launches read as a slower ramp
+
+
+def test_collectives_are_timed_in_rounds_over_every_collective_and_size(monkeypatch):
+    """Each (collective, size) is timed once per round, rounds over all of them in turn (the
+    host's waits drift over seconds: three batches back to back caught one collective at
+    one rate and the next at another), its time the mean of its rounds (a relay's: half, a
+    round trip being two hops)."""
+    import types
+
+    import torch
+
+    from autopar.cost import calibrate as C
+    order: list[tuple[str, int]] = []
+    fake_dist = types.SimpleNamespace(barrier=lambda: None, new_group=lambda ranks: "g",
+                                      get_rank=lambda: 0)
+    monkeypatch.setattr(C, "dist", fake_dist)
+    monkeypatch.setattr(C, "_burst", lambda device: (lambda: None))
+    monkeypatch.setattr(C, "timed_s", lambda *a, **k: 0.0)
+    monkeypatch.setattr(C, "_collective_fns", lambda name, nbytes, group, ranks, device:
+                        ((name, nbytes), nbytes))
+
+    def timed(fn, burst, burst_s, device, calls, repeats):
+        assert repeats == 1
+        order.append(fn)
+        return 1e-3 * (1 + (len(order) - 1) // len(cases))   # 1, 2, 3 ms: rounds 1, 2, 3
+    monkeypatch.setattr(C, "_after_compute_s", timed)
+    sizes = C._FULL_MSG_BYTES
+    cases = [(name, n) for name in C.COLLECTIVES for n in sizes]
+    ticks: list[str] = []
+    out = C.measure_collectives({"intra": [[0, 1]]}, torch.device("cpu"), False, ticks.append)
+    assert order == cases * 3                       # rounds, not batches back to back
+    assert len(ticks) == len(C.COLLECTIVES)         # the progress bar's count, as before
+    rows = out["intra"]
+    assert rows["all_reduce"] == [[n, 2, pytest.approx(2e-3)] for n in sizes]
+    assert rows["hop"] == [[n, 2, pytest.approx(1e-3)] for n in sizes]
