@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from autopar.cost.config import (SCHEDULE_TRAITS, ZERO_TRAITS, Config, ConfigCosts, inflight,
                                  pending_weight_grads)
@@ -40,22 +40,35 @@ if TYPE_CHECKING:
     from autopar.cost.memo import CostMemo
 
 
-def _gemm_output_bytes(profile: ModelProfile, region: RegionProfile, t: int, b: int) -> float:
-    """Bytes of the outputs of the region's weight GEMMs for b sequences: the gradients at
-    those outputs are what a deferred W keeps (split_backward's recorded gradients)."""
-    total = 0.0
-    for g in region.gemms:
-        if g.has_weight_grad:
-            total += g.batch * g.m * g.n / (t if g.tp_split == "n" else 1)
-    return b * total * profile.activation_bytes_per_elem
+def gemm_outputs_bytes(profile: ModelProfile, region: RegionProfile, t: int, b: int,
+                       indices: Iterable[int], whole: Iterable[int] = ()) -> float:
+    """Bytes of the outputs of `region.gemms[i]` for i in `indices`, b sequences, on one
+    tensor rank: a GEMM split over its output columns or its batch (the heads) holds 1/t of
+    its output, unless the tensor-parallel pass keeps it whole (`whole`: the fallback's
+    replicated GEMMs, cost/shares.tp_fallback)."""
+    kept, gemms = set(whole), region.gemms
+    return b * profile.activation_bytes_per_elem * sum(
+        gemms[i].batch * gemms[i].m * gemms[i].n
+        / (t if gemms[i].tp_split in ("n", "batch") and i not in kept else 1) for i in indices)
 
 
-def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int) -> float:
+def _weight_gemm_outputs_bytes(profile: ModelProfile, region: RegionProfile, t: int, b: int,
+                               whole: Iterable[int]) -> float:
+    """The outputs of the region's weight GEMMs: the gradients at them are what a deferred W
+    keeps (split_backward's recorded gradients)."""
+    return gemm_outputs_bytes(profile, region, t, b,
+                              (i for i, g in enumerate(region.gemms) if g.has_weight_grad),
+                              whole)
+
+
+def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int, sp: bool = False) -> float:
     """Per layer per micro-batch, what a deferred W keeps besides the layer's saved
     activations (held until the W, counted by `inflight`): the recorded output gradients of
-    its weight GEMMs. Recomputed activations are not kept from B to W: a checkpointed region
-    recomputes again in the W (torch.utils.checkpoint unpacks each recomputed tensor once)."""
-    return _gemm_output_bytes(profile, profile.block, t, b)
+    its weight GEMMs, whole where the tensor-parallel pass keeps a GEMM whole. Recomputed
+    activations are not kept from B to W: a checkpointed region recomputes again in the W
+    (torch.utils.checkpoint unpacks each recomputed tensor once)."""
+    return _weight_gemm_outputs_bytes(profile, profile.block, t, b,
+                                      tp_fallback(profile, "block", t, sp).replicated_gemms)
 
 
 def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str,
@@ -67,12 +80,9 @@ def layer_activation_bytes(profile: ModelProfile, t: int, b: int, recompute: str
         return b * blk.input_bytes / (t if sp else 1)
     fix = tp_fallback(profile, "block", t, sp)
     if recompute == "op":   # the block's input and the outputs the policy keeps
-        e, whole = profile.activation_bytes_per_elem, set(fix.replicated_gemms)
-        gemms = blk.gemms
-        kept = sum(gemms[i].batch * gemms[i].m * gemms[i].n * e
-                   / (t if gemms[i].tp_split in ("n", "batch") and i not in whole else 1)
-                   for i in op_checkpoint(profile, blk)[0])
-        return b * (blk.input_bytes / (t if sp else 1) + kept)
+        return (b * blk.input_bytes / (t if sp else 1)
+                + gemm_outputs_bytes(profile, blk, t, b, op_checkpoint(profile, blk)[0],
+                                     fix.replicated_gemms))
     repl = blk.act_replicated_bytes / (t if sp else 1)
     kept = (blk.act_split_bytes - fix.act_split_bytes) / t + repl + fix.act_split_bytes
     if recompute == "none":
@@ -130,8 +140,9 @@ def microbatch_activations(profile: ModelProfile, cfg: Config,
     # deferred weight gradients (split backward): held on top, per pending chunk-micro-batch
     pend_layer = pend_head = 0.0
     if SCHEDULE_TRAITS[cfg.schedule].pending is not None:
-        pend_layer = pending_w_layer_bytes(profile, t, b)
-        pend_head = _gemm_output_bytes(profile, profile.head, t, b) * vpad_ratio
+        pend_layer = pending_w_layer_bytes(profile, t, b, sp)
+        pend_head = _weight_gemm_outputs_bytes(profile, profile.head, t, b,
+                                               hfix.replicated_gemms) * vpad_ratio
     return MicrobatchActivations(layer=act_layer, embedding=emb_act, head=head_act,
                                  pending_layer=pend_layer, pending_head=pend_head, work=work,
                                  head_work=2 * head_split)

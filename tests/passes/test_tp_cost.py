@@ -137,6 +137,27 @@ def test_fallback_memory_counts_kv_weights_whole():
     assert M.predict(prof, A100, cfg2) == M.predict(fixed, A100, cfg2)
 
 
+def test_a_deferred_w_keeps_the_replicated_gemms_outputs_whole():
+    """Zero-bubble's deferred W keeps the gradient at each weight GEMM's output: a k/v
+    projection the pass keeps whole (t = 4 > 2 kv heads) has its whole output on every rank,
+    not 1/t of it; at t = 2 nothing is replicated and nothing changes."""
+    from autopar.cost.memory import pending_w_layer_bytes
+    prof, fixed = _profiles(kv=2)
+    t, b = 4, 2
+    whole = fixed.tp_correction(t).block.replicated_gemms
+    e = prof.activation_bytes_per_elem
+    outputs = sum(prof.block.gemms[i].batch * prof.block.gemms[i].m * prof.block.gemms[i].n
+                  for i in whole)
+    assert outputs > 0
+    assert (pending_w_layer_bytes(fixed, t, b) - pending_w_layer_bytes(prof, t, b)
+            == pytest.approx(b * e * outputs * (1 - 1 / t)))
+    assert pending_w_layer_bytes(fixed, 2, b) == pending_w_layer_bytes(prof, 2, b)
+    zb = M.Config(t=t, p=2, d=1, v=2, schedule="interleaved-zb", micro_batch_size=b,
+                  num_microbatches=4)
+    assert (M.predict(fixed, A100, zb).memory.activations_bytes
+            > M.predict(prof, A100, zb).memory.activations_bytes)
+
+
 def test_analysis_can_be_rerun_for_any_t():
     """The pass writes only meta: analysing t = 4, 2, 4 in any order gives the same answers."""
     cap, structure, prof = _captured(kv=2)
