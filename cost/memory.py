@@ -61,7 +61,7 @@ def _weight_gemm_outputs_bytes(profile: ModelProfile, region: RegionProfile, t: 
                               whole)
 
 
-def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int, sp: bool = False) -> float:
+def pending_w_layer_bytes(profile: ModelProfile, t: int, b: int, sp: bool) -> float:
     """Per layer per micro-batch, what a deferred W keeps besides the layer's saved
     activations (held until the W, counted by `inflight`): the recorded output gradients of
     its weight GEMMs, whole where the tensor-parallel pass keeps a GEMM whole. Recomputed

@@ -149,9 +149,9 @@ def test_a_deferred_w_keeps_the_replicated_gemms_outputs_whole():
     outputs = sum(prof.block.gemms[i].batch * prof.block.gemms[i].m * prof.block.gemms[i].n
                   for i in whole)
     assert outputs > 0
-    assert (pending_w_layer_bytes(fixed, t, b) - pending_w_layer_bytes(prof, t, b)
+    assert (pending_w_layer_bytes(fixed, t, b, False) - pending_w_layer_bytes(prof, t, b, False)
             == pytest.approx(b * e * outputs * (1 - 1 / t)))
-    assert pending_w_layer_bytes(fixed, 2, b) == pending_w_layer_bytes(prof, 2, b)
+    assert pending_w_layer_bytes(fixed, 2, b, False) == pending_w_layer_bytes(prof, 2, b, False)
     zb = M.Config(t=t, p=2, d=1, v=2, schedule="interleaved-zb", micro_batch_size=b,
                   num_microbatches=4)
     assert (M.predict(fixed, A100, zb).memory.activations_bytes
