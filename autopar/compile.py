@@ -204,8 +204,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
                   actions=actions, device=device, max_grad_norm=max_grad_norm,
                   record_timeline=record_timeline, scaler=scaler,
                   owns_default_group=owns_default_group,
-                  state_dict=StateDictSpec(graph_names=built.state_keys,
-                                           reference=prog.model.state_dict))
+                  state_dict=StateDictSpec.of_model(prog.model, built.state_keys,
+                                                    _held_names(graphs)))
 
 
 # ---- loading this rank's chunks ---------------------------------------------------------
@@ -325,6 +325,12 @@ def _expert_slices(graphs: list[torch.fx.GraphModule], chunks: dict[int, LoadedC
                 s = n.meta[K.EP_PARAM]
                 out[spec.params[n.target]] = (s.experts, s.start, s.stop)
     return out
+
+
+def _held_names(graphs: list[torch.fx.GraphModule]) -> set[str]:
+    """The graph names of the tensors some chunk holds (every rank lists all chunks)."""
+    specs = [gm.meta[K.CHUNK] for gm in graphs]
+    return {q for spec in specs for q in (*spec.params.values(), *spec.buffers.values())}
 
 
 def _user_keys(built: BuiltProgram) -> dict[str, list[str]]:

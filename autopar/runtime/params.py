@@ -206,16 +206,34 @@ class StateDictSpec:
     """How the single-device state dict is assembled from the ranks' tensors.
 
     graph_names: user key -> the graph name of the tensor holding it (tied weights: several
-      keys, one name). reference: the user's model's state_dict (its key order, and the value
-      of a key no chunk holds, e.g. a buffer the captured program never reads).
+      keys, one name). keys: the user's model's state-dict keys, in its order. fallback:
+      copies of the values of the keys no chunk holds (a buffer the captured program never
+      reads, a mask a pass replaced, a pooler no loss reaches). The runner keeps these, not the
+      user's model (`of_model`).
     """
     graph_names: Mapping[str, str]
-    reference: Callable[[], Mapping[str, torch.Tensor]]
+    keys: tuple[str, ...]
+    fallback: Mapping[str, torch.Tensor]
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, graph_names: Mapping[str, str],
+                 held: set[str]) -> "StateDictSpec":
+        """The spec of `model` whose chunks hold the graph names `held` (all chunks')."""
+        sd = model.state_dict()
+        return cls(graph_names=dict(graph_names), keys=tuple(sd),
+                   fallback={k: v.detach().clone() for k, v in sd.items()
+                             if graph_names.get(k, k) not in held})
 
     def assemble(self, merged: Mapping[str, torch.Tensor]) -> "OrderedDict[str, torch.Tensor]":
         """The state dict in the model's key order from {graph name: full tensor}."""
         out: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for key, value in self.reference().items():
+        for key in self.keys:
             name = self.graph_names.get(key, key)
-            out[key] = merged[name] if name in merged else value.detach().clone()
+            if name in merged:
+                out[key] = merged[name]
+            elif key in self.fallback:
+                out[key] = self.fallback[key].clone()
+            else:
+                raise RuntimeError(f"full_state_dict: no rank sent {key!r} (graph attribute "
+                                   f"{name!r}), which a chunk holds")
         return out
