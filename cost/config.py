@@ -228,6 +228,17 @@ class ZeroTraits:
     def sharded_weights(self) -> bool:
         return self.keep is not None
 
+    def bytes_per_param(self, d: int, weight_bytes: int = 2) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer) bytes per parameter at rest over d replicas, for
+        weights of `weight_bytes`: 2 (16-bit, the traits' own numbers: an fp32 master among
+        the optimizer's 12) or 4 (an fp32 run: the weight is 4 B where held whole; where the
+        optimizer is not sharded the weight is its own master, leaving Adam's m and v, 8 B;
+        ZeRO-1's shard keeps an fp32 master as under 16-bit; ZeRO-2/3's shard is the weight)."""
+        w, g, o = self.weight_bytes(d), self.grad_bytes(d), self.optimizer_bytes(d)
+        if weight_bytes == 4:
+            w, o = 2 * w, o if self.sharded_optimizer else o - 4.0
+        return w, g, o
+
 
 # The recompute modes that checkpoint each block whole (passes/recompute.py: full, op): the
 # backward reruns the block's forward collectives (tensor-parallel, context and expert

@@ -148,20 +148,22 @@ def microbatch_activations(profile: ModelProfile, cfg: Config,
                                  head_work=2 * head_split)
 
 
-def _gathered_bytes_per_param(cfg: Config,
-                              gathers: GatherCounts | None) -> tuple[float, float, float, float]:
+def _gathered_bytes_per_param(cfg: Config, gathers: GatherCounts | None,
+                              weight_bytes: int = 2) -> tuple[float, float, float, float]:
     """Sharded weights (zero 2 / 3): the gathered working set of the weight-gather plan, bytes
     per parameter (per layer: weights, gradients; embedding / head: weights, gradients). Per
     layer of the rank: its most chunks gathered at once in 16-bit (2·gathered/v B per
     parameter), and the fp32 gradient accumulators of the chunks holding unreduced gradients
     plus one fp32 reduce-scatter buffer ((4·pending + 4)/v: the runtime reduces in fp32, as
     FSDP2's reduce_dtype=fp32); the embedding / head are gathered whole (2 B weights + 4 B
-    grads). At d = 1 the runtime still gathers (copies) and releases each chunk. Zeros when
-    the weights are not sharded; gathers: `weight_gather_stats(cfg)`, computed if not given."""
+    grads). An fp32 run gathers `weight_bytes` = 4. At d = 1 the runtime still gathers
+    (copies) and releases each chunk. Zeros when the weights are not sharded; gathers:
+    `weight_gather_stats(cfg)`, computed if not given."""
     if not ZERO_TRAITS[cfg.zero].sharded_weights:
         return 0.0, 0.0, 0.0, 0.0
     st = gathers if gathers is not None else weight_gather_stats(cfg)
-    return 2.0 * st.peak_gathered / cfg.v, 4.0 * (st.peak_pending + 1) / cfg.v, 2.0, 4.0
+    w = float(weight_bytes)
+    return w * st.peak_gathered / cfg.v, 4.0 * (st.peak_pending + 1) / cfg.v, w, 4.0
 
 
 def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
@@ -174,12 +176,11 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
     profile: the rank's; params: `rank_params` (the experts' ZeRO shards over the c·d/ep
     ranks holding the same experts); gathers: the weight-gather plan of sharded weights."""
     p, d, v = cfg.p, cfg.replicas, cfg.v
-    zt = ZERO_TRAITS[cfg.zero]
-    wb, gb, ob = zt.weight_bytes(d), zt.grad_bytes(d), zt.optimizer_bytes(d)
-    de = d // cfg.ep
-    wbe, gbe, obe = zt.weight_bytes(de), zt.grad_bytes(de), zt.optimizer_bytes(de)
+    zt, width = ZERO_TRAITS[cfg.zero], weight_elem_bytes(profile)
+    wb, gb, ob = zt.bytes_per_param(d, width)
+    wbe, gbe, obe = zt.bytes_per_param(d // cfg.ep, width)
     acts = microbatch_activations(profile, cfg, cluster)
-    chunk_w, chunk_g, edge_w, edge_g = _gathered_bytes_per_param(cfg, gathers)
+    chunk_w, chunk_g, edge_w, edge_g = _gathered_bytes_per_param(cfg, gathers, width)
     block_p, block_e = params.block, params.experts
     chunk_w *= gathered_bytes_ratio(profile, cfg.t, block_p, True)   # FP8 gathers: 1 B/elem
     mem_layer, mem_fixed, parts, fparts = [], [], [], []
@@ -205,6 +206,12 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
     return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts), acts
 
 
+def weight_elem_bytes(profile: ModelProfile) -> int:
+    """Bytes of a weight as the run holds it: 4 in an fp32 run (the profile's activations in
+    4 bytes: `ModelProfile.with_training_bytes`), else 2 (16-bit with fp32 masters)."""
+    return 4 if profile.activation_bytes_per_elem >= 4 else 2
+
+
 def backward_work(layer_work: float, head_work: float, last: bool) -> float:
     """A rank's backward working set beside what it holds: a recomputed layer's (full,
     selective), or on the last stage the loss's gradients over the vocabulary; they are not
@@ -215,8 +222,8 @@ def backward_work(layer_work: float, head_work: float, last: bool) -> float:
 def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
     """Weights + grads + optimizer bytes per GPU if the layers were spread perfectly evenly
     (embedding and head included): no partition of this configuration needs less."""
-    zt = ZERO_TRAITS[cfg.zero]
-    per_param = lambda n: zt.weight_bytes(n) + zt.grad_bytes(n) + zt.optimizer_bytes(n)  # noqa
+    zt, width = ZERO_TRAITS[cfg.zero], weight_elem_bytes(profile)
+    per_param = lambda n: sum(zt.bytes_per_param(n, width))  # noqa: E731
     n = cfg.replicas
     block_p, emb_p, head_p = shard_params_elems(profile, cfg.t,
                                                 cfg.sequence_parallel and cfg.t > 1, cfg.p)

@@ -133,6 +133,27 @@ def test_memory_per_zero_level_and_inflight():
     assert il.mem_parts[0][3] == pytest.approx(acts[3] * (1 + 3 / (4 * 2)) * 4 / 1, rel=0.2)
 
 
+def test_an_fp32_run_holds_4_byte_weights_and_no_master_beside_a_whole_one():
+    """An fp32 run (compile's default precision, `autopar tune`'s plans): the weight is 4 B
+    where a rank holds it whole and is its own master where the optimizer is not sharded
+    (ZeRO-0: 4 + 4 + 8 = 16 B, not bf16's 2 + 4 + 12); ZeRO-1's shard keeps an fp32 master
+    (4 + 4 + 12/d); ZeRO-2/3 gather 4-byte weights. tests/numerics/test_runtime_memory.py
+    measures the runtime against these."""
+    prof, fp32 = _gpt(), _gpt().with_training_bytes(4)
+    block = M.shard_params_elems(prof, 1)[0]
+    kw = dict(t=1, p=4, d=4, v=1, micro_batch_size=1, num_microbatches=8, schedule="1f1b")
+    for zero, want in ((0, 16), (1, 8 + 12 / 4)):
+        w, g, o, _ = M.config_costs(fp32, A100, M.Config(zero=zero, **kw)).mem_parts[1]
+        assert (w, g) == pytest.approx((4 * block, 4 * block))
+        assert (w + g + o) / block == pytest.approx(want)
+    kw = dict(kw, p=1, v=4, schedule="breadth-first")
+    st = M.weight_gather_stats(M.Config(zero=3, **kw))
+    w16 = M.config_costs(prof, A100, M.Config(zero=3, **kw)).mem_parts[0][0]
+    w32 = M.config_costs(fp32, A100, M.Config(zero=3, **kw)).mem_parts[0][0]
+    assert (w16 / block, w32 / block) == pytest.approx((2 * st.peak_gathered / 4,
+                                                        4 * st.peak_gathered / 4))
+
+
 def test_sharded_weights_memory_is_what_the_bf16_runtime_holds():
     """ZeRO-3 / ZeRO-2 under bf16 (autopar/runtime/zero3_chunks.py): at rest only the fp32 master
     shard, its fp32 gradient and Adam's m, v (16/d B per parameter, no 16-bit weight copy);
