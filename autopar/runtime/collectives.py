@@ -92,17 +92,26 @@ def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 
-def all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    """Every rank's `x` concatenated along `dim`, in rank order."""
-    return start_all_gather(x, dim, group)()
+def all_gather(x: torch.Tensor, dim: int, group: Any,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim`, in rank order (into `out` at dim 0)."""
+    return start_all_gather(x, dim, group, out)()
 
 
-def start_all_gather(x: torch.Tensor, dim: int, group: Any) -> Callable[[], torch.Tensor]:
-    """Launch the all-gather of `x` along `dim`; the returned function waits for it."""
+def start_all_gather(x: torch.Tensor, dim: int, group: Any,
+                     out: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """Launch the all-gather of `x` along `dim`; the returned function waits for it. `out`
+    (dim 0 only): a contiguous tensor of the gathered shape and x's dtype to gather into."""
     n = group_size(group)
     dim = dim % x.dim()
     src = x.contiguous()                                        # (..., S, ...)
-    out = src.new_empty((n * src.shape[0],) + tuple(src.shape[1:]))   # (n*D0, ...)
+    shape = (n * src.shape[0],) + tuple(src.shape[1:])
+    if out is not None and (dim != 0 or tuple(out.shape) != shape or out.dtype != src.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"all_gather: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                         f"gathering dim 0 needs a contiguous {shape} {src.dtype} tensor")
+    if out is None:
+        out = src.new_empty(shape)                              # (n*D0, ...)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with peer_guard("all-gather with", group):
         work = gather(out, src, group=group, async_op=True)

@@ -36,6 +36,12 @@ rank already sums the ranks of its expert group whose tokens reached it (the com
 backward all-to-all), so Σ over the expert-data group covers all c·d replicas' mean losses
 once. With a group of one (ep = c·d) only the division is left.
 
+Memory (DDP's gradient_as_bucket_view, Megatron-Core's contiguous gradient buffer): the buckets
+are where the gradients live, not a copy of them. A `main_grad` is its bucket slot from the
+start (MixedPrecision.step points its masters' grads at it), and an fp32 .grad moves into
+its slot at its first accumulation of a step and accumulates there after, so a step holds one
+gradient per parameter, not two.
+
 A parameter that no micro-batch reached keeps .grad None (the same on every replica: AdamW
 skips it as on one device); its bucket slot is sent as zeros. Buckets that never became
 ready (no hook fired, e.g. unarmed) are launched by `finish()` from the then-final gradients.
@@ -156,6 +162,9 @@ class GradSync:
         b = _Bucket(len(self.buckets), params, offsets, flat)
         for pos, p in enumerate(params):
             self._where[id(p)] = (b, pos)
+            if hasattr(p, "main_grad"):     # the fp32 accumulation happens in the bucket
+                b.view(pos).copy_(p.main_grad)
+                p.main_grad = b.view(pos)
         self.buckets.append(b)
 
     # ---- arming and readiness -----------------------------------------------------------
@@ -209,9 +218,23 @@ class GradSync:
             self._launch(b)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._adopt(p)
         if id(p) in self._armed:
             self._set_ready(p)
             self.launch_ready()
+
+    def _adopt(self, p: torch.Tensor) -> None:
+        """A fresh .grad (the step's first accumulation) moves into its bucket slot, where the
+        next micro-batches accumulate in place (module doc); main_grad is one already."""
+        if hasattr(p, "main_grad") or p.grad is None:
+            return
+        b, pos = self._where[id(p)]
+        view = b.view(pos)
+        if p.grad.data_ptr() != view.data_ptr() and p.grad.dtype == view.dtype \
+                and not b.launched:
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
 
     def _set_ready(self, p: torch.Tensor) -> None:
         b, pos = self._where[id(p)]
@@ -265,7 +288,8 @@ class GradSync:
         for b in self.buckets:
             for pos, p in enumerate(b.params):
                 if hasattr(p, "main_grad"):
-                    p.main_grad.copy_(b.view(pos))
+                    if p.main_grad.data_ptr() != b.view(pos).data_ptr():
+                        p.main_grad.copy_(b.view(pos))
                 elif p.grad is not None:
                     p.grad = b.view(pos)   # the averaged gradient, in place (no copy back)
             b.ready.clear()

@@ -71,10 +71,11 @@ class FlatLayout:
         """My segments of whole tensors (views of their flattened elements)."""
         return [tensors[s.param].reshape(-1)[s.lo:s.hi] for s in self.segments]
 
-    def shard(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype,
-              device: Any) -> torch.Tensor:
-        """(S,) my shard from one piece per segment (padding zero)."""
-        mine = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+    def shard(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype, device: Any,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """(S,) my shard from one piece per segment (padding zero), in `out` when given."""
+        mine = torch.zeros(self.shard_numel, dtype=dtype, device=device) if out is None \
+            else out.zero_()
         for s, x in zip(self.segments, pieces):
             mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(x.detach().reshape(-1))
         return mine

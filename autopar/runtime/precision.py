@@ -67,13 +67,19 @@ class MixedPrecision:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Optimizer step on the fp32 masters, refresh the bf16 parameters, zero main_grad."""
         self.accumulate()
+        self.point_masters()
         optimizer.step()
         self.to_compute()
         self.zero_grad()
 
-    def zero_grad(self) -> None:
+    def point_masters(self) -> None:
+        """Each master's .grad := its parameter's main_grad, wherever that lives now (a
+        GradSync bucket slot once the sync is made: autopar.runtime.data_parallel)."""
         for m, p in zip(self.master_params, self.params):
             m.grad = p.main_grad
+
+    def zero_grad(self) -> None:
+        self.point_masters()
         for p in self.params:
             p.main_grad.zero_()
             p.grad = None

@@ -25,10 +25,19 @@ reduce-scatter replaces its all-reduce) → optional tied-embedding all-reduce o
 
 Gradients are read from `p.main_grad` when present (fp32 accumulation, precision.py) else
 `p.grad`; parameters may be bf16 (the master shard is fp32 regardless).
+
+Memory (Megatron-Core's contiguous gradient buffer): the gradients accumulate in place in one
+flat buffer of N' elements that lives for the run (the 4 gradient bytes per parameter the cost
+model counts): `main_grad` is a view of it (`bind_main_grads`), and an fp32 `.grad` becomes one
+at its first accumulation. The reduce-scatter reads it without a copy, and the updated weights
+are all-gathered into its storage (free again once the shard's gradients are taken), so a step
+allocates no full-size buffer beside it: 2·S elements (the reduced and the updated shard).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+import functools
 
 import torch
 
@@ -70,6 +79,34 @@ class ZeroOptimizer:
         self.optimizer = optimizer_factory(list(self.master))
         self._shard_grad: torch.Tensor | None = None
         self._pending: Callable[[], torch.Tensor] | None = None  # waits for the reduce-scatter
+        # the gradients' home (module doc): (N',), each parameter's place a view of it
+        self._flat = torch.zeros(self.layout.shard_numel * self.d, dtype=reduce_dtype,
+                                 device=self._device)
+        self._views = [x.view(p.shape) for x, p in zip(self.layout.split(self._flat),
+                                                         self.params)]
+        for i, p in enumerate(self.params):
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(self._into_flat, i))
+
+    def _into_flat(self, i: int, p: torch.Tensor) -> None:
+        """After autograd accumulated p's .grad: move a fresh fp32 .grad into its place in the
+        flat buffer and accumulate there from now on (a 16-bit .grad is precision's to fold
+        into main_grad, which is a view already)."""
+        view = self._views[i]
+        if hasattr(p, "main_grad") or p.grad is None or p.grad.dtype != view.dtype:
+            return
+        if p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def bind_main_grads(self) -> None:
+        """Make each parameter's fp32 `main_grad` (MixedPrecision's) its view of the flat
+        buffer; call after MixedPrecision is made, before the first backward."""
+        for p, view in zip(self.params, self._views):
+            if hasattr(p, "main_grad"):
+                view.copy_(p.main_grad)
+                p.main_grad = view
 
     @property
     def _device(self) -> Any:
@@ -84,10 +121,14 @@ class ZeroOptimizer:
         grads (finish_reduce, clip, step) waits for it.
         """
         self.finish_reduce()
-        flat = self.layout.flatten([_grad_of(p) for p in self.params], self.reduce_dtype,
-                                   self._device)                             # (N',)
+        flat = self._flat                                                     # (N',)
+        with torch.no_grad():
+            for p, view in zip(self.params, self._views):
+                g = _grad_of(p)      # one not accumulated in place (a tied copy's zeros)
+                if g is not None and g.data_ptr() != view.data_ptr():
+                    view.copy_(g)
         if self.d == 1:
-            self._set_shard_grad(flat)                                        # (S,)
+            self._set_shard_grad(flat.clone())                                # (S,)
             return
         self._pending = start_reduce_scatter(flat, 0, self.group)   # holds flat until the wait
         if not async_op:
@@ -130,25 +171,37 @@ class ZeroOptimizer:
         """After the optimizer stepped my shard: all-gather every shard into the parameters
         (ChunkedZero steps one optimizer over several shards, then publishes each)."""
         self._shard_grad = None
+        for m in self.master:         # the shard's gradients are spent
+            m.grad = None
         if not self.params:
             return
         with torch.no_grad():
             dtype = self.params[0].dtype
-            mine = self.layout.shard(self.master, dtype, self._device)         # (S,)
-            full = all_gather(mine, 0, self.group) if self.d > 1 else mine     # (N',)
-            for p, x in zip(self.params, self.layout.split(full)):
+            # into the gradient buffer's storage, my shard in my slot of it (in place, as
+            # NCCL allows): its gradients were taken (reduce_grads)
+            room = (self._flat.view(dtype)[:self._flat.numel()]
+                    if dtype.itemsize <= self._flat.dtype.itemsize and self.d > 1 else None)
+            S = self.layout.shard_numel
+            slot = room[self.rank * S:(self.rank + 1) * S] if room is not None else None
+            mine = self.layout.shard(self.master, dtype, self._device, out=slot)   # (S,)
+            full = all_gather(mine, 0, self.group, out=room) if self.d > 1 else mine
+            for p, x in zip(self.params, self.layout.split(full)):             # (N',)
                 p.copy_(x.view_as(p))
+            self._flat.zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat buffer (main_grad with it); `.grad` None (or zeros), so that a
+        parameter no micro-batch reaches is skipped as on one device."""
         for m in self.master:
             m.grad = None
-        for p in self.params:
+        self._flat.zero_()
+        for p, view in zip(self.params, self._views):
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-            if hasattr(p, "main_grad"):
-                p.main_grad.zero_()
+            if hasattr(p, "main_grad") and p.main_grad.data_ptr() != view.data_ptr():
+                p.main_grad.zero_()          # not bound to the flat buffer (bind_main_grads)
         self._shard_grad = None
 
     # ---- memory and checkpoints ---------------------------------------------------------

@@ -66,6 +66,8 @@ class Replicated(Regime):
             self.arm_at = {key: [[p for p in ps if id(p) in sync.ids] for sync in self.syncs]
                            for key, ps in final_backwards(actions, params.in_chunks(),
                                                           params.tensors).items()}
+        if self.mp is not None:
+            self.mp.point_masters()   # main_grad is a bucket slot now (clip reads them)
         self._shared = params.shared_by_group()
 
     def before_action(self, n: int, action: Action) -> None:

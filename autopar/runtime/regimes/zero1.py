@@ -53,6 +53,10 @@ class ChunkedZero:
             part.optimizer = self.optimizer
         self._reduced: set[int] = set()
 
+    def bind_main_grads(self) -> None:
+        for part in self.parts:
+            part.bind_main_grads()
+
     def reduce_chunk(self, i: int) -> None:
         """Reduce-scatter chunk i's gradients now (at its REDUCE action), unless deferred."""
         if i not in self._deferred and i not in self._reduced:
@@ -143,6 +147,7 @@ class Zero1(Regime):
         # after the shards took their fp32 masters from the fp32 weights
         self.mp = (MixedPrecision(tensors, compute_dtype=precision_dtype, master_weights=False)
                    if precision_dtype is not None else None)
+        self.zero.bind_main_grads()   # main_grad accumulates in the flat buffers
         self.optimizer = self.zero.optimizer
         self._shared = params.shared_by_group()
 
