@@ -326,7 +326,47 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     still live when it returned, both counted from its start (torch.profiler's allocator
     events, profile_memory=True). Unlike the process's resident size this ignores the
     allocator's cached and fragmented pages and the interpreter, so it measures what `fn`
-    materialised; benchmarks/compile_memory.py reports both."""
+    materialised; benchmarks/compile_memory.py reports both. A block allocated before the
+    start frees as 0 bytes: `step_peak_tensor_bytes` for what a repeated step holds."""
+    result, events = _memory_events(fn, marked=False)
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return result, peak, live
+
+
+def step_peak_tensor_bytes(step: Callable[[], Any]) -> int:
+    """The most CPU tensor bytes one call of `step` holds at once above what was live when it
+    started. `step` runs twice under the profiler and the second call is read: what it frees
+    of the first call's allocations (last step's gradients) is then counted, which
+    peak_tensor_bytes cannot do for blocks allocated before it started."""
+    from torch.profiler import record_function
+
+    def twice() -> None:
+        step()
+        with record_function(_MARK):
+            step()
+    _, events = _memory_events(twice, marked=True)
+    start, end = events.pop()
+    live = peak = at_start = 0
+    for t, nbytes in events:
+        if t > end:
+            break
+        live += nbytes
+        if t < start:
+            at_start = peak = live
+        else:
+            peak = max(peak, live)
+    return peak - at_start
+
+
+_MARK = "autopar::measured_call"
+
+
+def _memory_events(fn: Callable[[], Any], *, marked: bool) -> tuple[Any, list]:
+    """(fn(), [(ns, bytes) of each CPU allocator event, in time order]); `marked`: fn ran a
+    call under record_function(_MARK), whose (start, end) ns is appended last."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -338,9 +378,40 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     finally:
         with _quiet_native_stderr():
             prof.stop()
-    live = peak = 0
-    for event in prof.profiler.kineto_results.events():
-        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
-            live += event.nbytes()
-            peak = max(peak, live)
-    return result, peak, live
+    events = list(prof.profiler.kineto_results.events())
+    out = sorted((e.start_ns(), e.nbytes()) for e in events
+                 if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
+    if marked:
+        mark = next(e for e in events if e.name() == _MARK)
+        out.append((mark.start_ns(), mark.end_ns()))
+    return result, out
+
+
+def held_tensor_bytes(root: Any) -> int:
+    """Bytes of the distinct tensor storages (CPU or not) reachable from `root` through its
+    attributes, containers and closures, each tensor's `.grad` and `.main_grad` included; not
+    through modules, classes or a function's globals, which lead to other objects' tensors.
+    What an object holds between steps where no allocator keeps a count (a CPU): views and
+    tied weights count once; a released weight (0-byte storage, zero=3) counts nothing."""
+    import gc
+    import types
+    opaque = (types.ModuleType, type, types.BuiltinFunctionType)
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, opaque):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            for t in (obj, obj.grad, getattr(obj, "main_grad", None)):
+                if isinstance(t, torch.Tensor) and not t.is_meta:
+                    s = t.untyped_storage()
+                    storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
+        elif isinstance(obj, types.FunctionType):
+            stack.extend(obj.__closure__ or ())
+        else:
+            stack.extend(gc.get_referents(obj))
+    storages.pop(0, None)   # empty storages share the null pointer
+    return sum(storages.values())

@@ -200,12 +200,6 @@ def _batch_for(plan: Plan, vocab: int, runner: Any, seed: int = 0) -> tuple[tupl
     return (ids,), torch.randint(0, vocab, (share, plan.seq_len), generator=gen)
 
 
-def _state_bytes(runner: Any) -> float:
-    """Bytes a rank holds between steps: parameters, their gradients, optimizer states."""
-    params = sum(p.numel() * p.element_size() for p in runner.parameters())
-    return 2.0 * params + runner.optimizer_state_bytes()
-
-
 class PlanRun:
     """One candidate compiled on every rank, timed in rounds (`time_round`), its memory read
     once at the end (`memory_bytes`); every method is collective."""
@@ -246,14 +240,16 @@ class PlanRun:
         return statistics.median(times)
 
     def memory_bytes(self) -> float:
-        """max_memory_allocated on GPU; on CPU the states held + the peak of the tensors one
-        more step allocates (autopar.testing.peak_tensor_bytes); the largest over ranks."""
-        from autopar.testing import peak_tensor_bytes
+        """max_memory_allocated on GPU; on CPU the tensors the runner holds between steps
+        (autopar.testing.held_tensor_bytes: weights, gradients, optimizer states, buffers) +
+        the most a step holds above them (step_peak_tensor_bytes); the largest over ranks."""
+        from autopar.testing import held_tensor_bytes, step_peak_tensor_bytes
         if self.device.type == "cuda":
             memory = float(torch.cuda.max_memory_allocated(self.device))
         else:
-            _, peak, _ = peak_tensor_bytes(lambda: self.runner.train_step(*self.batch))
-            memory = _state_bytes(self.runner) + peak
+            held = held_tensor_bytes(self.runner)
+            memory = float(held + step_peak_tensor_bytes(
+                lambda: self.runner.train_step(*self.batch)))
         mem = torch.tensor([memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         return float(mem)
