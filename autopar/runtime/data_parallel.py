@@ -218,10 +218,11 @@ class GradSync:
             self._launch(b)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self._adopt(p)
-        if id(p) in self._armed:
+        if id(p) in self._armed:    # final: copied (÷ d) into its slot, which becomes .grad
             self._set_ready(p)
             self.launch_ready()
+        else:
+            self._adopt(p)
 
     def _adopt(self, p: torch.Tensor) -> None:
         """A fresh .grad (the step's first accumulation) moves into its bucket slot, where the
@@ -249,16 +250,20 @@ class GradSync:
 
     def _copy_in(self, b: _Bucket, pos: int) -> None:
         """Gradient -> its bucket slot, pre-divided by d when averaging (one pass, as DDP)."""
-        g, view = _grad_of(b.params[pos]), b.view(pos)
+        p = b.params[pos]
+        g, view = _grad_of(p), b.view(pos)
         if g is None:
             view.zero_()
         elif g.data_ptr() == view.data_ptr():
-            if self.average:      # .grad already is the bucket view (set by the last finish)
+            if self.average:      # .grad already is the bucket view (adopted)
                 view.div_(self.divisor)
-        elif self.average:
-            torch.div(g, self.divisor, out=view)
         else:
-            view.copy_(g)
+            if self.average:
+                torch.div(g, self.divisor, out=view)
+            else:
+                view.copy_(g)
+            if g is p.grad and g.dtype == view.dtype:
+                p.grad = view     # the fresh .grad is freed now, not at finish
 
     def _launch(self, b: _Bucket) -> None:
         for pos in range(len(b.params)):
