@@ -405,9 +405,14 @@ def held_tensor_bytes(root: Any) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            for t in (obj, obj.grad, getattr(obj, "main_grad", None)):
+            grad = obj.grad if obj.is_leaf else None      # a non-leaf's .grad only warns
+            for t in (obj, grad, getattr(obj, "main_grad", None)):
                 if isinstance(t, torch.Tensor) and not t.is_meta:
-                    s = t.untyped_storage()
+                    try:
+                        s = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError):   # a wrapper subclass: its
+                        stack.extend(gc.get_referents(t))         # inner tensors instead
+                        continue
                     storages[s.data_ptr()] = max(storages.get(s.data_ptr(), 0), s.nbytes())
         elif isinstance(obj, types.FunctionType):
             stack.extend(obj.__closure__ or ())
