@@ -133,6 +133,28 @@ def test_memory_per_zero_level_and_inflight():
     assert il.mem_parts[0][3] == pytest.approx(acts[3] * (1 + 3 / (4 * 2)) * 4 / 1, rel=0.2)
 
 
+def test_one_backward_fills_the_sharded_gradients_as_it_frees_the_activations():
+    """ZeRO-2/3 with one micro-batch and one chunk a rank: the accumulators (and the
+    reduce-scatter buffer) fill as the backward frees the activations, so a layer is priced
+    the larger of the two; with two micro-batches the second's activations sit beside the
+    first's gradients, and with two chunks the first chunk's gradients beside the second's
+    activations: both summed."""
+    prof = _gpt()
+    block = M.shard_params_elems(prof, 1)[0]
+    kw = dict(t=1, p=1, d=4, v=1, micro_batch_size=1, schedule="1f1b", zero=3)
+    one = M.config_costs(prof, A100, M.Config(num_microbatches=1, **kw)).mem_parts[0]
+    two = M.config_costs(prof, A100, M.Config(num_microbatches=2, **kw)).mem_parts[0]
+    fresh = two[1] - 4 / 4 * block                      # 4(pending + 1) B a parameter
+    assert fresh == pytest.approx(8 * block)
+    assert one[3] == pytest.approx(two[3])              # 1F1B at p = 1: one in flight
+    assert one[1] == pytest.approx(4 / 4 * block + max(0.0, fresh - one[3]))
+    assert sum(one) < sum(two)
+    bf = dict(kw, v=2, schedule="breadth-first")
+    chunks = M.config_costs(prof, A100, M.Config(num_microbatches=1, **bf)).mem_parts[0]
+    st = M.weight_gather_stats(M.Config(num_microbatches=1, **bf))
+    assert chunks[1] == pytest.approx((4 / 4 + 4 * (st.peak_pending + 1) / 2) * block)
+
+
 def test_an_fp32_run_holds_4_byte_weights_and_no_master_beside_a_whole_one():
     """An fp32 run (compile's default precision, `autopar tune`'s plans): the weight is 4 B
     where a rank holds it whole and is its own master where the optimizer is not sharded
