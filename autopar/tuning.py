@@ -13,9 +13,10 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
 2. Each candidate is compiled and trained on random tokens: `rounds` rounds over all of them
    in turn (`warmup` steps in the first), `steps` timed steps a round; its step time is the
    least disturbed round's median of the slowest rank's step times (`measure_plans`); its
-   memory what the runtime can measure: max_memory_allocated on GPU;
-   on CPU the states a rank holds (parameters, gradients, optimizer) plus the peak of the
-   tensors one step allocates (autopar.testing.peak_tensor_bytes).
+   memory the tensors its runner holds between steps (autopar.testing.held_tensor_bytes:
+   every candidate's runner is alive in the process, so not the allocator's total) plus the
+   most one more step adds (the allocator's peak above its start on a GPU,
+   autopar.testing.step_peak_tensor_bytes on CPU).
 3. The fastest measured is the choice (written as plan.json by the CLI).
 4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
    collectives' terms) + c · (the pipeline's send/recv), least absolute relative error (numpy,
@@ -32,9 +33,8 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
 """
 from __future__ import annotations
 
-import gc
-
 import dataclasses
+import gc
 import statistics
 import time
 from typing import Any, Callable
@@ -240,16 +240,23 @@ class PlanRun:
         return statistics.median(times)
 
     def memory_bytes(self) -> float:
-        """max_memory_allocated on GPU; on CPU the tensors the runner holds between steps
-        (autopar.testing.held_tensor_bytes: weights, gradients, optimizer states, buffers) +
-        the most a step holds above them (step_peak_tensor_bytes); the largest over ranks."""
+        """The tensors the runner holds between steps (autopar.testing.held_tensor_bytes:
+        weights, gradients, optimizer states, buffers; not the allocator's total, which counts
+        every candidate's runner alive in this process) + the most one more step holds above
+        them: the allocator's peak over its start on a GPU, step_peak_tensor_bytes on CPU;
+        the largest over ranks."""
         from autopar.testing import held_tensor_bytes, step_peak_tensor_bytes
+        held = held_tensor_bytes(self.runner)
         if self.device.type == "cuda":
-            memory = float(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.synchronize(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.train_step(*self.batch)
+            torch.cuda.synchronize(self.device)
+            step = torch.cuda.max_memory_allocated(self.device) - start
         else:
-            held = held_tensor_bytes(self.runner)
-            memory = float(held + step_peak_tensor_bytes(
-                lambda: self.runner.train_step(*self.batch)))
+            step = step_peak_tensor_bytes(lambda: self.runner.train_step(*self.batch))
+        memory = float(held + step)
         mem = torch.tensor([memory], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         return float(mem)
@@ -268,6 +275,28 @@ def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
         log(f"round {r + 1}/{rounds}: " + ", ".join(f"{min(t) * 1e3:.0f}" for t in rounds_s)
             + " ms")
     return [(min(t), run.memory_bytes()) for t, run in zip(rounds_s, runs)]
+
+
+def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], PlanRun], *,
+                       steps: int, warmup: int, rounds: int, interleaved: bool,
+                       log: Callable[[str], None]) -> list[tuple[float, float]]:
+    """(step seconds, memory bytes) of every candidate. interleaved: all compiled first, then
+    timed in rounds over all of them (`measure_plans`: a shared host's passing load falls on
+    every plan alike); else one at a time, each compiled, measured in its rounds and released
+    before the next is compiled — what a GPU needs, which holds one candidate's weights and
+    optimizer state, not all of them. `compiled(i, plan)` makes candidate i's PlanRun."""
+    if interleaved:
+        runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
+        return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
+    out: list[tuple[float, float]] = []
+    for i, plan in enumerate(candidates):
+        run = compiled(i, plan)
+        out += measure_plans([run], steps=steps, warmup=warmup, rounds=rounds, log=log)
+        del run
+        gc.collect()                                # the runner's tensors, before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 # ---- refitting ----
@@ -376,11 +405,12 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
          loss_fn: Callable | None = None, example_targets: Any = None,
          global_batch_size: int, cluster: Any = "local-cpu", top: int = 4, steps: int = 3,
          warmup: int = 2, rounds: int = 3, plans: tuple[dict, ...] = (),
-         vocab: int | None = None,
+         vocab: int | None = None, interleaved: bool | None = None,
          name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Plan, measure, choose, refit (module doc); call on every rank of an initialised
     process group of `gpus` ranks. `model_fn()` builds the model (each trial compiles a fresh
-    one, same seed on every rank); rank 0 logs each trial as it is measured.
+    one, same seed on every rank); rank 0 logs each trial as it is measured. interleaved:
+    `measure_candidates`' (None: on a CPU, not on a GPU).
     Why this size: the public entry point of `autopar tune`: the planning keywords of
     parallelize plus the trial budget, measured steps and refit switch."""
     if not dist.is_initialized() or dist.get_world_size() != gpus:
@@ -402,13 +432,16 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     def say(line: str) -> None:
         if dist.get_rank() == 0:
             log(line)
-    runs = []
-    for i, plan in enumerate(candidates):
-        runs.append(PlanRun(model_fn, plan, example_inputs=example_inputs, loss_fn=loss_fn,
-                            vocab=vocab, device=device))
+
+    def compiled(i: int, plan: Plan) -> PlanRun:
+        run = PlanRun(model_fn, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                      vocab=vocab, device=device)
         say(f"[{i + 1}/{len(candidates)}] compiled {pins_label(plan_pins(plan))}: predicted "
             f"{plan.predicted.step_time_s * 1e3:.1f} ms")
-    measured = measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=say)
+        return run
+    measured = measure_candidates(
+        candidates, compiled, steps=steps, warmup=warmup, rounds=rounds, log=say,
+        interleaved=device.type != "cuda" if interleaved is None else interleaved)
     trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
               for plan, (s, m) in zip(candidates, measured)]
     dist.barrier()   # not runner.close(): that would end the caller's process group
