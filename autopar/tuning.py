@@ -283,8 +283,8 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     """(step seconds, memory bytes) of every candidate. interleaved: all compiled first, then
     timed in rounds over all of them (`measure_plans`: a shared host's passing load falls on
     every plan alike); else one at a time, each compiled, measured in its rounds and released
-    before the next is compiled — what a GPU needs, which holds one candidate's weights and
-    optimizer state, not all of them. `compiled(i, plan)` makes candidate i's PlanRun."""
+    (its tensors and process groups) before the next is compiled — what a GPU needs, which
+    holds one candidate's weights, optimizer state and communicators, not all of them. `compiled(i, plan)` makes candidate i's PlanRun."""
     if interleaved:
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
@@ -292,6 +292,7 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     for i, plan in enumerate(candidates):
         run = compiled(i, plan)
         out += measure_plans([run], steps=steps, warmup=warmup, rounds=rounds, log=log)
+        run.runner.release_groups()                 # its communicators
         del run
         gc.collect()                                # the runner's tensors, before the next
         if torch.cuda.is_available():

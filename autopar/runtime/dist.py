@@ -325,6 +325,22 @@ class ProcessGroups:
                 if self.rank in ranks:
                     self.stage_subgroups[stages] = group
 
+    def destroy_subgroups(self) -> None:
+        """Destroy this rank's groups of the layout, not the default group: a runner released
+        while the job goes on (`autopar tune` on a GPU, one candidate after another) frees
+        their communicators. Every rank calls it at the same point, nothing in flight; the
+        groups are unusable after."""
+        groups = [self.tensor, self.data, self.pipeline, self.embedding, self.model_parallel,
+                  self.context, self.expert, self.expert_data, *self.stage_subgroups.values(),
+                  *(g for pair in self.context_subgroups.values() for g in pair)]
+        seen: set[int] = set()
+        for group in groups:
+            if group is None or group is self.world or id(group) in seen \
+                    or group is dist.GroupMember.NON_GROUP_MEMBER:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+
     def shared_group(self, name: str) -> Any:
         """The group a shared weight's gradients are summed over (ParamInfo.shared_with):
         "embedding", "pipeline" or "stages:1,2" (add_stage_groups)."""

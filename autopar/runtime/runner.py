@@ -285,6 +285,14 @@ class Runner:
         step count unchanged (see autopar.runtime.pretrained). Collective: every rank calls it."""
         load_pretrained(path, self.params, self.regime, self.pg)
 
+    def release_groups(self) -> None:
+        """Destroy the process groups this runner made (not the default group), ending the
+        runner but not the job: what `autopar tune` does with a measured candidate on a GPU
+        before compiling the next. Collective: every rank calls it at the same point."""
+        with peer_guard("the releasing barrier with", self.pg.world):
+            dist.barrier(group=self.pg.world)
+        self.pg.destroy_subgroups()
+
     def close(self) -> None:
         """End the job on this rank: wait for every rank, then destroy the process groups if
         autopar created the default one (a default group the caller made before compile stays

@@ -132,9 +132,18 @@ def test_the_runner_keeps_not_the_users_model(tmp_path, monkeypatch):
     assert unread == [0.0, 1.0, 2.0]
 
 
-def _one_at_a_time(rank: int, world: int) -> tuple[list[bool], int]:
+def _usable(group) -> bool:
+    try:
+        torch.distributed.get_rank(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+def _one_at_a_time(rank: int, world: int) -> tuple[list[bool], int, list[bool]]:
     """measure_candidates(interleaved=False) on two candidates: whether the earlier runner
-    was alive when each was compiled, and how many results."""
+    was alive when each was compiled, how many results, whether each runner's data group is
+    still usable after."""
     from autopar.tuning import PlanRun, candidate_plans, measure_candidates
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     plans, _ = candidate_plans(_model(), gpus=world, example_inputs=(ids,),
@@ -142,22 +151,23 @@ def _one_at_a_time(rank: int, world: int) -> tuple[list[bool], int]:
                                global_batch_size=BATCH, cluster=autopar.get_cluster("local-cpu"),
                                top=0, named=(dict(d=2, zero=0), dict(d=2, zero=1)))
     earlier: list[weakref.ref] = []
-    alive = []
+    alive, groups = [], []
 
     def compiled(i, plan):
         alive.append(any(ref() is not None for ref in earlier))
         run = PlanRun(_model, plan, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
                       vocab=VOCAB, device=torch.device("cpu"))
         earlier.append(weakref.ref(run.runner))
+        groups.append(run.runner.pg.data)
         return run
     out = measure_candidates(plans[-2:], compiled, steps=1, warmup=1, rounds=1,
                              interleaved=False, log=lambda line: None)
-    return alive, len(out)
+    return alive, len(out), [_usable(g) for g in groups]
 
 
 def test_candidates_measured_one_at_a_time_hold_one_runner(tmp_path, monkeypatch):
     """What `autopar tune` does on a GPU, which holds one candidate's state at a time: each
-    runner is released before the next is compiled."""
+    runner and its process groups are released before the next is compiled."""
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
-    for alive, n in spawn(_one_at_a_time, 2, timeout_s=240):
-        assert (alive, n) == ([False, False], 2)
+    for alive, n, usable in spawn(_one_at_a_time, 2, timeout_s=240):
+        assert (alive, n, usable) == ([False, False], 2, [False, False])
