@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from autopar.runtime.collectives import group_size
 from autopar.runtime.dist import peer_guard
+from autopar.runtime.precision import adopt_grad, grad_of, home_main_grad
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20   # DDP's trick: a small first bucket starts communication early
@@ -74,10 +75,6 @@ class _Bucket:
     def view(self, pos: int) -> torch.Tensor:
         p = self.params[pos]
         return self.flat[self.offsets[pos]:self.offsets[pos] + p.numel()].view_as(p)
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
 def _grad_dtype(p: torch.Tensor) -> torch.dtype:
@@ -163,8 +160,7 @@ class GradSync:
         for pos, p in enumerate(params):
             self._where[id(p)] = (b, pos)
             if hasattr(p, "main_grad"):     # the fp32 accumulation happens in the bucket
-                b.view(pos).copy_(p.main_grad)
-                p.main_grad = b.view(pos)
+                home_main_grad(p, b.view(pos))
         self.buckets.append(b)
 
     # ---- arming and readiness -----------------------------------------------------------
@@ -227,15 +223,9 @@ class GradSync:
     def _adopt(self, p: torch.Tensor) -> None:
         """A fresh .grad (the step's first accumulation) moves into its bucket slot, where the
         next micro-batches accumulate in place (module doc); main_grad is one already."""
-        if hasattr(p, "main_grad") or p.grad is None:
-            return
         b, pos = self._where[id(p)]
-        view = b.view(pos)
-        if p.grad.data_ptr() != view.data_ptr() and p.grad.dtype == view.dtype \
-                and not b.launched:
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+        if not b.launched:
+            adopt_grad(p, b.view(pos))
 
     def _set_ready(self, p: torch.Tensor) -> None:
         b, pos = self._where[id(p)]
@@ -251,7 +241,7 @@ class GradSync:
     def _copy_in(self, b: _Bucket, pos: int) -> None:
         """Gradient -> its bucket slot, pre-divided by d when averaging (one pass, as DDP)."""
         p = b.params[pos]
-        g, view = _grad_of(p), b.view(pos)
+        g, view = grad_of(p), b.view(pos)
         if g is None:
             view.zero_()
         elif g.data_ptr() == view.data_ptr():
@@ -280,7 +270,7 @@ class GradSync:
         if self.size == 1:
             if self.average and self.divisor > 1:   # a group of one: the division alone
                 for p in self.params:
-                    g = _grad_of(p)
+                    g = grad_of(p)
                     if g is not None:
                         g.div_(self.divisor)
             return

@@ -15,12 +15,41 @@ exponent range, so no loss scaling is needed. Works on CPU (bf16 matmul is suppo
 
 With ZeRO-1 the masters live in the shard: MixedPrecision(params, master_weights=False) only
 keeps main_grad, and ZeroOptimizer reads p.main_grad and owns the fp32 master shard.
+
+A gradient's home: `grad_of` (main_grad where precision keeps one, else .grad), and the two
+moves a flat gradient buffer makes to become that home (GradSync's buckets, ZeroOptimizer's
+flat buffer): `home_main_grad` (main_grad becomes its slot) and `adopt_grad` (a fresh .grad
+moves into its slot, then accumulates there).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor p's gradient accumulates in: its fp32 main_grad where precision keeps one,
+    else .grad."""
+    return p.main_grad if hasattr(p, "main_grad") else p.grad
+
+
+def home_main_grad(p: torch.Tensor, home: torch.Tensor) -> None:
+    """p's main_grad becomes `home`, its slot in a flat gradient buffer, keeping its value."""
+    home.copy_(p.main_grad)
+    p.main_grad = home
+
+
+def adopt_grad(p: torch.Tensor, home: torch.Tensor) -> None:
+    """After autograd accumulated p's .grad (a post-accumulate-grad hook): a fresh .grad of
+    home's dtype moves into `home`, its slot in a flat gradient buffer, where the next
+    accumulations go in place; one with a main_grad is precision's to fold (into a slot)."""
+    if hasattr(p, "main_grad") or p.grad is None or p.grad.dtype != home.dtype:
+        return
+    if p.grad.data_ptr() != home.data_ptr():
+        with torch.no_grad():
+            home.copy_(p.grad)
+        p.grad = home
 
 
 class MixedPrecision:

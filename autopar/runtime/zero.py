@@ -45,10 +45,7 @@ from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.collectives import all_gather, group_rank, group_size, start_reduce_scatter
 from autopar.runtime.flat_shard import FlatLayout, OptimState, gathered_state, load_state
 from autopar.runtime.params import ParamInfo
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
+from autopar.runtime.precision import adopt_grad, grad_of, home_main_grad
 
 
 class ZeroOptimizer:
@@ -84,29 +81,16 @@ class ZeroOptimizer:
                                  device=self._device)
         self._views = [x.view(p.shape) for x, p in zip(self.layout.split(self._flat),
                                                          self.params)]
-        for i, p in enumerate(self.params):
+        for p, view in zip(self.params, self._views):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(self._into_flat, i))
-
-    def _into_flat(self, i: int, p: torch.Tensor) -> None:
-        """After autograd accumulated p's .grad: move a fresh fp32 .grad into its place in the
-        flat buffer and accumulate there from now on (a 16-bit .grad is precision's to fold
-        into main_grad, which is a view already)."""
-        view = self._views[i]
-        if hasattr(p, "main_grad") or p.grad is None or p.grad.dtype != view.dtype:
-            return
-        if p.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+                p.register_post_accumulate_grad_hook(functools.partial(adopt_grad, home=view))
 
     def bind_main_grads(self) -> None:
         """Make each parameter's fp32 `main_grad` (MixedPrecision's) its view of the flat
         buffer; call after MixedPrecision is made, before the first backward."""
         for p, view in zip(self.params, self._views):
             if hasattr(p, "main_grad"):
-                view.copy_(p.main_grad)
-                p.main_grad = view
+                home_main_grad(p, view)
 
     @property
     def _device(self) -> Any:
@@ -124,7 +108,7 @@ class ZeroOptimizer:
         flat = self._flat                                                     # (N',)
         with torch.no_grad():
             for p, view in zip(self.params, self._views):
-                g = _grad_of(p)      # one not accumulated in place (a tied copy's zeros)
+                g = grad_of(p)      # one not accumulated in place (a tied copy's zeros)
                 if g is not None and g.data_ptr() != view.data_ptr():
                     view.copy_(g)
         if self.d == 1:
@@ -146,7 +130,7 @@ class ZeroOptimizer:
             shard.div_(self.divisor)
         self._shard_grad = shard
         for s, m in zip(self.segments, self.master):
-            has = _grad_of(self.params[s.param]) is not None
+            has = grad_of(self.params[s.param]) is not None
             m.grad = shard[s.shard_lo:s.shard_lo + s.hi - s.lo].to(m.dtype) if has else None
 
     def clip_grad_norm_(self, max_norm: float, groups: Any) -> torch.Tensor:

@@ -76,6 +76,7 @@ from autopar.runtime.dist import peer_guard
 from autopar.runtime.flat_shard import (FlatLayout, OptimState, Segment, gathered_state,
                                          load_state)
 from autopar.runtime.fp8 import E4M3, FP8_WEIGHT, fp8_shard_cast
+from autopar.runtime.precision import grad_of
 from autopar.weight_gathers import GATHER, REDUCE_SCATTER, RELEASE
 
 # ---- the runtime object ------------------------------------------------------------------
@@ -114,10 +115,6 @@ def _all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Any, async_op
     has it: 2.13 deprecates all_gather_into_tensor)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, mine, group=group, async_op=async_op)
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
 def _free_grads(p: torch.Tensor, accumulates: bool) -> None:
@@ -367,7 +364,7 @@ class Zero3Chunks:
     def _reduce_scatter(self, ch: _Chunk, async_op: bool) -> None:
         if ch.rs is not None:
             self._finish_reduce(ch)                         # one in flight per chunk
-        grads = [_grad_of(p) for p in ch.params]
+        grads = [grad_of(p) for p in ch.params]
         has = [g is not None for g in grads]
         flat = ch.layout.flatten(grads, self.reduce_dtype, ch.flat.device)          # (d·S,)
         for p in ch.params:
