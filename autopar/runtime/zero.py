@@ -32,6 +32,7 @@ model counts): `main_grad` is a view of it (`bind_main_grads`), and an fp32 `.gr
 at its first accumulation. The reduce-scatter reads it without a copy, and the updated weights
 are all-gathered into its storage (free again once the shard's gradients are taken), so a step
 allocates no full-size buffer beside it: 2·S elements (the reduced and the updated shard).
+zero_grad zeroes it, once a step: only when something wrote into it since.
 """
 from __future__ import annotations
 
@@ -81,9 +82,18 @@ class ZeroOptimizer:
                                  device=self._device)
         self._views = [x.view(p.shape) for x, p in zip(self.layout.split(self._flat),
                                                          self.params)]
+        # whether anything wrote into it since it was last zeroed: zero_grad zeroes it only
+        # then (a step calls zero_grad twice, the runner's and Zero1.step's, a memset each)
+        self._dirty = False
         for p, view in zip(self.params, self._views):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(adopt_grad, home=view))
+                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, view))
+
+    def _accumulated(self, view: torch.Tensor, p: torch.Tensor) -> None:
+        """After each accumulation of p's gradient: the buffer holds something now, and a
+        fresh fp32 .grad moves into its view (precision.adopt_grad)."""
+        self._dirty = True
+        adopt_grad(p, view)
 
     def bind_main_grads(self) -> None:
         """Make each parameter's fp32 `main_grad` (MixedPrecision's) its view of the flat
@@ -91,6 +101,7 @@ class ZeroOptimizer:
         for p, view in zip(self.params, self._views):
             if hasattr(p, "main_grad"):
                 home_main_grad(p, view)
+                self._dirty = True
 
     @property
     def _device(self) -> Any:
@@ -106,6 +117,7 @@ class ZeroOptimizer:
         """
         self.finish_reduce()
         flat = self._flat                                                     # (N',)
+        self._dirty = True              # the copies below, the fallback's in-place all-reduce
         with torch.no_grad():
             for p, view in zip(self.params, self._views):
                 g = grad_of(p)      # one not accumulated in place (a tied copy's zeros)
@@ -171,14 +183,16 @@ class ZeroOptimizer:
             full = all_gather(mine, 0, self.group, out=room) if self.d > 1 else mine
             for p, x in zip(self.params, self.layout.split(full)):             # (N',)
                 p.copy_(x.view_as(p))
-            self._flat.zero_()
+            self._dirty = True         # the weights, until zero_grad (the step's last call)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat buffer (main_grad with it); `.grad` None (or zeros), so that a
         parameter no micro-batch reaches is skipped as on one device."""
         for m in self.master:
             m.grad = None
-        self._flat.zero_()
+        if self._dirty:
+            self._flat.zero_()
+            self._dirty = False
         for p, view in zip(self.params, self._views):
             if set_to_none:
                 p.grad = None

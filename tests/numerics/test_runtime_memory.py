@@ -171,3 +171,25 @@ def test_candidates_measured_one_at_a_time_hold_one_runner(tmp_path, monkeypatch
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
     for alive, n, usable in spawn(_one_at_a_time, 2, timeout_s=240):
         assert (alive, n, usable) == ([False, False], 2, [False, False])
+
+
+def _flat_zeroings(rank: int, world: int) -> tuple[int, int]:
+    """(ZeRO-1 flat buffers, how often one step zeroes a tensor of a flat buffer's size)."""
+    from torch.profiler import ProfilerActivity, profile
+    _, runner, batch = _compiled(world, 1, "fp32")
+    runner.train_step(*batch)
+    full = sum(p.numel() for p in runner.parameters())
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        runner.train_step(*batch)
+    big = [e for e in prof.events() if e.name == "aten::zero_" and e.input_shapes
+           and len(e.input_shapes[0]) == 1 and e.input_shapes[0][0] >= 0.3 * full]
+    parts = runner.regime.zero.parts if hasattr(runner.regime.zero, "parts") else [None]
+    return len(parts), len(big)
+
+
+def test_a_zero1_step_zeroes_its_gradient_buffers_once(tmp_path, monkeypatch):
+    """The runner's zero_grad at a step's start and Zero1.step's at its end both ask; the
+    buffer is zeroed only where something wrote into it since (three memsets a step before)."""
+    monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
+    for parts, zeroings in spawn(_flat_zeroings, 2, timeout_s=240):
+        assert zeroings == parts, (parts, zeroings)
