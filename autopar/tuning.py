@@ -284,7 +284,8 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     timed in rounds over all of them (`measure_plans`: a shared host's passing load falls on
     every plan alike); else one at a time, each compiled, measured in its rounds and released
     (its tensors and process groups) before the next is compiled — what a GPU needs, which
-    holds one candidate's weights, optimizer state and communicators, not all of them. `compiled(i, plan)` makes candidate i's PlanRun."""
+    holds one candidate's weights, optimizer state and communicators, not all of them.
+    `compiled(i, plan)` makes candidate i's PlanRun."""
     if interleaved:
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)

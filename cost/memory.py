@@ -156,10 +156,7 @@ def _gathered_bytes_per_param(cfg: Config, gathers: GatherCounts | None,
     parameter), and the fp32 gradient accumulators of the chunks holding unreduced gradients
     plus one fp32 reduce-scatter buffer ((4·pending + 4)/v: the runtime reduces in fp32, as
     FSDP2's reduce_dtype=fp32); the embedding / head are gathered whole (2 B weights + 4 B
-    grads). With one micro-batch and one chunk a rank's one backward fills the accumulators
-    as it frees the activations: a layer holds the larger of the two, not both (a bound on
-    (gradients of the layers done) + (activations of those to go); not with more chunks,
-    whose finished gradients wait beside the next chunks' activations). An fp32 run gathers `weight_bytes` = 4. At d = 1 the runtime still gathers
+    grads). An fp32 run gathers `weight_bytes` = 4. At d = 1 the runtime still gathers
     (copies) and releases each chunk. Zeros when the weights are not sharded; gathers:
     `weight_gather_stats(cfg)`, computed if not given."""
     if not ZERO_TRAITS[cfg.zero].sharded_weights:
@@ -194,8 +191,11 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
         mb = -(-held // v)  # micro-batches of the edge regions in flight
         a = (acts.layer * held + acts.pending_layer * pending) / v
         fresh = chunk_g * (block_p + block_e)   # ZeRO-2/3's accumulators, per layer
+        # one micro-batch, one chunk: the one backward fills them as it frees `a`, so a layer
+        # holds the larger of the two (a bound on gradients done + activations to go); not
+        # with more, whose finished gradients wait beside later activations
         if cfg.num_microbatches == 1 and v == 1:
-            fresh = max(0.0, fresh - a)         # filled as the one backward frees `a`
+            fresh = max(0.0, fresh - a)
         parts.append(((wb + chunk_w) * block_p + (wbe + chunk_w) * block_e,
                       gb * block_p + gbe * block_e + fresh, ob * block_p + obe * block_e, a))
         edge_p = (params.embedding if r == 0 else 0.0) + (params.head if r == p - 1 else 0.0) \
