@@ -18,18 +18,20 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
    most one more step adds (the allocator's peak above its start on a GPU,
    autopar.testing.step_peak_tensor_bytes on CPU).
 3. The fastest measured is the choice (written as plan.json by the CLI).
-4. Refit (`refit_cluster`): measured ≈ a · (compute + bubble + optimizer) + b · (the
-   collectives' terms) + c · (the pipeline's send/recv), least absolute relative error (numpy,
-   reweighted least squares) over the measured plans, so one plan the scales cannot fit does
-   not move the rest (c apart from b only with enough plans: `fit_scales`); the cluster's
-   compute rates (gemm_max_efficiency, the flash efficiencies, elementwise_efficiency;
-   peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1) divided by a (its
-   measured host work per op, parameter or tensor multiplied: dispatch, autograd, the
-   optimizer, the zb split's and op recompute's per-op work), its link bandwidths divided and
-   latencies (and measured collective curves' times) multiplied by b, its pipeline messages'
-   (`Cluster.pipeline_p2p_scale`) by c. The refined
-   cluster is re-solved for every measured plan to report the error before and after. Overlap
-   is not a constant of this cost model (it is modelled per term), so it is not refitted.
+4. Refit (`refit_cluster`): measured ≈ a · (kernels: compute + bubble + optimizer, less the
+   host's per-op dispatch) + h · (that dispatch) + b · (the collectives' terms) + c · (the
+   pipeline's send/recv), least absolute relative error (numpy, reweighted least squares)
+   over the measured plans, so one plan the scales cannot fit does not move the rest (h apart
+   from a, c apart from b only where the plans can tell them apart: `fit_scales`); the
+   cluster's compute rates (gemm_max_efficiency, the flash efficiencies,
+   elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1)
+   divided by a (its optimizer's host work per parameter and tensor multiplied), its measured
+   per-op dispatch (launch, autograd, the zb split's and op recompute's per-op work)
+   multiplied by h, its link bandwidths divided and latencies (and measured collective
+   curves' times) multiplied by b, its pipeline messages' (`Cluster.pipeline_p2p_scale`) by
+   c. The refined cluster is re-solved for every measured plan to report the error before
+   and after. Overlap is not a constant of this cost model (it is modelled per term), so it
+   is not refitted.
 """
 from __future__ import annotations
 
@@ -58,6 +60,33 @@ MIN_P2P_PLANS, SPARE_PLANS = 2, 2
 # 0, so that the messages stay a term the next tune can fit (a cluster pricing them at 0
 # would give every plan a p2p term of 0, and no later fit could raise it)
 P2P_FLOOR = 0.01
+# the host's work per op, measured in isolation by calibrate (`Trial.dispatch_s` prices a
+# step without it): its own scale where the plans' dispatch shares differ enough to tell it
+# from the kernels' (`fit_scales`), else the compute scale
+DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s", "checkpoint_op_s")
+# ... and the optimizer's per parameter and per tensor: always the compute scale (a ZeRO-0
+# step's per-tensor updates did not follow the dispatch's scale: fitted together, ZeRO-0
+# plans were priced 4% slow against ZeRO-1's on 2 local ranks, 2026-11-27)
+OPTIMIZER_WORK_S = ("optimizer_param_s", "optimizer_tensor_s")
+# the least spread of the plans' dispatch shares (dispatch / kernel seconds, most over least)
+# that holds a dispatch scale apart: plans dispatching alike leave it and the compute scale
+# one direction, which any split fits
+DISPATCH_SPREAD = 1.5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scales:
+    """How much slower than priced each part of the measured steps ran (`fit_scales`), folded
+    into a cluster by `refit_cluster`: the kernels (compute, bubble, optimizer), the host's
+    per-op dispatch, the collectives, the pipeline's send/recv."""
+    compute: float
+    dispatch: float
+    collectives: float
+    p2p: float
+
+    def __str__(self) -> str:
+        return (f"compute ×{self.compute:.2f}, dispatch ×{self.dispatch:.2f}, collectives "
+                f"×{self.collectives:.2f}, pipeline messages ×{self.p2p:.2f}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +96,9 @@ class Trial:
     measured_s: float
     measured_memory_bytes: float
     refit_s: float | None = None     # predicted by the refitted cluster
+    # the predicted step's seconds of host dispatch (`DISPATCH_WORK_S`): the plan's step less
+    # the same plan priced without it (`dispatch_seconds`); 0: none priced
+    dispatch_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -78,7 +110,7 @@ class TuneResult:
     trials: tuple[Trial, ...]
     cluster: Cluster            # the cluster planned with
     refit: Cluster              # the refitted cluster
-    scales: tuple[float, float, float]   # (compute a, collectives b, pipeline p2p c)
+    scales: Scales
 
     @property
     def best(self) -> Plan:
@@ -101,9 +133,7 @@ class TuneResult:
         after = [abs(tr.refit_s / tr.measured_s - 1) for tr in self.trials
                  if tr.refit_s is not None]
         lines.append(f"median |error| {before * 100:.0f}% as planned"
-                     + (f", {statistics.median(after) * 100:.0f}% refitted (compute ×"
-                        f"{self.scales[0]:.2f}, collectives ×{self.scales[1]:.2f}, pipeline "
-                        f"messages ×{self.scales[2]:.2f})"
+                     + (f", {statistics.median(after) * 100:.0f}% refitted ({self.scales})"
                         if after else ""))
         return "\n".join(lines)
 
@@ -303,17 +333,55 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
 
 # ---- refitting ----
 
-def fit_scales(trials: list[Trial], rounds: int = 50,
-               separate_p2p: bool = True) -> tuple[float, float, float]:
-    """(a, b, c) minimising Σ |(a·compute + b·collectives + c·pipeline p2p) / measured − 1|:
-    the least absolute relative error, by iteratively reweighted least squares (numpy; each
-    round weighs a plan by the inverse of its last error). Plain least squares let one plan the
-    scales cannot fit (a term the cost model misses: t = 2 SP 21% slow while the rest were
-    within 5%) pull every other plan off: on 2 local ranks it doubled the median error it was
-    meant to halve (2.3% → 4.4%, 2026-11-27).
+def dispatch_seconds(plan: Plan, cluster: Cluster,
+                     solve_pins: Callable[[Cluster, dict], Plan]) -> float:
+    """The seconds of `plan`'s predicted step that are the host's per-op dispatch
+    (`DISPATCH_WORK_S`): its step less the same pins priced on `cluster` without them (≥ 0)."""
+    if not any(getattr(cluster, k) for k in DISPATCH_WORK_S):
+        return 0.0
+    bare = dataclasses.replace(cluster, **{k: 0.0 for k in DISPATCH_WORK_S})
+    return max(0.0, plan.predicted.step_time_s
+               - solve_pins(bare, plan_pins(plan)).predicted.step_time_s)
+
+
+def _columns(trials: list[Trial]) -> dict[str, np.ndarray]:
+    """Each trial's predicted seconds split as `fit_scales` scales them."""
+    def col(keys):
+        return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
+    dispatch = np.array([t.dispatch_s for t in trials])
+    return {"compute": col(_COMPUTE_TERMS) - dispatch, "dispatch": dispatch,
+            "collectives": col(_COMM_TERMS), "p2p": col(_P2P_TERMS)}
+
+
+def _dispatch_apart(cols: dict[str, np.ndarray]) -> bool:
+    """Whether the plans' dispatch shares differ enough (DISPATCH_SPREAD) to fit its scale."""
+    has = (cols["dispatch"] > 0) & (cols["compute"] > 0)
+    if has.sum() < 2:
+        return False
+    share = cols["dispatch"][has] / cols["compute"][has]
+    return float(share.max() / share.min()) >= DISPATCH_SPREAD
+
+
+def fit_scales(trials: list[Trial], rounds: int = 50, separate_p2p: bool = True,
+               separate_dispatch: bool = True) -> Scales:
+    """The `Scales` minimising Σ |(a·kernels + h·dispatch + b·collectives + c·pipeline p2p)
+    / measured − 1|: the least absolute relative error, by iteratively reweighted least
+    squares (numpy; each round weighs a plan by the inverse of its last error). Plain least
+    squares let one plan the scales cannot fit (a term the cost model misses: t = 2 SP 21% slow
+    while the rest were within 5%) pull every other plan off: on 2 local ranks it doubled the
+    median error it was meant to halve (2.3% → 4.4%, 2026-11-27).
+
+    h, the host's per-op dispatch (`Trial.dispatch_s`), is its own scale
+    (`separate_dispatch`) where the plans' dispatch shares differ (DISPATCH_SPREAD: smaller
+    micro-batches, op recompute, the zb split dispatch more ops per kernel second) and enough
+    plans hold it (SPARE_PLANS more plans than scales); otherwise h = a. calibrate times its
+    ops in isolation; inside a step they cost more (on 2 local CPU ranks a GPT's micro-batches
+    of 1 sequence ran 3.3× the dispatch calibrate priced, the kernels within 3%: one scale for
+    both left b = 1 plans 12% fast and pulled c to 2.3 to cover a pipeline of 8 micro-batches;
+    apart, the median error 3.3% → 2.2% over 17 plans, 2026-11-27).
 
     c, the pipeline's messages, is its own scale (`separate_p2p`) where enough plans hold
-    three (MIN_P2P_PLANS with pipeline messages, SPARE_PLANS more plans than scales): the
+    it (MIN_P2P_PLANS with pipeline messages, SPARE_PLANS more plans than scales): the
     pipeline's pre-posted sends and receives cost apart from the collectives (on 2 local CPU
     ranks, priced from calibrate's blocking exchange, 0.1 – 0.4 of it in four runs while the
     collectives' scale stayed 0.8 – 1.2; priced from its relay, `comm.hop_s`, 0.7 – 3.3 of a
@@ -323,30 +391,46 @@ def fit_scales(trials: list[Trial], rounds: int = 50,
     is fitted again at that bound, the least error where c ≥ P2P_FLOOR; taking c = b there
     instead left the pipeline plans over-priced (Llama GQA on 2 local ranks: c = −0.06
     unconstrained; at c = b the worst error 14.6%, at the bound 7.7%, the median 1.3% /
-    1.2%). A compute or collectives scale with no term to fit, or fitted non-positive, is
-    dropped (kept at 1, or c = b): neither can cost nothing."""
-    def col(keys):
-        return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
-    comp, comm, p2p = col(_COMPUTE_TERMS), col(_COMM_TERMS), col(_P2P_TERMS)
-    meas = np.array([t.measured_s for t in trials])
-    if separate_p2p and int((p2p > 0).sum()) >= MIN_P2P_PLANS \
-            and len(trials) >= 3 + SPARE_PLANS and comm.sum() > 0:
-        a, b, c = _least_absolute(np.stack([comp, comm, p2p], axis=1) / meas[:, None], rounds)
-        if a > 0 and b > 0 and c >= P2P_FLOOR:
-            return float(a), float(b), float(c)
-        if c < P2P_FLOOR:                       # at its bound: the messages nearly all hidden
-            a, b = _least_absolute(np.stack([comp, comm], axis=1) / meas[:, None], rounds,
-                                   1 - P2P_FLOOR * p2p / meas)
-            if a > 0 and b > 0:
-                return float(a), float(b), P2P_FLOOR
-    a_mat = np.stack([comp, comm + p2p], axis=1) / meas[:, None]
-    if (comm + p2p).sum() > 0:
-        a, b = _least_absolute(a_mat, rounds)
-        if a > 0 and b > 0:
-            return float(a), float(b), float(b)
+    1.2%). A scale fitted non-positive is dropped (h = a, c = b; then the collectives kept at
+    1): no part of a step can cost nothing. The richest grouping that fits is taken."""
+    cols, meas = _columns(trials), np.array([t.measured_s for t in trials])
+    p2p_apart = separate_p2p and int((cols["p2p"] > 0).sum()) >= MIN_P2P_PLANS \
+        and cols["collectives"].sum() > 0
+    dispatch_apart = separate_dispatch and _dispatch_apart(cols)
+    for h_apart in ((True, False) if dispatch_apart else (False,)):
+        for c_apart in ((True, False) if p2p_apart else (False,)):
+            groups = [("compute",) if h_apart else ("compute", "dispatch")] \
+                + ([("dispatch",)] if h_apart else []) \
+                + [("collectives",) if c_apart else ("collectives", "p2p")] \
+                + ([("p2p",)] if c_apart else [])
+            if len(groups) > 2 and len(trials) < len(groups) + SPARE_PLANS:
+                continue
+            if sum(cols[n].sum() for n in groups[-1]) <= 0:
+                continue                                    # no communication to fit
+            fitted = _fit_groups(cols, meas, groups, rounds)
+            if fitted is not None:
+                return Scales(**fitted)
     # compute alone (communication kept as calibrated)
-    (a,) = _least_absolute(a_mat[:, :1], rounds, 1 - a_mat[:, 1])
-    return max(float(a), 1e-3), 1.0, 1.0
+    comm = (cols["collectives"] + cols["p2p"]) / meas
+    (a,) = _least_absolute(((cols["compute"] + cols["dispatch"]) / meas)[:, None], rounds,
+                           1 - comm)
+    a = max(float(a), 1e-3)
+    return Scales(compute=a, dispatch=a, collectives=1.0, p2p=1.0)
+
+
+def _fit_groups(cols: dict[str, np.ndarray], meas: np.ndarray, groups: list[tuple[str, ...]],
+                rounds: int) -> dict[str, float] | None:
+    """One scale per group of columns (every column of a group gets its scale), least absolute
+    relative error; a lone p2p group fitted under P2P_FLOOR fitted again at it; None where a
+    scale comes out non-positive."""
+    mat = np.stack([sum(cols[n] for n in g) for g in groups], axis=1) / meas[:, None]
+    x = _least_absolute(mat, rounds)
+    if groups[-1] == ("p2p",) and x[-1] < P2P_FLOOR:   # at its bound: messages nearly hidden
+        x = np.append(_least_absolute(mat[:, :-1], rounds, 1 - P2P_FLOOR * mat[:, -1]),
+                      P2P_FLOOR)
+    if (x <= 0).any():
+        return None
+    return {n: float(v) for g, v in zip(groups, x) for n in g}
 
 
 def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None) -> np.ndarray:
@@ -360,18 +444,11 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
     return x
 
 
-# the host's work per op, parameter or tensor, measured in isolation by calibrate: slowed by
-# the compute scale a with the kernels (what slows a step's kernels on shared cores slows its
-# dispatch too)
-_HOST_WORK_S = ("kernel_launch_s", "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
-                "split_backward_op_s", "checkpoint_op_s")
-
-
-def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
-                  p2p: float | None = None) -> Cluster:
-    """`cluster` with its compute rates divided by a, its links slowed by b and its pipeline
-    messages by `p2p` (default b; module doc)."""
-    c = b if p2p is None else p2p
+def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
+    """`cluster` with its compute rates divided by the compute scale (its optimizer's host
+    work multiplied), its per-op dispatch multiplied by the dispatch scale, its links slowed
+    by the collectives' and its pipeline messages by the p2p scale (module doc)."""
+    a, h, b, c = scales.compute, scales.dispatch, scales.collectives, scales.p2p
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
     emax = min(1.0, cluster.gemm_max_efficiency / a)
     peak = gemm_rate / emax
@@ -381,7 +458,8 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
              for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
     curves = tuple(dataclasses.replace(cv, seconds=tuple(x * b for x in cv.seconds))
                    for cv in cluster.collective_curves)
-    host = {k: getattr(cluster, k) * a for k in _HOST_WORK_S}
+    host = {k: getattr(cluster, k) * a for k in OPTIMIZER_WORK_S} \
+        | {k: getattr(cluster, k) * h for k in DISPATCH_WORK_S}
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, **host, **flash, collective_curves=curves,
@@ -393,8 +471,9 @@ def refit_cluster(cluster: Cluster, a: float, b: float, note: str,
         sources=cluster.sources + (
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
-            f"an efficiency would pass 1; the host work per op, parameter or tensor, "
-            f"{', '.join(_HOST_WORK_S)}, × {a:.3f}), link "
+            f"an efficiency would pass 1; the optimizer's host work, "
+            f"{', '.join(OPTIMIZER_WORK_S)}, × {a:.3f}), the host's per-op dispatch "
+            f"({', '.join(DISPATCH_WORK_S)}) × {h:.3f}, link "
             f"bandwidths ÷ {b:.3f} and latencies × {b:.3f} (collective_curves' times × "
             f"{b:.3f}), pipeline "
             f"messages × {c:.3f} (pipeline_p2p_scale); least absolute relative error over the "
@@ -444,15 +523,15 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     measured = measure_candidates(
         candidates, compiled, steps=steps, warmup=warmup, rounds=rounds, log=say,
         interleaved=device.type != "cuda" if interleaved is None else interleaved)
-    trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m)
+    trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m,
+                    dispatch_s=dispatch_seconds(plan, cl, solve_pins))
               for plan, (s, m) in zip(candidates, measured)]
     dist.barrier()   # not runner.close(): that would end the caller's process group
-    a, b, c = fit_scales(trials)
-    refit = refit_cluster(cl, a, b, f"{len(trials)} plans of {name or type(model).__name__}",
-                          p2p=c)
+    scales = fit_scales(trials)
+    refit = refit_cluster(cl, scales, f"{len(trials)} plans of {name or type(model).__name__}")
     trials = [dataclasses.replace(tr, refit_s=solve_pins(refit, plan_pins(tr.plan))
                                   .predicted.step_time_s) for tr in trials]
-    return TuneResult(trials=tuple(trials), cluster=cl, refit=refit, scales=(a, b, c))
+    return TuneResult(trials=tuple(trials), cluster=cl, refit=refit, scales=scales)
 
 
 # ---- the command line (`autopar tune`) ----
@@ -501,8 +580,9 @@ def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster
             record = {}
     record["tune"] = {"plans": [{"plan": tr.label, "predicted_s": tr.plan.predicted.step_time_s,
                                  "measured_s": tr.measured_s, "refit_s": tr.refit_s,
-                                 "measured_memory_bytes": tr.measured_memory_bytes}
-                                for tr in result.trials], "scales": list(result.scales)}
+                                 "measured_memory_bytes": tr.measured_memory_bytes,
+                                 "dispatch_s": tr.dispatch_s} for tr in result.trials],
+                      "scales": dataclasses.asdict(result.scales)}
     save_cluster(result.refit, cluster_out, json.loads(json.dumps(record)))
     print(f"wrote {out} (the fastest measured: {pins_label(plan_pins(result.best))}) and the "
           f"refitted cluster {cluster_out} (plan with --cluster {cluster_out})", flush=True)

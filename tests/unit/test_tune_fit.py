@@ -10,9 +10,21 @@ import pytest
 from autopar.cost.hardware import get_cluster
 from autopar.cost.profile import transformer_profile
 from autopar.cost.solver import solve
-from autopar.tuning import Trial, fit_scales, plan_pins, refit_cluster, spearman
+from autopar.tuning import (Scales, Trial, dispatch_seconds, fit_scales, plan_pins,
+                            refit_cluster, spearman)
 
 PINS = (dict(d=8), dict(t=8), dict(t=2, d=4), dict(p=2, d=4), dict(t=4, p=2), dict(t=2, p=4))
+
+
+def _abc(scales):
+    """(compute, collectives, p2p): the scales these plans, which price no dispatch, fit."""
+    assert scales.dispatch == scales.compute
+    return scales.compute, scales.collectives, scales.p2p
+
+
+def _scales(a, b, c=None, h=None):
+    return Scales(compute=a, dispatch=a if h is None else h, collectives=b,
+                  p2p=b if c is None else c)
 
 
 def _plans(cluster, pins_list=PINS):
@@ -29,9 +41,9 @@ def test_refit_recovers_compute_and_communication_scales():
                 + 2.5 * sum(getattr(pl.predicted, k) for k in comm) for pl in plans]
     trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
               for pl, m in zip(plans, measured)]
-    a, b, c = fit_scales(trials)
+    a, b, c = _abc(fit_scales(trials))
     assert a == pytest.approx(1.7, rel=1e-6) and b == pytest.approx(2.5, rel=1e-6) and c == b
-    refit = refit_cluster(cluster, a, b, "test")
+    refit = refit_cluster(cluster, _scales(a, b), "test")
     assert refit.gemm_max_efficiency == pytest.approx(cluster.gemm_max_efficiency / 1.7)
     assert refit.intra_node_bandwidth_Bps == pytest.approx(cluster.intra_node_bandwidth_Bps / 2.5)
     assert refit.inter_node_latency_s == pytest.approx(cluster.inter_node_latency_s * 2.5)
@@ -45,7 +57,7 @@ def test_refit_recovers_compute_and_communication_scales():
 
 def test_a_faster_than_predicted_cluster_raises_the_peak_past_an_efficiency_of_one():
     cpu = dataclasses.replace(get_cluster("local-cpu"), gemm_max_efficiency=1.0)
-    refit = refit_cluster(cpu, 0.5, 1.0, "test")
+    refit = refit_cluster(cpu, _scales(0.5, 1.0), "test")
     assert refit.gemm_max_efficiency == 1.0 and refit.peak_flops == pytest.approx(
         2 * cpu.peak_flops)
     assert refit.elementwise_efficiency <= 1.0
@@ -60,10 +72,10 @@ def test_the_refit_scales_what_calibrate_measured_with_the_rest():
                             seconds=(1e-3, 2e-3))
     cpu = dataclasses.replace(get_cluster("local-cpu"), collective_curves=(curve,),
                               optimizer_param_s=1e-8, autograd_op_s=5e-6)
-    refit = refit_cluster(cpu, 1.5, 3.0, "test")
-    assert refit.optimizer_param_s == pytest.approx(1.5e-8)
+    refit = refit_cluster(cpu, _scales(1.5, 3.0, h=2.0), "test")
+    assert refit.optimizer_param_s == pytest.approx(1.5e-8)       # the optimizer: compute's
     for host in ("kernel_launch_s", "autograd_op_s", "split_backward_op_s", "checkpoint_op_s"):
-        assert getattr(refit, host) == pytest.approx(1.5 * getattr(cpu, host)), host
+        assert getattr(refit, host) == pytest.approx(2.0 * getattr(cpu, host)), host
     assert refit.split_backward_frac == cpu.split_backward_frac      # a share: as it was
     assert allreduce_s(refit, 5e5, 2, False) == pytest.approx(3 * allreduce_s(cpu, 5e5, 2, False))
 
@@ -85,7 +97,7 @@ def test_one_plan_the_scales_cannot_fit_leaves_the_others_fitted():
     measured[1] *= 1.3
     trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0)
               for pl, m in zip(plans, measured)]
-    a, b, _ = fit_scales(trials)
+    a, b, _ = _abc(fit_scales(trials))
     assert a == pytest.approx(1.7, rel=1e-3) and b == pytest.approx(2.5, rel=1e-3)
 
 
@@ -120,18 +132,18 @@ def test_the_pipeline_messages_get_their_own_scale():
     assert sum(1 for *_, pp in parts if pp > 0) >= 2
     measured = [1.1 * x + 0.9 * y + 0.4 * z for x, y, z in parts]
     trials = _trials(plans, measured)
-    a, b, c = fit_scales(trials)
+    a, b, c = _abc(fit_scales(trials))
     assert (a, b, c) == pytest.approx((1.1, 0.9, 0.4), rel=1e-4)
-    refit = refit_cluster(cluster, a, b, "test", p2p=c)
+    refit = refit_cluster(cluster, _scales(a, b, c), "test")
     assert refit.pipeline_p2p_scale == pytest.approx(c / b)
     cfg = Config.of_plan(plans[3])
     assert p2p_hop_s(prof, refit, cfg) == pytest.approx(c * p2p_hop_s(prof, cluster, cfg))
     assert p2p_s(refit, 5e5, False) == pytest.approx(b * p2p_s(cluster, 5e5, False))
     assert allreduce_s(refit, 5e5, 8, False) == pytest.approx(b * allreduce_s(cluster, 5e5, 8,
                                                                               False))
-    _, b1, c1 = fit_scales(trials, separate_p2p=False)
+    _, b1, c1 = _abc(fit_scales(trials, separate_p2p=False))
     assert c1 == b1
-    _, b2, c2 = fit_scales(trials[:4])                  # 4 plans: too few for three scales
+    _, b2, c2 = _abc(fit_scales(trials[:4]))            # 4 plans: too few for three scales
     assert c2 == b2
     with pytest.raises(ValueError, match="pipeline_p2p_scale=0"):
         dataclasses.replace(cluster, pipeline_p2p_scale=0.0)
@@ -151,17 +163,68 @@ def test_pipeline_messages_fitted_below_the_floor_are_priced_nearly_hidden():
     plans, prof, parts = _pipeline_plans(cluster)
     measured = [1.1 * x + 0.9 * y - 0.3 * z for x, y, z in parts]
     trials = _trials(plans, measured)
-    a, b, c = fit_scales(trials)
+    a, b, c = _abc(fit_scales(trials))
     assert c == P2P_FLOOR and a > 0 and b > 0
 
     def error(a, b, c):
         return sum(abs((a * x + b * y + c * z) / m - 1) for (x, y, z), m in zip(parts, measured))
-    assert error(a, b, c) < error(*fit_scales(trials, separate_p2p=False))
-    refit = refit_cluster(cluster, a, b, "test", p2p=c)
+    assert error(a, b, c) < error(*_abc(fit_scales(trials, separate_p2p=False)))
+    refit = refit_cluster(cluster, _scales(a, b, c), "test")
     cfg = Config.of_plan(plans[3])                     # p = 2, t = 1: no all-gather
     assert p2p_hop_s(prof, refit, cfg) == pytest.approx(c * p2p_hop_s(prof, cluster, cfg))
     # a second tune on the refitted cluster, its messages measured at 0.4 of the first's
     again, _, parts2 = _pipeline_plans(refit)
     scale = 0.4 / P2P_FLOOR
-    a2, b2, c2 = fit_scales(_trials(again, [x + y + scale * z for x, y, z in parts2]))
+    a2, b2, c2 = _abc(fit_scales(_trials(again, [x + y + scale * z for x, y, z in parts2])))
     assert (a2, b2, c2) == pytest.approx((1.0, 1.0, scale), rel=1e-3)
+
+
+def _dispatching_plans():
+    """Plans on a cluster that dispatches its ops eagerly (per-op host work priced), at
+    micro-batch sizes 1 and 4 (so their dispatch shares differ), their profile, each one's
+    `dispatch_seconds` and (kernels, dispatch, collectives + p2p) seconds."""
+    from autopar.tuning import DISPATCH_WORK_S
+    cluster = dataclasses.replace(get_cluster("h100-eth100g"), elementwise="eager",
+                                  autograd_op_s=8e-6, checkpoint_op_s=2e-5)
+    prof = transformer_profile(num_layers=8, hidden=512, heads=8, seq_len=256, vocab=2000)
+
+    def solve_pins(cl, pins):
+        return solve(prof, cl, gpus=8, global_batch_size=32, **pins)
+    plans = [solve_pins(cluster, dict(pins, micro_batch_size=b)) for pins in PINS
+             for b in (1, 4)]
+    coll = ("tp_comm_s", "dp_comm_s", "cp_comm_s", "ep_comm_s", "pp_comm_s")
+    parts = []
+    for pl in plans:
+        h = dispatch_seconds(pl, cluster, solve_pins)
+        comm = sum(getattr(pl.predicted, k) for k in coll)
+        parts.append((pl.predicted.step_time_s - comm - h, h, comm))
+    assert all(getattr(cluster, k) > 0 for k in DISPATCH_WORK_S[:2])
+    return cluster, plans, parts, solve_pins
+
+
+def test_the_host_dispatch_gets_its_own_scale_where_the_plans_tell_it_apart():
+    """calibrate times the host's per-op work in isolation; inside a step it may cost several
+    times that. Plans whose dispatch shares differ (micro-batches of 1 and 4 sequences) hold
+    its scale apart from the kernels': compute ×1.1, dispatch ×3, collectives ×0.9 "measured"
+    come back, the refitted cluster prices the dispatch 3× and every plan within 2%; plans
+    dispatching alike (one micro-batch size) leave it the compute scale."""
+    cluster, plans, parts, solve_pins = _dispatching_plans()
+    assert all(h > 0 for _, h, _ in parts)
+    measured = [1.1 * k + 3.0 * h + 0.9 * c for k, h, c in parts]
+    trials = [Trial(plan=pl, measured_s=m, measured_memory_bytes=0.0, dispatch_s=h)
+              for pl, m, (_, h, _) in zip(plans, measured, parts)]
+    scales = fit_scales(trials)
+    assert (scales.compute, scales.dispatch, scales.collectives) == pytest.approx(
+        (1.1, 3.0, 0.9), rel=1e-3)
+    refit = refit_cluster(cluster, scales, "test")
+    assert refit.autograd_op_s == pytest.approx(3.0 * cluster.autograd_op_s)
+    assert refit.kernel_launch_s == pytest.approx(3.0 * cluster.kernel_launch_s)
+    for pl, m in zip(plans, measured):
+        again = solve_pins(refit, plan_pins(pl)).predicted.step_time_s
+        assert abs(again / m - 1) < 0.02, (plan_pins(pl), again, m)
+    # every plan's dispatch the same share of its kernels: no direction of its own
+    alike = fit_scales([dataclasses.replace(tr, dispatch_s=0.2 * k)
+                        for tr, (k, _, _) in zip(trials, parts)])
+    assert len(trials) >= 5 and alike.dispatch == alike.compute
+    assert fit_scales(trials, separate_dispatch=False).dispatch == fit_scales(
+        trials, separate_dispatch=False).compute
