@@ -3,7 +3,19 @@ stderr when stderr is a terminal, nothing otherwise (piped logs and tests stay c
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
+
+
+def tqdm_bar(**kwargs: Any) -> Any:
+    """tqdm(**kwargs) whose lock is a thread lock where nothing set one before: tqdm's default
+    also makes a multiprocessing lock, whose semaphore a spawned rank (autopar.testing.spawn
+    ends them with os._exit) leaves registered, so the resource tracker warned of "leaked
+    semaphore objects" at the end of `autopar calibrate`. The bars here are one rank's."""
+    from tqdm import tqdm
+    if not hasattr(tqdm, "_lock"):
+        tqdm.set_lock(threading.RLock())
+    return tqdm(**kwargs)
 
 
 class Progress:
@@ -15,11 +27,10 @@ class Progress:
         self._started = 0
         if enabled and sys.stderr.isatty():
             try:
-                from tqdm import tqdm
+                self._bar = tqdm_bar(total=total, desc=desc, leave=False, file=sys.stderr,
+                                     dynamic_ncols=True)
             except ImportError:      # a dependency in pyproject; absent only in odd installs
                 return
-            self._bar = tqdm(total=total, desc=desc, leave=False, file=sys.stderr,
-                             dynamic_ncols=True)
 
     def start(self, label: str) -> None:
         if self._bar is None:

@@ -392,8 +392,8 @@ def _progress(total: int) -> Callable[[str], None]:
     """Rank 0's progress bar (tqdm on stderr); other ranks get a no-op."""
     if dist.get_rank() != 0:
         return lambda what: None
-    from tqdm import tqdm
-    bar = tqdm(total=total, desc="calibrate", unit="step", leave=True)
+    from autopar.progress import tqdm_bar
+    bar = tqdm_bar(total=total, desc="calibrate", unit="step", leave=True)
 
     def tick(what: str) -> None:
         bar.set_postfix_str(f"{what} done")
