@@ -32,6 +32,7 @@ The result is cached on the program per precision (`prog._autopar_built`).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +129,13 @@ class BuiltProgram:
         # the passes work in place: on a copy of the graph and module tree that shares the
         # tensors (they replace attributes, never write into a tensor), so a real model's
         # weights are not duplicated on every rank
-        gm = run_passes(copy.deepcopy(self.gm, self.user_tensors()),
-                        self._full_graph_passes(tp_rank, materialize, ep_rank))
+        with warnings.catch_warnings():
+            # torch 2.13's GraphModule deepcopy copies its pytree specs through a path its
+            # own deprecation flags (a FutureWarning per chunk on every rank): not ours
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)",
+                                    category=FutureWarning)
+            copied = copy.deepcopy(self.gm, self.user_tensors())
+        gm = run_passes(copied, self._full_graph_passes(tp_rank, materialize, ep_rank))
         if K.TP_INFO in gm.meta:
             self.tp_results[tp_rank] = gm.meta[K.TP_INFO]
         chunk_passes = [fp32_loss_pass(), recompute_pass(self.plan.recompute)]

@@ -54,3 +54,17 @@ def test_plan_is_silent_on_stderr_and_an_unexportable_model_is_one_line(tmp_path
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-3000:]
     assert lines[0].startswith("autopar: error: autopar could not capture the model")
     assert "model.py:" in lines[0] and "if h.sum() > 0" in lines[0] and "torch.where" in lines[0]
+
+
+def test_cutting_a_ranks_chunks_warns_nothing():
+    """A rank's chunks are cut from a deep copy of the captured graph, which torch 2.13 copies
+    through its own deprecated pytree check: a FutureWarning per chunk on every rank (the log
+    of `autopar tune` had one per candidate and rank). None now."""
+    import warnings
+
+    from autopar.build import build_program
+    from programs import make_plan, make_program
+    prog, _ = make_program("llama_style", make_plan(t=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert build_program(prog, "fp32").chunks(0, weights=False)
