@@ -60,14 +60,15 @@ MIN_P2P_PLANS, SPARE_PLANS = 2, 2
 # 0, so that the messages stay a term the next tune can fit (a cluster pricing them at 0
 # would give every plan a p2p term of 0, and no later fit could raise it)
 P2P_FLOOR = 0.01
-# the host's work per op, measured in isolation by calibrate (`Trial.dispatch_s` prices a
-# step without it): its own scale where the plans' dispatch shares differ enough to tell it
-# from the kernels' (`fit_scales`), else the compute scale
-DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s", "checkpoint_op_s")
-# ... and the optimizer's per parameter and per tensor: always the compute scale (a ZeRO-0
-# step's per-tensor updates did not follow the dispatch's scale: fitted together, ZeRO-0
-# plans were priced 4% slow against ZeRO-1's on 2 local ranks, 2026-11-27)
-OPTIMIZER_WORK_S = ("optimizer_param_s", "optimizer_tensor_s")
+# the host's work per op, measured on ops in isolation by calibrate (`Trial.dispatch_s`
+# prices a step without it): its own scale where the plans' dispatch shares differ enough to
+# tell it from the kernels' (`fit_scales`), else the compute scale
+DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s")
+# ... and the host work calibrate measures inside real blocks or steps — op recompute's per-op
+# policy work (two checkpointed blocks), the optimizer's per parameter and tensor: always the
+# compute scale. Fitted with the dispatch, op recompute came out 7-11% slow in three runs
+# whose untuned price was within 5%, and ZeRO-0 plans 4% slow against ZeRO-1's (2026-11-27).
+HOST_WORK_S = ("checkpoint_op_s", "optimizer_param_s", "optimizer_tensor_s")
 # the least spread of the plans' dispatch shares (dispatch / kernel seconds, most over least)
 # that holds a dispatch scale apart: plans dispatching alike leave it and the compute scale
 # one direction, which any split fits
@@ -373,12 +374,12 @@ def fit_scales(trials: list[Trial], rounds: int = 50, separate_p2p: bool = True,
 
     h, the host's per-op dispatch (`Trial.dispatch_s`), is its own scale
     (`separate_dispatch`) where the plans' dispatch shares differ (DISPATCH_SPREAD: smaller
-    micro-batches, op recompute, the zb split dispatch more ops per kernel second) and enough
+    micro-batches and the zb split dispatch more ops per kernel second) and enough
     plans hold it (SPARE_PLANS more plans than scales); otherwise h = a. calibrate times its
-    ops in isolation; inside a step they cost more (on 2 local CPU ranks a GPT's micro-batches
-    of 1 sequence ran 3.3× the dispatch calibrate priced, the kernels within 3%: one scale for
-    both left b = 1 plans 12% fast and pulled c to 2.3 to cover a pipeline of 8 micro-batches;
-    apart, the median error 3.3% → 2.2% over 17 plans, 2026-11-27).
+    ops in isolation; inside a step they cost more (on 2 local CPU ranks a 4-layer GPT's
+    dispatch fitted 2.8–3.7× and a Llama's 1.8× what calibrate priced, the kernels within 6%:
+    one scale for both left b = 1 plans 12% fast and pulled c to 2.3 to cover a pipeline of 8
+    micro-batches; apart, the median error 3.3% → 2.2% over 17 plans, 2026-11-27).
 
     c, the pipeline's messages, is its own scale (`separate_p2p`) where enough plans hold
     it (MIN_P2P_PLANS with pipeline messages, SPARE_PLANS more plans than scales): the
@@ -445,8 +446,8 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
 
 
 def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
-    """`cluster` with its compute rates divided by the compute scale (its optimizer's host
-    work multiplied), its per-op dispatch multiplied by the dispatch scale, its links slowed
+    """`cluster` with its compute rates divided by the compute scale (`HOST_WORK_S`
+    multiplied), its per-op dispatch (`DISPATCH_WORK_S`) multiplied by the dispatch scale, its links slowed
     by the collectives' and its pipeline messages by the p2p scale (module doc)."""
     a, h, b, c = scales.compute, scales.dispatch, scales.collectives, scales.p2p
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
@@ -458,7 +459,7 @@ def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
              for k in ("flash_fwd_efficiency", "flash_bwd_efficiency")}
     curves = tuple(dataclasses.replace(cv, seconds=tuple(x * b for x in cv.seconds))
                    for cv in cluster.collective_curves)
-    host = {k: getattr(cluster, k) * a for k in OPTIMIZER_WORK_S} \
+    host = {k: getattr(cluster, k) * a for k in HOST_WORK_S} \
         | {k: getattr(cluster, k) * h for k in DISPATCH_WORK_S}
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
@@ -471,8 +472,8 @@ def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
         sources=cluster.sources + (
             f"refitted by autopar tune ({note}): compute rates ÷ {a:.3f} (gemm_max_efficiency, "
             f"flash efficiencies, elementwise_efficiency; peak_flops / hbm_bandwidth_Bps where "
-            f"an efficiency would pass 1; the optimizer's host work, "
-            f"{', '.join(OPTIMIZER_WORK_S)}, × {a:.3f}), the host's per-op dispatch "
+            f"an efficiency would pass 1; the host work measured in real blocks, "
+            f"{', '.join(HOST_WORK_S)}, × {a:.3f}), the host's per-op dispatch "
             f"({', '.join(DISPATCH_WORK_S)}) × {h:.3f}, link "
             f"bandwidths ÷ {b:.3f} and latencies × {b:.3f} (collective_curves' times × "
             f"{b:.3f}), pipeline "
