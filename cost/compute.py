@@ -19,7 +19,9 @@ embedding and the head (`edge_times_s`), and the FLOPs a step counts (`flops_per
 - Non-GEMM ops: RegionProfile.other_bytes at HBM bandwidth; backward moves 2x the forward bytes.
   An eager runtime also pays each op's dispatch, whatever its size (`dispatch_s`).
 - The optimizer step (Adam, memory bound: `optimizer_step_s`) over the parameters the rank
-  owns (1/(c·d) of them under a sharded optimizer, its experts' 1/(c·d/ep)).
+  owns (1/(c·d) of them under a sharded optimizer, its experts' 1/(c·d/ep)); an eager runtime
+  also adds each micro-batch's weight gradients after the first into their accumulators
+  (`GRAD_ACCUMULATE_BYTES`, every weight the rank holds).
 - Tensor-parallel collectives of a block: its forward all-reduces (SP: all-gather +
   reduce-scatter, the same bytes), the same in backward, once more under full recompute
   (cost/comm.py prices them; `Cluster.tp_overlap`: what cost/overlap.py leaves exposed).
@@ -44,6 +46,12 @@ BWD_ELEMENTWISE_FACTOR = 2.0
 # Adam step traffic per parameter it owns: read fp32 grad, master, m, v (16 B), write master,
 # m, v (12 B) and the 16-bit weight (2 B).
 ADAM_BYTES_PER_PARAM = 30
+# Traffic per weight of adding one more micro-batch's gradient into its fp32 accumulator
+# (autograd's AccumulateGrad, or main_grad += grad): read the accumulator and the new
+# gradient, write the accumulator — 8 B plus the gradient's own (4 fp32, 2 16-bit). A fused
+# stack (the presets' elementwise "fused": Megatron-Core's gradient_accumulation_fusion) adds
+# it inside the weight-gradient GEMM, so only an eager runtime pays it.
+GRAD_ACCUMULATE_BYTES = 8
 
 
 def gemm_efficiency(cluster: Cluster, m: float, n: float, k: float) -> float:
@@ -352,7 +360,22 @@ def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams,
     own_e = cfg.ep / d if sharded else 1.0   # experts sharded over c·d/ep
     per_param_s = cluster.optimizer_param_s or ADAM_BYTES_PER_PARAM / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
+    acc_s = grad_accumulate_s(cluster, cfg, profile)
     adam = lambda params, region: own * (params * per_param_s  # noqa: E731
-                                         + region.param_tensors * cluster.optimizer_tensor_s)
-    return (adam(params.block, profile.block) + params.experts * own_e * per_param_s,
+                                         + region.param_tensors * cluster.optimizer_tensor_s
+                                         ) + params * acc_s
+    return (adam(params.block, profile.block) + params.experts * (own_e * per_param_s + acc_s),
             adam(params.embedding, profile.embedding), adam(params.head, profile.head))
+
+
+def grad_accumulate_s(cluster: Cluster, cfg: Config, profile: ModelProfile) -> float:
+    """Seconds per weight a rank holds of a step's gradient accumulation: each micro-batch
+    after the first adds its gradients into the fp32 accumulators (`GRAD_ACCUMULATE_BYTES`
+    plus the gradient's bytes, at elementwise bandwidth), m − 1 times a step, whatever the
+    ZeRO level (ZeRO-2/3 accumulate a gathered chunk's full gradients before reducing them).
+    0 for a fused stack (elementwise "fused") or one micro-batch."""
+    if cluster.elementwise != "eager" or cfg.num_microbatches <= 1:
+        return 0.0
+    grad_bytes = 4 if profile.activation_bytes_per_elem >= 4 else 2
+    return (cfg.num_microbatches - 1) * (GRAD_ACCUMULATE_BYTES + grad_bytes) / (
+        cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
