@@ -11,7 +11,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-ATTENTION_LENS = (256, 1024)
+# a CPU's attention lengths: the short ones CPU runs train at (128: plan_vs_measured's GPT),
+# where the rate moves most — fitted from 256 and 1024 alone, a GPT at 128 was priced 2.2×
+# its measured attention (with the FLOP count below)
+ATTENTION_LENS = (128, 256, 512, 1024)
 _QUICK_ATTENTION_LENS = (64, 256)
 _FULL_DIMS = (64, 128, 256, 512, 1024)
 _QUICK_DIMS = (32, 128)
@@ -144,7 +147,12 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
                       quick: bool) -> list[list[float]]:
     """[length, fwd_flops_per_s, bwd_flops_per_s] of scaled-dot-product attention (causal; 4
     heads of 64 on a CPU, a sequence each; 16 of 128 on a GPU, `_GPU_ATTENTION_TOKENS` tokens
-    each) at each length: batch·4·heads·L²·head_dim × the causal part, backward 2.5 ×."""
+    each) at each length: batch·4·heads·L²·head_dim × the causal tiles' fraction, backward
+    2.5 × — the FLOPs the cost model charges the same call (`AttentionCall.fwd_flops`:
+    `causal_tile_fraction`, FLASH_TILE² tiles), so a rate measured at a length prices that
+    length's time back. Counted as the exact triangle ((L+1)/2L), the rates came out up to 2×
+    below the model's count at short lengths (1.0 of the tiles at L = 128)."""
+    from autopar.cost.profile import AttentionCall, causal_tile_fraction
     sdpa = torch.nn.functional.scaled_dot_product_attention
     gpu = device.type == "cuda"
     heads, dim = _GPU_HEADS if gpu else _CPU_HEADS
@@ -164,7 +172,10 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
             sdpa(q, k, v, is_causal=True).backward(grad)
         fwd_s = timed_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
         both_s = timed_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
-        flops = 4.0 * batch * heads * length * length * dim * (length + 1) / (2 * length)
+        flops = batch * AttentionCall(
+            heads=heads, kv_heads=heads, q_len=length, kv_len=length, head_dim=dim,
+            v_head_dim=dim, active_fraction=causal_tile_fraction(length, length), gemms=(),
+            materialized_bytes=0).fwd_flops
         curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
     return curve
 

@@ -488,3 +488,35 @@ def test_collectives_are_timed_in_rounds_over_every_collective_and_size(monkeypa
     rows = out["intra"]
     assert rows["all_reduce"] == [[n, 2, pytest.approx(2e-3)] for n in sizes]
     assert rows["hop"] == [[n, 2, pytest.approx(1e-3)] for n in sizes]
+
+
+def test_a_measured_attention_length_prices_its_own_time_back(monkeypatch):
+    """calibrate counts an attention call's FLOPs as the cost model charges them (the causal
+    tiles' fraction, `AttentionCall.fwd_flops`), so a cluster fitted to a length prices that
+    length's causal call at the time measured. Counted as the exact triangle, a length of 128
+    (one 128-tile: the model charges it whole) was priced at 2× its measured time."""
+    import dataclasses
+
+    import torch
+
+    from autopar.cost import calibrate_compute as CC
+    from autopar.cost.calibrate import fit_flash
+    from autopar.cost.compute import fused_attention_time_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.profile import AttentionCall, causal_tile_fraction
+    fwd_s, bwd_s = 1e-3, 2.6e-3
+    monkeypatch.setattr(CC, "_batch_calls", lambda *a, **k: 1)
+    times = iter([fwd_s, fwd_s + bwd_s] * 4)
+    monkeypatch.setattr(CC, "timed_s", lambda *a, **k: next(times))
+    heads, dim = CC._CPU_HEADS
+    for length in (128, 1024):
+        curve = CC.measure_attention((length,), torch.float32, torch.device("cpu"), quick=True)
+        peak = 1e15                       # every efficiency under 1 (fit_flash caps it)
+        cluster = dataclasses.replace(get_cluster("local-cpu"), peak_flops=peak,
+                                      hbm_bandwidth_Bps=1e15, **fit_flash(curve, peak))
+        call = AttentionCall(heads=heads, kv_heads=heads, q_len=length, kv_len=length,
+                             head_dim=dim, v_head_dim=dim, gemms=(), materialized_bytes=0,
+                             active_fraction=causal_tile_fraction(length, length))
+        fwd, bwd = fused_attention_time_s(cluster, call, 1, 1)
+        launch = cluster.kernel_launch_s
+        assert (fwd - launch, bwd - launch) == pytest.approx((fwd_s, bwd_s), rel=1e-6), length
