@@ -25,13 +25,13 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
    from a, c apart from b only where the plans can tell them apart: `fit_scales`); the
    cluster's compute rates (gemm_max_efficiency, the flash efficiencies,
    elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1)
-   divided by a (its optimizer's host work per parameter and tensor multiplied), its measured
-   per-op dispatch (launch, autograd, the zb split's and op recompute's per-op work)
-   multiplied by h, its link bandwidths divided and latencies (and measured collective
-   curves' times) multiplied by b, its pipeline messages' (`Cluster.pipeline_p2p_scale`) by
-   c. The refined cluster is re-solved for every measured plan to report the error before
-   and after. Overlap is not a constant of this cost model (it is modelled per term), so it
-   is not refitted.
+   divided by a (its host work measured in real blocks multiplied: op recompute's per op,
+   the optimizer's per parameter and tensor), its per-op dispatch measured on ops in
+   isolation (launch, autograd, the zb split's per-op work) multiplied by h, its link
+   bandwidths divided and latencies (and measured collective curves' times) multiplied by b,
+   its pipeline messages' (`Cluster.pipeline_p2p_scale`) by c. The refined cluster is
+   re-solved for every measured plan to report the error before and after. Overlap is not a
+   constant of this cost model (it is modelled per term), so it is not refitted.
 """
 from __future__ import annotations
 
@@ -473,8 +473,9 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
 
 def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
     """`cluster` with its compute rates divided by the compute scale (`HOST_WORK_S`
-    multiplied), its per-op dispatch (`DISPATCH_WORK_S`) multiplied by the dispatch scale, its links slowed
-    by the collectives' and its pipeline messages by the p2p scale (module doc)."""
+    multiplied), its per-op dispatch (`DISPATCH_WORK_S`) multiplied by the dispatch scale,
+    its links slowed by the collectives' and its pipeline messages by the p2p scale (module
+    doc)."""
     a, h, b, c = scales.compute, scales.dispatch, scales.collectives, scales.p2p
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
     emax = min(1.0, cluster.gemm_max_efficiency / a)
