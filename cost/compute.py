@@ -353,7 +353,9 @@ def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams,
     parameter (`Cluster.optimizer_param_s`), else its bytes at elementwise HBM bandwidth; and
     the cluster's seconds per tensor (`Cluster.optimizer_tensor_s`) for each tensor it steps:
     the region's (`RegionProfile.param_tensors`), 1/d of them under a sharded optimizer (ZeRO
-    hands a rank's shard to the optimizer as one segment per parameter piece it holds)."""
+    hands a rank's shard to the optimizer as one segment per parameter piece it holds); and
+    where ops run eagerly the step's gradient accumulation over every weight the rank holds
+    (`grad_accumulate_s`)."""
     d = cfg.replicas   # the weights' replicas: ZeRO shards over c·d
     sharded = ZERO_TRAITS[cfg.zero].sharded_optimizer
     own = 1.0 / d if sharded else 1.0
