@@ -88,6 +88,7 @@ class DpTerms(NamedTuple):
     first_s: float          # rank 0 extra (embedding, tied-embedding sync)
     last_s: float           # rank p - 1 extra (head, tied-embedding sync)
     rank_s: float           # every rank: its calls' latency beyond one (`calls_latency_s`)
+    #                         and the step's scalar all-reduces (`step_scalars_s`)
 
 
 def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: RankParams,
@@ -109,9 +110,10 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
     t, p, d, v, m = cfg.t, cfg.p, cfg.replicas, cfg.v, cfg.num_microbatches
     sched, zt = SCHEDULE_TRAITS[cfg.schedule], ZERO_TRAITS[cfg.zero]
     tied_sync = tied_sync_s(profile, cluster, cfg)
+    scalars = step_scalars_s(cluster, cfg)
     if d <= 1:
         return DpTerms(layer_s=0.0, hidden_layer_s=0.0, first_s=tied_sync, last_s=tied_sync,
-                       rank_s=0.0)
+                       rank_s=scalars)
     grp = GradGroup(cluster=cluster, size=d, sharded_optimizer=zt.sharded_optimizer,
                     inter=group_spans_nodes(cluster, stride=t, size=d, gpus=cfg.gpus),
                     elem_bytes=grad_reduce_bytes(profile))
@@ -147,7 +149,28 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
     dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
     return DpTerms(layer_s=dp_layer, hidden_layer_s=hidden * cluster.comm_overlap,
                    first_s=dp_first, last_s=dp_last,        # what can hide does
-                   rank_s=calls_latency_s(cluster, calls, lat))
+                   rank_s=calls_latency_s(cluster, calls, lat) + scalars)
+
+
+# a scalar the runtime all-reduces each step (float64: the loss, the counted tokens)
+SCALAR_BYTES = 8
+
+
+def step_scalars_s(cluster: Cluster, cfg: Config) -> float:
+    """Every rank's blocking scalar all-reduces of a step (autopar/runtime/runner.py): the
+    global loss over the pipeline group (p > 1) and over the c·d replicas, and the counted
+    tokens a token-mean loss is divided by over the replicas. Nothing hides them: ~0.5 ms
+    each on 2 gloo CPU ranks (~1 ms of a 4-layer GPT's 52 ms step at d = 2, unpriced before,
+    2026-11-27), tens of µs on a GPU's links."""
+    t, p, d = cfg.t, cfg.p, cfg.replicas
+    out = 0.0
+    if p > 1:
+        out += allreduce_s(cluster, SCALAR_BYTES, p, group_spans_nodes(
+            cluster, stride=t * d, size=p, gpus=cfg.gpus))
+    if d > 1:
+        out += 2 * allreduce_s(cluster, SCALAR_BYTES, d, group_spans_nodes(
+            cluster, stride=t, size=d, gpus=cfg.gpus))
+    return out
 
 
 def tied_sync_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> float:

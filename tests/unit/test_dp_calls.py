@@ -9,7 +9,8 @@ import pytest
 
 from autopar.cost.comm import allreduce_s
 from autopar.cost.config import Config
-from autopar.cost.dp_terms import GradGroup, _layer_sync_s, calls_latency_s, grad_reduce_bytes
+from autopar.cost.dp_terms import (GradGroup, _layer_sync_s, calls_latency_s, grad_reduce_bytes,
+                                    step_scalars_s)
 from autopar.cost.hardware import CollectiveCurve, get_cluster
 from autopar.cost.model import config_costs, predict
 from autopar.cost.profile import transformer_profile
@@ -45,7 +46,8 @@ def test_one_bucket_is_priced_as_one_call_not_one_per_layer():
     whole = allreduce_s(cl, 8 * block_bytes, 2, False) - LAT
     assert cc.dp_layer_ns * 8 / 1e9 == pytest.approx(whole, rel=1e-3)
     assert whole < 8 * (allreduce_s(cl, block_bytes, 2, False) - LAT) / 2
-    assert cc.dp_rank_ns == 0                            # one call: its latency in the edges
+    # one call: its latency in the edges; on every rank only the step's scalar all-reduces
+    assert cc.dp_rank_ns == pytest.approx(step_scalars_s(cl, cfg) * 1e9, abs=1)
 
 
 @pytest.mark.parametrize("zero,calls", [(0, 8), (1, 16), (2, 16)])
@@ -57,10 +59,12 @@ def test_each_call_of_breadth_first_pays_its_latency_where_nothing_overlaps(zero
     Where collectives overlap compute (a GPU: comm_overlap 1) the latency hides."""
     cl = _curved(0.0)
     bf = config_costs(PROF, cl, _cfg(8, zero))
-    assert bf.dp_rank_ns == round((calls - 1) * LAT * 1e9)
+    scalars = step_scalars_s(cl, _cfg(8, zero))
+    assert bf.dp_rank_ns == pytest.approx(((calls - 1) * LAT + scalars) * 1e9, abs=1)
     assert predict(PROF, cl, _cfg(8, zero)).step_time_s > \
         predict(PROF, cl, _cfg(1, zero)).step_time_s
-    assert config_costs(PROF, _curved(1.0), _cfg(8, zero)).dp_rank_ns == 0
+    assert config_costs(PROF, _curved(1.0), _cfg(8, zero)).dp_rank_ns == pytest.approx(
+        step_scalars_s(_curved(1.0), _cfg(8, zero)) * 1e9, abs=1)
     assert calls_latency_s(cl, calls, LAT) == pytest.approx((calls - 1) * LAT)
 
 
@@ -73,3 +77,16 @@ def test_a_linear_link_prices_a_layer_alike_in_any_call():
     one = _layer_sync_s(grp, None, params)
     for k in (2.0, 8.0, 0.5):
         assert _layer_sync_s(grp, None, params, per_call=k) == pytest.approx(one, rel=1e-9)
+
+
+def test_every_rank_pays_the_steps_scalar_all_reduces():
+    """The runtime all-reduces the loss over the pipeline group (p > 1) and over the c·d
+    replicas, and the counted tokens over the replicas, each blocking: every rank's tail pays
+    them at the link's price of 8 bytes (on 2 gloo CPU ranks ~0.5 ms each, ~1 ms of a 4-layer
+    GPT's d = 2 step, unpriced before); one rank, or t alone, has none."""
+    cl = _curved(0.0)
+    one = allreduce_s(cl, 8, 2, False)
+    for (t, p, d), calls in (((1, 1, 2), 2), ((1, 2, 1), 1), ((2, 1, 1), 0), ((1, 1, 1), 0)):
+        cfg = Config(t=t, p=p, d=d, num_microbatches=2)
+        assert step_scalars_s(cl, cfg) == pytest.approx(calls * one), (t, p, d)
+    assert one > 4e-4                                     # gloo's scalar on the curve
