@@ -347,7 +347,8 @@ def flops_per_seq(profile: ModelProfile, t: int, recompute: str) -> tuple[float,
 
 
 def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams,
-                     profile: ModelProfile) -> tuple[float, float, float]:
+                     profile: ModelProfile, accumulate: bool = True
+                     ) -> tuple[float, float, float]:
     """(per layer, embedding on rank 0, head on rank p-1) seconds of the Adam step over the
     parameters one rank of cfg owns (`shares.rank_params`): the cluster's measured seconds per
     parameter (`Cluster.optimizer_param_s`), else its bytes at elementwise HBM bandwidth; and
@@ -355,14 +356,14 @@ def optimizer_step_s(cluster: Cluster, cfg: Config, params: RankParams,
     the region's (`RegionProfile.param_tensors`), 1/d of them under a sharded optimizer (ZeRO
     hands a rank's shard to the optimizer as one segment per parameter piece it holds); and
     where ops run eagerly the step's gradient accumulation over every weight the rank holds
-    (`grad_accumulate_s`)."""
+    (`grad_accumulate_s`; `accumulate` False: without it, a bound for every m)."""
     d = cfg.replicas   # the weights' replicas: ZeRO shards over c·d
     sharded = ZERO_TRAITS[cfg.zero].sharded_optimizer
     own = 1.0 / d if sharded else 1.0
     own_e = cfg.ep / d if sharded else 1.0   # experts sharded over c·d/ep
     per_param_s = cluster.optimizer_param_s or ADAM_BYTES_PER_PARAM / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
-    acc_s = grad_accumulate_s(cluster, cfg, profile)
+    acc_s = grad_accumulate_s(cluster, cfg, profile) if accumulate else 0.0
     adam = lambda params, region: own * (params * per_param_s  # noqa: E731
                                          + region.param_tensors * cluster.optimizer_tensor_s
                                          ) + params * acc_s

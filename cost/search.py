@@ -465,7 +465,9 @@ def _least_tail_s(profile: ModelProfile, cluster: Cluster, cfg: Config,
     dp, hidden, first, last, each = dp_terms_s(rank, cluster, cfg, params,
                                                memo.block_times_s(rank, cluster, cfg), 0.0,
                                                least)
-    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params, rank)
+    # without the gradient accumulation (`grad_accumulate_s`, m − 1 a step): b and m vary
+    # among the configurations sharing the key, and one micro-batch accumulates nothing
+    opt, opt_first, opt_last = optimizer_step_s(cluster, cfg, params, rank, accumulate=False)
     l = profile.num_layers
     total = (dp - hidden + opt) * l + first + last + opt_first + opt_last + cfg.p * each
     return max(0.0, total - (2 * l + 4 + cfg.p) / 1e9) / cfg.p

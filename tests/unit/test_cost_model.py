@@ -361,3 +361,25 @@ def test_an_eager_runtime_pays_each_further_micro_batchs_gradient_accumulation(z
         extra = 3 * held * (GRAD_ACCUMULATE_BYTES + 4) / (cl.hbm_bandwidth_Bps
                                                            * cl.elementwise_efficiency)
         assert opt[1] - opt[4] == pytest.approx(extra if kind == "eager" else 0.0, rel=1e-6)
+
+
+def test_the_searchs_least_tail_stays_under_every_micro_batch_count():
+    """The search bounds a sharded-weight configuration's tail once for every b and m sharing
+    its key (cost/search.py `_least_tail_s`); with gradient accumulation priced per further
+    micro-batch on an eager host, that bound takes one micro-batch's, so it stays under the
+    tail of a configuration with fewer micro-batches than the one it was computed from."""
+    import dataclasses
+
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.search import _least_tail_s
+    from autopar.cost.step import total_tail_ns
+    cl = dataclasses.replace(get_cluster("local-cpu"), elementwise="eager")
+    prof = _gpt(num_layers=4, hidden=256, heads=4, seq_len=256).with_training_bytes(4) \
+        .for_cluster(cl)
+    cfgs = [M.Config(t=1, p=1, d=2, micro_batch_size=4 // m, num_microbatches=m, zero=3)
+            for m in (4, 1)]
+    least = [_least_tail_s(prof, cl, cfg, CostMemo()) for cfg in cfgs]
+    assert least[0] == pytest.approx(least[1])
+    for cfg in cfgs:
+        tail_s = total_tail_ns(M.config_costs(prof, cl, cfg), prof.num_layers) / 1e9 / cfg.p
+        assert least[0] <= tail_s
