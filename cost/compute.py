@@ -379,6 +379,6 @@ def grad_accumulate_s(cluster: Cluster, cfg: Config, profile: ModelProfile) -> f
     0 for a fused stack (elementwise "fused") or one micro-batch."""
     if cluster.elementwise != "eager" or cfg.num_microbatches <= 1:
         return 0.0
-    grad_bytes = 4 if profile.activation_bytes_per_elem >= 4 else 2
-    return (cfg.num_microbatches - 1) * (GRAD_ACCUMULATE_BYTES + grad_bytes) / (
+    from autopar.cost.memory import weight_elem_bytes   # memory imports this module
+    return (cfg.num_microbatches - 1) * (GRAD_ACCUMULATE_BYTES + weight_elem_bytes(profile)) / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
