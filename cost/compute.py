@@ -36,6 +36,7 @@ from autopar.cost.comm import (allgather_s, allreduce_s, inserted_collectives_s,
 from autopar.cost.config import BLOCK_CHECKPOINTED, ZERO_TRAITS, Config
 from autopar.cost.hardware import Cluster
 from autopar.cost.overlap import ROW_PIECES, block_tp_exposed_s
+from autopar.cost.precision import weight_elem_bytes
 from autopar.cost.profile import AttentionCall, Gemm, ModelProfile, RegionProfile, TPRegionFallback
 from autopar.cost.shares import (RankParams, fused_calls, op_checkpoint, rank_attention_bytes,
                                  rank_other_bytes, tp_fallback, vocab_pad_ratio)
@@ -379,6 +380,5 @@ def grad_accumulate_s(cluster: Cluster, cfg: Config, profile: ModelProfile) -> f
     0 for a fused stack (elementwise "fused") or one micro-batch."""
     if cluster.elementwise != "eager" or cfg.num_microbatches <= 1:
         return 0.0
-    from autopar.cost.memory import weight_elem_bytes   # memory imports this module
     return (cfg.num_microbatches - 1) * (GRAD_ACCUMULATE_BYTES + weight_elem_bytes(profile)) / (
         cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)

@@ -27,7 +27,7 @@ from autopar.cost.context import context_rank_profile
 from autopar.cost.dp_terms import EXTRAPOLATE_START, weight_gather_stats
 from autopar.cost.exchanges import hybrid_saved_excess_bytes
 from autopar.cost.hardware import Cluster
-from autopar.cost.precision import gathered_bytes_ratio
+from autopar.cost.precision import gathered_bytes_ratio, weight_elem_bytes
 from autopar.cost.profile import ModelProfile, RegionProfile
 from autopar.cost.shares import (RankParams, expert_params_elems, op_checkpoint,
                                  rank_attention_bytes, shard_params_elems, tp_fallback,
@@ -209,12 +209,6 @@ def memory_coefficients(profile: ModelProfile, cluster: Cluster, cfg: Config,
         mem_layer.append(int(math.ceil(sum(parts[-1]))))
         mem_fixed.append(int(math.ceil(sum(fparts[-1][:5]))))
     return tuple(mem_layer), tuple(mem_fixed), tuple(parts), tuple(fparts), acts
-
-
-def weight_elem_bytes(profile: ModelProfile) -> int:
-    """Bytes of a weight as the run holds it: 4 in an fp32 run (the profile's activations in
-    4 bytes: `ModelProfile.with_training_bytes`), else 2 (16-bit with fp32 masters)."""
-    return 4 if profile.activation_bytes_per_elem >= 4 else 2
 
 
 def backward_work(layer_work: float, head_work: float, last: bool) -> float:

@@ -41,3 +41,9 @@ def gathered_bytes_ratio(profile: ModelProfile, t: int, block_elems: float,
         return 1.0
     f = min(1.0, fp8_weight_elems(profile, t) / block_elems)
     return (BF16_BYTES - f * (BF16_BYTES - FP8_BYTES)) / BF16_BYTES
+
+
+def weight_elem_bytes(profile: ModelProfile) -> int:
+    """Bytes of a weight as the run holds it: 4 in an fp32 run (the profile's activations in
+    4 bytes: `ModelProfile.with_training_bytes`), else 2 (16-bit with fp32 masters)."""
+    return 4 if profile.activation_bytes_per_elem >= 4 else 2
