@@ -643,10 +643,14 @@ def calibrate(*, out: str | os.PathLike | None = None, name: str = "local-cpu",
     kwargs = dict(out=out, name=name, quick=quick, peak_flops=peak_flops,
                   dtype=PRECISIONS.get(precision), base=base)
     if "WORLD_SIZE" in os.environ:
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return calibrate_ranks(**kwargs)
+        result = calibrate_ranks(**kwargs)     # ends with a barrier: nothing in flight after
+        if created:   # not left to interpreter exit: a rank whose gloo group was torn down
+            dist.destroy_process_group()   # there aborted once ("terminate called"), 2026-11-27
+        return result
     from autopar.testing import spawn
     return spawn(_spawned, ranks, kwargs, timeout_s=timeout_s,
                  pg_timeout_s=timeout_s / 2, backend="nccl" if gpus else "gloo")[0]
