@@ -47,6 +47,7 @@ from autopar.runtime.context_shard import ContextShard, hybrid_node_ranks
 from autopar.runtime.dist import (DEFAULT_TIMEOUT_S, ProcessGroups, init_distributed,
                                   shared_stages)
 from autopar.runtime.executor import LoadedChunk
+from autopar.runtime.host_memory import keep_freed_memory
 from autopar.runtime.loss_scale import LossScaler, LossScaling
 from autopar.runtime.params import LocalParams, ParamInfo, StateDictSpec, describe_param
 from autopar.runtime.regimes import make_regime
@@ -170,6 +171,8 @@ def compile_program(prog: Any, optimizer: Callable | None = None,
     owns_default_group = not dist.is_initialized()   # Runner.close destroys only its own
     backend_device = init_distributed(plan.gpus, timeout_s=timeout_s)
     device = backend_device if device is None else torch.device(device)
+    if device.type == "cpu":
+        keep_freed_memory()   # glibc keeps what a step frees (runtime/host_memory.py)
     mismatch = eager_chunks_of_a_fused_plan(plan, torch_compile, device)
     if mismatch and rank0:
         warnings.warn(mismatch, stacklevel=2)

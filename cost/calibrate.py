@@ -438,6 +438,9 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     returns the gathered record, the others {}."""
     device, default_dtype = _device()
     dtype = dtype or default_dtype
+    if device.type == "cpu":   # the allocator a CPU rank trains with (autopar.compile's)
+        from autopar.runtime.host_memory import keep_freed_memory
+        keep_freed_memory()
     nodes, _ = _node_layout()
     groups = link_groups(nodes)
     tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
