@@ -56,11 +56,15 @@ class FlatLayout:
 
     def flatten(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype,
                 device: Any) -> torch.Tensor:
-        """(d·S,) the tensors end to end (None: zeros), padded."""
-        flat = torch.zeros(self.shard_numel * self.d, dtype=dtype, device=device)
+        """(d·S,) the tensors end to end (None: zeros), padded with zeros. Each element is
+        written once (no fill before the copies: a whole extra pass over the buffer)."""
+        flat = torch.empty(self.shard_numel * self.d, dtype=dtype, device=device)
         for t, off, k in zip(tensors, self.offsets, self.numels):
             if t is not None:
                 flat[off:off + k].copy_(t.detach().reshape(-1))
+            else:
+                flat[off:off + k].zero_()
+        flat[self.numel:].zero_()
         return flat
 
     def split(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -73,11 +77,15 @@ class FlatLayout:
 
     def shard(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype, device: Any,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        """(S,) my shard from one piece per segment (padding zero), in `out` when given."""
-        mine = torch.zeros(self.shard_numel, dtype=dtype, device=device) if out is None \
-            else out.zero_()
+        """(S,) my shard from one piece per segment (padding zero), in `out` when given.
+        The segments are contiguous from the shard's start: only the padding past them is
+        zeroed (each element written once)."""
+        mine = torch.empty(self.shard_numel, dtype=dtype, device=device) if out is None else out
+        end = 0
         for s, x in zip(self.segments, pieces):
-            mine[s.shard_lo:s.shard_lo + s.hi - s.lo].copy_(x.detach().reshape(-1))
+            end = s.shard_lo + s.hi - s.lo
+            mine[s.shard_lo:end].copy_(x.detach().reshape(-1))
+        mine[end:].zero_()
         return mine
 
     def gather(self, pieces: Sequence[torch.Tensor], group: Any, dtype: torch.dtype,
