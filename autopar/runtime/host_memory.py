@@ -12,8 +12,8 @@ Measured (2026-11-27, AMD EPYC, 2 gloo ranks, GPT hidden 256 × 6 layers, 8 sequ
 d = 2, three rounds of 6 steps, two runs each): ZeRO-3 page-faulted 6,400–11,900 times a step
 and took 236–258 ms; with both thresholds raised, 0–1,700 faults and 215–235 ms, as fast as
 ZeRO-1. ZeRO-0 (persistent gradient buckets) faulted ~1 time a step either way. A plain
-single-process GPT step (hidden 128): ~1,300–2,100 faults and ~2 ms of kernel time a step
-before, ≤ 75 after.
+single-process GPT step (hidden 128): ~1,300–2,100 faults and 1.4–3.6 ms of system time a
+step before, ≤ 75 faults and ~0 after.
 
 `keep_freed_memory()` raises both thresholds through glibc's `mallopt` — what PyTorch's CPU
 launcher (`torch.backends.xeon.run_cpu`) gets by preloading jemalloc or tcmalloc, without a
@@ -59,9 +59,10 @@ def keep_freed_memory() -> bool:
     Idempotent; call on a CPU rank before its first step (autopar.compile does). Returns
     False, changing nothing, when the C library is not glibc or `AUTOPAR_CPU_MALLOC=system`.
     """
-    choice = os.environ.get(ENV, "").strip().lower()
+    raw = os.environ.get(ENV, "")
+    choice = raw.strip().lower()
     if choice not in ("", "keep", "system"):
-        raise ValueError(f"{ENV}={choice!r}: must be 'keep' (the default: a CPU rank keeps "
+        raise ValueError(f"{ENV}={raw!r}: must be 'keep' (the default: a CPU rank keeps "
                          f"the memory it frees) or 'system' (glibc's own thresholds); unset "
                          f"it or pass one of these")
     if choice == "system":
