@@ -2,12 +2,14 @@
 
 The free plan (the solver's choice) and a fixed set of plans spanning t, p, d, c, schedules,
 ZeRO levels, recompute and micro-batch sizes, each predicted on the cluster (the local-cpu
-cluster file, or --cluster) and measured (autopar.tuning.measure_plans: rounds over all plans
-in turn, the least disturbed round's median of the timed steps after warm-up, the slowest
-rank). Prints the table, Spearman's rank correlation of
-predicted and measured, the median and worst relative error, the regret (the free plan's
-measured step time over the fastest measured), and the same errors after the refit
-(autopar.tuning.refit_cluster, least squares over these plans).
+cluster file, or --cluster) and measured as `autopar tune` measures them
+(autopar.tuning.measure_candidates: one plan at a time, compiled, timed in its rounds and
+released; each the least disturbed round's median of the timed steps after warm-up, the
+slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
+turn, each plan then measuring 3–22% slower than alone). Prints the table, Spearman's rank
+correlation of predicted and measured, the median and worst relative error, the regret (the
+free plan's measured step time over the fastest measured), and the same errors after the
+refit (autopar.tuning.refit_cluster, least squares over these plans).
 
 Goals (issue 29): regret <= 1.05, Spearman >= 0.9, median |error| <= 15%, and the refit halves
 the median error. The machine is shared: run it when it is quiet, and rerun before believing a
@@ -69,7 +71,7 @@ def _model(kind: str = "gpt", hidden: int = 128, layers: int = 4, seq: int = 128
 
 
 def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: int,
-            shape: dict, batch: int):
+            shape: dict, batch: int, interleaved: bool = False):
     from autopar import cross_entropy
     from autopar.tuning import tune
 
@@ -77,6 +79,7 @@ def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: i
     return tune(functools.partial(_model, **shape), gpus=world, example_inputs=(ids,),
                 loss_fn=cross_entropy, global_batch_size=batch, cluster=cluster, top=top,
                 steps=steps, plans=PLANS, rounds=rounds, vocab=GPT_CONFIG["vocab_size"],
+                interleaved=interleaved,
                 name=f"{shape['kind']}-{shape['layers']}x{shape['hidden']}",
                 log=lambda line: print(line, flush=True))
 
@@ -120,7 +123,9 @@ def main() -> int:
     # alike the least disturbed of 3 rounds left them up to 18% apart by luck (regret 1.183
     # once); the first 3 and all 6 rounds of the same runs (three shapes): regret 1.000-1.034
     # against 1.000, Spearman 0.876-0.953 against 0.912-0.956 (2026-11-27)
-    ap.add_argument("--rounds", type=int, default=6, help="rounds over all plans in turn")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds of each plan")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="every plan alive at once, rounds over all of them in turn")
     ap.add_argument("--top", type=int, default=1, help="best predicted plans besides PLANS")
     ap.add_argument("--refit-out", help="save the refitted cluster file here")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
@@ -139,14 +144,15 @@ def main() -> int:
     from autopar.testing import spawn
     start = time.perf_counter()
     result = spawn(_worker, 2, args.cluster, args.steps, args.top, args.rounds, shape,
-                   args.batch, timeout_s=3000, pg_timeout_s=300)[0]
+                   args.batch, args.interleaved, timeout_s=3000, pg_timeout_s=300)[0]
     ok = report(result)
     if args.refit_out:
         from autopar.cost.hardware import save_cluster
         print(f"wrote {save_cluster(result.refit, args.refit_out)}")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"({time.perf_counter() - start:.0f} s; cluster {args.cluster}; load average {load} on "
-          f"{os.cpu_count()} cores: timings on a shared machine are noisy)")
+    how = "interleaved" if args.interleaved else "one plan at a time"
+    print(f"({time.perf_counter() - start:.0f} s, {how}; cluster {args.cluster}; load average "
+          f"{load} on {os.cpu_count()} cores: timings on a shared machine are noisy)")
     return 0 if ok else 1
 
 
