@@ -327,9 +327,9 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     load falls on every plan alike). With every runner alive each plan measures slower than
     it runs alone: on 2 CPU ranks (2026-11-27, 17–18 plans of two GPTs, each way run once,
     minutes apart) data-parallel plans 8–18%, t = 2 12–22%, pipelines 3–8%; the untuned
-    median error was 12.1% / 14.7% interleaved against 3.9% / 8.8% one at a time, the
-    Spearman 0.882 / 0.978 against 0.907 / 0.971. `compiled(i, plan)` makes candidate i's
-    PlanRun."""
+    median error was 12.1% / 14.7% interleaved against 3.9% / 8.8–11.3% one at a time, the
+    Spearman 0.882 / 0.978 against 0.907 / 0.916–0.971. `compiled(i, plan)` makes candidate
+    i's PlanRun."""
     if interleaved:
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
