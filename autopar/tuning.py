@@ -281,9 +281,9 @@ class PlanRun:
     def memory_bytes(self) -> float:
         """The tensors the runner holds between steps (autopar.testing.held_tensor_bytes:
         weights, gradients, optimizer states, buffers; not the allocator's total, which counts
-        every candidate's runner alive in this process) + the most one more step holds above
-        them: the allocator's peak over its start on a GPU, step_peak_tensor_bytes on CPU;
-        the largest over ranks."""
+        every runner alive in this process: all candidates', measured interleaved) + the most
+        one more step holds above them: the allocator's peak over its start on a GPU,
+        step_peak_tensor_bytes on CPU; the largest over ranks."""
         from autopar.testing import held_tensor_bytes, step_peak_tensor_bytes
         held = held_tensor_bytes(self.runner)
         if self.device.type == "cuda":
@@ -306,7 +306,8 @@ def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
     """(step seconds, memory bytes) of every run: `rounds` rounds over all the runs in turn
     (warm-up in the first), each run's time the least disturbed round's median — a load that
     comes and goes on a shared machine then falls on every plan alike, not on the plan that
-    happened to run during it."""
+    happened to run during it. One run at a time (`measure_candidates`' default) is its
+    rounds back to back."""
     rounds_s: list[list[float]] = [[] for _ in runs]
     for r in range(rounds):
         for i, run in enumerate(runs):
