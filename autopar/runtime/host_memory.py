@@ -24,7 +24,6 @@ leaves glibc's defaults.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 # glibc's malloc.h
@@ -40,12 +39,11 @@ ENV = "AUTOPAR_CPU_MALLOC"
 
 
 def _glibc() -> ctypes.CDLL | None:
-    """The process's glibc, or None (another C library, or none found)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """The process's glibc, or None (another C library). The symbols the process has loaded
+    already (`dlopen(NULL)`): no library search (`ctypes.util.find_library` runs ldconfig,
+    ~30 ms, and `compile()` calls this on every CPU rank)."""
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         version = libc.gnu_get_libc_version()
     except (OSError, AttributeError):   # not glibc: no gnu_get_libc_version
