@@ -251,7 +251,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from autopar import tuning as T
     kwargs = dict(spec=args.model, gpus=args.gpus, batch=args.batch, seq=args.seq,
                   cluster=args.cluster, top=args.top, steps=args.steps, out=args.out,
-                  cluster_out=args.cluster_out)
+                  cluster_out=args.cluster_out, passes=args.passes)
     if "WORLD_SIZE" in os.environ:
         from autopar.runtime.dist import init_distributed
         init_distributed()
@@ -403,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     tn.add_argument("--top", type=int, default=4, help="the best predicted plans to run")
     tn.add_argument("--steps", type=int, default=3, help="timed steps per plan (after one "
                                                          "warm-up step)")
+    tn.add_argument("--passes", type=int, default=2,
+                    help="times every plan is measured, one plan at a time, every other pass "
+                         "in the opposite order; each plan's least counts (default 2: a shared "
+                         "host's slow spells fall on a plan twice only if they outlast a pass)")
     tn.add_argument("--out", default="plan.json", help="where the fastest measured plan goes")
     tn.add_argument("--cluster-out", dest="cluster_out",
                     help="the refitted cluster file (default: the --cluster file; local-cpu's "

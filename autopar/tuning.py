@@ -24,14 +24,17 @@ fastest measured, and refit the cluster's fitted constants to what was measured.
    host's per-op dispatch) + h · (that dispatch) + b · (the collectives' terms) + c · (the
    pipeline's send/recv), least absolute relative error (numpy, reweighted least squares)
    over the measured plans, so one plan the scales cannot fit does not move the rest (h apart
-   from a, c apart from b only where the plans can tell them apart: `fit_scales`); the
+   from a, c apart from b only where the plans can tell them apart: `fit_scales`; so too the
+   tensor-parallel collectives and the context-parallel exchange, each apart from b only
+   where it earns its keep); the
    cluster's compute rates (gemm_max_efficiency, the flash efficiencies,
    elementwise_efficiency; peak_flops and hbm_bandwidth_Bps where an efficiency would pass 1)
    divided by a (its host work measured in real blocks multiplied: op recompute's per op,
    the optimizer's per parameter and tensor), its per-op dispatch measured on ops in
    isolation (launch, autograd, the zb split's per-op work) multiplied by h, its link
    bandwidths divided and latencies (and measured collective curves' times) multiplied by b,
-   its pipeline messages' (`Cluster.pipeline_p2p_scale`) by c. The refined cluster is
+   its pipeline messages' (`Cluster.pipeline_p2p_scale`) by c, its TP and CP collectives'
+   (`Cluster.tp_comm_scale`, `cp_comm_scale`) by theirs over b. The refined cluster is
    re-solved for every measured plan to report the error before and after. Overlap is not a
    constant of this cost model (it is modelled per term), so it is not refitted.
 """
@@ -81,21 +84,42 @@ DISPATCH_SPREAD = 1.5
 # dispatch fitted 2.3–3.2× lowered the sum by 16–34%; the two at hidden 256, where dispatch
 # is ~2% of a step, by 0–8%, one of them at a dispatch scale of 0.14
 DISPATCH_GAIN = 0.1
+# the collectives of one kind that get a scale of their own where the plans tell them apart
+# (`fit_scales`): tensor-parallel (Cluster.tp_comm_scale) and the context-parallel K/V exchange
+# (Cluster.cp_comm_scale), each the Trial's seconds of it (`part_seconds`). Calibrate times a
+# collective on idle ranks after a short GEMM; inside a step each kind costs its own multiple
+# of that: on 2 local CPU ranks t = 2 was priced from 8% fast to 34% slow and c = 2 11–24%
+# fast, run to run, while one scale for every collective left both off (2026-11-27/28)
+KIND_COLUMNS = ("tp", "cp")
+# ... fitted apart only where at least this many plans carry it, and only if it lowers the
+# fit's summed |relative error| by DISPATCH_GAIN against the kind on the collectives' scale
+MIN_KIND_PLANS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Scales:
     """How much slower than priced each part of the measured steps ran (`fit_scales`), folded
     into a cluster by `refit_cluster`: the kernels (compute, bubble, optimizer), the host's
-    per-op dispatch, the collectives, the pipeline's send/recv."""
+    per-op dispatch, the collectives, the pipeline's send/recv; the tensor- and
+    context-parallel collectives' (`KIND_COLUMNS`; None: the collectives' scale)."""
     compute: float
     dispatch: float
     collectives: float
     p2p: float
+    tp: float | None = None
+    cp: float | None = None
+
+    def __post_init__(self) -> None:
+        for kind in KIND_COLUMNS:
+            if getattr(self, kind) is None:
+                object.__setattr__(self, kind, self.collectives)
 
     def __str__(self) -> str:
+        kinds = "".join(f", {name} ×{getattr(self, k):.2f}" for k, name in
+                        (("tp", "tensor-parallel"), ("cp", "context-parallel"))
+                        if getattr(self, k) != self.collectives)
         return (f"compute ×{self.compute:.2f}, dispatch ×{self.dispatch:.2f}, collectives "
-                f"×{self.collectives:.2f}, pipeline messages ×{self.p2p:.2f}")
+                f"×{self.collectives:.2f}{kinds}, pipeline messages ×{self.p2p:.2f}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,6 +132,10 @@ class Trial:
     # the predicted step's seconds of host dispatch (`DISPATCH_WORK_S`): the plan's step less
     # the same plan priced without it (`dispatch_seconds`); 0: none priced
     dispatch_s: float = 0.0
+    # ... and its seconds of tensor-parallel collectives and of the context-parallel exchange
+    # (`part_seconds`: the step less the same plan priced with them free); 0: none
+    tp_s: float = 0.0
+    cp_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -319,7 +347,7 @@ def measure_plans(runs: list[PlanRun], *, steps: int, warmup: int, rounds: int,
 
 def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], PlanRun], *,
                        steps: int, warmup: int, rounds: int, interleaved: bool,
-                       log: Callable[[str], None]) -> list[tuple[float, float]]:
+                       log: Callable[[str], None], passes: int = 1) -> list[tuple[float, float]]:
     """(step seconds, memory bytes) of every candidate. One at a time (the default): each
     compiled, measured in its rounds and released (its tensors and process groups) before the
     next is compiled — what a job runs, and what a GPU needs, which holds one candidate's
@@ -330,20 +358,32 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     minutes apart) data-parallel plans 8–18%, t = 2 12–22%, pipelines 3–8%; the untuned
     median error was 12.1% / 14.7% interleaved against 3.9% / 8.8–11.3% one at a time, the
     Spearman 0.882 / 0.978 against 0.907 / 0.916–0.971. `compiled(i, plan)` makes candidate
-    i's PlanRun."""
+    i's PlanRun.
+
+    passes (one at a time): the candidates measured again in each further pass, every other
+    pass in the opposite order, each compiled afresh; a candidate's time its least over the
+    passes (its memory the first pass's). A shared host has slow spells of tens of seconds:
+    one pass measured the first four d = 2 plans of a 4-layer GPT 8–27% slower than the
+    identical ones after them (2026-11-28), which made a ZeRO level the fastest measured by
+    luck (regret 1.11) and the order's Spearman 0.79; a plan measured in two passes, in
+    opposite orders, falls in such a spell twice only when the spell outlasts a pass."""
     if interleaved:
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
-    out: list[tuple[float, float]] = []
-    for i, plan in enumerate(candidates):
-        run = compiled(i, plan)
-        out += measure_plans([run], steps=steps, warmup=warmup, rounds=rounds, log=log)
-        run.runner.release_groups()                 # its communicators
-        del run
-        gc.collect()                                # the runner's tensors, before the next
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return out
+    best: dict[int, tuple[float, float]] = {}
+    for k in range(passes):
+        order = list(enumerate(candidates))
+        for i, plan in (order if k % 2 == 0 else order[::-1]):
+            run = compiled(i, plan)
+            ((sec, mem),) = measure_plans([run], steps=steps, warmup=warmup, rounds=rounds,
+                                          log=log)
+            best[i] = (min(sec, best[i][0]), best[i][1]) if i in best else (sec, mem)
+            run.runner.release_groups()                 # its communicators
+            del run
+            gc.collect()                                # the runner's tensors, before the next
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return [best[i] for i in range(len(candidates))]
 
 
 # ---- refitting ----
@@ -352,20 +392,44 @@ def dispatch_seconds(plan: Plan, cluster: Cluster,
                      solve_pins: Callable[[Cluster, dict], Plan]) -> float:
     """The seconds of `plan`'s predicted step that are the host's per-op dispatch
     (`DISPATCH_WORK_S`): its step less the same pins priced on `cluster` without them (≥ 0)."""
-    if not any(getattr(cluster, k) for k in DISPATCH_WORK_S):
+    return part_seconds(plan, cluster, solve_pins, "dispatch")
+
+
+# what each part of `part_seconds` zeroes on the cluster, and which plans can have it
+_PARTS = {"dispatch": (DISPATCH_WORK_S, lambda plan: True),
+          "tp": (("tp_comm_scale",), lambda plan: plan.t > 1),
+          "cp": (("cp_comm_scale",), lambda plan: plan.c > 1)}
+
+
+def part_seconds(plan: Plan, cluster: Cluster, solve_pins: Callable[[Cluster, dict], Plan],
+                 part: str) -> float:
+    """The seconds of `plan`'s predicted step that are `part`: "dispatch" (the host's per-op
+    work, `DISPATCH_WORK_S`), "tp" (its tensor-parallel collectives) or "cp" (its
+    context-parallel exchange) — its step less the same pins priced on `cluster` with that
+    part free (≥ 0), wherever the step holds it (a block's terms, the edges, the bubble)."""
+    fields, holds = _PARTS[part]
+    if not holds(plan) or not any(getattr(cluster, k) for k in fields):
         return 0.0
-    bare = dataclasses.replace(cluster, **{k: 0.0 for k in DISPATCH_WORK_S})
+    bare = dataclasses.replace(cluster, **{k: 0.0 for k in fields})
     return max(0.0, plan.predicted.step_time_s
                - solve_pins(bare, plan_pins(plan)).predicted.step_time_s)
 
 
 def _columns(trials: list[Trial]) -> dict[str, np.ndarray]:
-    """Each trial's predicted seconds split as `fit_scales` scales them."""
+    """Each trial's predicted seconds split as `fit_scales` scales them: a kind's seconds
+    (`KIND_COLUMNS`) taken from its own term (tp_comm_s, cp_comm_s) as far as that holds
+    them, the rest (the edges' TP collectives, the bubble they lengthen) from the compute."""
     def col(keys):
         return np.array([sum(getattr(t.plan.predicted, k) for k in keys) for t in trials])
     dispatch = np.array([t.dispatch_s for t in trials])
-    return {"compute": col(_COMPUTE_TERMS) - dispatch, "dispatch": dispatch,
-            "collectives": col(_COMM_TERMS), "p2p": col(_P2P_TERMS)}
+    out = {"compute": col(_COMPUTE_TERMS) - dispatch, "dispatch": dispatch,
+           "collectives": col(_COMM_TERMS), "p2p": col(_P2P_TERMS)}
+    for kind, term in (("tp", "tp_comm_s"), ("cp", "cp_comm_s")):
+        part, own = np.array([getattr(t, f"{kind}_s") for t in trials]), col((term,))
+        out[kind] = part
+        out["collectives"] = out["collectives"] - np.minimum(part, own)
+        out["compute"] = out["compute"] - np.maximum(0.0, part - own)
+    return out
 
 
 def _dispatch_apart(cols: dict[str, np.ndarray]) -> bool:
@@ -378,7 +442,7 @@ def _dispatch_apart(cols: dict[str, np.ndarray]) -> bool:
 
 
 def fit_scales(trials: list[Trial], rounds: int = 50, separate_p2p: bool = True,
-               separate_dispatch: bool = True) -> Scales:
+               separate_dispatch: bool = True, separate_kinds: bool = True) -> Scales:
     """The `Scales` minimising Σ |(a·kernels + h·dispatch + b·collectives + c·pipeline p2p)
     / measured − 1|: the least absolute relative error, by iteratively reweighted least
     squares (numpy; each round weighs a plan by the inverse of its last error). Plain least
@@ -408,40 +472,73 @@ def fit_scales(trials: list[Trial], rounds: int = 50, separate_p2p: bool = True,
     instead left the pipeline plans over-priced (Llama GQA on 2 local ranks: c = −0.06
     unconstrained; at c = b the worst error 14.6%, at the bound 7.7%, the median 1.3% /
     1.2%). A scale fitted non-positive is dropped (h = a, c = b; then the collectives kept at
-    1): no part of a step can cost nothing. The richest grouping that fits is taken."""
+    1): no part of a step can cost nothing. The richest grouping that fits is taken.
+
+    Then the tensor-parallel collectives and the context-parallel exchange (`KIND_COLUMNS`,
+    `separate_kinds`) each get a scale of their own, one at a time, the one that lowers the
+    summed error most first, where MIN_KIND_PLANS plans carry it, enough plans hold the extra
+    scale (SPARE_PLANS) and it lowers the summed error by DISPATCH_GAIN; otherwise they are
+    on the collectives' scale."""
     cols, meas = _columns(trials), np.array([t.measured_s for t in trials])
+    comm = sum(cols[n] for n in ("collectives",) + KIND_COLUMNS)
     p2p_apart = separate_p2p and int((cols["p2p"] > 0).sum()) >= MIN_P2P_PLANS \
-        and cols["collectives"].sum() > 0
+        and comm.sum() > 0
     dispatch_apart = separate_dispatch and _dispatch_apart(cols)
-    fits = [f for f in (_richest_fit(cols, meas, h_apart, p2p_apart, len(trials), rounds)
-                        for h_apart in ((True, False) if dispatch_apart else (False,)))
-            if f is not None]
-    if len(fits) == 2 and _fit_error(cols, meas, fits[0]) > (1 - DISPATCH_GAIN) * _fit_error(
-            cols, meas, fits[1]):
+    fits = [(h_apart, f) for h_apart in ((True, False) if dispatch_apart else (False,))
+            if (f := _richest_fit(cols, meas, h_apart, p2p_apart, (), rounds)) is not None]
+    if len(fits) == 2 and _fit_error(cols, meas, fits[0][1]) > (
+            1 - DISPATCH_GAIN) * _fit_error(cols, meas, fits[1][1]):
         fits = fits[1:]                # the dispatch's own scale does not earn its keep
     if fits:
-        return Scales(**fits[0])
+        h_apart, fitted = fits[0]
+        kinds = [k for k in KIND_COLUMNS if separate_kinds
+                 and int((cols[k] > 0).sum()) >= MIN_KIND_PLANS]
+        return Scales(**_kinds_apart(cols, meas, fitted, h_apart, p2p_apart, kinds, rounds))
     # compute alone (communication kept as calibrated)
-    comm = (cols["collectives"] + cols["p2p"]) / meas
+    comm = (comm + cols["p2p"]) / meas
     (a,) = _least_absolute(((cols["compute"] + cols["dispatch"]) / meas)[:, None], rounds,
                            1 - comm)
     a = max(float(a), 1e-3)
     return Scales(compute=a, dispatch=a, collectives=1.0, p2p=1.0)
 
 
+def _kinds_apart(cols: dict[str, np.ndarray], meas: np.ndarray, fitted: dict[str, float],
+                 h_apart: bool, p2p_apart: bool, kinds: list[str],
+                 rounds: int) -> dict[str, float]:
+    """`fitted` with the `kinds` (KIND_COLUMNS) given scales of their own one at a time, the
+    one lowering the summed error most first, while it lowers it by DISPATCH_GAIN."""
+    apart: tuple[str, ...] = ()
+    while kinds:
+        tries = [(_fit_error(cols, meas, f), k, f) for k in kinds
+                 if (f := _richest_fit(cols, meas, h_apart, p2p_apart, apart + (k,),
+                                       rounds)) is not None]
+        if not tries:
+            break
+        error, kind, better = min(tries, key=lambda x: x[0])
+        if error > (1 - DISPATCH_GAIN) * _fit_error(cols, meas, fitted):
+            break
+        apart, fitted = apart + (kind,), better
+        kinds = [k for k in kinds if k != kind]
+    return fitted
+
+
 def _richest_fit(cols: dict[str, np.ndarray], meas: np.ndarray, h_apart: bool,
-                 p2p_apart: bool, plans: int, rounds: int) -> dict[str, float] | None:
-    """The fit with the dispatch apart or not (`h_apart`), the pipeline's messages apart where
-    they may be and the fit holds, else with them on the collectives' scale; None if neither."""
+                 p2p_apart: bool, kinds: tuple[str, ...], rounds: int) -> dict[str, float] | None:
+    """The fit with the dispatch apart or not (`h_apart`), the `kinds` of collectives
+    (KIND_COLUMNS) apart, the pipeline's messages apart where they may be and the fit holds,
+    else with them on the collectives' scale; None if neither (a group with nothing to fit,
+    too few plans, a scale fitted non-positive)."""
+    plans = len(meas)
     for c_apart in ((True, False) if p2p_apart else (False,)):
+        shared = ("collectives",) + tuple(k for k in KIND_COLUMNS if k not in kinds)
         groups = [("compute",) if h_apart else ("compute", "dispatch")] \
             + ([("dispatch",)] if h_apart else []) \
-            + [("collectives",) if c_apart else ("collectives", "p2p")] \
+            + [shared if c_apart else shared + ("p2p",)] + [(k,) for k in kinds] \
             + ([("p2p",)] if c_apart else [])
         if len(groups) > 2 and plans < len(groups) + SPARE_PLANS:
             continue
-        if sum(cols[n].sum() for n in groups[-1]) <= 0:
-            continue                                        # no communication to fit
+        if any(sum(cols[n].sum() for n in g) <= 0 for g in groups[1:]):
+            continue                                        # a scale with nothing to fit
         fitted = _fit_groups(cols, meas, groups, rounds)
         if fitted is not None:
             return fitted
@@ -482,9 +579,11 @@ def _least_absolute(mat: np.ndarray, rounds: int, rhs: np.ndarray | None = None)
 def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
     """`cluster` with its compute rates divided by the compute scale (`HOST_WORK_S`
     multiplied), its per-op dispatch (`DISPATCH_WORK_S`) multiplied by the dispatch scale,
-    its links slowed by the collectives' and its pipeline messages by the p2p scale (module
-    doc)."""
+    its links slowed by the collectives' and its pipeline messages by the p2p scale, its
+    tensor- and context-parallel collectives by theirs (module doc)."""
     a, h, b, c = scales.compute, scales.dispatch, scales.collectives, scales.p2p
+    kinds = {f"{k}_comm_scale": getattr(cluster, f"{k}_comm_scale") * getattr(scales, k) / b
+             for k in KIND_COLUMNS}
     gemm_rate = cluster.peak_flops * cluster.gemm_max_efficiency / a
     emax = min(1.0, cluster.gemm_max_efficiency / a)
     peak = gemm_rate / emax
@@ -499,7 +598,7 @@ def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
     return dataclasses.replace(
         cluster, peak_flops=peak, gemm_max_efficiency=emax, hbm_bandwidth_Bps=stream / elem,
         elementwise_efficiency=elem, **host, **flash, collective_curves=curves,
-        pipeline_p2p_scale=cluster.pipeline_p2p_scale * c / b,
+        pipeline_p2p_scale=cluster.pipeline_p2p_scale * c / b, **kinds,
         intra_node_bandwidth_Bps=cluster.intra_node_bandwidth_Bps / b,
         intra_node_latency_s=cluster.intra_node_latency_s * b,
         inter_node_bandwidth_Bps=cluster.inter_node_bandwidth_Bps / b,
@@ -512,8 +611,10 @@ def refit_cluster(cluster: Cluster, scales: Scales, note: str) -> Cluster:
             f"({', '.join(DISPATCH_WORK_S)}) × {h:.3f}, link "
             f"bandwidths ÷ {b:.3f} and latencies × {b:.3f} (collective_curves' times × "
             f"{b:.3f}), pipeline "
-            f"messages × {c:.3f} (pipeline_p2p_scale); least absolute relative error over the "
-            f"measured plans",))
+            f"messages × {c:.3f} (pipeline_p2p_scale), tensor-parallel collectives × "
+            f"{scales.tp:.3f} and the context-parallel exchange × {scales.cp:.3f} "
+            f"(tp_comm_scale, cp_comm_scale: ÷ {b:.3f}, as their links are slowed); least "
+            f"absolute relative error over the measured plans",))
 
 
 # ---- the whole run ----
@@ -522,12 +623,12 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
          loss_fn: Callable | None = None, example_targets: Any = None,
          global_batch_size: int, cluster: Any = "local-cpu", top: int = 4, steps: int = 3,
          warmup: int = 2, rounds: int = 3, plans: tuple[dict, ...] = (),
-         vocab: int | None = None, interleaved: bool = False,
+         vocab: int | None = None, interleaved: bool = False, passes: int = 2,
          name: str | None = None, log: Callable[[str], None] = print) -> TuneResult:
     """Plan, measure, choose, refit (module doc); call on every rank of an initialised
     process group of `gpus` ranks. `model_fn()` builds the model (each trial compiles a fresh
-    one, same seed on every rank); rank 0 logs each trial as it is measured. interleaved:
-    `measure_candidates`' (default False: one candidate alive at a time).
+    one, same seed on every rank); rank 0 logs each trial as it is measured. interleaved,
+    passes: `measure_candidates`' (default one candidate alive at a time, in two passes).
     Why this size: the public entry point of `autopar tune`: the planning keywords of
     parallelize plus the trial budget, measured steps and refit switch."""
     if not dist.is_initialized() or dist.get_world_size() != gpus:
@@ -556,11 +657,14 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
         say(f"[{i + 1}/{len(candidates)}] compiled {pins_label(plan_pins(plan))}: predicted "
             f"{plan.predicted.step_time_s * 1e3:.1f} ms")
         return run
+    if passes < 1:
+        raise ValueError(f"tune: passes={passes!r}: must be >= 1, the times every candidate "
+                         f"is measured (one at a time); pass 1 or 2")
     measured = measure_candidates(
         candidates, compiled, steps=steps, warmup=warmup, rounds=rounds, log=say,
-        interleaved=interleaved)
+        interleaved=interleaved, passes=passes)
     trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m,
-                    dispatch_s=dispatch_seconds(plan, cl, solve_pins))
+                    **{f"{part}_s": part_seconds(plan, cl, solve_pins, part) for part in _PARTS})
               for plan, (s, m) in zip(candidates, measured)]
     dist.barrier()   # not runner.close(): that would end the caller's process group
     scales = fit_scales(trials)
@@ -573,7 +677,7 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
 # ---- the command line (`autopar tune`) ----
 
 def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster: str,
-            top: int, steps: int, out: str, cluster_out: str | None) -> None:
+            top: int, steps: int, out: str, cluster_out: str | None, passes: int = 2) -> None:
     """`autopar tune` on every rank (torchrun's, or local CPU ranks the CLI spawned).
     Why this size: the CLI's parsed flags, passed through to `tune` on every rank."""
     import json
@@ -595,7 +699,7 @@ def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster
     result = tune(model_fn, gpus=gpus, example_inputs=inputs, loss_fn=user.loss(),
                   example_targets=user.example_targets,
                   global_batch_size=batch or inputs[0].shape[0] * gpus, cluster=cluster,
-                  top=top, steps=steps, name=user.name)
+                  top=top, steps=steps, passes=passes, name=user.name)
     if dist.get_rank() != 0:
         return
     print(result.table(), flush=True)
@@ -617,7 +721,8 @@ def cli_run(spec: str, *, gpus: int, batch: int | None, seq: int | None, cluster
     record["tune"] = {"plans": [{"plan": tr.label, "predicted_s": tr.plan.predicted.step_time_s,
                                  "measured_s": tr.measured_s, "refit_s": tr.refit_s,
                                  "measured_memory_bytes": tr.measured_memory_bytes,
-                                 "dispatch_s": tr.dispatch_s} for tr in result.trials],
+                                 "dispatch_s": tr.dispatch_s, "tp_s": tr.tp_s,
+                                 "cp_s": tr.cp_s} for tr in result.trials],
                       "scales": dataclasses.asdict(result.scales)}
     save_cluster(result.refit, cluster_out, json.loads(json.dumps(record)))
     print(f"wrote {out} (the fastest measured: {pins_label(plan_pins(result.best))}) and the "

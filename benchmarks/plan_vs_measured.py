@@ -4,8 +4,8 @@ The free plan (the solver's choice) and a fixed set of plans spanning t, p, d, c
 ZeRO levels, recompute and micro-batch sizes, each predicted on the cluster (the local-cpu
 cluster file, or --cluster) and measured as `autopar tune` measures them
 (autopar.tuning.measure_candidates: one plan at a time, compiled, timed in its rounds and
-released; each the least disturbed round's median of the timed steps after warm-up, the
-slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
+released, in two passes over the plans in opposite orders; each the least disturbed round's
+median of the timed steps after warm-up, the slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
 turn, each plan then measuring 3–22% slower than alone). Prints the table, Spearman's rank
 correlation of predicted and measured, the median and worst relative error, the regret (the
 free plan's measured step time over the fastest measured), and the same errors after the
@@ -16,7 +16,8 @@ the median error. The machine is shared: run it when it is quiet, and rerun befo
 single number.
 
     autopar calibrate                       # this machine's local-cpu cluster file
-    python benchmarks/plan_vs_measured.py [--cluster FILE.json] [--steps 3] [--refit-out F]
+    python benchmarks/plan_vs_measured.py [--cluster FILE.json] [--steps 3] [--rounds 3]
+        [--passes 2] [--refit-out F]
         [--model gpt|llama] [--hidden 128] [--layers 4] [--seq 128] [--kv-heads K] [--batch 8]
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _model(kind: str = "gpt", hidden: int = 128, layers: int = 4, seq: int = 128
 
 
 def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: int,
-            shape: dict, batch: int, interleaved: bool = False):
+            shape: dict, batch: int, interleaved: bool = False, passes: int = 2):
     from autopar import cross_entropy
     from autopar.tuning import tune
 
@@ -79,7 +80,7 @@ def _worker(rank: int, world: int, cluster: str, steps: int, top: int, rounds: i
     return tune(functools.partial(_model, **shape), gpus=world, example_inputs=(ids,),
                 loss_fn=cross_entropy, global_batch_size=batch, cluster=cluster, top=top,
                 steps=steps, plans=PLANS, rounds=rounds, vocab=GPT_CONFIG["vocab_size"],
-                interleaved=interleaved,
+                interleaved=interleaved, passes=passes,
                 name=f"{shape['kind']}-{shape['layers']}x{shape['hidden']}",
                 log=lambda line: print(line, flush=True))
 
@@ -119,11 +120,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="local-cpu")
     ap.add_argument("--steps", type=int, default=3)
-    # 6, not 3: a round's median of 3 steps wanders ~8% here, so among the d = 2 plans priced
-    # alike the least disturbed of 3 rounds left them up to 18% apart by luck (regret 1.183
-    # once); the first 3 and all 6 rounds of the same runs (three shapes): regret 1.000-1.034
-    # against 1.000, Spearman 0.876-0.953 against 0.912-0.956 (2026-11-27)
-    ap.add_argument("--rounds", type=int, default=6, help="timed rounds of each plan")
+    # 2 passes of 3 rounds, not one pass of 3: a round's median of 3 steps wanders ~8% here,
+    # so among the d = 2 plans priced alike the least disturbed of 3 rounds left them up to
+    # 18% apart by luck (regret 1.183 once; 6 rounds: regret 1.000-1.034, Spearman
+    # 0.912-0.956 over three shapes, 2026-11-27); and the host has slow spells of tens of
+    # seconds, which one pass of 6 rounds met on the first four plans of a run (8-27% slow:
+    # regret 1.111, Spearman 0.791, 2026-11-28); a second pass in the opposite order
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds of each plan a pass")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the plans, every other "
+                    "one in the opposite order (autopar.tuning.measure_candidates)")
     ap.add_argument("--interleaved", action="store_true",
                     help="every plan alive at once, rounds over all of them in turn")
     ap.add_argument("--top", type=int, default=1, help="best predicted plans besides PLANS")
@@ -144,13 +149,14 @@ def main() -> int:
     from autopar.testing import spawn
     start = time.perf_counter()
     result = spawn(_worker, 2, args.cluster, args.steps, args.top, args.rounds, shape,
-                   args.batch, args.interleaved, timeout_s=3000, pg_timeout_s=300)[0]
+                   args.batch, args.interleaved, args.passes, timeout_s=3000,
+                   pg_timeout_s=300)[0]
     ok = report(result)
     if args.refit_out:
         from autopar.cost.hardware import save_cluster
         print(f"wrote {save_cluster(result.refit, args.refit_out)}")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    how = "interleaved" if args.interleaved else "one plan at a time"
+    how = "interleaved" if args.interleaved else f"one plan at a time, {args.passes} passes"
     print(f"({time.perf_counter() - start:.0f} s, {how}; cluster {args.cluster}; load average "
           f"{load} on {os.cpu_count()} cores: timings on a shared machine are noisy)")
     return 0 if ok else 1

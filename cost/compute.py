@@ -90,7 +90,8 @@ def fp8_cast_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float
     traffic; at t > 1 latency-bound all-reduces of one fp32 each)."""
     elems = batch * (2 * (m * k + k * n) + 2 * m * n)
     cast_s = elementwise_time_s(cluster, FP8_CAST_BYTES_PER_ELEM * elems)
-    comm_s = FP8_AMAX_ALLREDUCES * allreduce_s(cluster, 4.0, t, tp_inter) if t > 1 else 0.0
+    comm_s = FP8_AMAX_ALLREDUCES * cluster.tp_comm_scale * allreduce_s(
+        cluster, 4.0, t, tp_inter) if t > 1 else 0.0
     return cast_s + FP8_AMAX_ALLREDUCES * cluster.kernel_launch_s + comm_s
 
 
@@ -245,12 +246,14 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
         one = n_coll * pieces_s(cluster, allreduce_s, one_b, pieces, t, tp_inter)
         back = n_coll * allreduce_s(cluster, one_b, t, tp_inter)
         extra = 0.0
+    scale = cluster.tp_comm_scale          # fitted by autopar tune (1: as measured)
+    one, back, extra = scale * one, scale * back, scale * extra
     passes = 3 if recompute in BLOCK_CHECKPOINTED else 2
     tp = (passes - 1) * one + back + extra if ar_elems else 0.0
     if cluster.tp_overlap and ar_elems:   # collective matmuls; dx reduction under dW
         tp = _overlapped_tp_s(blk.gemms, gemm, one, back + extra, passes - 1,
                              cluster.tp_comm_overlap)
-    x_fwd, x_bwd = inserted_collectives_s(cluster, fix, t, b, e, tp_inter)
+    x_fwd, x_bwd = (scale * x for x in inserted_collectives_s(cluster, fix, t, b, e, tp_inter))
     tp += (2 if recompute in BLOCK_CHECKPOINTED else 1) * x_fwd + x_bwd
     return fwd + bwd + rec, tp, fwd + (one if ar_elems else 0.0) + x_fwd
 
@@ -276,8 +279,9 @@ def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bo
     emb_s = 3 * elementwise_time_s(cluster, rank_other_bytes(emb, t, b, sp, efix)) + sum(
         dispatch_s(cluster, emb))
     emb_ar = b * (emb.tp_allreduce_elems - efix.allreduce_elems_removed) * e
-    emb_s += (reducescatter_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
-    emb_s += sum(inserted_collectives_s(cluster, efix, t, b, e, tp_inter))
+    scale = cluster.tp_comm_scale          # fitted by autopar tune (1: as measured)
+    emb_s += scale * ((reducescatter_s if sp else allreduce_s)(cluster, emb_ar, t, tp_inter)
+                      + sum(inserted_collectives_s(cluster, efix, t, b, e, tp_inter)))
     k_fwd, k_bwd, fused = fused_times_s(cluster, fused_calls(profile, head), hfix, t, b)
     head_s = k_fwd + k_bwd + sum(dispatch_s(cluster, head))
     for i, g in enumerate(head.gemms):
@@ -296,10 +300,10 @@ def edge_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, sp: bo
     # column-parallel head: identity forward, all-reduce of the input gradient in backward
     # (SP: all-gather forward + reduce-scatter backward, the same bytes)
     in_bytes = b * (head.input_bytes - hfix.allreduce_elems_removed * e)
-    head_s += (allgather_s(cluster, in_bytes, t, tp_inter)
-               + reducescatter_s(cluster, in_bytes, t, tp_inter) if sp
-               else allreduce_s(cluster, in_bytes, t, tp_inter))
-    head_s += sum(inserted_collectives_s(cluster, hfix, t, b, e, tp_inter))
+    head_s += scale * ((allgather_s(cluster, in_bytes, t, tp_inter)
+                        + reducescatter_s(cluster, in_bytes, t, tp_inter) if sp
+                        else allreduce_s(cluster, in_bytes, t, tp_inter))
+                       + sum(inserted_collectives_s(cluster, hfix, t, b, e, tp_inter)))
     return emb_s, head_s
 
 

@@ -35,7 +35,8 @@ HYBRIDS = ("hybrid", "hybrid-ring")   # the all-to-all inside a node, all-gather
 
 def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
     """(forward, forward + backward + recompute) seconds per layer per micro-batch of the
-    context-parallel K/V exchange, on a profile restated for cfg.c (`rank_profile`).
+    context-parallel K/V exchange, on a profile restated for cfg.c (`rank_profile`), × the
+    cluster's `cp_comm_scale` (fitted by autopar tune; 1: as measured) — every method's.
 
     cfg.cp_attention "all-gather": Llama 3's all-gather of K and V along the sequence before
     attention, exposed on the critical path (2407.21783 §3.3.2), and in backward the
@@ -46,6 +47,12 @@ def context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tupl
     only where they outlast the attention step they overlap, plus the ring's own overheads.
     Each tensor rank moves its kv heads: 1/t of them, or one when t exceeds kv_heads (the
     tensor-parallel pass replicates kv heads then)."""
+    fwd, total = _context_comm_s(profile, cluster, cfg)
+    return cluster.cp_comm_scale * fwd, cluster.cp_comm_scale * total
+
+
+def _context_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple[float, float]:
+    """`context_comm_s` as its curves and links price it (the cluster's cp_comm_scale aside)."""
     c, t = cfg.c, cfg.t
     elems = profile.block.cp_gather_elems
     if c <= 1 or not elems:

@@ -178,6 +178,16 @@ class Cluster:
     # 0.7 - 3.3); 1: as measured (the presets, a fresh calibration); near 0 where the
     # runtime's pre-posted messages hide behind compute (tuning.P2P_FLOOR)
     pipeline_p2p_scale: float = 1.0
+    # a tensor-parallel collective's time over what its curve or link prices (the blocks'
+    # reductions and gathers, the embedding's and head's, those the TP pass inserts, FP8's amax
+    # reductions; not a pipeline hop's gather), and the context-parallel K/V exchange's
+    # (cost/exchanges.py `context_comm_s`, every method), each fitted by `autopar tune` where
+    # the measured plans' shares of it tell it apart from the other collectives
+    # (tuning.fit_scales; on 2 local CPU ranks, 2026-11-27/28, t = 2 was priced from 8% fast
+    # to 34% slow and c = 2 11–24% fast, run to run); 1: as measured (the presets, a fresh
+    # calibration); 0 prices it free (tune's analysis of a plan's parts, `part_seconds`)
+    tp_comm_scale: float = 1.0
+    cp_comm_scale: float = 1.0
     sources: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -192,6 +202,11 @@ class Cluster:
             raise ValueError(f"Cluster.pipeline_p2p_scale={self.pipeline_p2p_scale!r}: must be "
                              f"positive, a pipeline message's time over its send/recv's (1: "
                              f"as measured)")
+        for name in ("tp_comm_scale", "cp_comm_scale"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, a "
+                                 f"collective's time over its measured curve's (1: as "
+                                 f"measured)")
         if self.tp_row_pieces < 1:
             raise ValueError(f"Cluster.tp_row_pieces={self.tp_row_pieces!r}: must be >= 1, "
                              f"the calls a row-parallel reduction is issued as (1: one)")
