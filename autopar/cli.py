@@ -405,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "warm-up step)")
     tn.add_argument("--passes", type=int, default=2,
                     help="times every plan is measured, one plan at a time, every other pass "
-                         "in the opposite order; each plan's least counts (default 2: a shared "
+                         "in the opposite order, then as many more over the plans within 10%% "
+                         "of the fastest; each plan's least counts (default 2: a shared "
                          "host's slow spells fall on a plan twice only if they outlast a pass)")
     tn.add_argument("--out", default="plan.json", help="where the fastest measured plan goes")
     tn.add_argument("--cluster-out", dest="cluster_out",

@@ -94,6 +94,10 @@ KIND_COLUMNS = ("tp", "cp")
 # ... fitted apart only where at least this many plans carry it, and only if it lowers the
 # fit's summed |relative error| by DISPATCH_GAIN against the kind on the collectives' scale
 MIN_KIND_PLANS = 2
+# the candidates measured again after the passes (`measure_candidates`): those within this
+# fraction of the fastest measured — the spread of one plan's time from compile to compile
+# on 2 CPU ranks (±10%, 2026-11-28)
+CONTENDER_MARGIN = 0.1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -366,13 +370,23 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
     one pass measured the first four d = 2 plans of a 4-layer GPT 8–27% slower than the
     identical ones after them (2026-11-28), which made a ZeRO level the fastest measured by
     luck (regret 1.11) and the order's Spearman 0.79; a plan measured in two passes, in
-    opposite orders, falls in such a spell twice only when the spell outlasts a pass."""
+    opposite orders, falls in such a spell twice only when the spell outlasts a pass. With
+    passes > 1 the contenders — within CONTENDER_MARGIN of the fastest measured — are then
+    measured in as many passes more, so that the choice among plans alike is not one
+    compile's luck: one plan compiled and timed five times in a row measured 54.8–67.4 ms,
+    another 59.7–64.7 (3 rounds of 3 steps each, 2026-11-28)."""
     if interleaved:
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
     best: dict[int, tuple[float, float]] = {}
-    for k in range(passes):
-        order = list(enumerate(candidates))
+    order = list(enumerate(candidates))
+    for k in range(passes + (passes if passes > 1 else 0)):
+        if k == passes:       # the contenders again, as many passes more (see above)
+            fastest = min(sec for sec, _ in best.values())
+            order = [(i, plan) for i, plan in order if best[i][0] <= (
+                1 + CONTENDER_MARGIN) * fastest]
+            if len(order) < 2:
+                break
         for i, plan in (order if k % 2 == 0 else order[::-1]):
             run = compiled(i, plan)
             ((sec, mem),) = measure_plans([run], steps=steps, warmup=warmup, rounds=rounds,

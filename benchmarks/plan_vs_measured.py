@@ -4,8 +4,9 @@ The free plan (the solver's choice) and a fixed set of plans spanning t, p, d, c
 ZeRO levels, recompute and micro-batch sizes, each predicted on the cluster (the local-cpu
 cluster file, or --cluster) and measured as `autopar tune` measures them
 (autopar.tuning.measure_candidates: one plan at a time, compiled, timed in its rounds and
-released, in two passes over the plans in opposite orders; each the least disturbed round's
-median of the timed steps after warm-up, the slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
+released, in two passes over the plans in opposite orders, then two more over the plans
+within 10% of the fastest; each the least disturbed round's median of the timed steps after
+warm-up, the slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
 turn, each plan then measuring 3–22% slower than alone). Prints the table, Spearman's rank
 correlation of predicted and measured, the median and worst relative error, the regret (the
 free plan's measured step time over the fastest measured), and the same errors after the

@@ -46,13 +46,13 @@ def test_tune_runs_plans_keeps_the_fastest_and_refits(tmp_path):
     # one candidate alive at a time, as a job runs (the default on every device: with every
     # runner alive each plan measured 3-22% slow on 2 CPU ranks): the second candidate is
     # compiled only after the first was timed; two passes (the CLI's default), the second in
-    # the opposite order
+    # the opposite order, then two more if both measured within CONTENDER_MARGIN
     lines = printed.splitlines()
     compiled = [i for i, line in enumerate(lines) if "] compiled " in line]
     timed = [i for i, line in enumerate(lines) if line.startswith("round ")]
-    assert len(compiled) == 4 and timed and timed[0] < compiled[1], printed
+    assert len(compiled) in (4, 8) and timed and timed[0] < compiled[1], printed
     which = [lines[i].split("] compiled ")[0] for i in compiled]
-    assert which == ["[1/2", "[2/2", "[2/2", "[1/2"], which
+    assert which == ["[1/2", "[2/2", "[2/2", "[1/2"] * (len(compiled) // 4), which
     cluster, record = read_cluster_file(refit)
     trials = record["tune"]["plans"]
     assert len(trials) == 2 and all(t["measured_s"] > 0 and t["refit_s"] > 0 for t in trials)

@@ -323,7 +323,8 @@ def test_kind_scales_price_every_collective_of_their_kind():
 def test_candidates_measured_in_passes_of_opposite_order_keep_their_least_time():
     """measure_candidates one at a time over two passes: compiled in the order 0, 1, 2 then
     2, 1, 0, each released before the next; a candidate's time is its least over the passes
-    (a slow spell of the host during one pass does not decide), its memory the first pass's."""
+    (a slow spell of the host during one pass does not decide), its memory the first pass's;
+    then the contenders (within CONTENDER_MARGIN of the fastest) in two passes more."""
     from autopar.tuning import measure_candidates
     times = {(0, 0): 0.30, (1, 0): 0.20, (2, 0): 0.50, (0, 1): 0.10, (1, 1): 0.25,
              (2, 1): 0.40}
@@ -345,11 +346,20 @@ def test_candidates_measured_in_passes_of_opposite_order_keep_their_least_time()
 
     def compiled(i, plan):
         order.append(i)
-        return Run(i, int(len(order) > 3))
+        return Run(i, min(2, (len(order) - 1) // 3))
     out = measure_candidates(["a", "b", "c"], compiled, steps=1, warmup=0, rounds=1,
                              interleaved=False, log=lambda line: None, passes=2)
+    # then the contenders (within CONTENDER_MARGIN of the fastest, 0.10): none but candidate
+    # 0 itself, so nothing more is measured
     assert order == [0, 1, 2, 2, 1, 0] and released == order
     assert out == [(0.10, 1000.0), (0.20, 2000.0), (0.40, 3000.0)]
+    times.update({(0, 1): 0.21, (1, 1): 0.20, (0, 2): 0.19, (1, 2): 0.18, (2, 2): 0.45})
+    order.clear(), released.clear()
+    out = measure_candidates(["a", "b", "c"], compiled, steps=1, warmup=0, rounds=1,
+                             interleaved=False, log=lambda line: None, passes=2)
+    # 0 (0.21) and 1 (0.20) are contenders, 2 (0.40) is not: two passes more over 0 and 1
+    assert order == [0, 1, 2, 2, 1, 0, 0, 1, 1, 0], order
+    assert out == [(0.19, 1000.0), (0.18, 2000.0), (0.40, 3000.0)]
     one = measure_candidates(["a", "b", "c"], compiled, steps=1, warmup=0, rounds=1,
                              interleaved=False, log=lambda line: None)
-    assert len(one) == 3 and order[6:] == [0, 1, 2]
+    assert len(one) == 3 and order[10:] == [0, 1, 2]
