@@ -363,3 +363,32 @@ def test_candidates_measured_in_passes_of_opposite_order_keep_their_least_time()
     one = measure_candidates(["a", "b", "c"], compiled, steps=1, warmup=0, rounds=1,
                              interleaved=False, log=lambda line: None)
     assert len(one) == 3 and order[10:] == [0, 1, 2]
+
+
+def test_a_kind_scale_that_fits_only_its_plans_noise_is_not_taken():
+    """Two tensor-parallel plans measured 20% and 5% over the scales every other plan fits
+    exactly: a TP scale of their own lowers the fitted plans' summed error by more than
+    DISPATCH_GAIN (it fits one of them), but priced from the other plan each is off again —
+    the held-out error is not lower, so TP stays on the collectives' scale. With both 20%
+    over (a real TP cost), it is taken."""
+    import numpy as np
+    from autopar.tuning import DISPATCH_GAIN, _fit_error, _kinds_apart, _richest_fit
+    rng = np.random.default_rng(0)
+    n = 10
+    cols = {"compute": rng.uniform(0.05, 0.1, n), "dispatch": np.zeros(n),
+            "collectives": rng.uniform(0.005, 0.02, n), "p2p": np.zeros(n),
+            "tp": np.zeros(n), "cp": np.zeros(n)}
+    cols["tp"][:2] = [0.03, 0.04]
+    exact = 1.1 * cols["compute"] + 0.9 * (cols["collectives"] + cols["tp"])
+
+    def kinds(over):
+        meas = exact.copy()
+        meas[:2] *= over
+        base = _richest_fit(cols, meas, False, False, (), 50)
+        return base, _kinds_apart(cols, meas, base, False, False, ["tp"], 50), meas
+    base, fitted, meas = kinds(np.array([1.2, 1.05]))
+    alone = _richest_fit(cols, meas, False, False, ("tp",), 50)
+    assert _fit_error(cols, meas, alone) < (1 - DISPATCH_GAIN) * _fit_error(cols, meas, base)
+    assert fitted == base and fitted["tp"] == fitted["collectives"]
+    _, fitted, _ = kinds(np.array([1.2, 1.2]))
+    assert fitted["tp"] > 1.5 * fitted["collectives"]
