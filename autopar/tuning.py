@@ -88,7 +88,7 @@ DISPATCH_GAIN = 0.1
 # (`fit_scales`): tensor-parallel (Cluster.tp_comm_scale) and the context-parallel K/V exchange
 # (Cluster.cp_comm_scale), each the Trial's seconds of it (`part_seconds`). Calibrate times a
 # collective on idle ranks after a short GEMM; inside a step each kind costs its own multiple
-# of that: on 2 local CPU ranks t = 2 was priced from 8% fast to 34% slow and c = 2 11–24%
+# of that: on 2 local CPU ranks t = 2 was priced from 16% fast to 34% slow and c = 2 11–27%
 # fast, run to run, while one scale for every collective left both off (2026-11-27/28)
 KIND_COLUMNS = ("tp", "cp")
 # ... fitted apart only where at least this many plans carry it, and only if it lowers the

@@ -6,11 +6,11 @@ cluster file, or --cluster) and measured as `autopar tune` measures them
 (autopar.tuning.measure_candidates: one plan at a time, compiled, timed in its rounds and
 released, in two passes over the plans in opposite orders, then two more over the plans
 within 10% of the fastest; each the least disturbed round's median of the timed steps after
-warm-up, the slowest rank; `--interleaved`: every plan compiled first, then rounds over all of them in
-turn, each plan then measuring 3–22% slower than alone). Prints the table, Spearman's rank
-correlation of predicted and measured, the median and worst relative error, the regret (the
-free plan's measured step time over the fastest measured), and the same errors after the
-refit (autopar.tuning.refit_cluster, least squares over these plans).
+warm-up, the slowest rank; `--interleaved`: every plan compiled first, then rounds over all
+of them in turn, each plan then measuring 3–22% slower than alone). Prints the table,
+Spearman's rank correlation of predicted and measured, the median and worst relative error,
+the regret (the free plan's measured step time over the fastest measured), and the same
+errors after the refit (autopar.tuning.refit_cluster, least squares over these plans).
 
 Goals (issue 29): regret <= 1.05, Spearman >= 0.9, median |error| <= 15%, and the refit halves
 the median error. The machine is shared: run it when it is quiet, and rerun before believing a

@@ -183,8 +183,8 @@ class Cluster:
     # reductions; not a pipeline hop's gather), and the context-parallel K/V exchange's
     # (cost/exchanges.py `context_comm_s`, every method), each fitted by `autopar tune` where
     # the measured plans' shares of it tell it apart from the other collectives
-    # (tuning.fit_scales; on 2 local CPU ranks, 2026-11-27/28, t = 2 was priced from 8% fast
-    # to 34% slow and c = 2 11–24% fast, run to run); 1: as measured (the presets, a fresh
+    # (tuning.fit_scales; on 2 local CPU ranks, 2026-11-27/28, t = 2 was priced from 16%
+    # fast to 34% slow and c = 2 11–27% fast, run to run); 1: as measured (the presets, a fresh
     # calibration); 0 prices it free (tune's analysis of a plan's parts, `part_seconds`)
     tp_comm_scale: float = 1.0
     cp_comm_scale: float = 1.0
