@@ -249,6 +249,9 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     """`autopar tune`: under torchrun on its ranks, else on --gpus local CPU ranks."""
     from autopar import tuning as T
+    if args.passes < 1:
+        raise ValueError(f"autopar tune --passes {args.passes}: must be >= 1, the times every "
+                         f"plan is measured; pass 1 or 2")
     kwargs = dict(spec=args.model, gpus=args.gpus, batch=args.batch, seq=args.seq,
                   cluster=args.cluster, top=args.top, steps=args.steps, out=args.out,
                   cluster_out=args.cluster_out, passes=args.passes)

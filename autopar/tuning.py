@@ -667,6 +667,9 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     passes: `measure_candidates`' (default one candidate alive at a time, in two passes).
     Why this size: the public entry point of `autopar tune`: the planning keywords of
     parallelize plus the trial budget, measured steps and refit switch."""
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"tune: passes={passes!r}: must be an int >= 1, the times every "
+                         f"candidate is measured (one at a time); pass 1 or 2")
     if not dist.is_initialized() or dist.get_world_size() != gpus:
         raise ValueError(f"tune: gpus={gpus} but the process group has "
                          f"{dist.get_world_size() if dist.is_initialized() else 'no'} ranks; "
@@ -693,9 +696,6 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
         say(f"[{i + 1}/{len(candidates)}] compiled {pins_label(plan_pins(plan))}: predicted "
             f"{plan.predicted.step_time_s * 1e3:.1f} ms")
         return run
-    if passes < 1:
-        raise ValueError(f"tune: passes={passes!r}: must be >= 1, the times every candidate "
-                         f"is measured (one at a time); pass 1 or 2")
     measured = measure_candidates(
         candidates, compiled, steps=steps, warmup=warmup, rounds=rounds, log=say,
         interleaved=interleaved, passes=passes)

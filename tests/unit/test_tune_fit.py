@@ -392,3 +392,13 @@ def test_a_kind_scale_that_fits_only_its_plans_noise_is_not_taken():
     assert fitted == base and fitted["tp"] == fitted["collectives"]
     _, fitted, _ = kinds(np.array([1.2, 1.2]))
     assert fitted["tp"] > 1.5 * fitted["collectives"]
+
+
+def test_a_bad_passes_count_is_one_line(capsys):
+    from autopar.cli import main as cli_main
+    from autopar.tuning import tune
+    assert cli_main(["tune", "model.py:factory", "--gpus", "2", "--passes", "0"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--passes 0: must be >= 1" in err, err
+    with pytest.raises(ValueError, match=r"passes=0: must be an int >= 1"):
+        tune(lambda: None, gpus=1, example_inputs=(), global_batch_size=1, passes=0)
