@@ -65,10 +65,12 @@ MIN_P2P_PLANS, SPARE_PLANS = 2, 2
 # 0, so that the messages stay a term the next tune can fit (a cluster pricing them at 0
 # would give every plan a p2p term of 0, and no later fit could raise it)
 P2P_FLOOR = 0.01
-# the host's work per op, measured on ops in isolation by calibrate (`Trial.dispatch_s`
+# the host's work per op (and per checkpointed region), measured on ops in isolation by
+# calibrate (`Trial.dispatch_s`
 # prices a step without it): its own scale where the plans' dispatch shares differ enough to
 # tell it from the kernels' (`fit_scales`), else the compute scale
-DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s")
+DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s",
+                   "checkpoint_region_s")
 # ... and the host work calibrate measures inside real blocks or steps — op recompute's per-op
 # policy work (two checkpointed blocks), the optimizer's per parameter and tensor: always the
 # compute scale. Fitted with the dispatch, op recompute came out 7-11% slow in three runs

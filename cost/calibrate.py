@@ -22,7 +22,8 @@ processes do not slow the rate measured); rank 0 fits and writes:
   parameters → `optimizer_param_s` (seconds per parameter), and over many tiny tensors →
   `optimizer_tensor_s` (seconds per tensor beyond its elements); interleaved-zb's B/W split
   per op and as a share of two blocks' compute → `split_backward_op_s`, `split_backward_frac`;
-  recompute op's selective checkpoint per counted op of two blocks → `checkpoint_op_s`.
+  recompute op's selective checkpoint per counted op of two blocks → `checkpoint_op_s`;
+  torch.utils.checkpoint per region beyond its recomputation → `checkpoint_region_s`.
   (These compute measurements and the timing helpers: cost/calibrate_compute.py.)
 - Every collective the plans use — all-reduce, all-gather, reduce-scatter, all-to-all (the
   runtime's calls), send/recv (both ranks' isend + irecv at once, as ring attention's steps
@@ -493,7 +494,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
 # the device's measured constants beyond the presets' (0 in a record from before one was
 # measured: not counted), each the median over the ranks
 _DEVICE_CONSTANTS = ("optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
-                     "split_backward_op_s", "split_backward_frac", "checkpoint_op_s")
+                     "split_backward_op_s", "split_backward_frac", "checkpoint_op_s",
+                     "checkpoint_region_s")
 
 
 def _device_constants(record: dict[str, Any]) -> dict[str, float]:
@@ -530,7 +532,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "split_backward_frac: what it adds beyond that on two transformer blocks "
                "(width 128, 4 x 128 tokens), a fraction of their forward + backward; "
                "checkpoint_op_s: what recompute op's selective checkpoint adds per counted "
-               "op of those two blocks (its forward, twice)",
+               "op of those two blocks (its forward, twice); checkpoint_region_s: what "
+               "torch.utils.checkpoint costs per region of one op beyond its recomputation",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",

@@ -190,6 +190,22 @@ def selective_checkpoint_s(cluster: Cluster, region: RegionProfile) -> float:
     return forward_ops(region) * cluster.checkpoint_op_s
 
 
+def checkpoint_regions_s(cluster: Cluster, region: RegionProfile, recompute: str) -> float:
+    """Seconds torch.utils.checkpoint's own work adds to a block per micro-batch (the
+    cluster's measured checkpoint_region_s a region): one region a block under full and op,
+    one per attention core under selective (a fused kernel's call, or two batched GEMMs of a
+    written-out core). Like `dispatch_s`, 0 unless the cluster runs elementwise ops "eager":
+    host work, which a fused GPU stack's kernels hide."""
+    if cluster.elementwise != "eager" or recompute not in ("full", "op", "selective"):
+        return 0.0
+    if recompute != "selective":
+        return cluster.checkpoint_region_s
+    fused = region.fused
+    cores = len(fused.calls) if fused is not None and fused.calls else sum(
+        1 for g in region.gemms if g.batch_scales) // 2
+    return cores * cluster.checkpoint_region_s
+
+
 def forward_ops(region: RegionProfile) -> int:
     """The ops a region's forward dispatches: its eager ops, GEMMs and attention kernels."""
     fused = region.fused
@@ -226,6 +242,7 @@ def block_times_s(profile: ModelProfile, cluster: Cluster, t: int, b: int, recom
                + selective_checkpoint_s(cluster, blk))
     else:
         rec = 0.0
+    rec += checkpoint_regions_s(cluster, blk, recompute)
     # tensor-parallel collectives: the forward all-reduces (SP: all-gather + reduce-scatter,
     # the same bytes), the same in backward, once more for a full recompute; minus those of
     # row-parallel GEMMs the pass keeps replicated, plus the collectives it inserts

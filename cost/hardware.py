@@ -167,6 +167,12 @@ class Cluster:
     # recomputation (a policy call, the kept outputs stored), measured by `autopar calibrate`;
     # priced like dispatch, only where elementwise is "eager"; 0: not measured
     checkpoint_op_s: float = 0.0
+    # what torch.utils.checkpoint (non-reentrant, the RNG state kept) costs per checkpointed
+    # region a micro-batch beyond rerunning the region's forward: saving the inputs behind its
+    # hooks, the RNG snapshot, the recomputation's graph set up in backward; measured by
+    # `autopar calibrate` on a region of one op; priced per region recompute full, selective
+    # or op checkpoints, only where elementwise is "eager"; 0: not measured
+    checkpoint_region_s: float = 0.0
     # the fraction of a collective that hides behind compute run meanwhile (measured by
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
     # presets (GPU collectives run beside the kernels); ~0 for CPU ranks on every core
@@ -216,7 +222,8 @@ class Cluster:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be positive")
         for name in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s",
                      "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
-                     "split_backward_op_s", "split_backward_frac", "checkpoint_op_s"):
+                     "split_backward_op_s", "split_backward_frac", "checkpoint_op_s",
+                     "checkpoint_region_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, "
                                  f"seconds (0: not counted); measure it with `autopar "
@@ -465,7 +472,7 @@ _LOCAL_DEFAULT = Cluster(
     # other op eagerly
     attention="flash", elementwise="eager",
     flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
-    split_backward_op_s=8e-6, checkpoint_op_s=50e-6,
+    split_backward_op_s=8e-6, checkpoint_op_s=50e-6, checkpoint_region_s=270e-6,
     sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
              "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
              "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
@@ -476,7 +483,10 @@ _LOCAL_DEFAULT = Cluster(
              "two GPT blocks of width 64)",
              "checkpoint_op_s 50 us: recompute op's selective checkpoint per forward op the "
              "profile counts, measured on an AVX-512 EPYC core, 2026-11-27 (52-63 us on "
-             "calibrate's two GPT blocks)"))
+             "calibrate's two GPT blocks)",
+             "checkpoint_region_s 270 us: torch.utils.checkpoint per region beyond its "
+             "recomputation, measured on an AVX-512 EPYC core, 2026-11-28 (250-290 us on a "
+             "region of one op, forward + backward)"))
 
 
 def local_cluster_path(path: str | os.PathLike | None = None) -> Path:

@@ -170,7 +170,9 @@ def test_candidates_measured_one_at_a_time_hold_one_runner(tmp_path, monkeypatch
     runner and its process groups are released before the next is compiled."""
     monkeypatch.setenv("AUTOPAR_CACHE", str(tmp_path / "none.json"))
     for alive, n, usable in spawn(_one_at_a_time, 2, timeout_s=240):
-        assert (alive, n, usable) == ([False] * 4, 2, [False] * 4)   # two passes
+        # two passes, and two more where both measured within CONTENDER_MARGIN
+        assert len(alive) in (4, 8) and len(usable) == len(alive), (alive, usable)
+        assert (n, any(alive), any(usable)) == (2, False, False)
 
 
 def _flat_zeroings(rank: int, world: int) -> tuple[int, int]:

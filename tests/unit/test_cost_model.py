@@ -383,3 +383,25 @@ def test_the_searchs_least_tail_stays_under_every_micro_batch_count():
     for cfg in cfgs:
         tail_s = total_tail_ns(M.config_costs(prof, cl, cfg), prof.num_layers) / 1e9 / cfg.p
         assert least[0] <= tail_s
+
+
+@pytest.mark.parametrize("attention", ["flash", "materialized"])
+def test_a_checkpointed_region_pays_torch_utils_checkpoints_own_work_on_an_eager_host(attention):
+    """Cluster.checkpoint_region_s (calibrate: torch.utils.checkpoint per region beyond its
+    recomputation) is added once a block under full and op, once per attention core under
+    selective, never without recompute, and only where ops run eagerly."""
+    import dataclasses
+    from autopar.cost.compute import block_times_s
+    prof = _gpt(num_layers=2, hidden=256, heads=4, seq_len=512)
+    for kind, paid in (("eager", True), ("fused", False)):
+        cl = dataclasses.replace(get_cluster("local-cpu"), elementwise=kind,
+                                 attention=attention, checkpoint_region_s=0.0)
+        more = dataclasses.replace(cl, checkpoint_region_s=3e-4)
+        p = prof.for_cluster(cl)
+        for mode in ("none", "full", "selective", "op"):
+            if mode == "op" and attention == "materialized":
+                continue
+            extra = (block_times_s(p, more, 1, 2, mode, False, False)[0]
+                     - block_times_s(p, cl, 1, 2, mode, False, False)[0])
+            want = 3e-4 if paid and mode != "none" else 0.0   # GPT: one attention core
+            assert extra == pytest.approx(want, abs=1e-12), (kind, mode)
