@@ -382,14 +382,8 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
         runs = [compiled(i, plan) for i, plan in enumerate(candidates)]
         return measure_plans(runs, steps=steps, warmup=warmup, rounds=rounds, log=log)
     best: dict[int, tuple[float, float]] = {}
-    order = list(enumerate(candidates))
-    for k in range(passes + (passes if passes > 1 else 0)):
-        if k == passes:       # the contenders again, as many passes more (see above)
-            fastest = min(sec for sec, _ in best.values())
-            order = [(i, plan) for i, plan in order if best[i][0] <= (
-                1 + CONTENDER_MARGIN) * fastest]
-            if len(order) < 2:
-                break
+
+    def one_pass(order: list[tuple[int, Plan]], k: int) -> None:
         for i, plan in (order if k % 2 == 0 else order[::-1]):
             run = compiled(i, plan)
             ((sec, mem),) = measure_plans([run], steps=steps, warmup=warmup, rounds=rounds,
@@ -400,6 +394,16 @@ def measure_candidates(candidates: list[Plan], compiled: Callable[[int, Plan], P
             gc.collect()                                # the runner's tensors, before the next
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    everyone = list(enumerate(candidates))
+    for k in range(passes):
+        one_pass(everyone, k)
+    if passes > 1:                          # the contenders, as many passes more (see above)
+        fastest = min(sec for sec, _ in best.values())
+        contenders = [(i, plan) for i, plan in everyone
+                      if best[i][0] <= (1 + CONTENDER_MARGIN) * fastest]
+        for k in range(passes, 2 * passes):
+            if len(contenders) > 1:
+                one_pass(contenders, k)
     return [best[i] for i in range(len(candidates))]
 
 

@@ -143,6 +143,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=BATCH, help="global batch (a multiple of 8: "
                     "the pinned micro-batch sizes 1, 2, 4 divide its share at d = 2)")
     args = ap.parse_args()
+    if args.passes < 1:
+        ap.error(f"--passes {args.passes}: must be >= 1, the passes over the plans; pass 2")
     if args.batch % 8:
         ap.error(f"--batch {args.batch}: the pinned plans need a multiple of 8; pass 8, 16, ...")
     shape = dict(kind=args.model, hidden=args.hidden, layers=args.layers, seq=args.seq,
