@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.testing import held_tensor_bytes, peak_tensor_bytes, step_peak_tensor_bytes
+from autopar.testing import (held_tensor_bytes, in_time_order, peak_tensor_bytes,
+                             step_peak_tensor_bytes)
 
 KB = 1024
 
@@ -65,3 +66,11 @@ def test_step_peak_counts_what_the_step_frees_of_the_last_one():
     assert step_peak_tensor_bytes(step) == 8 * KB + 4 * KB - 4 * KB
     step()
     assert peak_tensor_bytes(step)[1] == 12 * KB
+
+
+def test_allocator_events_of_one_nanosecond_keep_the_order_they_were_recorded_in():
+    """An allocation and then a free that the profiler's clock stamped alike stay in that
+    order: sorted with the bytes as a tie-break, the free came first and a step's peak one
+    block short."""
+    recorded = [(5, 4 * KB), (9, 4 * KB), (9, -8 * KB), (7, -4 * KB)]
+    assert in_time_order(recorded) == [(5, 4 * KB), (7, -4 * KB), (9, 4 * KB), (9, -8 * KB)]
