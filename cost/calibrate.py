@@ -533,7 +533,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "(width 128, 4 x 128 tokens), a fraction of their forward + backward; "
                "checkpoint_op_s: what recompute op's selective checkpoint adds per counted "
                "op of those two blocks (its forward, twice); checkpoint_region_s: what "
-               "torch.utils.checkpoint costs per region of one op beyond its recomputation",
+               "torch.utils.checkpoint costs per region beyond its recomputation, on an "
+               "attention core (256 tokens, 8 MB streamed between forward and backward)",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "
                "(width 1024), seconds per parameter" if record.get("optimizer_param_s") else
                "optimizer_param_s: not measured (a record from before); Adam's bytes at HBM",

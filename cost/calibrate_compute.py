@@ -31,6 +31,11 @@ _CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
 # H200's rows up to 2,048 tokens timed the host's dispatch (each backward 156-191 µs, the
 # GEMM steps' own host floor), and the fit's half length came out at 4,871 tokens
 _GPU_ATTENTION_TOKENS = 16384
+# the checkpointed region `measure_checkpoint_region` times: an attention core of this many
+# tokens, with this many bytes streamed between its forward and backward (beyond a core's
+# L2 cache, as a step's other layers' activations are)
+REGION_TOKENS = 256
+REGION_EVICT_BYTES = 8 << 20
 
 
 def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -270,26 +275,42 @@ def measure_checkpoint_op(dtype: torch.dtype, device: torch.device,
 def measure_checkpoint_region(dtype: torch.dtype, device: torch.device,
                               clock: Callable[[], float]) -> float:
     """What torch.utils.checkpoint (non-reentrant, RNG state kept: passes/recompute.py) costs
-    per region beyond rerunning the region's forward: a region of one op on a tiny tensor,
-    checkpointed, forward + backward, less the same plainly and less its forward (what the
-    recomputation reruns); the median of 7 rounds. 250-290 us on an EPYC core (2026-11-28),
-    where recompute selective's four regions a micro-batch were priced ~1.6 ms fast."""
-    x = torch.randn(4, 16, dtype=dtype, device=device, requires_grad=True)
+    per region beyond rerunning the region's forward, on the region recompute selective
+    checkpoints: a fused attention core (calibrate's attention heads, REGION_TOKENS tokens)
+    whose q, k, v a projection makes (views of its output, as a block's), forward + backward
+    with REGION_EVICT_BYTES streamed between them (as a step's other layers run there),
+    checkpointed less the same plainly, less the core's forward on its inputs just made (what
+    the cost model prices the recomputation as); the median of 7 rounds. The region's size
+    matters: on an EPYC core (2026-11-28) a region of one op on a 4 × 16 tensor cost 180-250
+    us and one tiny attention call 250, while an attention core of 128-256 tokens (4 heads of
+    32 or 64, batch 1-4) cost 500-700 us beyond its forward, the same at each of those sizes;
+    the selective recompute of plan_vs_measured's GPT (four such cores a step) was priced
+    ~3 ms a step fast with the one-op region's 190 us."""
+    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+    width = heads * dim
+    proj = torch.nn.Linear(width, 3 * width).to(device=device, dtype=dtype)
+    x = torch.randn(1, REGION_TOKENS, width, dtype=dtype, device=device, requires_grad=True)
+    evict = torch.empty(REGION_EVICT_BYTES // 4, device=device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def region(y):
-        return torch.tanh(y * 2.0)
+    def core(q, k, v):
+        return sdpa(q, k, v, is_causal=True)
 
-    def plain():
-        region(x).sum().backward()
+    def qkv():
+        return tuple(t.view(1, REGION_TOKENS, heads, dim).transpose(1, 2)
+                     for t in proj(x).split(width, dim=2))
 
-    def checkpointed():
-        torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False,
-                                          preserve_rng_state=True).sum().backward()
-
-    def forward():
-        region(x)
-    rounds = [timed_s(checkpointed, device, 20, 1, clock) - timed_s(plain, device, 20, 1, clock)
-              - timed_s(forward, device, 20, 1, clock) for _ in range(7)]
+    def step(checkpointed: bool):
+        y = (torch.utils.checkpoint.checkpoint(core, *qkv(), use_reentrant=False,
+                                               preserve_rng_state=True)
+             if checkpointed else core(*qkv()))
+        loss = y.float().sum()
+        evict.fill_(1.0)
+        loss.backward()
+    made = tuple(t.detach().requires_grad_() for t in qkv())
+    rounds = [timed_s(lambda: step(True), device, 20, 1, clock)
+              - timed_s(lambda: step(False), device, 20, 1, clock)
+              - timed_s(lambda: core(*made), device, 20, 1, clock) for _ in range(7)]
     return max(0.0, float(np.median(rounds)))
 
 

@@ -169,9 +169,10 @@ class Cluster:
     checkpoint_op_s: float = 0.0
     # what torch.utils.checkpoint (non-reentrant, the RNG state kept) costs per checkpointed
     # region a micro-batch beyond rerunning the region's forward: saving the inputs behind its
-    # hooks, the RNG snapshot, the recomputation's graph set up in backward; measured by
-    # `autopar calibrate` on a region of one op; priced per region recompute full, selective
-    # or op checkpoints, only where elementwise is "eager"; 0: not measured
+    # hooks, the RNG snapshot, the recomputation's graph set up in backward, its inputs read
+    # back cold; measured by `autopar calibrate` on an attention core (the region selective
+    # checkpoints); priced per region recompute full, selective or op checkpoints, only where
+    # elementwise is "eager"; 0: not measured
     checkpoint_region_s: float = 0.0
     # the fraction of a collective that hides behind compute run meanwhile (measured by
     # `autopar calibrate`); scales what the data-parallel terms credit as hidden. 1 in the
@@ -472,7 +473,7 @@ _LOCAL_DEFAULT = Cluster(
     # other op eagerly
     attention="flash", elementwise="eager",
     flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
-    split_backward_op_s=8e-6, checkpoint_op_s=50e-6, checkpoint_region_s=270e-6,
+    split_backward_op_s=8e-6, checkpoint_op_s=50e-6, checkpoint_region_s=650e-6,
     sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
              "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
              "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
@@ -484,9 +485,10 @@ _LOCAL_DEFAULT = Cluster(
              "checkpoint_op_s 50 us: recompute op's selective checkpoint per forward op the "
              "profile counts, measured on an AVX-512 EPYC core, 2026-11-27 (52-63 us on "
              "calibrate's two GPT blocks)",
-             "checkpoint_region_s 270 us: torch.utils.checkpoint per region beyond its "
-             "recomputation, measured on an AVX-512 EPYC core, 2026-11-28 (250-290 us on a "
-             "region of one op, forward + backward)"))
+             "checkpoint_region_s 650 us: torch.utils.checkpoint per region beyond its "
+             "recomputation, measured on an AVX-512 EPYC core, 2026-11-28 (430-840 us on "
+             "calibrate's attention core of 256 tokens, 8 MB streamed between forward and "
+             "backward; 180-290 us on a region of one op on a tiny tensor)"))
 
 
 def local_cluster_path(path: str | os.PathLike | None = None) -> Path:
