@@ -31,11 +31,13 @@ _CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
 # H200's rows up to 2,048 tokens timed the host's dispatch (each backward 156-191 µs, the
 # GEMM steps' own host floor), and the fit's half length came out at 4,871 tokens
 _GPU_ATTENTION_TOKENS = 16384
+# what a step's other work writes between two uses of an operand, written where calibrate
+# times work whose operands training finds cold (a CPU's GEMMs, a checkpointed region's
+# backward): beyond a core's L2 cache (2 MB an EPYC core; 1-2 MB on Xeons)
+EVICT_BYTES = 8 << 20
 # the checkpointed region `measure_checkpoint_region` times: an attention core of this many
-# tokens, with this many bytes streamed between its forward and backward (beyond a core's
-# L2 cache, as a step's other layers' activations are)
+# tokens
 REGION_TOKENS = 256
-REGION_EVICT_BYTES = 8 << 20
 
 
 def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -104,8 +106,10 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
     projection y = x·Wᵀ forward and backward under autograd (dX = dY·W and dW = dYᵀ·x, the
     cost model's backward of 2 GEMMs; fresh outputs and gradients each call), its 3 GEMMs'
     FLOPs over the time. An isolated GEMM into a preallocated output ran ~1.5x faster on the
-    2-core development machine than the same shape inside autograd (fp32, one thread)."""
+    2-core development machine than the same shape inside autograd (fp32, one thread).
+    On a CPU each call finds its operands cold (`cold_timed_s`), as a step's GEMMs do."""
     curve = []
+    evict = torch.empty(EVICT_BYTES // 4, device=device) if device.type == "cpu" else None
     for m in dims:
         for n in dims:
             for k in dims:
@@ -118,9 +122,31 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
                     torch.nn.functional.linear(x, w).backward(dy)
                 clock = compute_clock(device)
                 calls = _batch_calls(step, device, clock, 0.003 if quick else 0.01)
-                s = timed_s(step, device, calls, 3, clock)
+                s = (timed_s(step, device, calls, 3, clock) if evict is None
+                     else cold_timed_s(step, evict, calls, 3, clock))
                 curve.append([m, n, k, 6.0 * m * n * k / s])
     return curve
+
+
+def cold_timed_s(fn: Callable[[], Any], evict: torch.Tensor, calls: int, repeats: int,
+                 clock: Callable[[], float]) -> float:
+    """`timed_s` on a CPU with `evict` written before each call, untimed: what a training
+    step's GEMMs meet, their operands last touched before other layers' work pushed them out
+    of the core's cache. Timed hot, in a loop over the same operands, the shapes of a
+    4-layer GPT (hidden 128, 512 rows) ran 7-10% faster on an EPYC core than after an 8-16 MB
+    write, 1024³ 1% (2026-11-28), and the GPT's GEMMs took 33.7 ms a step where the hot curve
+    priced 29.3."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        total = 0.0
+        for _ in range(calls):
+            evict.fill_(1.0)
+            start = clock()
+            fn()
+            total += clock() - start
+        times.append(total / calls)
+    return float(np.min(times))
 
 
 def measure_optimizer(dtype: torch.dtype, device: torch.device,
@@ -278,7 +304,7 @@ def measure_checkpoint_region(dtype: torch.dtype, device: torch.device,
     per region beyond rerunning the region's forward, on the region recompute selective
     checkpoints: a fused attention core (calibrate's attention heads, REGION_TOKENS tokens)
     whose q, k, v a projection makes (views of its output, as a block's), forward + backward
-    with REGION_EVICT_BYTES streamed between them (as a step's other layers run there),
+    with EVICT_BYTES streamed between them (as a step's other layers run there),
     checkpointed less the same plainly, less the core's forward on its inputs just made (what
     the cost model prices the recomputation as); the median of 7 rounds. The region's size
     matters: on an EPYC core (2026-11-28) a region of one op on a 4 × 16 tensor cost 180-250
@@ -290,7 +316,7 @@ def measure_checkpoint_region(dtype: torch.dtype, device: torch.device,
     width = heads * dim
     proj = torch.nn.Linear(width, 3 * width).to(device=device, dtype=dtype)
     x = torch.randn(1, REGION_TOKENS, width, dtype=dtype, device=device, requires_grad=True)
-    evict = torch.empty(REGION_EVICT_BYTES // 4, device=device)
+    evict = torch.empty(EVICT_BYTES // 4, device=device)
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def core(q, k, v):
