@@ -10,7 +10,7 @@ warm-up, the slowest rank; `--interleaved`: every plan compiled first, then roun
 of them in turn, each plan then measuring 3–22% slower than alone). Prints the table,
 Spearman's rank correlation of predicted and measured, the median and worst relative error,
 the regret (the free plan's measured step time over the fastest measured), and the same
-errors after the refit (autopar.tuning.refit_cluster, least squares over these plans).
+errors after the refit (autopar.tune_fit.refit_cluster, least squares over these plans).
 
 Goals (issue 29): regret <= 1.05, Spearman >= 0.9, median |error| <= 15%, and the refit halves
 the median error. The machine is shared: run it when it is quiet, and rerun before believing a

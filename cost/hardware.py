@@ -183,14 +183,14 @@ class Cluster:
     # pipeline's messages cost apart from the collectives (against calibrate's blocking
     # exchange, before the hop was measured: 0.1 - 0.4 on 2 local CPU ranks; against the hop
     # 0.7 - 3.3); 1: as measured (the presets, a fresh calibration); near 0 where the
-    # runtime's pre-posted messages hide behind compute (tuning.P2P_FLOOR)
+    # runtime's pre-posted messages hide behind compute (tune_fit.P2P_FLOOR)
     pipeline_p2p_scale: float = 1.0
     # a tensor-parallel collective's time over what its curve or link prices (the blocks'
     # reductions and gathers, the embedding's and head's, those the TP pass inserts, FP8's amax
     # reductions; not a pipeline hop's gather), and the context-parallel K/V exchange's
     # (cost/exchanges.py `context_comm_s`, every method), each fitted by `autopar tune` where
     # the measured plans' shares of it tell it apart from the other collectives
-    # (tuning.fit_scales; on 2 local CPU ranks, 2026-11-27/28, t = 2 was priced from 16%
+    # (tune_fit.fit_scales; on 2 local CPU ranks, 2026-11-27/28, t = 2 was priced from 16%
     # fast to 34% slow and c = 2 11–27% fast, run to run); 1: as measured (the presets, a fresh
     # calibration); 0 prices it free (tune's analysis of a plan's parts, `part_seconds`)
     tp_comm_scale: float = 1.0

@@ -1,4 +1,4 @@
-"""`autopar tune`'s refit (autopar/tuning.py), pure: the least-squares scales recover how much
+"""`autopar tune`'s refit (autopar/tune_fit.py), pure: the least-squares scales recover how much
 slower compute and communication ran than predicted, the refitted cluster prices exactly that,
 and Spearman's rank correlation."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 from autopar.cost.hardware import get_cluster
 from autopar.cost.profile import transformer_profile
 from autopar.cost.solver import solve
-from autopar.tuning import (Scales, Trial, dispatch_seconds, fit_scales, plan_pins,
-                            refit_cluster, spearman)
+from autopar.tune_fit import (Scales, Trial, dispatch_seconds, fit_scales, plan_pins,
+                              refit_cluster)
+from autopar.tuning import spearman
 
 PINS = (dict(d=8), dict(t=8), dict(t=2, d=4), dict(p=2, d=4), dict(t=4, p=2), dict(t=2, p=4))
 
@@ -161,7 +162,7 @@ def test_pipeline_messages_fitted_below_the_floor_are_priced_nearly_hidden():
     scale again."""
     from autopar.cost.comm import p2p_hop_s
     from autopar.cost.model import Config
-    from autopar.tuning import P2P_FLOOR
+    from autopar.tune_fit import P2P_FLOOR
     cluster = get_cluster("h100-eth100g")
     plans, prof, parts = _pipeline_plans(cluster)
     measured = [1.1 * x + 0.9 * y - 0.3 * z for x, y, z in parts]
@@ -186,7 +187,7 @@ def _dispatching_plans():
     """Plans on a cluster that dispatches its ops eagerly (per-op host work priced), at
     micro-batch sizes 1 and 4 (so their dispatch shares differ), their profile, each one's
     `dispatch_seconds` and (kernels, dispatch, collectives + p2p) seconds."""
-    from autopar.tuning import DISPATCH_WORK_S
+    from autopar.tune_fit import DISPATCH_WORK_S
     cluster = dataclasses.replace(get_cluster("h100-eth100g"), elementwise="eager",
                                   autograd_op_s=8e-6)
     prof = transformer_profile(num_layers=8, hidden=512, heads=8, seq_len=256, vocab=2000)
@@ -245,7 +246,7 @@ def _kind_plans():
     """Plans with tensor- and context-parallel collectives among data-parallel and pipeline
     ones, their `solve_pins`, and each one's (kernels, collectives, TP, CP, p2p) seconds as
     `fit_scales` splits them (`part_seconds`)."""
-    from autopar.tuning import _columns, part_seconds
+    from autopar.tune_fit import _columns, part_seconds
     cluster = get_cluster("h100-eth100g")
     prof = transformer_profile(num_layers=8, hidden=512, heads=8, seq_len=1024, vocab=2000)
 
@@ -372,7 +373,7 @@ def test_a_kind_scale_that_fits_only_its_plans_noise_is_not_taken():
     the held-out error is not lower, so TP stays on the collectives' scale. With both 20%
     over (a real TP cost), it is taken."""
     import numpy as np
-    from autopar.tuning import DISPATCH_GAIN, _fit_error, _kinds_apart, _richest_fit
+    from autopar.tune_fit import DISPATCH_GAIN, _fit_error, _kinds_apart, _richest_fit
     rng = np.random.default_rng(0)
     n = 10
     cols = {"compute": rng.uniform(0.05, 0.1, n), "dispatch": np.zeros(n),
@@ -402,3 +403,20 @@ def test_a_bad_passes_count_is_one_line(capsys):
     assert "\n" not in err and "--passes 0: must be >= 1" in err, err
     with pytest.raises(ValueError, match=r"passes=0: must be an int >= 1"):
         tune(lambda: None, gpus=1, example_inputs=(), global_batch_size=1, passes=0)
+
+
+def test_plans_measured_far_slower_than_the_refit_prices_them_are_measured_again():
+    """`suspects`: a plan measured slower than its refit price by more than twice the median
+    |refit error| (and 3%) is measured again; one measured faster, or without a refit price,
+    is not (noise only adds time); where every plan fits within the floor, none is."""
+    from autopar.tune_fit import suspects
+    plan = _plans(get_cluster("h100-eth100g"), (dict(d=8),))[0][0]
+
+    def trials(errors):
+        return [Trial(plan=plan, measured_s=1.0, measured_memory_bytes=0.0,
+                      refit_s=None if e is None else 1.0 / (1.0 + e)) for e in errors]
+    # |errors| 0.01 0.02 0.015 0.2 0.3: median 0.02, the bar 2 x 0.02 = 0.04
+    assert suspects(trials([0.01, -0.02, 0.015, 0.2, -0.3, None])) == [3]
+    assert suspects(trials([0.001, 0.002, 0.025, None])) == []     # below the 3% floor
+    assert suspects(trials([0.05, 0.0])) == []     # two plans: neither exceeds twice their mean
+    assert suspects(trials([None, None])) == []
