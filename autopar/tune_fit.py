@@ -410,7 +410,7 @@ def suspects(trials: list[Trial]) -> list[int]:
     A shared host only ever adds time, a plan's time from compile to compile spread ±10% on 2
     CPU ranks, and a slow spell can outlast a plan's passes: such a plan measures slower than
     the scales fitted to the others price it, the fit leans towards it, and the plans priced
-    alike disagree (one `transformers`-free Llama run, 2026-11-28: ZeRO-0 129.5 ms against
+    alike disagree (a Llama-style model's run, 2026-11-28: ZeRO-0 129.5 ms against
     ZeRO-1 and 2's 115.5 for the same work). A plan measured faster than priced is left: more
     samples cannot make a least time larger. Plans without a refit price are left too."""
     errors = [tr.measured_s / tr.refit_s - 1 for tr in trials if tr.refit_s]

@@ -132,10 +132,10 @@ def cold_timed_s(fn: Callable[[], Any], evict: torch.Tensor, calls: int, repeats
                  clock: Callable[[], float]) -> float:
     """`timed_s` on a CPU with `evict` written before each call, untimed: what a training
     step's GEMMs meet, their operands last touched before other layers' work pushed them out
-    of the core's cache. Timed hot, in a loop over the same operands, the shapes of a
-    4-layer GPT (hidden 128, 512 rows) ran 7-10% faster on an EPYC core than after an 8-16 MB
-    write, 1024³ 1% (2026-11-28), and the GPT's GEMMs took 33.7 ms a step where the hot curve
-    priced 29.3."""
+    of the core's cache. Timed hot, in a loop over the same operands, the grid ran faster on
+    an EPYC core than after an 8 MB write (2026-11-28): 128³ 13%, 256³ 6%, 512 × 512 × 128
+    2%, 1024³ 5% (after a 16 MB write a 4-layer GPT's shapes 7-10%); in that GPT's d = 2
+    step its GEMMs took 33.7 ms where the hot curve priced 29.3."""
     fn()
     times = []
     for _ in range(repeats):
