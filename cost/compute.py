@@ -196,10 +196,12 @@ def checkpoint_regions_s(cluster: Cluster, region: RegionProfile, recompute: str
     one per attention core under selective (a fused kernel's call, or two batched GEMMs of a
     written-out core). Like `dispatch_s`, 0 unless the cluster runs elementwise ops "eager":
     host work, which a fused GPU stack's kernels hide."""
-    if cluster.elementwise != "eager" or recompute not in ("full", "op", "selective"):
+    if cluster.elementwise != "eager":
         return 0.0
-    if recompute != "selective":
+    if recompute in BLOCK_CHECKPOINTED:
         return cluster.checkpoint_region_s
+    if recompute != "selective":
+        return 0.0
     fused = region.fused
     cores = len(fused.calls) if fused is not None and fused.calls else sum(
         1 for g in region.gemms if g.batch_scales) // 2
