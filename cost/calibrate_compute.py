@@ -64,7 +64,8 @@ def compute_clock(device: torch.device) -> Callable[[], float]:
 
 
 def timed_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: int,
-            clock: Callable[[], float] = time.perf_counter, typical: bool = False) -> float:
+            clock: Callable[[], float] = time.perf_counter, typical: bool = False,
+            evict: torch.Tensor | None = None) -> float:
     """Best per-call seconds of `repeats` batches of `calls` calls (a fixed count, so ranks
     that time collectives together run the same number); one warm-up call. The best, not the
     median: other load on the machine only ever adds time, so the least disturbed batch is the
@@ -72,16 +73,33 @@ def timed_s(fn: Callable[[], Any], device: torch.device, calls: int, repeats: in
     in rare long calls every job pays at their rate (a collective's wait: see
     `measure_collectives`; they come in bursts, so the mean of all the calls, not a median
     batch). `clock`: wall time (collectives: waiting is their cost), or `compute_clock` for
-    compute."""
+    compute. `evict` (a CPU's GEMMs, `measure_matmul`): written before each call, untimed, so
+    that each call finds its operands cold, as a training step's GEMMs do: their operands were
+    last touched before other layers' work pushed them out of the core's cache. Timed hot, in
+    a loop over the same operands, the grid ran faster on an EPYC core than after an 8 MB
+    write (2026-11-28): 128³ 13%, 256³ 6%, 512 × 512 × 128 2%, 1024³ 5% (after a 16 MB write
+    a 4-layer GPT's shapes 7-10%); in that GPT's d = 2 step its GEMMs took 33.7 ms where the
+    hot curve priced 29.3."""
     fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        start = clock()
+        if evict is None:
+            start = clock()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            times.append((clock() - start) / calls)
+            continue
+        total = 0.0
         for _ in range(calls):
+            evict.fill_(1.0)
+            _sync(device)
+            start = clock()
             fn()
-        _sync(device)
-        times.append((clock() - start) / calls)
+            _sync(device)
+            total += clock() - start
+        times.append(total / calls)
     return float(np.mean(times) if typical else np.min(times))
 
 
@@ -107,7 +125,7 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
     cost model's backward of 2 GEMMs; fresh outputs and gradients each call), its 3 GEMMs'
     FLOPs over the time. An isolated GEMM into a preallocated output ran ~1.5x faster on the
     2-core development machine than the same shape inside autograd (fp32, one thread).
-    On a CPU each call finds its operands cold (`cold_timed_s`), as a step's GEMMs do."""
+    On a CPU each call finds its operands cold (`timed_s`'s evict), as a step's GEMMs do."""
     curve = []
     evict = torch.empty(EVICT_BYTES // 4, device=device) if device.type == "cpu" else None
     for m in dims:
@@ -122,31 +140,9 @@ def measure_matmul(dims, dtype: torch.dtype, device: torch.device,
                     torch.nn.functional.linear(x, w).backward(dy)
                 clock = compute_clock(device)
                 calls = _batch_calls(step, device, clock, 0.003 if quick else 0.01)
-                s = (timed_s(step, device, calls, 3, clock) if evict is None
-                     else cold_timed_s(step, evict, calls, 3, clock))
+                s = timed_s(step, device, calls, 3, clock, evict=evict)
                 curve.append([m, n, k, 6.0 * m * n * k / s])
     return curve
-
-
-def cold_timed_s(fn: Callable[[], Any], evict: torch.Tensor, calls: int, repeats: int,
-                 clock: Callable[[], float]) -> float:
-    """`timed_s` on a CPU with `evict` written before each call, untimed: what a training
-    step's GEMMs meet, their operands last touched before other layers' work pushed them out
-    of the core's cache. Timed hot, in a loop over the same operands, the grid ran faster on
-    an EPYC core than after an 8 MB write (2026-11-28): 128³ 13%, 256³ 6%, 512 × 512 × 128
-    2%, 1024³ 5% (after a 16 MB write a 4-layer GPT's shapes 7-10%); in that GPT's d = 2
-    step its GEMMs took 33.7 ms where the hot curve priced 29.3."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        total = 0.0
-        for _ in range(calls):
-            evict.fill_(1.0)
-            start = clock()
-            fn()
-            total += clock() - start
-        times.append(total / calls)
-    return float(np.min(times))
 
 
 def measure_optimizer(dtype: torch.dtype, device: torch.device,

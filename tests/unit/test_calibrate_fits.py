@@ -168,9 +168,11 @@ def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst():
 
 def test_a_cpu_gemm_is_timed_cold_with_the_eviction_left_out_of_its_time():
     """On a CPU each timed call of the GEMM curve comes after a write that pushes its operands
-    out of the core's cache (`cold_timed_s`), as a step's GEMMs meet them, and only the call
+    out of the core's cache (`timed_s`'s evict), as a step's GEMMs meet them, and only the call
     is timed: a 2-tick call after a 100-tick write is 2 ticks."""
-    from autopar.cost.calibrate_compute import cold_timed_s
+    import torch
+
+    from autopar.cost.calibrate_compute import timed_s
     ticks, order = [0.0], []
 
     class Write:
@@ -181,7 +183,8 @@ def test_a_cpu_gemm_is_timed_cold_with_the_eviction_left_out_of_its_time():
     def call():
         ticks[0] += 2.0
         order.append("call")
-    assert cold_timed_s(call, Write(), calls=3, repeats=2, clock=lambda: ticks[0]) == 2.0
+    assert timed_s(call, torch.device("cpu"), calls=3, repeats=2, clock=lambda: ticks[0],
+                   evict=Write()) == 2.0
     assert order == ["call"] + ["write", "call"] * 6   # a warm-up, then a write before each
 
 
