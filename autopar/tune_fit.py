@@ -157,6 +157,15 @@ _PARTS = {"dispatch": (DISPATCH_WORK_S, lambda plan: True),
           "cp": (("cp_comm_scale",), lambda plan: plan.c > 1)}
 
 
+def measured_trial(plan: Plan, measured_s: float, memory_bytes: float, cluster: Cluster,
+                   solve_pins: Callable[[Cluster, dict], Plan]) -> Trial:
+    """The Trial of `plan` measured at `measured_s` and `memory_bytes`, with the seconds of
+    each part the fit may scale apart (`part_seconds` on `cluster`, the one it was priced on)."""
+    return Trial(plan=plan, measured_s=measured_s, measured_memory_bytes=memory_bytes,
+                 **{f"{part}_s": part_seconds(plan, cluster, solve_pins, part)
+                    for part in _PARTS})
+
+
 def part_seconds(plan: Plan, cluster: Cluster, solve_pins: Callable[[Cluster, dict], Plan],
                  part: str) -> float:
     """The seconds of `plan`'s predicted step that are `part`: "dispatch" (the host's per-op
@@ -413,9 +422,8 @@ def suspects(trials: list[Trial]) -> list[int]:
     alike disagree (a Llama-style model's run, 2026-11-28: ZeRO-0 129.5 ms against
     ZeRO-1 and 2's 115.5 for the same work). A plan measured faster than priced is left: more
     samples cannot make a least time larger. Plans without a refit price are left too."""
-    errors = [tr.measured_s / tr.refit_s - 1 for tr in trials if tr.refit_s]
+    errors = {i: tr.measured_s / tr.refit_s - 1 for i, tr in enumerate(trials) if tr.refit_s}
     if not errors:
         return []
-    bar = max(SUSPECT_FLOOR, SUSPECT_SPREAD * statistics.median(abs(e) for e in errors))
-    return [i for i, tr in enumerate(trials)
-            if tr.refit_s and tr.measured_s / tr.refit_s - 1 > bar]
+    bar = max(SUSPECT_FLOOR, SUSPECT_SPREAD * statistics.median(map(abs, errors.values())))
+    return [i for i, e in errors.items() if e > bar]

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from autopar.cost.hardware import Cluster, get_cluster
 from autopar.plan import Plan
 from autopar.request import Pins
-from autopar.tune_fit import (_PARTS, PIN_KEYS, Scales, Trial, fit_scales, part_seconds,
-                              pins_label, plan_pins, refit_cluster, rel_error, suspects)
+from autopar.tune_fit import (PIN_KEYS, Scales, Trial, fit_scales, measured_trial, pins_label,
+                              plan_pins, refit_cluster, rel_error, suspects)
 
 # the candidates measured again after the passes (`measure_candidates`): those within this
 # fraction of the fastest measured — the spread of one plan's time from compile to compile
@@ -334,8 +334,7 @@ def tune(model_fn: Callable[[], torch.nn.Module], *, gpus: int, example_inputs: 
     measured = measure_candidates(
         candidates, compiled, steps=steps, warmup=warmup, rounds=rounds, log=say,
         interleaved=interleaved, passes=passes)
-    trials = [Trial(plan=plan, measured_s=s, measured_memory_bytes=m,
-                    **{f"{part}_s": part_seconds(plan, cl, solve_pins, part) for part in _PARTS})
+    trials = [measured_trial(plan, s, m, cl, solve_pins)
               for plan, (s, m) in zip(candidates, measured)]
     note = f"{len(trials)} plans of {name or type(model).__name__}"
     trials, scales, refit = _refitted(trials, cl, solve_pins, note)
