@@ -381,20 +381,21 @@ def _memory_events(fn: Callable[[], Any], *, marked: bool) -> tuple[Any, list]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from autopar.cost.solver import collector_paused
-
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     # the cyclic collector run before and off while fn runs: a collection inside the window
     # runs other objects' finalizers there, and what they allocate would count as fn's
+    was = gc.isenabled()
     gc.collect()
-    with collector_paused():
-        with _quiet_native_stderr():   # kineto's "USDT: profiler_start" lines, one per call
-            prof.start()
-        try:
-            result = fn()
-        finally:
-            with _quiet_native_stderr():
-                prof.stop()
+    gc.disable()
+    with _quiet_native_stderr():       # kineto's "USDT: profiler_start" lines, one per call
+        prof.start()
+    try:
+        result = fn()
+    finally:
+        with _quiet_native_stderr():
+            prof.stop()
+        if was:
+            gc.enable()
     events = list(prof.profiler.kineto_results.events())
     out = in_time_order([(e.start_ns(), e.nbytes()) for e in events
                          if e.name() == "[memory]" and e.device_type() == DeviceType.CPU])
