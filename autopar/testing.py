@@ -328,7 +328,8 @@ def peak_tensor_bytes(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     events, profile_memory=True). Unlike the process's resident size this ignores the
     allocator's cached and fragmented pages and the interpreter, so it measures what `fn`
     materialised; benchmarks/compile_memory.py reports both. A block allocated before the
-    start frees as 0 bytes: `step_peak_tensor_bytes` for what a repeated step holds."""
+    start frees as 0 bytes (in_window): `step_peak_tensor_bytes` for what a repeated step
+    holds."""
     result, events = _memory_events(fn, marked=False)
     live = peak = 0
     for _, nbytes in events:
@@ -365,20 +366,30 @@ def step_peak_tensor_bytes(step: Callable[[], Any]) -> int:
 _MARK = "autopar::measured_call"
 
 
-def in_time_order(events: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(ns, bytes) allocator events sorted by time alone, events of the same nanosecond in the
-    order the profiler recorded them (a stable sort): sorted by (ns, bytes), an allocation and
-    a free that the clock stamped alike would swap, the free first, and a step's peak come out
-    a block short. (test_held_bytes failed once in four unit-suite runs on a 2-vCPU VM,
-    2026-11-28, its output not kept; a tie and a collection inside the window are the two ways
-    found that the count can move, and both are closed.)"""
-    return sorted(events, key=lambda ev: ev[0])
+def in_window(events: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """(ns, bytes) of the allocator's (ns, bytes, address) events in time order, a free counted
+    only when its block was allocated inside the window, at its own size; other frees are 0.
+    Two things make the profiler's own sizes wrong for such a block. c10's CPU allocator
+    reporter keeps an address -> size table while profiling and does not erase an entry
+    whose block is freed with profiling off: a later block at that address frees under the
+    stale size (test_held_bytes failed so in CI, 2026-11-28, 8 KiB read for 12). And a block
+    allocated before any profiling frees as 0 bytes. Events of one nanosecond keep the order
+    they were recorded in (a stable sort): an allocation before a free stamped alike."""
+    live: dict[int, int] = {}
+    out = []
+    for ns, nbytes, address in sorted(events, key=lambda ev: ev[0]):
+        if nbytes > 0:
+            live[address] = nbytes
+            out.append((ns, nbytes))
+        elif address in live:
+            out.append((ns, -live.pop(address)))
+    return out
 
 
 def _memory_events(fn: Callable[[], Any], *, marked: bool) -> tuple[Any, list]:
-    """(fn(), [(ns, bytes) of each CPU allocator event, in time order]); `marked`: fn ran a
-    call under record_function(_MARK), whose (start, end) ns is appended last."""
-    from torch.autograd import DeviceType
+    """(fn(), [(ns, bytes) of each CPU allocator event, in time order, see in_window]);
+    `marked`: fn ran a call under record_function(_MARK), whose (start, end) ns is appended
+    last."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -396,13 +407,22 @@ def _memory_events(fn: Callable[[], Any], *, marked: bool) -> tuple[Any, list]:
             prof.stop()
         if was:
             gc.enable()
-    events = list(prof.profiler.kineto_results.events())
-    out = in_time_order([(e.start_ns(), e.nbytes()) for e in events
-                         if e.name() == "[memory]" and e.device_type() == DeviceType.CPU])
+    nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
+    allocs = [(n.start_time_ns, n.extra_fields) for n in nodes
+              if type(n.extra_fields).__name__ == "_ExtraFields_Allocation"]
+    out = in_window([(ns, f.alloc_size, f.ptr) for ns, f in allocs if f.device.type == "cpu"])
     if marked:
-        mark = next(e for e in events if e.name() == _MARK)
-        out.append((mark.start_ns(), mark.end_ns()))
+        mark = next(n for n in nodes if n.name == _MARK)
+        out.append((mark.start_time_ns, mark.end_time_ns))
     return result, out
+
+
+def _walk(nodes: list) -> Iterator[Any]:
+    """The profiler's event tree in pre-order: each event before its children, siblings in
+    time order, so allocator events of one nanosecond come in the order they were recorded."""
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
 
 
 def held_tensor_bytes(root: Any) -> int:
