@@ -13,8 +13,9 @@ processes do not slow the rate measured); rank 0 fits and writes:
   asymptote, or a datasheet peak given with peak_flops=) with `gemm_max_efficiency` and
   `gemm_half_dim` of rate = peak · e_max · f(m)f(n)f(k), f(x) = x / (x + half).
 - Fused attention (torch's scaled_dot_product_attention, causal, 4 heads of 64) forward and
-  backward against sequence length → `flash_fwd_efficiency`, `flash_bwd_efficiency`,
-  `flash_half_len` (backward FLOPs 2.5 × forward, cost.model's convention).
+  backward against sequence length, and at one length against head dim (16-128 on a CPU,
+  64-256 on a GPU) → `flash_fwd_efficiency`, `flash_bwd_efficiency`, `flash_half_len`,
+  `flash_half_head_dim` (backward FLOPs 2.5 × forward, cost.model's convention).
 - Streaming bandwidth (a large copy: bytes read + written per second) → `hbm_bandwidth_Bps`
   (elementwise_efficiency 1: the measured rate is the achieved one); per op of a transformer
   block's non-GEMM op mix on tiny tensors (norms, views, softmax, adds, the activation) its
@@ -60,7 +61,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost.calibrate_compute import (grids, measure_attention, measure_matmul,
+from autopar.cost.calibrate_compute import (attention_head_dim, grids, measure_attention,
+                                            measure_attention_dims, measure_matmul,
                                             measure_optimizer, measure_streaming, timed_s)
 from autopar.cost.hardware import (GB, Cluster, CollectiveCurve, get_cluster,
                                    local_cluster_path, save_cluster)
@@ -364,19 +366,28 @@ def dispatch_floor_s(record: dict[str, Any]) -> float:
     return max(counted, 6.0 * m * n * k / rate)
 
 
-def fit_flash(curve: list, peak: float) -> dict[str, float]:
-    """e_fwd, e_bwd and L_half of rate = e · peak · L / (L + L_half), least squares (e ≤ 1)."""
+def fit_flash(curve: list, peak: float, dims: list | None = None,
+              head_dim: float = 64.0) -> dict[str, float]:
+    """e_fwd, e_bwd, L_half and D_half of rate = e · peak · L/(L + L_half) · D/(D + D_half),
+    least squares (e ≤ 1) over the length curve (rows [L, fwd, bwd], heads of `head_dim`) and
+    the head-dim curve (rows [L, D, fwd, bwd]); without a head-dim curve (a record from
+    before it was measured) D_half is 0, not modelled."""
+    rows = [(row[0], head_dim, row[1:]) for row in curve] + [
+        (row[0], row[1], row[2:]) for row in dims or []]
+    grid = [0.0] + [2.0 ** (i / 4) for i in range(0, 53)]          # 0, 1 .. 8192
     best: dict[str, float] = {}
     best_err = float("inf")
-    for half in [0.0] + [2.0 ** (i / 4) for i in range(0, 53)]:  # 0, 1 .. 8192
-        fit, err = {"flash_half_len": half}, 0.0
-        for col, name in ((1, "flash_fwd_efficiency"), (2, "flash_bwd_efficiency")):
-            xs = np.array([row[0] / (row[0] + half) for row in curve])
-            ys = np.array([row[col] / peak for row in curve])
-            fit[name] = float(min(1.0, max(xs @ ys / (xs @ xs), 1e-3)))
-            err += float(np.sum((fit[name] * xs - ys) ** 2))
-        if err < best_err:
-            best, best_err = fit, err
+    for half in grid:
+        for dhalf in (grid[:45] if dims else [0.0]):                # 0, 1 .. 2048
+            fit, err = {"flash_half_len": half, "flash_half_head_dim": dhalf}, 0.0
+            xs = np.array([L / (L + half) * (D / (D + dhalf) if dhalf else 1.0)
+                           for L, D, _ in rows])
+            for col, name in ((0, "flash_fwd_efficiency"), (1, "flash_bwd_efficiency")):
+                ys = np.array([rates[col] / peak for _, _, rates in rows])
+                fit[name] = float(min(1.0, max(xs @ ys / (xs @ xs), 1e-3)))
+                err += float(np.sum((fit[name] * xs - ys) ** 2))
+            if err < best_err:
+                best, best_err = fit, err
     return best
 
 
@@ -455,17 +466,18 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
     nodes, _ = _node_layout()
     groups = link_groups(nodes)
     tick = _progress(3 + len(COLLECTIVES) * sum(1 for v in groups.values() if v))
-    dims, lens = grids(device, quick)
+    dims, lens, head_dims = grids(device, quick)
     dist.barrier()
     # rounds over all of the compute measurements, the best of each kept (`_least_host_work`)
     rounds = 1 if quick else 2
-    gemm, attention, host = [], [], []
+    gemm, attention, heads, host = [], [], [], []
     for r in range(rounds):
         last = r == rounds - 1
         gemm.append(measure_matmul(dims, dtype, device, quick))
         if last:
             tick("GEMM")
         attention.append(measure_attention(lens, dtype, device, quick))
+        heads.append(measure_attention_dims(head_dims, dtype, device, quick))
         if last:
             tick("attention")
         work = measure_streaming(dtype, device, quick)
@@ -475,7 +487,7 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         if last:
             tick("streaming")
     mine = {"matmul_curve": _best_rows(gemm, 3), "attention_curve": _best_rows(attention, 1),
-            **_least_host_work(host)}
+            "attention_dims": _best_rows(heads, 2), **_least_host_work(host)}
     collectives = measure_collectives(groups, device, quick, tick)
     mine["comm_overlap"] = measure_overlap(dtype, device, quick) if len(nodes) > 1 else 1.0
     per_node = max(nodes.count(n) for n in set(nodes))
@@ -500,6 +512,8 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "torch": torch.__version__, "quick": quick,
         "matmul_curve": _mean_curves([g[0]["matmul_curve"] for g in gathered], 3),
         "attention_curve": _mean_curves([g[0]["attention_curve"] for g in gathered], 1),
+        "attention_dims": _mean_curves([g[0]["attention_dims"] for g in gathered], 2),
+        "attention_head_dim": attention_head_dim(device),
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
         **{key: float(np.median([g[0][key] for g in gathered]))    # the ranks' median
            for key in ("kernel_launch_s", *_DEVICE_CONSTANTS, "comm_overlap")},
@@ -532,7 +546,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                                3.0 * record["kernel_launch_s"])   # forward + backward GEMMs
     peak = peak_flops or asymptote
     emax = min(1.0, asymptote / peak)
-    flash = fit_flash(record["attention_curve"], peak * emax)
+    flash = fit_flash(record["attention_curve"], peak * emax, record.get("attention_dims"),
+                      record.get("attention_head_dim", 64))
     fits = {link: fit_link(rows) for link, rows in record["collectives"].items()}
     sources = [f"all constants below {where}",
                f"peak_flops, gemm_max_efficiency, gemm_half_dim: fitted to the GEMM curve "
@@ -540,8 +555,8 @@ def cluster_from_record(record: dict[str, Any], name: str,
                f"those timing their dispatch left out)" + (
                    "; peak_flops the datasheet's, as given" if peak_flops else
                    "; peak_flops the fitted asymptote, e_max 1"),
-               "flash efficiencies, flash_half_len: fitted to the attention curve (forward, "
-               "backward against sequence length)",
+               "flash efficiencies, flash_half_len, flash_half_head_dim: fitted to the "
+               "attention curves (forward, backward against sequence length and head dim)",
                "hbm_bandwidth_Bps: a large copy's bytes read + written per second "
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
                "kernel_launch_s: per op of a block's non-GEMM op mix on tiny tensors, its "

@@ -26,6 +26,11 @@ _GPU_DIMS = (512, 1024, 2048, 4096, 8192)
 _GPU_ATTENTION_LENS = (512, 1024, 2048, 4096, 8192)
 # the attention measured: (heads, head_dim) as a CPU can afford, as GPU models run it
 _CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
+# the head dims `measure_attention_dims` times, and the length it times them at (a CPU's:
+# the lengths CPU runs train at; a GPU's: where the length factor is near its asymptote)
+ATTENTION_HEAD_DIMS, _QUICK_HEAD_DIMS, _GPU_HEAD_DIMS = (16, 32, 64, 128), (32, 64), (64, 128,
+                                                                                       256)
+ATTENTION_DIM_LEN, _GPU_ATTENTION_DIM_LEN = 256, 4096
 # a GPU's attention rows hold this many tokens (batch = tokens / length), as FlashAttention's
 # own benchmarks (2205.14135, 2307.08691, 2407.08608: batch x seqlen = 16k): at batch 1 the
 # H200's rows up to 2,048 tokens timed the host's dispatch (each backward 156-191 µs, the
@@ -40,13 +45,14 @@ EVICT_BYTES = 8 << 20
 REGION_TOKENS = 256
 
 
-def grids(device: torch.device, quick: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(GEMM dims, attention lengths) measured on `device`."""
+def grids(device: torch.device, quick: bool
+          ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(GEMM dims, attention lengths, attention head dims) measured on `device`."""
     if quick:
-        return _QUICK_DIMS, _QUICK_ATTENTION_LENS
+        return _QUICK_DIMS, _QUICK_ATTENTION_LENS, _QUICK_HEAD_DIMS
     if device.type == "cuda":
-        return _GPU_DIMS, _GPU_ATTENTION_LENS
-    return _FULL_DIMS, ATTENTION_LENS
+        return _GPU_DIMS, _GPU_ATTENTION_LENS, _GPU_HEAD_DIMS
+    return _FULL_DIMS, ATTENTION_LENS, ATTENTION_HEAD_DIMS
 
 
 def _sync(device: torch.device) -> None:
@@ -179,32 +185,55 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
     `causal_tile_fraction`, FLASH_TILE² tiles), so a rate measured at a length prices that
     length's time back. Counted as the exact triangle ((L+1)/2L), the rates came out up to 2×
     below the model's count at short lengths (1.0 of the tiles at L = 128)."""
+    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+    return [[length, *_attention_rates(length, heads, dim, dtype, device, quick)]
+            for length in lengths]
+
+
+def attention_head_dim(device: torch.device) -> int:
+    """The head dim `measure_attention`'s length curve is timed at on `device`."""
+    return (_GPU_HEADS if device.type == "cuda" else _CPU_HEADS)[1]
+
+
+def measure_attention_dims(dims, dtype: torch.dtype, device: torch.device,
+                           quick: bool) -> list[list[float]]:
+    """[length, head_dim, fwd_flops_per_s, bwd_flops_per_s] of the same attention at one length
+    (`ATTENTION_DIM_LEN`) and head count, the head dim varied: small heads run a fused kernel
+    below its rate (on the development CPU forward 37 / 41 / 52 / 60 GFLOP/s at head dims
+    16 / 32 / 64 / 128, length 128), which the cost model prices through
+    Cluster.flash_half_head_dim."""
+    gpu = device.type == "cuda"
+    heads = (_GPU_HEADS if gpu else _CPU_HEADS)[0]
+    length = _GPU_ATTENTION_DIM_LEN if gpu else ATTENTION_DIM_LEN
+    return [[length, dim, *_attention_rates(length, heads, dim, dtype, device, quick)]
+            for dim in dims]
+
+
+def _attention_rates(length: int, heads: int, dim: int, dtype: torch.dtype,
+                     device: torch.device, quick: bool) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of causal SDPA over `heads` heads of `dim` at `length`, the
+    FLOPs counted as `measure_attention` says."""
     from autopar.cost.profile import AttentionCall, causal_tile_fraction
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    gpu = device.type == "cuda"
-    heads, dim = _GPU_HEADS if gpu else _CPU_HEADS
-    curve = []
-    for length in lengths:
-        batch = max(1, _GPU_ATTENTION_TOKENS // length) if gpu else 1
-        q, k, v = (torch.randn(batch, heads, length, dim, dtype=dtype, device=device,
-                               requires_grad=True) for _ in range(3))
-        grad = torch.randn(batch, heads, length, dim, dtype=dtype, device=device)
-        clock = compute_clock(device)
-        target = 0.003 if quick else 0.01
+    batch = max(1, _GPU_ATTENTION_TOKENS // length) if device.type == "cuda" else 1
+    q, k, v = (torch.randn(batch, heads, length, dim, dtype=dtype, device=device,
+                           requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, heads, length, dim, dtype=dtype, device=device)
+    clock = compute_clock(device)
+    target = 0.003 if quick else 0.01
 
-        def fwd():
-            sdpa(q, k, v, is_causal=True)
+    def fwd():
+        sdpa(q, k, v, is_causal=True)
 
-        def both():
-            sdpa(q, k, v, is_causal=True).backward(grad)
-        fwd_s = timed_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
-        both_s = timed_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
-        flops = batch * AttentionCall(
-            heads=heads, kv_heads=heads, q_len=length, kv_len=length, head_dim=dim,
-            v_head_dim=dim, active_fraction=causal_tile_fraction(length, length), gemms=(),
-            materialized_bytes=0).fwd_flops
-        curve.append([length, flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)])
-    return curve
+    def both():
+        sdpa(q, k, v, is_causal=True).backward(grad)
+    fwd_s = timed_s(fwd, device, _batch_calls(fwd, device, clock, target, 50), 3, clock)
+    both_s = timed_s(both, device, _batch_calls(both, device, clock, target, 50), 3, clock)
+    flops = batch * AttentionCall(
+        heads=heads, kv_heads=heads, q_len=length, kv_len=length, head_dim=dim,
+        v_head_dim=dim, active_fraction=causal_tile_fraction(length, length), gemms=(),
+        materialized_bytes=0).fwd_flops
+    return flops / fwd_s, 2.5 * flops / max(both_s - fwd_s, 1e-9)
 
 
 def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:

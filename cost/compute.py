@@ -100,18 +100,27 @@ def fp8_cast_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float
 FLASH_BWD_FLOPS_FACTOR = 2.5
 
 
+def flash_shape_fraction(cluster: Cluster, kv_len: float, head_dim: float) -> float:
+    """The fraction of its long-sequence rate a fused attention kernel keeps over kv_len keys
+    with heads of head_dim: L/(L + flash_half_len) · D/(D + flash_half_head_dim)
+    (cost/hardware.py's module doc)."""
+    heads = (head_dim / (head_dim + cluster.flash_half_head_dim)
+             if cluster.flash_half_head_dim else 1.0)
+    return kv_len / (kv_len + cluster.flash_half_len) * heads
+
+
 def fused_attention_time_s(cluster: Cluster, call: AttentionCall, b: float,
                            t: int) -> tuple[float, float]:
     """(forward, backward) seconds of one attention call run as a fused kernel on b sequences,
     its heads split over t ranks: the FLOPs of the tiles its mask leaves at the cluster's
-    fused-attention efficiency (lower for short keys), or its q/k/v/output traffic at HBM
-    bandwidth if that is longer, + a launch each."""
+    fused-attention efficiency (lower for short keys and small heads), or its q/k/v/output
+    traffic at HBM bandwidth if that is longer, + a launch each."""
     flops = call.fwd_flops * b / t
-    length = call.kv_len / (call.kv_len + cluster.flash_half_len)
+    shape = flash_shape_fraction(cluster, call.kv_len, (call.head_dim + call.v_head_dim) / 2)
     io_s = call.io_bytes * b / t / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
-    fwd = flops / (cluster.peak_flops * cluster.flash_fwd_efficiency * length)
+    fwd = flops / (cluster.peak_flops * cluster.flash_fwd_efficiency * shape)
     bwd = FLASH_BWD_FLOPS_FACTOR * flops / (
-        cluster.peak_flops * cluster.flash_bwd_efficiency * length)
+        cluster.peak_flops * cluster.flash_bwd_efficiency * shape)
     # backward reads q, k, v, output, its gradient and the logsumexp, writes dq, dk, dv: ~2x
     return (max(fwd, io_s) + cluster.kernel_launch_s,
             max(bwd, 2 * io_s) + cluster.kernel_launch_s)

@@ -22,12 +22,17 @@ The attention kernel is part of the hardware model (`attention`): "flash" (every
 call as one fused kernel, saves O(s) per head (q, k, v, output, logsumexp) and never writes the
 s×s scores; "materialized" (the unfused kernels of 2104.04473 / 2205.05198) saves the scores,
 softmax and dropout mask and streams them through HBM. Under "flash" (`cost.model`):
-    forward  = fwd_flops · active / (peak · flash_fwd_efficiency · L/(L + flash_half_len))
-    backward = 2.5 · fwd_flops · active / (peak · flash_bwd_efficiency · L/(L + flash_half_len))
+    forward  = fwd_flops · active / (peak · flash_fwd_efficiency · g(L, D))
+    backward = 2.5 · fwd_flops · active / (peak · flash_bwd_efficiency · g(L, D))
+    g(L, D)  = L/(L + flash_half_len) · D/(D + flash_half_head_dim)
 fwd_flops = 4·heads·q_len·kv_len·head_dim, `active` the tiles a causal or block mask leaves
 (FlashAttention's skip), 2.5 the backward's five GEMMs (the scores recomputed) against the
 forward's two, L the key length (short sequences leave the per-block softmax and epilogue
-work exposed).
+work exposed), D the head dim (a tile of keys loaded does D multiply-adds per score: small
+heads leave the softmax and the loads exposed; FlashAttention-2 and -3, 2307.08691 Fig. 4-7 and
+2407.08608 Fig. 5, run head dim 64 slower than 128 and 128 than 256). The presets'
+flash_half_head_dim is 0 (not modelled: their efficiencies were fitted to runs of head dim
+128-160); `autopar calibrate` fits it to SDPA timed at several head dims.
 """
 from __future__ import annotations
 
@@ -108,6 +113,9 @@ class Cluster:
     flash_fwd_efficiency: float = 0.74
     flash_bwd_efficiency: float = 0.64
     flash_half_len: float = 224.0
+    # and the head dim that halves it (D/(D + flash_half_head_dim), the module doc); 0: not
+    # modelled (the presets), fitted by `autopar calibrate`
+    flash_half_head_dim: float = 0.0
     # how elementwise ops run: "fused" (chains as single kernels keeping no intermediates:
     # Megatron-LM's fused kernels, torch.compile; what the calibrated runs used) or "eager"
     # (op by op, every saved tensor kept: PyTorch without a compiler, autopar's runtime today)
@@ -249,6 +257,11 @@ class Cluster:
             raise ValueError(f"Cluster.fp8_flops={self.fp8_flops!r}, fp8_gemm_max_efficiency="
                              f"{self.fp8_gemm_max_efficiency!r}: must be >= 0 and in [0, 1] "
                              f"(0: no FP8 rate / the 16-bit efficiency)")
+        for name in ("flash_half_len", "flash_half_head_dim"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, the "
+                                 f"key length / head dim that halves the fused attention "
+                                 f"kernel's rate (0: not modelled)")
         for name in ("flash_fwd_efficiency", "flash_bwd_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be in (0, 1], "

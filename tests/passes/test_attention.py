@@ -98,6 +98,25 @@ def test_fused_kernel_time_causal_backward_and_length():
         dense_f / 8, rel=1e-3)
 
 
+def test_fused_kernel_time_per_flop_falls_with_the_head_dim_where_calibrated():
+    """flash_half_head_dim D_half: a head of D runs at D/(D + D_half) of the rate per FLOP;
+    0 (the presets) leaves the head dim out."""
+    def call(D):
+        return AttentionCall(heads=16, kv_heads=16, q_len=4096, kv_len=4096, head_dim=D,
+                             v_head_dim=D, active_fraction=1.0, gemms=(1, 2),
+                             materialized_bytes=0)
+
+    def per_flop(cluster, D):
+        return [(x - cluster.kernel_launch_s) / call(D).fwd_flops
+                for x in M.fused_attention_time_s(cluster, call(D), 1, 1)]
+    assert per_flop(H100, 64) == pytest.approx(per_flop(H100, 128), rel=1e-9)
+    tuned = dataclasses.replace(H100, flash_half_head_dim=32.0)
+    for small, large in zip(per_flop(tuned, 32), per_flop(tuned, 128)):
+        assert small / large == pytest.approx((128 / 160) / (32 / 64), rel=1e-6)
+    with pytest.raises(ValueError, match="flash_half_head_dim=-1.0: must be >= 0"):
+        dataclasses.replace(H100, flash_half_head_dim=-1.0)
+
+
 def test_flash_drops_the_score_memory_and_traffic():
     prof = _gpt()
     cfg = M.Config(t=1, p=1, d=1, micro_batch_size=1, num_microbatches=1, recompute="none")

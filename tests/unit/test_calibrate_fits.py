@@ -42,6 +42,23 @@ def test_fit_gemm_and_flash_recover_their_curves():
     assert fit["flash_fwd_efficiency"] == pytest.approx(0.5, rel=0.05)
     assert fit["flash_bwd_efficiency"] == pytest.approx(0.4, rel=0.05)
     assert fit["flash_half_len"] == pytest.approx(128, rel=0.1)
+    assert fit["flash_half_head_dim"] == 0.0          # no head-dim curve: not modelled
+
+
+def test_fit_flash_separates_the_head_dim_from_the_length():
+    """Rates falling with the key length (half 128) and the head dim (half 24): the length
+    curve at head dim 64, the head-dim curve at length 256, fitted jointly."""
+    def rate(e, L, D):
+        return e * 1e11 * L / (L + 128) * D / (D + 24)
+    att = [[L, rate(0.5, L, 64), rate(0.4, L, 64)] for L in (64, 256, 1024)]
+    dims = [[256, D, rate(0.5, 256, D), rate(0.4, 256, D)] for D in (16, 32, 64, 128)]
+    fit = fit_flash(att, 1e11, dims, head_dim=64)
+    assert fit["flash_half_len"] == pytest.approx(128, rel=0.1)
+    assert fit["flash_half_head_dim"] == pytest.approx(24, rel=0.1)
+    assert fit["flash_fwd_efficiency"] == pytest.approx(0.5, rel=0.05)
+    assert fit["flash_bwd_efficiency"] == pytest.approx(0.4, rel=0.05)
+    # the same rows fitted as if the length curve were at head dim 16: a different fit
+    assert fit_flash(att, 1e11, dims, head_dim=16)["flash_half_head_dim"] != pytest.approx(24)
 
 
 def test_ranks_are_grouped_into_links_by_node():
@@ -357,8 +374,8 @@ def test_one_gpu_keeps_the_base_clusters_links_and_is_refused_without_one(tmp_pa
     assert not (tmp_path / "c.json").exists()
     peak, half = 7e14, 256.0
     f = lambda x: x / (x + half)  # noqa: E731
-    dims, lens = grids(torch.device("cuda"), quick=False)
-    assert max(dims) >= 8192 and max(lens) >= 8192
+    dims, lens, head_dims = grids(torch.device("cuda"), quick=False)
+    assert max(dims) >= 8192 and max(lens) >= 8192 and max(head_dims) >= 256
     record = {"measured_at": "2026-11-26T20:31:53+00:00", "hosts": ["gpu"], "world": 1,
               "nodes": 1, "ranks_per_node": 1, "device": "NVIDIA H100", "backend": "nccl",
               "dtype": "bfloat16", "matmul_curve": [[m, n, k, peak * f(m) * f(n) * f(k)]
