@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import os
 import pickle
 import sys
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.collector import collector_paused
 from autopar.runtime.dist import free_port  # noqa: F401  (tests and benchmarks import it here)
 
 _GRACE_S = 3.0  # after the first error, how long to wait for the other ranks' own errors
@@ -393,20 +393,14 @@ def _memory_events(fn: Callable[[], Any], *, marked: bool) -> tuple[Any, list]:
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    # the cyclic collector run before and off while fn runs: a collection inside the window
-    # runs other objects' finalizers there, and what they allocate would count as fn's
-    was = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    with _quiet_native_stderr():       # kineto's "USDT: profiler_start" lines, one per call
-        prof.start()
-    try:
-        result = fn()
-    finally:
-        with _quiet_native_stderr():
-            prof.stop()
-        if was:
-            gc.enable()
+    with collector_paused(collect_first=True):   # no other objects' finalizers in the window
+        with _quiet_native_stderr():   # kineto's "USDT: profiler_start" lines, one per call
+            prof.start()
+        try:
+            result = fn()
+        finally:
+            with _quiet_native_stderr():
+                prof.stop()
     nodes = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
     allocs = [(n.start_time_ns, n.extra_fields) for n in nodes
               if type(n.extra_fields).__name__ == "_ExtraFields_Allocation"]

@@ -25,13 +25,12 @@ integer costs.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import re
 import time
-from typing import Any, Iterator
+from typing import Any
 
+from autopar.collector import collector_paused
 from autopar.cost.hardware import Cluster, get_cluster
 # the search's types and bounds (cost/bounds.py, shared with cost/search.py); chunk_minimums and
 # chunks_from_ranks are re-exported for cost/bruteforce.py and the tests
@@ -157,23 +156,6 @@ def solve(profile: ModelProfile, cluster: "Cluster | str", *, gpus: int, global_
     _validate(profile, cluster, gpus, global_batch_size, pins)
     with collector_paused():
         return _solve(profile, cluster, gpus, global_batch_size, pins, max_alternatives, stats)
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the solve: the search allocates ~10^5
-    short-lived acyclic tuples (heap entries, memory failures, memo keys), each allocation
-    burst triggering collections that walk every object alive, torch's and the captured
-    graph's included (measured ~1 s of a 1T solve's ~6 s CPU, 2026-11-26). Nothing the solve
-    makes is cyclic garbage; the collector's previous state is restored. autopar.tuning times
-    its steps under it too."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _solve(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch_size: int,
