@@ -521,7 +521,7 @@ def part_multirank(plans: dict, keys: list[str], s: Sizes, device: str, quick: b
 
 COMPARED = ("peak_flops", "gemm_max_efficiency", "gemm_half_dim", "hbm_bandwidth_Bps",
             "elementwise_efficiency", "flash_fwd_efficiency", "flash_bwd_efficiency",
-            "flash_half_len", "memory_bytes")
+            "flash_half_len", "flash_half_head_dim", "memory_bytes")
 
 
 def part_calibrate(plans: dict, keys: list[str], s: Sizes, device: str, quick: bool,
