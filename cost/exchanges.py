@@ -30,6 +30,16 @@ from autopar.cost.imbalance import alltoall_factor
 from autopar.cost.profile import ModelProfile
 from autopar.runtime.groups import hybrid_inner_degree
 
+# the ops autopar's ring (autopar/runtime/ring_attention.py) dispatches a step, forward and
+# backward each, besides its transfers: the exchange's buffers, the tile's views, the fused
+# kernel, the online-softmax merge and the writes back (forward), the dq / dK / dV
+# accumulations (backward). Counted with a dispatch mode on gloo ranks (2026-11-28), forward /
+# backward at c = 2, 3, 4: causal 55-57 / 57-60, 80-84 / 82-88, 105-111 / 109-118 (27-29 a
+# step, what a decoder runs), not causal 55 / 55, 80 / 78, 105 / 103 (25 a step);
+# tests/numerics/test_context_attention_ranks.py counts them again. On 2 CPU ranks a c = 2
+# call of a 4-layer GPT's shape took 5.4 ms of CPU against ~1.3 ms of its kernels: ring plans
+# were priced 23-27% fast untuned before these were
+RING_OPS_PER_STEP = 27
 HYBRIDS = ("hybrid", "hybrid-ring")   # the all-to-all inside a node, all-gather / ring across
 
 
@@ -106,7 +116,9 @@ def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_by
     kernel over kv_len / c keys (the fused kernel's efficiency falls for short keys:
     Cluster.flash_half_len), c launches where the all-gather's attention has one, and c − 1
     online-softmax merges (read the running output and the step's, write the merged one, fp32,
-    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward.
+    and their log-sum-exps) in forward, c − 1 dK/dV accumulations (fp32) in backward; where
+    ops are dispatched one by one (elementwise "eager") the ring's own ops, RING_OPS_PER_STEP
+    a step each way at kernel_launch_s (its backward runs inside one autograd node).
     steps: the ring's ranks when not c (the hybrid-ring's c/k outer ranks, each holding its
     inner group's tokens of heads/k heads: the same bytes and attention as the rank's own)."""
     c = cfg.c if steps is None else steps
@@ -122,6 +134,9 @@ def ring_attention_s(profile: ModelProfile, cluster: Cluster, cfg: Config, kv_by
     accum = 3 * 4 * kv_bytes / profile.activation_bytes_per_elem / c
     fwd += c * step_f - fwd_s + (c - 1) * elementwise_time_s(cluster, merges)
     bwd += c * step_b - bwd_s + (c - 1) * elementwise_time_s(cluster, accum)
+    if cluster.elementwise == "eager":     # the ring's own ops, dispatched one by one
+        fwd += c * RING_OPS_PER_STEP * cluster.kernel_launch_s
+        bwd += c * RING_OPS_PER_STEP * cluster.kernel_launch_s
     return fwd, bwd
 
 

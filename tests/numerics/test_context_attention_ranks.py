@@ -69,6 +69,51 @@ def test_ring_equals_single_device_sdpa_forward_and_backward(world, case):
                                        rtol=1e-10, atol=1e-10)
 
 
+def _ring_ops_rank(rank, world):
+    """(forward, backward) ops the ring dispatches on this rank, its transfers left out,
+    causal and not."""
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.runtime.context_shard import ContextShard
+    from autopar.runtime.ring_attention import context_ring_attention
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not str(func).startswith("c10d."):
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+    out = []
+    cp = ContextShard(group=dist.group.WORLD, c=world, cp_rank=rank, seq_len=8 * world)
+    for causal in (False, True):
+        q, k, v = (torch.randn(2, 2, 8, 8, requires_grad=True) for _ in range(3))
+        with Count() as fwd:
+            o = context_ring_attention(q, k, v, cp, is_causal=causal)
+        with Count() as bwd:
+            o.backward(torch.ones_like(o))
+        out.append((fwd.n, bwd.n))
+    return out
+
+
+def test_ring_dispatches_the_ops_the_cost_model_prices_per_step():
+    """cost/exchanges.py prices RING_OPS_PER_STEP ops a ring step each way where ops are
+    dispatched one by one: counted here on the runtime's ring at c = 2 and 3, causal and not
+    — the ops a further step adds within 4 of it, and c steps' within 3 a step of it, + 8
+    for the call's own views."""
+    from autopar.cost.exchanges import RING_OPS_PER_STEP as R
+    from autopar.testing import spawn
+    counts = {c: spawn(_ring_ops_rank, c, timeout_s=120) for c in (2, 3)}
+    for c, ranks in counts.items():
+        for rank in ranks:
+            for fwd, bwd in rank:
+                for n in (fwd, bwd):
+                    assert c * (R - 3) <= n <= c * (R + 3) + 8, (c, ranks)
+    for (f2, b2), (f3, b3) in zip(counts[2][0], counts[3][0]):
+        assert abs(f3 - f2 - R) <= 4 and abs(b3 - b2 - R) <= 4, counts
+
+
 # ----- all-to-all attention and the hybrid ----------------------------------------------------
 def _a2a_rank(rank, world, case):
     """Per method of case["methods"] ("all-to-all"; "hybrid": inner groups of 2 consecutive

@@ -58,6 +58,23 @@ def test_all_gather_wins_for_grouped_query_attention_with_few_kv_heads():
     assert cost["all-gather"] < cost["ring"], cost
 
 
+def test_ring_prices_its_own_ops_where_ops_are_dispatched_one_by_one():
+    """elementwise "eager" (a CPU's runtime): RING_OPS_PER_STEP ops a step each way at
+    kernel_launch_s beyond the fused stack's price; the presets (fused) are unchanged."""
+    import dataclasses
+
+    from autopar.cost.exchanges import RING_OPS_PER_STEP
+    prof = _model(4096, kv_heads=8)
+    eager = dataclasses.replace(H100, elementwise="eager")
+    for c in (2, 4):
+        cfg = Config(t=1, c=c, p=1, d=1, cp_attention="ring")
+        fused = context_comm_s(rank_profile(prof, H100, cfg), H100, cfg)
+        both = context_comm_s(rank_profile(prof, eager, cfg), eager, cfg)
+        ops_s = c * RING_OPS_PER_STEP * H100.kernel_launch_s
+        assert both[0] - fused[0] == pytest.approx(ops_s, rel=1e-6)
+        assert both[1] - fused[1] == pytest.approx(2 * ops_s, rel=1e-6)
+
+
 def test_ring_keeps_no_gathered_kv():
     prof = _model(32768, kv_heads=8)
     ag = predict(prof, H100, Config(t=8, c=4, p=1, d=1))
