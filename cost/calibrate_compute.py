@@ -28,8 +28,8 @@ _GPU_ATTENTION_LENS = (512, 1024, 2048, 4096, 8192)
 _CPU_HEADS, _GPU_HEADS = (4, 64), (16, 128)
 # the head dims `measure_attention_dims` times, and the length it times them at (a CPU's:
 # the lengths CPU runs train at; a GPU's: where the length factor is near its asymptote)
-ATTENTION_HEAD_DIMS, _QUICK_HEAD_DIMS, _GPU_HEAD_DIMS = (16, 32, 64, 128), (32, 64), (64, 128,
-                                                                                       256)
+ATTENTION_HEAD_DIMS, _QUICK_HEAD_DIMS = (16, 32, 64, 128), (32, 64)
+_GPU_HEAD_DIMS = (64, 128, 256)
 ATTENTION_DIM_LEN, _GPU_ATTENTION_DIM_LEN = 256, 4096
 # a GPU's attention rows hold this many tokens (batch = tokens / length), as FlashAttention's
 # own benchmarks (2205.14135, 2307.08691, 2407.08608: batch x seqlen = 16k): at batch 1 the
