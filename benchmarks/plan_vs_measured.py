@@ -18,7 +18,7 @@ single number.
 
     autopar calibrate                       # this machine's local-cpu cluster file
     python benchmarks/plan_vs_measured.py [--cluster FILE.json] [--steps 3] [--rounds 3]
-        [--passes 2] [--refit-out F]
+        [--passes 2] [--refit-out F] [--trials-out T.json]
         [--model gpt|llama] [--hidden 128] [--layers 4] [--seq 128] [--kv-heads K] [--batch 8]
 """
 from __future__ import annotations
@@ -117,6 +117,33 @@ def report(result) -> bool:
     return all(ok for _, _, ok, _ in goals)
 
 
+def save_trials(trials, path: str) -> None:
+    """Each trial's label, measured and predicted seconds and `tune_fit._columns` (what
+    `fit_scales` fits), as JSON; `load_columns` reads them back."""
+    import json
+
+    from autopar.tune_fit import _columns
+    cols = _columns(trials)
+    rows = [{"plan": tr.label, "measured_s": tr.measured_s,
+             "predicted_s": tr.plan.predicted.step_time_s, "refit_s": tr.refit_s,
+             "columns": {k: float(v[i]) for k, v in cols.items()}}
+            for i, tr in enumerate(trials)]
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {path}")
+
+
+def load_columns(path: str):
+    """(columns, measured seconds) as numpy arrays from a `save_trials` file."""
+    import json
+
+    import numpy as np
+    rows = json.load(open(path))
+    names = rows[0]["columns"]
+    return ({k: np.array([r["columns"][k] for r in rows]) for k in names},
+            np.array([r["measured_s"] for r in rows]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="local-cpu")
@@ -134,6 +161,9 @@ def main() -> int:
                     help="every plan alive at once, rounds over all of them in turn")
     ap.add_argument("--top", type=int, default=1, help="best predicted plans besides PLANS")
     ap.add_argument("--refit-out", help="save the refitted cluster file here")
+    ap.add_argument("--trials-out", help="save each plan's measured time and the predicted "
+                    "seconds the refit scales (autopar.tune_fit's columns) as JSON here: a "
+                    "fit rule compared offline on the same measurements, not on a noisy rerun")
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                     help="another model than the default GPT: fit mechanisms, not these plans")
     ap.add_argument("--hidden", type=int, default=GPT_CONFIG["n_embd"])
@@ -158,6 +188,8 @@ def main() -> int:
     if args.refit_out:
         from autopar.cost.hardware import save_cluster
         print(f"wrote {save_cluster(result.refit, args.refit_out)}")
+    if args.trials_out:
+        save_trials(result.trials, args.trials_out)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     how = "interleaved" if args.interleaved else f"one plan at a time, {args.passes} passes"
     print(f"({time.perf_counter() - start:.0f} s, {how}; cluster {args.cluster}; load average "
