@@ -119,7 +119,7 @@ def report(result) -> bool:
 
 def save_trials(trials, path: str) -> None:
     """Each trial's label, measured and predicted seconds and `tune_fit._columns` (what
-    `fit_scales` fits), as JSON; `load_columns` reads them back."""
+    `fit_scales` fits), as JSON: a list of rows, each column a name -> seconds."""
     import json
 
     from autopar.tune_fit import _columns
@@ -131,17 +131,6 @@ def save_trials(trials, path: str) -> None:
     with open(path, "w") as f:
         json.dump(rows, f, indent=1)
     print(f"wrote {path}")
-
-
-def load_columns(path: str):
-    """(columns, measured seconds) as numpy arrays from a `save_trials` file."""
-    import json
-
-    import numpy as np
-    rows = json.load(open(path))
-    names = rows[0]["columns"]
-    return ({k: np.array([r["columns"][k] for r in rows]) for k in names},
-            np.array([r["measured_s"] for r in rows]))
 
 
 def main() -> int:

@@ -64,6 +64,7 @@ import torch.distributed as dist
 from autopar.cost.calibrate_compute import (attention_head_dim, grids, measure_attention,
                                             measure_attention_dims, measure_matmul,
                                             measure_optimizer, measure_streaming, timed_s)
+from autopar.cost.compute import flash_shape_fraction
 from autopar.cost.hardware import (GB, Cluster, CollectiveCurve, get_cluster,
                                    local_cluster_path, save_cluster)
 from autopar.cost.overlap import ROW_PIECES
@@ -380,8 +381,7 @@ def fit_flash(curve: list, peak: float, dims: list | None = None,
     for half in grid:
         for dhalf in (grid[:45] if dims else [0.0]):                # 0, 1 .. 2048
             fit, err = {"flash_half_len": half, "flash_half_head_dim": dhalf}, 0.0
-            xs = np.array([L / (L + half) * (D / (D + dhalf) if dhalf else 1.0)
-                           for L, D, _ in rows])
+            xs = np.array([flash_shape_fraction(L, D, half, dhalf) for L, D, _ in rows])
             for col, name in ((0, "flash_fwd_efficiency"), (1, "flash_bwd_efficiency")):
                 ys = np.array([rates[col] / peak for _, _, rates in rows])
                 fit[name] = float(min(1.0, max(xs @ ys / (xs @ xs), 1e-3)))

@@ -185,14 +185,19 @@ def measure_attention(lengths, dtype: torch.dtype, device: torch.device,
     `causal_tile_fraction`, FLASH_TILE² tiles), so a rate measured at a length prices that
     length's time back. Counted as the exact triangle ((L+1)/2L), the rates came out up to 2×
     below the model's count at short lengths (1.0 of the tiles at L = 128)."""
-    heads, dim = _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+    heads, dim = _attention_heads(device)
     return [[length, *_attention_rates(length, heads, dim, dtype, device, quick)]
             for length in lengths]
 
 
+def _attention_heads(device: torch.device) -> tuple[int, int]:
+    """(heads, head_dim) of the attention calibrate times on `device`."""
+    return _GPU_HEADS if device.type == "cuda" else _CPU_HEADS
+
+
 def attention_head_dim(device: torch.device) -> int:
     """The head dim `measure_attention`'s length curve is timed at on `device`."""
-    return (_GPU_HEADS if device.type == "cuda" else _CPU_HEADS)[1]
+    return _attention_heads(device)[1]
 
 
 def measure_attention_dims(dims, dtype: torch.dtype, device: torch.device,
@@ -202,9 +207,8 @@ def measure_attention_dims(dims, dtype: torch.dtype, device: torch.device,
     below its rate (on the development CPU forward 37 / 41 / 52 / 60 GFLOP/s at head dims
     16 / 32 / 64 / 128, length 128), which the cost model prices through
     Cluster.flash_half_head_dim."""
-    gpu = device.type == "cuda"
-    heads = (_GPU_HEADS if gpu else _CPU_HEADS)[0]
-    length = _GPU_ATTENTION_DIM_LEN if gpu else ATTENTION_DIM_LEN
+    heads = _attention_heads(device)[0]
+    length = _GPU_ATTENTION_DIM_LEN if device.type == "cuda" else ATTENTION_DIM_LEN
     return [[length, dim, *_attention_rates(length, heads, dim, dtype, device, quick)]
             for dim in dims]
 

@@ -100,13 +100,14 @@ def fp8_cast_time_s(cluster: Cluster, batch: float, m: float, n: float, k: float
 FLASH_BWD_FLOPS_FACTOR = 2.5
 
 
-def flash_shape_fraction(cluster: Cluster, kv_len: float, head_dim: float) -> float:
+def flash_shape_fraction(kv_len: float, head_dim: float, half_len: float,
+                         half_head_dim: float) -> float:
     """The fraction of its long-sequence rate a fused attention kernel keeps over kv_len keys
-    with heads of head_dim: L/(L + flash_half_len) · D/(D + flash_half_head_dim)
-    (cost/hardware.py's module doc)."""
-    heads = (head_dim / (head_dim + cluster.flash_half_head_dim)
-             if cluster.flash_half_head_dim else 1.0)
-    return kv_len / (kv_len + cluster.flash_half_len) * heads
+    with heads of head_dim: L/(L + L_half) · D/(D + D_half), D_half 0 leaving the head dim
+    out (Cluster.flash_half_len / flash_half_head_dim, cost/hardware.py's module doc; the
+    form `autopar calibrate` fits them with)."""
+    heads = head_dim / (head_dim + half_head_dim) if half_head_dim else 1.0
+    return kv_len / (kv_len + half_len) * heads
 
 
 def fused_attention_time_s(cluster: Cluster, call: AttentionCall, b: float,
@@ -116,7 +117,8 @@ def fused_attention_time_s(cluster: Cluster, call: AttentionCall, b: float,
     fused-attention efficiency (lower for short keys and small heads), or its q/k/v/output
     traffic at HBM bandwidth if that is longer, + a launch each."""
     flops = call.fwd_flops * b / t
-    shape = flash_shape_fraction(cluster, call.kv_len, (call.head_dim + call.v_head_dim) / 2)
+    shape = flash_shape_fraction(call.kv_len, (call.head_dim + call.v_head_dim) / 2,
+                                 cluster.flash_half_len, cluster.flash_half_head_dim)
     io_s = call.io_bytes * b / t / (cluster.hbm_bandwidth_Bps * cluster.elementwise_efficiency)
     fwd = flops / (cluster.peak_flops * cluster.flash_fwd_efficiency * shape)
     bwd = FLASH_BWD_FLOPS_FACTOR * flops / (
