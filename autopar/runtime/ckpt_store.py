@@ -37,26 +37,26 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 LAYOUT_FILE = "autopar_layout.json"
 _BLOCK_BYTES = 1 << 20
-_GROUPS: dict[tuple[int, str], tuple[Any, Any]] = {}
-
-
 def checkpoint_group(groups: Any, purpose: str = "save") -> Any:
     """A gloo group over every rank for checkpoint traffic, one per purpose ("save": the
     (background) writer's collectives; "vote": the preemption vote, issued by the main thread
-    while a save may be in flight), created once per `groups` object (collective on first use).
+    while a save may be in flight), created once per `groups` (collective on first use) and
+    kept in its `checkpoint_subgroups`, so it lives and is destroyed with the runner's other
+    groups (ProcessGroups.destroy_subgroups).
 
-    The cache holds `groups` itself beside its group, so an entry is only ever found for the
-    very object it was made for. Keyed by id() alone, a program compiled after an earlier one
-    was freed could get the freed object's address on some ranks and not others (when each
-    rank's cyclic collector runs differs): those ranks reused the old group while the rest
-    entered `new_group`, and every rank then waited out its timeout (the checkpoint matrix's
-    rare save hang)."""
-    key = (id(groups), purpose)
-    cached = _GROUPS.get(key)
-    if cached is None or cached[0] is not groups:
-        _GROUPS[key] = (groups, dist.new_group(backend="gloo", timeout=datetime.timedelta(
-            seconds=float(getattr(groups, "timeout_s", 600.0)))))
-    return _GROUPS[key][1]
+    Two module-level caches came before. Keyed by id(groups), a program compiled after an
+    earlier one was freed could get the freed object's address on some ranks and not others:
+    those ranks reused the old group while the rest entered `new_group`, and every rank waited
+    out its timeout (the checkpoint matrix's rare save hang). Holding `groups` beside its
+    group, the cache kept every process group of the job alive past `destroy_process_group`
+    into the interpreter's teardown, where a gloo worker releasing a finished collective's
+    tensors took the finalizing interpreter's GIL and aborted the process (autopar/runtime/
+    hooks.py)."""
+    mine = groups.checkpoint_subgroups
+    if purpose not in mine:
+        mine[purpose] = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=float(getattr(groups, "timeout_s", 600.0))))
+    return mine[purpose]
 
 
 def crc32_file(file: Path) -> int:

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from autopar.runtime.collectives import group_size
 from autopar.runtime.dist import peer_guard
+from autopar.runtime.hooks import weak_hook
 from autopar.runtime.precision import adopt_grad, grad_of, home_main_grad
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -108,7 +109,7 @@ class GradSync:
             return                        # no reduction (finish() divides by divide_by)
         self._build_buckets(self._chunk_lists(chunks))
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
 
     # ---- construction -------------------------------------------------------------------
     def _chunk_lists(self, chunks: Sequence[Sequence[torch.Tensor]] | None

@@ -248,6 +248,9 @@ class ProcessGroups:
     # a block called at several depths held by some pipeline stages only (not the first and
     # last, not all): stages -> this rank's group of those stages' ranks (add_stage_groups)
     stage_subgroups: dict = field(default_factory=dict)
+    # purpose -> the gloo group over every rank for checkpoint traffic
+    # (autopar.runtime.ckpt_store.checkpoint_group), made at the first save / preemption vote
+    checkpoint_subgroups: dict = field(default_factory=dict)
 
     @property
     def is_first_stage(self) -> bool:
@@ -332,6 +335,7 @@ class ProcessGroups:
         groups are unusable after."""
         groups = [self.tensor, self.data, self.pipeline, self.embedding, self.model_parallel,
                   self.context, self.expert, self.expert_data, *self.stage_subgroups.values(),
+                  *self.checkpoint_subgroups.values(),
                   *(g for pair in self.context_subgroups.values() for g in pair)]
         seen: set[int] = set()
         for group in groups:

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import functools
-
 import torch
 
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.collectives import all_gather, group_rank, group_size, start_reduce_scatter
 from autopar.runtime.flat_shard import FlatLayout, OptimState, gathered_state, load_state
+from autopar.runtime.hooks import weak_hook
 from autopar.runtime.params import ParamInfo
 from autopar.runtime.precision import adopt_grad, grad_of, home_main_grad
 
@@ -87,7 +86,7 @@ class ZeroOptimizer:
         self._dirty = False
         for p, view in zip(self.params, self._views):
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, view))
+                p.register_post_accumulate_grad_hook(weak_hook(self._accumulated, view))
 
     def _accumulated(self, view: torch.Tensor, p: torch.Tensor) -> None:
         """After each accumulation of p's gradient: the buffer holds something now, and a
