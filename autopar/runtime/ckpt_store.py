@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 LAYOUT_FILE = "autopar_layout.json"
 _BLOCK_BYTES = 1 << 20
+
+
 def checkpoint_group(groups: Any, purpose: str = "save") -> Any:
     """A gloo group over every rank for checkpoint traffic, one per purpose ("save": the
     (background) writer's collectives; "vote": the preemption vote, issued by the main thread
