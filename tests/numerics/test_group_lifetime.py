@@ -3,7 +3,7 @@ gloo worker thread of its groups is left (nor of the checkpoint groups its saves
 none can outlive `destroy_process_group` into the interpreter's teardown. One that did
 released a finished collective's tensors there, took the finalizing interpreter's GIL and
 aborted the process (SIGABRT, "terminate called without an active exception": the restarted
-torchrun attempt of test_fault.py, ~1 run in 20 on a loaded host)."""
+torchrun attempt of test_fault.py, 4 of 59 runs on a loaded host)."""
 from __future__ import annotations
 
 import os
