@@ -411,16 +411,18 @@ def _is_gemm(node: torch.fx.Node) -> bool:
 
 def _chained(run: tuple[str, ...], nodes: list, stacks: dict, first_seen: dict,
              last_seen: dict) -> bool:
-    """Does every member of `run` read (through any nodes between) the one before it?"""
+    """Does every member of `run` read (through any nodes between) the one before it? A
+    member's node may also read one of its own member's first (Nemotron's LayerNorm1P reads
+    the residual and its own `weight + 1`): each input counts, not only the latest."""
     member = {m: j for j, m in enumerate(run)}
     reached: dict[torch.fx.Node, int] = {}   # the latest member a node depends on
     fed = [False] * len(run)
     for n in nodes[first_seen[run[0]]:last_seen[run[-1]] + 1]:
         j = next((member[p] for p, _ in stacks[n] if p in member), -1)
-        dep = max((reached[a] for a in n.all_input_nodes if a in reached), default=-1)
-        if j > 0 and dep == j - 1:
+        deps = [reached[a] for a in n.all_input_nodes if a in reached]
+        if j > 0 and j - 1 in deps:
             fed[j] = True
-        reached[n] = max(j, dep)
+        reached[n] = max([j, *deps])
     return all(fed[1:])
 
 

@@ -183,6 +183,25 @@ def hf_gemma(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
                                         hidden, ffn, {"head_dim": 8, **config}))
 
 
+def hf_apertus(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Apertus: xIELU activation (its learned scalars, and torch.min(x, eps): a reduction's
+    elementwise overload), q/k norms."""
+    from transformers import ApertusConfig, ApertusForCausalLM
+    return ApertusForCausalLM(_llama_like(ApertusConfig, vocab, seq, layers, heads, kv_heads,
+                                          hidden, ffn, {"pad_token_id": 0, **config}))
+
+
+def hf_nemotron(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Nemotron: LayerNorm1P (`weight + 1` computed in the block before the norm reads the
+    residual), squared-ReLU MLP, partial rotary."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+    return NemotronForCausalLM(_llama_like(NemotronConfig, vocab, seq, layers, heads, kv_heads,
+                                           hidden, ffn, {"pad_token_id": 0, "bos_token_id": 1,
+                                                         "eos_token_id": 2, **config}))
+
+
 def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     """Phi: parallel attention and MLP, partial rotary."""
@@ -564,7 +583,8 @@ BUILDERS = {f.__name__: f for f in (
     hf_bloom, hf_olmo2, hf_mistral, hf_qwen3, hf_phi3, hf_gemma, hf_phi, hf_opt, hf_bigcode,
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
-    hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list)}
+    hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list,
+    hf_apertus, hf_nemotron)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -65,9 +65,13 @@ RULES: dict[Any, Rule] = {
 
 
 def rule_for(node: fx.Node) -> Rule:
-    """The rule of `node`'s op: its row, else the grouped-matmul, pointwise or replicated one."""
+    """The rule of `node`'s op: its row, else the grouped-matmul, pointwise or replicated one.
+    A reduction's elementwise overloads (`torch.min(x, y)`: aten.min.other, as Apertus's
+    xIELU activation clamps) are pointwise, not the packet's reduction."""
     if is_grouped_mm(node):
         return grouped_mm_rule
+    if packet(node) in REDUCE_DIM and is_pointwise(node):
+        return pointwise_rule
     handler = RULES.get(packet(node))
     if handler is not None:
         return handler

@@ -103,6 +103,18 @@ def test_block_called_at_several_depths_is_a_stack_of_calls(name, mod):
     assert all(set(s.block_outputs[i - 1]) & set(s.block_inputs[i]) for i in (1, 2))
 
 
+def test_a_block_computing_its_own_value_before_reading_the_residual_is_a_stack():
+    """Nemotron's LayerNorm1P computes `weight + 1` in each block before its norm reads the
+    residual: the norm's inputs are the previous block's output and the block's own value.
+    The blocks still run one into the next (each input counts, not only the latest), so they
+    are a stack of 3, not one block per child of the model."""
+    import models
+    model = models.build("hf_nemotron", seed=0, layers=3)
+    s = find_layers(capture(model, (torch.zeros(2, 8, dtype=torch.long),)))
+    assert s.num_blocks == 3 and not s.notes and not s.mixed
+    assert s.block_paths == tuple(f"model.model.layers.{i}" for i in range(3))
+
+
 def test_no_repeated_stack_plans_one_block_per_child():
     """No stack of repeated blocks (a decoder of named attn / mlp modules; the repeated
     siblings are side by side or inside one module): each child of the model holding a

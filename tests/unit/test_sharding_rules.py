@@ -153,6 +153,23 @@ def test_a_sum_over_the_split_dim_is_partial_a_softmax_over_it_conflicts():
         softmax_rule(p, soft)
 
 
+def test_a_reduction_s_elementwise_overload_is_pointwise():
+    """torch.min(x, eps) (aten.min.other: Apertus's xIELU clamps its column-parallel MLP
+    activation so) is elementwise: it keeps the column split, and the MLP stays column then
+    row; min.dim over a dim is still the reduction's."""
+    G = _Graph()
+    x, w1, eps, w2 = G.input("x", B, T, C), G.param("w1", N, C), G.param("eps"), \
+        G.param("w2", C, N)
+    up = G.op(aten.linear.default, x, w1)
+    low = G.op(aten.min.other, up, eps)
+    down = G.op(aten.linear.default, low, w2)
+    red = G.op(aten.min.dim, up, 1)
+    assert rule_for(low) is pointwise_rule and rule_for(red) is reduce_rule
+    p = _engine(G.module(down)).run()
+    assert p.layout[low] == Shard(2, (N,)) and p.layout[eps] == R
+    assert p.role[up] == "column" and p.role[down] == "row"
+
+
 def test_a_norm_over_a_column_parallel_output_distributes_its_statistics():
     G = _Graph()
     x, w, g = G.input("x", B, T, C), G.param("w", N, C), G.param("g", N)
