@@ -1,6 +1,6 @@
 """Time a pipeline schedule: the same per-rank action lists the runtime executes.
 
-Semantics (the same as `autopar.schedules.validate` and the gloo runtime):
+Semantics (the same as `autopar.schedule_checks.validate` and the gloo runtime):
 - each rank runs its list in order, one action at a time;
 - F{c}.{i} / B{c}.{i} take fwd_s[c] / bwd_s[c] seconds and start as soon as the rank reaches
   them (their inputs were received by earlier actions of the same list);
@@ -59,7 +59,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from autopar.schedules import Action, eager_sends, infer_dims, parse_action, validate
+from autopar.schedule_checks import infer_dims, validate
+from autopar.schedules import Action, eager_sends, parse_action
 
 
 class Event(NamedTuple):
@@ -127,7 +128,7 @@ def simulate(per_rank: Sequence[Sequence[Action]], fwd_s: Sequence[float],
     from `blocking` ("blocking" when True, "async" when False). send_s and overhead_s apply to
     "isend" and "irecv", prefetch to "irecv" only. wgt_s: per chunk, the weight-gradient part
     of bwd_s (used only by lists with W actions; default bwd_s / 2). check=False skips the
-    validation (autopar.schedules.validate) for lists already validated, e.g. the same lists
+    validation (autopar.schedule_checks.validate) for lists already validated, e.g. the same lists
     timed with many different chunk times (cost/layout.py); an invalid list is then not caught
     and simulates to nonsense (the simulation still ends). Why this size: the lists and the
     per-chunk times, then one keyword per communication model knob (keyword-only, defaulted).

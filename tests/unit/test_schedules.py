@@ -4,7 +4,8 @@ import pytest
 from autopar.schedules import (Action, SCHEDULE_NAMES, breadth_first, format_schedule, gpipe,
                                interleaved_1f1b, interleaved_zb, make_schedule, one_f_one_b,
                                parse_action,
-                               parse_schedule, peak_inflight, validate)
+                               parse_schedule, peak_inflight)
+from autopar.schedule_checks import validate
 
 # Golden strings, written from the definitions (module docstring) and checked by hand:
 # compute order from the schedule's rule; each message placed where both ranks are between

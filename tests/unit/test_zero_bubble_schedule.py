@@ -18,7 +18,8 @@ from autopar.cost.solver import AUTO_SCHEDULES, solve
 from autopar.schedules import (Action, SCHEDULE_NAMES, first_group_size, format_schedule,
                                interleaved_1f1b,
                                interleaved_zb, make_schedule, one_f_one_b, parse_action,
-                               parse_schedule, peak_inflight, validate)
+                               parse_schedule, peak_inflight)
+from autopar.schedule_checks import validate
 
 A100 = get_cluster("dgx-a100-80gb")
 
@@ -302,7 +303,8 @@ def test_zero_bubble_places_its_ws_by_each_chunks_own_times():
     cool-down's waits that equal chunks would not have: rank 0 runs chunk 2's last W before
     chunk 0's backwards instead of after them, and the lists, still valid, run shorter on the
     measured times than the equal-chunk lists do (simulated 57.5 against 61.4 ms)."""
-    from autopar.schedules import make_schedule, validate, zb_chunk_times
+    from autopar.schedule_checks import validate
+    from autopar.schedules import make_schedule, zb_chunk_times
     p, v, m, g = 2, 2, 4, 4
     even = make_schedule("interleaved-zb", p, v, m, group=g)
     own = make_schedule("interleaved-zb", p, v, m, group=g, chunk_times=_UNEVEN)
