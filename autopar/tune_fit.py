@@ -51,10 +51,12 @@ P2P_FLOOR = 0.01
 DISPATCH_WORK_S = ("kernel_launch_s", "autograd_op_s", "split_backward_op_s",
                    "checkpoint_region_s")
 # ... and the host work calibrate measures inside real blocks or steps — op recompute's per-op
-# policy work (two checkpointed blocks), the optimizer's per parameter and tensor: always the
-# compute scale. Fitted with the dispatch, op recompute came out 7-11% slow in three runs
-# whose untuned price was within 5%, and ZeRO-0 plans 4% slow against ZeRO-1's (2026-11-27).
-HOST_WORK_S = ("checkpoint_op_s", "optimizer_param_s", "optimizer_tensor_s")
+# policy work (two checkpointed blocks), the optimizer's per parameter and tensor, the split
+# backward's per saved byte (two GPT blocks): always the compute scale. Fitted with the
+# dispatch, op recompute came out 7-11% slow in three runs whose untuned price was within 5%,
+# and ZeRO-0 plans 4% slow against ZeRO-1's (2026-11-27).
+HOST_WORK_S = ("checkpoint_op_s", "optimizer_param_s", "optimizer_tensor_s",
+               "split_backward_s_per_byte")
 # the least spread of the plans' dispatch shares (dispatch / kernel seconds, most over least)
 # that holds a dispatch scale apart: plans dispatching alike leave it and the compute scale
 # one direction, which any split fits

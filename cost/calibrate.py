@@ -23,7 +23,8 @@ processes do not slow the rate measured); rank 0 fits and writes:
   `autograd_op_s`; torch.optim.AdamW's step over one block's
   parameters → `optimizer_param_s` (seconds per parameter), and over many tiny tensors →
   `optimizer_tensor_s` (seconds per tensor beyond its elements); interleaved-zb's B/W split
-  per op and as a share of two blocks' compute → `split_backward_op_s`, `split_backward_frac`;
+  per op and per saved byte, fitted on two GPT blocks at three sizes → `split_backward_op_s`,
+  `split_backward_s_per_byte`;
   recompute op's selective checkpoint per counted op of two blocks → `checkpoint_op_s`;
   torch.utils.checkpoint per region beyond its recomputation → `checkpoint_region_s`.
   (These compute measurements and the timing helpers: cost/calibrate_compute.py.)
@@ -516,7 +517,7 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
         "attention_head_dim": attention_head_dim(device),
         "hbm_bandwidth_Bps": float(np.mean([g[0]["hbm_bandwidth_Bps"] for g in gathered])),
         **{key: float(np.median([g[0][key] for g in gathered]))    # the ranks' median
-           for key in ("kernel_launch_s", *_DEVICE_CONSTANTS, "comm_overlap")},
+           for key in ("kernel_launch_s", *_MEASURED_CONSTANTS, "comm_overlap")},
         "collectives": links, "memory": gathered[0][3][:2], "memory_source": gathered[0][3][2],
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else (os.cpu_count() or 1),
@@ -525,9 +526,12 @@ def measure_ranks(*, quick: bool = False, dtype: torch.dtype | None = None) -> d
 
 # the device's measured constants beyond the presets' (0 in a record from before one was
 # measured: not counted), each the median over the ranks
-_DEVICE_CONSTANTS = ("optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
-                     "split_backward_op_s", "split_backward_frac", "checkpoint_op_s",
-                     "checkpoint_region_s")
+_MEASURED_CONSTANTS = ("optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
+                       "split_backward_op_s", "split_backward_s_per_byte", "checkpoint_op_s",
+                       "checkpoint_region_s")
+# ... and those a record may hold: a record from before 2026-11-28 priced the split beyond its
+# ops as a share of the compute (split_backward_frac), which its cluster keeps
+_DEVICE_CONSTANTS = (*_MEASURED_CONSTANTS, "split_backward_frac")
 
 
 def _device_constants(record: dict[str, Any]) -> dict[str, float]:
@@ -561,11 +565,12 @@ def cluster_from_record(record: dict[str, Any], name: str,
                "(elementwise_efficiency 1: the measured rate is the achieved one)",
                "kernel_launch_s: per op of a block's non-GEMM op mix on tiny tensors, its "
                "forward (dispatch + launch); autograd_op_s: what its backward adds per op; "
-               "split_backward_op_s: what interleaved-zb's B/W split adds to it per op; "
-               "split_backward_frac: what it adds beyond that on two transformer blocks "
-               "(width 128, 4 x 128 tokens), a fraction of their forward + backward; "
+               "split_backward_op_s, split_backward_s_per_byte: what interleaved-zb's B/W "
+               "split adds to a backward per forward op and per saved byte, fitted on two "
+               "GPT blocks at three sizes (widths 32-128, 1-8 sequences of 128; ops and bytes "
+               "as the profile counts them); "
                "checkpoint_op_s: what recompute op's selective checkpoint adds per counted "
-               "op of those two blocks (its forward, twice); checkpoint_region_s: what "
+               "op of two transformer blocks (its forward, twice); checkpoint_region_s: what "
                "torch.utils.checkpoint costs per region beyond its recomputation, on an "
                "attention core (256 tokens, 8 MB streamed between forward and backward)",
                "optimizer_param_s: torch.optim.AdamW's step over one block's parameters "

@@ -249,11 +249,10 @@ def measure_streaming(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     clock = compute_clock(device)
     copy_s = timed_s(lambda: dst.copy_(src), device, 3 if quick else 10, 3, clock)
     launch_s, autograd_s = measure_dispatch(dtype, device, clock)
-    per_op_s = measure_split_backward(dtype, device, clock)
+    per_op_s, per_byte_s = measure_split_backward(dtype, device, clock)
     return {"hbm_bandwidth_Bps": 2.0 * nbytes / copy_s, "kernel_launch_s": launch_s,
             "autograd_op_s": autograd_s,
-            "split_backward_op_s": per_op_s,
-            "split_backward_frac": measure_split_backward_frac(dtype, device, clock, per_op_s),
+            "split_backward_op_s": per_op_s, "split_backward_s_per_byte": per_byte_s,
             "checkpoint_op_s": measure_checkpoint_op(dtype, device, clock),
             "checkpoint_region_s": measure_checkpoint_region(dtype, device, clock)}
 
@@ -369,41 +368,88 @@ def measure_checkpoint_region(dtype: torch.dtype, device: torch.device,
     return max(0.0, float(np.median(rounds)))
 
 
+# the shapes the split's cost is fitted on (width, sequences; length 128): the smallest where
+# its per-op work shows, the largest where its per-byte work does
+SPLIT_SHAPES = ((32, 1), (64, 4), (128, 8))
+
+
 def measure_split_backward(dtype: torch.dtype, device: torch.device,
-                           clock: Callable[[], float], layers: int = 8) -> float:
-    """Seconds the B/W split (autopar.runtime.split_backward, interleaved-zb) adds to a
-    backward per forward op of the chunk: a chain of `layers` blocks of one projection and
-    three elementwise ops (a transformer block's mix of GEMMs and eager ops, ~1 : 4), tiny so
-    that the split's own work shows (the reverse graph, the parameter groups, one engine call
-    per weight), its backward split into B and W less the same backward whole, per op."""
-    width = 16
-    lins = [torch.nn.Linear(width, width).to(device=device, dtype=dtype) for _ in range(layers)]
-    x = torch.randn(4, width, dtype=dtype, device=device, requires_grad=True)
+                           clock: Callable[[], float]) -> tuple[float, float]:
+    """(seconds per forward op, seconds per saved byte) the B/W split (autopar.runtime.
+    split_backward, interleaved-zb) adds to a chunk's backward beyond the same backward
+    whole: two blocks of the examples' GPT (pre-norm, causal fused attention, GELU; 4 heads,
+    sequences of 128) at each of SPLIT_SHAPES, split and whole in paired rounds, the
+    differences fitted by least squares (both ≥ 0) to ops × a + bytes × c, with the ops and
+    saved bytes (recompute "none") counted as the cost model counts them (`_counted`), so
+    that both are fitted in the pricing's own units. Its work per op: the reverse graph, the
+    parameter groups, an engine call per weight group, the recorded gradients' hooks; per
+    byte: B's gradients made beside the retained graph where a whole backward reuses what
+    each node frees (cold memory). In the runtime's allocator regime (calibrate keeps freed
+    memory, as autopar.compile does on a CPU: runtime/host_memory.py).
 
-    def forward():
-        y = x
-        for lin in lins:
-            y = torch.tanh(lin(y) * 0.5 + 1.0)
-        return y
-    whole_s, split_s = _split_times_s(forward, x, [q for m in lins for q in m.parameters()],
-                                      device, clock)
-    return max(0.0, split_s - whole_s) / (4 * layers)
+    Why two terms: on these GPT blocks at 4 sequences the split added 1.74 / 1.73 / 2.44 ms
+    at widths 64 / 128 / 256 (2026-11-28, an EPYC core, freed memory kept) — neither a share
+    of the compute (0.19 / 0.08 / 0.04 of it) nor of the bytes alone. Fitted 21–29 µs an op
+    and 0.012–0.072 ns a byte in five fits, pricing those three at 1.41 / 1.75 / 2.43 ms;
+    calibrate's former per-op chain of tanh and tiny linears read 9–12 µs an op, and its
+    share of two blocks' compute 0.045–0.07."""
+    from autopar.examples.gpt import GPT, GPTConfig
+    rows = []
+    for width, batch in SPLIT_SHAPES:
+        model = GPT(GPTConfig(vocab_size=64, block_size=128, n_layer=2, n_head=4,
+                              n_embd=width))
+        blocks = model.transformer.h.to(device=device, dtype=dtype)
+        x = torch.randn(batch, 128, width, dtype=dtype, device=device, requires_grad=True)
+        rounds = [_split_times_s(lambda: blocks[1](blocks[0](x)), x,
+                                 list(blocks.parameters()), device, clock, calls=3,
+                                 repeats=1) for _ in range(7)]
+        # paired rounds, the median: the two timings' wander (±10%) exceeds their difference
+        extra = float(np.median([split_s - whole_s for whole_s, split_s in rounds]))
+        rows.append((*_counted(model, dtype, batch), extra))
+    return fit_split_backward(rows)
 
 
-def measure_split_backward_frac(dtype: torch.dtype, device: torch.device,
-                                clock: Callable[[], float], per_op_s: float) -> float:
-    """What the B/W split adds beyond its per-op work (`measure_split_backward`), as a
-    fraction of the chunk's forward + backward: two pre-norm transformer blocks (norms,
-    projections, causal fused attention, GELU, residual adds; width 128, 4 sequences of 128)
-    split and whole, less their ops at `per_op_s`. On a CPU the split's backward runs with
-    the graph retained, so its gradients take fresh memory and colder caches: 11% of two GPT
-    blocks' step at that size, where the per-op work explained 2% (2026-11-27)."""
-    forward, x, weights, ops = _two_blocks(dtype, device)
-    rounds = [_split_times_s(lambda: forward(x), x, weights, device, clock, calls=3,
-                             repeats=1) for _ in range(9)]
-    # paired rounds, the median: the two timings' own wander (±10%) exceeds their difference
-    return max(0.0, float(np.median([(split_s - whole_s - ops * per_op_s) / whole_s
-                                     for whole_s, split_s in rounds])))
+def fit_split_backward(rows: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """(seconds per op, seconds per byte) ≥ 0 fitting rows of (ops, bytes, extra seconds) by
+    least squares, relative to each row's extra (a small shape's milliseconds weigh as much
+    as a large one's); a term that would come out negative is left out (0) and the other
+    refitted alone."""
+    A = np.array([[ops, nbytes] for ops, nbytes, _ in rows], dtype=float)
+    y = np.array([extra for _, _, extra in rows], dtype=float)
+    w = 1.0 / np.maximum(np.abs(y), 1e-9)
+    coef = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)[0]
+    if (coef >= 0).all():
+        return float(coef[0]), float(coef[1])
+    singles = []
+    for k in (0, 1):      # one term alone, the better of the two (never below 0)
+        col = A[:, k] * w
+        c = max(0.0, float(col @ (y * w)) / max(float(col @ col), 1e-300))
+        one = (c, 0.0) if k == 0 else (0.0, c)
+        singles.append((_split_sse(A, y, w, one), one))
+    return min(singles)[1]
+
+
+def _split_sse(A: np.ndarray, y: np.ndarray, w: np.ndarray, coef: tuple[float, float]) -> float:
+    """The weighted squared error of `coef` on the rows."""
+    r = (A @ np.array(coef) - y) * w
+    return float(r @ r)
+
+
+def _counted(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> tuple[int, float]:
+    """(forward ops, saved bytes) of `model`'s blocks, all of them, at `batch` sequences, as
+    the cost model counts them for a plan of it: its profile (autopar.api.plan_profile, in
+    `dtype`), `forward_ops` and `layer_activation_bytes` without recompute."""
+    from autopar import cross_entropy
+    from autopar.api import plan_profile
+    from autopar.cost.compute import forward_ops
+    from autopar.cost.memory import layer_activation_bytes
+    model = model.to(device="cpu", dtype=torch.float32)
+    ids = torch.zeros(1, model.config.block_size, dtype=torch.long)
+    _, profile = plan_profile(model, (ids,), cross_entropy, None, "local-cpu", gpu_counts=(1,))
+    profile = profile.with_training_bytes(torch.finfo(dtype).bits // 8)
+    layers = profile.num_layers
+    return (layers * forward_ops(profile.block),
+            layers * layer_activation_bytes(profile, 1, batch, "none", False))
 
 
 def _two_blocks(dtype: torch.dtype, device: torch.device

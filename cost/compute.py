@@ -179,16 +179,20 @@ def dispatch_s(cluster: Cluster, region: RegionProfile) -> tuple[float, float]:
             region.eager_ops * cluster.autograd_op_s)
 
 
-def split_backward_s(cluster: Cluster, region: RegionProfile, compute_s: float) -> float:
+def split_backward_s(cluster: Cluster, region: RegionProfile, compute_s: float,
+                     saved_bytes: float = 0.0) -> float:
     """Seconds the B/W split of interleaved-zb adds to a region's backward per micro-batch:
     every forward op of the region (its eager ops, GEMMs and attention kernels) × the cluster's
-    measured split_backward_op_s, and its `split_backward_frac` of the region's compute
-    (`compute_s`, forward + backward). Like `dispatch_s`, 0 unless the cluster runs
-    elementwise ops "eager": it is host work, which a fused GPU stack's kernels hide."""
+    measured split_backward_op_s, its `split_backward_frac` of the region's compute
+    (`compute_s`, forward + backward; older cluster files), and `split_backward_s_per_byte` ×
+    the micro-batch's saved activations in the region (`saved_bytes`, recompute "none": the
+    gradients B makes beside the retained graph). Like `dispatch_s`, 0 unless the cluster
+    runs elementwise ops "eager": a fused GPU stack's caching allocator and kernels hide it."""
     if cluster.elementwise != "eager":
         return 0.0
     return (forward_ops(region) * cluster.split_backward_op_s
-            + cluster.split_backward_frac * compute_s)
+            + cluster.split_backward_frac * compute_s
+            + cluster.split_backward_s_per_byte * saved_bytes)
 
 
 def selective_checkpoint_s(cluster: Cluster, region: RegionProfile) -> float:

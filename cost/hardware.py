@@ -167,9 +167,18 @@ class Cluster:
     split_backward_op_s: float = 0.0
     # what that split adds beyond its per-op work, as a fraction of the region's forward +
     # backward (on a CPU its backward runs with the graph retained: fresh memory for its
-    # gradients, colder caches; ~0.1 measured here), measured by `autopar calibrate`; priced
-    # where elementwise is "eager", like split_backward_op_s; 0: not measured
+    # gradients, colder caches; ~0.1 measured here), written by `autopar calibrate` until
+    # 2026-11-28 (now split_backward_s_per_byte); priced where elementwise is "eager", like
+    # split_backward_op_s; 0: not measured
     split_backward_frac: float = 0.0
+    # what that split adds beyond its per-op work per byte of the region's saved activations
+    # (recompute "none", `microbatch_activations`): its B runs with the graph retained, so the
+    # gradients it makes take memory a whole backward would have reused from what each node
+    # frees (colder caches). Fitted with split_backward_op_s by `autopar calibrate` on GPT
+    # blocks of three sizes (which writes both, and split_backward_frac 0: the share of the
+    # compute older files priced, which mis-scaled across widths); priced where elementwise is
+    # "eager", like split_backward_op_s; 0: not measured
+    split_backward_s_per_byte: float = 0.0
     # what PyTorch's selective checkpoint (recompute "op") adds per forward op of a region it
     # checkpoints: its dispatch mode sees each op in the forward and again in the
     # recomputation (a policy call, the kept outputs stored), measured by `autopar calibrate`;
@@ -232,7 +241,7 @@ class Cluster:
         for name in ("intra_node_latency_s", "inter_node_latency_s", "kernel_launch_s",
                      "optimizer_param_s", "optimizer_tensor_s", "autograd_op_s",
                      "split_backward_op_s", "split_backward_frac", "checkpoint_op_s",
-                     "checkpoint_region_s"):
+                     "checkpoint_region_s", "split_backward_s_per_byte"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Cluster.{name}={getattr(self, name)!r}: must be >= 0, "
                                  f"seconds (0: not counted); measure it with `autopar "
@@ -486,15 +495,18 @@ _LOCAL_DEFAULT = Cluster(
     # other op eagerly
     attention="flash", elementwise="eager",
     flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
-    split_backward_op_s=8e-6, checkpoint_op_s=50e-6, checkpoint_region_s=650e-6,
+    split_backward_op_s=22e-6, split_backward_s_per_byte=5e-11, checkpoint_op_s=50e-6,
+    checkpoint_region_s=650e-6,
     sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
              "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
              "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
              "2-core development machine (fitted to 256 and 1,024 tokens)",
              "elementwise: eager (autopar's runtime runs its chunks op by op)",
-             "split_backward_op_s 8 us: interleaved-zb's B/W split per forward op, measured on "
-             "an AVX-512 EPYC core, 2026-11-27 (7.7-10.3 us a op on calibrate's chain, 8.4 on "
-             "two GPT blocks of width 64)",
+             "split_backward_op_s 22 us, split_backward_s_per_byte 0.05 ns: interleaved-zb's "
+             "B/W split per forward op and per saved byte, fitted on two GPT blocks at three "
+             "sizes on an AMD EPYC core, 2026-11-28 (21-29 us and 0.012-0.072 ns in five "
+             "fits; it added 1.74 / 1.73 / 2.44 ms to the two blocks' backward at widths "
+             "64 / 128 / 256, 4 sequences of 128)",
              "checkpoint_op_s 50 us: recompute op's selective checkpoint per forward op the "
              "profile counts, measured on an AVX-512 EPYC core, 2026-11-27 (52-63 us on "
              "calibrate's two GPT blocks)",

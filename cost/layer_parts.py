@@ -4,11 +4,14 @@ cost/kinds.py prices each kind with. Below both (a module of its own so that mod
 kinds.py and kinds.py these, without an import loop)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.cost.config import NS, Config, LoadCosts
 from autopar.cost.compute import local_gemm_time_s, split_backward_s
 from autopar.cost.exchanges import expert_comm_s
 from autopar.cost.hardware import Cluster
 from autopar.cost.imbalance import expert_gemm_extra_s
+from autopar.cost.memory import MicrobatchActivations, microbatch_activations
 from autopar.cost.memo import CostMemo
 from autopar.cost.profile import ModelProfile
 from autopar.schedules import SPLIT_BACKWARD
@@ -26,10 +29,20 @@ def layer_parts_s(profile: ModelProfile, cluster: Cluster, cfg: Config, memo: Co
     ep_s = expert_comm_s(profile, cluster, cfg)[1]
     emb_s, head_s = memo.edge_times_s(profile, cluster, cfg)
     if cfg.schedule in SPLIT_BACKWARD:     # B and W: the split's host work (0 on fused stacks)
-        comp_s += split_backward_s(cluster, profile.block, comp_s)
-        emb_s += split_backward_s(cluster, profile.embedding, emb_s)
-        head_s += split_backward_s(cluster, profile.head, head_s)
+        saved = _saved_bytes(profile, cluster, cfg)
+        comp_s += split_backward_s(cluster, profile.block, comp_s, saved.layer)
+        emb_s += split_backward_s(cluster, profile.embedding, emb_s, saved.embedding)
+        head_s += split_backward_s(cluster, profile.head, head_s, saved.head)
     return comp_s, tp_s, emb_s, head_s, cp_s, ep_s
+
+
+def _saved_bytes(profile: ModelProfile, cluster: Cluster, cfg: Config) -> MicrobatchActivations:
+    """A micro-batch's saved activations per layer, embedding and head without recompute
+    (what a split backward's B makes gradients for), where the cluster prices them per byte
+    (`split_backward_s`); zeros elsewhere."""
+    if cluster.elementwise != "eager" or not cluster.split_backward_s_per_byte:
+        return MicrobatchActivations(layer=0.0, embedding=0.0, head=0.0)
+    return microbatch_activations(profile, replace(cfg, recompute="none"))
 
 
 def seconds_to_ns(seconds: float) -> int:

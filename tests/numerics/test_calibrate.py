@@ -59,6 +59,8 @@ def test_calibrate_under_two_launchers_measures_the_inter_node_link(tmp_path):
             for kind in record["collectives"]["inter"]} == kinds
     assert 0 <= cluster.comm_overlap <= 1 and cluster.tp_row_pieces == 4
     assert cluster.optimizer_param_s > 0 and cluster.autograd_op_s > 0
+    # timed in a fresh process on a CPU, per byte the profile counts saved
+    assert cluster.split_backward_frac == 0 and 0 <= cluster.split_backward_s_per_byte < 1e-8
     # recompute op's selective checkpoint, where this torch runs op (0: not measured)
     from autopar.passes.recompute import op_mode_refusal
     assert (cluster.checkpoint_op_s > 0) == (op_mode_refusal() is None)

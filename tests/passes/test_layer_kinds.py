@@ -308,7 +308,8 @@ def test_each_kinds_layer_time_carries_the_split_backward_of_its_schedule():
     from autopar.cost.kinds import kind_layer_ns
     from autopar.cost.memo import CostMemo
     profile = _light_heavy()
-    eager = dataclasses.replace(get_cluster("local-cpu"), split_backward_op_s=1e-5)
+    eager = dataclasses.replace(get_cluster("local-cpu"), split_backward_op_s=1e-5,
+                                split_backward_s_per_byte=0.0)
     common = dict(t=1, p=2, d=1, v=2, micro_batch_size=1, num_microbatches=4)
     il, zb = (Config(schedule=s, **common) for s in ("interleaved-1f1b", "interleaved-zb"))
     memo = CostMemo()

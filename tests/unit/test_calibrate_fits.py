@@ -486,6 +486,29 @@ def test_the_split_backward_costs_its_ops_and_its_measured_share_of_the_compute(
     assert split_backward_s(dataclasses.replace(both, elementwise="fused"), block, 2e-3) == 0
     with pytest.raises(ValueError, match="split_backward_frac"):
         dataclasses.replace(both, split_backward_frac=-0.1)
+    # calibrate's measure since 2026-11-28: per byte of the region's saved activations
+    per_byte = dataclasses.replace(per_op, split_backward_s_per_byte=1e-10)
+    assert split_backward_s(per_byte, block, 2e-3, 1e6) - split_backward_s(per_op, block, 2e-3,
+                                                                          1e6) == \
+        pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="split_backward_s_per_byte"):
+        dataclasses.replace(per_op, split_backward_s_per_byte=-1e-10)
+
+
+def test_the_split_fit_recovers_its_per_op_and_per_byte_costs():
+    """calibrate times the B/W split on GPT blocks at shapes whose ops are alike and whose
+    saved bytes differ (`SPLIT_SHAPES`) and fits extra = ops × a + bytes × c: the constants
+    that generated the rows come back; where the least-squares pair would put a term below
+    zero, that term is 0 and the other fitted alone (never a negative cost)."""
+    from autopar.cost.calibrate_compute import fit_split_backward
+    a, c = 25e-6, 5e-11
+    rows = [(42, nbytes, 42 * a + nbytes * c) for nbytes in (1.1e6, 6.8e6, 2.3e7)]
+    assert fit_split_backward(rows) == pytest.approx((a, c), rel=1e-6)
+    # extra falling with the bytes: no cost per byte, the ops' share fitted alone
+    falling = [(42, 1e6, 2e-3), (42, 1e7, 1.5e-3), (42, 3e7, 1e-3)]
+    per_op, per_byte = fit_split_backward(falling)
+    assert per_byte == 0.0 and 1e-3 / 42 < per_op < 2e-3 / 42
+    assert fit_split_backward([(42, 1e6, -1e-4), (42, 1e7, -2e-4)]) == (0.0, 0.0)
 
 
 def test_gemm_fit_takes_off_the_launches_the_cost_model_adds_apart():

@@ -73,10 +73,12 @@ def test_the_refit_scales_what_calibrate_measured_with_the_rest():
                             seconds=(1e-3, 2e-3))
     cpu = dataclasses.replace(get_cluster("local-cpu"), collective_curves=(curve,),
                               optimizer_param_s=1e-8, autograd_op_s=5e-6, checkpoint_op_s=3e-5,
-                              split_backward_op_s=4e-6)
+                              split_backward_op_s=4e-6, split_backward_s_per_byte=2e-10)
     refit = refit_cluster(cpu, _scales(1.5, 3.0, h=2.0), "test")
-    # measured in real blocks (the optimizer, op recompute's policy): the compute scale
+    # measured in real blocks (the optimizer, op recompute's policy, the split's bytes): the
+    # compute scale
     assert refit.optimizer_param_s == pytest.approx(1.5e-8)
+    assert refit.split_backward_s_per_byte == pytest.approx(3e-10)
     assert refit.checkpoint_op_s == pytest.approx(1.5 * cpu.checkpoint_op_s)
     for host in ("kernel_launch_s", "autograd_op_s", "split_backward_op_s"):   # in isolation
         assert getattr(refit, host) == pytest.approx(2.0 * getattr(cpu, host)), host

@@ -273,7 +273,8 @@ def test_the_split_backward_is_priced_where_the_runtime_pays_it():
     from autopar.cost.memo import CostMemo
     from autopar.cost.model import load_parts_s
     prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=128, vocab=1000)
-    eager = replace(get_cluster("local-cpu"), elementwise="eager", split_backward_op_s=1e-5)
+    eager = replace(get_cluster("local-cpu"), elementwise="eager", split_backward_op_s=1e-5,
+                    split_backward_s_per_byte=0.0)    # per saved byte: the next test
     common = dict(t=1, p=2, d=1, v=2, micro_batch_size=1, num_microbatches=4)
     zb, il = (Config(schedule=s, **common) for s in ("interleaved-zb", "interleaved-1f1b"))
     memo = CostMemo()
@@ -289,6 +290,31 @@ def test_the_split_backward_is_priced_where_the_runtime_pays_it():
     slower = predict(prof, eager, zb).step_time_s - predict(prof, replace(
         eager, split_backward_op_s=0.0), zb).step_time_s
     assert slower > 0
+
+
+def test_the_split_backward_s_bytes_are_priced_per_saved_byte():
+    """Beyond its ops, the split costs the cluster's split_backward_s_per_byte × what a
+    micro-batch saves in the region without recompute (the gradients B makes beside the
+    retained graph: `layer_activation_bytes` at "none", whatever the plan recomputes), per
+    layer and in the head; on a fused stack nothing."""
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.memory import layer_activation_bytes
+    from autopar.cost.model import load_parts_s
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=128, vocab=1000)
+    eager = replace(get_cluster("local-cpu"), elementwise="eager", split_backward_op_s=0.0,
+                    split_backward_s_per_byte=0.0)
+    per_byte = replace(eager, split_backward_s_per_byte=1e-10)
+    for b, recompute in ((1, "none"), (2, "none"), (2, "full")):
+        zb = Config(t=1, p=2, d=1, v=2, micro_batch_size=b, num_microbatches=4,
+                    schedule="interleaved-zb", recompute=recompute)
+        plain, priced = (load_parts_s(prof, c, zb, CostMemo()) for c in (eager, per_byte))
+        rank = CostMemo().rank_profile(prof, per_byte, zb)   # its attention as the CPU runs it
+        assert priced[0] - plain[0] == pytest.approx(
+            1e-10 * layer_activation_bytes(rank, 1, b, "none", False))
+        assert priced[3] > plain[3]                              # the head's saved bytes
+    fused = replace(per_byte, elementwise="fused")
+    assert load_parts_s(prof, fused, zb) == load_parts_s(prof, replace(eager, elementwise="fused"),
+                                                         zb)
 
 
 # per chunk on the default GPT of benchmarks/plan_vs_measured.py at p = v = 2 (ms, measured on
