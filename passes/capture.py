@@ -20,7 +20,9 @@ Guarantees: `Captured.gm` is an FX GraphModule in ATen training IR whose nodes c
   records the true lengths and gm.meta[REPEATS] the same by graph path (with the prefix), and
   gm.meta[REPEAT_KEYS] the kept child each true child stands for, for passes/layers.py.
   Planning uses r = 2 (one block is analysed, two prove the repetition); compiling uses the full
-  graph (repeat_limit=None).
+  graph (repeat_limit=None). A cut model whose export fails, or calls a kept child more than
+  once (it loops over its blocks or slices them by index: `calls_a_kept_child_again`), is
+  exported whole instead.
   With `compute_dtype=torch.bfloat16` (a 16-bit run), the model is traced with its floating
   parameters in that dtype (uninitialised stand-ins: export reads shapes, not values; buffers
   keep their dtype, as the runtime's MixedPrecision leaves them), so the graph is the one the
@@ -38,6 +40,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -128,6 +131,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
     wrapper = _WithLoss(model, bind_aux_loss(model, loss_fn), keywords)   # + the router's loss
     args = tuple(example_inputs) + ((targets,) if loss_fn is not None else ())
     kept: dict[str, tuple[str, ...]] = {}
+    prefix = "model."   # the loss wrapper holds the user's model as `model`
     if repeat_limit is not None:
         try:
             with truncate_repeats(model, repeat_limit) as kept:
@@ -135,10 +139,12 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
         except CaptureError:
             kept = {}  # truncation broke the model (it may index its blocks): export it whole
             exported = _export(wrapper, args)
+        if kept and calls_a_kept_child_again(exported.graph_module, kept, prefix):
+            kept = {}  # its blocks run other than once each in order: export it whole
+            exported = _export(wrapper, args)
     else:
         exported = _export(wrapper, args)
     gm = exported.module()
-    prefix = "model."   # the loss wrapper holds the user's model as `model`
     repeats = {path: len(keys) for path, keys in kept.items()}
     gm.meta[K.REPEATS] = {(prefix + path).rstrip("."): n for path, n in repeats.items()}
     gm.meta[K.REPEAT_KEYS] = {(prefix + path).rstrip("."): keys for path, keys in kept.items()}
@@ -148,6 +154,25 @@ def capture(model: torch.nn.Module, example_inputs: tuple, loss_fn: Callable | N
 
 
 # ----- repeated containers ---------------------------------------------------------------------
+
+def calls_a_kept_child_again(gm: torch.fx.GraphModule, kept: dict[str, tuple[str, ...]],
+                             prefix: str) -> bool:
+    """Whether a truncated export called a kept child of a cut container more than once
+    (torch.export's "@k" on its module-stack key): REPEAT_KEYS stand for one call of each
+    true child, so a model that loops over its blocks or slices its container by its config's
+    indices (Dory's recurrent section: `layers[start:end]` run n times, on a cut list the
+    wrong blocks) is not what the cut graph shows, and is exported whole."""
+    children = {f"{prefix}{path}.{key}".replace("..", ".") for path, keys in kept.items()
+                for key in set(keys)}
+    for node in gm.graph.nodes:
+        for stack_key, value in (node.meta.get(K.NN_MODULE_STACK) or {}).items():
+            if _CALL_AGAIN.search(stack_key) and value[0] in children:
+                return True
+    return False
+
+
+_CALL_AGAIN = re.compile(r"@[1-9]\d*$")
+
 
 def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:
     """{path: len} of the outermost ModuleList/Sequential containers of ≥2 children of one

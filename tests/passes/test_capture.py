@@ -97,6 +97,38 @@ def test_repeat_limit_restores_on_error():
     assert len(model.transformer.h) == 4
 
 
+class _Looped(torch.nn.Module):
+    """Four alike blocks, the middle two run twice (a recurrent section sliced from the list
+    by index, as transformers' Dory runs its loop), then the last."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, ids):
+        h = self.blocks[0](self.emb(ids))
+        for _ in range(2):
+            for blk in self.blocks[1:3]:
+                h = torch.tanh(blk(h))
+        return self.head(self.blocks[-1](h))
+
+
+def test_a_truncated_stack_whose_blocks_run_more_than_once_is_captured_whole():
+    """Cut to 2 blocks, the looped model runs block 1 twice and slices the wrong blocks (its
+    indices mean the whole list): the capture is redone whole, so the graph is the model's
+    (six block calls, the true numbers) and no repeat is recorded for the planner to expand."""
+    from autopar.passes.layers import find_layers
+    torch.manual_seed(0)
+    model = _Looped()
+    ids = torch.randint(0, 16, (2, 5))
+    cap = capture(model, (ids,), repeat_limit=2)
+    assert cap.repeats == {} and len(model.blocks) == 4
+    torch.testing.assert_close(cap.gm(ids), model(ids))
+    assert find_layers(cap).num_layers == 6
+
+
 class _DataDependent(torch.nn.Module):
     def __init__(self):
         super().__init__()
