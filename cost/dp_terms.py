@@ -29,6 +29,7 @@ terms, and each further call's as far as compute does not hide it (`calls_latenc
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -144,12 +145,55 @@ def dp_terms_s(profile: ModelProfile, cluster: Cluster, cfg: Config, params: Ran
         # ZeRO-1: reduce-scatter grads + all-gather 16-bit weights
         edge = ((lambda n: grp.reduce_s(n) + grp.gather_s(n) - lat)  # noqa: E731
                 if zt.sharded_optimizer else grp.reduce_s)
-        calls = (v if sched.chunk_major else 1) * (2 if zt.sharded_optimizer else 1)
+        calls = ((v if sched.chunk_major else 1) * 2 if zt.sharded_optimizer
+                 else grad_bucket_calls(params, rank_layers, v, grp.elem_bytes))
     dp_first = edge(params.embedding) + tied_sync
     dp_last = edge(params.head) + tied_sync + (lat if p > 1 else 0.0)
     return DpTerms(layer_s=dp_layer, hidden_layer_s=hidden * cluster.comm_overlap,
                    first_s=dp_first, last_s=dp_last,        # what can hide does
                    rank_s=calls_latency_s(cluster, calls, lat) + scalars)
+
+
+# autopar.runtime.data_parallel's buckets (DDP's, 2006.15704 §3.2): the first at most 1 MiB,
+# the rest 25 MiB, never across a chunk (tests/unit/test_dp_calls.py checks these against it)
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 2**20, 25 * 2**20
+
+
+def grad_bucket_calls(params: RankParams, rank_layers: float, v: int, elem_bytes: int) -> int:
+    """The all-reduces a ZeRO-0 rank issues a step: its gradients in buckets as GradSync
+    packs them (tests/unit/test_dp_calls.py builds the runtime's and compares), per chunk of
+    rank_layers / v layers in reverse, never across a chunk: the first bucket (the last
+    chunk's, which backward meets first) at most 1 MiB or the head's weight alone, the rest
+    25 MiB; an embedding or head larger than a bucket is one of its own. The experts' in a
+    GradSync of their own. Each call past the first pays a latency where compute does not
+    hide it (`calls_latency_s`): on 2 CPU ranks a GPT of 4 layers at width 128 (3.5 MB of
+    fp32 gradients) issued 2 where 1 was priced. Counted by region, not tensor: a layer's
+    tensors fill a bucket's last room, which the runtime's may not (±1 call a chunk)."""
+    head, emb = params.head * elem_bytes, params.embedding * elem_bytes
+    layers = rank_layers / v * params.block * elem_bytes
+
+    def filled(nbytes: float) -> int:
+        return math.ceil(nbytes / BUCKET_BYTES) if nbytes > 0 else 0
+
+    def edge(nbytes: float) -> tuple[int, float]:   # (calls of its own, bytes left to pack)
+        return (1, 0.0) if nbytes >= BUCKET_BYTES else (0, nbytes)
+    calls = 0
+    for c in reversed(range(v)):
+        own, rest = 0, layers
+        if c == 0:
+            k, left = edge(emb)
+            own, rest = own + k, rest + left
+        if c == v - 1:        # the first bucket: the head alone where it fills 1 MiB
+            if head >= FIRST_BUCKET_BYTES:
+                own += 1
+            else:
+                rest += head
+            if head < FIRST_BUCKET_BYTES and rest > 0:
+                own += 1
+                rest = max(0.0, rest - FIRST_BUCKET_BYTES)
+        calls += own + filled(rest)
+    experts = rank_layers * params.experts * elem_bytes
+    return max(1, calls) + (filled(experts) if experts else 0)
 
 
 # a scalar the runtime all-reduces each step (float64: the loss, the counted tokens)

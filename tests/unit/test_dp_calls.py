@@ -6,15 +6,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from autopar.cost.comm import allreduce_s
 from autopar.cost.config import Config
-from autopar.cost.dp_terms import (GradGroup, _layer_sync_s, calls_latency_s, grad_reduce_bytes,
-                                    step_scalars_s)
+from autopar.cost.dp_terms import (GradGroup, _layer_sync_s, calls_latency_s,
+                                    grad_bucket_calls, grad_reduce_bytes, step_scalars_s)
 from autopar.cost.hardware import CollectiveCurve, get_cluster
 from autopar.cost.model import config_costs, predict
 from autopar.cost.profile import transformer_profile
-from autopar.cost.shares import rank_params
+from autopar.cost.shares import RankParams, rank_params
 
 LAT = 5e-4
 PROF = transformer_profile(num_layers=8, hidden=64, heads=4, seq_len=64, vocab=512)
@@ -90,3 +91,40 @@ def test_every_rank_pays_the_steps_scalar_all_reduces():
         cfg = Config(t=t, p=p, d=d, num_microbatches=2)
         assert step_scalars_s(cl, cfg) == pytest.approx(calls * one), (t, p, d)
     assert one > 4e-4                                     # gloo's scalar on the curve
+
+
+def _runtime_buckets(layers: int, v: int, layer_elems: int, emb: int, head: int) -> int:
+    """The buckets autopar.runtime.data_parallel.GradSync builds for a rank's fp32 gradients:
+    `v` chunks of layers / v layers (each layer four tensors), the embedding in the first
+    chunk, the head in the last (its bucket builder alone: no process group)."""
+    from autopar.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradSync
+    per = layers // v
+    chunks = []
+    for c in range(v):
+        ts = [torch.empty(layer_elems // 4, device="meta") for _ in range(4 * per)]
+        chunks.append(([torch.empty(emb, device="meta")] if c == 0 and emb else []) + ts
+                      + ([torch.empty(head, device="meta")] if c == v - 1 and head else []))
+    sync = GradSync.__new__(GradSync)
+    sync.bucket_bytes, sync._where, sync.buckets = DEFAULT_BUCKET_BYTES, {}, []
+    sync._build_buckets(chunks)
+    return len(sync.buckets)
+
+
+@pytest.mark.parametrize("layers,v,layer_elems,emb,head", [
+    (4, 1, 200_000, 65_536, 0),          # the 4-layer GPT at width 128: 3.5 MB, 2 buckets
+    (4, 1, 50_000, 32_768, 0),           # width 64: under 1 MiB, 1 bucket
+    (8, 2, 1_600_000, 1_000_000, 1_000_000),
+    (12, 1, 3_000_000, 8_000_000, 8_000_000),
+    (8, 8, 100_000, 0, 50_000),          # breadth-first's one-layer chunks: one a chunk
+    (6, 3, 400_000, 2_000_000, 100_000),
+    (2, 1, 10_000, 500, 300_000)])
+def test_zero0_calls_are_the_buckets_the_runtime_builds(layers, v, layer_elems, emb, head):
+    """ZeRO-0's all-reduces a step are GradSync's buckets (DDP's: the first at most 1 MiB,
+    the rest 25 MiB, never across a chunk), counted as the runtime builds them; the cost
+    model's constants are the runtime's. Each call past the first is a latency on a CPU."""
+    from autopar.cost.dp_terms import BUCKET_BYTES, FIRST_BUCKET_BYTES
+    from autopar.runtime import data_parallel as rt
+    assert (FIRST_BUCKET_BYTES, BUCKET_BYTES) == (rt.FIRST_BUCKET_BYTES, rt.DEFAULT_BUCKET_BYTES)
+    params = RankParams(block=layer_elems, embedding=emb, head=head)
+    assert grad_bucket_calls(params, layers, v, 4) == _runtime_buckets(layers, v, layer_elems,
+                                                                       emb, head)
