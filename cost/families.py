@@ -82,6 +82,15 @@ def tensor_rule(profile: ModelProfile, t: int) -> str | None:
     if kv % t and t % kv:
         return (f"divisibility: kv_heads {kv} neither divisible by t={t} nor dividing it "
                 f"(kv heads are split, or replicated when t is a multiple of kv_heads)")
+    return pass_refusal(profile, t)
+
+
+def pass_refusal(profile: ModelProfile, t: int) -> str | None:
+    """Why the tensor-parallel pass itself refuses t on this model's graph (`tp_refused`:
+    what building the program would raise), or None."""
+    for refused, why in profile.tp_refused:
+        if refused == t:
+            return f"the tensor-parallel pass refuses t={t}: {why}"
     return None
 
 

@@ -85,6 +85,7 @@ def mixed_profile(parts: Sequence[ModelProfile], layers: Sequence[tuple[int, ...
                           f"its split (cost/kinds.py)",)
     return replace(base, num_layers=total, block=_mean_region([p.block for p in parts], w),
                    tp_fallbacks=tuple(corr), layer_kinds=kinds, notes=notes,
+                   tp_refused=tuple(dict.fromkeys(r for p in parts for r in p.tp_refused)),
                    shared_split_elems=sum(p.shared_split_elems for p in parts),
                    shared_replicated_elems=sum(p.shared_replicated_elems for p in parts))
 

@@ -347,6 +347,10 @@ class ModelProfile:
     activation_bytes_per_elem: int = 2
     notes: tuple[str, ...] = field(default=())
     tp_fallbacks: tuple[TPCorrection, ...] = field(default=())
+    # (t, why) for each degree the tensor-parallel pass refuses to build (a split lost for
+    # divisibility that feeds no split work: passes/tp_layouts.py `lost_region_refusal`),
+    # which the solver never offers (cost/families.py `tensor_rule`)
+    tp_refused: tuple[tuple[int, str], ...] = field(default=())
     # None: as measured, both accountings at hand (the region fields are the materialized one,
     # `fused` the flash one); "flash" / "materialized": priced one way (`with_attention`)
     attention: str | None = None

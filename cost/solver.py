@@ -41,7 +41,8 @@ from autopar.cost.cpsat import SOLVER_TIME_LIMIT_S, PlanModel  # noqa: F401
 from autopar.cost.families import (AUTO_SCHEDULES, MAX_CHUNKS_PER_RANK,  # noqa: F401
                                    MAX_MICRO_BATCH, Pins, Rejection, context_rule,
                                    cp_attention_rule, enumerate_configs, enumerate_families,
-                                   ring_attention_rule, tensor_degrees, tensor_rule)
+                                   pass_refusal, ring_attention_rule, tensor_degrees,
+                                   tensor_rule)
 from autopar.cost.layout import chunk_times_ms, late_heavy, spread_layers
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict, rank_layers)
@@ -90,6 +91,9 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
                              f"{2 * pins.c} or pick a c with 2c dividing {profile.seq_len}")
     if pins.t is not None:
         why = tensor_rule(profile, pins.t)
+        if why and why == pass_refusal(profile, pins.t):   # the sizes divide; the graph not
+            raise ValueError(f"solve: t={pins.t}: {why}; pick another t, or leave t unpinned "
+                             f"so the planner chooses one")
         if why:
             raise ValueError(f"solve: t={pins.t}: {why}; pick a t that divides them (the "
                              f"vocabulary {profile.vocab} needs no rule: it is padded to a "

@@ -67,8 +67,8 @@ from autopar.passes.layers import LayerStructure
 from autopar.passes.sharding import (Partial, Replicate, Shard, Whole, is_grouped_mm, is_split,
                                      is_tensor)
 from autopar.passes.tensor_parallel import nodes_requiring_grad
-from autopar.passes.tp_layouts import (PropagationError, propagate_sharding,
-                                       sequence_parallel_fits)
+from autopar.passes.tp_layouts import (PropagationError, lost_region_refusal,
+                                       propagate_sharding, sequence_parallel_fits)
 
 _REGIONS = ("embedding", "block", "head")
 _SPLITS = ("n", "k", "batch")
@@ -80,14 +80,20 @@ def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: La
     """`profile` with `tp_fallbacks` filled for every t > 1 of `ts` and every mode of
     `sequence_parallel` the pass accepts (a sequence length not divisible by t rejects SP), and
     a note per t with fallbacks (or whose propagation settles on no layout, PropagationError:
-    that t is priced structurally). Any other error is a bug and propagates."""
-    corr, failed = _analyse(captured, structure, profile, ts, sequence_parallel)
+    that t is priced structurally); `tp_refused` the t's the pass refuses to build in either
+    mode (`lost_region_refusal`: a split lost for divisibility), which the solver never
+    offers (cost/families.py `tensor_rule`). Any other error is a bug and propagates."""
+    corr, failed, refused = _analyse(captured, structure, profile, ts, sequence_parallel)
     notes = [f"tensor parallel t={c.t}{' + SP' if c.sequence_parallel else ''}: "
              f"{len(c.fallbacks)} replicated fallback(s) priced" for c in corr
              if not c.empty and not _only_weight_reductions(c)]
     notes += [f"tensor parallel t={t}{' + SP' if sp else ''}: pass analysis failed ({why}); "
               f"priced structurally" for t, sp, why in failed]
-    return dataclasses.replace(profile, tp_fallbacks=corr, notes=profile.notes + tuple(notes))
+    notes += [f"tensor parallel t={t}{' + SP' if sp else ''}: not offered, the pass refuses "
+              f"it ({why})" for t, sp, why in refused]
+    return dataclasses.replace(profile, tp_fallbacks=corr, notes=profile.notes + tuple(notes),
+                               tp_refused=profile.tp_refused + tuple(
+                                   sorted({t: (t, why) for t, _, why in reversed(refused)}.values())))
 
 
 def tp_corrections(captured: Captured, structure: LayerStructure, profile: ModelProfile,
@@ -103,7 +109,7 @@ def tp_corrections(captured: Captured, structure: LayerStructure, profile: Model
 def _analyse(captured, structure, profile, ts, sequence_parallel):
     gm = captured.gm
     facts = _Facts(captured, structure, profile)
-    out, failed = [], []
+    out, failed, refused = [], [], []
     for t in sorted({int(t) for t in ts if int(t) > 1}):
         for sp in dict.fromkeys(bool(s) for s in sequence_parallel):
             if sp and not sequence_parallel_fits(gm, t):
@@ -113,8 +119,12 @@ def _analyse(captured, structure, profile, ts, sequence_parallel):
             except PropagationError as e:  # planning goes on, this t priced structurally
                 failed.append((t, sp, f"{type(e).__name__}: {e}".splitlines()[0][:200]))
                 continue
+            why = lost_region_refusal(gm, gm.meta[K.TP_INFO])
+            if why is not None:   # what building at this t raises: never offered
+                refused.append((t, sp, why))
+                continue
             out.append(_correction(facts, t, sp))
-    return tuple(out), failed
+    return tuple(out), failed, tuple(refused)
 
 
 class _Facts:

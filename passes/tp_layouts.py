@@ -198,19 +198,28 @@ def _write_meta(gm: fx.GraphModule, prop: S.Propagator, t: int, sp: bool,
 
 
 def _check_lost_regions(gm: fx.GraphModule, info: TPInfo) -> None:
-    """A candidate that fell back for divisibility is an error unless its replicated output
-    still feeds split work before the next weight matmul (e.g. k/v heads replicated when
-    t > kv_heads: the attention stays split by query heads)."""
+    """Raise `lost_region_refusal`'s reason, with the fix, where it has one."""
+    why = lost_region_refusal(gm, info)
+    if why is not None:
+        raise ValueError(f"tensor_parallel: {why}; fix: pick a t that divides the number of "
+                         f"heads and the hidden/FFN sizes, or leave t unpinned so the planner "
+                         f"chooses one")
+
+
+def lost_region_refusal(gm: fx.GraphModule, info: TPInfo) -> str | None:
+    """Why the pass refuses t (strict: what building a program raises), or None: a candidate
+    that fell back for divisibility is refused unless its replicated output still feeds split
+    work before the next weight matmul (e.g. k/v heads replicated when t > kv_heads: the
+    attention stays split by query heads). The planner's analysis (passes/tp_cost.py) asks
+    the same, so it never offers a t the build refuses."""
     nodes = {n.name: n for n in gm.graph.nodes}
     for fb in info.fallbacks:
         if not fb.indivisible or fb.node not in nodes:
             continue
         if not _feeds_split_work(nodes[fb.node]):
-            node = nodes[fb.node]
-            raise ValueError(
-                f"tensor_parallel: cannot split {node.name} across t={info.t} ranks: "
-                f"{fb.reason} (at {fb.where}); fix: pick a t that divides the number of "
-                f"heads and the hidden/FFN sizes, or leave t unpinned so the planner chooses one")
+            return (f"cannot split {fb.node} across t={info.t} ranks: {fb.reason} "
+                    f"(at {fb.where})")
+    return None
 
 
 def _feeds_split_work(start: fx.Node) -> bool:

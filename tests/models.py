@@ -202,6 +202,15 @@ def hf_nemotron(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int =
                                                          "eos_token_id": 2, **config}))
 
 
+def hf_diffllama(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+                 kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """DiffLlama: differential attention (two softmax maps a head, their values the heads'
+    halves side by side); with 2 kv heads its value projection's blocks cannot split t = 2."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+    return DiffLlamaForCausalLM(_llama_like(DiffLlamaConfig, vocab, seq, layers, heads,
+                                            kv_heads, hidden, ffn, config))
+
+
 def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     """Phi: parallel attention and MLP, partial rotary."""
@@ -584,7 +593,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
     hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list,
-    hf_apertus, hf_nemotron)}
+    hf_apertus, hf_nemotron, hf_diffllama)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -286,6 +286,30 @@ def test_only_an_unsettled_propagation_is_priced_structurally(monkeypatch):
         with_tp_corrections(prof, cap, structure, [2])
 
 
+def test_a_t_the_pass_refuses_to_build_is_never_offered():
+    """DiffLlama with 2 kv heads: at t = 2 its value projection's blocks (1, 1) cannot split
+    and the lost split feeds no split work, which building the program refuses
+    (`lost_region_refusal`, strict). The planning analysis asks the same rule: t = 2 is noted
+    and refused (`tp_refused`), the free plan does not take it, and pinning it is one line
+    naming the node and the fix; the build's error names the same node."""
+    import autopar
+    from autopar.passes.tensor_parallel import propagate_sharding
+    model = models.build("hf_diffllama", seed=0)
+    ids = torch.randint(0, 64, (2, 8))
+    prog = autopar.parallelize(model, gpus=2, example_inputs=(ids,),
+                               loss_fn=autopar.cross_entropy, global_batch_size=4)
+    assert prog.plan.t == 1 and [t for t, _ in prog.profile.tp_refused] == [2]
+    assert any("t=2: not offered, the pass refuses it" in n for n in prog.profile.notes)
+    with pytest.raises(ValueError, match=r"^solve: t=2: the tensor-parallel pass refuses t=2: "
+                       r"cannot split (\w+) across t=2 ranks.*leave t unpinned") as planned:
+        autopar.parallelize(model, gpus=2, example_inputs=(ids,), t=2,
+                            loss_fn=autopar.cross_entropy, global_batch_size=4)
+    node = planned.value.args[0].split("cannot split ")[1].split()[0]
+    cap = capture(model, (ids,), lm_cross_entropy, ids)
+    with pytest.raises(ValueError, match=f"tensor_parallel: cannot split {node} across t=2"):
+        propagate_sharding(cap.gm, 2)
+
+
 def test_multi_query_whole_kv_rows_priced_as_replicated_parameters():
     """GPT-BigCode's c_attn split in part (q by heads, the one k/v head whole on every rank):
     no GEMM falls back, its k/v rows (weight and bias) are the parameters kept whole and its
