@@ -211,6 +211,18 @@ def hf_diffllama(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int 
                                             kv_heads, hidden, ffn, config))
 
 
+def hf_llama4(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+              kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Llama 4 (text): a mixture of experts every layer with a shared expert, the routed
+    experts' output added in place into the shared expert's (a row-parallel sum at t > 1)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+    return Llama4ForCausalLM(_llama_like(
+        Llama4TextConfig, vocab, seq, layers, heads, kv_heads, hidden, ffn,
+        {"intermediate_size_mlp": ffn, "num_local_experts": 4, "num_experts_per_tok": 1,
+         "head_dim": hidden // heads, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+         **config}))
+
+
 def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     """Phi: parallel attention and MLP, partial rotary."""
@@ -593,7 +605,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
     hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list,
-    hf_apertus, hf_nemotron, hf_diffllama)}
+    hf_apertus, hf_nemotron, hf_diffllama, hf_llama4)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

@@ -395,8 +395,13 @@ class _RowParallel(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])                            # (B*T, C/t)
             waits = [start_all_reduce(_project(piece, w, None, layout), group, owned=True)
                      for piece in x2.chunk(_pieces(x2.shape[0]))]
-            y2 = torch.cat([wait() for wait in waits])                 # (B*T, N)
-            return y2.reshape(*x.shape[:-1], y2.shape[-1])
+            sums = [wait() for wait in waits]                          # (rows, N) each
+            # written into one output made here, returned whole: a view of it (the reshape
+            # of the joined pieces) could not be modified in place after this Function, and
+            # models do (Llama 4's MoE adds its routed experts into the shared expert's sum)
+            y = sums[0].new_empty(*x.shape[:-1], sums[0].shape[-1])   # (B, T, N)
+            torch.cat(sums, out=y.view(-1, y.shape[-1]))
+            return y
         n = group_size(group)
         dim = _check_split(x, sp_dim, n, "reduce-scatter")
         per = x.shape[dim] // n

@@ -136,11 +136,13 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # router's scatter_ of a group mask carry the rank's tokens: the engine's buffer rules).
 # Apertus (xIELU: torch.min(x, eps), an elementwise overload of a reduction op, inside the
 # column-parallel MLP) at t = 2, Nemotron (LayerNorm1P: each block's `weight + 1` computed
-# before its norm reads the residual, once refused as no stack) at t = 2 and p = 2.
+# before its norm reads the residual, once refused as no stack) at t = 2 and p = 2; Llama 4
+# (its MoE adds the routed experts in place into the shared expert's row-parallel sum, which
+# the collective once returned as a view autograd forbids modifying) at t = 2.
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate",
-      "cohere2_gl", "smollm3_nope", "hf_modernbert", "hf_swin", "hf_apertus", "hf_nemotron"),
-     "t2"),
+      "cohere2_gl", "smollm3_nope", "hf_modernbert", "hf_swin", "hf_apertus", "hf_nemotron",
+      "hf_llama4"), "t2"),
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl", "hf_modernbert", "hf_nemotron"), "p2"),
     (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
