@@ -389,8 +389,9 @@ def measure_split_backward(dtype: torch.dtype, device: torch.device,
 
     Why two terms: on these GPT blocks at 4 sequences the split added 1.74 / 1.73 / 2.44 ms
     at widths 64 / 128 / 256 (2026-11-28, an EPYC core, freed memory kept) — neither a share
-    of the compute (0.19 / 0.08 / 0.04 of it) nor of the bytes alone. Fitted 21–29 µs an op
-    and 0.012–0.072 ns a byte in five fits, pricing those three at 1.41 / 1.75 / 2.43 ms;
+    of the compute (0.19 / 0.08 / 0.04 of it) nor of the bytes alone. Fitted 22–24 µs an op
+    and 0.07–0.12 ns a byte (8.4 MB the two blocks save at width 128, 4 sequences, as
+    autograd's own count) in two fits, pricing those three at 1.3–1.5 / 1.6–2.0 / 2.2–3.0 ms;
     calibrate's former per-op chain of tanh and tiny linears read 9–12 µs an op, and its
     share of two blocks' compute 0.045–0.07."""
     from autopar.examples.gpt import GPT, GPTConfig
@@ -438,7 +439,9 @@ def _split_sse(A: np.ndarray, y: np.ndarray, w: np.ndarray, coef: tuple[float, f
 def _counted(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> tuple[int, float]:
     """(forward ops, saved bytes) of `model`'s blocks, all of them, at `batch` sequences, as
     the cost model counts them for a plan of it: its profile (autopar.api.plan_profile, in
-    `dtype`), `forward_ops` and `layer_activation_bytes` without recompute."""
+    `dtype`) as autopar's runtime runs it (ops one by one, the fused attention kernel: what
+    the pricing restates a profile to on a CPU cluster, `ModelProfile.for_cluster`),
+    `forward_ops` and `layer_activation_bytes` without recompute."""
     from autopar import cross_entropy
     from autopar.api import plan_profile
     from autopar.cost.compute import forward_ops
@@ -446,7 +449,8 @@ def _counted(model: torch.nn.Module, dtype: torch.dtype, batch: int) -> tuple[in
     model = model.to(device="cpu", dtype=torch.float32)
     ids = torch.zeros(1, model.config.block_size, dtype=torch.long)
     _, profile = plan_profile(model, (ids,), cross_entropy, None, "local-cpu", gpu_counts=(1,))
-    profile = profile.with_training_bytes(torch.finfo(dtype).bits // 8)
+    profile = profile.with_training_bytes(torch.finfo(dtype).bits // 8).with_elementwise(
+        "eager").with_attention("flash")
     layers = profile.num_layers
     return (layers * forward_ops(profile.block),
             layers * layer_activation_bytes(profile, 1, batch, "none", False))

@@ -495,16 +495,16 @@ _LOCAL_DEFAULT = Cluster(
     # other op eagerly
     attention="flash", elementwise="eager",
     flash_fwd_efficiency=0.58, flash_bwd_efficiency=0.52, flash_half_len=150.0,
-    split_backward_op_s=22e-6, split_backward_s_per_byte=5e-11, checkpoint_op_s=50e-6,
+    split_backward_op_s=22e-6, split_backward_s_per_byte=9e-11, checkpoint_op_s=50e-6,
     checkpoint_region_s=650e-6,
     sources=("local-cpu defaults (`autopar calibrate` not run): conservative 2-core CPU (AVX2 "
              "FMA ~50 GFLOP/s total), DDR4 ~20 GB/s, gloo loopback TCP ~1 GB/s / 50-100 us",
              "attention: torch's CPU kernel (flash, fused): efficiencies measured once on the "
              "2-core development machine (fitted to 256 and 1,024 tokens)",
              "elementwise: eager (autopar's runtime runs its chunks op by op)",
-             "split_backward_op_s 22 us, split_backward_s_per_byte 0.05 ns: interleaved-zb's "
+             "split_backward_op_s 22 us, split_backward_s_per_byte 0.09 ns: interleaved-zb's "
              "B/W split per forward op and per saved byte, fitted on two GPT blocks at three "
-             "sizes on an AMD EPYC core, 2026-11-28 (21-29 us and 0.012-0.072 ns in five "
+             "sizes on an AMD EPYC core, 2026-11-28 (22-24 us and 0.07-0.12 ns in two "
              "fits; it added 1.74 / 1.73 / 2.44 ms to the two blocks' backward at widths "
              "64 / 128 / 256, 4 sequences of 128)",
              "checkpoint_op_s 50 us: recompute op's selective checkpoint per forward op the "

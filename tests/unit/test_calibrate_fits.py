@@ -511,6 +511,45 @@ def test_the_split_fit_recovers_its_per_op_and_per_byte_costs():
     assert fit_split_backward([(42, 1e6, -1e-4), (42, 1e7, -2e-4)]) == (0.0, 0.0)
 
 
+def test_the_split_fit_counts_bytes_and_ops_as_the_pricing_does():
+    """calibrate divides the split's cost by the ops and saved bytes of its GPT blocks as a
+    CPU plan's pricing counts them (the profile restated to fused attention and eager ops,
+    `CostMemo.rank_profile`): the two agree, and the bytes are what autograd itself saves of
+    those blocks (no materialized s² scores: the profile as measured holds ~1.4x as many)."""
+    import torch
+
+    from autopar import cross_entropy
+    from autopar.api import plan_profile
+    from autopar.cost.calibrate_compute import _counted
+    from autopar.cost.compute import forward_ops
+    from autopar.cost.config import Config
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.memo import CostMemo
+    from autopar.cost.memory import layer_activation_bytes
+    from autopar.examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32))
+    ops, saved = _counted(model, torch.float32, 4)
+    _, prof = plan_profile(model, (torch.zeros(1, 32, dtype=torch.long),), cross_entropy,
+                           None, "local-cpu", gpu_counts=(1,))
+    cfg = Config(t=1, p=2, d=1, v=2, micro_batch_size=4, num_microbatches=4,
+                 schedule="interleaved-zb")
+    rank = CostMemo().rank_profile(prof.with_training_bytes(4), get_cluster("local-cpu"), cfg)
+    assert saved == 2 * layer_activation_bytes(rank, 1, 4, "none", False)
+    assert ops == 2 * forward_ops(rank.block)
+    x = torch.randn(4, 32, 32, requires_grad=True)
+    blocks, held = model.transformer.h, {}
+    own = {q.untyped_storage().data_ptr() for q in blocks.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in own:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        blocks[1](blocks[0](x))
+    assert saved == pytest.approx(sum(held.values()), rel=0.1)
+
+
 def test_gemm_fit_takes_off_the_launches_the_cost_model_adds_apart():
     """A measured GEMM step holds the launches that cost/compute.py `gemm_time_s` adds to
     every GEMM apart from its rate: fitted with them in, a curve priced them twice (small
