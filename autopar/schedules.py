@@ -632,16 +632,19 @@ def eager_sends(actions: Sequence[Action]) -> dict[int, int]:
 
 
 def compute_order(name: str, p: int, v: int, m: int, *, group: int | None = None,
-                  ranks: Sequence[int] | None = None) -> list[list[Action]]:
+                  ranks: Sequence[int] | None = None,
+                  chunk_times: Sequence[tuple[float, float]] | None = None
+                  ) -> list[list[Action]]:
     """Each rank's computes in the order `make_schedule`'s lists run them, without the
     messages (cheap: no dataflow placement), for analyses of what a rank computes when (the
     weight-gather plan the cost model counts, autopar.weight_gathers). `ranks`: only these
-    pipeline ranks' lists, in that order (default: all)."""
+    pipeline ranks' lists, in that order (default: all). `chunk_times`: as `make_schedule`'s
+    (interleaved-zb places its W's by them, as the runtime does from a Plan's stages)."""
     _check_schedule(name, p, v, group)
     _check_dims(p, v, m, name)
     ranks = list(range(p) if ranks is None else ranks)
     if name in SPLIT_BACKWARD:      # W placement needs the list-scheduling simulation
-        acts = make_schedule(name, p, v, m, group=group)
+        acts = make_schedule(name, p, v, m, group=group, chunk_times=chunk_times)
         return [[a for a in acts[r] if a.kind in COMPUTE] for r in ranks]
     return [[Action(*op) for op in rank_ops]
             for rank_ops in compute_ops(name, p, v, m, group=group, ranks=ranks)]
