@@ -317,12 +317,19 @@ def schedule_activation_bytes(cc: ConfigCosts, layers_per_chunk: tuple[int, ...]
     times = (tuple(chunk_times_ms(cc, layers_per_chunk)) if cfg.schedule in SPLIT_BACKWARD
              else None)
 
-    def peaks(m: int) -> list[float]:
-        order = _compute_order(cfg.schedule, cfg.p, cfg.v, m, group, times)
+    def peaks(m: int, by: tuple | None) -> list[float]:
+        order = _compute_order(cfg.schedule, cfg.p, cfg.v, m, group, by)
         return peak_held(order, weight, pending if deferred else None)
     period = cfg.p * (group or 1)
-    return _extrapolated_peaks(peaks, cfg.num_microbatches, period,
-                               EXTRAPOLATE_START + period)
+    m, start = cfg.num_microbatches, EXTRAPOLATE_START + period
+    timed = _extrapolated_peaks(lambda n: peaks(n, times), m, period, start,
+                                whole=times is None)
+    if timed is not None:
+        return timed
+    # a long schedule whose timed W placement did not settle into periods in the three short
+    # walks: the equal-chunk order's peaks, which do (a walk of every micro-batch of a
+    # billion-sequence batch would not end)
+    return _extrapolated_peaks(lambda n: peaks(n, None), m, period, start)
 
 
 @functools.lru_cache(maxsize=32)
@@ -336,18 +343,19 @@ def _compute_order(schedule: str, p: int, v: int, m: int, group: int | None,
 
 
 def _extrapolated_peaks(peaks: Callable[[int], list[float]], m: int, period: int,
-                        start: int) -> list[float]:
+                        start: int, whole: bool = True) -> list[float] | None:
     """peaks(m), from three short walks where the schedule has settled (as
     weight_gathers.extrapolated: m0 ≡ m mod period, m0 + period, m0 + 2·period): a depth-first
     rank's peak stops growing after its warm-up, a breadth-first one grows by the same bytes
-    per period; walked whole when m is short or the three disagree (beyond a relative 1e-9)."""
+    per period; walked whole when m is short or the three disagree (beyond a relative 1e-9;
+    `whole` False: None when they disagree, for the caller's other walk)."""
     walks = settled_walks(m, period, start)
     if walks is None:
         return peaks(m)
     (a, b, c), k = [peaks(n) for n in walks[0]], walks[1]
     if not all(math.isclose(z - y, y - x, rel_tol=1e-9, abs_tol=1e-12 * max(1.0, abs(z)))
                for x, y, z in zip(a, b, c)):
-        return peaks(m)
+        return peaks(m) if whole else None
     return [x + k * (y - x) for x, y in zip(a, b)]
 
 
