@@ -91,9 +91,9 @@ def with_tp_corrections(profile: ModelProfile, captured: Captured, structure: La
               f"priced structurally" for t, sp, why in failed]
     notes += [f"tensor parallel t={t}{' + SP' if sp else ''}: not offered, the pass refuses "
               f"it ({why})" for t, sp, why in refused]
+    first_why = {t: (t, why) for t, _, why in reversed(refused)}   # one reason per t
     return dataclasses.replace(profile, tp_fallbacks=corr, notes=profile.notes + tuple(notes),
-                               tp_refused=profile.tp_refused + tuple(
-                                   sorted({t: (t, why) for t, _, why in reversed(refused)}.values())))
+                               tp_refused=profile.tp_refused + tuple(sorted(first_why.values())))
 
 
 def tp_corrections(captured: Captured, structure: LayerStructure, profile: ModelProfile,
