@@ -166,12 +166,14 @@ def calls_a_kept_child_again(gm: torch.fx.GraphModule, kept: dict[str, tuple[str
                 for key in set(keys)}
     for node in gm.graph.nodes:
         for stack_key, value in (node.meta.get(K.NN_MODULE_STACK) or {}).items():
-            if _CALL_AGAIN.search(stack_key) and value[0] in children:
+            if CALL_COUNT.search(stack_key) and value[0] in children:
                 return True
     return False
 
 
-_CALL_AGAIN = re.compile(r"@[1-9]\d*$")
+# torch.export's mark of a module's repeated call on its module-stack key ("...@1", "@2": the
+# first call has none); passes/layers.py numbers call paths by it
+CALL_COUNT = re.compile(r"@\d+$")
 
 
 def find_repeated_containers(model: torch.nn.Module) -> dict[str, int]:

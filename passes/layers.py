@@ -42,7 +42,7 @@ import torch
 import torch.fx
 
 from autopar.passes import meta as K
-from autopar.passes.capture import Captured
+from autopar.passes.capture import CALL_COUNT, Captured
 from autopar.passes.manager import Pass, run_passes
 
 Region = tuple[str, int | None]
@@ -271,7 +271,7 @@ def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
     out = []
     for key, value in stack.items():
         path, cls = value[0], value[1]
-        count = _CALL_COUNT.search(key)
+        count = CALL_COUNT.search(key)
         outer = next(((m, c) for m, c in reversed(seen)
                       if m and path.startswith(m + ".")), ("", ""))
         call = (outer[1] + path[len(outer[0]):] if outer[0] else path) + (
@@ -280,8 +280,6 @@ def _stack_paths(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
         out.append((call, cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"))
     return tuple(out)
 
-
-_CALL_COUNT = re.compile(r"@\d+$")
 
 
 def module_path(call: str) -> str:
