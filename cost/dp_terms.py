@@ -179,18 +179,14 @@ def grad_bucket_calls(params: RankParams, rank_layers: float, v: int, elem_bytes
         return (1, 0.0) if nbytes >= BUCKET_BYTES else (0, nbytes)
     calls = 0
     for c in reversed(range(v)):
-        own, rest = 0, layers
-        if c == 0:
-            k, left = edge(emb)
-            own, rest = own + k, rest + left
+        own, rest = edge(emb) if c == 0 else (0, 0.0)
+        rest += layers
         if c == v - 1:        # the first bucket: the head alone where it fills 1 MiB
             if head >= FIRST_BUCKET_BYTES:
                 own += 1
-            else:
-                rest += head
-            if head < FIRST_BUCKET_BYTES and rest > 0:
+            elif rest + head > 0:
                 own += 1
-                rest = max(0.0, rest - FIRST_BUCKET_BYTES)
+                rest = max(0.0, rest + head - FIRST_BUCKET_BYTES)
         calls += own + filled(rest)
     experts = rank_layers * params.experts * elem_bytes
     return max(1, calls) + (filled(experts) if experts else 0)
