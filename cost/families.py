@@ -72,7 +72,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def tensor_rule(profile: ModelProfile, t: int) -> str | None:
-    """Why t cannot split this model (heads, hidden, ffn, kv heads), or None."""
+    """Why t cannot split this model (its sizes: `tensor_size_rule`; its graph:
+    `pass_refusal`), or None."""
+    return tensor_size_rule(profile, t) or pass_refusal(profile, t)
+
+
+def tensor_size_rule(profile: ModelProfile, t: int) -> str | None:
+    """Why t cannot split this model's sizes (heads, hidden, ffn, kv heads), or None."""
     for what, value in (("heads", profile.heads), ("hidden", profile.hidden),
                         ("ffn", profile.ffn)):
         if value % t:
@@ -82,7 +88,7 @@ def tensor_rule(profile: ModelProfile, t: int) -> str | None:
     if kv % t and t % kv:
         return (f"divisibility: kv_heads {kv} neither divisible by t={t} nor dividing it "
                 f"(kv heads are split, or replicated when t is a multiple of kv_heads)")
-    return pass_refusal(profile, t)
+    return None
 
 
 def pass_refusal(profile: ModelProfile, t: int) -> str | None:

@@ -42,7 +42,7 @@ from autopar.cost.families import (AUTO_SCHEDULES, MAX_CHUNKS_PER_RANK,  # noqa:
                                    MAX_MICRO_BATCH, Pins, Rejection, context_rule,
                                    cp_attention_rule, enumerate_configs, enumerate_families,
                                    pass_refusal, ring_attention_rule, tensor_degrees,
-                                   tensor_rule)
+                                   tensor_rule, tensor_size_rule)
 from autopar.cost.layout import chunk_times_ms, late_heavy, spread_layers
 from autopar.cost.memo import CostMemo
 from autopar.cost.model import (SCHEDULE_TRAITS, Config, config_costs, predict, rank_layers)
@@ -90,14 +90,14 @@ def _validate(profile: ModelProfile, cluster: Cluster, gpus: int, global_batch: 
             raise ValueError(f"solve: c={pins.c}: {why}; pad the sequence to a multiple of "
                              f"{2 * pins.c} or pick a c with 2c dividing {profile.seq_len}")
     if pins.t is not None:
-        why = tensor_rule(profile, pins.t)
-        if why and why == pass_refusal(profile, pins.t):   # the sizes divide; the graph not
-            raise ValueError(f"solve: t={pins.t}: {why}; pick another t, or leave t unpinned "
-                             f"so the planner chooses one")
+        why = tensor_size_rule(profile, pins.t)
         if why:
             raise ValueError(f"solve: t={pins.t}: {why}; pick a t that divides them (the "
                              f"vocabulary {profile.vocab} needs no rule: it is padded to a "
                              f"multiple of 128·t)")
+        if why := pass_refusal(profile, pins.t):       # the sizes divide; the graph not
+            raise ValueError(f"solve: t={pins.t}: {why}; pick another t, or leave t unpinned "
+                             f"so the planner chooses one")
         if pins.sequence_parallel and profile.seq_len % pins.t:
             raise ValueError(f"solve: sequence_parallel=True with t={pins.t}: sequence "
                              f"parallelism needs the sequence length ({profile.seq_len}) "
