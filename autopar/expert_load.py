@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autopar.cost.imbalance import ExpertLoad
 from autopar.passes.capture import capture
-from autopar.passes.expert_parallel import _offs, expert_chains
+from autopar.passes.expert_parallel import _offs, expert_bmm_chains, expert_chains
 
 
 class _Recorder(fx.Interpreter):
@@ -44,6 +44,11 @@ def measure_expert_load(model: torch.nn.Module, example_inputs: tuple) -> Expert
                          "of data to measure)")
     gm = capture(model, tuple(example_inputs)).gm
     offs = [_offs(first) for first, _ in expert_chains(gm)]
+    if not offs and expert_bmm_chains(gm):
+        raise ValueError(f"measure_expert_load: {type(model).__name__}'s experts run every "
+                         f"token (batched matmuls, the router's scores as weights), so each "
+                         f"expert rank gets the same rows: no imbalance to measure; plan "
+                         f"without --data / moe_imbalance")
     if not offs:
         raise ValueError(f"measure_expert_load: {type(model).__name__} has no mixture of "
                          f"experts (no grouped matmul over 3-D expert weights) to measure; "

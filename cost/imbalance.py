@@ -133,4 +133,8 @@ def with_expert_load(profile: Any, load: "ExpertLoad | float | None") -> Any:
         raise ValueError(f"moe_imbalance={load.expert_factor:g}: the model has no mixture of "
                          f"experts (no grouped matmul over 3-D expert weights) whose load it "
                          f"could describe; drop moe_imbalance")
+    if not any(g.expert for g in profile.block.gemms):
+        raise ValueError(f"moe_imbalance={load.expert_factor:g}: the model's experts run every "
+                         f"token (batched matmuls over 3-D expert weights), so their load is "
+                         f"even whatever the router picks; drop moe_imbalance")
     return replace(profile, expert_load=load)

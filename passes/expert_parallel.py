@@ -1,6 +1,13 @@
 """Expert parallelism in the graph: each rank keeps E/ep of every layer's experts and sends its
 tokens to their experts' ranks by all-to-all (autopar/runtime/experts.py).
 
+Two forms of experts are found. Grouped (below): transformers' grouped-matmul path. Batched
+(`expert_bmm_chains`, Llama 4): every token goes to every expert, weighted by the router's
+score, as one bmm of (E, N, K) rows by a 3-D parameter (E, K, M); the rank's rows are its
+experts' batches in order, i.e. rows sorted by expert with offs N, 2N, ..., so the same route
+/ dispatch / combine move them (`dispatch_batches`: each rank then holds (E/ep, rows of every
+rank, K); `combine_batches` returns (E, N, M)).
+
 The experts are found as the tensor-parallel pass finds them (passes/sharding/): a chain of
 grouped matmuls over 3-D expert parameters (transformers' grouped-matmul path: the gate/up
 product of the rows sorted by expert, an elementwise gate, the down product), the first fed
@@ -30,7 +37,7 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.sharding import ancestors, is_grouped_mm
+from autopar.passes.sharding import ancestors, expert_bmm_source, is_expert_bmm, is_grouped_mm
 from autopar.runtime import experts as X
 from autopar.runtime.shard import UnboundGroup
 
@@ -67,6 +74,17 @@ def expert_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
         if is_grouped_mm(n) and _param(gm, n) is not None:
             by_offs.setdefault(_offs(n), []).append(n)
     return [(mms[0], mms[-1]) for mms in by_offs.values()]
+
+
+def expert_bmm_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(first, last) bmm of each experts' chain run as batched matmuls over 3-D parameters
+    (sharding.is_expert_bmm: Llama 4's experts, every row to every expert), in graph order:
+    the last is the expert bmm fed by the first through non-matmul ops (the gate); a first
+    no other product reads closes its own chain."""
+    bmms = [n for n in gm.graph.nodes if is_expert_bmm(n)]
+    fed = {n: expert_bmm_source(n) for n in bmms}
+    last = {src: n for n, src in fed.items() if src is not None}
+    return [(n, last.get(n, n)) for n in bmms if fed[n] is None]
 
 
 def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> ExpertSlice:
@@ -112,10 +130,10 @@ def _spread_experts(gm: fx.GraphModule, ep: int, ep_rank: int,
     """
     if ep == 1:
         return gm
-    chains = expert_chains(gm)
-    if not chains:
-        raise ValueError(f"ep={ep}: the graph has no experts (grouped matmuls over 3-D "
-                         f"parameters) to spread over ranks; run with ep=1")
+    chains, batched = expert_chains(gm), expert_bmm_chains(gm)
+    if not chains and not batched:
+        raise ValueError(f"ep={ep}: the graph has no experts (grouped or batched matmuls over "
+                         f"3-D parameters) to spread over ranks; run with ep=1")
     g = gm.graph
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # a plain attribute, as tp_group
@@ -134,25 +152,55 @@ def _spread_experts(gm: fx.GraphModule, ep: int, ep_rank: int,
         for mm in {first, last}:
             mm.args = (x if mm is first else mm.args[0], mm.args[1], local_offs) + mm.args[3:]
             mm.kwargs = {k: v for k, v in mm.kwargs.items() if k != "offs"}
-            attr = _param(gm, mm)
-            if attr is None:
-                raise ValueError(f"expert parallelism: {mm.name}'s weight is not a parameter; "
-                                 f"only experts held as 3-D parameters are spread: run ep=1")
-            if attr.target not in sliced:
-                sliced[attr.target] = _slice_experts(gm, attr, ep, ep_rank)
-            for v in _views(attr, mm):
-                v.meta[K.VAL] = torch.empty(tuple(v.meta[K.VAL].shape[:0])
-                                            + (attr.meta[K.VAL].shape[0],)
-                                            + tuple(v.meta[K.VAL].shape[1:]),
-                                            dtype=v.meta[K.VAL].dtype, device="meta")
+            _slice_weight(gm, mm, ep, ep_rank, sliced)
         with g.inserting_after(last):
             y = g.call_function(X.combine, (last, r, grp))
         y.meta[K.VAL] = last.meta.get(K.VAL)
         last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+    for first, last in batched:
+        _spread_bmm_chain(gm, first, last, ep, ep_rank, sliced)
     for n in g.nodes:
         if n.op == "get_attr" and n.target in sliced:
             n.meta[K.EP_PARAM] = sliced[n.target]
     return gm
+
+
+def _slice_weight(gm: fx.GraphModule, mm: fx.Node, ep: int, ep_rank: int,
+                  sliced: dict[str, ExpertSlice]) -> None:
+    """Keep this rank's experts of product `mm`'s 3-D weight (once per parameter), the views
+    between it and `mm` given its E/ep experts in their "val"."""
+    attr = _param(gm, mm)
+    if attr is None:
+        raise ValueError(f"expert parallelism: {mm.name}'s weight is not a parameter; "
+                         f"only experts held as 3-D parameters are spread: run ep=1")
+    if attr.target not in sliced:
+        sliced[attr.target] = _slice_experts(gm, attr, ep, ep_rank)
+    for v in _views(attr, mm):
+        v.meta[K.VAL] = torch.empty((attr.meta[K.VAL].shape[0],)
+                                    + tuple(v.meta[K.VAL].shape[1:]),
+                                    dtype=v.meta[K.VAL].dtype, device="meta")
+
+
+def _spread_bmm_chain(gm: fx.GraphModule, first: fx.Node, last: fx.Node, ep: int,
+                      ep_rank: int, sliced: dict[str, ExpertSlice]) -> None:
+    """One chain of expert bmms (expert_bmm_chains): the (E, N, K) rows go to their experts'
+    ranks before `first` (each rank then holds (E/ep, rows of every rank, K)) and the results
+    come back after `last` as (E, N, M); the rows' count is read at run time (route)."""
+    g = gm.graph
+    x = first.args[0]
+    experts = int(x.meta[K.VAL].shape[0])
+    with g.inserting_before(first):
+        grp = g.get_attr(EP_GROUP_ATTR)
+        r = g.call_function(X.batch_route, (x, grp))
+        moved = g.call_function(X.dispatch_batches, (x, r, grp, experts // ep))
+    moved.meta[K.VAL] = x.meta.get(K.VAL)
+    first.replace_input_with(x, moved)
+    for mm in {first, last}:
+        _slice_weight(gm, mm, ep, ep_rank, sliced)
+    with g.inserting_after(last):
+        y = g.call_function(X.combine_batches, (last, r, grp, experts))
+    y.meta[K.VAL] = last.meta.get(K.VAL)
+    last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
 
 
 def _dispatch_row_operands(g: fx.Graph, first: fx.Node, last: fx.Node, r: fx.Node,

@@ -67,7 +67,8 @@ from autopar.passes.graph_facts import (FP32_LOSS_OPS, LOSS_BYTES_PER_ELEM, SDPA
                                         TRAIN_BYTES_PER_ELEM, WEIGHT_GEMMS, GraphFacts, bias_of,
                                         gemm_operands, is_gemm, node_val, numel, param_root,
                                         train_bytes, unrepeated, weight_of)
-from autopar.passes.sharding import ancestors, fed_by_grouped_mm, is_grouped_mm
+from autopar.passes.sharding import (ancestors, expert_bmm_source, fed_by_grouped_mm,
+                                     is_expert_bmm, is_grouped_mm)
 
 aten = torch.ops.aten
 # Largest attention mask (entries) read on the CPU to find the tiles a fused kernel skips:
@@ -263,21 +264,23 @@ def _gemms_and_params(g: GraphFacts, kind: str, region: list, r: _Region) -> Non
             r.gemms.append(gemm)
             n.meta[K.GEMM], n.meta[K.GEMM_SPLIT] = gemm, split
             _charge_params(g, n, split, r, shared)
-            if is_grouped_mm(n):
+            if is_grouped_mm(n) or is_expert_bmm(n):
                 _charge_experts(g, n, gemm, r)
 
 
 def _charge_experts(g: GraphFacts, n: torch.fx.Node, gemm: Gemm, r: _Region) -> None:
-    """An experts' grouped matmul: its weight (E, K, N) holds E experts, which expert
-    parallelism spreads over the ranks; the first of a chain (not fed by another grouped
-    matmul) reads the tokens sorted by expert, gemm.m = tokens · k rows of gemm.k elements per
-    sequence: what one all-to-all moves to the experts' ranks (and the combine moves back)."""
+    """An experts' grouped matmul or batched one (sharding.is_expert_bmm): its weight (E, K, N)
+    holds E experts, which expert parallelism spreads over the ranks; the first of a chain
+    (not fed by another experts' product) reads the rows sorted by expert, gemm.batch · gemm.m
+    rows of gemm.k elements per sequence (grouped: tokens · k; batched: E · tokens): what one
+    all-to-all moves to the experts' ranks (and the combine moves back)."""
     w = weight_of(n)
     if w is not None and w.target in g.params:
         r.expert_params.add(g.params[w.target][0])
         r.experts = max(r.experts, int(node_val(w).shape[0]))
-    if not fed_by_grouped_mm(n):
-        r.dispatch += gemm.m * gemm.k
+    first = (not fed_by_grouped_mm(n)) if is_grouped_mm(n) else expert_bmm_source(n) is None
+    if first:
+        r.dispatch += gemm.batch * gemm.m * gemm.k
 
 
 def _charge_params(g: GraphFacts, n: torch.fx.Node, split: Any, r: _Region,
@@ -317,6 +320,12 @@ def _gemm(n: torch.fx.Node, batch: int, name: str, split: Any) -> Gemm:
         # are charged as parameters
         M, K, N = numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
         return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split, expert=True)
+    if is_expert_bmm(n):
+        # (E, rows, K) · (E, K, N): each expert's rows hold every token of the batch (Llama 4
+        # weights them by the router's scores), so per sequence E products of tokens rows
+        E, rows, K = (int(d) for d in a.shape)
+        return Gemm(name=name, batch=E, m=rows // batch, n=int(b.shape[-1]), k=K,
+                    tp_split=split)
     if b.dim() == 2:  # (…, M, K) · (K, N): a linear layer written as mm / matmul
         M, K, N = numel(a.shape[:-1]), int(a.shape[-1]), int(b.shape[-1])
         return Gemm(name=name, batch=1, m=M // batch, n=N, k=K, tp_split=split,

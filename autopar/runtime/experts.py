@@ -136,6 +136,30 @@ def combine(y: torch.Tensor, r: Route, group: Any) -> torch.Tensor:
     return y if group_size(group) == 1 else _Combine.apply(y, r, group)
 
 
+def batch_route(x: torch.Tensor, group: Any) -> Route:
+    """The Route of experts run as one bmm (passes/sharding is_expert_bmm): x (E, N, K) holds
+    N rows for each of the E experts, i.e. rows sorted by expert with offs N, 2N, ..., EN."""
+    experts, rows = int(x.shape[0]), int(x.shape[1])
+    offs = torch.arange(1, experts + 1, dtype=torch.int32, device=x.device) * rows
+    return route(offs, group)
+
+
+def dispatch_batches(x: torch.Tensor, r: Route, group: Any, local: int) -> torch.Tensor:
+    """x (E, N, K) to its experts' ranks: (local, rows from every rank, K). Each rank sends
+    every expert the same N rows, so each local expert receives the same count."""
+    if group_size(group) == 1:
+        return x
+    return dispatch(x.flatten(0, 1), r, group).view(local, -1, x.shape[-1])
+
+
+def combine_batches(y: torch.Tensor, r: Route, group: Any, experts: int) -> torch.Tensor:
+    """The local experts' results y (local, rows from every rank, M) back to their rows'
+    ranks: (experts, N, M), this rank's rows for every expert."""
+    if group_size(group) == 1:
+        return y
+    return combine(y.flatten(0, 1), r, group).view(experts, -1, y.shape[-1])
+
+
 def mean_over(x: torch.Tensor, group: Any) -> torch.Tensor:
     """The mean of `x` over `group`, for values without a gradient (the router's per-expert
     token counts, passes/router_stats.py); a new tensor. None / one rank: x itself."""

@@ -56,7 +56,7 @@ from autopar.passes.sharding.ops import (MATMUL_OPS, NEW_FACTORIES, NO_VALUE, SO
                                          tensor_args)
 from autopar.passes.sharding.propagator import Propagator
 from autopar.passes.sharding.rules import rule_for
-from autopar.passes.sharding.views import cat_rule
+from autopar.passes.sharding.views import cat_rule, repeat_rule
 from autopar.runtime.groups import hybrid_heads_rule
 
 aten = torch.ops.aten
@@ -595,6 +595,7 @@ CONTEXT_RULES = {
     aten.index_put: _context_index_put, aten.index_put_: _context_index_put,
     **{op: _context_softmax for op in SOFTMAX},
     aten.cat: _context_cat,
+    aten.repeat: repeat_rule,   # the rank's rows repeated (Llama 4's once per expert)
 }
 
 

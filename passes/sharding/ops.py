@@ -252,6 +252,47 @@ def fed_by_grouped_mm(node: fx.Node) -> bool:
             todo.extend(x.all_input_nodes)
     return False
 
+def is_expert_bmm(node: fx.Node) -> bool:
+    """A batched matmul of activations (E, N, K) by a 3-D parameter (E, K, M), batch i of the
+    rows times w[i]: experts run as one bmm, each over its own batch of rows (Llama 4's
+    experts: every token, weighted by the router's score for that expert). Exact to spread
+    over ranks by whole batches, whatever the rows mean."""
+    if not (node.op == "call_function" and packet(node) is aten.bmm
+            and isinstance(node.args[0], fx.Node)):
+        return False
+    w, x = param_root(node.args[1]), node.args[0]
+    wv, xv = (w.meta.get(K.VAL) if w is not None else None), x.meta.get(K.VAL)
+    return (param_root(x) is None and isinstance(wv, torch.Tensor) and wv.dim() == 3
+            and isinstance(xv, torch.Tensor) and xv.dim() == 3
+            and int(xv.shape[0]) == int(wv.shape[0]))
+
+def _in_batches(val: Any, experts: int) -> bool:
+    """Whether a node's value is (experts, rows, ·) (or a tuple of such: a chunk's)."""
+    if isinstance(val, (list, tuple)):
+        return bool(val) and all(_in_batches(v, experts) for v in val)
+    return isinstance(val, torch.Tensor) and val.dim() == 3 and int(val.shape[0]) == experts
+
+def expert_bmm_source(node: fx.Node) -> fx.Node | None:
+    """The expert bmm of the same experts nearest upstream of expert bmm `node`'s rows, through
+    non-matmul ops that keep the rows in the experts' batches (E, N, ·) (the gate between the
+    gate/up and the down product), or None: `node` reads fresh rows (a chain's first product;
+    the previous layer's experts, reached through the residual stream, do not count)."""
+    experts = shape(param_root(node.args[1]))[0]
+    seen, todo = set(), [node.args[0]]
+    while todo:
+        x = todo.pop()
+        if (not isinstance(x, fx.Node) or x in seen or x.op != "call_function"
+                or not _in_batches(x.meta.get(K.VAL), experts)):
+            continue
+        seen.add(x)
+        if is_expert_bmm(x):
+            if shape(param_root(x.args[1]))[0] == experts:
+                return x
+            continue
+        if packet(x) not in MATMUL_OPS:
+            todo.extend(x.all_input_nodes)
+    return None
+
 def reaches(start: fx.Node, hit: Any, through: Any) -> bool:
     """Whether a node for which hit(node) holds is reached from start's users, walking on
     only past nodes for which through(node) holds (each node looked at once)."""

@@ -139,6 +139,12 @@ def _batched_matmul(p: Propagator, node: fx.Node, a: Any = None, b: Any = None) 
         a, b = node.args[0], node.args[1]
     la, lb = p.eff(node, a), p.eff(node, b)
     na, nb, nd = len(shape(a)), len(shape(b)), len(shape(node))
+    if isinstance(la, Shard) and la.seq and param_root(b) is not None:
+        # a weight's batched product in a sequence-parallel region (Llama 4's experts' bmm)
+        # reads the all-gathered sequence, as a weight matmul does (matmul_rule), so its
+        # weight keeps its tensor split
+        p.demand(node, a, R)
+        la = R
     if not isinstance(la, Shard) and not isinstance(lb, Shard):
         p.demand(node, a, R); p.demand(node, b, R)
         return R

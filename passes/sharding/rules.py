@@ -27,7 +27,8 @@ from autopar.passes.sharding.products import (baddbmm_rule, embedding_rule, grou
 from autopar.passes.sharding.reductions import (cross_entropy_rule, nll_rule, norm_rule,
                                                 reduce_rule, softmax_rule)
 from autopar.passes.sharding.views import (cat_rule, expand_rule, gather_scatter_rule, index_rule,
-                                           repeat_interleave_rule, reshape_rule, slice_rule,
+                                           complex_view_rule, repeat_interleave_rule, reshape_rule,
+                                           slice_rule,
                                            split_rule, stack_rule, transpose_rule)
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ Rule = Callable[["Propagator", fx.Node], Any]
 RULES: dict[Any, Rule] = {
     **{op: reshape_rule for op in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten,
                                aten.unflatten, aten.squeeze, aten.unsqueeze)},
+    aten.view_as_complex: complex_view_rule, aten.view_as_real: complex_view_rule,
     aten.expand: expand_rule, aten.broadcast_to: expand_rule,
     aten.index: index_rule, aten.stack: stack_rule, aten.baddbmm: baddbmm_rule,
     aten.transpose: transpose_rule, aten.t: transpose_rule, aten.permute: transpose_rule,

@@ -45,6 +45,36 @@ def reshape_rule(p: Propagator, node: fx.Node) -> Layout:
     return mapped
 
 
+def complex_view_rule(p: Propagator, node: fx.Node) -> Layout:
+    """view_as_complex (…, n, 2) -> (…, n) and view_as_real (…, n) -> (…, n, 2) (a rotary
+    through complex numbers, Llama 4's): the leading dims keep their layout; a split of the
+    (real, imaginary) pair itself cannot be kept."""
+    src = node.args[0]
+    lay = p.eff(node, src)
+    if (isinstance(lay, Shard) and packet(node) is aten.view_as_complex
+            and lay.dim == len(shape(src)) - 1):
+        raise Conflict(lay.origins, node, f"{node.name}: view_as_complex cannot keep the "
+                       f"(real, imaginary) pair (dim {lay.dim}) split in {p.t}")
+    return lay
+
+
+def repeat_rule(p: Propagator, node: fx.Node) -> Layout:
+    """x.repeat(sizes): r copies of x along each dim (new leading dims for the extra sizes).
+    A split dim repeated r times holds the same blocks r times over (each rank's local repeat
+    is its part of every copy: Llama 4's (tokens, hidden) rows repeated once per expert).
+    The context split's rule (sharding.context CONTEXT_RULES); the tensor split gathers a
+    repeat's split input (cheaper than gathering its r copies after)."""
+    src = node.args[0]
+    lay = p.eff(node, src)
+    if not isinstance(lay, Shard):
+        return lay
+    sizes = list(node.args[1])
+    extra = len(sizes) - len(shape(src))
+    r = int(sizes[lay.dim + extra])
+    return replace(lay, dim=lay.dim + extra, blocks=lay.blocks * r,
+                   whole=lay.whole * r, src=None if lay.src is None else lay.src * r)
+
+
 def _hold_whole_for_reshape(p: Propagator, node: fx.Node, lay: Shard,
                             conflict: Conflict) -> None:
     """A fused output viewed into heads whose small blocks cannot be split by t (Falcon-7B's

@@ -1,9 +1,10 @@
 """The expert-parallel graph pass (passes/expert_parallel.py) on 2 gloo ranks: transformers'
-Mixtral and OLMoE captured, each rank keeping 2 of the 4 experts and exchanging its tokens by
-all-to-all, against the whole model on the same rank's batch — the loss, the gradients of the
-dense weights (the rank's own), and of its experts (summed over the ranks whose tokens reached
-them, as the backward all-to-all brings them). The whole training program (build / compile
-running this pass): tests/numerics/test_expert_parallel_program.py."""
+Mixtral and OLMoE (grouped matmuls) and Llama 4 (batched matmuls over every token) captured,
+each rank keeping 2 of the 4 experts and exchanging its tokens by all-to-all, against the
+whole model on the same rank's batch — the loss, the gradients of the dense weights (the
+rank's own), and of its experts (summed over the ranks whose tokens reached them, as the
+backward all-to-all brings them). The whole training program (build / compile running this
+pass): tests/numerics/test_expert_parallel_program.py."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +12,8 @@ import torch.distributed as dist
 import models
 from autopar.examples.gpt import lm_cross_entropy
 from autopar.passes.capture import capture
-from autopar.passes.expert_parallel import apply_expert_parallel, expert_chains
+from autopar.passes.expert_parallel import (apply_expert_parallel, expert_bmm_chains,
+                                            expert_chains)
 from autopar.testing import spawn
 
 pytestmark = pytest.mark.distributed
@@ -19,7 +21,8 @@ pytestmark = pytest.mark.distributed
 
 def _worker(rank: int, world: int, name: str) -> dict:
     group = dist.group.WORLD
-    model = models.build(name, seed=0, experts=4, top_k=2)
+    sizes = {} if name == "hf_llama4" else {"experts": 4, "top_k": 2}   # llama4: 4, top-1
+    model = models.build(name, seed=0, **sizes)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
     ref = capture(model, (ids,), lm_cross_entropy, ids).gm
     loss_ref = ref(ids, ids)
@@ -29,7 +32,7 @@ def _worker(rank: int, world: int, name: str) -> dict:
     for p in ref.parameters():      # the two captures may share the model's parameters
         p.grad = None
     gm = capture(model, (ids,), lm_cross_entropy, ids).gm
-    chains = len(expert_chains(gm))
+    chains = (len(expert_chains(gm)), len(expert_bmm_chains(gm)))
     apply_expert_parallel(gm, world, rank, group)
     loss = gm(ids, ids)
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
@@ -47,11 +50,12 @@ def _worker(rank: int, world: int, name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe"])
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4"])
 def test_ep2_pass_equals_the_whole_model(name):
     results = spawn(_worker, 2, name, timeout_s=120)
     for rank, r in enumerate(results):
-        assert r["chains"] == 2                         # one experts' chain per layer
+        # one experts' chain per layer, of the kind the model runs
+        assert r["chains"] == ((0, 2) if name == "hf_llama4" else (2, 0)), r["chains"]
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5), (rank, r["loss"])
         assert len(r["experts"]) == 4, r                # gate_up and down of 2 layers
         assert not r["bad"], (rank, r["bad"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from autopar.api import ParallelProgram
+from autopar.plan import Plan
 from autopar.runtime.pretrained import SINGLE_FILE
 from autopar.testing import spawn
 
@@ -55,9 +56,19 @@ def _check(name: str, plan) -> list:
     return results
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe"])
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4"])
 def test_ep2_d2_program_matches_single_device(name):
+    """Llama 4's experts are batched matmuls over every token (no grouping offsets): each
+    rank's (E, N, hidden) rows go to the experts' ranks as E/ep batches and come back."""
     _check(name, dataclasses.replace(make_plan(d=2), ep=2))
+
+
+def test_llama4_c2_ring_ep2_d2_matches_single_device():
+    """Llama 4 at c = 2 (ring attention over its complex-number rotary) × d = 2, ep = 2 over
+    the 4 context-and-data ranks: each rank repeats its own tokens once per expert and sends
+    the (E, N, hidden) batches to the experts' ranks."""
+    plan = dataclasses.replace(make_plan(d=2), ep=2)
+    _check("hf_llama4", Plan.from_dict({**plan.to_dict(), "c": 2, "cp_attention": "ring"}))
 
 
 def test_ep2_d2_op_recompute_matches_single_device():
@@ -66,7 +77,8 @@ def test_ep2_d2_op_recompute_matches_single_device():
     _check("hf_mixtral", dataclasses.replace(make_plan(d=2), ep=2, recompute="op"))
 
 
-@pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True)])
+@pytest.mark.parametrize("name, sp", [("hf_mixtral", False), ("hf_olmoe", True),
+                                      ("hf_llama4", True)])
 def test_t2_ep2_program_splits_experts_both_ways(name, sp):
     """t=2 d=2 ep=2 (4 ranks): each rank holds 2 of the 4 experts, each expert's FFN split
     over the 2 tensor ranks (passes/sharding/); full_state_dict gathers over both. With
@@ -178,7 +190,7 @@ def test_load_pretrained_at_ep2_reads_each_ranks_experts(tmp_path, t):
 
 # ---- sharded weights (ZeRO-2/3) with ep = 2, in one process group of 4 ranks ------------------
 ZERO_CASES = (("hf_mixtral", 3, "fp32"), ("hf_olmoe", 2, "fp32"), ("hf_qwen2_moe", 3, "fp32"),
-              ("hf_mixtral", 2, "bf16"))
+              ("hf_mixtral", 2, "bf16"), ("hf_llama4", 3, "fp32"))
 BF16_MAX_NORM = 0.05   # tests/programs.py check_training's bf16 setting (clipping active)
 
 
@@ -232,8 +244,8 @@ def _zero_rank(rank: int, world: int, path: str) -> list:
 
 
 def test_zero2_zero3_with_ep2_match_single_device_and_resume_at_ep1_zero1(tmp_path):
-    """ZeRO-3 and ZeRO-2 with ep = 2 on Mixtral, OLMoE and Qwen2-MoE (fp32), and Mixtral's
-    ZeRO-2 in bf16: each chunk's experts a flat buffer of their own, sharded, gathered and
+    """ZeRO-3 and ZeRO-2 with ep = 2 on Mixtral, OLMoE, Qwen2-MoE and Llama 4 (fp32), and
+    Mixtral's ZeRO-2 in bf16: each chunk's experts a flat buffer of their own, sharded, gathered and
     reduce-scattered over the expert-data group (and divided by c·d), the dense weights over
     the 4 data ranks (autopar/runtime/regimes/zero3.py), against one device; and the
     checkpoint saved at ep = 2 ZeRO-3 (each rank writing its experts' shard pieces) resumed at

@@ -138,7 +138,9 @@ def _plan(mode: str, layers: int = 2) -> Plan:
 # column-parallel MLP) at t = 2, Nemotron (LayerNorm1P: each block's `weight + 1` computed
 # before its norm reads the residual, once refused as no stack) at t = 2 and p = 2; Llama 4
 # (its MoE adds the routed experts in place into the shared expert's row-parallel sum, which
-# the collective once returned as a view autograd forbids modifying) at t = 2.
+# the collective once returned as a view autograd forbids modifying) at t = 2, and at c = 2
+# (its rotary through view_as_complex / view_as_real, its (tokens, hidden) rows repeated once
+# per expert and viewed (E, tokens, hidden) for the experts' bmm: rules since 2026-11-28).
 @pytest.mark.parametrize("names,mode", [
     (("gpt_oss_mq", "hf_albert", "no_list", "hf_deepseek_v3", "hf_qwen3_moe_alternate",
       "cohere2_gl", "smollm3_nope", "hf_modernbert", "hf_swin", "hf_apertus", "hf_nemotron",
@@ -146,7 +148,7 @@ def _plan(mode: str, layers: int = 2) -> Plan:
     (("hf_deepseek_v3", "hf_albert", "shared_block", "no_list", "hf_mixtral", "hf_olmoe",
       "hf_qwen2_moe", "hf_gpt_oss", "cohere2_gl", "hf_modernbert", "hf_nemotron"), "p2"),
     (("hf_cohere2", "hf_gpt_oss", "hf_qwen3_moe_alternate", "shared_block", "hf_deepseek_v3",
-      "deepseek_a2a"), "c2"),
+      "deepseek_a2a", "hf_llama4"), "c2"),
     (("hf_qwen3_moe_alternate", "hf_deepseek_v3", "hf_qwen2_moe"), "ep2d2"), (("albert3", "albert_g2"), "p3"),
     (("hf_swin", "hf_qwen3_moe_alternate"), "p2-hier")],
     ids=lambda x: "+".join(x) if isinstance(x, tuple) else x)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import autopar
-from autopar.expert_load import load_from_token_file
+from autopar.expert_load import load_from_token_file, measure_expert_load
 
 import models
 
@@ -38,6 +39,25 @@ def test_parallelize_prices_and_explains_a_given_imbalance():
     assert prog.profile.expert_load.factor == 1.3
     assert "expert load imbalance: the most loaded expert gets 1.30×" in prog.plan.explain()
     assert "(this plan: ep=2, 1.15×)" in prog.plan.explain()
+
+
+def test_batched_experts_are_planned_with_ep_and_have_no_load_to_measure():
+    """Llama 4 runs its experts as batched matmuls over every token (each expert's batch: all
+    rows, weighted by the router): the profile finds 4 experts per layer whose dispatch moves
+    E · tokens · hidden elements per sequence, the planner spreads them (ep = 2), and an
+    imbalance (given or measured) is refused in one line: every expert gets the same rows."""
+    model = models.build("hf_llama4", seed=0)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    kw = dict(example_inputs=(ids,), loss_fn=autopar.cross_entropy, global_batch_size=4,
+              cluster="dgx-a100-80gb", d=2)
+    prog = autopar.parallelize(model, 2, ep=2, **kw)
+    blk = prog.profile.block
+    assert (blk.experts, blk.expert_dispatch_elems) == (4, 4 * 16 * 32)
+    assert prog.plan.ep == 2 and "expert-parallel comm" in prog.plan.explain()
+    with pytest.raises(ValueError, match=r"moe_imbalance=1.3: the model's experts run every "):
+        autopar.parallelize(model, 2, moe_imbalance=1.3, **kw)
+    with pytest.raises(ValueError, match="no imbalance to measure"):
+        measure_expert_load(model, (ids,))
 
 
 def test_plan_data_checks_the_file_and_host_memory_before_loading_weights(tmp_path):

@@ -58,6 +58,18 @@ def test_map_reshape_splits_hidden_into_heads():
     assert map_reshape((2, 8, 32), (16, 32), Shard(1, (8,)), 2) == Shard(0, (8, 8))
 
 
+def test_map_reshape_reads_blocks_repeated_in_each_row_of_the_outer_dim():
+    # Llama 4's experts: (B·T, C) rows of 2 sequences of 8, split per sequence, repeated once
+    # per expert (E = 4: 8 blocks), viewed (E, B·T, C): each expert's row holds the same two
+    # blocks, so the split lands on dim 1
+    rows = Shard(0, (8,) * 8)
+    assert map_reshape((64, 16), (4, 8 * 2, 16), rows, 2) == Shard(1, (8, 8))
+    # blocks that differ from one expert's rows to the next cannot be read that way
+    assert map_reshape((32, 16), (4, 8, 16), Shard(0, (4, 4, 8, 8, 4, 4)), 2) is None
+    # and each block must divide by t
+    assert map_reshape((24, 16), (4, 6, 16), Shard(0, (3, 3) * 4), 2) is None
+
+
 # ----- the Megatron pattern ----------------------------------------------------------------------
 
 def test_gpt_megatron_pattern_from_propagation():

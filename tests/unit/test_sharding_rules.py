@@ -297,6 +297,38 @@ def test_context_mode_reads_keys_and_values_whole_at_attention():
     assert p.gathered[attn] == [kv, kv] and p.convert[attn] == {kv: R}
 
 
+def test_context_mode_repeats_the_rank_s_rows_per_expert_and_views_them_as_batches():
+    """Llama 4's experts: the (B·T, C) rows repeated once per expert (E = 4) and viewed
+    (E, B·T, C): the rank's tokens stay local, each expert's batch holding its B blocks."""
+    G = _Graph()
+    x = G.input("x", B * T, C)
+    rep = G.op(aten.repeat.default, x, [4, 1])
+    batches = G.op(aten.view.default, rep, [4, B * T, C])
+    p = ContextPropagator(G.module(batches), 2, T)
+    p.layout.update({x: Shard(0, (T,) * B, seq=True)})
+    p.visit(rep)
+    p.visit(batches)
+    assert p.layout[rep] == Shard(0, (T,) * B * 4, seq=True)
+    assert p.layout[batches] == Shard(1, (T,) * B, seq=True)
+
+
+def test_complex_views_keep_the_leading_split_and_refuse_the_pair():
+    """A rotary through complex numbers (view_as_complex of (…, d/2, 2), view_as_real back):
+    the heads' split passes through both; a split of the (real, imaginary) pair conflicts."""
+    G = _Graph()
+    x = G.input("x", B, T, 4, C // 2, 2)
+    z = G.op(aten.view_as_complex.default, x)
+    back = G.op(aten.view_as_real.default, z)
+    p = _engine(G.module(back))
+    p.layout.update({x: Shard(2, (4,), origins=frozenset({"x"}))})
+    assert rule_for(z)(p, z) == Shard(2, (4,))
+    p.layout[z] = Shard(2, (4,))
+    assert rule_for(back)(p, back) == Shard(2, (4,))
+    p.layout[x] = Shard(4, (2,), origins=frozenset({"x"}))
+    with pytest.raises(Conflict, match="cannot keep the \\(real, imaginary\\) pair"):
+        rule_for(z)(p, z)
+
+
 def test_no_module_imports_a_private_name_of_the_engine():
     """The package's modules talk through public names only (and so does every importer)."""
     root = Path(__file__).resolve().parents[2]
