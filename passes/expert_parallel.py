@@ -2,11 +2,12 @@
 tokens to their experts' ranks by all-to-all (autopar/runtime/experts.py).
 
 Two forms of experts are found. Grouped (below): transformers' grouped-matmul path. Batched
-(`expert_bmm_chains`, Llama 4): every token goes to every expert, weighted by the router's
-score, as one bmm of (E, N, K) rows by a 3-D parameter (E, K, M); the rank's rows are its
-experts' batches in order, i.e. rows sorted by expert with offs N, 2N, ..., so the same route
-/ dispatch / combine move them (`dispatch_batches`: each rank then holds (E/ep, rows of every
-rank, K); `combine_batches` returns (E, N, M)).
+(passes/expert_chains.py `expert_bmm_chains`: Llama 4's routed experts, Inkling's shared
+ones): every token goes to every expert as one bmm of (E, N, K) rows by a 3-D parameter
+(E, K, M); the rank's rows are its experts' batches in order, i.e. rows sorted by expert with
+offs N, 2N, ..., so the same route / dispatch / combine move them (`dispatch_batches`: each
+rank then holds (E/ep, rows of every rank, K), with any per-row (E, N, ·) operand the chain
+reads; `combine_batches` returns the exit's (E, N, M)).
 
 The experts are found as the tensor-parallel pass finds them (passes/sharding/): a chain of
 grouped matmuls over 3-D expert parameters (transformers' grouped-matmul path: the gate/up
@@ -37,7 +38,8 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.sharding import ancestors, expert_bmm_source, is_expert_bmm, is_grouped_mm
+from autopar.passes.expert_chains import BmmChain, expert_bmm_chains
+from autopar.passes.sharding import ancestors, is_grouped_mm
 from autopar.runtime import experts as X
 from autopar.runtime.shard import UnboundGroup
 
@@ -74,17 +76,6 @@ def expert_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
         if is_grouped_mm(n) and _param(gm, n) is not None:
             by_offs.setdefault(_offs(n), []).append(n)
     return [(mms[0], mms[-1]) for mms in by_offs.values()]
-
-
-def expert_bmm_chains(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
-    """(first, last) bmm of each experts' chain run as batched matmuls over 3-D parameters
-    (sharding.is_expert_bmm: Llama 4's experts, every row to every expert), in graph order:
-    the last is the expert bmm fed by the first through non-matmul ops (the gate); a first
-    no other product reads closes its own chain."""
-    bmms = [n for n in gm.graph.nodes if is_expert_bmm(n)]
-    fed = {n: expert_bmm_source(n) for n in bmms}
-    last = {src: n for n, src in fed.items() if src is not None}
-    return [(n, last.get(n, n)) for n in bmms if fed[n] is None]
 
 
 def _slice_experts(gm: fx.GraphModule, attr: fx.Node, ep: int, ep_rank: int) -> ExpertSlice:
@@ -157,8 +148,11 @@ def _spread_experts(gm: fx.GraphModule, ep: int, ep_rank: int,
             y = g.call_function(X.combine, (last, r, grp))
         y.meta[K.VAL] = last.meta.get(K.VAL)
         last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
-    for first, last in batched:
-        _spread_bmm_chain(gm, first, last, ep, ep_rank, sliced)
+    for chain in batched:
+        # a chain of fewer experts than ep divides (Inkling's 2 shared beside 4 routed, at
+        # ep = 4) stays whole on every rank, its weights reduced as dense ones
+        if chain.experts % ep == 0:
+            _spread_bmm_chain(gm, chain, ep, ep_rank, sliced)
     for n in g.nodes:
         if n.op == "get_attr" and n.target in sliced:
             n.meta[K.EP_PARAM] = sliced[n.target]
@@ -181,26 +175,41 @@ def _slice_weight(gm: fx.GraphModule, mm: fx.Node, ep: int, ep_rank: int,
                                     dtype=v.meta[K.VAL].dtype, device="meta")
 
 
-def _spread_bmm_chain(gm: fx.GraphModule, first: fx.Node, last: fx.Node, ep: int,
-                      ep_rank: int, sliced: dict[str, ExpertSlice]) -> None:
-    """One chain of expert bmms (expert_bmm_chains): the (E, N, K) rows go to their experts'
-    ranks before `first` (each rank then holds (E/ep, rows of every rank, K)) and the results
-    come back after `last` as (E, N, M); the rows' count is read at run time (route)."""
+def _spread_bmm_chain(gm: fx.GraphModule, chain: BmmChain, ep: int, ep_rank: int,
+                      sliced: dict[str, ExpertSlice]) -> None:
+    """One chain of expert bmms (passes/expert_chains.py): its (E, N, K) rows, and each per-row
+    operand it reads from outside, go to their experts' ranks before the chain (each rank then
+    holds (E/ep, rows of every rank, ·)); the exit's results come back as (E, N, M). The rows'
+    count is read at run time (route)."""
     g = gm.graph
-    x = first.args[0]
-    experts = int(x.meta[K.VAL].shape[0])
-    with g.inserting_before(first):
+    local = chain.experts // ep
+    where = _position(g)
+    moved = {}
+    with g.inserting_before(min(chain.entries, key=where)):
         grp = g.get_attr(EP_GROUP_ATTR)
-        r = g.call_function(X.batch_route, (x, grp))
-        moved = g.call_function(X.dispatch_batches, (x, r, grp, experts // ep))
-    moved.meta[K.VAL] = x.meta.get(K.VAL)
-    first.replace_input_with(x, moved)
-    for mm in {first, last}:
+        r = g.call_function(X.batch_route, (chain.rows, grp))
+    for x in (chain.rows,) + chain.operands:     # each before the first op reading it
+        with g.inserting_before(min((n for n in chain.inner if x in n.all_input_nodes),
+                                    key=where)):
+            moved[x] = g.call_function(X.dispatch_batches, (x, r, grp, local))
+        moved[x].meta[K.VAL] = x.meta.get(K.VAL)
+    for n in chain.inner:
+        for x, m in moved.items():
+            if x in n.all_input_nodes:
+                n.replace_input_with(x, m)
+    for mm in chain.bmms:
         _slice_weight(gm, mm, ep, ep_rank, sliced)
+    last = chain.exit
     with g.inserting_after(last):
-        y = g.call_function(X.combine_batches, (last, r, grp, experts))
+        y = g.call_function(X.combine_batches, (last, r, grp, chain.experts))
     y.meta[K.VAL] = last.meta.get(K.VAL)
     last.replace_all_uses_with(y, delete_user_cb=lambda u: u is not y)
+
+
+def _position(g: fx.Graph):
+    """A key ordering nodes of `g` as the graph runs them."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    return order.__getitem__
 
 
 def _dispatch_row_operands(g: fx.Graph, first: fx.Node, last: fx.Node, r: fx.Node,

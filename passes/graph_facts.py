@@ -14,6 +14,7 @@ import torch.fx
 from autopar.passes import meta as K
 from autopar.passes.fusion import VIEW_OPS, Fusion
 from autopar.passes.loss_precision import LOSS_OPS
+from autopar.passes.expert_chains import expert_bmm_chains
 from autopar.passes.sharding import fed_by_grouped_mm, is_grouped_mm, reaches
 
 aten = torch.ops.aten
@@ -79,6 +80,11 @@ class GraphFacts:
         self.hidden = self._hidden()
         self.fusion = Fusion(gm)
         self.mask_notes: list[str] = []
+        # experts run as batched matmuls that ep can spread (passes/expert_chains.py): their
+        # bmms, and one entry per chain (its rows are dispatched once)
+        chains = expert_bmm_chains(gm)
+        self.expert_bmms = {n for c in chains for n in c.bmms}
+        self.bmm_dispatchers = {c.entries[0] for c in chains}
         self._classify_block()
 
     # -- dims ---------------------------------------------------------------------------------

@@ -67,8 +67,7 @@ from autopar.passes.graph_facts import (FP32_LOSS_OPS, LOSS_BYTES_PER_ELEM, SDPA
                                         TRAIN_BYTES_PER_ELEM, WEIGHT_GEMMS, GraphFacts, bias_of,
                                         gemm_operands, is_gemm, node_val, numel, param_root,
                                         train_bytes, unrepeated, weight_of)
-from autopar.passes.sharding import (ancestors, expert_bmm_source, fed_by_grouped_mm,
-                                     is_expert_bmm, is_grouped_mm)
+from autopar.passes.sharding import ancestors, fed_by_grouped_mm, is_expert_bmm, is_grouped_mm
 
 aten = torch.ops.aten
 # Largest attention mask (entries) read on the CPU to find the tiles a fused kernel skips:
@@ -264,21 +263,22 @@ def _gemms_and_params(g: GraphFacts, kind: str, region: list, r: _Region) -> Non
             r.gemms.append(gemm)
             n.meta[K.GEMM], n.meta[K.GEMM_SPLIT] = gemm, split
             _charge_params(g, n, split, r, shared)
-            if is_grouped_mm(n) or is_expert_bmm(n):
+            if is_grouped_mm(n) or n in g.expert_bmms:
                 _charge_experts(g, n, gemm, r)
 
 
 def _charge_experts(g: GraphFacts, n: torch.fx.Node, gemm: Gemm, r: _Region) -> None:
-    """An experts' grouped matmul or batched one (sharding.is_expert_bmm): its weight (E, K, N)
-    holds E experts, which expert parallelism spreads over the ranks; the first of a chain
-    (not fed by another experts' product) reads the rows sorted by expert, gemm.batch · gemm.m
-    rows of gemm.k elements per sequence (grouped: tokens · k; batched: E · tokens): what one
-    all-to-all moves to the experts' ranks (and the combine moves back)."""
+    """An experts' grouped matmul or batched one (of a chain ep can spread: GraphFacts
+    expert_bmms): its weight (E, K, N) holds E experts, which expert parallelism spreads over
+    the ranks; the first of a chain (not fed by another experts' product; of a batched chain,
+    one entry) reads the rows sorted by expert, gemm.batch · gemm.m rows of gemm.k elements per
+    sequence (grouped: tokens · k; batched: E · tokens): what one all-to-all moves to the
+    experts' ranks (and the combine moves back)."""
     w = weight_of(n)
     if w is not None and w.target in g.params:
         r.expert_params.add(g.params[w.target][0])
         r.experts = max(r.experts, int(node_val(w).shape[0]))
-    first = (not fed_by_grouped_mm(n)) if is_grouped_mm(n) else expert_bmm_source(n) is None
+    first = (not fed_by_grouped_mm(n)) if is_grouped_mm(n) else n in g.bmm_dispatchers
     if first:
         r.dispatch += gemm.batch * gemm.m * gemm.k
 

@@ -223,6 +223,21 @@ def hf_llama4(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4
          **config}))
 
 
+def hf_inkling(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
+               kv_heads: int = 2, hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
+    """Inkling: 4 routed experts (grouped matmul, top-2) and 2 shared experts run as batched
+    matmuls over every token, weighted per token by the router's gains."""
+    from transformers import InklingForCausalLM, InklingTextConfig
+    d = hidden // heads
+    return InklingForCausalLM(InklingTextConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
+        swa_num_attention_heads=heads, swa_num_key_value_heads=kv_heads, swa_head_dim=d,
+        sliding_window_size=8, intermediate_size=ffn, moe_intermediate_size=ffn // 4,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+        max_position_embeddings=4 * seq, rel_extent=seq, **_no_cache(config)))
+
+
 def hf_phi(*, vocab: int = 64, seq: int = 16, layers: int = 2, heads: int = 4,
            hidden: int = 32, ffn: int = 64, **config: Any) -> Model:
     """Phi: parallel attention and MLP, partial rotary."""
@@ -605,7 +620,7 @@ BUILDERS = {f.__name__: f for f in (
     hf_mixtral, hf_olmoe, hf_qwen2_moe, hf_vit, hf_t5, hf_bart, hf_mbart, hf_umt5, hf_whisper,
     hf_bert2bert, torch_encoder, hf_qwen3_moe, hf_qwen3_moe_alternate, hf_smollm3, hf_cohere2,
     hf_gpt_oss, hf_swin, hf_deepseek_v3, hf_albert, hf_modernbert, shared_block, no_list,
-    hf_apertus, hf_nemotron, hf_diffllama, hf_llama4)}
+    hf_apertus, hf_nemotron, hf_diffllama, hf_llama4, hf_inkling)}
 
 
 def build(name: str, *, seed: int, **sizes: Any) -> Model:

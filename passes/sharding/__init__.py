@@ -72,7 +72,7 @@ from autopar.passes.sharding.layout import (R, Conflict, Layout, Partial, Refine
 from autopar.passes.sharding.ops import (GROUPED_MM, MATMUL_OPS, NEW_FACTORIES, NLL_OPS, NO_VALUE,
                                          SIZE_ARG_OPS,
                                          SPLIT_OPS, ancestors, dropout_is_identity,
-                                         expert_bmm_source, fed_by_grouped_mm, is_expert_bmm,
+                                         fed_by_grouped_mm, is_expert_bmm,
                                          is_grouped_mm, is_pointwise,
                                          is_router, is_tensor, norm_dim, packet, reaches,
                                          reduce_dims, selected_range, shape, source_line)
@@ -87,7 +87,7 @@ __all__ = [
     "map_reshape", "unflattened_sizes",
     "GROUPED_MM", "MATMUL_OPS", "NEW_FACTORIES", "NLL_OPS", "NO_VALUE", "SIZE_ARG_OPS",
     "SPLIT_OPS", "ancestors",
-    "dropout_is_identity", "expert_bmm_source", "fed_by_grouped_mm", "is_expert_bmm",
+    "dropout_is_identity", "fed_by_grouped_mm", "is_expert_bmm",
     "is_grouped_mm", "is_pointwise", "is_router",
     "is_tensor", "norm_dim", "packet", "reaches", "reduce_dims", "selected_range", "shape", "source_line",
     "Propagator", "RULES", "rule_for",

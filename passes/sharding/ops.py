@@ -266,33 +266,6 @@ def is_expert_bmm(node: fx.Node) -> bool:
             and isinstance(xv, torch.Tensor) and xv.dim() == 3
             and int(xv.shape[0]) == int(wv.shape[0]))
 
-def _in_batches(val: Any, experts: int) -> bool:
-    """Whether a node's value is (experts, rows, ·) (or a tuple of such: a chunk's)."""
-    if isinstance(val, (list, tuple)):
-        return bool(val) and all(_in_batches(v, experts) for v in val)
-    return isinstance(val, torch.Tensor) and val.dim() == 3 and int(val.shape[0]) == experts
-
-def expert_bmm_source(node: fx.Node) -> fx.Node | None:
-    """The expert bmm of the same experts nearest upstream of expert bmm `node`'s rows, through
-    non-matmul ops that keep the rows in the experts' batches (E, N, ·) (the gate between the
-    gate/up and the down product), or None: `node` reads fresh rows (a chain's first product;
-    the previous layer's experts, reached through the residual stream, do not count)."""
-    experts = shape(param_root(node.args[1]))[0]
-    seen, todo = set(), [node.args[0]]
-    while todo:
-        x = todo.pop()
-        if (not isinstance(x, fx.Node) or x in seen or x.op != "call_function"
-                or not _in_batches(x.meta.get(K.VAL), experts)):
-            continue
-        seen.add(x)
-        if is_expert_bmm(x):
-            if shape(param_root(x.args[1]))[0] == experts:
-                return x
-            continue
-        if packet(x) not in MATMUL_OPS:
-            todo.extend(x.all_input_nodes)
-    return None
-
 def reaches(start: fx.Node, hit: Any, through: Any) -> bool:
     """Whether a node for which hit(node) holds is reached from start's users, walking on
     only past nodes for which through(node) holds (each node looked at once)."""

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 def _worker(rank: int, world: int, name: str) -> dict:
     group = dist.group.WORLD
-    sizes = {} if name == "hf_llama4" else {"experts": 4, "top_k": 2}   # llama4: 4, top-1
+    sizes = {} if name in BMM else {"experts": 4, "top_k": 2}   # llama4: 4, top-1
     model = models.build(name, seed=0, **sizes)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
     ref = capture(model, (ids,), lm_cross_entropy, ids).gm
@@ -50,12 +50,17 @@ def _worker(rank: int, world: int, name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4"])
+# per model: (grouped, batched) chains and expert parameters of its 2 layers (the rest: 2, 4)
+BMM = {"hf_llama4": ((0, 2), 4),     # routed experts as batched matmuls
+       "hf_inkling": ((2, 2), 10)}   # routed grouped, 2 shared batched (gate, up, down)
+
+
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4", "hf_inkling"])
 def test_ep2_pass_equals_the_whole_model(name):
     results = spawn(_worker, 2, name, timeout_s=120)
+    chains, experts = BMM.get(name, ((2, 0), 4))
     for rank, r in enumerate(results):
-        # one experts' chain per layer, of the kind the model runs
-        assert r["chains"] == ((0, 2) if name == "hf_llama4" else (2, 0)), r["chains"]
+        assert r["chains"] == chains, r["chains"]
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5), (rank, r["loss"])
-        assert len(r["experts"]) == 4, r                # gate_up and down of 2 layers
+        assert len(r["experts"]) == experts, r          # e.g. gate_up and down of 2 layers
         assert not r["bad"], (rank, r["bad"])

@@ -56,10 +56,12 @@ def _check(name: str, plan) -> list:
     return results
 
 
-@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4"])
+@pytest.mark.parametrize("name", ["hf_mixtral", "hf_olmoe", "hf_llama4", "hf_inkling"])
 def test_ep2_d2_program_matches_single_device(name):
     """Llama 4's experts are batched matmuls over every token (no grouping offsets): each
-    rank's (E, N, hidden) rows go to the experts' ranks as E/ep batches and come back."""
+    rank's (E, N, hidden) rows go to the experts' ranks as E/ep batches and come back.
+    Inkling has both: 4 routed grouped experts and 2 shared batched ones (their gate and up
+    read one expanded input, the router's per-token gains travel with the rows)."""
     _check(name, dataclasses.replace(make_plan(d=2), ep=2))
 
 

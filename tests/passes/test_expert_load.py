@@ -77,3 +77,35 @@ def test_plan_data_checks_the_file_and_host_memory_before_loading_weights(tmp_pa
     with pytest.raises(ValueError, match=r"GiB available memory; pass --moe-imbalance") as e:
         check_before_loading(model, path, host_bytes=1024)
     assert "\n" not in str(e.value)
+
+
+class _Batched(torch.nn.Module):
+    """Rows (E=4, N, 8) through two batched products by 3-D parameters (up, a ReLU, down),
+    and, with `second_exit`, a third product of the same rows returned beside them."""
+
+    def __init__(self, second_exit: bool):
+        super().__init__()
+        self.second_exit = second_exit
+        self.up = torch.nn.Parameter(torch.randn(4, 8, 16))
+        self.down = torch.nn.Parameter(torch.randn(4, 16, 8))
+        self.side = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        y = torch.bmm(torch.bmm(x, self.up).relu(), self.down)
+        return (y, torch.bmm(x, self.side)) if self.second_exit else y
+
+
+@pytest.mark.parametrize("second_exit", [False, True])
+def test_a_batched_experts_chain_has_one_rows_input_and_one_exit(second_exit):
+    """passes/expert_chains.py: up → ReLU → down is one chain (rows x, exit down); a third
+    product of the same rows gives the set two exits, which ep could not combine: no chain,
+    so neither the planner nor the pass treats those bmms as experts."""
+    from autopar.passes.expert_chains import expert_bmm_chains
+    gm = torch.export.export(_Batched(second_exit), (torch.randn(4, 6, 8),)).module()
+    chains = expert_bmm_chains(gm)
+    if second_exit:
+        assert chains == []
+        return
+    (chain,) = chains
+    assert chain.rows.name == "x" and chain.experts == 4 and len(chain.bmms) == 2
+    assert chain.exit in chain.bmms and not chain.operands
