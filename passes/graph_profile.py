@@ -67,7 +67,8 @@ from autopar.passes.graph_facts import (FP32_LOSS_OPS, LOSS_BYTES_PER_ELEM, SDPA
                                         TRAIN_BYTES_PER_ELEM, WEIGHT_GEMMS, GraphFacts, bias_of,
                                         gemm_operands, is_gemm, node_val, numel, param_root,
                                         train_bytes, unrepeated, weight_of)
-from autopar.passes.sharding import ancestors, fed_by_grouped_mm, is_expert_bmm, is_grouped_mm
+from autopar.passes.sharding import (ancestors, fed_by_grouped_mm, is_expert_bmm, is_grouped_mm,
+                                     source_line)
 
 aten = torch.ops.aten
 # Largest attention mask (entries) read on the CPU to find the tiles a fused kernel skips:
@@ -124,6 +125,7 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
     seq_len defaults to `sequence_length(captured, structure)`.
     """
     gm = captured.gm
+    _refuse_data_dependent_sizes(gm)
     batch = captured.batch_size
     if seq_len is None:
         seq_len = sequence_length(captured, structure)
@@ -169,6 +171,22 @@ def profile_from_graph(captured: Captured, structure: LayerStructure, *,
                         shared_replicated_elems=sum(e for e, sp in shared.values() if not sp),
                         activation_bytes_per_elem=TRAIN_BYTES_PER_ELEM, notes=tuple(notes),
                         layer_kinds=kinds)
+
+
+def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
+    """One line for a graph whose sizes depend on the data (JetMoE splits its tokens into one
+    linear per expert by the router's counts: rows u0, u1, ...), which no price can count."""
+    for n in gm.graph.nodes:
+        val = n.meta.get(K.VAL)
+        for v in val if isinstance(val, (list, tuple)) else (val,):
+            if isinstance(v, torch.Tensor) and any(
+                    isinstance(d, torch.SymInt) and not d.node.has_hint() for d in v.shape):
+                raise ValueError(
+                    f"planning: node {n.name} ({n.target}) has a size that depends on the data "
+                    f"({list(v.shape)}) at {source_line(n)}: autopar prices and splits layers "
+                    f"whose sizes the inputs fix; run the model's layers with fixed sizes (for "
+                    f"a mixture of experts, one grouped matmul over 3-D expert weights, as "
+                    f"transformers' grouped_mm experts do)")
 
 
 def _shared_block_params(g: GraphFacts, structure: LayerStructure, r: _Region

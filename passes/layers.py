@@ -586,10 +586,18 @@ def _signature(block: list[torch.fx.Node]) -> tuple:
 
 def _shapes(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        return (tuple(int(d) for d in val.shape), str(val.dtype))
+        return (tuple(_size(d) for d in val.shape), str(val.dtype))
     if isinstance(val, (tuple, list)):
         return tuple(_shapes(v) for v in val)
     return None
+
+
+def _size(d: Any) -> int | str:
+    """A dim's size, or the name of a data-dependent one (JetMoE's rows per expert: an
+    unbacked symbol, u0, which no int can stand for)."""
+    if isinstance(d, torch.SymInt) and not d.node.has_hint():
+        return str(d)
+    return int(d)
 
 
 def _is_subsequence(short: tuple, long: tuple) -> bool:
