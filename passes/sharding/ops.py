@@ -30,7 +30,8 @@ _NONPOINTWISE_ELEMENTWISE = {aten.dropout, aten.to, aten._to_copy, aten.type_as,
                              aten.ones_like, aten.empty_like, aten.full_like,
                              aten.native_dropout, aten.where}   # where(c, x, scalar): untagged
 REDUCE_DIM = {aten.sum, aten.mean, aten.amax, aten.amin, aten.var, aten.std, aten.max,
-               aten.min, aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all}
+               aten.min, aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all,
+               aten.linalg_vector_norm}
 SOFTMAX = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum}
 MATMUL_OPS = frozenset({aten.linear, aten.addmm, aten.mm, aten.matmul, aten.bmm})
 NO_VALUE = {aten._assert_tensor_metadata, aten._assert_scalar, aten.sym_constrain_range_for_size}
@@ -214,11 +215,13 @@ def reduce_dims(node: fx.Node) -> tuple[list[int], bool]:
     """(the non-negative dims a reduction `node` reduces over, keepdim); no dims or an empty
     list means all of them, as in aten."""
     nd = len(shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    at = 2 if packet(node) is aten.linalg_vector_norm else 1    # (x, ord, dim, keepdim)
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         dims = list(range(nd))
     dims = [norm_dim(d, nd) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-    keep = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    keep = bool(node.args[at + 1] if len(node.args) > at + 1 else node.kwargs.get("keepdim",
+                                                                                    False))
     return dims, keep
 
 GROUPED_MM = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback"})

@@ -312,6 +312,23 @@ def test_context_mode_repeats_the_rank_s_rows_per_expert_and_views_them_as_batch
     assert p.layout[batches] == Shard(1, (T,) * B, seq=True)
 
 
+def test_a_vector_norm_over_the_features_keeps_the_rank_s_tokens():
+    """torch.linalg.vector_norm(x, dim=-1, keepdim=True) (Inkling 2's normalisation): its dims
+    follow the `ord` argument, so it reduces like a sum over them — token-wise under the
+    context split, and over the split dim it conflicts (not a silent Partial)."""
+    from autopar.passes.sharding import reduce_dims
+    G = _Graph()
+    x = G.input("x", B, T, C)
+    norm = G.op(aten.linalg_vector_norm.default, x, 2, [-1], True)
+    assert reduce_dims(norm) == ([2], True)
+    p = _context_walk(G.module(norm))
+    assert p.layout[norm] == Shard(1, (T,), seq=True)
+    e = _engine(G.module(norm))
+    e.layout[x] = Shard(2, (C,), origins=frozenset({"x"}))
+    with pytest.raises(Conflict, match="reduces over the split dim"):
+        rule_for(norm)(e, norm)
+
+
 def test_complex_views_keep_the_leading_split_and_refuse_the_pair():
     """A rotary through complex numbers (view_as_complex of (…, d/2, 2), view_as_real back):
     the heads' split passes through both; a split of the (real, imaginary) pair conflicts."""
