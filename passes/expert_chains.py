@@ -24,22 +24,20 @@ from autopar.passes.sharding.ops import param_root
 
 @dataclass(frozen=True)
 class BmmChain:
-    """One experts' chain of batched matmuls: `rows` (E, N, K) read by `entries`, `inner` the
-    ops from the entries to `exit` (the bmms included), `operands` the per-row (E, N, ·)
-    values the inner ops read from outside."""
+    """One experts' chain of batched matmuls: `rows` (E, N, K) read by `entries`, `bmms` all
+    of its products, `inner` the ops from the entries to `exit` (the bmms included), `operands`
+    the per-row (E, N, ·) values the inner ops read from outside. Every tuple in graph order
+    (the rewrite issues one all-to-all per operand: every rank in the same order)."""
     rows: fx.Node
     entries: tuple[fx.Node, ...]
+    bmms: tuple[fx.Node, ...]
     exit: fx.Node
-    inner: frozenset[fx.Node]
+    inner: tuple[fx.Node, ...]
     operands: tuple[fx.Node, ...]
 
     @property
     def experts(self) -> int:
         return int(self.rows.meta[K.VAL].shape[0])
-
-    @property
-    def bmms(self) -> tuple[fx.Node, ...]:
-        return tuple(n for n in self.inner if is_expert_bmm(n))
 
 
 def _batched(val, experts: int, rows: int | None = None) -> bool:
@@ -108,15 +106,16 @@ def expert_bmm_chains(gm: fx.GraphModule) -> list[BmmChain]:
     comps: dict[fx.Node, list[fx.Node]] = {}
     for n in bmms:
         comps.setdefault(find(n), []).append(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     chains = []
     for members in comps.values():
-        chain = _chain(members, ups)
+        chain = _chain(members, ups, order)
         if chain is not None:
             chains.append(chain)
     return chains
 
 
-def _chain(members: list[fx.Node], ups: dict) -> BmmChain | None:
+def _chain(members: list[fx.Node], ups: dict, order: dict) -> BmmChain | None:
     """The BmmChain of one connected set of expert bmms, or None when it is not one."""
     entries = [n for n in members if not ups[n]]
     fed = set().union(*(ups[n] for n in members))
@@ -129,14 +128,16 @@ def _chain(members: list[fx.Node], ups: dict) -> BmmChain | None:
     if not set(members) <= inner:
         return None
     experts, n_rows = int(val.shape[0]), int(val.shape[1])
+    inner = sorted(inner, key=order.__getitem__)
     operands = []
     for n in inner:
         for a in n.all_input_nodes:
             if (a not in inner and a is not rows and param_root(a) is None
                     and a not in operands and _batched(a.meta.get(K.VAL), experts, n_rows)):
                 operands.append(a)
-    for n in inner - {exit_}:        # the chain's values leave only through the exit
-        if any(u not in inner for u in n.users):
+    within = set(inner)
+    for n in inner:                  # the chain's values leave only through the exit
+        if n is not exit_ and any(u not in within for u in n.users):
             return None
-    return BmmChain(rows=rows, entries=tuple(entries), exit=exit_, inner=frozenset(inner),
-                    operands=tuple(operands))
+    return BmmChain(rows=rows, entries=tuple(entries), bmms=tuple(members), exit=exit_,
+                    inner=tuple(inner), operands=tuple(operands))

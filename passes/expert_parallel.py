@@ -110,8 +110,10 @@ def _spread_experts(gm: fx.GraphModule, ep: int, ep_rank: int,
     """Spread the experts of `gm` over ep ranks (this one is `ep_rank`); see the module doc.
 
     Requires: a captured graph (meta "val" on every node); experts as grouped matmul chains
-    over 3-D parameters. Guarantees: each chain's rows dispatched before its first grouped
-    matmul and combined after its last, the chain's offs replaced by the local ones, each
+    over 3-D parameters, or batched ones (passes/expert_chains.py). Guarantees: each chain's
+    rows dispatched before its first grouped matmul and combined after its last, the chain's
+    offs replaced by the local ones (a batched chain: its rows and per-row operands dispatched
+    as E/ep batches, its exit combined; one of fewer experts than ep divides left whole), each
     expert parameter holding this rank's experts [ep_rank·E/ep, (ep_rank+1)·E/ep) along dim 0;
     the exchanges read the graph attribute `ep_group` (gm.ep_group = group). With ep = 1 the
     graph is returned unchanged. Meta keys: reads "val"; writes "val" of the sliced parameters

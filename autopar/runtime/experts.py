@@ -137,7 +137,7 @@ def combine(y: torch.Tensor, r: Route, group: Any) -> torch.Tensor:
 
 
 def batch_route(x: torch.Tensor, group: Any) -> Route:
-    """The Route of experts run as one bmm (passes/sharding is_expert_bmm): x (E, N, K) holds
+    """The Route of experts run as one bmm (passes/expert_chains.py): x (E, N, K) holds
     N rows for each of the E experts, i.e. rows sorted by expert with offs N, 2N, ..., EN."""
     experts, rows = int(x.shape[0]), int(x.shape[1])
     offs = torch.arange(1, experts + 1, dtype=torch.int32, device=x.device) * rows
