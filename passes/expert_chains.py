@@ -64,7 +64,7 @@ def _upstream(n: fx.Node, experts: int) -> set[fx.Node]:
     return out
 
 
-def _between(entries: list[fx.Node], exit_: fx.Node) -> set[fx.Node]:
+def nodes_between(entries: list[fx.Node], exit_: fx.Node) -> set[fx.Node]:
     """The call_function nodes on a path from an entry to the exit (both included)."""
     down, todo = set(), list(entries)
     while todo:
@@ -124,7 +124,7 @@ def _chain(members: list[fx.Node], ups: dict, order: dict) -> BmmChain | None:
         return None
     rows, exit_ = entries[0].args[0], exits[0]
     val = rows.meta.get(K.VAL)
-    inner = _between(entries, exit_)
+    inner = nodes_between(entries, exit_)
     if not set(members) <= inner:
         return None
     experts, n_rows = int(val.shape[0]), int(val.shape[1])

@@ -38,8 +38,8 @@ import torch.fx as fx
 
 from autopar.passes import meta as K
 from autopar.passes.manager import Pass, run_passes
-from autopar.passes.expert_chains import BmmChain, expert_bmm_chains
-from autopar.passes.sharding import ancestors, is_grouped_mm
+from autopar.passes.expert_chains import BmmChain, expert_bmm_chains, nodes_between
+from autopar.passes.sharding import is_grouped_mm
 from autopar.runtime import experts as X
 from autopar.runtime.shard import UnboundGroup
 
@@ -222,15 +222,7 @@ def _dispatch_row_operands(g: fx.Graph, first: fx.Node, last: fx.Node, r: fx.Nod
     the reverse exchange."""
     val = first.args[0].meta.get(K.VAL)
     rows = val.shape[0] if val is not None and val.dim() == 2 else None
-    chain, todo = set(), list(first.users)
-    while todo:   # the ops from the first grouped matmul to the last
-        n = todo.pop()
-        if n in chain or n.op != "call_function":
-            continue
-        chain.add(n)
-        if n is not last:
-            todo.extend(n.users)
-    chain &= ancestors(last)
+    chain = nodes_between([first], last) - {first}   # the ops after the first to the last
     for n in [x for x in g.nodes if x in chain and x is not last]:
         for a in n.all_input_nodes:
             v = a.meta.get(K.VAL)
