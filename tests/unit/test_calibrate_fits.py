@@ -170,17 +170,28 @@ def test_collective_timings_keep_the_rare_long_waits_every_call_pays():
     assert timed_s(fn, torch.device("cpu"), 5, 3) < 0.1e-3
 
 
-def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst():
+def test_a_collective_is_timed_after_a_burst_of_compute_less_the_burst(monkeypatch):
     """Collectives are issued as training issues them, after some compute, and charged only
-    their own part: burst + call less burst alone (a 1 ms call after a 2 ms burst)."""
-    import time
-
+    their own part: burst + call less burst alone. Timed by a counting clock (a wall-clock
+    sleep of 1 ms overshot the bound on a loaded host): each timed call runs the burst, then
+    the collective, in that order, and is charged 3 ms of which the burst alone took 2."""
     import torch
 
-    from autopar.cost.calibrate import _after_compute_s
-    got = _after_compute_s(lambda: time.sleep(0.001), lambda: time.sleep(0.002), 0.002,
-                           torch.device("cpu"), 5, 2)
-    assert 0.8e-3 < got < 1.6e-3
+    import autopar.cost.calibrate as C
+    order, seen = [], {}
+
+    def timed_s(fn, device, calls, repeats, typical=False):
+        seen.update(calls=calls, repeats=repeats, typical=typical)
+        for _ in range(calls):
+            fn()
+        return 3e-3
+    monkeypatch.setattr(C, "timed_s", timed_s)
+    got = C._after_compute_s(lambda: order.append("call"), lambda: order.append("burst"),
+                             2e-3, torch.device("cpu"), 5, 2)
+    assert got == pytest.approx(1e-3)
+    assert order == ["burst", "call"] * 5 and seen == dict(calls=5, repeats=2, typical=True)
+    # a burst timed longer than the pair (noise) leaves a floor, not a negative time
+    assert C._after_compute_s(lambda: None, lambda: None, 4e-3, torch.device("cpu"), 1, 1) > 0
 
 
 def test_a_cpu_gemm_is_timed_cold_with_the_eviction_left_out_of_its_time():
