@@ -120,9 +120,9 @@ def map_reshape(src: tuple[int, ...], dst: tuple[int, ...], lay: Shard, t: int) 
     Size-1 dims are ignored; the remaining dims are grouped into runs of equal products. Inside
     the group holding the split dim, the split is written on the flat index of the group
     (outer product Q, blocks scaled by the inner product P) and read back on the first output
-    dim e that can express it: e outermost with every block divisible by t·P(e), or every block
-    exactly one row of e (then e's own size is split, Q(e) times), or the blocks repeating
-    alike in each of e's Q(e) rows, each divisible by t·P(e).
+    dim e that can express it: e outermost with every block divisible by t·P(e), or the blocks
+    repeating alike in each of e's Q(e) rows, each divisible by t·P(e) (every block exactly
+    one row of e: e's own size is split, Q(e) times).
     """
     d = lay.dim
     si = [i for i, s in enumerate(src) if s != 1]
@@ -158,10 +158,9 @@ def map_reshape(src: tuple[int, ...], dst: tuple[int, ...], lay: Shard, t: int) 
                            whole=whole if lay.whole else (), src=src)
         if lay.whole:
             continue
-        if len(flat) == q_e and all(b == dst[e] * p_e for b in flat) and dst[e] % t == 0:
-            return replace(lay, dim=e, blocks=(dst[e],), src=None)
-        # the blocks tile each of the Q(e) rows of e alike (Llama 4's experts: (E·N, C) rows
-        # of B sequences viewed (E, N, C), each expert's N rows the same B blocks)
+        # the blocks tile each of the Q(e) rows of e alike: one block a row (e's own size
+        # split, Q(e) times), or several (Llama 4's experts: (E·N, C) rows of B sequences
+        # viewed (E, N, C), each expert's N rows the same B blocks)
         n = len(flat) // q_e
         if (len(flat) % q_e == 0 and flat == flat[:n] * q_e and sum(flat[:n]) == dst[e] * p_e
                 and all(b % (t * p_e) == 0 for b in flat[:n])):
