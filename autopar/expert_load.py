@@ -19,7 +19,8 @@ import torch.fx as fx
 
 from autopar.cost.imbalance import ExpertLoad
 from autopar.passes.capture import capture
-from autopar.passes.expert_parallel import _offs, expert_bmm_chains, expert_chains
+from autopar.passes.expert_chains import expert_bmm_chains
+from autopar.passes.expert_parallel import _offs, expert_chains
 
 
 class _Recorder(fx.Interpreter):

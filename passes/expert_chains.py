@@ -128,14 +128,13 @@ def _chain(members: list[fx.Node], ups: dict, order: dict) -> BmmChain | None:
     if not set(members) <= inner:
         return None
     experts, n_rows = int(val.shape[0]), int(val.shape[1])
-    inner = sorted(inner, key=order.__getitem__)
+    within, inner = inner, sorted(inner, key=order.__getitem__)
     operands = []
     for n in inner:
         for a in n.all_input_nodes:
-            if (a not in inner and a is not rows and param_root(a) is None
+            if (a not in within and a is not rows and param_root(a) is None
                     and a not in operands and _batched(a.meta.get(K.VAL), experts, n_rows)):
                 operands.append(a)
-    within = set(inner)
     for n in inner:                  # the chain's values leave only through the exit
         if n is not exit_ and any(u not in within for u in n.users):
             return None

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.cost.profile import (FLASH_TILE, AttentionCall, EagerOps, FusedAttention, Gemm,
                                   LayerKind, ModelProfile, RegionProfile, causal_tile_fraction)
@@ -177,10 +178,8 @@ def _refuse_data_dependent_sizes(gm: torch.fx.GraphModule) -> None:
     """One line for a graph whose sizes depend on the data (JetMoE splits its tokens into one
     linear per expert by the router's counts: rows u0, u1, ...), which no price can count."""
     for n in gm.graph.nodes:
-        val = n.meta.get(K.VAL)
-        for v in val if isinstance(val, (list, tuple)) else (val,):
-            if isinstance(v, torch.Tensor) and any(
-                    isinstance(d, torch.SymInt) and not d.node.has_hint() for d in v.shape):
+        for v in _flat(n.meta.get(K.VAL)):
+            if isinstance(v, torch.Tensor) and free_unbacked_symbols(v):
                 raise ValueError(
                     f"planning: node {n.name} ({n.target}) has a size that depends on the data "
                     f"({list(v.shape)}) at {source_line(n)}: autopar prices and splits layers "

@@ -40,6 +40,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autopar.passes import meta as K
 from autopar.passes.capture import CALL_COUNT, Captured
@@ -595,9 +596,7 @@ def _shapes(val: Any) -> Any:
 def _size(d: Any) -> int | str:
     """A dim's size, or the name of a data-dependent one (JetMoE's rows per expert: an
     unbacked symbol, u0, which no int can stand for)."""
-    if isinstance(d, torch.SymInt) and not d.node.has_hint():
-        return str(d)
-    return int(d)
+    return str(d) if free_unbacked_symbols(d) else int(d)
 
 
 def _is_subsequence(short: tuple, long: tuple) -> bool:
