@@ -54,7 +54,7 @@ from autopar.runtime.regimes import make_regime
 from autopar.runtime.runner import Runner
 from autopar.runtime.shard import DropoutStreams, ParamSplit
 from autopar.saved_program import check_saved_precision, chunk_file_name
-from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, SPLIT_BACKWARD, make_schedule
+from autopar.schedules import FEWER_MICROBATCHES_THAN_RANKS, make_schedule
 
 def _launched_world_size() -> int | None:
     if dist.is_initialized():
@@ -77,11 +77,7 @@ def check_program(plan: Plan, num_layers: int | None = None) -> None:
         raise ValueError(
             f"plan.zero={plan.zero}: ZeRO-{plan.zero} is not supported by the runtime; "
             f"use one of {ZERO_LEVELS}")
-    if plan.zero in (2, 3) and plan.schedule in SPLIT_BACKWARD:
-        raise ValueError(
-            f"plan.zero={plan.zero} with schedule={plan.schedule!r}: sharded weights are not "
-            f"gathered for the deferred weight-gradient halves (W) of a split backward; use "
-            f"zero=0/1 with this schedule, or another schedule for zero={plan.zero}")
+    # ZeRO-2/3 with a split backward: refused by the Plan itself (autopar/rules.py zero_refusal)
     if plan.c > 1 and plan.sequence_parallel and plan.t > 1 \
             and (plan.seq_len // plan.c) % plan.t:
         raise ValueError(

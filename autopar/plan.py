@@ -14,7 +14,7 @@ from autopar.words import BUBBLE_MEANING, bubble_text, layer_range  # noqa: F401
 # what combines with what, and the knobs' values: autopar/rules.py (re-exported here)
 from autopar.rules import (CP_ATTENTION, CP_ATTENTION_PINNED, MULTI_CHUNK, RECOMPUTE, ZERO_LEVELS,  # noqa: F401
                            cp_attention_refusal, expert_degree_refusal, knob_refusal,
-                           recompute_refusal)
+                           recompute_refusal, zero_refusal)
 from autopar.schedules import GROUPED, SCHEDULE_NAMES, check_group
 
 SCHEDULES = SCHEDULE_NAMES
@@ -355,7 +355,8 @@ def _validate_plan(plan: Plan) -> None:
         raise ValueError(f"Plan.{why}")
     if why := cp_attention_refusal(plan.cp_attention, plan.c):
         raise ValueError(f"Plan.{why}")
-    if why := recompute_refusal(plan.recompute, plan.schedule):
+    if why := recompute_refusal(plan.recompute, plan.schedule) or zero_refusal(plan.zero,
+                                                                              plan.schedule):
         raise ValueError(f"Plan.{why}")
     if plan.c > 1 and plan.seq_len % (2 * plan.c):
         raise ValueError(f"Plan.c={plan.c} with seq_len={plan.seq_len}: context parallelism cuts "

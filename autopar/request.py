@@ -16,7 +16,7 @@ from typing import Any
 
 from autopar.rules import (context_split_refusal, cp_attention_refusal, degrees_refusal,
                            expert_degree_refusal, knob_refusal, recompute_refusal,
-                           schedule_refusal)
+                           schedule_refusal, zero_refusal)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +46,8 @@ class Pins:
                 raise ValueError(why)
         # (ep runs with every ZeRO level: ZeRO-2/3 shard the experts over the expert-data group)
         why = (schedule_refusal(self.schedule, self.v, self.microbatch_group)
-               or recompute_refusal(self.recompute, self.schedule))
+               or recompute_refusal(self.recompute, self.schedule)
+               or zero_refusal(self.zero, self.schedule))
         if why is None and self.ep is not None and self.d is not None:
             why = expert_degree_refusal(self.ep, self.c or 1, self.d)
         why = why or cp_attention_refusal(self.cp_attention, self.c)

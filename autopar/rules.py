@@ -102,6 +102,18 @@ def recompute_refusal(recompute: str | None, schedule: str | None) -> str | None
             f"another schedule")
 
 
+def zero_refusal(zero: int | None, schedule: str | None) -> str | None:
+    """ZeRO-2/3 keep the weights sharded between uses and gather them for each forward and
+    backward; a split backward (the zero-bubble schedules) runs a chunk's weight gradients (W)
+    later, apart from its input gradients, and the runtime does not gather the weights again
+    for them. cost/config.py SCHEDULE_TRAITS' zero_levels say the same to the solver."""
+    if zero not in (2, 3) or schedule not in SPLIT_BACKWARD:
+        return None
+    return (f"zero={zero} with schedule={schedule!r}: sharded weights are not gathered for the "
+            f"deferred weight-gradient halves (W) of its split backward; use zero=0 or 1 with "
+            f"this schedule, or another schedule for zero={zero}")
+
+
 def expert_degree_refusal(ep: int, c: int, d: int) -> str | None:
     """ep must divide c·d: the expert-parallel ranks are drawn from the ranks that hold the
     same dense weights (Megatron-Core's rule; the rank math: autopar/runtime/groups.py)."""

@@ -328,7 +328,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
         rows = []
         for si, (schedule, v, group) in enumerate(_schedules(p, m, l, pins, rejected,
                                                              (t, p, d, b))):
-            if d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
+            if c * d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
                 rejected.append(Rejection(
                     {"t": t, "p": p, "d": d, "schedule": schedule, "zero": 3},
                     f"zero=2/3 not offered with {schedule}: its split backward's weight-gradient "
@@ -343,7 +343,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                 continue
             if schedule not in zero_rows:
                 n = len(rejected)
-                zeros = _zero_levels(schedule, t, p, d, pins, rejected)
+                zeros = _zero_levels(schedule, t, p, d, pins, rejected, c)
                 zero_rows[schedule] = zeros, tuple(rejected[n:])
             else:   # the same levels and rejections as the first call's (one per row)
                 zeros, again = zero_rows[schedule]
@@ -372,18 +372,22 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                                  rows=kept_rows, **facts)
 
 
-def _zero_levels(schedule, t, p, d, pins, rejected) -> tuple[tuple[int, int], ...]:
-    """(index, level) of the ZeRO levels a (schedule, d) may run, the others rejected (every
-    level runs with expert parallelism: its experts sharded over the expert-data group)."""
-    zeros = SCHEDULE_TRAITS[schedule].zero_levels if d > 1 else (pins.zero or 0,)
-    if pins.zero is not None and pins.zero not in zeros:
+def _zero_levels(schedule, t, p, d, pins, rejected, c=1) -> tuple[tuple[int, int], ...]:
+    """(index, level) of the ZeRO levels a (schedule, c·d) may run, the others rejected (every
+    level runs with expert parallelism: its experts sharded over the expert-data group). ZeRO
+    shards over the c·d ranks that hold the same weights; with one such rank the levels are
+    alike and only the pinned one (or 0) is planned, still under the schedule's rule."""
+    levels = SCHEDULE_TRAITS[schedule].zero_levels
+    if pins.zero is not None and pins.zero not in levels:
         rejected.append(Rejection(
-            {"t": t, "p": p, "d": d, "schedule": schedule, "zero": pins.zero},
+            {"t": t, "c": c, "p": p, "d": d, "schedule": schedule, "zero": pins.zero},
             f"zero={pins.zero} is not supported with schedule {schedule!r} "
-            f"(supported: {SCHEDULE_TRAITS[schedule].zero_levels})"))
+            f"(supported: {levels})"))
+        return ()
+    zeros = levels if c * d > 1 else (pins.zero or 0,)
     out = []
     for zi, zero in enumerate(zeros):
-        if d > 1 and not pins.allows("zero", zero):
+        if c * d > 1 and not pins.allows("zero", zero):
             continue
         if pins.zero is None and zero not in pins.zero_levels:
             rejected.append(Rejection(

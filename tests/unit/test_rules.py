@@ -20,6 +20,9 @@ def test_the_rules_agree_with_the_cost_models_tables():
     assert set(SCHEDULE_TRAITS) == set(SCHEDULE_NAMES)
     assert set(rules.MULTI_CHUNK) == {s for s, tr in SCHEDULE_TRAITS.items() if tr.multi_chunk}
     assert set(ZERO_TRAITS) == set(rules.ZERO_LEVELS)
+    for schedule, traits in SCHEDULE_TRAITS.items():   # the ZeRO levels a schedule runs
+        assert set(traits.zero_levels) == {z for z in rules.ZERO_LEVELS
+                                           if rules.zero_refusal(z, schedule) is None}
     assert autopar.plan.CP_ATTENTION is rules.CP_ATTENTION   # one tuple, re-exported
     # the hybrid context method: weighed by the free solver like the others
     assert "hybrid" in rules.CP_ATTENTION   # and the hybrid with the ring across, pin-only
@@ -46,6 +49,8 @@ def test_the_cli_pins_the_hybrid():
     (dict(ep=3, c=1, d=4), ["ep=3", "must divide 4"]),
     (dict(c=2, cp_attention="hybrid"), ["cp_attention='hybrid' with c=2", "1 < k < c",
                                         "pin cp_attention='all-to-all'"]),
+    (dict(zero=2, schedule="interleaved-zb"), [
+        "zero=2 with schedule='interleaved-zb'", "weight-gradient halves", "use zero=0 or 1"]),
     (dict(recompute="op", schedule="interleaved-zb"), [
         "recompute='op' with schedule='interleaved-zb'", "run once", "use recompute 'full'"]),
 ])
@@ -122,3 +127,30 @@ def test_op_recompute_is_never_planned_with_a_split_backward():
     with pytest.raises(ValueError, match=r"^Plan.recompute='op' with schedule='interleaved-zb'"):
         dataclasses.replace(make_plan(p=2, v=2, m=2, layers=4, schedule="interleaved-zb"),
                             recompute="op")
+
+
+def test_zero_levels_follow_the_context_ranks_and_the_schedule_rule():
+    """ZeRO shards over the c·d ranks holding the same weights: at c = 2, d = 1 the solver
+    offers every level (it used to plan ZeRO-0 only, reading d), and a pinned zero=2 with the
+    schedule free never comes back with a split backward, which the runtime cannot run (the
+    planner once returned zero=2 with interleaved-zb at c = 2, d = 1; compile refused it)."""
+    from autopar.cost.families import Pins as SolverPins
+    from autopar.cost.families import enumerate_families
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.profile import transformer_profile
+    from autopar.cost.solver import AUTO_SCHEDULES
+    prof = transformer_profile(num_layers=8, hidden=256, heads=4, seq_len=256, vocab=1024)
+    a100 = get_cluster("dgx-a100-80gb")
+    fams, _ = enumerate_families(prof, a100, 4, 32, SolverPins(
+        c=2, d=1, p=2, t=1, schedules=AUTO_SCHEDULES))
+    levels = {(row[1], z) for f in fams for row in f.rows for _, z in row[4]}
+    assert {z for s, z in levels if s == "1f1b"} == {0, 1, 2, 3}
+    assert {z for s, z in levels if s == "interleaved-zb"} == {0, 1}
+    fams, _ = enumerate_families(prof, a100, 4, 32, SolverPins(
+        c=2, d=1, p=2, t=1, zero=2, schedules=AUTO_SCHEDULES))
+    rows = {row[1] for f in fams for row in f.rows}
+    assert "interleaved-zb" not in rows and "1f1b" in rows
+    for c, d in ((1, 1), (2, 1)):     # one replica or two: never zb with a pinned zero=2
+        fams, _ = enumerate_families(prof, a100, 2 * c * d, 32, SolverPins(
+            c=c, d=d, p=2, t=1, zero=3, schedules=AUTO_SCHEDULES))
+        assert fams and not any(row[1] == "interleaved-zb" for f in fams for row in f.rows)
