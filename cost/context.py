@@ -94,7 +94,8 @@ def _region(r: RegionProfile, c: int, kv_heads: int, heads: int, e: int,
         input_bytes=_div(r.input_bytes, c), other_bytes=_div(r.other_bytes, c),
         other_split_bytes=_div(r.other_split_bytes, c),
         tp_allreduce_elems=_div(r.tp_allreduce_elems, c), fused=fused, cp_gather_elems=kv,
-        expert_dispatch_elems=_div(r.expert_dispatch_elems, c))
+        expert_dispatch_elems=_div(r.expert_dispatch_elems, c),
+        expert_sets=tuple((e, p, _div(d, c)) for e, p, d in r.expert_sets))
 
 
 def _fallback(f: TPRegionFallback, c: int) -> TPRegionFallback:

@@ -331,7 +331,7 @@ def expert_comm_s(profile: ModelProfile, cluster: Cluster, cfg: Config) -> tuple
     (`RegionProfile.expert_dispatch_elems`; every tensor rank of a replicated token stream
     sends them for its expert shards), (ep−1)/ep of them leaving it, over the expert group:
     ep ranks at stride t (groups.expert_groups), inside a node when t·ep <= GPUs per node."""
-    elems = profile.block.expert_dispatch_elems
+    elems = profile.block.spread_experts(cfg.ep)[1]   # sets left whole move no tokens
     if cfg.ep <= 1 or not elems:
         return 0.0, 0.0
     inter = group_spans_nodes(cluster, stride=cfg.t, size=cfg.ep, gpus=cfg.gpus)

@@ -94,6 +94,22 @@ def _weigh(values: Sequence[float], w: Sequence[float]) -> int:
     return round(sum(v * x for v, x in zip(values, w)))
 
 
+def _mean_sets(regions: Sequence[RegionProfile], w: Sequence[float]
+               ) -> tuple[tuple[int, int, int], ...]:
+    """The kinds' expert sets weighed like their totals, one per expert count (() where no
+    kind has sets of its own)."""
+    if not any(r.expert_sets for r in regions):
+        return ()
+    acc: dict[int, list[float]] = {}
+    for r, x in zip(regions, w):
+        sets = r.expert_sets or ((r.experts, r.expert_params_elems, r.expert_dispatch_elems),)
+        for e, p, d in sets:
+            if e:
+                a = acc.setdefault(e, [0.0, 0.0])
+                a[0], a[1] = a[0] + p * x, a[1] + d * x
+    return tuple((e, round(p), round(d)) for e, (p, d) in sorted(acc.items()))
+
+
 def _mean_region(regions: Sequence[RegionProfile], w: Sequence[float]) -> RegionProfile:
     gemms, calls, offset = [], [], 0
     for r, x in zip(regions, w):
@@ -137,7 +153,7 @@ def _mean_region(regions: Sequence[RegionProfile], w: Sequence[float]) -> Region
               "other_split_bytes", "tp_allreduce_elems", "cp_gather_elems",
               "expert_params_elems", "expert_dispatch_elems")
     return replace(regions[0], gemms=tuple(gemms), fused=fused, eager=eager,
-                   experts=max(r.experts for r in regions),
+                   experts=max(r.experts for r in regions), expert_sets=_mean_sets(regions, w),
                    **{f: _weigh([getattr(r, f) for r in regions], w) for f in summed})
 
 

@@ -230,8 +230,9 @@ def state_bytes_lower_bound(profile: ModelProfile, cfg: Config) -> float:
                                                 cfg.sequence_parallel and cfg.t > 1, cfg.p)
     experts = 0.0
     if cfg.ep > 1:   # the experts over ep ranks, their ZeRO shards over c·d/ep
-        block_p -= expert_params_elems(profile, cfg.t)
-        experts = per_param(n // cfg.ep) * expert_params_elems(profile, cfg.t, cfg.ep)
+        spread = expert_params_elems(profile, cfg.t, cfg.ep)
+        block_p -= cfg.ep * spread
+        experts = per_param(n // cfg.ep) * spread
     return (per_param(n) * (block_p * profile.num_layers + emb_p + head_p)
             + experts * profile.num_layers) / cfg.p
 

@@ -215,6 +215,20 @@ class RegionProfile:
     expert_params_elems: int = 0
     experts: int = 0
     expert_dispatch_elems: int = 0
+    # the expert weights by their expert count, (experts, params_elems, dispatch_elems), summing
+    # to the two totals above: ep spreads a set only where it divides its experts (a chain of 2
+    # shared experts beside 8 routed stays whole at ep = 4: passes/expert_parallel.py);
+    # (): one set of `experts` (the analytic twin, older profiles)
+    expert_sets: tuple[tuple[int, int, int], ...] = ()
+
+    def spread_experts(self, ep: int) -> tuple[int, int]:
+        """(params, dispatch) elements of the expert sets ep spreads over its ranks: those
+        whose expert count ep divides (all of them at ep = 1); the rest stay whole, as dense
+        weights, and move no tokens."""
+        if not self.expert_sets:
+            return self.expert_params_elems, self.expert_dispatch_elems
+        kept = [(p, d) for e, p, d in self.expert_sets if e % ep == 0]
+        return sum(p for p, _ in kept), sum(d for _, d in kept)
 
     @property
     def fwd_flops(self) -> int:

@@ -121,8 +121,9 @@ def shard_params_elems(profile: ModelProfile, t: int, sp: bool = False,
 def expert_params_elems(profile: ModelProfile, t: int, ep: int = 1) -> float:
     """Expert parameters of one block on one rank: the experts' weights split by t (expert
     tensor parallelism) and spread over ep ranks, E/ep experts each (part of
-    `shard_params_elems`' block term, which counts them at ep = 1)."""
-    return profile.block.expert_params_elems / (t * ep)
+    `shard_params_elems`' block term, which counts them at ep = 1). Only the sets ep spreads
+    (`RegionProfile.spread_experts`): ep · this is what leaves the dense block term."""
+    return profile.block.spread_experts(ep)[0] / (t * ep)
 
 
 def tied_table_elems(profile: ModelProfile, t: int, sp: bool) -> float:
@@ -153,8 +154,7 @@ def rank_params(profile: ModelProfile, cfg: Config) -> RankParams:
                                                 cfg.p)
     # expert parallelism: the rank holds E/ep of the experts (block_e), the dense rest whole
     block_e = expert_params_elems(profile, t, cfg.ep) if cfg.ep > 1 else 0.0
-    if cfg.ep > 1:
-        block_p -= expert_params_elems(profile, t)
+    block_p -= cfg.ep * block_e
     shared = shared_block_elems(profile, t)   # the first stage's set, the last stage's copy
     return RankParams(block=block_p, embedding=emb_p + shared,
                       head=head_p + (shared if cfg.p > 1 else 0.0), experts=block_e,

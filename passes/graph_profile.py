@@ -96,11 +96,12 @@ class _Region:
     eager_other: float = 0.0
     eager_other_split: float = 0.0
     ops: int = 0       # forward aten ops dispatched one by one (not GEMMs, not attention)
-    # a mixture of experts: the experts' 3-D weights (ids), the experts per layer, and the
-    # elements one token dispatch moves per sequence (rows · hidden of each expert chain's input)
-    expert_params: set = field(default_factory=set)
+    # a mixture of experts: the experts' 3-D weights (id -> their expert count), the experts per
+    # layer, and per expert count the elements one token dispatch moves per sequence (rows ·
+    # hidden of each expert chain's input)
+    expert_params: dict = field(default_factory=dict)
     experts: int = 0
-    dispatch: int = 0
+    dispatch: dict = field(default_factory=dict)
 
 
 def sequence_length(captured: Captured, structure: LayerStructure) -> int:
@@ -229,14 +230,15 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
                      act_split_bytes=round(r.eager_act[0]),
                      act_replicated_bytes=round(r.eager_act[1]),
                      act_attention_bytes=round(r.eager_act[2]), fused=fused(r.eager_fused_act))
+    sets = _expert_sets(r)
     return RegionProfile(
         kind=kind, name=kind, gemms=tuple(r.gemms), params_split_elems=split,
         params_replicated_elems=repl, act_split_bytes=round(r.act_split),
         act_replicated_bytes=round(r.act_repl), act_attention_bytes=round(r.act_attn),
         input_bytes=input_bytes, other_bytes=round(r.other), other_split_bytes=round(r.other_split),
         tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager,
-        expert_params_elems=sum(r.params[pid][0] for pid in r.expert_params if pid in r.params),
-        experts=r.experts, expert_dispatch_elems=r.dispatch, eager_ops=r.ops,
+        expert_params_elems=sum(s[1] for s in sets), experts=r.experts,
+        expert_dispatch_elems=sum(s[2] for s in sets), expert_sets=sets, eager_ops=r.ops,
         param_tensors=len(r.params))
 
 
@@ -292,12 +294,21 @@ def _charge_experts(g: GraphFacts, n: torch.fx.Node, gemm: Gemm, r: _Region) -> 
     sequence (grouped: tokens · k; batched: E · tokens): what one all-to-all moves to the
     experts' ranks (and the combine moves back)."""
     w = weight_of(n)
+    experts = int(node_val(w).shape[0]) if w is not None else 0
     if w is not None and w.target in g.params:
-        r.expert_params.add(g.params[w.target][0])
-        r.experts = max(r.experts, int(node_val(w).shape[0]))
+        r.expert_params[g.params[w.target][0]] = experts
+        r.experts = max(r.experts, experts)
     first = (not fed_by_grouped_mm(n)) if is_grouped_mm(n) else n in g.bmm_dispatchers
     if first:
-        r.dispatch += gemm.batch * gemm.m * gemm.k
+        r.dispatch[experts] = r.dispatch.get(experts, 0) + gemm.batch * gemm.m * gemm.k
+
+
+def _expert_sets(r: _Region) -> tuple[tuple[int, int, int], ...]:
+    """(experts, params elems, dispatch elems) per expert count of the region's experts."""
+    counts = sorted(set(r.expert_params.values()) | set(r.dispatch))
+    return tuple((e, sum(r.params[pid][0] for pid, k in r.expert_params.items()
+                         if k == e and pid in r.params), r.dispatch.get(e, 0))
+                 for e in counts)
 
 
 def _charge_params(g: GraphFacts, n: torch.fx.Node, split: Any, r: _Region,

@@ -2,6 +2,8 @@
 (parallelize(moe_imbalance=...), autopar plan --moe-imbalance / --data; issue 32 item 4)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -109,3 +111,40 @@ def test_a_batched_experts_chain_has_one_rows_input_and_one_exit(second_exit):
     (chain,) = chains
     assert chain.rows.name == "x" and chain.experts == 4 and len(chain.bmms) == 2
     assert chain.exit in chain.bmms and not chain.operands
+
+
+def test_expert_sets_that_ep_does_not_divide_stay_whole_and_dense():
+    """Inkling holds 4 routed experts (a grouped matmul) and 2 shared ones (a batched chain).
+    At ep = 4 the pass spreads the routed experts and keeps the shared chain whole on every
+    rank (passes/expert_parallel.py): the profile keeps the two sets apart, so the shared
+    experts are priced as dense weights (in the block, sharded over c·d like them) and move no
+    tokens, while the routed ones are spread; at ep = 2 both sets are spread."""
+    from autopar.cost.exchanges import expert_comm_s
+    from autopar.cost.hardware import get_cluster
+    from autopar.cost.model import Config
+    from autopar.cost.shares import rank_params
+    model = models.build("hf_inkling", seed=0)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    prog = autopar.parallelize(model, 4, example_inputs=(ids,), loss_fn=autopar.cross_entropy,
+                               global_batch_size=8, cluster="dgx-a100-80gb", d=4, ep=4)
+    blk = prog.profile.block
+    layer0 = dict(model.named_parameters())
+    numel = lambda *names: sum(layer0[f"model.layers.0.mlp.{n}"].numel() for n in names)  # noqa
+    routed = numel("experts.gate_up_proj", "experts.down_proj")
+    shared = numel("shared_experts.gate_proj", "shared_experts.up_proj",
+                   "shared_experts.down_proj")
+    assert [(e, p) for e, p, _ in blk.expert_sets] == [(2, shared), (4, routed)]
+    assert all(d > 0 for *_, d in blk.expert_sets)
+    assert blk.spread_experts(1) == (routed + shared, blk.expert_dispatch_elems)
+    assert blk.spread_experts(4) == (routed, blk.expert_sets[1][2])
+    cfg = lambda ep: Config(t=1, p=1, d=4, ep=ep, num_microbatches=1,   # noqa: E731
+                            micro_batch_size=2)
+    dense = rank_params(prog.profile, cfg(1)).block
+    at4, at2 = rank_params(prog.profile, cfg(4)), rank_params(prog.profile, cfg(2))
+    assert at4.experts == routed / 4 and at4.block == dense - routed
+    assert at2.experts == (routed + shared) / 2 and at2.block == dense - routed - shared
+    a100 = get_cluster("dgx-a100-80gb")
+    only_routed = dataclasses.replace(blk, expert_sets=(blk.expert_sets[1],))
+    priced = dataclasses.replace(prog.profile, block=only_routed)
+    assert expert_comm_s(prog.profile, a100, cfg(4)) == expert_comm_s(priced, a100, cfg(4))
+    assert expert_comm_s(prog.profile, a100, cfg(2))[0] > expert_comm_s(priced, a100, cfg(2))[0]
