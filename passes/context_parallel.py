@@ -34,7 +34,8 @@ unflatten) become the local value's sizes (T/c), a view so resized a reshape (a 
 the whole sequence's strides need not be on the rank's part); the tensor-parallel pass's
 sequence-parallel scatter / gather keep the rank's tokens (cut again between its tensor ranks,
 in local order) and its per-row blocks along the sequence ((T,) · B on a (B·T, C) dim) become
-(T/c,) · B.
+(T/c,) · B; a whole operand it cut along the sequence for a sequence-parallel region (a rotary
+table meeting tokens there) is selected at the rank's positions before that cut.
 Attention is the one op that needs the other ranks' tokens: its keys and values are
 all-gathered along the sequence in global order (`context_gather`, Llama 3's method) — under
 grouped-query attention before the head repeat that feeds it (repeat_kv's expand / reshape or
@@ -341,7 +342,23 @@ class _ContextRewrite:
             arg = next((a for a in n.all_input_nodes if self._derives(a, name)), None)
             if arg is None or arg in self.rg.dim:
                 continue
-            n.replace_input_with(arg, self.rg.select(arg, dim, n))
+            chain = self._conversions(arg, name)
+            cut = next((k for k, a in enumerate(chain) if packet(a) in _BLOCKS
+                        and a.args[2] % len(self.rg.full[a.args[0]]) == dim), None)
+            if cut is None:
+                n.replace_input_with(arg, self.rg.select(arg, dim, n))
+                continue
+            # a sequence-parallel region: the tensor-parallel pass cut the whole operand's
+            # tokens between its tensor ranks (DeepSeek's rotary table for the keys' shared
+            # rope part); the rank's positions are selected before that cut, which then cuts
+            # the rank's T/c tokens in local order, as the scatter of its activations does
+            blocks = chain[cut]
+            src = blocks.args[0]
+            blocks.replace_input_with(src, self.rg.select(src, dim, blocks))
+            blocks.args = blocks.args[:3] + ([b // self.rg.c for b in blocks.args[3]],) + \
+                blocks.args[4:]
+            for a in chain[cut:]:
+                self.rg.mark(a, dim)
 
     def reduce_inputs(self, n: fx.Node) -> None:
         """The engine's reduction edges (CP_REDUCE): the rank's summands of a sum over its
@@ -355,6 +372,16 @@ class _ContextRewrite:
             for key in (K.CP_PARTIAL, K.CP_REDUCE, K.CP_SELECT):
                 summed.meta.pop(key, None)
             n.replace_input_with(arg, summed)
+
+    @staticmethod
+    def _conversions(a: fx.Node, name: str) -> list[fx.Node]:
+        """The tensor-parallel pass's conversions between the node `name` and a (which
+        `_derives` from it), first to last."""
+        chain = []
+        while a.name != name:
+            chain.append(a)
+            a = a.args[0]
+        return chain[::-1]
 
     @staticmethod
     def _derives(a: fx.Node, name: str) -> bool:

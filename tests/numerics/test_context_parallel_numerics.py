@@ -164,10 +164,14 @@ def test_checkpoint_saved_under_c2_loads_under_d2_and_back(tmp_path):
 @pytest.mark.timeout(900)
 def test_c2_t2_sequence_parallel_equals_one_device():
     """Each context rank's tokens cut again between its tensor ranks (local order) between
-    the tensor-parallel regions; the K/V all-gather runs on the regathered local tokens."""
+    the tensor-parallel regions; the K/V all-gather runs on the regathered local tokens.
+    DeepSeek-V3 applies the rotary table to the keys' shared rope part inside the
+    sequence-parallel region (a replicated projection): the tensor-parallel pass cuts the
+    whole table's tokens between its ranks, and the context rewrite selects the rank's
+    positions before that cut (it refused the plan at compile, which the planner offered)."""
     check_cases_against_reference({
         n: (n, with_c(make_plan(t=2), 2, sequence_parallel=True))
-        for n in ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox")})
+        for n in ("gpt", "llama_style", "hf_llama", "hf_mistral", "hf_neox", "hf_deepseek_v3")})
 
 
 def test_c2_zero_sharded_weights_equal_one_device():
