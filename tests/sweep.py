@@ -9,7 +9,8 @@ planned with `parallelize` (a refusal must be one line: ValueError), its plan tr
 by the Runner, and the losses and `full_state_dict()` compared with the same model trained on
 one device (SGD with momentum; weights at rtol 1e-4 / atol 1e-5 by the suite's
 reference.weight_mismatches; `--precision bf16`: against a bf16 run on
-one device by the updates' scale and median error, as tests/programs.py checks bf16).
+one device by the updates' scale and median error, as tests/programs.py checks bf16;
+`--clip 0.05`: the gradient norm clipped, on one device too, where it is active).
 `reshard`: train 2 steps under one random plan (1–8 ranks), save a checkpoint (sync or async
 at random), load it under another random plan, train a third step; the losses and weights
 against 3 steps on one device (the momentum buffers travel through the checkpoint).
@@ -70,10 +71,12 @@ def plan_for(name: str, world: int, B: int, plan: Plan | None = None, **pins):
                                cluster="local-cpu", plan=plan, **pins)
 
 
-def runner_of(name: str, world: int, plan_dict: dict, B: int, precision: str = "fp32"):
-    plan = Plan.from_dict(plan_dict)
-    return plan_for(name, world, B, plan).compile(optimizer=sgd, timeout_s=60,
-                                                  precision=precision), plan
+def runner_of(name: str, world: int, plan_dict: dict, B: int, opts: dict | None = None):
+    """The Runner of a plan; opts: the run's `precision` and `max_grad_norm` (clipping)."""
+    plan, opts = Plan.from_dict(plan_dict), opts or {}
+    return plan_for(name, world, B, plan).compile(
+        optimizer=sgd, timeout_s=60, precision=opts.get("precision", "fp32"),
+        max_grad_norm=opts.get("max_grad_norm")), plan
 
 
 def train_steps(runner, plan: Plan, B: int, batches: list) -> list[float]:
@@ -97,12 +100,17 @@ def describe(p: Plan) -> str:
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2.0 ** -7}
 
 
-def mismatches(name: str, B: int, losses: list[float], state: dict, precision: str = "fp32",
+def mismatches(name: str, B: int, losses: list[float], state: dict, opts: dict | None = None,
                split: bool = False) -> list[str]:
-    """What differs from STEPS steps of `name` on one device (in the same precision); split:
-    the plan splits matmuls (t or c > 1: no median check in bf16)."""
-    ref = train(build(name), data(B), sgd, loss_fn=autopar.cross_entropy, precision=precision)
-    bad = []
+    """What differs from STEPS steps of `name` on one device (the same precision and
+    clipping: runner_of's opts); split: the plan splits matmuls (t or c > 1: no median check
+    in bf16)."""
+    opts = opts or {}
+    precision, clip = opts.get("precision", "fp32"), opts.get("max_grad_norm")
+    ref = train(build(name), data(B), sgd, loss_fn=autopar.cross_entropy, precision=precision,
+                max_grad_norm=clip)
+    bad = [] if clip is None or min(ref.grad_norms) > 2 * clip else [
+        f"clipping inactive: gradient norms {ref.grad_norms}"]
     if not torch.allclose(torch.tensor(losses), torch.tensor(ref.losses),
                           rtol=LOSS_RTOL[precision], atol=1e-5 if precision == "fp32" else 0):
         bad.append(f"losses {losses} vs {ref.losses}")
@@ -132,8 +140,8 @@ def planned(name: str, world: int, B: int, pins: dict):
 
 # ---- pins -----------------------------------------------------------------------------------
 
-def pins_rank(rank: int, world: int, name: str, plan_dict: dict, B: int, precision: str):
-    runner, plan = runner_of(name, world, plan_dict, B, precision)
+def pins_rank(rank: int, world: int, name: str, plan_dict: dict, B: int, opts: dict):
+    runner, plan = runner_of(name, world, plan_dict, B, opts)
     return train_steps(runner, plan, B, data(B)), runner.full_state_dict()
 
 
@@ -163,15 +171,15 @@ def random_pins(rng: random.Random, name: str, world: int) -> tuple[dict, int]:
 
 
 def pins_case(name: str, world: int, pins: dict, B: int,
-              precision: str = "fp32") -> tuple[str, str]:
+              opts: dict | None = None) -> tuple[str, str]:
     plan, refused = planned(name, world, B, pins)
     if refused:
         return refused
     try:
-        res = spawn(pins_rank, world, name, plan.to_dict(), B, precision, timeout_s=300)
+        res = spawn(pins_rank, world, name, plan.to_dict(), B, opts or {}, timeout_s=300)
     except Exception as e:   # noqa: BLE001
         return "RUNFAIL", describe(plan) + " :: " + str(e)[-1500:]
-    bad = mismatches(name, B, res[0][0], res[0][1], precision, plan.t * plan.c > 1)
+    bad = mismatches(name, B, res[0][0], res[0][1], opts, plan.t * plan.c > 1)
     bad += [f"rank {r} losses" for r, (losses, _) in enumerate(res) if losses != res[0][0]]
     return ("MISMATCH", describe(plan) + " :: " + "; ".join(bad[:6])) if bad else \
         ("ok", describe(plan))
@@ -223,6 +231,9 @@ def main() -> int:
     ap.add_argument("--models", default=PINS_MODELS)
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="pins: the Runner's precision, against one device in the same")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="pins: clip the gradient norm at this (e.g. 0.05: active on these "
+                         "models), as one device does")
     args = ap.parse_args()
     rng, names = random.Random(args.seed), args.models.split(",")
     for i in range(args.cases):
@@ -230,7 +241,8 @@ def main() -> int:
         if args.kind == "pins":
             world = rng.choice([4, 4, 8])
             pins, B = random_pins(rng, name, world)
-            status, info = pins_case(name, world, pins, B, args.precision)
+            status, info = pins_case(name, world, pins, B, dict(
+                precision=args.precision, max_grad_norm=args.clip))
             case = dict(world=world, B=B, pins=pins)
         else:
             wa, wb = rng.choice([1, 2, 4, 4, 8]), rng.choice([1, 2, 4, 4, 8])
