@@ -12,7 +12,8 @@ each compiling its program, so the rank start-up is paid once per schedule:
            load weights only (the saved weights, the step count and optimizer left as they
            are).
 Sharded weights (zero 2, 3) are not gathered for a split backward's deferred W halves
-(autopar.compile.check_program): interleaved-zb runs zero 0 and 1 only, as the solver.
+(autopar/rules.py zero_refusal, which the Plan applies): interleaved-zb runs zero 0 and 1
+only, as the solver.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _plans(schedule: str) -> list:
     base = make_plan(p=2, d=2, v=v, b=1, m=2, schedule=schedule, layers=4)  # global batch 4
     plans = []
     for zero in (0, 1, 2, 3):
-        plan = with_zero(base, zero)
         try:
+            plan = with_zero(base, zero)    # the Plan refuses what the runtime cannot run
             check_program(plan)
         except ValueError:          # a combination the runtime (and so the solver) excludes
             continue
