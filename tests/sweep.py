@@ -9,8 +9,9 @@ planned with `parallelize` (a refusal must be one line: ValueError), its plan tr
 by the Runner, and the losses and `full_state_dict()` compared with the same model trained on
 one device (SGD with momentum; weights at rtol 1e-4 / atol 1e-5 by the suite's
 reference.weight_mismatches; `--precision bf16`: against a bf16 run on
-one device by the updates' scale and median error, as tests/programs.py checks bf16;
-`--clip 0.05`: the gradient norm clipped, on one device too, where it is active).
+one device by the updates' scale and median error, as tests/programs.py checks bf16, and
+`fp16` with its loss scaling the same way; `--clip 0.05`: the gradient norm clipped, on one
+device too, where it is active; both apply to `reshard` too).
 `reshard`: train 2 steps under one random plan (1–8 ranks), save a checkpoint (sync or async
 at random), load it under another random plan, train a third step; the losses and weights
 against 3 steps on one device (the momentum buffers travel through the checkpoint).
@@ -97,14 +98,14 @@ def describe(p: Plan) -> str:
 # expert choice from the second step on; at lr 0.5 Mixtral at p = 4 measured 0.9949), and the
 # median tensor's update within 1.4% where no matmul is split. A wrong scale or a missing
 # gradient moves these; bf16 rounding in another summation order does not.
-LOSS_RTOL = {"fp32": 1e-4, "bf16": 2.0 ** -7}
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2.0 ** -7, "fp16": 2.0 ** -9}
 
 
 def mismatches(name: str, B: int, losses: list[float], state: dict, opts: dict | None = None,
                split: bool = False) -> list[str]:
     """What differs from STEPS steps of `name` on one device (the same precision and
     clipping: runner_of's opts); split: the plan splits matmuls (t or c > 1: no median check
-    in bf16)."""
+    in 16 bits)."""
     opts = opts or {}
     precision, clip = opts.get("precision", "fp32"), opts.get("max_grad_norm")
     ref = train(build(name), data(B), sgd, loss_fn=autopar.cross_entropy, precision=precision,
@@ -115,7 +116,7 @@ def mismatches(name: str, B: int, losses: list[float], state: dict, opts: dict |
                           rtol=LOSS_RTOL[precision], atol=1e-5 if precision == "fp32" else 0):
         bad.append(f"losses {losses} vs {ref.losses}")
     bad += [f"missing {k}" for k in ref.state if k not in state]
-    if bad or precision == "bf16":
+    if bad or precision != "fp32":
         init = build(name).state_dict()
         scale, median = (update_scale(state, ref.state, init),
                          median_update_error(state, ref.state, init))
@@ -187,8 +188,9 @@ def pins_case(name: str, world: int, pins: dict, B: int,
 
 # ---- reshard --------------------------------------------------------------------------------
 
-def save_rank(rank: int, world: int, name: str, plan_dict: dict, path: str, async_save: bool):
-    runner, plan = runner_of(name, world, plan_dict, RESHARD_B)
+def save_rank(rank: int, world: int, name: str, plan_dict: dict, path: str, async_save: bool,
+              opts: dict):
+    runner, plan = runner_of(name, world, plan_dict, RESHARD_B, opts)
     losses = train_steps(runner, plan, RESHARD_B, data(RESHARD_B)[:2])
     runner.save_checkpoint(path, async_save=async_save)
     runner.wait_for_checkpoint()
@@ -196,15 +198,15 @@ def save_rank(rank: int, world: int, name: str, plan_dict: dict, path: str, asyn
     return losses
 
 
-def load_rank(rank: int, world: int, name: str, plan_dict: dict, path: str):
-    runner, plan = runner_of(name, world, plan_dict, RESHARD_B)
+def load_rank(rank: int, world: int, name: str, plan_dict: dict, path: str, opts: dict):
+    runner, plan = runner_of(name, world, plan_dict, RESHARD_B, opts)
     step = runner.load_checkpoint(path)
     return step, train_steps(runner, plan, RESHARD_B, data(RESHARD_B)[2:]), \
         runner.full_state_dict()
 
 
-def reshard_case(name: str, wa: int, pa: dict, wb: int, pb: dict,
-                 async_save: bool) -> tuple[str, str]:
+def reshard_case(name: str, wa: int, pa: dict, wb: int, pb: dict, async_save: bool,
+                 opts: dict | None = None) -> tuple[str, str]:
     (a, refused_a), (b, refused_b) = (planned(name, wa, RESHARD_B, pa),
                                       planned(name, wb, RESHARD_B, pb))
     if refused_a or refused_b:
@@ -213,13 +215,13 @@ def reshard_case(name: str, wa: int, pa: dict, wb: int, pb: dict,
     with tempfile.TemporaryDirectory() as tmp:
         try:
             first = spawn(save_rank, wa, name, a.to_dict(), tmp + "/ck", async_save,
-                          timeout_s=300)
+                          opts or {}, timeout_s=300)
             step, later, state = spawn(load_rank, wb, name, b.to_dict(), tmp + "/ck",
-                                       timeout_s=300)[0]
+                                       opts or {}, timeout_s=300)[0]
         except Exception as e:   # noqa: BLE001
             return "RUNFAIL", info + " :: " + str(e)[-1500:]
     bad = ([f"loaded step {step}"] if step != 2 else []) + mismatches(
-        name, RESHARD_B, first[0] + later, state)
+        name, RESHARD_B, first[0] + later, state, opts, a.t * a.c > 1 or b.t * b.c > 1)
     return ("MISMATCH", info + " :: " + "; ".join(bad[:6])) if bad else ("ok", info)
 
 
@@ -229,27 +231,27 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--cases", type=int, default=50)
     ap.add_argument("--models", default=PINS_MODELS)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="pins: the Runner's precision, against one device in the same")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                    help="the Runner's precision, against one device in the same")
     ap.add_argument("--clip", type=float, default=None,
-                    help="pins: clip the gradient norm at this (e.g. 0.05: active on these "
-                         "models), as one device does")
+                    help="clip the gradient norm at this (e.g. 0.05: active on these models), "
+                         "as one device does")
     args = ap.parse_args()
     rng, names = random.Random(args.seed), args.models.split(",")
+    opts = dict(precision=args.precision, max_grad_norm=args.clip)
     for i in range(args.cases):
         name, t0 = rng.choice(names), time.time()
         if args.kind == "pins":
             world = rng.choice([4, 4, 8])
             pins, B = random_pins(rng, name, world)
-            status, info = pins_case(name, world, pins, B, dict(
-                precision=args.precision, max_grad_norm=args.clip))
+            status, info = pins_case(name, world, pins, B, opts)
             case = dict(world=world, B=B, pins=pins)
         else:
             wa, wb = rng.choice([1, 2, 4, 4, 8]), rng.choice([1, 2, 4, 4, 8])
             pa, pb = (random_pins(rng, name, w)[0] for w in (wa, wb))
             for p in (pa, pb):
                 p.pop("micro_batch_size", None)
-            status, info = reshard_case(name, wa, pa, wb, pb, rng.random() < 0.5)
+            status, info = reshard_case(name, wa, pa, wb, pb, rng.random() < 0.5, opts)
             case = dict(wa=wa, pa=pa, wb=wb, pb=pb)
         print(json.dumps(dict(i=i, name=name, **case, status=status, info=info,
                               s=round(time.time() - t0, 1))), flush=True)
