@@ -330,7 +330,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                                                              (t, p, d, b))):
             if c * d > 1 and pins.zero is None and 3 not in SCHEDULE_TRAITS[schedule].zero_levels:
                 rejected.append(Rejection(
-                    {"t": t, "p": p, "d": d, "schedule": schedule, "zero": 3},
+                    {"t": t, "c": c, "p": p, "d": d, "schedule": schedule, "zero": 3},
                     f"zero=2/3 not offered with {schedule}: its split backward's weight-gradient "
                     f"halves would need the sharded weights gathered again"))
             if not recs:
@@ -343,7 +343,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                 continue
             if schedule not in zero_rows:
                 n = len(rejected)
-                zeros = _zero_levels(schedule, t, p, d, pins, rejected, c)
+                zeros = _zero_levels(schedule, t, c, p, d, pins, rejected)
                 zero_rows[schedule] = zeros, tuple(rejected[n:])
             else:   # the same levels and rejections as the first call's (one per row)
                 zeros, again = zero_rows[schedule]
@@ -372,7 +372,7 @@ def _inner_families(profile, t, p, d, global_batch, pins, rejected, c, ep,
                                  rows=kept_rows, **facts)
 
 
-def _zero_levels(schedule, t, p, d, pins, rejected, c=1) -> tuple[tuple[int, int], ...]:
+def _zero_levels(schedule, t, c, p, d, pins, rejected) -> tuple[tuple[int, int], ...]:
     """(index, level) of the ZeRO levels a (schedule, c·d) may run, the others rejected (every
     level runs with expert parallelism: its experts sharded over the expert-data group). ZeRO
     shards over the c·d ranks that hold the same weights; with one such rank the levels are

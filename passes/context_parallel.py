@@ -355,8 +355,7 @@ class _ContextRewrite:
             blocks = chain[cut]
             src = blocks.args[0]
             blocks.replace_input_with(src, self.rg.select(src, dim, blocks))
-            blocks.args = blocks.args[:3] + ([b // self.rg.c for b in blocks.args[3]],) + \
-                blocks.args[4:]
+            self._local_blocks(blocks)
             for a in chain[cut:]:
                 self.rg.mark(a, dim)
 
@@ -372,6 +371,11 @@ class _ContextRewrite:
             for key in (K.CP_PARTIAL, K.CP_REDUCE, K.CP_SELECT):
                 summed.meta.pop(key, None)
             n.replace_input_with(arg, summed)
+
+    def _local_blocks(self, n: fx.Node) -> None:
+        """A tensor-parallel cut along the sequence (x, group, dim, blocks, ...) of the rank's
+        tokens: its blocks of T become T/c."""
+        n.args = n.args[:3] + ([b // self.rg.c for b in n.args[3]],) + n.args[4:]
 
     @staticmethod
     def _conversions(a: fx.Node, name: str) -> list[fx.Node]:
@@ -435,7 +439,7 @@ class _ContextRewrite:
         if op in _BLOCKS:
             x = n.args[0]
             if x in self.rg.dim and n.args[2] % len(self.rg.full[x]) == self.rg.dim[x]:
-                n.args = n.args[:3] + ([b // self.rg.c for b in n.args[3]],) + n.args[4:]
+                self._local_blocks(n)
             return
         if d is None or op not in _SIZED | _FACTORIES:
             return

@@ -96,11 +96,10 @@ class _Region:
     eager_other: float = 0.0
     eager_other_split: float = 0.0
     ops: int = 0       # forward aten ops dispatched one by one (not GEMMs, not attention)
-    # a mixture of experts: the experts' 3-D weights (id -> their expert count), the experts per
-    # layer, and per expert count the elements one token dispatch moves per sequence (rows ·
-    # hidden of each expert chain's input)
+    # a mixture of experts: the experts' 3-D weights (id -> their expert count; the most is the
+    # experts per layer), and per expert count the elements one token dispatch moves per
+    # sequence (rows · hidden of each expert chain's input)
     expert_params: dict = field(default_factory=dict)
-    experts: int = 0
     dispatch: dict = field(default_factory=dict)
 
 
@@ -237,7 +236,8 @@ def _finish(kind: str, r: _Region, input_bytes: int) -> RegionProfile:
         act_replicated_bytes=round(r.act_repl), act_attention_bytes=round(r.act_attn),
         input_bytes=input_bytes, other_bytes=round(r.other), other_split_bytes=round(r.other_split),
         tp_allreduce_elems=r.allreduce, fused=fused(r.fused_act), eager=eager,
-        expert_params_elems=sum(s[1] for s in sets), experts=r.experts,
+        expert_params_elems=sum(s[1] for s in sets),
+        experts=max(r.expert_params.values(), default=0),
         expert_dispatch_elems=sum(s[2] for s in sets), expert_sets=sets, eager_ops=r.ops,
         param_tensors=len(r.params))
 
@@ -297,7 +297,6 @@ def _charge_experts(g: GraphFacts, n: torch.fx.Node, gemm: Gemm, r: _Region) -> 
     experts = int(node_val(w).shape[0]) if w is not None else 0
     if w is not None and w.target in g.params:
         r.expert_params[g.params[w.target][0]] = experts
-        r.experts = max(r.experts, experts)
     first = (not fed_by_grouped_mm(n)) if is_grouped_mm(n) else n in g.bmm_dispatchers
     if first:
         r.dispatch[experts] = r.dispatch.get(experts, 0) + gemm.batch * gemm.m * gemm.k
